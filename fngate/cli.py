@@ -1,0 +1,89 @@
+"""The `fngate` console script. Gateway and runner are imported only inside their subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from fngate.manifest import ManifestError, load_manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fngate", description="Serve ML models as serverless functions.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", help="run a whole deployment on this machine (Redis, gateway, runners)")
+    up.add_argument("--repo", default="functions", help="repository folder (default: ./functions)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
+    up.add_argument("--runners", type=int, default=1, help="runner processes (default 1)")
+    up.add_argument("--gateway-workers", type=int, default=1, help="gateway processes (default 1)")
+    up.add_argument("--log-level", default="INFO")
+
+    gateway = commands.add_parser(
+        "gateway", help="run one gateway (settings from flags or FNGATE_* variables)"
+    )
+    gateway.add_argument("--repo")
+    gateway.add_argument("--redis", metavar="URL")
+    gateway.add_argument("--host")
+    gateway.add_argument("--port", type=int)
+    gateway.add_argument("--workers", type=int)
+
+    runner = commands.add_parser("runner", help="run one runner (settings from flags or FNGATE_* variables)")
+    runner.add_argument("--repo")
+    runner.add_argument("--redis", metavar="URL")
+    runner.add_argument("--pool")
+    runner.add_argument("--functions", nargs="+", metavar="NAME", help="serve only these functions")
+
+    validate = commands.add_parser("validate", help="check function manifests; print every problem")
+    validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
+
+    args = parser.parse_args(argv)
+    if args.command == "validate":
+        return _validate(args.files)
+    if args.command == "up":
+        from fngate.local import run_local
+
+        return run_local(args)
+    if args.command == "gateway":
+        from fngate.config import GatewaySettings
+        from gateway.__main__ import main as gateway_main
+
+        overrides = _overrides(
+            args, redis_url="redis", repo="repo", host="host", port="port", workers="workers"
+        )
+        return gateway_main(GatewaySettings(**overrides))  # type: ignore[arg-type]
+    if args.command == "runner":
+        from fngate.config import RunnerSettings
+        from runner.__main__ import main as runner_main
+
+        overrides = _overrides(args, redis_url="redis", repo="repo", pool="pool", functions="functions")
+        return runner_main(RunnerSettings(**overrides))  # type: ignore[arg-type]
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:
+    """Settings fields given on the command line; the rest come from FNGATE_* variables."""
+    return {field: getattr(args, flag) for field, flag in fields.items() if getattr(args, flag) is not None}
+
+
+def _validate(files: Sequence[Path]) -> int:
+    failed = 0
+    for path in files:
+        try:
+            manifest = load_manifest(path)
+        except ManifestError as exc:
+            failed += 1
+            for line in exc.lines():
+                print(line, file=sys.stderr)
+        else:
+            print(f"{path}: ok ({manifest.name}, {manifest.model.backend})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Process settings for gateway and runner: frozen, read once from `FNGATE_*` variables or flags."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "FNGATE_"
+
+
+class _Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    repo: str = "functions"
+    log_level: str = "INFO"
+
+
+class GatewaySettings(_Settings):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    bind: str = ""
+    """A Hypercorn bind (`fd://3`, `unix:/path`); overrides host and port when set."""
+    workers: Annotated[int, Field(ge=1)] = 1
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
+    catalog_refresh_s: Annotated[float, Field(gt=0)] = 2.0
+    retry_after_s: Annotated[int, Field(ge=1)] = 1
+
+
+class RunnerSettings(_Settings):
+    functions: tuple[str, ...] = ()
+    """Functions to serve; empty serves every function in the repository (refreshed every rescan_s)."""
+    pool: str = "default"
+    intra_op_threads: Annotated[int, Field(ge=0)] = 1
+    claim_idle_ms: Annotated[int, Field(ge=10)] = 2000
+    claim_interval_ms: Annotated[int, Field(ge=10)] = 500
+    max_deliveries: Annotated[int, Field(ge=1)] = 3
+    drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    rescan_s: Annotated[float, Field(gt=0)] = 2.0
+    read_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
+    reply_maxlen: Annotated[int, Field(ge=100)] = 100_000
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """`FNGATE_*` variables that no settings class knows: a typo there must stop startup."""
+    env = os.environ if environ is None else environ
+    known = {
+        ENV_PREFIX + name.upper() for cls in (GatewaySettings, RunnerSettings) for name in cls.model_fields
+    }
+    return sorted(key for key in env if key.upper().startswith(ENV_PREFIX) and key.upper() not in known)

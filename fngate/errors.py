@@ -1,0 +1,81 @@
+"""The one error vocabulary shared by gateway, runner and CLI.
+
+FunctionError (base; carries an ErrorCode)
+├── InvalidArgument    invalid_argument   the request or manifest is wrong
+├── FunctionNotFound   not_found          no such function, version or output
+├── Overloaded         overloaded         the queue is full; retry later
+├── Unavailable        unavailable        a dependency (Redis, repository, runner) is not there
+├── DeadlineExceeded   deadline_exceeded  the invocation's deadline passed
+├── ModelFailed        model_failed       the backend raised while running a batch
+└── Internal           internal           a bug
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    OVERLOADED = "overloaded"
+    UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    MODEL_FAILED = "model_failed"
+    INTERNAL = "internal"
+
+
+class FunctionError(Exception):
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    @staticmethod
+    def from_code(code: str, message: str) -> FunctionError:
+        """Rebuild the error named by a wire `{code, message}` pair."""
+        cls = _BY_CODE.get(code, Internal)
+        return cls(message)
+
+
+class InvalidArgument(FunctionError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class FunctionNotFound(FunctionError):
+    code = ErrorCode.NOT_FOUND
+
+
+class Overloaded(FunctionError):
+    code = ErrorCode.OVERLOADED
+
+
+class Unavailable(FunctionError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class DeadlineExceeded(FunctionError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class ModelFailed(FunctionError):
+    code = ErrorCode.MODEL_FAILED
+
+
+class Internal(FunctionError):
+    code = ErrorCode.INTERNAL
+
+
+_BY_CODE: dict[str, type[FunctionError]] = {
+    cls.code.value: cls
+    for cls in (
+        InvalidArgument,
+        FunctionNotFound,
+        Overloaded,
+        Unavailable,
+        DeadlineExceeded,
+        ModelFailed,
+        Internal,
+    )
+}

@@ -1,0 +1,130 @@
+"""Invocation and Reply records and their Redis stream-entry encoding.
+
+An entry has two fields: `h`, a JSON header, and `b`, the tensors' raw bytes back to back in the
+V2 binary layout. The header lists each tensor as [name, datatype, shape, byte length].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from fngate.errors import FunctionError, InvalidArgument
+from fngate.tensors import datatype_of, from_bytes, to_bytes
+
+WIRE_VERSION = 1
+Tensors = dict[str, np.ndarray[Any, Any]]
+Fields = dict[Any, Any]
+"""Stream-entry fields: bytes keys on the way in, and what redis-py's xadd accepts on the way out."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Invocation:
+    id: str
+    function: str
+    version: str
+    reply_to: str
+    deadline_ms: int
+    inputs: Tensors
+    outputs: tuple[str, ...] | None = None
+    traceparent: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise InvalidArgument("an invocation needs at least one input")
+
+    @property
+    def rows(self) -> int:
+        return int(next(iter(self.inputs.values())).shape[0])
+
+    def encode(self) -> Fields:
+        header = {
+            "v": WIRE_VERSION,
+            "id": self.id,
+            "fn": self.function,
+            "ver": self.version,
+            "reply": self.reply_to,
+            "deadline_ms": self.deadline_ms,
+            "out": self.outputs,
+            "tp": self.traceparent,
+        }
+        return _encode(header, self.inputs)
+
+    @classmethod
+    def decode(cls, fields: Mapping[Any, bytes]) -> Invocation:
+        header, tensors = _decode(fields)
+        outputs = header.get("out")
+        return cls(
+            id=header["id"],
+            function=header["fn"],
+            version=header["ver"],
+            reply_to=header["reply"],
+            deadline_ms=header["deadline_ms"],
+            inputs=tensors,
+            outputs=tuple(outputs) if outputs is not None else None,
+            traceparent=header.get("tp"),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    id: str
+    version: str
+    outputs: Tensors = dataclasses.field(default_factory=dict)
+    error: FunctionError | None = None
+    batch_id: str = ""
+    batch_size: int = 0
+
+    def encode(self) -> Fields:
+        header: dict[str, Any] = {
+            "v": WIRE_VERSION,
+            "id": self.id,
+            "ver": self.version,
+            "batch": self.batch_id,
+            "bsize": self.batch_size,
+        }
+        if self.error is not None:
+            header["code"] = self.error.code.value
+            header["msg"] = self.error.message
+        return _encode(header, self.outputs)
+
+    @classmethod
+    def decode(cls, fields: Mapping[Any, bytes]) -> Reply:
+        header, tensors = _decode(fields)
+        code = header.get("code")
+        return cls(
+            id=header["id"],
+            version=header["ver"],
+            outputs=tensors,
+            error=FunctionError.from_code(code, header.get("msg", "")) if code else None,
+            batch_id=header.get("batch", ""),
+            batch_size=header.get("bsize", 0),
+        )
+
+
+def _encode(header: dict[str, Any], tensors: Tensors) -> Fields:
+    specs = []
+    buffers = []
+    for name, array in tensors.items():
+        raw = to_bytes(array)
+        specs.append([name, datatype_of(array), list(array.shape), len(raw)])
+        buffers.append(raw)
+    header["t"] = specs
+    return {b"h": orjson.dumps(header), b"b": b"".join(buffers)}
+
+
+def _decode(fields: Mapping[Any, bytes]) -> tuple[dict[str, Any], Tensors]:
+    header = orjson.loads(fields[b"h"])
+    if header.get("v") != WIRE_VERSION:
+        raise InvalidArgument(f"wire version {header.get('v')} is not {WIRE_VERSION}")
+    body = memoryview(fields.get(b"b", b""))
+    tensors: Tensors = {}
+    offset = 0
+    for name, datatype, shape, size in header["t"]:
+        tensors[name] = from_bytes(datatype, shape, body[offset : offset + size], name)
+        offset += size
+    return header, tensors

@@ -1,0 +1,94 @@
+"""create_app(settings): routes, error handler and lifespan. The composition root of the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from fngate import keys
+from fngate.config import GatewaySettings
+from fngate.errors import FunctionError
+from fngate.repository import open_repository
+from gateway import endpoints
+from gateway.catalog import Catalog
+from gateway.dispatch import Dispatcher
+from gateway.http_errors import handle_function_error
+from gateway.replies import ReplyRouter
+
+log = logging.getLogger(__name__)
+
+ROUTES = [
+    Route("/v2/health/live", endpoints.live),
+    Route("/v2/health/ready", endpoints.ready),
+    Route("/v2", endpoints.server_metadata),
+    Route("/v2/", endpoints.server_metadata),
+    Route("/v2/models/{name}", endpoints.model_metadata),
+    Route("/v2/models/{name}/versions/{version}", endpoints.model_metadata),
+    Route("/v2/models/{name}/ready", endpoints.model_ready),
+    Route("/v2/models/{name}/versions/{version}/ready", endpoints.model_ready),
+    Route("/v2/models/{name}/infer", endpoints.infer_v2, methods=["POST"]),
+    Route("/v2/models/{name}/versions/{version}/infer", endpoints.infer_v2, methods=["POST"]),
+    Route("/v1/functions", endpoints.list_functions),
+    Route("/v1/functions/{name}", endpoints.invoke_v1, methods=["POST"]),
+]
+
+
+def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None) -> Starlette:
+    """The gateway app. `stopping` is set if a background loop dies, so the server can shut down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, endpoints.Services]]:
+        gateway_id = uuid.uuid4().hex[:12]
+        redis = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
+        reader = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
+        catalog = Catalog(open_repository(settings.repo))
+        replies = ReplyRouter(reader, keys.replies(gateway_id), settings.reply_block_ms)
+        async with redis, reader:
+            await redis.ping()
+            await catalog.refresh()
+            log.info(
+                "gateway %s serving %d functions from %s", gateway_id, len(catalog.functions), settings.repo
+            )
+            async with asyncio.TaskGroup() as tasks:
+                loops = [
+                    tasks.create_task(_guard(replies.run(), "reply loop", stopping)),
+                    tasks.create_task(
+                        _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
+                    ),
+                ]
+                try:
+                    yield {
+                        "services": endpoints.Services(
+                            catalog, Dispatcher(redis, replies), settings.max_body_bytes
+                        )
+                    }
+                finally:
+                    for loop in loops:
+                        loop.cancel()
+            with contextlib.suppress(Exception):
+                await redis.delete(replies.stream)
+
+    app = Starlette(
+        routes=ROUTES, lifespan=lifespan, exception_handlers={FunctionError: handle_function_error}
+    )
+    app.state.retry_after_s = settings.retry_after_s
+    return app
+
+
+async def _guard(loop: object, name: str, stopping: asyncio.Event | None) -> None:
+    """Run a background loop; if it dies, log it and ask the server to stop rather than limp on."""
+    try:
+        await loop  # type: ignore[misc]
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        log.exception("%s died; stopping the gateway", name)
+        if stopping is not None:
+            stopping.set()

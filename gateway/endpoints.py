@@ -1,0 +1,127 @@
+"""Thin HTTP handlers: parse the request, call one service, render the answer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+import fngate
+from fngate.manifest import FunctionManifest
+from fngate.repository import FunctionVersion
+from gateway.catalog import Catalog
+from gateway.dispatch import Dispatcher
+from gateway.http_errors import PayloadTooLarge
+from gateway.protocol import HEADER_LENGTH, parse_v1, parse_v2, render_v1, render_v2
+from gateway.rendering import json_response
+
+EXTENSIONS = ["binary_tensor_data"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Services:
+    """What the lifespan opened, handed to every request as `request.state.services`."""
+
+    catalog: Catalog
+    dispatcher: Dispatcher
+    max_body_bytes: int
+
+
+def services(request: Request) -> Services:
+    found: Services = request.state.services
+    return found
+
+
+async def live(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def ready(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def server_metadata(request: Request) -> Response:
+    return json_response({"name": "fngate", "version": fngate.__version__, "extensions": EXTENSIONS})
+
+
+async def model_metadata(request: Request) -> Response:
+    function = _function(request)
+    manifest = function.manifest
+    return json_response(
+        {
+            "name": manifest.name,
+            "versions": [function.version],
+            "platform": _platform(manifest),
+            "inputs": [_tensor_metadata(spec) for spec in manifest.inputs],
+            "outputs": [_tensor_metadata(spec) for spec in manifest.outputs],
+        }
+    )
+
+
+async def model_ready(request: Request) -> Response:
+    _function(request)
+    return Response(status_code=200)
+
+
+async def infer_v2(request: Request) -> Response:
+    function = _function(request)
+    body = await _body(request)
+    parsed = parse_v2(body, request.headers.get(HEADER_LENGTH), function.manifest)
+    reply = await services(request).dispatcher.submit(
+        function, parsed.inputs, parsed.outputs, parsed.timeout_ms, request.headers.get("traceparent")
+    )
+    content, headers = render_v2(parsed, reply, function.manifest)
+    return Response(content, 200, headers)
+
+
+async def invoke_v1(request: Request) -> Response:
+    function = services(request).catalog.get(request.path_params["name"])
+    body = await _body(request)
+    parsed = parse_v1(body, function.manifest)
+    reply = await services(request).dispatcher.submit(
+        function, parsed.inputs, parsed.outputs, parsed.timeout_ms, request.headers.get("traceparent")
+    )
+    return Response(render_v1(reply), 200, media_type="application/json")
+
+
+async def list_functions(request: Request) -> Response:
+    catalog = services(request).catalog
+    return json_response(
+        {
+            "functions": [
+                {"name": name, "version": entry.version, "backend": entry.manifest.model.backend}
+                for name, entry in sorted(catalog.functions.items())
+            ]
+        }
+    )
+
+
+def _function(request: Request) -> FunctionVersion:
+    return services(request).catalog.get(request.path_params["name"], request.path_params.get("version"))
+
+
+async def _body(request: Request) -> bytes:
+    limit = services(request).max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _platform(manifest: FunctionManifest) -> str:
+    return {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": "python"}[
+        manifest.model.backend
+    ]
+
+
+def _tensor_metadata(spec: Any) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}

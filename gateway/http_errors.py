@@ -1,0 +1,37 @@
+"""ErrorCode -> HTTP status and JSON body: one table, one handler."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fngate.errors import ErrorCode, FunctionError
+from gateway.rendering import json_response
+
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.MODEL_FAILED: 500,
+    ErrorCode.INTERNAL: 500,
+}
+RETRY = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE}
+
+
+class PayloadTooLarge(FunctionError):
+    """The body is over max_body_bytes; answered 413 rather than 400."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+def error_response(exc: FunctionError, retry_after_s: int = 1) -> Response:
+    status = 413 if isinstance(exc, PayloadTooLarge) else STATUS[exc.code]
+    headers = {"Retry-After": str(retry_after_s)} if exc.code in RETRY else None
+    return json_response({"error": exc.message, "code": exc.code.value}, status, headers)
+
+
+async def handle_function_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, FunctionError)
+    return error_response(exc, request.app.state.retry_after_s)

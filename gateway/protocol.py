@@ -1,0 +1,293 @@
+"""Open Inference Protocol and serverless bodies <-> validated tensors, and replies <-> responses.
+
+Everything a client can get wrong is caught here, before anything is queued: names, datatypes,
+ranks, dimensions, data lengths, batch rows, malformed JSON and binary framing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from fngate.errors import InvalidArgument
+from fngate.manifest import FunctionManifest, TensorSpec
+from fngate.tensors import from_bytes, from_json, to_bytes, to_json_data
+from fngate.wire import Reply, Tensors
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InferRequest:
+    inputs: Tensors
+    outputs: tuple[str, ...] | None
+    binary_outputs: frozenset[str]
+    request_id: str | None
+    timeout_ms: int | None
+
+
+def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
+    """A V2 infer request, JSON or with the binary tensor data extension."""
+    binary = b""
+    if header_length is not None:
+        try:
+            json_size = int(header_length)
+        except ValueError:
+            raise InvalidArgument(
+                f"Inference-Header-Content-Length {header_length!r} is not a number"
+            ) from None
+        if not 0 < json_size <= len(body):
+            raise InvalidArgument(
+                f"Inference-Header-Content-Length {json_size} is outside the body of {len(body)} bytes"
+            )
+        binary = body[json_size:]
+        body = body[:json_size]
+    doc = _load_json(body)
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidArgument("'inputs' must be a non-empty list of tensors")
+    view = memoryview(binary)
+    offset = 0
+    inputs: Tensors = {}
+    for index, item in enumerate(raw_inputs):
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"inputs[{index}] must be an object")
+        spec = _input_spec(manifest, item.get("name"), f"inputs[{index}].name")
+        name = spec.name
+        if name in inputs:
+            raise InvalidArgument(f"input '{name}' is given twice")
+        datatype = item.get("datatype")
+        if datatype != spec.datatype:
+            raise InvalidArgument(
+                f"input '{name}': datatype {datatype!r} but the function takes {spec.datatype}"
+            )
+        shape = _check_shape(spec, item.get("shape"), manifest)
+        params = _params(item, f"input '{name}'")
+        size = params.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise InvalidArgument(f"input '{name}': binary_data_size must be a non-negative integer")
+            if "data" in item:
+                raise InvalidArgument(f"input '{name}' has both 'data' and binary_data_size")
+            if offset + size > len(view):
+                raise InvalidArgument(
+                    f"input '{name}': binary_data_size {size} runs past the {len(view)} bytes of binary data"
+                )
+            inputs[name] = from_bytes(datatype, shape, view[offset : offset + size], f"input '{name}'")
+            offset += size
+        elif "data" in item:
+            inputs[name] = from_json(datatype, shape, item["data"], f"input '{name}'")
+        else:
+            raise InvalidArgument(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
+    if offset != len(view):
+        raise InvalidArgument(f"{len(view) - offset} bytes of binary data are not claimed by any input")
+    _check_complete(manifest, inputs)
+    outputs, binary_outputs = _requested_outputs(doc, manifest)
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidArgument("'id' must be a string")
+    return InferRequest(inputs, outputs, binary_outputs, request_id, _timeout(_params(doc, "request")))
+
+
+def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
+    """The serverless body: {"inputs": {"<name>": nested lists}, "outputs": [names]?}."""
+    doc = _load_json(body)
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, dict) or not raw_inputs:
+        raise InvalidArgument("'inputs' must be an object mapping input names to nested lists")
+    inputs: Tensors = {}
+    for name, data in raw_inputs.items():
+        spec = _input_spec(manifest, name, "inputs")
+        shape = _nested_shape(data, f"input '{name}'")
+        _check_shape(spec, shape, manifest)
+        inputs[name] = from_json(spec.datatype, shape, data, f"input '{name}'")
+    _check_complete(manifest, inputs)
+    outputs = doc.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or not all(isinstance(name, str) for name in outputs):
+            raise InvalidArgument("'outputs' must be a list of output names")
+        for name in outputs:
+            _output_spec(manifest, name)
+        outputs = tuple(outputs)
+    return InferRequest(inputs, outputs, frozenset(), None, _timeout(doc))
+
+
+def render_v2(
+    request: InferRequest, reply: Reply, manifest: FunctionManifest
+) -> tuple[bytes, dict[str, str]]:
+    """The V2 response body and extra headers; outputs asked for in binary go after the JSON."""
+    outputs = []
+    buffers: list[bytes] = []
+    for name, array in reply.outputs.items():
+        entry: dict[str, Any] = {"name": name, "datatype": _datatype(manifest, name), "shape": array.shape}
+        if name in request.binary_outputs:
+            raw = to_bytes(array)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            buffers.append(raw)
+        else:
+            entry["data"] = _json_data(array)
+        outputs.append(entry)
+    doc: dict[str, Any] = {
+        "model_name": manifest.name,
+        "model_version": reply.version,
+        "outputs": outputs,
+        "parameters": {"batch_id": reply.batch_id, "batch_size": reply.batch_size},
+    }
+    if request.request_id is not None:
+        doc["id"] = request.request_id
+    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not buffers:
+        return header, {"content-type": "application/json"}
+    return b"".join([header, *buffers]), {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(header)),
+    }
+
+
+def render_v1(reply: Reply) -> bytes:
+    doc = {
+        "outputs": {name: _nested(array) for name, array in reply.outputs.items()},
+        "version": reply.version,
+        "batch": {"id": reply.batch_id, "size": reply.batch_size},
+    }
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _load_json(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise InvalidArgument("the request body is empty")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("the body must be a JSON object")
+    return doc
+
+
+def _params(item: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    params = item.get("parameters", {})
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidArgument(f"{where}: 'parameters' must be an object")
+    return params
+
+
+def _input_spec(manifest: FunctionManifest, name: Any, where: str) -> TensorSpec:
+    if not isinstance(name, str):
+        raise InvalidArgument(f"{where}: an input name must be a string")
+    spec = manifest.input(name)
+    if spec is None:
+        known = [spec.name for spec in manifest.inputs]
+        raise InvalidArgument(f"unknown input '{name}': function '{manifest.name}' takes {known}")
+    return spec
+
+
+def _output_spec(manifest: FunctionManifest, name: Any) -> TensorSpec:
+    spec = manifest.output(name) if isinstance(name, str) else None
+    if spec is None:
+        known = [spec.name for spec in manifest.outputs]
+        raise InvalidArgument(f"unknown output {name!r}: function '{manifest.name}' has {known}")
+    return spec
+
+
+def _check_shape(spec: TensorSpec, shape: Any, manifest: FunctionManifest) -> tuple[int, ...]:
+    where = f"input '{spec.name}'"
+    if not isinstance(shape, list | tuple) or not all(
+        isinstance(dim, int) and not isinstance(dim, bool) for dim in shape
+    ):
+        raise InvalidArgument(f"{where}: 'shape' must be a list of integers")
+    if len(shape) != len(spec.shape):
+        raise InvalidArgument(
+            f"{where}: shape {list(shape)} has rank {len(shape)} but the function takes "
+            f"rank {len(spec.shape)} {list(spec.shape)}"
+        )
+    for axis, (dim, expected) in enumerate(zip(shape, spec.shape, strict=True)):
+        if dim < 1:
+            raise InvalidArgument(f"{where}: dimension {axis} is {dim}; dimensions must be at least 1")
+        if expected not in (-1, dim):
+            raise InvalidArgument(
+                f"{where}: dimension {axis} is {dim} but the function takes {expected} "
+                f"(shape {list(spec.shape)})"
+            )
+    limit = manifest.batching.max_batch_size
+    if manifest.batched and shape[0] > limit:
+        raise InvalidArgument(f"{where}: {shape[0]} rows is over the function's max_batch_size {limit}")
+    return tuple(shape)
+
+
+def _check_complete(manifest: FunctionManifest, inputs: Tensors) -> None:
+    missing = [spec.name for spec in manifest.inputs if spec.name not in inputs]
+    if missing:
+        raise InvalidArgument(f"missing inputs {missing} for function '{manifest.name}'")
+    if manifest.batched:
+        rows = {name: array.shape[0] for name, array in inputs.items()}
+        if len(set(rows.values())) > 1:
+            raise InvalidArgument(f"inputs disagree on the batch dimension: {rows}")
+
+
+def _requested_outputs(
+    doc: Mapping[str, Any], manifest: FunctionManifest
+) -> tuple[tuple[str, ...] | None, frozenset[str]]:
+    binary_all = bool(_params(doc, "request").get("binary_data_output", False))
+    raw = doc.get("outputs")
+    if raw is None:
+        names = None
+        binary = {spec.name for spec in manifest.outputs} if binary_all else set()
+        return names, frozenset(binary)
+    if not isinstance(raw, list):
+        raise InvalidArgument("'outputs' must be a list of {\"name\": ...} objects")
+    wanted: list[str] = []
+    binary = set()
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"outputs[{index}] must be an object")
+        spec = _output_spec(manifest, item.get("name"))
+        wanted.append(spec.name)
+        if _params(item, f"output '{spec.name}'").get("binary_data", binary_all):
+            binary.add(spec.name)
+    return tuple(wanted), frozenset(binary)
+
+
+def _timeout(params: Mapping[str, Any]) -> int | None:
+    value = params.get("timeout_ms")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgument("timeout_ms must be a positive integer")
+    return value
+
+
+def _nested_shape(data: Any, where: str) -> list[int]:
+    shape: list[int] = []
+    level = data
+    while isinstance(level, list):
+        if not level:
+            raise InvalidArgument(f"{where}: empty lists are not tensors")
+        shape.append(len(level))
+        level = level[0]
+    if not shape:
+        raise InvalidArgument(f"{where}: expected nested lists, got a scalar")
+    return shape
+
+
+def _datatype(manifest: FunctionManifest, name: str) -> str:
+    spec = manifest.output(name)
+    return spec.datatype if spec is not None else "BYTES"
+
+
+def _json_data(array: np.ndarray[Any, Any]) -> Any:
+    if array.dtype.kind in "OSU" or (array.dtype.itemsize == 2 and array.dtype.kind == "f"):
+        return to_json_data(array)
+    return array.ravel()
+
+
+def _nested(array: np.ndarray[Any, Any]) -> Any:
+    if array.dtype.kind in "OSU" or (array.dtype.itemsize == 2 and array.dtype.kind == "f"):
+        return np.asarray(to_json_data(array), dtype=object).reshape(array.shape).tolist()
+    return array

@@ -1,0 +1,1 @@
+"""The fngate worker: consumes function streams, batches invocations, runs models, replies."""

@@ -1,0 +1,53 @@
+"""The Backend protocol and the backend name -> loader table.
+
+A backend is loaded from a local folder holding the manifest and the model files. `run` is
+called with whole batches (the inputs of several invocations concatenated on the first axis)
+from a worker thread, never concurrently for one backend, and returns every output it computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fngate.manifest import FunctionManifest
+
+Tensors = dict[str, np.ndarray[Any, Any]]
+
+
+class Backend(Protocol):
+    def run(self, inputs: Tensors, outputs: list[str]) -> Tensors: ...
+
+    def close(self) -> None: ...
+
+
+Loader = Callable[[FunctionManifest, Path, int], Backend]
+
+
+def _onnx(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+    from runner.backends.onnx import OnnxBackend
+
+    return OnnxBackend(manifest, directory, threads)
+
+
+def _python(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+    from runner.backends.python import PythonBackend
+
+    return PythonBackend(manifest, directory)
+
+
+LOADERS: dict[str, Loader] = {"onnxruntime": _onnx, "python": _python}
+
+
+def load_backend(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+    """Load the model of `manifest` from `directory`. Blocking: run it in a thread."""
+    try:
+        loader = LOADERS[manifest.model.backend]
+    except KeyError:
+        raise NotImplementedError(
+            f"backend '{manifest.model.backend}' is not available in this runner"
+        ) from None
+    return loader(manifest, directory, threads)
