@@ -1,0 +1,226 @@
+"""Shared fixtures: one real redis-server per session, flushed before each test; factories for
+gateways (in-process Hypercorn, or processes) and runners (in-process, or processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis as sync_redis
+import redis.asyncio as aioredis
+from hypercorn.asyncio import serve
+
+from fngate.config import GatewaySettings, RunnerSettings
+from gateway.__main__ import hypercorn_config
+from gateway.app import create_app
+from runner.worker import main as runner_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is not installed: run scripts/bootstrap")
+    folder = tmp_path_factory.mktemp("redis")
+    sock = folder / "redis.sock"
+    process = subprocess.Popen(
+        [
+            server,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(folder),
+            "--loglevel",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"unix://{sock}"
+    client = sync_redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except (sync_redis.ConnectionError, FileNotFoundError):
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise
+            time.sleep(0.05)
+    client.close()
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_url)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository folder with the example functions and the test functions."""
+    folder = tmp_path_factory.mktemp("repo")
+    for source in [
+        *sorted((ROOT / "functions").iterdir()),
+        *sorted((ROOT / "tests" / "functions").iterdir()),
+    ]:
+        if (source / "function.yaml").is_file():
+            shutil.copytree(source, folder / source.name)
+    return folder
+
+
+def free_socket() -> socket.socket:
+    sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+@pytest.fixture
+async def serve_gateway(redis_url: str, repo: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Factory: serve the real gateway app in this process on a socket bound to port 0."""
+    stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def start(**overrides: Any) -> str:
+        sock = free_socket()
+        port = sock.getsockname()[1]
+        # Detached: Hypercorn owns the descriptor from here on and closes it.
+        settings = GatewaySettings(
+            redis_url=redis_url, repo=str(repo), bind=f"fd://{sock.detach()}", **overrides
+        )
+        stopping = asyncio.Event()
+        app = create_app(settings, stopping)
+        task = asyncio.create_task(serve(app, hypercorn_config(settings), shutdown_trigger=stopping.wait))
+        stops.append((stopping, task))
+        base = f"http://127.0.0.1:{port}"
+        await wait_http(base)
+        return base
+
+    yield start
+    for stopping, task in stops:
+        stopping.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
+
+
+@pytest.fixture
+async def inprocess_runner(redis_url: str, repo: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Factory: run runner.worker.main() in this event loop."""
+    runs: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def start(**overrides: Any) -> asyncio.Event:
+        settings = RunnerSettings(redis_url=redis_url, repo=str(repo), **overrides)
+        stopping = asyncio.Event()
+        runs.append((stopping, asyncio.create_task(runner_main(settings, stopping))))
+        return stopping
+
+    yield start
+    for stopping, task in runs:
+        stopping.set()
+        await asyncio.wait_for(task, 30)
+
+
+def child_env(redis_url: str, repo: Path, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
+    env.update(FNGATE_REDIS_URL=redis_url, FNGATE_REPO=str(repo), FNGATE_LOG_LEVEL="INFO", **extra)
+    return env
+
+
+@pytest.fixture
+def runner_process(
+    redis_url: str, repo: Path, tmp_path: Path
+) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Factory: start `python -m runner` processes; each is stopped (then killed) at the end."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(**env: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"runner-{len(processes)}.log", "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "runner"],
+                env=child_env(redis_url, repo, **env),
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        processes.append(process)
+        return process
+
+    yield start
+    stop_processes(processes)
+
+
+@pytest.fixture
+def gateway_process(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Factory: start `python -m gateway` on a socket this test bound to port 0; returns its URL."""
+    processes: list[subprocess.Popen[bytes]] = []
+    sockets: list[socket.socket] = []
+
+    def start(**env: str) -> str:
+        sock = free_socket()
+        sockets.append(sock)
+        with open(tmp_path / f"gateway-{len(processes)}.log", "wb") as log:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "gateway"],
+                    env=child_env(redis_url, repo, FNGATE_BIND=f"fd://{sock.fileno()}", **env),
+                    pass_fds=[sock.fileno()],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    yield start
+    stop_processes(processes)
+    for sock in sockets:
+        sock.close()
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def wait_http(base: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while True:
+            try:
+                if (await client.get(f"{base}/v2/health/live")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{base} did not come up within {timeout_s} s")
+            await asyncio.sleep(0.05)

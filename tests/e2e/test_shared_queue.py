@@ -1,0 +1,74 @@
+"""Two gateway processes and two runner processes on one Redis: every answer is right, and
+invocations that came through different gateways run in the same batch."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+
+from tests.conftest import wait_http
+
+BACKLOG = 200
+LIVE = 200
+CONCURRENCY = 48
+
+
+async def test_two_gateways_two_runners_share_batches(
+    gateway_process: Callable[..., str], runner_process: Callable[..., Any], repo: Path
+) -> None:
+    gateways = [gateway_process(), gateway_process()]
+    for base in gateways:
+        await wait_http(base)
+    session = ort.InferenceSession(
+        str(repo / "classifier" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    rng = np.random.default_rng(2026)
+    inputs = [
+        rng.standard_normal((int(rng.integers(1, 4)), 16), dtype=np.float32) for _ in range(BACKLOG + LIVE)
+    ]
+    origins: dict[str, set[int]] = collections.defaultdict(set)
+    sizes: dict[str, int] = {}
+
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=BACKLOG + 10)) as client:
+
+        async def call(index: int) -> None:
+            which = index % 2
+            response = await client.post(
+                f"{gateways[which]}/v1/functions/classifier",
+                json={"inputs": {"input": inputs[index].tolist()}, "timeout_ms": 5000},
+            )
+            assert response.status_code == 200, response.text
+            body = response.json()
+            expected = session.run(["probabilities"], {"input": inputs[index]})[0]
+            np.testing.assert_allclose(
+                np.asarray(body["outputs"]["probabilities"]), expected, rtol=1e-5, atol=1e-7
+            )
+            origins[body["batch"]["id"]].add(which)
+            sizes[body["batch"]["id"]] = body["batch"]["size"]
+
+        # A backlog queued through both gateways before any runner exists...
+        backlog = [asyncio.create_task(call(index)) for index in range(BACKLOG)]
+        await asyncio.sleep(0.5)
+        for _ in range(2):
+            runner_process(FNGATE_FUNCTIONS='["classifier"]')
+        await asyncio.gather(*backlog)
+        mixed = [batch for batch, seen in origins.items() if seen == {0, 1}]
+        assert mixed, f"no batch held invocations from both gateways ({len(origins)} batches)"
+        assert 1 < len(origins) < BACKLOG
+
+        # ...then live traffic at a fixed concurrency, spread over both gateways.
+        limit = asyncio.Semaphore(CONCURRENCY)
+
+        async def limited(index: int) -> None:
+            async with limit:
+                await call(index)
+
+        await asyncio.gather(*(limited(index) for index in range(BACKLOG, BACKLOG + LIVE)))
+    assert max(sizes.values()) <= 32

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fngate.manifest import FunctionManifest, ManifestError, load_manifest, parse_manifest
+from fngate.tensors import DATATYPES
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted(ROOT.glob("functions/*/function.yaml"))
+
+VALID: dict[str, Any] = {
+    "name": "text-classifier",
+    "model": {"backend": "onnxruntime", "path": "model.onnx"},
+    "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 256]}],
+    "outputs": [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 16]}],
+}
+
+
+def with_(**changes: Any) -> dict[str, Any]:
+    return {**VALID, **changes}
+
+
+def test_examples_are_valid() -> None:
+    assert EXAMPLES, "functions/ has no examples"
+    for path in EXAMPLES:
+        manifest = load_manifest(path)
+        assert manifest.name == path.parent.name
+
+
+def test_defaults() -> None:
+    manifest = parse_manifest(VALID, "f.yaml")
+    assert manifest.batching.max_batch_size == 32
+    assert manifest.batched
+    assert manifest.cache.enabled is False
+    assert manifest.scaling.min_replicas == 0
+
+
+def test_datatypes_match_the_tensor_table() -> None:
+    for datatype in DATATYPES:
+        spec = with_(inputs=[{"name": "x", "datatype": datatype, "shape": [-1, 2]}])
+        assert parse_manifest(spec, "f.yaml").inputs[0].datatype == datatype
+
+
+@pytest.mark.parametrize(
+    ("manifest", "where", "fragment"),
+    [
+        (with_(name="Bad_Name"), "name", "DNS-1123"),
+        (with_(name="x" * 64), "name", "at most 63"),
+        (with_(extra_key=1), "extra_key", "Extra inputs are not permitted"),
+        (with_(model={"backend": "tensorflow", "path": "m"}), "model.backend", "onnxruntime"),
+        (with_(model={"backend": "onnxruntime", "path": "../escape.onnx"}), "model.path", "relative path"),
+        (with_(model={"backend": "onnxruntime", "path": "/abs.onnx"}), "model.path", "relative path"),
+        (with_(model={"backend": "python", "path": "m.py", "accelerator": "cuda"}), "model", "accelerator"),
+        (with_(inputs=[{"name": "x", "datatype": "FLOAT", "shape": [-1]}]), "inputs[0].datatype", "FP32"),
+        (
+            with_(inputs=[{"name": "x", "datatype": "FP32", "shape": [-1, 0]}]),
+            "inputs[0].shape",
+            "dimension 0",
+        ),
+        (with_(inputs=[{"name": "x", "datatype": "FP32", "shape": [4, 2]}]), "", "batch dimension"),
+        (with_(inputs=[]), "inputs", "at least 1"),
+        (
+            with_(batching={"max_batch_size": 8, "preferred_batch_sizes": [16]}),
+            "batching",
+            "over max_batch_size",
+        ),
+        (with_(batching={"max_queue_size": 0}), "batching.max_queue_size", "greater than or equal to 1"),
+        (with_(scaling={"min_replicas": 5, "max_replicas": 2}), "scaling", "over max_replicas"),
+        (
+            with_(
+                inputs=[
+                    {"name": "x", "datatype": "FP32", "shape": [-1]},
+                    {"name": "x", "datatype": "FP32", "shape": [-1]},
+                ]
+            ),
+            "",
+            "duplicate names",
+        ),
+    ],
+)
+def test_bad_manifests_name_the_field(manifest: dict[str, Any], where: str, fragment: str) -> None:
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest(manifest, "f.yaml")
+    problems = caught.value.problems
+    assert any(path == where and fragment in message for path, message in problems), problems
+
+
+def test_unbatched_functions_take_whole_shapes() -> None:
+    manifest = parse_manifest(
+        with_(batching={"max_batch_size": 0}, inputs=[{"name": "x", "datatype": "INT64", "shape": [3, 2]}]),
+        "f",
+    )
+    assert not manifest.batched
+
+
+def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
+    path = tmp_path / "function.yaml"
+    path.write_text("!!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ManifestError, match="not valid YAML"):
+        load_manifest(path)
+
+
+def test_validate_command_prints_every_problem(tmp_path: Path) -> None:
+    good = EXAMPLES[0]
+    bad = tmp_path / "function.yaml"
+    bad.write_text(yaml.safe_dump(with_(name="Bad", batching={"max_batch_size": -1}, extra=True)))
+    result = subprocess.run(
+        [sys.executable, "-m", "fngate.cli", "validate", str(good), str(bad)], capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert f"{good}: ok" in result.stdout
+    lines = result.stderr.splitlines()
+    assert any(line.startswith(f"{bad}: name: ") for line in lines), lines
+    assert any(line.startswith(f"{bad}: batching.max_batch_size: ") for line in lines), lines
+    assert any(line.startswith(f"{bad}: extra: ") for line in lines), lines
+
+
+def test_validate_command_succeeds_on_the_examples() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fngate.cli", "validate", *map(str, EXAMPLES)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_manifest_is_frozen() -> None:
+    manifest = parse_manifest(VALID, "f")
+    with pytest.raises(ValueError, match="frozen"):
+        manifest.name = "other"  # type: ignore[misc]
+    assert isinstance(manifest, FunctionManifest)
