@@ -111,7 +111,10 @@ def test_validate_command_prints_every_problem(tmp_path: Path) -> None:
     bad = tmp_path / "function.yaml"
     bad.write_text(yaml.safe_dump(with_(name="Bad", batching={"max_batch_size": -1}, extra=True)))
     result = subprocess.run(
-        [sys.executable, "-m", "fngate.cli", "validate", str(good), str(bad)], capture_output=True, text=True
+        [sys.executable, "-m", "fngate.cli", "validate", str(good), str(bad)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 1
     assert f"{good}: ok" in result.stdout
@@ -123,7 +126,10 @@ def test_validate_command_prints_every_problem(tmp_path: Path) -> None:
 
 def test_validate_command_succeeds_on_the_examples() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fngate.cli", "validate", *map(str, EXAMPLES)], capture_output=True, text=True
+        [sys.executable, "-m", "fngate.cli", "validate", *map(str, EXAMPLES)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
 
