@@ -97,7 +97,9 @@ def from_json(datatype: str, shape: Sequence[int], data: Any, where: str) -> np.
         array = np.asarray(data, dtype=DATATYPES[datatype])
     except (ValueError, TypeError, OverflowError) as exc:
         if "inhomogeneous" in str(exc):
-            raise InvalidArgument(f"{where}: nested lists of different lengths (ragged) are not a tensor") from None
+            raise InvalidArgument(
+                f"{where}: nested lists of different lengths (ragged) are not a tensor"
+            ) from None
         raise InvalidArgument(f"{where}: data is not a well-formed array of {datatype}: {exc}") from None
     if array.size != count:
         raise InvalidArgument(f"{where}: {array.size} elements of data but shape {list(shape)} needs {count}")
