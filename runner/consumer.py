@@ -36,6 +36,27 @@ log = logging.getLogger(__name__)
 Entry = tuple[bytes, Invocation]
 REPLY_TTL_MS = 600_000
 
+# KEYS[1]: the invocation stream; KEYS[2..]: reply streams. ARGV: group, reply maxlen, reply TTL (ms),
+# the number of replies n, then n triples (index into KEYS, header, body), then the entry ids to
+# acknowledge and delete. One command per batch, however many replies it carries.
+FINISH = """
+local n = tonumber(ARGV[4])
+local touched = {}
+for i = 0, n - 1 do
+  local key = KEYS[tonumber(ARGV[5 + i * 3])]
+  redis.call('XADD', key, 'MAXLEN', '~', ARGV[2], '*', 'h', ARGV[6 + i * 3], 'b', ARGV[7 + i * 3])
+  touched[key] = true
+end
+for key in pairs(touched) do redis.call('PEXPIRE', key, ARGV[3]) end
+local ids = {}
+for i = 5 + n * 3, #ARGV do ids[#ids + 1] = ARGV[i] end
+if #ids > 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
+  redis.call('XDEL', KEYS[1], unpack(ids))
+end
+return n
+"""
+
 
 class FunctionConsumer:
     def __init__(
@@ -57,6 +78,7 @@ class FunctionConsumer:
         self._pending: collections.deque[Entry] = collections.deque()
         self._contended = False
         self._last_claim = 0.0
+        self._finish = redis.register_script(FINISH)
         self.batches = 0
         self.executed = 0
         self.expired = 0
@@ -112,7 +134,8 @@ class FunctionConsumer:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for _entry_id, fields in broken:
                     pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"undecodable"})
-                self._finish(pipe, [entry_id for entry_id, _ in broken])
+                pipe.xack(self._stream, keys.RUNNER_GROUP, *[entry_id for entry_id, _ in broken])
+                pipe.xdel(self._stream, *[entry_id for entry_id, _ in broken])
                 await pipe.execute()
 
     async def _step(self) -> int | None:
@@ -162,26 +185,27 @@ class FunctionConsumer:
     async def _reply(
         self, replies: Sequence[Reply], entry_ids: list[bytes], invocations: Sequence[Invocation]
     ) -> None:
-        # Shielded: once the batch ran, its replies and acks go out even if we are being cancelled.
-        async def write() -> None:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for reply, invocation in zip(replies, invocations, strict=True):
-                    pipe.xadd(
-                        invocation.reply_to,
-                        reply.encode(),
-                        maxlen=self._settings.reply_maxlen,
-                        approximate=True,
-                    )
-                for reply_to in {invocation.reply_to for invocation in invocations}:
-                    pipe.pexpire(reply_to, REPLY_TTL_MS)
-                self._finish(pipe, entry_ids)
-                await pipe.execute()
-
-        await asyncio.shield(write())
-
-    def _finish(self, pipe: aioredis.client.Pipeline, entry_ids: list[bytes]) -> None:
-        pipe.xack(self._stream, keys.RUNNER_GROUP, *entry_ids)
-        pipe.xdel(self._stream, *entry_ids)
+        """Write every reply and acknowledge (and delete) the entries in one round trip. Shielded:
+        once a batch ran, its replies go out even if this task is being cancelled."""
+        reply_keys: dict[str, int] = {}
+        triples: list[bytes | str | int] = []
+        for reply, invocation in zip(replies, invocations, strict=True):
+            index = reply_keys.setdefault(invocation.reply_to, len(reply_keys) + 2)
+            fields = reply.encode()
+            triples += [index, fields[b"h"], fields[b"b"]]
+        await asyncio.shield(
+            self._finish(
+                keys=[self._stream, *reply_keys],
+                args=[
+                    keys.RUNNER_GROUP,
+                    self._settings.reply_maxlen,
+                    REPLY_TTL_MS,
+                    len(replies),
+                    *triples,
+                    *entry_ids,
+                ],
+            )
+        )
 
     async def _expire(self, entries: Sequence[Entry]) -> None:
         self.expired += len(entries)
@@ -229,19 +253,14 @@ class FunctionConsumer:
             len(entries),
             limit,
         )
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for _entry_id, fields in entries:
+                pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"max_deliveries"})
+            await pipe.execute()
         invocations = [Invocation.decode(fields) for _, fields in entries]
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for (_entry_id, fields), invocation in zip(entries, invocations, strict=True):
-                pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"max_deliveries"})
-                pipe.xadd(
-                    invocation.reply_to,
-                    Reply(invocation.id, invocation.version, {}, error).encode(),
-                    maxlen=self._settings.reply_maxlen,
-                    approximate=True,
-                )
-            self._finish(pipe, [entry_id for entry_id, _ in entries])
-            await pipe.execute()
+        replies = [Reply(invocation.id, invocation.version, {}, error) for invocation in invocations]
+        await self._reply(replies, [entry_id for entry_id, _ in entries], invocations)
 
 
 def _entry_ms(entry_id: bytes) -> int:
