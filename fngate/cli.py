@@ -41,7 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate = commands.add_parser("validate", help="check function manifests; print every problem")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
 
+    k8s = commands.add_parser(
+        "k8s", help="render Kubernetes objects (KEDA ScaledObjects per pool) from manifests"
+    )
+    k8s.add_argument("action", choices=["render"])
+    k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.k8s --help`")
+
     args = parser.parse_args(argv)
+    if args.command == "k8s":
+        from fngate.k8s import main as k8s_main
+
+        return k8s_main(args.rest)
     if args.command == "validate":
         return _validate(args.files)
     if args.command == "up":

@@ -138,9 +138,9 @@ async def test_expired_invocation_is_not_executed(
     base = await serve_gateway()
     log = tmp_path / "probe.log"
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        late = await client.post(PROBE, json=probe_body(42.0, timeout_ms=300))
+        late = await client.post(PROBE, json=probe_body(42.0, timeout_ms=1000))
         assert late.status_code == 504
-        assert "did not answer within 300 ms" in late.json()["error"]
+        assert "did not answer within 1000 ms" in late.json()["error"]
         assert await redis.xlen(keys.invocations("probe")) == 1  # queued, nobody served it in time
         runner_process(PROBE_LOG=str(log), FNGATE_FUNCTIONS='["probe"]')
         doubled(await client.post(PROBE, json=probe_body(7.0)), 7.0)
@@ -152,17 +152,23 @@ async def test_full_queue_answers_503_with_retry_after(
     serve_gateway: Callable[..., Any], redis: aioredis.Redis
 ) -> None:
     base = await serve_gateway()
+    stream = keys.invocations("probe")
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        # No runner: 50 invocations (the probe's max_queue_size) stay queued after their deadlines.
-        fillers = await asyncio.gather(
-            *(client.post(PROBE, json=probe_body(1.0, timeout_ms=200)) for _ in range(50))
-        )
-        assert {response.status_code for response in fillers} == {504}
+        # No runner: 50 invocations (the probe's max_queue_size) wait in the queue.
+        fillers = [
+            asyncio.create_task(client.post(PROBE, json=probe_body(1.0, timeout_ms=3000))) for _ in range(50)
+        ]
+
+        async def full() -> bool:
+            return bool(await redis.xlen(stream) == 50)
+
+        await wait_for(full, what="50 queued invocations")
         refused = await client.post(PROBE, json=probe_body(1.0))
+        assert {response.status_code for response in await asyncio.gather(*fillers)} == {504}
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
     assert "max_queue_size" in refused.json()["error"]
-    assert await redis.xlen(keys.invocations("probe")) == 50
+    assert await redis.xlen(stream) == 50
 
 
 async def test_sigterm_drains_in_flight_work(

@@ -1,0 +1,108 @@
+# syntax=docker/dockerfile:1
+# fngate images. Targets:
+#   gateway      `fngate gateway` on port 8000            docker build --target gateway -t fngate/gateway .
+#   runner       `fngate runner`, onnxruntime on the CPU   docker build --target runner -t fngate/runner .
+#   runner-gpu   `fngate runner` on CUDA, with onnxruntime-gpu and TensorRT
+#                                                          docker build --target runner-gpu -t fngate/runner-gpu .
+# Each final stage holds a virtual environment in /opt/fngate and no compiler, pip or build files,
+# and runs as the unprivileged user 10001.
+
+ARG ONNXRUNTIME_GPU_VERSION=1.22.0
+# TensorRT 10.9 is the release that onnxruntime-gpu 1.22's TensorRT execution provider is built against.
+ARG TENSORRT_VERSION=10.9.0.34
+
+# ---------------------------------------------------------------- CPU: build the environment
+FROM python:3.12-slim-bookworm AS cpu-build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY fngate ./fngate
+COPY gateway ./gateway
+COPY runner ./runner
+RUN python -m venv /opt/fngate \
+ && /opt/fngate/bin/pip install --no-cache-dir . \
+ && /opt/fngate/bin/pip uninstall --yes pip
+
+# ---------------------------------------------------------------- CPU: what both CPU images share
+FROM python:3.12-slim-bookworm AS cpu-base
+RUN groupadd --system --gid 10001 fngate \
+ && useradd --system --uid 10001 --gid fngate --home-dir /home/fngate --create-home --shell /usr/sbin/nologin fngate \
+ && mkdir -p /var/cache/fngate \
+ && chown fngate:fngate /var/cache/fngate
+COPY --from=cpu-build /opt/fngate /opt/fngate
+ENV PATH=/opt/fngate/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    XDG_CACHE_HOME=/var/cache/fngate
+WORKDIR /home/fngate
+USER 10001:10001
+ENTRYPOINT ["fngate"]
+
+# ---------------------------------------------------------------- gateway
+FROM cpu-base AS gateway
+ENV FNGATE_HOST=0.0.0.0 FNGATE_PORT=8000
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/live' % os.environ.get('FNGATE_PORT', '8000'), timeout=2)"]
+CMD ["gateway"]
+
+# ---------------------------------------------------------------- CPU runner
+FROM cpu-base AS runner
+# 9100: metrics and health; /healthz/ready answers once the models are loaded and consuming.
+EXPOSE 9100
+HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9100/healthz/ready', timeout=2)"]
+CMD ["runner"]
+
+# ---------------------------------------------------------------- GPU: build the environment
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS gpu-build
+ARG ONNXRUNTIME_GPU_VERSION
+ARG TENSORRT_VERSION
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
+# Ubuntu's security updates replace package versions, so apt versions are not pinned; the base image tag is.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY fngate ./fngate
+COPY gateway ./gateway
+COPY runner ./runner
+# The base dependencies bring onnxruntime (CPU), which shares its import name with onnxruntime-gpu:
+# remove it, then reinstall onnxruntime-gpu so that its files are the ones left.
+RUN python3 -m venv /opt/fngate \
+ && /opt/fngate/bin/pip install --no-cache-dir ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" "tensorrt==${TENSORRT_VERSION}" \
+ && /opt/fngate/bin/pip uninstall --yes onnxruntime \
+ && /opt/fngate/bin/pip install --no-cache-dir --no-deps --force-reinstall "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+ && /opt/fngate/bin/pip uninstall --yes pip
+
+# ---------------------------------------------------------------- GPU runner
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS runner-gpu
+ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 10001 fngate \
+ && useradd --system --uid 10001 --gid fngate --home-dir /home/fngate --create-home --shell /usr/sbin/nologin fngate \
+ && mkdir -p /var/cache/fngate/tensorrt \
+ && chown -R fngate:fngate /var/cache/fngate
+COPY --from=gpu-build /opt/fngate /opt/fngate
+# TensorRT's libraries come from its wheel; onnxruntime's TensorRT provider loads them by name. Built
+# engines are cached on a volume so that a runner restart does not rebuild them.
+ENV PATH=/opt/fngate/bin:$PATH \
+    LD_LIBRARY_PATH=/opt/fngate/lib/python3.12/site-packages/tensorrt_libs \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    XDG_CACHE_HOME=/var/cache/fngate \
+    ORT_TENSORRT_ENGINE_CACHE_ENABLE=1 \
+    ORT_TENSORRT_CACHE_PATH=/var/cache/fngate/tensorrt
+VOLUME ["/var/cache/fngate/tensorrt"]
+WORKDIR /home/fngate
+USER 10001:10001
+EXPOSE 9100
+HEALTHCHECK --interval=15s --timeout=3s --start-period=120s --retries=3 \
+  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9100/healthz/ready', timeout=2)"]
+ENTRYPOINT ["fngate"]
+CMD ["runner"]

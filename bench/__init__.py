@@ -1,0 +1,2 @@
+"""fngate's benchmark: a fngate deployment on this machine driven by a closed-loop load generator,
+compared with the same model called in-process by onnxruntime."""

@@ -1,0 +1,368 @@
+"""`python -m bench`: start fngate on this machine, drive it, and compare with in-process onnxruntime.
+
+Prints a table as it goes, and writes results.json, results.md and a PNG plot to --out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import orjson
+
+import fngate
+from bench import inprocess, loadgen
+from bench.deployment import Deployment, cpu_seconds, deployment
+from bench.models import build_repository
+
+Row = dict[str, Any]
+
+
+def requests_for(
+    function: str, features: int, count: int, binary: bool, seed: int
+) -> tuple[list[loadgen.Request], np.ndarray]:
+    """`count` requests of one row each, every one with distinct random input."""
+    rng = np.random.default_rng(seed)
+    inputs = rng.standard_normal((count, 1, features), dtype=np.float32)
+    path = f"/v2/models/{function}/infer"
+    out = []
+    for x in inputs:
+        if binary:
+            header = orjson.dumps(
+                {
+                    "inputs": [
+                        {
+                            "name": "input",
+                            "datatype": "FP32",
+                            "shape": [1, features],
+                            "parameters": {"binary_data_size": x.nbytes},
+                        }
+                    ],
+                    "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+                }
+            )
+            out.append(
+                loadgen.Request(
+                    path, header + x.tobytes(), (("inference-header-content-length", str(len(header))),)
+                )
+            )
+        else:
+            body = orjson.dumps(
+                {
+                    "inputs": [
+                        {
+                            "name": "input",
+                            "datatype": "FP32",
+                            "shape": [1, features],
+                            "data": x.ravel().tolist(),
+                        }
+                    ]
+                }
+            )
+            out.append(loadgen.Request(path, body))
+    return out, inputs
+
+
+def output_of(body: bytes, features: int) -> np.ndarray:
+    if body[:1] == b"{" and b'"data"' in body:
+        doc = orjson.loads(body)
+        return np.asarray(doc["outputs"][0]["data"], dtype=np.float32).reshape(1, features)
+    # binary: the JSON header is followed by the raw output
+    return np.frombuffer(body[-features * 4 :], dtype=np.float32).reshape(1, features)
+
+
+def checker(
+    inputs: np.ndarray, features: int, reference: Callable[[np.ndarray], np.ndarray]
+) -> Callable[..., str | None]:
+    def check(index: int, _status: int, body: bytes) -> str | None:
+        got = output_of(body, features)
+        want = reference(inputs[index])
+        if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return f"request {index}: wrong output"
+        return None
+
+    return check
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, repo: Path, logs: Path) -> None:
+        self.args = args
+        self.repo = repo
+        self.logs = logs
+        self.rows: list[Row] = []
+        self.sessions = {name: inprocess.session(repo / name / "model.onnx", 1) for name in ("tiny", "wide")}
+
+    def reference(self, name: str) -> Callable[[np.ndarray], np.ndarray]:
+        session = self.sessions[name]
+        return lambda x: session.run(None, {"input": x})[0]
+
+    def record(self, row: Row) -> None:
+        self.rows.append(row)
+        parts = [
+            f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+            for key, value in row.items()
+        ]
+        print("  " + " ".join(parts), flush=True)
+
+    def drive(
+        self,
+        deployed: Deployment,
+        scenario: str,
+        function: str,
+        model: str,
+        features: int,
+        concurrency: int,
+        binary: bool,
+        gateways: list[str] | None = None,
+    ) -> Row:
+        urls = gateways or [deployed.gateways[0][1]]
+        count = 20_000
+        requests, inputs = requests_for(function, features, count, binary, seed=concurrency)
+        check = checker(inputs, features, self.reference(model))
+        before = deployed.cpu()
+
+        async def drive_all() -> list[loadgen.Result]:
+            share = max(1, concurrency // len(urls))
+            return await asyncio.gather(
+                *(
+                    loadgen.run(
+                        "127.0.0.1",
+                        int(url.rsplit(":", 1)[1]),
+                        requests,
+                        share,
+                        self.args.warmup_s,
+                        self.args.measure_s,
+                        check,
+                    )
+                    for url in urls
+                )
+            )
+
+        results = asyncio.run(drive_all())
+        after = deployed.cpu()
+        completed = sum(result.completed for result in results)
+        latencies = np.concatenate([result.latencies_ns for result in results]) / 1e6
+        row: Row = {
+            "scenario": scenario,
+            "function": function,
+            "body": "binary" if binary else "json",
+            "concurrency": concurrency,
+            "gateways": len(urls),
+            "runners": len(deployed.runners),
+            "req_per_s": sum(result.throughput for result in results),
+            "p50_ms": float(np.percentile(latencies, 50)) if completed else float("nan"),
+            "p90_ms": float(np.percentile(latencies, 90)) if completed else float("nan"),
+            "p99_ms": float(np.percentile(latencies, 99)) if completed else float("nan"),
+            "errors": sum(result.errors for result in results),
+            "checked": sum(result.checked for result in results),
+        }
+        for kind in before:
+            row[f"cpu_us_{kind}"] = (after[kind] - before[kind]) / max(completed, 1) * 1e6
+        samples = [result.error_sample for result in results if result.error_sample]
+        if samples:
+            row["error_sample"] = samples[0][:120]
+        self.record(row)
+        return row
+
+    def in_process(self) -> None:
+        print("in-process onnxruntime (1 intra-op thread, as the runner)", flush=True)
+        for name, features, batches in (("tiny", 16, (1, 16)), ("wide", 512, (1, 16, 64))):
+            for batch in batches:
+                figures = inprocess.measure(
+                    self.repo / name / "model.onnx", features, batch, 1, self.args.measure_s
+                )
+                self.record(
+                    {
+                        "scenario": "in-process",
+                        "function": name,
+                        "batch": batch,
+                        "req_per_s": figures["rows_per_s"],
+                        "p50_ms": figures["p50_ms"],
+                        "p99_ms": figures["p99_ms"],
+                    }
+                )
+
+    def http_floor(self, deployed: Deployment) -> None:
+        print("S0 HTTP floor: a fixed answer from Starlette on Hypercorn, no fngate", flush=True)
+        sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
+        port = sock.getsockname()[1]
+        server = subprocess.Popen(
+            [sys.executable, "-m", "bench.floor", f"fd://{sock.fileno()}"], pass_fds=[sock.fileno()]
+        )
+        sock.close()
+        try:
+            requests, _inputs = requests_for("tiny", 16, 2000, True, seed=5)
+            for concurrency in (1, 16):
+                time.sleep(1.0 if concurrency == 1 else 0)
+                before = cpu_seconds(server.pid)
+                result = asyncio.run(
+                    loadgen.run(
+                        "127.0.0.1", port, requests, concurrency, self.args.warmup_s, self.args.measure_s
+                    )
+                )
+                used = cpu_seconds(server.pid) - before
+                self.record(
+                    {
+                        "scenario": "S0",
+                        "function": "http-floor",
+                        "body": "binary",
+                        "concurrency": concurrency,
+                        "req_per_s": result.throughput,
+                        "p50_ms": result.percentile_ms(50),
+                        "p99_ms": result.percentile_ms(99),
+                        "errors": result.errors,
+                        "cpu_us_gateway": used / max(result.completed, 1) * 1e6,
+                    }
+                )
+        finally:
+            server.terminate()
+            server.wait()
+        del deployed
+
+    def overhead_and_batching(self, deployed: Deployment) -> None:
+        print("S1 overhead: tiny", flush=True)
+        for binary in (False, True):
+            for concurrency in (1, 16):
+                self.drive(deployed, "S1", "tiny", "tiny", 16, concurrency, binary)
+        print("S2 batching: wide, batching on and off", flush=True)
+        for function in ("wide", "wide-nobatch"):
+            for concurrency in (1, 16, 64):
+                self.drive(deployed, "S2", function, "wide", 512, concurrency, True)
+        self.drive(deployed, "S2", "wide", "wide", 512, 64, False)
+
+    def cold_start(self, deployed: Deployment) -> None:
+        print("S4 cold start: request queued with no runner -> runner started -> answer (tiny)", flush=True)
+        port = int(deployed.gateways[0][1].rsplit(":", 1)[1])
+        deployed.stop_runners()
+        requests, _inputs = requests_for("tiny", 16, 1, False, seed=99)
+        for attempt in range(self.args.cold_starts):
+            spawned, answered, run = asyncio.run(self._one_cold_start(deployed, port, requests))
+            phases = runner_phases(deployed.logs / f"runner-{len(deployed.runners) - 1}.log")
+            self.record(
+                {
+                    "scenario": "S4",
+                    "function": "tiny",
+                    "attempt": attempt,
+                    "spawn_to_answer_ms": (answered - spawned) * 1e3,
+                    "errors": run.errors,
+                    **phases,
+                }
+            )
+            deployed.stop_runners()
+
+    @staticmethod
+    async def _one_cold_start(
+        deployed: Deployment, port: int, requests: list[loadgen.Request]
+    ) -> tuple[float, float, loadgen.Result]:
+        task = asyncio.create_task(loadgen.run("127.0.0.1", port, requests, 1, 0.0, 30.0, max_requests=1))
+        await asyncio.sleep(0.05)  # the request is queued; now the runner starts, as a scaler would
+        spawned = time.perf_counter()
+        deployed.start_runner(FNGATE_LOG_LEVEL="INFO", FNGATE_FUNCTIONS='["tiny"]')
+        run = await task
+        return spawned, time.perf_counter(), run
+
+    def shared_queue(self, deployed: Deployment) -> None:
+        print("S5 two gateways, two runners, one queue", flush=True)
+        deployed.start_gateway()
+        deployed.start_runner()
+        urls = [url for _, url in deployed.gateways]
+        self.drive(deployed, "S5", "tiny", "tiny", 16, 32, True, urls)
+        self.drive(deployed, "S5", "wide", "wide", 512, 64, True, urls)
+
+
+def runner_phases(log: Path) -> dict[str, float]:
+    """Phases of a cold start from the runner's log lines (their timestamps are milliseconds)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    phases: dict[str, float] = {}
+    loaded = re.search(r"loaded \S+ version \S+ \(\S+\) in ([0-9.]+) s", text)
+    if loaded:
+        phases["model_load_ms"] = float(loaded.group(1)) * 1e3
+    imports = re.search(r"imports took ([0-9.]+) s", text)
+    if imports:
+        phases["imports_ms"] = float(imports.group(1)) * 1e3
+    return phases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--measure-s", type=float, default=4.0)
+    parser.add_argument("--cold-starts", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="short windows, for a smoke run")
+    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S4,S5")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.warmup_s, args.measure_s, args.cold_starts = 0.3, 1.0, 1
+    only = set(filter(None, args.only.split(",")))
+
+    def wanted(name: str) -> bool:
+        return not only or name in only
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="fngate-bench-") as folder:
+        repo = Path(folder) / "repo"
+        build_repository(repo)
+        bench = Bench(args, repo, Path(folder) / "logs")
+        if wanted("inproc"):
+            bench.in_process()
+        with deployment(repo, Path(folder) / "logs") as deployed:
+            deployed.start_gateway()
+            deployed.start_runner()
+            if wanted("S0"):
+                bench.http_floor(deployed)
+            if wanted("S1") or wanted("S2"):
+                bench.overhead_and_batching(deployed)
+            if wanted("S4"):
+                bench.cold_start(deployed)
+            if wanted("S5"):
+                deployed.stop_runners()
+                deployed.start_runner()
+                bench.shared_queue(deployed)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {_cpu_model()}, {_cores()} cores",
+        "python": platform.python_version(),
+        "fngate": fngate.__version__,
+        "onnxruntime": ort.__version__,
+        "duration_s": round(time.time() - started, 1),
+        "warmup_s": args.warmup_s,
+        "measure_s": args.measure_s,
+    }
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": bench.rows}, indent=1))
+    from bench.report import write_report
+
+    write_report(args.out, meta, bench.rows)
+    print(f"wrote {args.out}/results.json, results.md and throughput.png in {meta['duration_s']} s")
+    return 0
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""A fngate deployment for the benchmark: a private redis-server, gateway and runner processes,
+with their CPU time read from /proc so each run can report cost per request."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from fngate.local import private_redis
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process (and its reaped children), from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return sum(int(value) for value in fields[11:15]) / CLOCK_TICKS
+
+
+def redis_pid(url: str) -> int:
+    import redis
+
+    return int(redis.Redis.from_url(url).info("server")["process_id"])
+
+
+@dataclasses.dataclass
+class Deployment:
+    redis_url: str
+    repo: Path
+    logs: Path
+    gateways: list[tuple[subprocess.Popen[bytes], str]] = dataclasses.field(default_factory=list)
+    runners: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
+        env.update(FNGATE_REDIS_URL=self.redis_url, FNGATE_REPO=str(self.repo), FNGATE_LOG_LEVEL="WARNING")
+        env.update(extra)
+        return env
+
+    def start_gateway(self, **extra: str) -> str:
+        sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
+        port = sock.getsockname()[1]
+        with open(self.logs / f"gateway-{len(self.gateways)}.log", "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "gateway"],
+                env=self.env(FNGATE_BIND=f"fd://{sock.fileno()}", **extra),
+                pass_fds=[sock.fileno()],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        sock.close()
+        url = f"http://127.0.0.1:{port}"
+        self.gateways.append((process, url))
+        _wait_live(url)
+        return url
+
+    def start_runner(self, **extra: str) -> subprocess.Popen[bytes]:
+        with open(self.logs / f"runner-{len(self.runners)}.log", "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "runner"], env=self.env(**extra), stdout=log, stderr=subprocess.STDOUT
+            )
+        self.runners.append(process)
+        return process
+
+    def stop_runners(self) -> None:
+        _stop([process for process in self.runners])
+        self.runners.clear()
+
+    def stop(self) -> None:
+        _stop([process for process, _ in self.gateways])
+        self.gateways.clear()
+        self.stop_runners()
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of each kind of process (gateways, runners, redis, this process)."""
+        out = {
+            "gateway": sum(cpu_seconds(process.pid) for process, _ in self.gateways),
+            "runner": sum(cpu_seconds(process.pid) for process in self.runners if process.poll() is None),
+            "redis": cpu_seconds(redis_pid(self.redis_url)),
+        }
+        times = os.times()
+        out["loadgen"] = times.user + times.system
+        return out
+
+
+@contextlib.contextmanager
+def deployment(repo: Path, logs: Path) -> Iterator[Deployment]:
+    logs.mkdir(parents=True, exist_ok=True)
+    with private_redis() as url:
+        deployed = Deployment(url, repo, logs)
+        try:
+            yield deployed
+        finally:
+            deployed.stop()
+
+
+def _wait_live(url: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/v2/health/live").status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not come up")
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

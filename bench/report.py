@@ -1,0 +1,172 @@
+"""The benchmark's report: a markdown table against the targets, and a PNG plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+# (what, how to find the figure, comparison, target)
+TARGETS: list[tuple[str, dict[str, Any], str, str, float]] = [
+    (
+        "tiny, c=1, p50 latency (ms)",
+        {"scenario": "S1", "function": "tiny", "concurrency": 1, "body": "binary"},
+        "p50_ms",
+        "<=",
+        0.8,
+    ),
+    (
+        "tiny, c=16, throughput (req/s)",
+        {"scenario": "S1", "function": "tiny", "concurrency": 16, "body": "binary"},
+        "req_per_s",
+        ">=",
+        5000,
+    ),
+    (
+        "wide, c=1, throughput (req/s)",
+        {"scenario": "S2", "function": "wide", "concurrency": 1, "body": "binary"},
+        "req_per_s",
+        ">=",
+        800,
+    ),
+    (
+        "wide, c=64, throughput (req/s)",
+        {"scenario": "S2", "function": "wide", "concurrency": 64, "body": "binary"},
+        "req_per_s",
+        ">=",
+        3150,
+    ),
+    (
+        "wide, c=64, p99 latency (ms)",
+        {"scenario": "S2", "function": "wide", "concurrency": 64, "body": "binary"},
+        "p99_ms",
+        "<=",
+        35,
+    ),
+    ("cache hit, p50 latency (ms)", {"scenario": "S3", "cache": "hit"}, "p50_ms", "<=", 0.5),
+    ("cold start, request to answer (ms)", {"scenario": "S4"}, "spawn_to_answer_ms", "<=", 1500),
+]
+
+
+def find(rows: list[Row], where: dict[str, Any], metric: str) -> float | None:
+    values = [row[metric] for row in rows if all(row.get(k) == v for k, v in where.items()) and metric in row]
+    if not values:
+        return None
+    values.sort()
+    return float(values[len(values) // 2])  # the median where a scenario ran several times
+
+
+def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
+    lines = [
+        "# fngate benchmark",
+        "",
+        f"{meta['date']} on {meta['machine']}; Python {meta['python']}, onnxruntime {meta['onnxruntime']}, "
+        f"fngate {meta['fngate']}; warm-up {meta['warmup_s']} s, measurement {meta['measure_s']} s "
+        f"per point; the whole run took {meta['duration_s']} s.",
+        "",
+        "## Against the targets",
+        "",
+        "| figure | fngate | target | met |",
+        "| --- | ---: | ---: | :---: |",
+    ]
+    for what, where, metric, sign, target in TARGETS:
+        value = find(rows, where, metric)
+        if value is None:
+            lines.append(f"| {what} | not measured | {sign} {target} | |")
+            continue
+        met = value <= target if sign == "<=" else value >= target
+        lines.append(f"| {what} | {value:.2f} | {sign} {target} | {'yes' if met else 'no'} |")
+    lines += ["", "## Every point", ""]
+    columns = [
+        "scenario",
+        "function",
+        "body",
+        "concurrency",
+        "batch",
+        "gateways",
+        "runners",
+        "req_per_s",
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "errors",
+        "checked",
+        "cpu_us_gateway",
+        "cpu_us_runner",
+        "cpu_us_redis",
+        "cpu_us_loadgen",
+        "spawn_to_answer_ms",
+        "model_load_ms",
+        "imports_ms",
+    ]
+    used = [column for column in columns if any(column in row for row in rows)]
+    lines.append("| " + " | ".join(used) + " |")
+    lines.append("| " + " | ".join("---" for _ in used) + " |")
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(column)) for column in used) + " |")
+    lines += [
+        "",
+        "cpu_us_*: CPU time per completed request of each kind of process during the measurement "
+        "window (user + system, from /proc).",
+        "",
+    ]
+    (out / "results.md").write_text("\n".join(lines))
+    _plot(out / "throughput.png", rows)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.2f}" if value < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def _plot(path: Path, rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = {
+        "tiny (fngate, binary)": [r for r in rows if r.get("scenario") == "S1" and r.get("body") == "binary"],
+        "wide, batching (fngate)": [
+            r
+            for r in rows
+            if r.get("scenario") == "S2" and r.get("function") == "wide" and r.get("body") == "binary"
+        ],
+        "wide, no batching (fngate)": [r for r in rows if r.get("function") == "wide-nobatch"],
+    }
+    for label, unsorted in series.items():
+        points = sorted(unsorted, key=lambda r: r["concurrency"])
+        if not points:
+            continue
+        x = [p["concurrency"] for p in points]
+        axes[0].plot(x, [p["req_per_s"] for p in points], marker="o", label=label)
+        axes[1].plot(x, [p["p50_ms"] for p in points], marker="o", label=f"{label} p50")
+        axes[1].plot(x, [p["p99_ms"] for p in points], marker="x", linestyle="--", label=f"{label} p99")
+    for name in ("tiny", "wide"):
+        limits = sorted(
+            (r for r in rows if r.get("scenario") == "in-process" and r.get("function") == name),
+            key=lambda r: r["batch"],
+        )
+        if limits:
+            axes[0].plot(
+                [r["batch"] for r in limits],
+                [r["req_per_s"] for r in limits],
+                linestyle=":",
+                marker="s",
+                label=f"{name}: onnxruntime in-process (batch = c)",
+            )
+    axes[0].set(xscale="log", yscale="log", xlabel="concurrency", ylabel="requests/s", title="throughput")
+    axes[1].set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="latency")
+    for axis in axes:
+        axis.grid(True, which="both", alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

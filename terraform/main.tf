@@ -1,0 +1,160 @@
+# fngate on AWS: a VPC, the model repository bucket, Redis for the queue and cache, an EKS cluster
+# whose GPU node group scales to zero, KEDA, the cluster add-ons, observability, and the fngate
+# workloads. Each part is a module under modules/; this file only wires them together.
+
+data "aws_caller_identity" "current" {}
+
+locals {
+  bucket_name = var.bucket_name != "" ? var.bucket_name : "${var.name}-models-${data.aws_caller_identity.current.account_id}-${var.region}"
+}
+
+module "network" {
+  source = "./modules/network"
+
+  name         = var.name
+  cidr         = var.vpc_cidr
+  zone_names   = var.availability_zones
+  az_count     = var.az_count
+  cluster_name = var.name
+}
+
+module "bucket" {
+  source = "./modules/bucket"
+
+  name                    = local.bucket_name
+  prefix                  = var.repo_prefix
+  noncurrent_version_days = var.noncurrent_version_days
+  access_log_bucket       = var.access_log_bucket
+}
+
+module "eks" {
+  source = "./modules/eks"
+
+  name               = var.name
+  kubernetes_version = var.kubernetes_version
+  subnet_ids         = module.network.private_subnet_ids
+  api_allowed_cidrs  = var.api_allowed_cidrs
+  admin_role_arns    = var.admin_role_arns
+  cpu_instance_types = var.cpu_instance_types
+  cpu_min_size       = var.cpu_min_size
+  cpu_max_size       = var.cpu_max_size
+  gpu_instance_types = var.gpu_instance_types
+  gpus_per_node      = var.gpus_per_node
+  gpu_max_size       = var.gpu_max_size
+}
+
+module "redis" {
+  source = "./modules/redis"
+
+  name                      = var.name
+  vpc_id                    = module.network.vpc_id
+  subnet_ids                = module.network.private_subnet_ids
+  client_security_group_ids = [module.eks.cluster_security_group_id]
+  engine_version            = var.redis_engine_version
+  node_type                 = var.redis_node_type
+  replicas                  = var.redis_replicas
+  snapshot_retention_days   = var.redis_snapshot_retention_days
+}
+
+# ---------------------------------------------------------------- IAM roles for service accounts
+# Runners and gateways read the repository; only the deployer writes to it.
+module "gateway_role" {
+  source = "./modules/irsa"
+
+  name              = "${var.name}-gateway"
+  oidc_provider_arn = module.eks.oidc_provider_arn
+  oidc_issuer       = module.eks.oidc_issuer
+  namespace         = var.namespace
+  service_account   = "fngate-gateway"
+  policy_json       = module.bucket.read_policy_json
+}
+
+module "runner_role" {
+  source = "./modules/irsa"
+
+  name              = "${var.name}-runner"
+  oidc_provider_arn = module.eks.oidc_provider_arn
+  oidc_issuer       = module.eks.oidc_issuer
+  namespace         = var.namespace
+  service_account   = "fngate-runner"
+  policy_json       = module.bucket.read_policy_json
+}
+
+module "deployer_role" {
+  source = "./modules/irsa"
+
+  name              = "${var.name}-deployer"
+  oidc_provider_arn = module.eks.oidc_provider_arn
+  oidc_issuer       = module.eks.oidc_issuer
+  namespace         = var.namespace
+  service_account   = "fngate-deployer"
+  policy_json       = module.bucket.write_policy_json
+  trusted_role_arns = var.deployer_role_arns
+}
+
+module "cluster_autoscaler_role" {
+  source = "./modules/irsa"
+
+  name              = "${var.name}-cluster-autoscaler"
+  oidc_provider_arn = module.eks.oidc_provider_arn
+  oidc_issuer       = module.eks.oidc_issuer
+  namespace         = "kube-system"
+  service_account   = "cluster-autoscaler"
+  policy_json       = module.eks.cluster_autoscaler_policy_json
+}
+
+# ---------------------------------------------------------------- in the cluster
+module "keda" {
+  source = "./modules/keda"
+
+  chart_version = var.keda_chart_version
+}
+
+module "cluster_addons" {
+  source = "./modules/cluster-addons"
+
+  cluster_name         = module.eks.name
+  region               = var.region
+  kubernetes_version   = var.kubernetes_version
+  autoscaler_role_arn  = module.cluster_autoscaler_role.arn
+  gpu_node_label_key   = module.eks.gpu_node_label.key
+  gpu_node_label_value = module.eks.gpu_node_label.value
+}
+
+module "observability" {
+  source = "./modules/observability"
+
+  objects_chart        = "${path.root}/charts/objects"
+  rules_file           = "${path.root}/../deploy/prometheus/rules.yaml"
+  fngate_namespace     = var.namespace
+  install_prometheus   = var.install_prometheus_stack
+  otlp_export_endpoint = var.otlp_export_endpoint
+}
+
+module "fngate" {
+  source = "./modules/fngate"
+
+  objects_chart           = "${path.root}/charts/objects"
+  python                  = var.fngate_python
+  functions_dir           = var.functions_dir
+  namespace               = var.namespace
+  gateway_image           = var.gateway_image
+  runner_image            = var.runner_image
+  runner_gpu_image        = var.runner_gpu_image
+  repo                    = "s3://${module.bucket.name}/${var.repo_prefix}"
+  redis_address           = module.redis.address
+  redis_port              = module.redis.port
+  redis_auth_token        = module.redis.auth_token
+  gateway_role_arn        = module.gateway_role.arn
+  runner_role_arn         = module.runner_role.arn
+  deployer_role_arn       = module.deployer_role.arn
+  otlp_endpoint           = module.observability.otlp_endpoint
+  keda_release            = module.keda.release
+  polling_interval_s      = var.keda_polling_interval_s
+  cooldown_s              = var.keda_cooldown_s
+  gateway_min_replicas    = var.gateway_min_replicas
+  gateway_max_replicas    = var.gateway_max_replicas
+  gateway_allowed_cidrs   = var.gateway_allowed_cidrs
+  gateway_certificate_arn = var.gateway_certificate_arn
+  log_level               = var.log_level
+}

@@ -1,0 +1,328 @@
+# The EKS cluster: control plane with encrypted secrets and every log type, an OIDC provider for IAM
+# roles for service accounts, a CPU node group, and a GPU node group that scales to zero and is
+# tainted so that only pods asking for a GPU land there.
+
+data "aws_caller_identity" "current" {}
+
+data "aws_region" "current" {}
+
+data "aws_partition" "current" {}
+
+locals {
+  account = data.aws_caller_identity.current.account_id
+  region  = data.aws_region.current.region
+  # Must match fngate/k8s.py (GPU_NODE_LABEL, GPU_TAINT_KEY): runner pods of GPU pools select this
+  # label and tolerate this taint.
+  gpu_label = { key = "nvidia.com/gpu.present", value = "true" }
+  gpu_taint = { key = "nvidia.com/gpu", value = "true", effect = "NO_SCHEDULE" }
+}
+
+resource "aws_kms_key" "this" {
+  description             = "${var.name} EKS secrets and control plane logs"
+  enable_key_rotation     = true
+  deletion_window_in_days = 30
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [
+      {
+        Sid       = "AccountAdministers"
+        Effect    = "Allow"
+        Principal = { AWS = "arn:${data.aws_partition.current.partition}:iam::${local.account}:root" }
+        Action    = "kms:*"
+        Resource  = "*"
+      },
+      {
+        Sid       = "CloudWatchLogsUses"
+        Effect    = "Allow"
+        Principal = { Service = "logs.${local.region}.amazonaws.com" }
+        Action    = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
+        Resource  = "*"
+        Condition = {
+          ArnEquals = {
+            "kms:EncryptionContext:aws:logs:arn" = "arn:${data.aws_partition.current.partition}:logs:${local.region}:${local.account}:log-group:/aws/eks/${var.name}/cluster"
+          }
+        }
+      },
+    ]
+  })
+}
+
+resource "aws_cloudwatch_log_group" "this" {
+  name              = "/aws/eks/${var.name}/cluster"
+  retention_in_days = var.log_retention_days
+  kms_key_id        = aws_kms_key.this.arn
+}
+
+# ---------------------------------------------------------------- control plane
+data "aws_iam_policy_document" "cluster_trust" {
+  statement {
+    actions = ["sts:AssumeRole", "sts:TagSession"]
+    principals {
+      type        = "Service"
+      identifiers = ["eks.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role" "cluster" {
+  name               = "${var.name}-eks-cluster"
+  assume_role_policy = data.aws_iam_policy_document.cluster_trust.json
+}
+
+resource "aws_iam_role_policy_attachment" "cluster" {
+  role       = aws_iam_role.cluster.name
+  policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/AmazonEKSClusterPolicy"
+}
+
+resource "aws_eks_cluster" "this" {
+  #checkov:skip=CKV_AWS_38:public_access_cidrs is var.api_allowed_cidrs, whose validation in the root module refuses 0.0.0.0/0; checkov cannot see a value without a default.
+  #checkov:skip=CKV_AWS_39:The public endpoint is what Terraform, kubectl and CI reach; it is restricted to var.api_allowed_cidrs, and the nodes use the private endpoint.
+  name                      = var.name
+  version                   = var.kubernetes_version
+  role_arn                  = aws_iam_role.cluster.arn
+  enabled_cluster_log_types = ["api", "audit", "authenticator", "controllerManager", "scheduler"]
+
+  vpc_config {
+    subnet_ids              = var.subnet_ids
+    endpoint_private_access = true
+    endpoint_public_access  = true
+    public_access_cidrs     = var.api_allowed_cidrs
+  }
+
+  encryption_config {
+    resources = ["secrets"]
+    provider {
+      key_arn = aws_kms_key.this.arn
+    }
+  }
+
+  access_config {
+    authentication_mode                         = "API"
+    bootstrap_cluster_creator_admin_permissions = true
+  }
+
+  depends_on = [aws_iam_role_policy_attachment.cluster, aws_cloudwatch_log_group.this]
+}
+
+resource "aws_eks_access_entry" "admins" {
+  for_each = toset(var.admin_role_arns)
+
+  cluster_name  = aws_eks_cluster.this.name
+  principal_arn = each.value
+}
+
+resource "aws_eks_access_policy_association" "admins" {
+  for_each = toset(var.admin_role_arns)
+
+  cluster_name  = aws_eks_cluster.this.name
+  principal_arn = each.value
+  policy_arn    = "arn:${data.aws_partition.current.partition}:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"
+
+  access_scope {
+    type = "cluster"
+  }
+
+  depends_on = [aws_eks_access_entry.admins]
+}
+
+resource "aws_iam_openid_connect_provider" "this" {
+  url            = aws_eks_cluster.this.identity[0].oidc[0].issuer
+  client_id_list = ["sts.amazonaws.com"]
+}
+
+# ---------------------------------------------------------------- nodes
+data "aws_iam_policy_document" "node_trust" {
+  statement {
+    actions = ["sts:AssumeRole"]
+    principals {
+      type        = "Service"
+      identifiers = ["ec2.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role" "node" {
+  name               = "${var.name}-eks-node"
+  assume_role_policy = data.aws_iam_policy_document.node_trust.json
+}
+
+resource "aws_iam_role_policy_attachment" "node" {
+  for_each = toset(["AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly"])
+
+  role       = aws_iam_role.node.name
+  policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/${each.value}"
+}
+
+# IMDSv2 with a hop limit of 1: pods cannot borrow the node's role; they get their own through IRSA.
+resource "aws_launch_template" "cpu" {
+  name_prefix = "${var.name}-cpu-"
+
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required"
+    http_put_response_hop_limit = 1
+  }
+
+  block_device_mappings {
+    device_name = "/dev/xvda"
+    ebs {
+      volume_size           = 50
+      volume_type           = "gp3"
+      encrypted             = true
+      delete_on_termination = true
+    }
+  }
+}
+
+resource "aws_launch_template" "gpu" {
+  name_prefix = "${var.name}-gpu-"
+
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required"
+    http_put_response_hop_limit = 1
+  }
+
+  # The GPU runner image (CUDA, cuDNN, TensorRT) is large, and so are TensorRT engine caches.
+  block_device_mappings {
+    device_name = "/dev/xvda"
+    ebs {
+      volume_size           = 200
+      volume_type           = "gp3"
+      encrypted             = true
+      delete_on_termination = true
+    }
+  }
+}
+
+resource "aws_eks_node_group" "cpu" {
+  cluster_name    = aws_eks_cluster.this.name
+  node_group_name = "cpu"
+  node_role_arn   = aws_iam_role.node.arn
+  subnet_ids      = var.subnet_ids
+  ami_type        = "AL2023_x86_64_STANDARD"
+  instance_types  = var.cpu_instance_types
+
+  scaling_config {
+    min_size     = var.cpu_min_size
+    max_size     = var.cpu_max_size
+    desired_size = var.cpu_min_size
+  }
+
+  update_config {
+    max_unavailable = 1
+  }
+
+  launch_template {
+    id      = aws_launch_template.cpu.id
+    version = aws_launch_template.cpu.latest_version
+  }
+
+  labels = { "fngate/node-class" = "cpu" }
+
+  # The cluster autoscaler owns the size between min and max.
+  lifecycle {
+    ignore_changes = [scaling_config[0].desired_size]
+  }
+
+  depends_on = [aws_iam_role_policy_attachment.node]
+}
+
+resource "aws_eks_node_group" "gpu" {
+  cluster_name    = aws_eks_cluster.this.name
+  node_group_name = "gpu"
+  node_role_arn   = aws_iam_role.node.arn
+  subnet_ids      = var.subnet_ids
+  ami_type        = "AL2023_x86_64_NVIDIA"
+  instance_types  = var.gpu_instance_types
+
+  # Zero GPU nodes while no GPU runner is wanted: the cluster autoscaler adds one when KEDA scales a
+  # GPU pool up and its pod cannot be placed, and removes it once the pool is back at zero.
+  scaling_config {
+    min_size     = 0
+    max_size     = var.gpu_max_size
+    desired_size = 0
+  }
+
+  update_config {
+    max_unavailable = 1
+  }
+
+  launch_template {
+    id      = aws_launch_template.gpu.id
+    version = aws_launch_template.gpu.latest_version
+  }
+
+  labels = {
+    "fngate/node-class"   = "gpu"
+    (local.gpu_label.key) = local.gpu_label.value
+  }
+
+  taint {
+    key    = local.gpu_taint.key
+    value  = local.gpu_taint.value
+    effect = local.gpu_taint.effect
+  }
+
+  lifecycle {
+    ignore_changes = [scaling_config[0].desired_size]
+  }
+
+  depends_on = [aws_iam_role_policy_attachment.node]
+}
+
+# What a GPU node would bring, for the cluster autoscaler to scale the group up from zero nodes,
+# when there is no node yet to look at.
+resource "aws_autoscaling_group_tag" "gpu_template" {
+  for_each = {
+    "k8s.io/cluster-autoscaler/node-template/label/${local.gpu_label.key}" = local.gpu_label.value
+    "k8s.io/cluster-autoscaler/node-template/taint/${local.gpu_taint.key}" = "${local.gpu_taint.value}:NoSchedule"
+    "k8s.io/cluster-autoscaler/node-template/resources/nvidia.com/gpu"     = tostring(var.gpus_per_node)
+  }
+
+  autoscaling_group_name = aws_eks_node_group.gpu.resources[0].autoscaling_groups[0].name
+
+  tag {
+    key                 = each.key
+    value               = each.value
+    propagate_at_launch = false
+  }
+}
+
+# ---------------------------------------------------------------- the cluster autoscaler's permissions
+data "aws_iam_policy_document" "cluster_autoscaler" {
+  statement {
+    sid = "Discover"
+    # Describe calls of Auto Scaling and EC2 support no resource-level permissions.
+    actions = [
+      "autoscaling:DescribeAutoScalingGroups",
+      "autoscaling:DescribeAutoScalingInstances",
+      "autoscaling:DescribeLaunchConfigurations",
+      "autoscaling:DescribeScalingActivities",
+      "autoscaling:DescribeTags",
+      "ec2:DescribeImages",
+      "ec2:DescribeInstanceTypes",
+      "ec2:DescribeLaunchTemplateVersions",
+      "ec2:GetInstanceTypesFromInstanceRequirements",
+    ]
+    resources = ["*"]
+  }
+
+  statement {
+    sid       = "ReadNodeGroups"
+    actions   = ["eks:DescribeNodegroup"]
+    resources = ["arn:${data.aws_partition.current.partition}:eks:${local.region}:${local.account}:nodegroup/${var.name}/*"]
+  }
+
+  statement {
+    sid = "ScaleOwnNodeGroups"
+    # The condition limits these to the Auto Scaling groups tagged as this cluster's (EKS names them).
+    actions   = ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"]
+    resources = ["*"]
+    condition {
+      test     = "StringEquals"
+      variable = "aws:ResourceTag/k8s.io/cluster-autoscaler/${var.name}"
+      values   = ["owned"]
+    }
+  }
+}

@@ -1,0 +1,107 @@
+# fngate's workloads. The Kubernetes objects (gateway Deployment, Service, PDB and HPA; per runner
+# pool a Deployment and its KEDA ScaledObject) come from one renderer, fngate/k8s.py, which Terraform
+# runs here and which users without Terraform run themselves (`python -m fngate.k8s`): one source
+# for both paths. They are applied as one Helm release, so a pool removed from the manifests is
+# removed from the cluster. What depends on this stack (namespace, Redis Secret, deployer account)
+# is made here with the Kubernetes provider.
+
+locals {
+  redis_secret = "fngate-redis"
+  redis_url    = "rediss://:${var.redis_auth_token}@${var.redis_address}:${var.redis_port}/0"
+  https        = var.gateway_certificate_arn != ""
+  service_annotations = merge(
+    {
+      "service.beta.kubernetes.io/aws-load-balancer-type"                              = "nlb"
+      "service.beta.kubernetes.io/aws-load-balancer-cross-zone-load-balancing-enabled" = "true"
+    },
+    local.https ? {
+      "service.beta.kubernetes.io/aws-load-balancer-ssl-cert"  = var.gateway_certificate_arn
+      "service.beta.kubernetes.io/aws-load-balancer-ssl-ports" = "443"
+    } : {},
+  )
+  render_flags = [
+    "-m", "fngate.k8s", "--format", "terraform",
+    "--functions", abspath(var.functions_dir),
+    "--namespace", var.namespace,
+    "--image", var.gateway_image,
+    "--runner-image", var.runner_image,
+    "--gpu-image", var.runner_gpu_image,
+    "--repo", var.repo,
+    "--redis-address", "${var.redis_address}:${var.redis_port}",
+    "--redis-secret", local.redis_secret,
+    "--polling-interval", tostring(var.polling_interval_s),
+    "--cooldown", tostring(var.cooldown_s),
+    "--gateway-min-replicas", tostring(var.gateway_min_replicas),
+    "--gateway-max-replicas", tostring(var.gateway_max_replicas),
+    "--service-port", local.https ? "443" : "80",
+    "--gateway-role-arn", var.gateway_role_arn,
+    "--runner-role-arn", var.runner_role_arn,
+    "--otlp-endpoint", var.otlp_endpoint,
+    "--log-level", var.log_level,
+  ]
+  render_args = concat(
+    local.render_flags,
+    flatten([for key, value in local.service_annotations : ["--service-annotation", "${key}=${value}"]]),
+    flatten([for cidr in var.gateway_allowed_cidrs : ["--source-range", cidr]]),
+  )
+}
+
+resource "kubernetes_namespace_v1" "this" {
+  metadata {
+    name = var.namespace
+    labels = {
+      "app.kubernetes.io/part-of"          = "fngate"
+      "pod-security.kubernetes.io/enforce" = "restricted"
+    }
+  }
+}
+
+# FNGATE_REDIS_URL for the pods (key url) and the AUTH token for KEDA's TriggerAuthentication (key
+# password); the renderer refers to both by this Secret's name.
+resource "kubernetes_secret_v1" "redis" {
+  metadata {
+    name      = local.redis_secret
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
+  }
+
+  data = {
+    url      = local.redis_url
+    password = var.redis_auth_token
+  }
+}
+
+# The account `fngate deploy` runs as inside the cluster (a CI job, say): it may write the repository.
+resource "kubernetes_service_account_v1" "deployer" {
+  metadata {
+    name        = "fngate-deployer"
+    namespace   = kubernetes_namespace_v1.this.metadata[0].name
+    annotations = { "eks.amazonaws.com/role-arn" = var.deployer_role_arn }
+  }
+  automount_service_account_token = false
+}
+
+data "external" "objects" {
+  program     = concat([var.python], local.render_args)
+  working_dir = path.root
+}
+
+resource "helm_release" "fngate" {
+  name      = "fngate"
+  namespace = kubernetes_namespace_v1.this.metadata[0].name
+  chart     = var.objects_chart
+  # Naming the KEDA release orders this one after KEDA's CRDs, without making the rendering wait.
+  description = "fngate workloads (after ${var.keda_release})"
+  wait        = true
+  timeout     = 900
+
+  values = [yamlencode({ items = jsondecode(data.external.objects.result.objects) })]
+}
+
+data "kubernetes_service_v1" "gateway" {
+  metadata {
+    name      = "fngate-gateway"
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
+  }
+
+  depends_on = [helm_release.fngate]
+}

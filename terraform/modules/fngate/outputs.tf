@@ -1,0 +1,4 @@
+output "gateway_url" {
+  description = "Base URL of the gateway's load balancer."
+  value       = "${local.https ? "https" : "http"}://${try(data.kubernetes_service_v1.gateway.status[0].load_balancer[0].ingress[0].hostname, "pending")}"
+}

@@ -1,0 +1,96 @@
+# Traces and metrics: an OpenTelemetry collector that gateways and runners send OTLP to, Prometheus
+# (kube-prometheus-stack, optional) scraping their /metrics, and fngate's alert rules.
+
+locals {
+  rules = yamldecode(file(var.rules_file))
+  exporters = var.otlp_export_endpoint == "" ? {
+    debug = { verbosity = "basic" }
+    } : {
+    otlphttp = { endpoint = var.otlp_export_endpoint }
+  }
+}
+
+resource "helm_release" "otel_collector" {
+  name             = "otel-collector"
+  namespace        = var.namespace
+  create_namespace = true
+  repository       = "https://open-telemetry.github.io/opentelemetry-helm-charts"
+  chart            = "opentelemetry-collector"
+  version          = var.otel_collector_chart_version
+
+  values = [yamlencode({
+    mode             = "deployment"
+    fullnameOverride = "otel-collector"
+    image            = { repository = "otel/opentelemetry-collector-contrib" }
+    replicaCount     = 2
+    resources        = { requests = { cpu = "100m", memory = "256Mi" }, limits = { cpu = "1", memory = "1Gi" } }
+    config = {
+      receivers  = { otlp = { protocols = { grpc = { endpoint = "$${env:MY_POD_IP}:4317" }, http = { endpoint = "$${env:MY_POD_IP}:4318" } } } }
+      processors = { batch = {}, memory_limiter = { check_interval = "5s", limit_percentage = 80, spike_limit_percentage = 25 } }
+      exporters  = local.exporters
+      service = {
+        pipelines = {
+          traces  = { receivers = ["otlp"], processors = ["memory_limiter", "batch"], exporters = keys(local.exporters) }
+          metrics = { receivers = ["otlp"], processors = ["memory_limiter", "batch"], exporters = keys(local.exporters) }
+        }
+      }
+    }
+  })]
+}
+
+resource "helm_release" "prometheus" {
+  count = var.install_prometheus ? 1 : 0
+
+  name             = "prometheus"
+  namespace        = var.namespace
+  create_namespace = true
+  repository       = "https://prometheus-community.github.io/helm-charts"
+  chart            = "kube-prometheus-stack"
+  version          = var.prometheus_stack_chart_version
+
+  # Pick up PrometheusRules and PodMonitors from every namespace, not only this release's.
+  values = [yamlencode({
+    prometheus = {
+      prometheusSpec = {
+        ruleSelectorNilUsesHelmValues           = false
+        podMonitorSelectorNilUsesHelmValues     = false
+        serviceMonitorSelectorNilUsesHelmValues = false
+        retention                               = "15d"
+      }
+    }
+  })]
+
+  depends_on = [helm_release.otel_collector]
+}
+
+# fngate's alert rules (deploy/prometheus/rules.yaml) and what Prometheus scrapes: the gateway's
+# /metrics on its http port and the runners' on their metrics port, in fngate's namespace.
+resource "helm_release" "fngate_monitoring" {
+  name      = "fngate-monitoring"
+  namespace = var.namespace
+  chart     = var.objects_chart
+
+  values = [yamlencode({
+    items = [
+      {
+        apiVersion = "monitoring.coreos.com/v1"
+        kind       = "PrometheusRule"
+        metadata   = { name = "fngate", labels = { "app.kubernetes.io/part-of" = "fngate" } }
+        spec       = { groups = local.rules.groups }
+      },
+      {
+        apiVersion = "monitoring.coreos.com/v1"
+        kind       = "PodMonitor"
+        metadata   = { name = "fngate", labels = { "app.kubernetes.io/part-of" = "fngate" } }
+        spec = {
+          namespaceSelector   = { matchNames = [var.fngate_namespace] }
+          selector            = { matchLabels = { "app.kubernetes.io/name" = "fngate" } }
+          podMetricsEndpoints = [{ port = "http", path = "/metrics" }, { port = "metrics", path = "/metrics" }]
+        }
+      },
+    ]
+  })]
+
+  # The namespace comes with the collector; the CRDs with kube-prometheus-stack.
+  depends_on = [helm_release.otel_collector, helm_release.prometheus]
+}

@@ -1,0 +1,208 @@
+"""terraform/: what matters about it, read with python-hcl2 (GPU nodes scale to zero, the bucket is
+private and TLS-only, Redis speaks TLS and evicts cache entries only, KEDA is recent enough, the
+renderer gets what it needs), then `terraform fmt` and `terraform validate` where Terraform exists."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deploy_files import ROOT, TERRAFORM, Module, find_tool, load_hcl
+
+from fngate import k8s
+
+TERRAFORM_TIMEOUT_S = 300
+
+
+def test_gpu_node_group_scales_to_zero_and_is_tainted(modules: dict[str, Module]) -> None:
+    eks = modules["eks"]
+    gpu = eks.resource("aws_eks_node_group", "gpu")
+    assert gpu["scaling_config"][0]["min_size"] == 0
+    assert gpu["scaling_config"][0]["desired_size"] == 0
+    assert "NVIDIA" in gpu["ami_type"]
+    taint = {key: eks.resolve(value) for key, value in gpu["taint"][0].items()}
+    assert taint == {"key": k8s.GPU_TAINT_KEY, "value": "true", "effect": "NO_SCHEDULE"}
+    labels = {eks.resolve(key): eks.resolve(value) for key, value in gpu["labels"].items()}
+    assert labels[k8s.GPU_NODE_LABEL[0]] == k8s.GPU_NODE_LABEL[1]
+    # The cluster autoscaler owns the size; Terraform must not reset it on every apply.
+    assert gpu["lifecycle"][0]["ignore_changes"] == ["${scaling_config[0].desired_size}"]
+    cpu = eks.resource("aws_eks_node_group", "cpu")
+    assert "taint" not in cpu
+
+
+def test_cluster_autoscaler_can_scale_the_gpu_group_from_zero(modules: dict[str, Module]) -> None:
+    tags = modules["eks"].resource("aws_autoscaling_group_tag", "gpu_template")["for_each"]
+    assert any("node-template/taint/" in key for key in tags)
+    assert any("node-template/label/" in key for key in tags)
+    release = modules["cluster-addons"].resource("helm_release", "cluster_autoscaler")
+    assert release["chart"] == "cluster-autoscaler"
+    device_plugin = modules["cluster-addons"].resource("helm_release", "nvidia_device_plugin")
+    assert device_plugin["chart"] == "nvidia-device-plugin"
+
+
+def test_bucket_is_private_versioned_encrypted_and_tls_only(modules: dict[str, Module]) -> None:
+    bucket = modules["bucket"]
+    block = bucket.resource("aws_s3_bucket_public_access_block", "this")
+    for setting in (
+        "block_public_acls",
+        "block_public_policy",
+        "ignore_public_acls",
+        "restrict_public_buckets",
+    ):
+        assert block[setting] is True, setting
+    ownership = bucket.resource("aws_s3_bucket_ownership_controls", "this")
+    assert ownership["rule"][0]["object_ownership"] == "BucketOwnerEnforced"  # no ACLs at all
+    versioning = bucket.resource("aws_s3_bucket_versioning", "this")
+    assert versioning["versioning_configuration"][0]["status"] == "Enabled"
+    encryption = bucket.resource("aws_s3_bucket_server_side_encryption_configuration", "this")
+    assert encryption["rule"][0]["apply_server_side_encryption_by_default"][0]["sse_algorithm"] == "aws:kms"
+    policy = bucket.resource("aws_iam_policy_document", "tls_only", section="data")
+    denies = [s for s in policy["statement"] if s["effect"] == "Deny"]
+    conditions = {(c["variable"], tuple(c["values"])) for s in denies for c in s["condition"]}
+    assert ("aws:SecureTransport", ("false",)) in conditions
+    assert bucket.resource("aws_s3_bucket_policy", "this")["policy"].endswith("tls_only.json}")
+
+
+def test_only_deployers_write_the_repository(modules: dict[str, Module]) -> None:
+    bucket = modules["bucket"]
+    read = bucket.resource("aws_iam_policy_document", "read", section="data")
+    actions = {action for statement in read["statement"] for action in statement["actions"]}
+    assert not any(action.startswith(("s3:Put", "s3:Delete")) for action in actions)
+    write = bucket.resource("aws_iam_policy_document", "write", section="data")
+    assert "s3:PutObject" in {a for s in write["statement"] for a in s["actions"]}
+    roles = modules["root"].named("module")
+    assert roles["runner_role"]["policy_json"] == "${module.bucket.read_policy_json}"
+    assert roles["gateway_role"]["policy_json"] == "${module.bucket.read_policy_json}"
+    assert roles["deployer_role"]["policy_json"] == "${module.bucket.write_policy_json}"
+    for role in ("runner_role", "gateway_role", "deployer_role"):
+        assert roles[role]["service_account"] == f"fngate-{role.removesuffix('_role')}"
+
+
+def test_redis_has_tls_auth_and_evicts_only_keys_with_a_ttl(modules: dict[str, Module]) -> None:
+    redis = modules["redis"]
+    group = redis.resource("aws_elasticache_replication_group", "this")
+    assert group["transit_encryption_enabled"] is True
+    assert group["at_rest_encryption_enabled"] is True
+    assert group["auth_token"] == "${random_password.auth_token.result}"
+    assert group["automatic_failover_enabled"] is True
+    parameters = redis.resource("aws_elasticache_parameter_group", "this")
+    assert parameters["family"] == "redis7"
+    assert {p["name"]: p["value"] for p in parameters["parameter"]} == {"maxmemory-policy": "volatile-lru"}
+    assert group["parameter_group_name"] == "${aws_elasticache_parameter_group.this.name}"
+    # The pods' URL speaks TLS (rediss://) and so does KEDA (the renderer's default, not switched off).
+    fngate = modules["fngate"]
+    assert fngate.locals["redis_url"].startswith("rediss://")
+    assert "--no-redis-tls" not in fngate.locals["render_flags"]
+
+
+def test_keda_is_installed_from_its_chart_at_2_17_or_later(modules: dict[str, Module]) -> None:
+    release = modules["keda"].resource("helm_release", "keda")
+    assert release["chart"] == "keda"
+    assert release["repository"] == "https://kedacore.github.io/charts"
+    variable = modules["root"].named("variable")["keda_chart_version"]
+    pattern = re.search(r'regex\("(.+?)",', variable["validation"][0]["condition"])
+    assert pattern is not None
+    accepts = re.compile(pattern.group(1).replace("\\\\", "\\"))
+    assert accepts.match(variable["default"])
+    for version in ("2.17.0", "2.18.1", "2.20.3"):
+        assert accepts.match(version), version
+    for version in ("2.16.1", "2.9.0", "1.5.0", "2.17"):
+        assert not accepts.match(version), version
+
+
+def test_workloads_come_from_the_renderer_with_the_scaling_variables(modules: dict[str, Module]) -> None:
+    fngate = modules["fngate"]
+    program = fngate.resource("external", "objects", section="data")["program"]
+    assert program.startswith("${concat([var.python]")
+    args = fngate.locals["render_flags"]
+    assert args[:4] == ["-m", "fngate.k8s", "--format", "terraform"]
+    flags = dict(zip(args[4::2], args[5::2], strict=True))
+    assert flags["--polling-interval"] == "${tostring(var.polling_interval_s)}"
+    assert flags["--cooldown"] == "${tostring(var.cooldown_s)}"
+    root = modules["root"].named("module")["fngate"]
+    assert root["polling_interval_s"] == "${var.keda_polling_interval_s}"
+    assert root["cooldown_s"] == "${var.keda_cooldown_s}"
+    # Every flag Terraform passes is one the renderer knows.
+    options = {"--functions", "--format"} | {
+        "--" + field.replace("_", "-").removesuffix("-s") for field in k8s.Options.__dataclass_fields__
+    }
+    options |= {"--service-annotation", "--source-range"}
+    assert set(flags) <= options
+    release = fngate.resource("helm_release", "fngate")
+    assert release["chart"] == "${var.objects_chart}"
+    assert "data.external.objects.result.objects" in release["values"][0]
+
+
+def test_objects_chart_applies_the_objects_it_is_given() -> None:
+    template = (TERRAFORM / "charts" / "objects" / "templates" / "objects.yaml").read_text(encoding="utf-8")
+    assert "range .Values.items" in template and "toYaml ." in template
+
+
+def test_alert_rules_file_is_the_one_terraform_loads(modules: dict[str, Module]) -> None:
+    rules_file = modules["root"].named("module")["observability"]["rules_file"]
+    assert rules_file == "${path.root}/../deploy/prometheus/rules.yaml"
+    assert (ROOT / "deploy" / "prometheus" / "rules.yaml").is_file()
+
+
+def test_every_variable_and_output_is_documented(modules: dict[str, Module]) -> None:
+    for name, module in modules.items():
+        for section in ("variable", "output"):
+            for block_name, block in module.named(section).items():
+                assert block.get("description", "").strip(), f"{name}: {section} {block_name}"
+    outputs = modules["root"].named("output")
+    assert {"gateway_url", "bucket"} <= set(outputs)
+
+
+def test_example_tfvars_sets_every_required_variable() -> None:
+    variables = load_module_variables()
+    example = load_hcl(TERRAFORM / "example.tfvars")
+    required = {name for name, block in variables.items() if "default" not in block}
+    assert required <= set(example), f"example.tfvars misses {sorted(required - set(example))}"
+    assert set(example) <= set(variables), (
+        f"unknown in example.tfvars: {sorted(set(example) - set(variables))}"
+    )
+
+
+def load_module_variables() -> dict[str, Any]:
+    blocks = load_hcl(TERRAFORM / "variables.tf")["variable"]
+    return {name: body for entry in blocks for name, body in entry.items()}
+
+
+# ---------------------------------------------------------------- the terraform binary
+def terraform_binary() -> str:
+    found = find_tool("terraform")
+    if found is None:
+        pytest.skip(
+            "terraform is not installed (it is neither on PyPI nor in Debian): fmt and validate not run"
+        )
+    return found
+
+
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=TERRAFORM_TIMEOUT_S, check=False
+    )
+
+
+def test_terraform_fmt() -> None:
+    done = run([terraform_binary(), "fmt", "-check", "-recursive", "-diff", "-no-color"], TERRAFORM)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_terraform_validate(tmp_path: Path) -> None:
+    terraform = terraform_binary()
+    # A copy, so that init's .terraform/ and lock file stay out of the working tree.
+    copy = tmp_path / "terraform"
+    shutil.copytree(TERRAFORM, copy, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*"))
+    init = run([terraform, "init", "-backend=false", "-input=false", "-no-color"], copy)
+    if init.returncode != 0:
+        output = init.stderr + init.stdout
+        first_error = output[output.find("Error:") :].split("\n\n")[:2]
+        reason = " ".join(" ".join(first_error).split())[:400]
+        pytest.skip(f"terraform init could not install the providers (no registry or mirror): {reason}")
+    done = run([terraform, "validate", "-no-color"], copy)
+    assert done.returncode == 0, done.stdout + done.stderr
