@@ -4,6 +4,7 @@ where their files are. The folder layout is `{root}/{function}/function.yaml` be
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,8 @@ class FunctionVersion:
     version: str
     directory: Path
     """A local folder holding the manifest and the model files."""
+    digest: str = ""
+    """sha256 over the version's files: what makes two versions' answers differ."""
 
     @property
     def name(self) -> str:
@@ -42,6 +45,7 @@ class FolderRepository:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._reported: set[tuple[str, str]] = set()
+        self._digests: dict[Path, tuple[tuple[tuple[str, int, int], ...], str]] = {}
 
     def scan(self) -> dict[str, FunctionVersion]:
         found: dict[str, FunctionVersion] = {}
@@ -72,7 +76,24 @@ class FolderRepository:
         if manifest.name != path.parent.name:
             self._report(path, f"name {manifest.name!r} differs from its folder {path.parent.name!r}")
             return None
-        return FunctionVersion(manifest=manifest, version="1", directory=path.parent)
+        return FunctionVersion(manifest, "1", path.parent, self._digest(path.parent))
+
+    def _digest(self, folder: Path) -> str:
+        """sha256 over every file's name and contents; recomputed only when a file changes."""
+        stamp = tuple(
+            (str(item.relative_to(folder)), item.stat().st_size, item.stat().st_mtime_ns)
+            for item in sorted(folder.rglob("*"))
+            if item.is_file() and "__pycache__" not in item.parts
+        )
+        cached = self._digests.get(folder)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        digest = hashlib.sha256()
+        for name, _size, _mtime in stamp:
+            digest.update(name.encode() + b"\0")
+            digest.update(hashlib.sha256((folder / name).read_bytes()).digest())
+        self._digests[folder] = (stamp, digest.hexdigest())
+        return digest.hexdigest()
 
     def _report(self, path: Path, problem: str) -> None:
         # Scans repeat every few seconds: say each problem once, not on every scan.

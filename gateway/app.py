@@ -16,7 +16,7 @@ from fngate import keys
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.repository import open_repository
-from gateway import endpoints
+from gateway import admin, endpoints
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import handle_function_error
@@ -37,6 +37,7 @@ ROUTES = [
     Route("/v2/models/{name}/versions/{version}/infer", endpoints.infer_v2, methods=["POST"]),
     Route("/v1/functions", endpoints.list_functions),
     Route("/v1/functions/{name}", endpoints.invoke_v1, methods=["POST"]),
+    *admin.ROUTES,
 ]
 
 
