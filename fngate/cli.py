@@ -41,6 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate = commands.add_parser("validate", help="check function manifests; print every problem")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
 
+    cache = commands.add_parser("cache", help="manage the response cache")
+    cache.add_argument("action", choices=["clear"])
+    cache.add_argument("function", metavar="NAME")
+    cache.add_argument(
+        "--redis", metavar="URL", help="the cache Redis (default: FNGATE_CACHE_URL or FNGATE_REDIS_URL)"
+    )
+
     k8s = commands.add_parser(
         "k8s", help="render Kubernetes objects (KEDA ScaledObjects per pool) from manifests"
     )
@@ -48,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.k8s --help`")
 
     args = parser.parse_args(argv)
+    if args.command == "cache":
+        return _clear_cache(args.function, args.redis)
     if args.command == "k8s":
         from fngate.k8s import main as k8s_main
 
@@ -79,6 +88,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:
     """Settings fields given on the command line; the rest come from FNGATE_* variables."""
     return {field: getattr(args, flag) for field, flag in fields.items() if getattr(args, flag) is not None}
+
+
+def _clear_cache(function: str, url: str | None) -> int:
+    import redis
+
+    from fngate import keys
+    from fngate.config import GatewaySettings
+
+    if url is None:
+        settings = GatewaySettings()
+        url = settings.cache_url or settings.redis_url
+    client = redis.Redis.from_url(url)
+    cleared = 0
+    batch: list[bytes] = []
+    for key in client.scan_iter(match=keys.cache_prefix(function) + "*", count=1000):
+        batch.append(key)
+        if len(batch) == 1000:
+            cleared += client.unlink(*batch)
+            batch.clear()
+    if batch:
+        cleared += client.unlink(*batch)
+    print(f"cleared {cleared} cached responses of {function}")
+    return 0
 
 
 def _validate(files: Sequence[Path]) -> int:

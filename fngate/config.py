@@ -16,6 +16,8 @@ class _Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    cache_url: str = ""
+    """A Redis for the response cache; empty: the queue's Redis (one round trip per invocation)."""
     repo: str = "functions"
     log_level: str = "INFO"
 
@@ -30,6 +32,8 @@ class GatewaySettings(_Settings):
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
     catalog_refresh_s: Annotated[float, Field(gt=0)] = 2.0
     retry_after_s: Annotated[int, Field(ge=1)] = 1
+    load_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """How long POST /v2/repository/models/{name}/load waits for a runner to report the model ready."""
 
 
 class RunnerSettings(_Settings):
@@ -44,6 +48,16 @@ class RunnerSettings(_Settings):
     rescan_s: Annotated[float, Field(gt=0)] = 2.0
     read_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
     reply_maxlen: Annotated[int, Field(ge=100)] = 100_000
+    artifact_dir: str = "~/.cache/fngate/artifacts"
+    """Local cache of model files downloaded from an S3 repository, keyed by sha256."""
+    artifact_max_bytes: Annotated[int, Field(ge=0)] = 20 * 1024**3
+    """Past this, least recently used files that no loaded model needs are deleted."""
+    heartbeat_s: Annotated[float, Field(gt=0)] = 2.0
+    load_retry_s: Annotated[float, Field(ge=0)] = 30.0
+    """After a failed load, invocations get the failure at once for this long; a load request retries."""
+    retire_after_s: Annotated[float, Field(ge=0)] = 10.0
+    """A version the policy no longer serves is unloaded once a newer one is ready here and it was
+    unused for this long (gateways see the newer one become ready within their refresh interval)."""
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -16,6 +16,46 @@ def dead_letters(function: str) -> str:
     return f"{PREFIX}:dlq:{function}"
 
 
+def cache_entry(function: str, key_hex: str) -> str:
+    """A cached response (a hash of `h` and `b`, with the manifest's TTL)."""
+    return f"{cache_prefix(function)}{key_hex}"
+
+
+def cache_prefix(function: str) -> str:
+    """Every cache entry of a function starts with this, so that they can be cleared together."""
+    return f"{PREFIX}:c:{function}:"
+
+
+def in_flight(function: str, key_hex: str) -> str:
+    """The invocation now computing this cache key; identical invocations wait for its reply."""
+    return f"{PREFIX}:f:{function}:{key_hex}"
+
+
+def waiters(in_flight_key: str) -> str:
+    """Reply streams and invocation ids waiting on an in-flight invocation, as "stream id" items."""
+    return f"{in_flight_key}:w"
+
+
 def replies(gateway_id: str) -> str:
     """The reply stream of one gateway process."""
     return f"{PREFIX}:r:{gateway_id}"
+
+
+def registry() -> str:
+    """Hash: function name -> JSON record of its stored versions, mirrored from the repository."""
+    return f"{PREFIX}:registry"
+
+
+def control() -> str:
+    """Stream of model-control operations (load, unload, deploy, remove) that every runner reads."""
+    return f"{PREFIX}:control"
+
+
+def runners() -> str:
+    """Sorted set: live runner name -> the time (ms) its heartbeat expires."""
+    return f"{PREFIX}:runners"
+
+
+def runner_models(runner: str) -> str:
+    """Hash of one runner: "{function}/{version}" -> JSON load state, plus `_pool` and `_control`."""
+    return f"{PREFIX}:models:{runner}"

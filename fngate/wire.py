@@ -32,6 +32,13 @@ class Invocation:
     inputs: Tensors
     outputs: tuple[str, ...] | None = None
     traceparent: str | None = None
+    digest: str = ""
+    """The digest of the version the gateway resolved; answers from other files are not cached."""
+    cache_key: str | None = None
+    """The cache entry the runner stores the answer under (None: not cached), for cache_ttl_s."""
+    cache_ttl_s: int = 0
+    in_flight_key: str | None = None
+    """Set when identical invocations may be waiting on this one (see fngate.keys.waiters)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -51,6 +58,10 @@ class Invocation:
             "deadline_ms": self.deadline_ms,
             "out": self.outputs,
             "tp": self.traceparent,
+            "dg": self.digest,
+            "ck": self.cache_key,
+            "cttl": self.cache_ttl_s,
+            "fk": self.in_flight_key,
         }
         return _encode(header, self.inputs)
 
@@ -67,6 +78,10 @@ class Invocation:
             inputs=tensors,
             outputs=tuple(outputs) if outputs is not None else None,
             traceparent=header.get("tp"),
+            digest=header.get("dg", ""),
+            cache_key=header.get("ck"),
+            cache_ttl_s=header.get("cttl", 0),
+            in_flight_key=header.get("fk"),
         )
 
 
@@ -78,6 +93,8 @@ class Reply:
     error: FunctionError | None = None
     batch_id: str = ""
     batch_size: int = 0
+    cached: bool = False
+    """Answered from the response cache (set by the gateway; not part of the encoding)."""
 
     def encode(self) -> Fields:
         header: dict[str, Any] = {

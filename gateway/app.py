@@ -17,6 +17,7 @@ from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.repository import open_repository
 from gateway import admin, endpoints
+from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import handle_function_error
@@ -65,11 +66,11 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                     ),
                 ]
                 try:
-                    yield {
-                        "services": endpoints.Services(
-                            catalog, Dispatcher(redis, replies), settings.max_body_bytes
-                        )
-                    }
+                    separate = _separate_cache(settings)
+                    dispatcher = Dispatcher(redis, replies, separate)
+                    yield {"services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes)}
+                    if separate is not None:
+                        await separate.aclose()
                 finally:
                     for loop in loops:
                         loop.cancel()
@@ -81,6 +82,14 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
     )
     app.state.retry_after_s = settings.retry_after_s
     return app
+
+
+def _separate_cache(settings: GatewaySettings) -> SeparateCache | None:
+    """A cache Redis of its own, when one is configured apart from the queue's."""
+    if not settings.cache_url or settings.cache_url == settings.redis_url:
+        return None
+    client = aioredis.from_url(settings.cache_url, socket_connect_timeout=1, socket_timeout=1)
+    return SeparateCache(client, CacheHealth())
 
 
 async def _guard(loop: object, name: str, stopping: asyncio.Event | None) -> None:

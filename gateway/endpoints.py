@@ -11,13 +11,15 @@ from starlette.responses import Response
 import fngate
 from fngate.manifest import FunctionManifest
 from fngate.repository import FunctionVersion
+from fngate.wire import Reply
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import PayloadTooLarge
-from gateway.protocol import HEADER_LENGTH, parse_v1, parse_v2, render_v1, render_v2
+from gateway.protocol import HEADER_LENGTH, InferRequest, parse_v1, parse_v2, render_v1, render_v2
 from gateway.rendering import json_response
 
 EXTENSIONS = ["binary_tensor_data"]
+CACHE_HEADER = "x-fngate-cache"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,10 +71,9 @@ async def infer_v2(request: Request) -> Response:
     function = _function(request)
     body = await _body(request)
     parsed = parse_v2(body, request.headers.get(HEADER_LENGTH), function.manifest)
-    reply = await services(request).dispatcher.submit(
-        function, parsed.inputs, parsed.outputs, parsed.timeout_ms, request.headers.get("traceparent")
-    )
+    reply = await _submit(request, function, parsed)
     content, headers = render_v2(parsed, reply, function.manifest)
+    headers[CACHE_HEADER] = _cache_state(function, reply)
     return Response(content, 200, headers)
 
 
@@ -80,10 +81,9 @@ async def invoke_v1(request: Request) -> Response:
     function = services(request).catalog.get(request.path_params["name"])
     body = await _body(request)
     parsed = parse_v1(body, function.manifest)
-    reply = await services(request).dispatcher.submit(
-        function, parsed.inputs, parsed.outputs, parsed.timeout_ms, request.headers.get("traceparent")
-    )
-    return Response(render_v1(reply), 200, media_type="application/json")
+    reply = await _submit(request, function, parsed)
+    headers = {CACHE_HEADER: _cache_state(function, reply)}
+    return Response(render_v1(reply), 200, headers, media_type="application/json")
 
 
 async def list_functions(request: Request) -> Response:
@@ -96,6 +96,24 @@ async def list_functions(request: Request) -> Response:
             ]
         }
     )
+
+
+async def _submit(request: Request, function: FunctionVersion, parsed: InferRequest) -> Reply:
+    use_cache = parsed.use_cache and "no-cache" not in request.headers.get("cache-control", "")
+    return await services(request).dispatcher.submit(
+        function,
+        parsed.inputs,
+        parsed.outputs,
+        parsed.timeout_ms,
+        request.headers.get("traceparent"),
+        use_cache,
+    )
+
+
+def _cache_state(function: FunctionVersion, reply: Reply) -> str:
+    if not function.manifest.cache.enabled:
+        return "off"
+    return "hit" if reply.cached else "miss"
 
 
 def _function(request: Request) -> FunctionVersion:

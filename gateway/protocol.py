@@ -28,6 +28,7 @@ class InferRequest:
     binary_outputs: frozenset[str]
     request_id: str | None
     timeout_ms: int | None
+    use_cache: bool = True
 
 
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
@@ -47,10 +48,20 @@ def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest)
         binary = body[json_size:]
         body = body[:json_size]
     doc = _load_json(body)
+    inputs = _v2_inputs(doc, memoryview(binary), manifest)
+    _check_complete(manifest, inputs)
+    outputs, binary_outputs = _requested_outputs(doc, manifest)
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidArgument("'id' must be a string")
+    params = _params(doc, "request")
+    return InferRequest(inputs, outputs, binary_outputs, request_id, _timeout(params), _use_cache(params))
+
+
+def _v2_inputs(doc: Mapping[str, Any], view: memoryview, manifest: FunctionManifest) -> Tensors:
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgument("'inputs' must be a non-empty list of tensors")
-    view = memoryview(binary)
     offset = 0
     inputs: Tensors = {}
     for index, item in enumerate(raw_inputs):
@@ -85,12 +96,7 @@ def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest)
             raise InvalidArgument(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
     if offset != len(view):
         raise InvalidArgument(f"{len(view) - offset} bytes of binary data are not claimed by any input")
-    _check_complete(manifest, inputs)
-    outputs, binary_outputs = _requested_outputs(doc, manifest)
-    request_id = doc.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise InvalidArgument("'id' must be a string")
-    return InferRequest(inputs, outputs, binary_outputs, request_id, _timeout(_params(doc, "request")))
+    return inputs
 
 
 def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
@@ -113,7 +119,7 @@ def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
         for name in outputs:
             _output_spec(manifest, name)
         outputs = tuple(outputs)
-    return InferRequest(inputs, outputs, frozenset(), None, _timeout(doc))
+    return InferRequest(inputs, outputs, frozenset(), None, _timeout(doc), _use_cache(doc))
 
 
 def render_v2(
@@ -135,7 +141,7 @@ def render_v2(
         "model_name": manifest.name,
         "model_version": reply.version,
         "outputs": outputs,
-        "parameters": {"batch_id": reply.batch_id, "batch_size": reply.batch_size},
+        "parameters": {"batch_id": reply.batch_id, "batch_size": reply.batch_size, "cache_hit": reply.cached},
     }
     if request.request_id is not None:
         doc["id"] = request.request_id
@@ -153,6 +159,7 @@ def render_v1(reply: Reply) -> bytes:
         "outputs": {name: _nested(array) for name, array in reply.outputs.items()},
         "version": reply.version,
         "batch": {"id": reply.batch_id, "size": reply.batch_size},
+        "cached": reply.cached,
     }
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -260,6 +267,13 @@ def _timeout(params: Mapping[str, Any]) -> int | None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidArgument("timeout_ms must be a positive integer")
+    return value
+
+
+def _use_cache(params: Mapping[str, Any]) -> bool:
+    value = params.get("cache", True)
+    if not isinstance(value, bool):
+        raise InvalidArgument("'cache' must be true or false")
     return value
 
 

@@ -46,6 +46,8 @@ class ReplyRouter:
         except Exception:
             log.exception("dropping a reply that does not decode")
             return
-        future = self._waiting.pop(reply.id, None)
+        # A reply delivered to an invocation that waited on an identical one names it in `for`.
+        target = fields.get(b"for")
+        future = self._waiting.pop(target.decode() if target else reply.id, None)
         if future is not None and not future.done():
             future.set_result(reply)

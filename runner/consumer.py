@@ -19,7 +19,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fngate import keys
@@ -34,22 +34,33 @@ from runner.pool import ModelPool
 log = logging.getLogger(__name__)
 
 Entry = tuple[bytes, Invocation]
-REPLY_TTL_MS = 600_000
-
-# KEYS[1]: the invocation stream; KEYS[2..]: reply streams. ARGV: group, reply maxlen, reply TTL (ms),
-# the number of replies n, then n triples (index into KEYS, header, body), then the entry ids to
-# acknowledge and delete. One command per batch, however many replies it carries.
+# KEYS[1]: the invocation stream; KEYS[2..]: reply streams. ARGV: group, reply maxlen, the number
+# of replies n, then n groups of eight (index into KEYS, header, body, cache entry or '',
+# its TTL in s, in-flight marker or '', its waiters list, '1' to answer the waiters too), then the
+# entry ids to acknowledge and delete. One command per batch, however many replies it carries.
 FINISH = """
-local n = tonumber(ARGV[4])
-local touched = {}
+local n = tonumber(ARGV[3])
+local maxlen = ARGV[2]
 for i = 0, n - 1 do
-  local key = KEYS[tonumber(ARGV[5 + i * 3])]
-  redis.call('XADD', key, 'MAXLEN', '~', ARGV[2], '*', 'h', ARGV[6 + i * 3], 'b', ARGV[7 + i * 3])
-  touched[key] = true
+  local at = 4 + i * 8
+  local h, b = ARGV[at + 1], ARGV[at + 2]
+  redis.call('XADD', KEYS[tonumber(ARGV[at])], 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  if ARGV[at + 3] ~= '' then
+    redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
+    redis.call('EXPIRE', ARGV[at + 3], ARGV[at + 4])
+  end
+  if ARGV[at + 5] ~= '' then
+    if ARGV[at + 7] == '1' then
+      for _, waiter in ipairs(redis.call('LRANGE', ARGV[at + 6], 0, -1)) do
+        local stream, id = string.match(waiter, '^(%S+) (%S+)$')
+        redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b, 'for', id)
+      end
+    end
+    redis.call('DEL', ARGV[at + 5], ARGV[at + 6])
+  end
 end
-for key in pairs(touched) do redis.call('PEXPIRE', key, ARGV[3]) end
 local ids = {}
-for i = 5 + n * 3, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = 4 + n * 8, #ARGV do ids[#ids + 1] = ARGV[i] end
 if #ids > 0 then
   redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
   redis.call('XDEL', KEYS[1], unpack(ids))
@@ -79,12 +90,22 @@ class FunctionConsumer:
         self._contended = False
         self._last_claim = 0.0
         self._finish = redis.register_script(FINISH)
+        separate = settings.cache_url and settings.cache_url != settings.redis_url
+        self._cache = aioredis.from_url(settings.cache_url, socket_timeout=1) if separate else None
+        self.cache_failures = 0
         self.batches = 0
         self.executed = 0
         self.expired = 0
 
     async def run(self) -> None:
         """Consume until `stopping` is set, then finish what was already read and return."""
+        try:
+            await self._consume()
+        finally:
+            if self._cache is not None:
+                await self._cache.aclose()
+
+    async def _consume(self) -> None:
         await self._ensure_group()
         wait_ms: int | None = None
         while not (self._stopping.is_set() and not self._pending):
@@ -169,43 +190,81 @@ class FunctionConsumer:
     async def _execute(self, batch: Sequence[Entry]) -> None:
         invocations = [invocation for _, invocation in batch]
         batch_id = uuid.uuid4().hex[:16]
+        ran_digest = ""
         try:
             model = await self._pool.get(self.function)
         except FunctionError as exc:
             replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
         else:
+            ran_digest = model.function.digest
             replies = await asyncio.to_thread(
                 execute, model.backend, self.function.manifest, invocations, batch_id
             )
         self.batches += 1
         self.executed += len(batch)
         log.debug("%s: batch %s of %d invocations", self.function.name, batch_id, len(batch))
-        await self._reply(replies, [entry_id for entry_id, _ in batch], invocations)
+        await self._reply(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
 
     async def _reply(
-        self, replies: Sequence[Reply], entry_ids: list[bytes], invocations: Sequence[Invocation]
+        self,
+        replies: Sequence[Reply],
+        entry_ids: list[bytes],
+        invocations: Sequence[Invocation],
+        ran_digest: str = "",
     ) -> None:
-        """Write every reply and acknowledge (and delete) the entries in one round trip. Shielded:
-        once a batch ran, its replies go out even if this task is being cancelled."""
+        """Write every reply, store cacheable answers, answer invocations that waited on these, and
+        acknowledge (and delete) the entries, in one round trip. Shielded: once a batch ran, its
+        replies go out even if this task is being cancelled."""
         reply_keys: dict[str, int] = {}
-        triples: list[bytes | str | int] = []
+        groups: list[bytes | str | int] = []
+        separate: list[tuple[str, Fields, int]] = []
         for reply, invocation in zip(replies, invocations, strict=True):
             index = reply_keys.setdefault(invocation.reply_to, len(reply_keys) + 2)
             fields = reply.encode()
-            triples += [index, fields[b"h"], fields[b"b"]]
+            # Only an answer of the very files the gateway keyed on may be cached: during a
+            # rollout a runner can still hold the previous model.
+            cacheable = reply.error is None and invocation.digest == ran_digest
+            entry = invocation.cache_key if cacheable and invocation.cache_key else ""
+            if entry and self._cache is not None:
+                separate.append((entry, fields, invocation.cache_ttl_s))
+                entry = ""
+            in_flight = invocation.in_flight_key or ""
+            # Identical invocations share a failure, but not a deadline: theirs may be later.
+            share = not isinstance(reply.error, DeadlineExceeded)
+            groups += [
+                index,
+                fields[b"h"],
+                fields[b"b"],
+                entry,
+                invocation.cache_ttl_s,
+                in_flight,
+                keys.waiters(in_flight) if in_flight else "",
+                "1" if share else "0",
+            ]
+        if separate and self._cache is not None:
+            # Stored before the replies go out, so that a repeat of the request right after its
+            # answer already hits.
+            await asyncio.shield(self._store_separately(self._cache, separate))
         await asyncio.shield(
             self._finish(
                 keys=[self._stream, *reply_keys],
-                args=[
-                    keys.RUNNER_GROUP,
-                    self._settings.reply_maxlen,
-                    REPLY_TTL_MS,
-                    len(replies),
-                    *triples,
-                    *entry_ids,
-                ],
+                args=[keys.RUNNER_GROUP, self._settings.reply_maxlen, len(replies), *groups, *entry_ids],
             )
         )
+
+    async def _store_separately(self, cache: aioredis.Redis, entries: list[tuple[str, Fields, int]]) -> None:
+        """Answers for a cache Redis of its own: best effort, a cache that is down costs nothing."""
+        try:
+            async with cache.pipeline(transaction=False) as pipe:
+                for entry, fields, ttl_s in entries:
+                    pipe.hset(entry, mapping={"h": fields[b"h"], "b": fields[b"b"]})
+                    pipe.expire(entry, ttl_s)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self.cache_failures += 1
+            log.debug(
+                "%s: could not store %d answers in the cache: %s", self.function.name, len(entries), exc
+            )
 
     async def _expire(self, entries: Sequence[Entry]) -> None:
         self.expired += len(entries)

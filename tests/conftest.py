@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -30,12 +31,11 @@ from runner.worker import main as runner_main
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server on a unix socket in `folder`, no persistence; returns it and its URL."""
     server = shutil.which("redis-server")
     if server is None:
         pytest.fail("redis-server is not installed: run scripts/bootstrap")
-    folder = tmp_path_factory.mktemp("redis")
     sock = folder / "redis.sock"
     process = subprocess.Popen(
         [
@@ -52,6 +52,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             str(folder),
             "--loglevel",
             "warning",
+            *args,
         ],
         stdout=subprocess.DEVNULL,
     )
@@ -67,9 +68,34 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 raise
             time.sleep(0.05)
     client.close()
+    return process, url
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    process, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     process.terminate()
     process.wait(timeout=10)
+
+
+@pytest.fixture
+def extra_redis(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], str]]]:
+    """Factory: another redis-server with extra arguments (a cache of its own, a memory limit)."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+        process, url = start_redis(tmp_path_factory.mktemp("redis-extra"), *args)
+        started.append(process)
+        return process, url
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=10)
 
 
 @pytest.fixture
@@ -108,9 +134,8 @@ async def serve_gateway(redis_url: str, repo: Path) -> AsyncIterator[Callable[..
         sock = free_socket()
         port = sock.getsockname()[1]
         # Detached: Hypercorn owns the descriptor from here on and closes it.
-        settings = GatewaySettings(
-            redis_url=redis_url, repo=str(repo), bind=f"fd://{sock.detach()}", **overrides
-        )
+        fields = {"redis_url": redis_url, "repo": str(repo), **overrides, "bind": f"fd://{sock.detach()}"}
+        settings = GatewaySettings(**fields)
         stopping = asyncio.Event()
         app = create_app(settings, stopping)
         task = asyncio.create_task(serve(app, hypercorn_config(settings), shutdown_trigger=stopping.wait))
@@ -126,21 +151,28 @@ async def serve_gateway(redis_url: str, repo: Path) -> AsyncIterator[Callable[..
             await asyncio.wait_for(task, 15)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerHandle:
+    stopping: asyncio.Event
+    task: asyncio.Task[None]
+
+
 @pytest.fixture
 async def inprocess_runner(redis_url: str, repo: Path) -> AsyncIterator[Callable[..., Any]]:
     """Factory: run runner.worker.main() in this event loop."""
-    runs: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+    runs: list[RunnerHandle] = []
 
-    async def start(**overrides: Any) -> asyncio.Event:
-        settings = RunnerSettings(redis_url=redis_url, repo=str(repo), **overrides)
+    async def start(**overrides: Any) -> RunnerHandle:
+        settings = RunnerSettings(**{"redis_url": redis_url, "repo": str(repo), **overrides})
         stopping = asyncio.Event()
-        runs.append((stopping, asyncio.create_task(runner_main(settings, stopping))))
-        return stopping
+        handle = RunnerHandle(stopping, asyncio.create_task(runner_main(settings, stopping)))
+        runs.append(handle)
+        return handle
 
     yield start
-    for stopping, task in runs:
-        stopping.set()
-        await asyncio.wait_for(task, 30)
+    for run in runs:
+        run.stopping.set()
+        await asyncio.wait_for(run.task, 30)
 
 
 def child_env(redis_url: str, repo: Path, **extra: str) -> dict[str, str]:
