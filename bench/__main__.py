@@ -128,11 +128,31 @@ class Bench:
         binary: bool,
         gateways: list[str] | None = None,
     ) -> Row:
+        requests, inputs = requests_for(function, features, 20_000, binary, seed=concurrency)
+        body = {"body": "binary" if binary else "json"}
+        return self.drive_requests(
+            deployed, scenario, function, model, features, concurrency, requests, inputs, gateways, body
+        )
+
+    def drive_requests(
+        self,
+        deployed: Deployment,
+        scenario: str,
+        function: str,
+        model: str,
+        features: int,
+        concurrency: int,
+        requests: list[loadgen.Request],
+        inputs: np.ndarray,
+        gateways: list[str] | None = None,
+        extra: dict[str, Any] | None = None,
+        cycle: bool = False,
+    ) -> Row:
+        """Drive with these requests: each used once, or over and over with `cycle` (cache hits)."""
         urls = gateways or [deployed.gateways[0][1]]
-        count = 20_000
-        requests, inputs = requests_for(function, features, count, binary, seed=concurrency)
         check = checker(inputs, features, self.reference(model))
         before = deployed.cpu()
+        limit = 200_000 if cycle else len(requests)
 
         async def drive_all() -> list[loadgen.Result]:
             share = max(1, concurrency // len(urls))
@@ -146,6 +166,7 @@ class Bench:
                         self.args.warmup_s,
                         self.args.measure_s,
                         check,
+                        max_requests=limit,
                     )
                     for url in urls
                 )
@@ -158,7 +179,7 @@ class Bench:
         row: Row = {
             "scenario": scenario,
             "function": function,
-            "body": "binary" if binary else "json",
+            **(extra or {}),
             "concurrency": concurrency,
             "gateways": len(urls),
             "runners": len(deployed.runners),
@@ -243,6 +264,28 @@ class Bench:
                 self.drive(deployed, "S2", function, "wide", 512, concurrency, True)
         self.drive(deployed, "S2", "wide", "wide", 512, 64, False)
 
+    def cache(self, deployed: Deployment) -> None:
+        print("S3 cache: hits (inputs answered before) against misses (new inputs), tiny-cached", flush=True)
+        url = deployed.gateways[0][1]
+        port = int(url.rsplit(":", 1)[1])
+        warm, _ = requests_for("tiny-cached", 16, 200, True, seed=11)
+        asyncio.run(loadgen.run("127.0.0.1", port, warm, 1, 0.0, 60.0, max_requests=len(warm)))
+        for kind, seed in (("hit", 11), ("miss", 12)):
+            requests, inputs = requests_for("tiny-cached", 16, 200 if kind == "hit" else 20_000, True, seed)
+            for concurrency in (1, 16):
+                self.drive_requests(
+                    deployed,
+                    "S3",
+                    "tiny-cached",
+                    "tiny",
+                    16,
+                    concurrency,
+                    requests,
+                    inputs,
+                    extra={"cache": kind},
+                    cycle=kind == "hit",
+                )
+
     def cold_start(self, deployed: Deployment) -> None:
         print("S4 cold start: request queued with no runner -> runner started -> answer (tiny)", flush=True)
         port = int(deployed.gateways[0][1].rsplit(":", 1)[1])
@@ -303,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure-s", type=float, default=4.0)
     parser.add_argument("--cold-starts", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="short windows, for a smoke run")
-    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S4,S5")
+    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5")
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup_s, args.measure_s, args.cold_starts = 0.3, 1.0, 1
@@ -327,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench.http_floor(deployed)
             if wanted("S1") or wanted("S2"):
                 bench.overhead_and_batching(deployed)
+            if wanted("S3"):
+                bench.cache(deployed)
             if wanted("S4"):
                 bench.cold_start(deployed)
             if wanted("S5"):

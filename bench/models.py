@@ -68,7 +68,9 @@ def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
     return model
 
 
-def write_function(repo: Path, name: str, model: onnx.ModelProto, features: int, **batching: Any) -> Path:
+def write_function(
+    repo: Path, name: str, model: onnx.ModelProto, features: int, cache: bool = False, **batching: Any
+) -> Path:
     folder = repo / name
     folder.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(folder / "model.onnx"))
@@ -78,14 +80,17 @@ def write_function(repo: Path, name: str, model: onnx.ModelProto, features: int,
         "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, features]}],
         "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, features]}],
         "batching": {"max_queue_size": 10000, "timeout_ms": 30000, **batching},
+        "cache": {"enabled": cache, "ttl_s": 600},
     }
     (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     return folder
 
 
 def build_repository(repo: Path) -> None:
-    """tiny and wide with batching (max 64 rows, no fixed wait), and wide-nobatch (one row a batch)."""
+    """tiny and wide with batching (max 64 rows, no fixed wait), tiny-cached (response cache on),
+    and wide-nobatch (one row a batch)."""
     write_function(repo, "tiny", tiny(), 16, max_batch_size=64, max_queue_delay_us=0)
+    write_function(repo, "tiny-cached", tiny(), 16, cache=True, max_batch_size=64, max_queue_delay_us=0)
     wide_model = wide()
     write_function(repo, "wide", wide_model, 512, max_batch_size=64, max_queue_delay_us=0)
     write_function(repo, "wide-nobatch", wide_model, 512, max_batch_size=1, max_queue_delay_us=0)
