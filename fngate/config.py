@@ -48,6 +48,9 @@ class RunnerSettings(_Settings):
     rescan_s: Annotated[float, Field(gt=0)] = 2.0
     read_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
     reply_maxlen: Annotated[int, Field(ge=100)] = 100_000
+    status_host: str = "0.0.0.0"
+    status_port: Annotated[int, Field(ge=0, le=65535)] = 9100
+    """The runner's /metrics and /healthz port; 0 picks a free one (several runners on one host)."""
     artifact_dir: str = "~/.cache/fngate/artifacts"
     """Local cache of model files downloaded from an S3 repository, keyed by sha256."""
     artifact_max_bytes: Annotated[int, Field(ge=0)] = 20 * 1024**3

@@ -1,14 +1,101 @@
-"""Process-wide telemetry set-up: logging now; traces and metrics hang off the same call."""
+"""Process-wide telemetry set-up: JSON-line logs with trace ids, OpenTelemetry traces over
+OTLP/HTTP when the standard OTEL_* variables ask for them, and Prometheus metric names.
+
+With no OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or
+OTEL_TRACES_EXPORTER=otlp) set, no SDK is loaded: spans come from the API's no-op tracer.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import time
+from collections.abc import Mapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+"""Histogram buckets (seconds) shared by gateway and runner latency metrics."""
+
+
+def tracing_requested(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    return bool(
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or env.get("OTEL_TRACES_EXPORTER", "").startswith("otlp")
+    )
 
 
 def configure(service: str, level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s {service}[%(process)d] %(name)s: %(message)s",
-    )
+    """Logging and, where asked for, tracing for one process; call once from __main__."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    if not tracing_requested() or _has_sdk_provider():
+        return
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create({"service.name": f"fngate-{service}", "service.namespace": "fngate"})
+    resource = resource.merge(OTELResourceDetector().detect())  # OTEL_SERVICE_NAME and friends win
+    provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+
+
+def _has_sdk_provider() -> bool:
+    return hasattr(trace.get_tracer_provider(), "add_span_processor")
+
+
+def shutdown() -> None:
+    """Flush spans still buffered (at process exit)."""
+    provider = trace.get_tracer_provider()
+    stop = getattr(provider, "shutdown", None)
+    if callable(stop):
+        stop()
+
+
+def inject() -> str | None:
+    """The W3C traceparent of the current span, for a message that crosses the queue."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def extract(traceparent: str | None) -> Context | None:
+    """The remote parent a traceparent names (None when there is none)."""
+    return propagate.extract({"traceparent": traceparent}) if traceparent else None
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, with the trace and span ids of the current span when there is one."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "service": self._service,
+            "pid": record.process,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            line["trace_id"] = f"{context.trace_id:032x}"
+            line["span_id"] = f"{context.span_id:016x}"
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line)

@@ -10,18 +10,20 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from fngate import keys
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.repository import open_repository
-from gateway import admin, endpoints
+from gateway import admin, endpoints, metrics
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import handle_function_error
 from gateway.replies import ReplyRouter
+from gateway.tracing import TracingMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ ROUTES = [
     Route("/v2/models/{name}/versions/{version}/infer", endpoints.infer_v2, methods=["POST"]),
     Route("/v1/functions", endpoints.list_functions),
     Route("/v1/functions/{name}", endpoints.invoke_v1, methods=["POST"]),
+    Route("/metrics", metrics.metrics),
     *admin.ROUTES,
 ]
 
@@ -68,7 +71,9 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                 try:
                     separate = _separate_cache(settings)
                     dispatcher = Dispatcher(redis, replies, separate)
-                    yield {"services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes)}
+                    yield {
+                        "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis)
+                    }
                     if separate is not None:
                         await separate.aclose()
                 finally:
@@ -78,7 +83,10 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                 await redis.delete(replies.stream)
 
     app = Starlette(
-        routes=ROUTES, lifespan=lifespan, exception_handlers={FunctionError: handle_function_error}
+        routes=ROUTES,
+        lifespan=lifespan,
+        exception_handlers={FunctionError: handle_function_error},
+        middleware=[Middleware(TracingMiddleware)],
     )
     app.state.retry_after_s = settings.retry_after_s
     return app

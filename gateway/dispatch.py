@@ -9,9 +9,11 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from redis.exceptions import RedisError
 
-from fngate import keys
+from fngate import keys, telemetry
 from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply, Tensors
@@ -43,6 +45,10 @@ return {'queued'}
 """
 
 
+tracer = trace.get_tracer("fngate.gateway")
+REDIS = {"db.system.name": "redis"}
+
+
 class Dispatcher:
     def __init__(
         self, redis: aioredis.Redis, replies: ReplyRouter, cache: SeparateCache | None = None
@@ -57,7 +63,6 @@ class Dispatcher:
         inputs: Tensors,
         outputs: tuple[str, ...] | None,
         timeout_ms: int | None,
-        traceparent: str | None = None,
         use_cache: bool = True,
     ) -> Reply:
         """Answer one invocation; raises the FunctionError it failed with.
@@ -80,14 +85,16 @@ class Dispatcher:
             deadline_ms=int(time.time() * 1000) + timeout_ms,
             inputs=inputs,
             outputs=outputs,
-            traceparent=traceparent,
+            traceparent=telemetry.inject(),
             digest=function.digest,
             cache_key=entry or None,
             cache_ttl_s=manifest.cache.ttl_s,
             in_flight_key=in_flight or None,
         )
         if entry and use_cache and self._separate_cache is not None:
-            hit = await self._separate_cache.get(entry)
+            with tracer.start_as_current_span("cache lookup", kind=SpanKind.CLIENT, attributes=REDIS) as span:
+                hit = await self._separate_cache.get(entry)
+                span.set_attribute("fngate.cache_hit", hit is not None)
             if hit is not None:
                 return dataclasses.replace(Reply.decode(hit), cached=True)
         lookup = entry if use_cache and self._separate_cache is None else ""
@@ -96,21 +103,24 @@ class Dispatcher:
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 try:
-                    outcome = await self._enqueue(
-                        keys=[
-                            keys.invocations(manifest.name),
-                            lookup,
-                            in_flight,
-                            keys.waiters(in_flight) if in_flight else "",
-                        ],
-                        args=[
-                            manifest.batching.max_queue_size,
-                            fields[b"h"],
-                            fields[b"b"],
-                            f"{self._replies.stream} {invocation.id}",
-                            timeout_ms,
-                        ],
-                    )
+                    with tracer.start_as_current_span(
+                        f"enqueue {manifest.name}", kind=SpanKind.PRODUCER, attributes=REDIS
+                    ) as span:
+                        outcome = await self._enqueue(
+                            keys=[
+                                keys.invocations(manifest.name),
+                                lookup,
+                                in_flight,
+                                keys.waiters(in_flight) if in_flight else "",
+                            ],
+                            args=[
+                                manifest.batching.max_queue_size,
+                                fields[b"h"],
+                                fields[b"b"],
+                                f"{self._replies.stream} {invocation.id}",
+                                timeout_ms,
+                            ],
+                        )
                 except RedisError as exc:
                     raise Unavailable(f"the queue is unavailable: {exc}") from exc
                 if outcome[0] == b"hit":

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import redis.asyncio as aioredis
 from starlette.requests import Request
 from starlette.responses import Response
 
 import fngate
+from fngate.errors import FunctionError
 from fngate.manifest import FunctionManifest
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import PayloadTooLarge
+from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
 from gateway.protocol import HEADER_LENGTH, InferRequest, parse_v1, parse_v2, render_v1, render_v2
 from gateway.rendering import json_response
 
+Handler = Callable[[Request], Awaitable[Response]]
 EXTENSIONS = ["binary_tensor_data"]
 CACHE_HEADER = "x-fngate-cache"
 
@@ -29,6 +36,7 @@ class Services:
     catalog: Catalog
     dispatcher: Dispatcher
     max_body_bytes: int
+    redis: aioredis.Redis
 
 
 def services(request: Request) -> Services:
@@ -67,6 +75,28 @@ async def model_ready(request: Request) -> Response:
     return Response(status_code=200)
 
 
+def observed(handler: Handler) -> Handler:
+    """Count each invocation's outcome and time it, labelled by function (and version or code)."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: Request) -> Response:
+        name = request.path_params["name"]
+        started = time.perf_counter()
+        try:
+            response = await handler(request)
+        except FunctionError as exc:
+            known = name in services(request).catalog.functions
+            REQUEST_FAILURE.labels(name if known else "", exc.code.value).inc()
+            raise
+        finally:
+            REQUEST_DURATION.labels(name).observe(time.perf_counter() - started)
+        REQUEST_SUCCESS.labels(name, request.state.version).inc()
+        return response
+
+    return wrapper
+
+
+@observed
 async def infer_v2(request: Request) -> Response:
     function = _function(request)
     body = await _body(request)
@@ -77,6 +107,7 @@ async def infer_v2(request: Request) -> Response:
     return Response(content, 200, headers)
 
 
+@observed
 async def invoke_v1(request: Request) -> Response:
     function = services(request).catalog.get(request.path_params["name"])
     body = await _body(request)
@@ -100,14 +131,13 @@ async def list_functions(request: Request) -> Response:
 
 async def _submit(request: Request, function: FunctionVersion, parsed: InferRequest) -> Reply:
     use_cache = parsed.use_cache and "no-cache" not in request.headers.get("cache-control", "")
-    return await services(request).dispatcher.submit(
-        function,
-        parsed.inputs,
-        parsed.outputs,
-        parsed.timeout_ms,
-        request.headers.get("traceparent"),
-        use_cache,
+    reply = await services(request).dispatcher.submit(
+        function, parsed.inputs, parsed.outputs, parsed.timeout_ms, use_cache
     )
+    request.state.version = reply.version
+    if function.manifest.cache.enabled:
+        (CACHE_HITS if reply.cached else CACHE_MISSES).labels(function.name).inc()
+    return reply
 
 
 def _cache_state(function: FunctionVersion, reply: Reply) -> str:

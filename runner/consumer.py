@@ -18,20 +18,36 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fngate import keys
+from fngate import keys, telemetry
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner.batching import Run, plan
 from runner.execution import execute, shape_key
-from runner.pool import ModelPool
+from runner.metrics import (
+    BATCH_SIZE,
+    COLD_STARTS,
+    COMPUTE_DURATION,
+    EXECUTION_COUNT,
+    INFERENCE_COUNT,
+    INVOCATIONS,
+    MODEL_LOAD_DURATION,
+    MODEL_LOADS,
+    MODELS_LOADED,
+    QUEUE_DURATION,
+)
+from runner.pool import LoadedModel, ModelPool
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("fngate.runner")
 
 Entry = tuple[bytes, Invocation]
 # KEYS[1]: the invocation stream; KEYS[2..]: reply streams. ARGV: group, reply maxlen, the number
@@ -189,21 +205,99 @@ class FunctionConsumer:
 
     async def _execute(self, batch: Sequence[Entry]) -> None:
         invocations = [invocation for _, invocation in batch]
+        name = self.function.name
         batch_id = uuid.uuid4().hex[:16]
+        parents = [telemetry.extract(invocation.traceparent) for invocation in invocations]
+        links = [Link(trace.get_current_span(parent).get_span_context()) for parent in parents if parent]
+        started_ns = time.time_ns()
         ran_digest = ""
-        try:
-            model = await self._pool.get(self.function)
-        except FunctionError as exc:
-            replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
-        else:
-            ran_digest = model.function.digest
-            replies = await asyncio.to_thread(
-                execute, model.backend, self.function.manifest, invocations, batch_id
+        with tracer.start_as_current_span(f"batch {name}", links=links) as batch_span:
+            try:
+                model = await self._load()
+            except FunctionError as exc:
+                replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
+            else:
+                ran_digest = model.function.digest
+                computed = time.perf_counter()
+                replies = await asyncio.to_thread(
+                    execute, model.backend, self.function.manifest, invocations, batch_id
+                )
+                COMPUTE_DURATION.labels(name).observe(time.perf_counter() - computed)
+            rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
+            batch_span.set_attributes(
+                {
+                    "fngate.function": name,
+                    "fngate.version": self.function.version,
+                    "fngate.batch_id": batch_id,
+                    "fngate.batch_size": rows,
+                    "fngate.invocations": len(invocations),
+                }
             )
+        self._observe(batch, replies, parents, batch_span, started_ns, rows)
+        await self._reply(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
+
+    async def _load(self) -> LoadedModel:
+        """The model, loaded now if this batch is its first (a cold start, with a span of its own)."""
+        key = (self.function.name, self.function.version)
+        if key in self._pool.loaded:
+            return await self._pool.get(self.function)
+        name = self.function.name
+        COLD_STARTS.labels(name).inc()
+        started = time.perf_counter()
+        with tracer.start_as_current_span(f"load {name}", attributes={"fngate.cold_start": True}):
+            try:
+                model = await self._pool.get(self.function)
+            except FunctionError:
+                MODEL_LOADS.labels(name, "failed").inc()
+                raise
+        MODEL_LOADS.labels(name, "loaded").inc()
+        MODEL_LOAD_DURATION.labels(name).observe(time.perf_counter() - started)
+        MODELS_LOADED.set(len(self._pool.loaded))
+        return model
+
+    def _observe(
+        self,
+        batch: Sequence[Entry],
+        replies: Sequence[Reply],
+        parents: Sequence[Context | None],
+        batch_span: Span,
+        started_ns: int,
+        rows: int,
+    ) -> None:
+        """Metrics for the batch, and each invocation's share of it as spans in its own trace."""
+        name, version = self.function.name, self.function.version
         self.batches += 1
         self.executed += len(batch)
-        log.debug("%s: batch %s of %d invocations", self.function.name, batch_id, len(batch))
-        await self._reply(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
+        EXECUTION_COUNT.labels(name, version).inc()
+        INFERENCE_COUNT.labels(name, version).inc(rows)
+        BATCH_SIZE.labels(name).observe(rows)
+        ended_ns = time.time_ns()
+        batch_link = [Link(batch_span.get_span_context())]
+        for (entry_id, invocation), reply, parent in zip(batch, replies, parents, strict=True):
+            queued_ns = _entry_ms(entry_id) * 1_000_000
+            QUEUE_DURATION.labels(name).observe(max(0, started_ns - queued_ns) / 1e9)
+            INVOCATIONS.labels(name, reply.error.code.value if reply.error else "success").inc()
+            if parent is None or not batch_span.is_recording():
+                continue
+            tracer.start_span(
+                f"queue {name}", context=parent, start_time=queued_ns, kind=SpanKind.CONSUMER
+            ).end(end_time=started_ns)
+            span = tracer.start_span(
+                f"execute {name}",
+                context=parent,
+                start_time=started_ns,
+                links=batch_link,
+                attributes={
+                    "fngate.function": name,
+                    "fngate.version": invocation.version,
+                    "fngate.batch_id": reply.batch_id,
+                    "fngate.batch_size": rows,
+                    "fngate.rows": invocation.rows,
+                },
+            )
+            if reply.error is not None:
+                span.set_status(Status(StatusCode.ERROR, reply.error.message))
+            span.end(end_time=ended_ns)
 
     async def _reply(
         self,

@@ -1,0 +1,88 @@
+"""The gateway's Prometheus metrics, in the spirit of Triton's nv_inference_* families. With
+several gateway processes (PROMETHEUS_MULTIPROC_DIR set), /metrics aggregates all of them."""
+
+from __future__ import annotations
+
+import os
+
+import redis.asyncio as aioredis
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fngate import keys
+from fngate.telemetry import LATENCY_BUCKETS
+
+
+REQUEST_SUCCESS = Counter(
+    "fngate_request_success", "Invocations answered successfully", ["function", "version"]
+)
+REQUEST_FAILURE = Counter(
+    "fngate_request_failure", "Invocations answered with an error, by error code", ["function", "code"]
+)
+REQUEST_DURATION = Histogram(
+    "fngate_request_duration_seconds",
+    "Gateway time per invocation, body read to answer",
+    ["function"],
+    buckets=LATENCY_BUCKETS,
+)
+CACHE_HITS = Counter("fngate_cache_hits", "Invocations answered from the response cache", ["function"])
+CACHE_MISSES = Counter(
+    "fngate_cache_misses", "Cacheable invocations the cache could not answer", ["function"]
+)
+CACHE_FAILURES = Counter("fngate_cache_failures", "Cache lookups that failed (the request went on)")
+QUEUE_DEPTH = Gauge(
+    "fngate_queue_depth", "Invocations queued or in flight", ["function"], multiprocess_mode="max"
+)
+QUEUE_LAG = Gauge(
+    "fngate_queue_lag", "Invocations no runner has read yet", ["function"], multiprocess_mode="max"
+)
+QUEUE_PENDING = Gauge(
+    "fngate_queue_pending",
+    "Invocations read by a runner, not yet answered",
+    ["function"],
+    multiprocess_mode="max",
+)
+
+
+async def refresh_queue_gauges(redis: aioredis.Redis, functions: list[str]) -> None:
+    """Read each function's stream length and group state: one round trip, at scrape time."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in functions:
+            pipe.xlen(keys.invocations(name))
+            pipe.xinfo_groups(keys.invocations(name))
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except RedisError:
+            return
+    for index, name in enumerate(functions):
+        depth, groups = results[2 * index], results[2 * index + 1]
+        if isinstance(depth, int):
+            QUEUE_DEPTH.labels(name).set(depth)
+        for group in groups if isinstance(groups, list) else ():
+            if group.get("name") in (keys.RUNNER_GROUP, keys.RUNNER_GROUP.encode()):
+                QUEUE_PENDING.labels(name).set(group.get("pending") or 0)
+                QUEUE_LAG.labels(name).set(group.get("lag") or 0)
+
+
+def exposition() -> bytes:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+    return generate_latest()
+
+
+async def metrics(request: Request) -> Response:
+    services = request.state.services
+    await refresh_queue_gauges(services.redis, sorted(services.catalog.functions))
+    return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
