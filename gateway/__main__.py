@@ -19,6 +19,7 @@ from hypercorn.config import Config
 
 from fngate import telemetry
 from fngate.config import GatewaySettings, unknown_variables
+from fngate.process import run_forever
 from gateway.app import create_app
 
 log = logging.getLogger("gateway")
@@ -73,12 +74,7 @@ def main(settings: GatewaySettings | None = None) -> int:
     telemetry.configure("gateway", settings.log_level)
     if settings.workers > 1 and not settings.bind:
         return supervise(settings)
-    try:
-        import uvloop
-
-        uvloop.run(run(settings))
-    except ImportError:
-        asyncio.run(run(settings))
+    run_forever(run(settings))
     return 0
 
 

@@ -22,7 +22,6 @@ from starlette.responses import Response
 from fngate import keys
 from fngate.telemetry import LATENCY_BUCKETS
 
-
 REQUEST_SUCCESS = Counter(
     "fngate_request_success", "Invocations answered successfully", ["function", "version"]
 )

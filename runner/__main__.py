@@ -8,6 +8,7 @@ import sys
 
 from fngate import telemetry
 from fngate.config import RunnerSettings, unknown_variables
+from fngate.process import run_forever
 from runner.worker import main as worker_main
 
 
@@ -26,12 +27,7 @@ def main(settings: RunnerSettings | None = None) -> int:
         return 2
     settings = settings or RunnerSettings()
     telemetry.configure("runner", settings.log_level)
-    try:
-        import uvloop
-
-        uvloop.run(run(settings))
-    except ImportError:
-        asyncio.run(run(settings))
+    run_forever(run(settings))
     return 0
 
 

@@ -277,7 +277,7 @@ class FunctionConsumer:
             queued_ns = _entry_ms(entry_id) * 1_000_000
             QUEUE_DURATION.labels(name).observe(max(0, started_ns - queued_ns) / 1e9)
             INVOCATIONS.labels(name, reply.error.code.value if reply.error else "success").inc()
-            if parent is None or not batch_span.is_recording():
+            if parent is None or not batch_span.get_span_context().trace_flags.sampled:
                 continue
             tracer.start_span(
                 f"queue {name}", context=parent, start_time=queued_ns, kind=SpanKind.CONSUMER

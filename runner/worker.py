@@ -16,6 +16,7 @@ from fngate.config import RunnerSettings
 from fngate.repository import FunctionVersion, Repository, open_repository
 from runner.consumer import FunctionConsumer
 from runner.pool import ModelPool
+from runner.status import StatusServer
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,14 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
                                 await stopping.wait()
 
                 loops.append(tasks.create_task(discover(), name="discover"))
+                status = StatusServer(
+                    settings.status_host, settings.status_port, ready=lambda: bool(consumers)
+                )
+                serving = tasks.create_task(status.run(), name="status")
                 await stopping.wait()
                 log.info("runner %s draining (up to %.0f s)", name, settings.drain_timeout_s)
                 await _drain(loops, settings.drain_timeout_s)
+                serving.cancel()
         finally:
             pool.close()
     log.info("runner %s stopped", name)

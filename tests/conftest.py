@@ -163,7 +163,9 @@ async def inprocess_runner(redis_url: str, repo: Path) -> AsyncIterator[Callable
     runs: list[RunnerHandle] = []
 
     async def start(**overrides: Any) -> RunnerHandle:
-        settings = RunnerSettings(**{"redis_url": redis_url, "repo": str(repo), **overrides})
+        settings = RunnerSettings(
+            **{"redis_url": redis_url, "repo": str(repo), "status_port": 0, **overrides}
+        )
         stopping = asyncio.Event()
         handle = RunnerHandle(stopping, asyncio.create_task(runner_main(settings, stopping)))
         runs.append(handle)
@@ -177,7 +179,10 @@ async def inprocess_runner(redis_url: str, repo: Path) -> AsyncIterator[Callable
 
 def child_env(redis_url: str, repo: Path, **extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
-    env.update(FNGATE_REDIS_URL=redis_url, FNGATE_REPO=str(repo), FNGATE_LOG_LEVEL="INFO", **extra)
+    env.update(
+        FNGATE_REDIS_URL=redis_url, FNGATE_REPO=str(repo), FNGATE_LOG_LEVEL="INFO", FNGATE_STATUS_PORT="0"
+    )
+    env.update(extra)
     return env
 
 
