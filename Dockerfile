@@ -7,9 +7,9 @@
 # Each final stage holds a virtual environment in /opt/fngate and no compiler, pip or build files,
 # and runs as the unprivileged user 10001.
 
-ARG ONNXRUNTIME_GPU_VERSION=1.22.0
-# TensorRT 10.9 is the release that onnxruntime-gpu 1.22's TensorRT execution provider is built against.
-ARG TENSORRT_VERSION=10.9.0.34
+# The `gpu` extra pins the set that works together (docs/gpu.md): onnxruntime-gpu 1.31 is built for
+# CUDA 13, and its TensorRT provider links TensorRT 10 (tensorrt-cu13).
+ARG ONNXRUNTIME_GPU_VERSION=1.31.1
 
 # ---------------------------------------------------------------- CPU: build the environment
 FROM python:3.12-slim-bookworm AS cpu-build
@@ -20,7 +20,7 @@ COPY fngate ./fngate
 COPY gateway ./gateway
 COPY runner ./runner
 RUN python -m venv /opt/fngate \
- && /opt/fngate/bin/pip install --no-cache-dir . \
+ && /opt/fngate/bin/pip install --no-cache-dir ".[cpu]" \
  && /opt/fngate/bin/pip uninstall --yes pip
 
 # ---------------------------------------------------------------- CPU: what both CPU images share
@@ -55,9 +55,8 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
 CMD ["runner"]
 
 # ---------------------------------------------------------------- GPU: build the environment
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS gpu-build
+FROM nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04 AS gpu-build
 ARG ONNXRUNTIME_GPU_VERSION
-ARG TENSORRT_VERSION
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 # Ubuntu's security updates replace package versions, so apt versions are not pinned; the base image tag is.
 # hadolint ignore=DL3008
@@ -69,16 +68,13 @@ COPY pyproject.toml README.md ./
 COPY fngate ./fngate
 COPY gateway ./gateway
 COPY runner ./runner
-# The base dependencies bring onnxruntime (CPU), which shares its import name with onnxruntime-gpu:
-# remove it, then reinstall onnxruntime-gpu so that its files are the ones left.
+# Only the `gpu` extra: the CPU onnxruntime (the `cpu` extra) shares its import name with onnxruntime-gpu.
 RUN python3 -m venv /opt/fngate \
- && /opt/fngate/bin/pip install --no-cache-dir ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" "tensorrt==${TENSORRT_VERSION}" \
- && /opt/fngate/bin/pip uninstall --yes onnxruntime \
- && /opt/fngate/bin/pip install --no-cache-dir --no-deps --force-reinstall "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+ && /opt/fngate/bin/pip install --no-cache-dir ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
  && /opt/fngate/bin/pip uninstall --yes pip
 
 # ---------------------------------------------------------------- GPU runner
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS runner-gpu
+FROM nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04 AS runner-gpu
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -96,8 +92,7 @@ ENV PATH=/opt/fngate/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     XDG_CACHE_HOME=/var/cache/fngate \
-    ORT_TENSORRT_ENGINE_CACHE_ENABLE=1 \
-    ORT_TENSORRT_CACHE_PATH=/var/cache/fngate/tensorrt
+    FNGATE_ENGINE_CACHE_DIR=/var/cache/fngate/tensorrt
 VOLUME ["/var/cache/fngate/tensorrt"]
 WORKDIR /home/fngate
 USER 10001:10001

@@ -10,6 +10,7 @@ import datetime
 import json
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -19,14 +20,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import onnxruntime as ort
 import orjson
+import redis
 
 import fngate
 from bench import inprocess, loadgen
 from bench.deployment import Deployment, cpu_seconds, deployment
 from bench.models import build_repository
+from fngate import keys
 
 Row = dict[str, Any]
 
@@ -287,35 +291,55 @@ class Bench:
                 )
 
     def cold_start(self, deployed: Deployment) -> None:
-        print("S4 cold start: request queued with no runner -> runner started -> answer (tiny)", flush=True)
-        port = int(deployed.gateways[0][1].rsplit(":", 1)[1])
+        """`fngate up` on this Redis with no runner: each request wakes the scaler, which starts a
+        runner, which loads the model; phases come from the log lines of scaler and runner."""
+        print("S4 cold start: fngate up with zero runners -> first answer (tiny)", flush=True)
         deployed.stop_runners()
-        requests, _inputs = requests_for("tiny", 16, 1, False, seed=99)
-        for attempt in range(self.args.cold_starts):
-            spawned, answered, run = asyncio.run(self._one_cold_start(deployed, port, requests))
-            phases = runner_phases(deployed.logs / f"runner-{len(deployed.runners) - 1}.log")
-            self.record(
-                {
-                    "scenario": "S4",
-                    "function": "tiny",
-                    "attempt": attempt,
-                    "spawn_to_answer_ms": (answered - spawned) * 1e3,
-                    "errors": run.errors,
-                    **phases,
-                }
-            )
-            deployed.stop_runners()
-
-    @staticmethod
-    async def _one_cold_start(
-        deployed: Deployment, port: int, requests: list[loadgen.Request]
-    ) -> tuple[float, float, loadgen.Result]:
-        task = asyncio.create_task(loadgen.run("127.0.0.1", port, requests, 1, 0.0, 30.0, max_requests=1))
-        await asyncio.sleep(0.05)  # the request is queued; now the runner starts, as a scaler would
-        spawned = time.perf_counter()
-        deployed.start_runner(FNGATE_LOG_LEVEL="INFO", FNGATE_FUNCTIONS='["tiny"]')
-        run = await task
-        return spawned, time.perf_counter(), run
+        log = self.logs / "fngate-up.log"
+        sock = socket.create_server(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        command = [
+            sys.executable,
+            "-m",
+            "fngate.cli",
+            "up",
+            "--redis",
+            deployed.redis_url,
+            "--repo",
+            str(self.repo),
+            "--port",
+            str(port),
+            "--idle-shutdown-s",
+            "1",
+            "--log-level",
+            "INFO",
+        ]
+        with open(log, "wb") as output:
+            up = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            wait_live(f"http://127.0.0.1:{port}")
+            requests, _inputs = requests_for("tiny", 16, 1, False, seed=99)
+            for attempt in range(self.args.cold_starts):
+                wait_for_no_runner(deployed.redis_url)
+                offset = log.stat().st_size
+                sent = time.time()
+                run = asyncio.run(loadgen.run("127.0.0.1", port, requests, 1, 0.0, 30.0, max_requests=1))
+                answered = time.time()
+                phases = cold_start_phases(log.read_bytes()[offset:].decode(errors="replace"), sent)
+                self.record(
+                    {
+                        "scenario": "S4",
+                        "function": "tiny",
+                        "attempt": attempt,
+                        "spawn_to_answer_ms": (answered - sent) * 1e3,
+                        "errors": run.errors,
+                        **phases,
+                    }
+                )
+        finally:
+            up.send_signal(signal.SIGINT)
+            up.wait(timeout=60)
 
     def shared_queue(self, deployed: Deployment) -> None:
         print("S5 two gateways, two runners, one queue", flush=True)
@@ -326,17 +350,55 @@ class Bench:
         self.drive(deployed, "S5", "wide", "wide", 512, 64, True, urls)
 
 
-def runner_phases(log: Path) -> dict[str, float]:
-    """Phases of a cold start from the runner's log lines (their timestamps are milliseconds)."""
-    text = log.read_text(errors="replace") if log.exists() else ""
+def cold_start_phases(log: str, sent: float) -> dict[str, float]:
+    """Phases of one cold start from the JSON log lines of `fngate up` (scaler and runner)."""
     phases: dict[str, float] = {}
-    loaded = re.search(r"loaded \S+ version \S+ \(\S+\) in ([0-9.]+) s", text)
-    if loaded:
-        phases["model_load_ms"] = float(loaded.group(1)) * 1e3
-    imports = re.search(r"imports took ([0-9.]+) s", text)
-    if imports:
-        phases["imports_ms"] = float(imports.group(1)) * 1e3
+    for line in log.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        at = datetime.datetime.strptime(record["time"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC)
+        since_ms = (at.timestamp() - sent) * 1e3
+        message = record.get("message", "")
+        if "woken with no runner" in message:
+            phases.setdefault("woken_at_ms", since_ms)
+        elif message.startswith("imports took"):
+            phases["imports_ms"] = float(message.split()[2]) * 1e3
+        elif message.startswith("runner ") and message.split("(")[0].endswith("started "):
+            phases.setdefault("runner_up_at_ms", since_ms)
+        elif message.startswith("loaded "):
+            for phase, pattern in (
+                ("download_ms", r"download ([0-9.]+) s"),
+                ("model_load_ms", r"load ([0-9.]+) s"),
+            ):
+                found = re.search(pattern, message)
+                if found:
+                    phases[phase] = float(found.group(1)) * 1e3
+            phases.setdefault("loaded_at_ms", since_ms)
     return phases
+
+
+def wait_live(url: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/v2/health/live").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not come up")
+
+
+def wait_for_no_runner(redis_url: str, timeout_s: float = 60) -> None:
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not client.zrangebyscore(keys.runners(), int(time.time() * 1000), "+inf"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("runners did not stop")
 
 
 def main(argv: list[str] | None = None) -> int:

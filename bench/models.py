@@ -81,6 +81,7 @@ def write_function(
         "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, features]}],
         "batching": {"max_queue_size": 10000, "timeout_ms": 30000, **batching},
         "cache": {"enabled": cache, "ttl_s": 600},
+        "scaling": {"idle_unload_s": 2},
     }
     (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     return folder

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fngate.manifest import ManifestError, load_manifest
 
@@ -19,7 +20,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
-    up.add_argument("--runners", type=int, default=1, help="runner processes (default 1)")
+    up.add_argument(
+        "--idle-shutdown-s",
+        type=float,
+        default=60.0,
+        help="a runner with no model loaded and no work this long exits (default 60)",
+    )
     up.add_argument("--gateway-workers", type=int, default=1, help="gateway processes (default 1)")
     up.add_argument("--log-level", default="INFO")
 
@@ -41,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate = commands.add_parser("validate", help="check function manifests; print every problem")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
 
+    _add_repository_commands(commands)
+
     cache = commands.add_parser("cache", help="manage the response cache")
     cache.add_argument("action", choices=["clear"])
     cache.add_argument("function", metavar="NAME")
@@ -55,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.k8s --help`")
 
     args = parser.parse_args(argv)
+    if args.command in ("deploy", "ls", "rm"):
+        return _repository_command(args)
     if args.command == "cache":
         return _clear_cache(args.function, args.redis)
     if args.command == "k8s":
@@ -83,6 +93,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         return runner_main(RunnerSettings(**overrides))  # type: ignore[arg-type]
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _add_repository_commands(commands: Any) -> None:
+    """deploy, ls, rm: a function's versions in a repository (a folder or S3)."""
+    deploy = commands.add_parser("deploy", help="upload a function as its next version to a repository")
+    deploy.add_argument("file", type=Path, metavar="FILE", help="the function's manifest (function.yaml)")
+    _repository_flags(deploy)
+    deploy.add_argument(
+        "--gateway", default="http://127.0.0.1:8000", metavar="URL", help="for the printed curl lines"
+    )
+
+    ls = commands.add_parser("ls", help="list functions, versions, traffic and load state")
+    _repository_flags(ls)
+    ls.add_argument("--sync", action="store_true", help="rewrite the registry from the S3 repository")
+
+    rm = commands.add_parser("rm", help="remove a function; its queued invocations get not_found")
+    rm.add_argument("name", metavar="NAME")
+    _repository_flags(rm)
+    rm.add_argument(
+        "--grace-s", type=float, default=3.0, help="answer invocations queued this long after (default 3)"
+    )
+
+
+def _repository_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repo", help="s3://bucket/prefix or a folder (default: FNGATE_REPO, ./functions)")
+    parser.add_argument(
+        "--redis", metavar="URL", help="the registry and queue Redis (default: FNGATE_REDIS_URL)"
+    )
+
+
+def _repository_command(args: argparse.Namespace) -> int:
+    """deploy, ls and rm: the repository is opened here (an S3 one needs runner.store's boto3)."""
+    from fngate import deploy
+    from fngate.config import GatewaySettings
+    from fngate.repository import Repository, is_remote, open_repository
+
+    defaults = GatewaySettings()
+    url: str = args.repo or defaults.repo
+    redis_url: str = args.redis or defaults.redis_url
+    repository: Repository
+    if is_remote(url):
+        from runner.store import S3Repository
+
+        repository = S3Repository(url)
+    else:
+        repository = open_repository(url)
+    if args.command == "deploy":
+        return deploy.deploy(args.file, repository, redis_url, args.gateway, sys.stdout, sys.stderr)
+    if args.command == "ls":
+        return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
+    return deploy.remove(repository, args.name, redis_url, args.grace_s, sys.stdout, sys.stderr)
 
 
 def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:

@@ -29,6 +29,8 @@ class GatewaySettings(_Settings):
     """A Hypercorn bind (`fd://3`, `unix:/path`); overrides host and port when set."""
     workers: Annotated[int, Field(ge=1)] = 1
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    redis_connections: Annotated[int, Field(ge=2)] = 256
+    """Connections to the queue's Redis per gateway process; invocations wait for one when all are busy."""
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
     catalog_refresh_s: Annotated[float, Field(gt=0)] = 2.0
     retry_after_s: Annotated[int, Field(ge=1)] = 1
@@ -48,6 +50,9 @@ class RunnerSettings(_Settings):
     rescan_s: Annotated[float, Field(gt=0)] = 2.0
     read_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
     reply_maxlen: Annotated[int, Field(ge=100)] = 100_000
+    idle_shutdown_s: Annotated[float, Field(ge=0)] = 0
+    """With no model loaded and no work this long, the runner exits (fngate up's scale to zero);
+    0, the default and the setting on Kubernetes, never."""
     status_host: str = "0.0.0.0"
     status_port: Annotated[int, Field(ge=0, le=65535)] = 9100
     """The runner's /metrics and /healthz port; 0 picks a free one (several runners on one host)."""
@@ -61,6 +66,16 @@ class RunnerSettings(_Settings):
     retire_after_s: Annotated[float, Field(ge=0)] = 10.0
     """A version the policy no longer serves is unloaded once a newer one is ready here and it was
     unused for this long (gateways see the newer one become ready within their refresh interval)."""
+    require_accelerator: bool = False
+    """Refuse to serve a function whose accelerator (cuda, tensorrt) this runner cannot give, instead
+    of running it on a lesser one (CPU at worst) with a warning and the reason recorded."""
+    gpu_device: Annotated[int, Field(ge=0)] = 0
+    """The GPU this runner uses (its index as NVML and CUDA count them)."""
+    engine_cache_dir: str = "~/.cache/fngate/engines"
+    """Local TensorRT engine and timing caches: one folder per model, TensorRT version, GPU and precision."""
+    gpu_memory_budget_bytes: Annotated[int, Field(ge=0)] = 0
+    """GPU memory this runner's models may hold; past it, idle models are unloaded (least recently
+    used first) or the load is refused. 0: 90% of the device's memory."""
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -36,6 +36,16 @@ def waiters(in_flight_key: str) -> str:
     return f"{in_flight_key}:w"
 
 
+def wake_channel() -> str:
+    """Pub/sub channel on which gateways name a runner pool that has work and no live runner."""
+    return f"{PREFIX}:wake"
+
+
+def start_failures() -> str:
+    """Hash: pool -> why its last runner failed to start (cleared when one starts)."""
+    return f"{PREFIX}:start-failures"
+
+
 def replies(gateway_id: str) -> str:
     """The reply stream of one gateway process."""
     return f"{PREFIX}:r:{gateway_id}"

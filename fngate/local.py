@@ -1,10 +1,12 @@
 """`fngate up`: a whole deployment on one machine. Starts a private redis-server (unless given a
-URL), the runner processes and the gateway as child processes, restarts runners that die, and
-stops everything in order on Ctrl-C or SIGTERM (gateway first, then runners drain, then Redis)."""
+URL) and the gateway, and runs the local scaler, which starts runner processes when work arrives
+and reaps them when they stop idle. Ctrl-C or SIGTERM stops everything in order: the gateway first,
+then the runners drain, then Redis."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import shutil
@@ -17,6 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+import redis.asyncio as aioredis
+
+from fngate import telemetry
+from fngate.registry import function_source
+from fngate.repository import is_remote
+from fngate.scaler import LocalScaler, PoolSpec, pool_specs
 
 POLL_S = 0.5
 ROW = ", ".join(f"{0.1 * i:.1f}" for i in range(1, 17))
@@ -84,28 +92,20 @@ def _spawn(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    repo = Path(args.repo)
-    if not repo.is_dir():
+    telemetry.configure("up", args.log_level)
+    repo = str(args.repo)
+    if not is_remote(repo) and not Path(repo).is_dir():
         print(f"fngate up: repository folder {repo} does not exist", file=sys.stderr)
         return 2
-    stopping = False
-
-    def stop(_signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
     try:
         with contextlib.ExitStack() as stack:
             redis_url = args.redis or stack.enter_context(private_redis())
             env = {
                 **os.environ,
                 "FNGATE_REDIS_URL": redis_url,
-                "FNGATE_REPO": str(repo.resolve()),
+                "FNGATE_REPO": repo if is_remote(repo) else str(Path(repo).resolve()),
                 "FNGATE_LOG_LEVEL": args.log_level,
             }
-            runners = [_spawn("runner", env) for _ in range(args.runners)]
             gateway = _spawn(
                 "gateway",
                 {
@@ -115,29 +115,50 @@ def run_local(args: argparse.Namespace) -> int:
                     "FNGATE_WORKERS": str(args.gateway_workers),
                 },
             )
-            _banner(args, repo, redis_url)
             try:
-                while not stopping:
-                    time.sleep(POLL_S)
-                    if gateway.poll() is not None:
-                        print(
-                            f"fngate up: the gateway exited with code {gateway.returncode}", file=sys.stderr
-                        )
-                        return 1
-                    for index, runner in enumerate(runners):
-                        if runner.poll() is not None and not stopping:
-                            print(
-                                f"fngate up: runner exited with code {runner.returncode}; restarting",
-                                file=sys.stderr,
-                            )
-                            runners[index] = _spawn("runner", env)
+                _banner(args, repo, redis_url)
+                return asyncio.run(_serve(gateway, env, args))
             finally:
                 _stop([gateway], timeout_s=15)
-                _stop(runners, timeout_s=35)
     except LocalError as exc:
         print(f"fngate up: {exc}", file=sys.stderr)
         return 1
-    return 0
+
+
+async def _serve(gateway: subprocess.Popen[bytes], env: dict[str, str], args: argparse.Namespace) -> int:
+    """The scaler starts and reaps runners until Ctrl-C or SIGTERM, or until the gateway dies."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    client = aioredis.from_url(env["FNGATE_REDIS_URL"])
+    source = function_source(env["FNGATE_REPO"], client)
+
+    async def pools() -> dict[str, PoolSpec]:
+        return pool_specs(await source())
+
+    scaler = LocalScaler(client, pools, env, idle_shutdown_s=args.idle_shutdown_s)
+    code = 0
+
+    gateway_down = asyncio.Event()
+
+    async def watch_gateway() -> None:
+        """Until asked to stop; then the gateway goes first, so nothing new arrives while runners drain."""
+        nonlocal code
+        while gateway.poll() is None and not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await stopping.wait()
+        if not stopping.is_set():
+            print(f"fngate up: the gateway exited with code {gateway.returncode}", file=sys.stderr)
+            code = 1
+        await asyncio.to_thread(_stop, [gateway], 15)
+        gateway_down.set()
+
+    async with client, asyncio.TaskGroup() as tasks:
+        tasks.create_task(watch_gateway())
+        tasks.create_task(scaler.run(gateway_down))
+    return code
 
 
 def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
@@ -153,10 +174,11 @@ def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
             process.wait()
 
 
-def _banner(args: argparse.Namespace, repo: Path, redis_url: str) -> None:
+def _banner(args: argparse.Namespace, repo: str, redis_url: str) -> None:
     base = f"http://{args.host}:{args.port}"
     print(
-        f"fngate up: gateway {base}, {args.runners} runner(s), repository {repo}, redis {redis_url}\n"
+        f"fngate up: gateway {base}, repository {repo}, redis {redis_url}\n"
+        "  runners start on the first invocation of their pool and stop when idle\n"
         f"  curl -s {base}/v1/functions\n"
         f"  curl -s -X POST {base}/v1/functions/classifier "
         f"-d '{EXAMPLE}'\n"

@@ -115,6 +115,9 @@ class ScalingSpec(_Frozen):
 
 
 class VersionsSpec(_Frozen):
+    # Versions are numbers in YAML (`traffic: {1: 90, 2: 10}`) and strings everywhere else.
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+
     policy: Literal["latest", "all", "specific"] = "latest"
     latest: Annotated[int, Field(ge=1)] = 1
     specific: tuple[str, ...] = ()

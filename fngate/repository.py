@@ -1,20 +1,54 @@
-"""The model repository as both processes see it: which functions exist, at which version, and
-where their files are. The folder layout is `{root}/{function}/function.yaml` beside the model."""
+"""The model repository as every process sees it: the functions, their stored versions, which of
+them the manifest's version policy serves, and where their files are. The folder layout:
+
+    {root}/{function}/function.yaml      an unversioned function (version "1"), as in functions/
+    {root}/{function}/{version}/...      a deployed version: its manifest and model files
+    {root}/{function}/{version}.json     that version's index (files and sha256), written last
+
+An S3 repository (runner/store.py) has the same layout under s3://bucket/prefix/."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import logging
-from pathlib import Path
-from typing import Protocol
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol
 
-from fngate.errors import FunctionNotFound
-from fngate.manifest import FunctionManifest, ManifestError, load_manifest
+import orjson
+
+from fngate.errors import FunctionNotFound, InvalidArgument
+from fngate.manifest import (
+    DNS_LABEL,
+    FunctionManifest,
+    ManifestError,
+    VersionsSpec,
+    load_manifest,
+    parse_manifest,
+)
 
 log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "function.yaml"
+VERSION = re.compile(r"^[1-9][0-9]{0,8}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+CHUNK = 1024 * 1024
+Progress = Callable[[int], None]
+"""Called with the number of bytes just transferred."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArtifactFile:
+    path: str
+    """Relative to the version's folder, with '/' separators; never leaves it (see `safe_path`)."""
+    sha256: str
+    size: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,52 +56,287 @@ class FunctionVersion:
     manifest: FunctionManifest
     version: str
     directory: Path
-    """A local folder holding the manifest and the model files."""
+    """A local folder holding the manifest and the model files. For a version in a remote
+    repository, Path() until a runner's store has put its files in the local cache."""
     digest: str = ""
     """sha256 over the version's files: what makes two versions' answers differ."""
+    files: tuple[ArtifactFile, ...] = ()
+    """Every file with its sha256, for a deployed version; empty for an unversioned folder."""
 
     @property
     def name(self) -> str:
         return self.manifest.name
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FunctionRecord:
+    """A function with every stored version and what the newest manifest's policy makes of them."""
+
+    name: str
+    versions: Mapping[str, FunctionVersion]
+    """By version, oldest first."""
+    served: tuple[str, ...]
+    """The versions the policy serves (pins may name them), oldest first."""
+    traffic: Mapping[str, int]
+    """Weights of served versions for invocations that name no version."""
+
+    def newest(self) -> FunctionVersion:
+        """The last version deployed: its manifest holds the version policy."""
+        return list(self.versions.values())[-1]
+
+    @property
+    def default(self) -> FunctionVersion | None:
+        """The newest served version: what `fngate ls` and /v1/functions show."""
+        return self.versions[self.served[-1]] if self.served else None
+
+
+def make_record(versions: Iterable[FunctionVersion]) -> FunctionRecord:
+    ordered = sorted(versions, key=lambda item: int(item.version))
+    if not ordered:
+        raise ValueError("a function record needs at least one version")
+    numbers = [item.version for item in ordered]
+    policy = ordered[-1].manifest.versions
+    served = served_versions(numbers, policy)
+    return FunctionRecord(
+        ordered[-1].name, {item.version: item for item in ordered}, served, traffic_weights(served, policy)
+    )
+
+
+def served_versions(versions: Sequence[str], policy: VersionsSpec) -> tuple[str, ...]:
+    """Which of `versions` (oldest first) the policy serves: the latest N, all, or the named ones."""
+    if policy.policy == "all":
+        return tuple(versions)
+    if policy.policy == "specific":
+        return tuple(version for version in versions if version in policy.specific)
+    return tuple(versions[-policy.latest :])
+
+
+def traffic_weights(served: Sequence[str], policy: VersionsSpec) -> dict[str, int]:
+    """The manifest's split over served versions; without one, the newest served takes everything."""
+    weights = {version: weight for version, weight in policy.traffic.items() if version in served and weight}
+    if weights or not served:
+        return weights
+    return {served[-1]: 100}
+
+
+def policy_problems(record: FunctionRecord) -> list[str]:
+    """What is wrong with the version policy of `record`'s newest manifest (deploy refuses these)."""
+    policy = record.newest().manifest.versions
+    problems = []
+    if policy.policy == "specific" and not policy.specific:
+        problems.append("versions.specific: name at least one version for policy 'specific'")
+    missing = [version for version in policy.specific if version not in record.versions]
+    if missing:
+        problems.append(f"versions.specific: no versions {missing} (stored: {list(record.versions)})")
+    stray = [version for version in policy.traffic if version not in record.served]
+    if stray:
+        problems.append(f"versions.traffic: versions {stray} are not served (served: {list(record.served)})")
+    if policy.traffic and sum(policy.traffic.values()) != 100:
+        problems.append(f"versions.traffic: weights add up to {sum(policy.traffic.values())}, not 100")
+    if not record.served:
+        problems.append("the version policy serves no version")
+    return problems
+
+
+def check_name(name: str) -> str:
+    """A function name, which is also a path segment: it must be a DNS-1123 label."""
+    if not DNS_LABEL.match(name) or len(name) > 63:
+        raise FunctionNotFound(f"{name!r} is not a function name (a DNS-1123 label)")
+    return name
+
+
+def safe_path(path: str) -> str:
+    """A file's path inside a version: relative, '/'-separated, no '.', '..' or empty parts."""
+    parts = path.split("/")
+    if not path or "\\" in path or path.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"{path!r} is not a relative path inside the version's folder")
+    return path
+
+
+def digest_of(files: Iterable[ArtifactFile]) -> str:
+    """sha256 over every file's path and sha256, in path order."""
+    digest = hashlib.sha256()
+    for item in sorted(files, key=lambda item: PurePosixPath(item.path).parts):
+        digest.update(item.path.encode() + b"\0")
+        digest.update(bytes.fromhex(item.sha256))
+    return digest.hexdigest()
+
+
+def hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        while chunk := source.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def collect_files(folder: Path) -> list[tuple[ArtifactFile, Path]]:
+    """The files a deploy uploads: everything in the manifest's folder but hidden files and caches.
+    Blocking (reads every file)."""
+    found = []
+    for item in sorted(folder.rglob("*")):
+        relative = item.relative_to(folder)
+        if any(part.startswith(".") or part == "__pycache__" for part in relative.parts):
+            continue
+        if item.is_file():
+            path = safe_path(relative.as_posix())
+            found.append((ArtifactFile(path, hash_file(item), item.stat().st_size), item))
+    return found
+
+
+def encode_version(function: FunctionVersion) -> dict[str, Any]:
+    """A version's index document: what the repository stores beside it and the registry holds."""
+    return {
+        "function": function.name,
+        "version": function.version,
+        "digest": function.digest,
+        "manifest": function.manifest.model_dump(mode="json"),
+        "files": [dataclasses.asdict(item) for item in function.files],
+    }
+
+
+def decode_version(doc: Any, directory: Path, source: str) -> FunctionVersion:
+    """Validate an index document; raises ValueError (or ManifestError) naming the problem."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{source}: an index is a JSON object")
+    manifest = parse_manifest(doc.get("manifest"), source)
+    version = str(doc.get("version", ""))
+    if not VERSION.match(version):
+        raise ValueError(f"{source}: {version!r} is not a version number")
+    if doc.get("function") != manifest.name:
+        raise ValueError(f"{source}: names function {doc.get('function')!r}, its manifest {manifest.name!r}")
+    files = []
+    for item in doc.get("files") or ():
+        sha256, size = str(item.get("sha256", "")), item.get("size")
+        if not SHA256.match(sha256) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{source}: a file entry needs a sha256 and a size: {item}")
+        files.append(ArtifactFile(safe_path(str(item.get("path", ""))), sha256, size))
+    if not any(item.path == manifest.model.path for item in files):
+        raise ValueError(f"{source}: the model file {manifest.model.path!r} is not among its files")
+    return FunctionVersion(manifest, version, directory, digest_of(files), tuple(files))
+
+
+def next_version(taken: Iterable[str]) -> int:
+    return max((int(name) for name in taken if VERSION.match(name)), default=0) + 1
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
 class Repository(Protocol):
-    def scan(self) -> dict[str, FunctionVersion]:
-        """Every servable function by name. Blocking: call it in a thread from async code."""
+    url: str
+
+    def scan(self) -> dict[str, FunctionRecord]:
+        """Every function with its stored versions, by name. Blocking: call it in a thread."""
         ...
 
-    def get(self, name: str) -> FunctionVersion:
+    def get(self, name: str) -> FunctionRecord:
         """One function; raises FunctionNotFound. Blocking."""
+        ...
+
+    def next_version(self, name: str) -> str:
+        """The number the next deploy of `name` will most likely get. Blocking."""
+        ...
+
+    def add_version(
+        self, manifest: FunctionManifest, files: Sequence[tuple[ArtifactFile, Path]], progress: Progress
+    ) -> FunctionVersion:
+        """Store a new version (the next number) of `manifest`'s function: files first, index last.
+        Blocking."""
+        ...
+
+    def remove(self, name: str) -> None:
+        """Delete every version of a function; raises FunctionNotFound. Blocking."""
         ...
 
 
 class FolderRepository:
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.url = str(root)
         self._reported: set[tuple[str, str]] = set()
         self._digests: dict[Path, tuple[tuple[tuple[str, int, int], ...], str]] = {}
 
-    def scan(self) -> dict[str, FunctionVersion]:
-        found: dict[str, FunctionVersion] = {}
+    def scan(self) -> dict[str, FunctionRecord]:
+        found: dict[str, FunctionRecord] = {}
         if not self.root.is_dir():
             log.warning("repository folder %s does not exist", self.root)
             return found
-        for path in sorted(self.root.glob(f"*/{MANIFEST_FILE}")):
-            entry = self._read(path)
-            if entry is not None:
-                found[entry.name] = entry
+        for folder in sorted(self.root.iterdir()):
+            if folder.is_dir() and DNS_LABEL.match(folder.name):
+                record = self._read(folder)
+                if record is not None:
+                    found[record.name] = record
         return found
 
-    def get(self, name: str) -> FunctionVersion:
-        path = self.root / name / MANIFEST_FILE
-        entry = self._read(path) if "/" not in name and name not in (".", "..") else None
-        if entry is None:
+    def get(self, name: str) -> FunctionRecord:
+        record = self._read(self.root / check_name(name))
+        if record is None:
             raise FunctionNotFound(f"function {name!r} is not in the repository")
-        return entry
+        return record
 
-    def _read(self, path: Path) -> FunctionVersion | None:
-        if not path.is_file():
-            return None
+    def next_version(self, name: str) -> str:
+        home = self.root / check_name(name)
+        return str(next_version(item.name.removesuffix(".json") for item in home.glob("*")))
+
+    def add_version(
+        self, manifest: FunctionManifest, files: Sequence[tuple[ArtifactFile, Path]], progress: Progress
+    ) -> FunctionVersion:
+        home = self.root / check_name(manifest.name)
+        if (home / MANIFEST_FILE).is_file():
+            raise InvalidArgument(
+                f"{home} holds an unversioned function (its own folder is version 1); "
+                "deploy to another repository folder"
+            )
+        home.mkdir(parents=True, exist_ok=True)
+        number = int(self.next_version(manifest.name))
+        while True:
+            try:
+                (home / str(number)).mkdir()  # claims the number, even against a concurrent deploy
+                break
+            except FileExistsError:
+                number += 1
+        target = home / str(number)
+        for item, source in files:
+            _copy(source, target / item.path, progress)
+        entries = tuple(item for item, _ in files)
+        version = FunctionVersion(manifest, str(number), target, digest_of(entries), entries)
+        _write_atomic(home / f"{number}.json", orjson.dumps({**encode_version(version), "at": now_iso()}))
+        return version
+
+    def remove(self, name: str) -> None:
+        home = self.root / check_name(name)
+        if (home / MANIFEST_FILE).is_file():
+            raise InvalidArgument(
+                f"{home} was not deployed by fngate (it has no versions); delete it yourself"
+            )
+        if not home.is_dir():
+            raise FunctionNotFound(f"function {name!r} is not in the repository")
+        for index in home.glob("*.json"):
+            index.unlink()  # uncommitted first: a scan meanwhile sees no half-deleted version
+        shutil.rmtree(home)
+
+    def _read(self, folder: Path) -> FunctionRecord | None:
+        if (folder / MANIFEST_FILE).is_file():
+            unversioned = self._read_unversioned(folder / MANIFEST_FILE)
+            return make_record([unversioned]) if unversioned is not None else None
+        versions = []
+        for index in sorted(folder.glob("*.json")):
+            if not VERSION.match(index.stem) or not (folder / index.stem).is_dir():
+                continue
+            try:
+                version = decode_version(orjson.loads(index.read_bytes()), folder / index.stem, str(index))
+            except (OSError, ValueError, ManifestError) as exc:
+                self._report(index, str(exc))
+                continue
+            if version.name != folder.name or version.version != index.stem:
+                self._report(index, f"names {version.name} version {version.version}, not its place")
+                continue
+            versions.append(version)
+        return make_record(versions) if versions else None
+
+    def _read_unversioned(self, path: Path) -> FunctionVersion | None:
         try:
             manifest = load_manifest(path)
         except ManifestError as exc:
@@ -88,12 +357,11 @@ class FolderRepository:
         cached = self._digests.get(folder)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        digest = hashlib.sha256()
-        for name, _size, _mtime in stamp:
-            digest.update(name.encode() + b"\0")
-            digest.update(hashlib.sha256((folder / name).read_bytes()).digest())
-        self._digests[folder] = (stamp, digest.hexdigest())
-        return digest.hexdigest()
+        digest = digest_of(
+            ArtifactFile(Path(name).as_posix(), hash_file(folder / name), size) for name, size, _ in stamp
+        )
+        self._digests[folder] = (stamp, digest)
+        return digest
 
     def _report(self, path: Path, problem: str) -> None:
         # Scans repeat every few seconds: say each problem once, not on every scan.
@@ -102,8 +370,36 @@ class FolderRepository:
             log.warning("skipping %s: %s", path, problem)
 
 
-def open_repository(url: str) -> Repository:
-    """A repository from its URL: a folder path (S3 arrives with the deploy issue)."""
-    if url.startswith("s3://"):
-        raise NotImplementedError("S3 repositories are not supported yet; use a folder")
+def _copy(source: Path, target: Path, progress: Progress) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with source.open("rb") as reader, temporary.open("wb") as writer:
+        while chunk := reader.read(CHUNK):
+            writer.write(chunk)
+            progress(len(chunk))
+    os.replace(temporary, target)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith("s3://")
+
+
+def repo_url(url: str) -> str:
+    """The one spelling of a repository's URL (the registry records it): no trailing '/', and a
+    folder as its absolute path."""
+    if is_remote(url):
+        return url.rstrip("/")
+    return str(Path(url).expanduser().resolve())
+
+
+def open_repository(url: str) -> FolderRepository:
+    """A folder repository from its path. S3 repositories need boto3: see runner.store."""
+    if is_remote(url):
+        raise ValueError(f"{url} is an S3 repository: open it with runner.store.S3Repository")
     return FolderRepository(Path(url).expanduser().resolve())

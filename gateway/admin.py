@@ -1,8 +1,156 @@
-"""Administrative HTTP routes (the Open Inference Protocol model repository extension and the
-deploy API), kept apart from the data plane so they can sit behind their own auth."""
+"""Administrative HTTP routes: the Open Inference Protocol model repository extension (index, load,
+unload). Kept apart from the data plane, in a route list of their own, so that they can sit behind
+their own auth scope."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
-ROUTES: list[Route] = []
+from fngate import keys
+from fngate.errors import InvalidArgument, Unavailable
+from fngate.registry import READY, UNAVAILABLE, ControlOp, id_order, send_control
+from fngate.repository import FunctionRecord
+from gateway.catalog import Catalog
+from gateway.endpoints import services
+from gateway.rendering import json_response
+
+POLL_S = 0.1
+DEFAULT_TIMEOUT_S = 120.0
+
+
+async def repository_index(request: Request) -> Response:
+    """Every function version that is served or loaded somewhere, with its state and reason."""
+    body = await _json_body(request)
+    ready_only = bool(body.get("ready", False))
+    catalog = services(request).catalog
+    await _refresh_states(catalog)
+    loaded = {key for view in catalog.runners for key in view.models}
+    entries = []
+    for name, record in sorted(catalog.records.items()):
+        versions = set(record.served) | {version for function, version in loaded if function == name}
+        for version in sorted(versions & record.versions.keys(), key=int):
+            state = catalog.state(name, version)
+            if not ready_only or state.state == READY:
+                entries.append(
+                    {"name": name, "version": version, "state": state.state, "reason": state.reason}
+                )
+    return json_response(entries)
+
+
+async def load_model(request: Request) -> Response:
+    """Ask every runner of the function's pool to load its served versions now; answer when one
+    runner has each ready, or with the reason a load failed."""
+    catalog = services(request).catalog
+    record = catalog.record(request.path_params["name"])
+    request_id = await _send(catalog, ControlOp("load", record.name, record.served))
+    await _wake(catalog, record)
+    deadline = time.monotonic() + _timeout_s(request)
+    while time.monotonic() < deadline:
+        await _refresh_states(catalog)
+        failure = _load_outcome(catalog, record, request_id)
+        if failure is None:
+            return json_response({})
+        if failure:
+            raise Unavailable(f"function '{record.name}': {failure}")
+        await asyncio.sleep(POLL_S)
+    waited = f"{_timeout_s(request):.0f} s"
+    raise Unavailable(f"function '{record.name}' did not load within {waited}{_no_runner(catalog, record)}")
+
+
+async def unload_model(request: Request) -> Response:
+    """Ask every runner to unload every version of the function; answer once each live runner has
+    done so. The next invocation loads it again."""
+    catalog = services(request).catalog
+    record = catalog.record(request.path_params["name"])
+    request_id = await _send(catalog, ControlOp("unload", record.name, tuple(record.versions)))
+    deadline = time.monotonic() + _timeout_s(request)
+    while time.monotonic() < deadline:
+        await _refresh_states(catalog)
+        if all(id_order(view.control) >= id_order(request_id) for view in catalog.runners):
+            return json_response({})
+        await asyncio.sleep(POLL_S)
+    late = [view.name for view in catalog.runners if id_order(view.control) < id_order(request_id)]
+    raise Unavailable(f"function '{record.name}': runners {late} did not confirm the unload in time")
+
+
+def _load_outcome(catalog: Catalog, record: FunctionRecord, request_id: str) -> str | None:
+    """None when every served version is ready somewhere; a reason when a load for this request
+    failed and none is still loading; '' while waiting."""
+    waiting = False
+    for version in record.served:
+        state = catalog.state(record.name, version)
+        if state.state == UNAVAILABLE and state.request == request_id:
+            return f"version {version}: {state.reason}"
+        waiting = waiting or state.state != READY
+    return "" if waiting else None
+
+
+def _no_runner(catalog: Catalog, record: FunctionRecord) -> str:
+    pool = record.newest().manifest.scaling.pool
+    if any(view.pool == pool for view in catalog.runners):
+        return ""
+    return f" (no runner of pool '{pool}' is running; one that starts within 10 minutes loads it)"
+
+
+async def _wake(catalog: Catalog, record: FunctionRecord) -> None:
+    """With no runner of the pool alive, ask the scaler for one: it carries out the load request."""
+    await _refresh_states(catalog)
+    pool = record.newest().manifest.scaling.pool
+    if not any(view.pool == pool for view in catalog.runners):
+        try:
+            await _redis(catalog).publish(keys.wake_channel(), pool)
+        except RedisError as exc:
+            raise Unavailable(f"could not ask for a runner of pool '{pool}': {exc}") from exc
+
+
+async def _send(catalog: Catalog, op: ControlOp) -> str:
+    try:
+        return await send_control(_redis(catalog), op)
+    except RedisError as exc:
+        raise Unavailable(f"the control stream is unavailable: {exc}") from exc
+
+
+async def _refresh_states(catalog: Catalog) -> None:
+    try:
+        await catalog.refresh_states()
+    except RedisError as exc:
+        raise Unavailable(f"runner states are unavailable: {exc}") from exc
+
+
+def _redis(catalog: Catalog) -> aioredis.Redis:
+    if catalog.redis is None:
+        raise Unavailable("model control needs the queue's Redis")
+    return catalog.redis
+
+
+def _timeout_s(request: Request) -> float:
+    return float(getattr(request.app.state, "load_timeout_s", DEFAULT_TIMEOUT_S))
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("the body must be a JSON object")
+    return doc
+
+
+ROUTES: list[Route] = [
+    Route("/v2/repository/index", repository_index, methods=["POST"]),
+    Route("/v2/repository/models/{name}/load", load_model, methods=["POST"]),
+    Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),
+]

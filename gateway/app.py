@@ -16,10 +16,10 @@ from starlette.routing import Route
 from fngate import keys
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
-from fngate.repository import open_repository
 from gateway import admin, endpoints, metrics
+from gateway.activation import Activator
 from gateway.cache import CacheHealth, SeparateCache
-from gateway.catalog import Catalog
+from gateway.catalog import Catalog, catalog_source
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import handle_function_error
 from gateway.replies import ReplyRouter
@@ -51,9 +51,20 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, endpoints.Services]]:
         gateway_id = uuid.uuid4().hex[:12]
-        redis = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
+        # Invocations wait for a free connection rather than fail when many are in flight at once.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url,
+            max_connections=settings.redis_connections,
+            timeout=5,
+            socket_connect_timeout=5,
+        )
+        redis = aioredis.Redis.from_pool(pool)  # owns the pool: closing it closes the connections
         reader = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
-        catalog = Catalog(open_repository(settings.repo))
+        activator = Activator(reader)
+        # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies,
+        # so that the invocations' connection pool stays the invocations'.
+        catalog = Catalog(catalog_source(settings.repo, reader), reader)
+        app.state.load_timeout_s = settings.load_timeout_s
         replies = ReplyRouter(reader, keys.replies(gateway_id), settings.reply_block_ms)
         async with redis, reader:
             await redis.ping()
@@ -64,13 +75,14 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             async with asyncio.TaskGroup() as tasks:
                 loops = [
                     tasks.create_task(_guard(replies.run(), "reply loop", stopping)),
+                    tasks.create_task(_guard(activator.run(), "activator loop", stopping)),
                     tasks.create_task(
                         _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
                     ),
                 ]
                 try:
                     separate = _separate_cache(settings)
-                    dispatcher = Dispatcher(redis, replies, separate)
+                    dispatcher = Dispatcher(redis, replies, separate, activator)
                     yield {
                         "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis)
                     }

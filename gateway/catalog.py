@@ -1,48 +1,135 @@
-"""The functions this gateway knows and their manifests, refreshed from the repository."""
+"""The functions this gateway knows, their versions and load states, refreshed every few seconds
+from the repository (a folder) or the registry (an S3 repository); which version answers."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+from collections.abc import Mapping
+from typing import Any
 
-from fngate.errors import FunctionNotFound
-from fngate.repository import FunctionVersion, Repository
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fngate import keys
+from fngate.errors import FunctionNotFound, Unavailable
+from fngate.registry import READY, ModelState, RunnerView, Source, function_source, read_runners, summarize
+from fngate.repository import FunctionRecord, FunctionVersion
 
 log = logging.getLogger(__name__)
 
 
+def catalog_source(url: str, redis: aioredis.Redis) -> Source:
+    """A folder is scanned; an S3 repository is read through the registry (gateways need no S3)."""
+    return function_source(url, redis)
+
+
+def route_weights(record: FunctionRecord, ready: set[str]) -> dict[str, int]:
+    """The traffic split, except that a version not ready yet hands its share to the newest older
+    version that is (make before break); with none ready, it is woken by its first invocation."""
+    weights: dict[str, int] = {}
+    for version, weight in record.traffic.items():
+        target = version
+        if version not in ready:
+            older = [other for other in ready if int(other) < int(version)]
+            target = max(older, key=int, default=version)
+        weights[target] = weights.get(target, 0) + weight
+    return weights
+
+
+def choose(weights: Mapping[str, int], rng: random.Random) -> str:
+    versions = list(weights)
+    return rng.choices(versions, weights=[weights[version] for version in versions])[0]
+
+
 class Catalog:
-    def __init__(self, repository: Repository) -> None:
-        self._repository = repository
-        self._functions: dict[str, FunctionVersion] = {}
+    def __init__(self, source: Source, redis: aioredis.Redis | None = None) -> None:
+        self._source = source
+        self.redis = redis
+        """The queue's Redis: runner states are read, and model control written, there."""
+        self._records: dict[str, FunctionRecord] = {}
+        self._runners: list[RunnerView] = []
+        self._ready: dict[str, set[str]] = {}
+        self._rng = random.Random()
 
     @property
     def functions(self) -> dict[str, FunctionVersion]:
-        return self._functions
+        """Each function's newest served version."""
+        return {name: record.default for name, record in self._records.items() if record.default is not None}
+
+    @property
+    def records(self) -> dict[str, FunctionRecord]:
+        return self._records
+
+    @property
+    def runners(self) -> list[RunnerView]:
+        """Live runners and their model states, as of the last refresh."""
+        return self._runners
+
+    def record(self, name: str) -> FunctionRecord:
+        record = self._records.get(name)
+        if record is None:
+            raise FunctionNotFound(f"function '{name}' is not deployed")
+        return record
 
     def get(self, name: str, version: str | None = None) -> FunctionVersion:
-        entry = self._functions.get(name)
-        if entry is None:
-            raise FunctionNotFound(f"function '{name}' is not deployed")
-        if version is not None and version != entry.version:
-            raise FunctionNotFound(f"function '{name}' has no version '{version}' (serving {entry.version})")
-        return entry
+        """The version that answers: the pinned one if served, else one drawn by traffic weight."""
+        record = self.record(name)
+        if version is not None:
+            if version not in record.served:
+                served = ", ".join(record.served) or "none"
+                raise FunctionNotFound(f"function '{name}' has no version '{version}' (serving {served})")
+            return record.versions[version]
+        if not record.traffic:
+            raise Unavailable(f"function '{name}': its version policy serves no version")
+        return record.versions[choose(route_weights(record, self._ready.get(name, set())), self._rng)]
+
+    def state(self, name: str, version: str) -> ModelState:
+        return summarize(self._runners, name, version)
 
     async def refresh(self) -> None:
-        functions = await asyncio.to_thread(self._repository.scan)
-        added = functions.keys() - self._functions.keys()
-        removed = self._functions.keys() - functions.keys()
+        records = await self._source()
+        added = records.keys() - self._records.keys()
+        removed = self._records.keys() - records.keys()
         if added or removed:
             log.info(
-                "catalog: %d functions (added %s, removed %s)", len(functions), sorted(added), sorted(removed)
+                "catalog: %d functions (added %s, removed %s)", len(records), sorted(added), sorted(removed)
             )
-        self._functions = functions
+        self._records = records
+        await self.refresh_states()
+
+    async def refresh_states(self) -> None:
+        if self.redis is None:
+            return
+        self._runners = await read_runners(self.redis)
+        ready: dict[str, set[str]] = {}
+        for view in self._runners:
+            for (function, version), state in view.models.items():
+                if state.state == READY:
+                    ready.setdefault(function, set()).add(version)
+        self._ready = ready
 
     async def run(self, interval_s: float) -> None:
-        """Re-read the repository every `interval_s`; a failed scan keeps the last good catalog."""
+        """Re-read every `interval_s`, and at once when a deploy or removal is announced on the
+        control stream; a failed read keeps the last good catalog."""
+        last = "$"
         while True:
-            await asyncio.sleep(interval_s)
+            try:
+                last = await self._wait(interval_s, last)
+            except (OSError, RedisError):
+                await asyncio.sleep(interval_s)
             try:
                 await self.refresh()
-            except OSError:
+            except (OSError, RedisError):
                 log.exception("catalog refresh failed; keeping the previous catalog")
+
+    async def _wait(self, interval_s: float, last: str) -> str:
+        if self.redis is None:
+            await asyncio.sleep(interval_s)
+            return last
+        block_ms = max(1, int(interval_s * 1000))
+        response: Any = await self.redis.xread({keys.control(): last}, count=100, block=block_ms)
+        for _stream, entries in response or ():
+            last = entries[-1][0].decode()
+        return last

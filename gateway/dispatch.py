@@ -17,6 +17,7 @@ from fngate import keys, telemetry
 from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply, Tensors
+from gateway.activation import Activator
 from gateway.cache import SeparateCache, cache_key
 from gateway.replies import ReplyRouter
 
@@ -51,9 +52,14 @@ REDIS = {"db.system.name": "redis"}
 
 class Dispatcher:
     def __init__(
-        self, redis: aioredis.Redis, replies: ReplyRouter, cache: SeparateCache | None = None
+        self,
+        redis: aioredis.Redis,
+        replies: ReplyRouter,
+        cache: SeparateCache | None = None,
+        activator: Activator | None = None,
     ) -> None:
         self._replies = replies
+        self._activator = activator
         self._enqueue = redis.register_script(ENQUEUE)
         self._separate_cache = cache
 
@@ -97,6 +103,9 @@ class Dispatcher:
                 span.set_attribute("fngate.cache_hit", hit is not None)
             if hit is not None:
                 return dataclasses.replace(Reply.decode(hit), cached=True)
+        pool = manifest.scaling.pool
+        if self._activator is not None:
+            self._activator.check(pool)
         lookup = entry if use_cache and self._separate_cache is None else ""
         fields = invocation.encode()
         future = self._replies.expect(invocation.id)
@@ -132,6 +141,8 @@ class Dispatcher:
                         f"function '{manifest.name}' has {manifest.batching.max_queue_size} invocations "
                         "queued (max_queue_size); retry later"
                     )
+                if self._activator is not None:
+                    await self._activator.wake(pool)
                 reply = await future
         except TimeoutError:
             raise DeadlineExceeded(

@@ -57,12 +57,19 @@ async def server_metadata(request: Request) -> Response:
 
 
 async def model_metadata(request: Request) -> Response:
-    function = _function(request)
+    pinned = request.path_params.get("version")
+    if pinned is not None:
+        function = _function(request)
+        versions = [function.version]
+    else:  # no version asked for: every served one, described by the default
+        record = services(request).catalog.record(request.path_params["name"])
+        function = record.default or record.newest()
+        versions = list(record.served)
     manifest = function.manifest
     return json_response(
         {
             "name": manifest.name,
-            "versions": [function.version],
+            "versions": versions,
             "platform": _platform(manifest),
             "inputs": [_tensor_metadata(spec) for spec in manifest.inputs],
             "outputs": [_tensor_metadata(spec) for spec in manifest.outputs],

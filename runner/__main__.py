@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import sys
+import time
 
-from fngate import telemetry
-from fngate.config import RunnerSettings, unknown_variables
-from fngate.process import run_forever
-from runner.worker import main as worker_main
+IMPORTS_STARTED = time.perf_counter()
+
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+from fngate import telemetry  # noqa: E402
+from fngate.config import RunnerSettings, unknown_variables  # noqa: E402
+from fngate.process import run_forever  # noqa: E402
+from runner.worker import main as worker_main  # noqa: E402
+
+IMPORTS_S = time.perf_counter() - IMPORTS_STARTED
 
 
 async def run(settings: RunnerSettings) -> None:
@@ -27,6 +34,8 @@ def main(settings: RunnerSettings | None = None) -> int:
         return 2
     settings = settings or RunnerSettings()
     telemetry.configure("runner", settings.log_level)
+    # A cold start pays for these; keep them lean (backends import their runtime only when used).
+    logging.getLogger("runner").info("imports took %.3f s", IMPORTS_S)
     run_forever(run(settings))
     return 0
 

@@ -113,6 +113,11 @@ class FunctionConsumer:
         self.executed = 0
         self.expired = 0
 
+    @property
+    def pending(self) -> int:
+        """Invocations read and not yet answered."""
+        return len(self._pending)
+
     async def run(self) -> None:
         """Consume until `stopping` is set, then finish what was already read and return."""
         try:
@@ -189,8 +194,12 @@ class FunctionConsumer:
             if not self._pending:
                 return None
         manifest = self.function.manifest
-        first_key = shape_key(self._pending[0][1])
-        candidates = [entry for entry in self._pending if shape_key(entry[1]) == first_key]
+        # A batch runs on one version's model: invocations name theirs (pinned, or by traffic split).
+        first = self._pending[0][1]
+        first_key = (first.version, shape_key(first))
+        candidates = [
+            entry for entry in self._pending if (entry[1].version, shape_key(entry[1])) == first_key
+        ]
         rows = [entry[1].rows if manifest.batched else 1 for entry in candidates]
         oldest_age_us = max(0, now_ms - _entry_ms(candidates[0][0])) * 1000
         decision = plan(rows, oldest_age_us, manifest.batching, self._contended or len(self._pending) > 1)
@@ -206,6 +215,7 @@ class FunctionConsumer:
     async def _execute(self, batch: Sequence[Entry]) -> None:
         invocations = [invocation for _, invocation in batch]
         name = self.function.name
+        version = invocations[0].version
         batch_id = uuid.uuid4().hex[:16]
         parents = [telemetry.extract(invocation.traceparent) for invocation in invocations]
         links = [Link(trace.get_current_span(parent).get_span_context()) for parent in parents if parent]
@@ -213,21 +223,23 @@ class FunctionConsumer:
         ran_digest = ""
         with tracer.start_as_current_span(f"batch {name}", links=links) as batch_span:
             try:
-                model = await self._load()
+                model = await self._load(self._pool.version(name, version))
             except FunctionError as exc:
                 replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
             else:
                 ran_digest = model.function.digest
                 computed = time.perf_counter()
-                replies = await asyncio.to_thread(
-                    execute, model.backend, self.function.manifest, invocations, batch_id
-                )
+                manifest = model.function.manifest
+                try:
+                    replies = await asyncio.to_thread(execute, model.backend, manifest, invocations, batch_id)
+                finally:
+                    await self._pool.release(model)
                 COMPUTE_DURATION.labels(name).observe(time.perf_counter() - computed)
             rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
             batch_span.set_attributes(
                 {
                     "fngate.function": name,
-                    "fngate.version": self.function.version,
+                    "fngate.version": version,
                     "fngate.batch_id": batch_id,
                     "fngate.batch_size": rows,
                     "fngate.invocations": len(invocations),
@@ -236,17 +248,17 @@ class FunctionConsumer:
         self._observe(batch, replies, parents, batch_span, started_ns, rows)
         await self._reply(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
 
-    async def _load(self) -> LoadedModel:
-        """The model, loaded now if this batch is its first (a cold start, with a span of its own)."""
-        key = (self.function.name, self.function.version)
-        if key in self._pool.loaded:
-            return await self._pool.get(self.function)
-        name = self.function.name
+    async def _load(self, function: FunctionVersion) -> LoadedModel:
+        """The model, loaded now if this batch is its first (a cold start, with a span of its own);
+        held until `pool.release`."""
+        name = function.name
+        if (name, function.version) in self._pool.loaded:
+            return await self._pool.acquire(function)
         COLD_STARTS.labels(name).inc()
         started = time.perf_counter()
         with tracer.start_as_current_span(f"load {name}", attributes={"fngate.cold_start": True}):
             try:
-                model = await self._pool.get(self.function)
+                model = await self._pool.acquire(function)
             except FunctionError:
                 MODEL_LOADS.labels(name, "failed").inc()
                 raise

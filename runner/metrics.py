@@ -37,3 +37,31 @@ COLD_STARTS = Counter(
     "fngate_cold_starts", "Batches that had to wait for their model to load first", ["function"]
 )
 MODELS_LOADED = Gauge("fngate_models_loaded", "Models loaded in this runner")
+
+# GPU: what each model runs on, its engine caches, and device memory (compare Triton's nv_gpu_*).
+MODEL_DEVICE = Gauge(
+    "fngate_model_device",
+    "1 for each loaded model, labelled with what it runs on and the accelerator its manifest asked for",
+    ["function", "version", "device", "asked"],
+)
+ACCELERATOR_FALLBACKS = Counter(
+    "fngate_accelerator_fallbacks",
+    "Model loads that run on another provider than their manifest asked for",
+    ["function", "asked", "device"],
+)
+ENGINE_CACHE_EVENTS = Counter(
+    "fngate_engine_cache_events",
+    "TensorRT engine caches by event: local, downloaded, miss (built), mismatch (ignored, built), "
+    "uploaded, upload_failed",
+    ["function", "event"],
+)
+MODEL_GPU_MEMORY = Gauge(
+    "fngate_model_gpu_memory_bytes", "GPU memory a loaded model took (NVML)", ["function", "version", "gpu"]
+)
+GPU_MEMORY_USED = Gauge("fngate_gpu_memory_used_bytes", "GPU memory in use (NVML)", ["gpu"])
+GPU_MEMORY_TOTAL = Gauge("fngate_gpu_memory_total_bytes", "GPU memory in all (NVML)", ["gpu"])
+GPU_EVICTIONS = Counter("fngate_gpu_evictions", "Models unloaded to make room on the GPU", ["function"])
+GPU_LOAD_REFUSALS = Counter(
+    "fngate_gpu_load_refusals", "Loads refused: the model would not fit the GPU memory budget", ["function"]
+)
+RSS_BYTES = Gauge("fngate_runner_rss_bytes", "Resident memory of this runner process")

@@ -1,69 +1,195 @@
-"""Loaded models: each function version is loaded on first use, once even when asked concurrently."""
+"""Loaded models: each function version is loaded on first use (or when asked), once even when
+asked concurrently, in worker threads; versions load beside each other; a failed load is
+remembered for `retry_s`; `unload` drops a version and closes it once no batch uses it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 
-from fngate.errors import Unavailable
-from fngate.repository import FunctionVersion
+from fngate.errors import FunctionError, FunctionNotFound, Unavailable
+from fngate.registry import LOADING, READY, UNAVAILABLE, ModelState
+from fngate.repository import FunctionRecord, FunctionVersion
 from runner.backends import Backend, load_backend
+from runner.store import Store
 
 log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+"""(function, version)"""
+Report = Callable[[str, str, ModelState], Awaitable[None]]
 
 
 @dataclasses.dataclass(slots=True)
 class LoadedModel:
     function: FunctionVersion
+    """The version as loaded: `directory` is the local folder its files were loaded from."""
     backend: Backend
     load_s: float
     last_used: float
+    download_s: float = 0.0
+    in_use: int = 0
+    unloaded: bool = False
+
+
+async def _no_report(_function: str, _version: str, _state: ModelState) -> None:
+    return None
 
 
 class ModelPool:
-    def __init__(self, threads: int) -> None:
+    def __init__(
+        self, threads: int, store: Store | None = None, report: Report = _no_report, retry_s: float = 30.0
+    ) -> None:
         self._threads = threads
-        self._models: dict[tuple[str, str], LoadedModel] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._store = store or Store("", Path(), 0)
+        self._report = report
+        self._retry_s = retry_s
+        self._known: dict[str, FunctionRecord] = {}
+        self._models: dict[Key, LoadedModel] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._failures: dict[Key, tuple[float, Unavailable]] = {}
 
     @property
-    def loaded(self) -> dict[tuple[str, str], LoadedModel]:
+    def loaded(self) -> dict[Key, LoadedModel]:
         return self._models
 
+    @property
+    def loading(self) -> bool:
+        """A load is under way (a runner that is loading is never idle)."""
+        return any(lock.locked() for lock in self._locks.values())
+
+    def offer(self, records: Mapping[str, FunctionRecord]) -> None:
+        """The functions and versions this runner may load (every stored version of each)."""
+        self._known = dict(records)
+
+    def version(self, name: str, version: str) -> FunctionVersion:
+        """The stored version; raises FunctionNotFound for a removed function or unknown version."""
+        record = self._known.get(name)
+        if record is None:
+            raise FunctionNotFound(f"function '{name}' is not deployed (it may have been removed)")
+        found = record.versions.get(version)
+        if found is None:
+            raise FunctionNotFound(f"function '{name}' has no version '{version}'")
+        return found
+
     async def get(self, function: FunctionVersion) -> LoadedModel:
-        """The loaded model of `function`, loading it in a thread on first use."""
+        """The loaded model of `function`, loading it in a thread on first use. Raises Unavailable
+        at once while a recent load of it failed."""
         key = (function.name, function.version)
         model = self._models.get(key)
         if model is None:
+            self.version(*key)
             async with self._locks.setdefault(key, asyncio.Lock()):
                 model = self._models.get(key)
                 if model is None:
-                    model = await self._load(function)
-                    self._models[key] = model
+                    failed = self._failures.get(key)
+                    if failed is not None and time.monotonic() - failed[0] < self._retry_s:
+                        raise failed[1]
+                    model = await self._load(function, "")
         model.last_used = time.monotonic()
         return model
 
-    async def _load(self, function: FunctionVersion) -> LoadedModel:
-        started = time.perf_counter()
-        manifest = function.manifest
+    async def acquire(self, function: FunctionVersion) -> LoadedModel:
+        """`get`, and keep the model open (though it may be unloaded meanwhile) until `release`."""
+        model = await self.get(function)
+        model.in_use += 1
+        return model
+
+    async def release(self, model: LoadedModel) -> None:
+        model.in_use -= 1
+        model.last_used = time.monotonic()
+        if model.unloaded and model.in_use == 0:
+            await asyncio.to_thread(self._close, model)
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str, version: str) -> AsyncIterator[LoadedModel]:
+        """The loaded model of a stored version, held open until exit."""
+        model = await self.acquire(self.version(name, version))
         try:
-            backend = await asyncio.to_thread(load_backend, manifest, function.directory, self._threads)
+            yield model
+        finally:
+            await self.release(model)
+
+    async def load(self, function: FunctionVersion, request: str = "") -> LoadedModel | None:
+        """Load now (a load request, a new version): forgets an earlier failure, never raises."""
+        key = (function.name, function.version)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            self._failures.pop(key, None)
+            model = self._models.get(key)
+            if model is not None:
+                await self._report(*key, _ready(model, request))
+                return model
+            with contextlib.suppress(FunctionError):
+                return await self._load(function, request)
+        return None
+
+    async def unload(self, key: Key, reason: str = "unloaded") -> bool:
+        """Drop a version: new invocations load it again; batches using it finish first."""
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            model = self._models.pop(key, None)
+            self._failures.pop(key, None)
+            if model is None:
+                return False
+            model.unloaded = True
+            log.info("unloaded %s version %s (%s)", *key, reason)
+            await self._report(*key, ModelState(UNAVAILABLE, reason, _now_ms()))
+        if model.in_use == 0:
+            await asyncio.to_thread(self._close, model)
+        return True
+
+    async def _load(self, function: FunctionVersion, request: str) -> LoadedModel:
+        key = (function.name, function.version)
+        await self._report(*key, ModelState(LOADING, "", _now_ms(), request))
+        materialized = None
+        try:
+            materialized = await asyncio.to_thread(self._store.materialize, function)
+            started = time.perf_counter()
+            loaded = materialized.function
+            backend = await asyncio.to_thread(load_backend, loaded.manifest, loaded.directory, self._threads)
         except Exception as exc:
-            log.exception("loading %s version %s failed", function.name, function.version)
-            raise Unavailable(f"function '{function.name}' failed to load: {exc}") from exc
-        load_s = time.perf_counter() - started
-        log.info(
-            "loaded %s version %s (%s) in %.3f s",
-            function.name,
-            function.version,
-            manifest.model.backend,
-            load_s,
+            if materialized is not None:
+                self._store.release(materialized.function)
+            detail = exc.message if isinstance(exc, FunctionError) else f"{type(exc).__name__}: {exc}"
+            log.error("loading %s version %s failed: %s", *key, detail)
+            error = Unavailable(f"function '{key[0]}' version {key[1]} failed to load: {detail}")
+            self._failures[key] = (time.monotonic(), error)
+            await self._report(*key, ModelState(UNAVAILABLE, f"load-failed: {detail}", _now_ms(), request))
+            raise error from exc
+        model = LoadedModel(
+            loaded, backend, time.perf_counter() - started, time.monotonic(), materialized.download_s
         )
-        return LoadedModel(function, backend, load_s, time.monotonic())
+        self._models[key] = model
+        log.info(
+            "loaded %s version %s (%s): download %.3f s, load %.3f s",
+            *key,
+            loaded.manifest.model.backend,
+            model.download_s,
+            model.load_s,
+        )
+        await self._report(*key, _ready(model, request))
+        return model
+
+    def _close(self, model: LoadedModel) -> None:
+        try:
+            model.backend.close()
+        except Exception:
+            log.exception("closing %s version %s failed", model.function.name, model.function.version)
+        self._store.release(model.function)
 
     def close(self) -> None:
         for model in self._models.values():
-            model.backend.close()
+            self._close(model)
         self._models.clear()
+
+
+def _ready(model: LoadedModel, request: str) -> ModelState:
+    return ModelState(READY, "", _now_ms(), request, round(model.download_s, 4), round(model.load_s, 4))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

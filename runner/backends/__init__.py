@@ -39,7 +39,13 @@ def _python(manifest: FunctionManifest, directory: Path, threads: int) -> Backen
     return PythonBackend(manifest, directory)
 
 
-LOADERS: dict[str, Loader] = {"onnxruntime": _onnx, "python": _python}
+def _tensorrt(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+    from runner.backends.tensorrt import TensorRTBackend
+
+    return TensorRTBackend(manifest, directory)
+
+
+LOADERS: dict[str, Loader] = {"onnxruntime": _onnx, "python": _python, "tensorrt": _tensorrt}
 
 
 def load_backend(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:

@@ -1,28 +1,100 @@
-"""onnxruntime backend (CPU execution provider)."""
+"""onnxruntime backend: the model runs on the execution provider its manifest asks for (TensorRT,
+CUDA or CPU; providers.py says which this runner can give and why not), with TensorRT's engines
+cached in a local folder and, through an EngineStore, in the repository.
+
+After loading, `device` names the provider the model actually runs on and `fallback_reason` why it
+is not the one asked for (None when it is); `device_memory_bytes` is the GPU memory it took.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
+from typing import Any
 
-import onnxruntime as ort
+import numpy as np
 
-from fngate.errors import InvalidArgument
+from fngate.errors import InvalidArgument, Unavailable
 from fngate.manifest import FunctionManifest
+from fngate.repository import SHA256, hash_file
+from fngate.tensors import DATATYPES
+from runner import gpu
 from runner.backends import Tensors
+from runner.backends.engine_cache import EngineCache, EngineKey, options_fingerprint
+from runner.backends.providers import (
+    CPU,
+    NOT_SHAPING,
+    SHORT,
+    TENSORRT,
+    Acceleration,
+    Choice,
+    choose,
+    options,
+    probe,
+)
+from runner.metrics import ACCELERATOR_FALLBACKS
+
+log = logging.getLogger(__name__)
 
 
 class OnnxBackend:
-    def __init__(self, manifest: FunctionManifest, directory: Path, threads: int) -> None:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Spinning worker threads burn a core the gateway needs; block instead.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(
-            str(directory / manifest.model.path), sess_options=options, providers=["CPUExecutionProvider"]
-        )
+    def __init__(
+        self,
+        manifest: FunctionManifest,
+        directory: Path,
+        threads: int,
+        acceleration: Acceleration | None = None,
+    ) -> None:
+        accel = acceleration or Acceleration()
+        ort = _onnxruntime()
+        asked = manifest.model.accelerator
+        choice = Choice((CPU,)) if asked == "cpu" else choose(asked, probe(accel.device_index))
+        self._refuse_fallback(manifest, accel, choice.reason)
+        path = directory / manifest.model.path
+        cache = None
+        if choice.providers[0] == TENSORRT:
+            cache = _engine_cache(manifest, path, accel, ort.__version__)
+        folder = cache.folder if cache is not None else accel.engine_dir
+        providers = [(name, options(name, manifest, folder, accel.device_index)) for name in choice.providers]
+        on_gpu = choice.providers[0] != CPU
+        before = gpu.held_bytes(accel.device_index) if on_gpu else None
+        with cache.locked() if cache is not None else contextlib.nullcontext():
+            if cache is not None:
+                cache.prepare()
+            self._session = _session(ort, path, threads, providers)
+            self.device: str = self._session.get_providers()[0]
+            if cache is not None and self.device == TENSORRT:
+                cache.save()
+        self.fallback_reason: str | None = choice.reason
+        if self.device != choice.providers[0]:
+            failed = f"onnxruntime could not create the {SHORT[choice.providers[0]]} provider (see its log)"
+            self.fallback_reason = f"{choice.reason}; {failed}" if choice.reason else failed
+            self._refuse_fallback(manifest, accel, self.fallback_reason)
+        self._check_names(manifest)
+        self.device_memory_bytes = 0
+        if on_gpu:
+            self._warm_up(manifest)
+            after = gpu.held_bytes(accel.device_index)
+            if before is not None and after is not None:
+                self.device_memory_bytes = max(after - before, 0)
+        self._announce(manifest)
+
+    def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
+        results = self._session.run(outputs, inputs)
+        return dict(zip(outputs, results, strict=True))
+
+    def close(self) -> None:
+        del self._session
+
+    def _refuse_fallback(self, manifest: FunctionManifest, accel: Acceleration, reason: str | None) -> None:
+        if reason is not None and accel.require:
+            raise Unavailable(
+                f"{manifest.name} asks for accelerator {manifest.model.accelerator} and this runner "
+                f"requires it (FNGATE_REQUIRE_ACCELERATOR), but {reason}"
+            )
+
+    def _check_names(self, manifest: FunctionManifest) -> None:
         model_inputs = {item.name for item in self._session.get_inputs()}
         model_outputs = {item.name for item in self._session.get_outputs()}
         missing = [spec.name for spec in manifest.inputs if spec.name not in model_inputs]
@@ -33,9 +105,71 @@ class OnnxBackend:
                 f"and outputs {sorted(model_outputs)}"
             )
 
-    def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
-        results = self._session.run(outputs, inputs)
-        return dict(zip(outputs, results, strict=True))
+    def _warm_up(self, manifest: FunctionManifest) -> None:
+        """One batch of zeros at the preferred size, so that the first invocation finds kernels
+        chosen and memory allocated (and the memory measured includes them)."""
+        batching = manifest.batching
+        rows = max(batching.preferred_batch_sizes, default=batching.max_batch_size)
+        inputs = {}
+        for spec in manifest.inputs:
+            shape = (rows, *spec.shape[1:]) if manifest.batched else spec.shape
+            if spec.datatype == "BYTES" or -1 in shape:
+                return
+            inputs[spec.name] = np.zeros(shape, dtype=DATATYPES[spec.datatype])
+        self.run(inputs, [spec.name for spec in manifest.outputs])
 
-    def close(self) -> None:
-        del self._session
+    def _announce(self, manifest: FunctionManifest) -> None:
+        asked = manifest.model.accelerator
+        if self.fallback_reason is None:
+            log.info("%s runs on %s (asked: %s)", manifest.name, self.device, asked)
+            return
+        log.warning("%s runs on %s (asked: %s; %s)", manifest.name, self.device, asked, self.fallback_reason)
+        ACCELERATOR_FALLBACKS.labels(manifest.name, asked, self.device).inc()
+
+
+def _onnxruntime() -> Any:
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise Unavailable(
+            f"onnxruntime is not installed in this runner ({exc}); install fngate[cpu] or fngate[gpu]"
+        ) from exc
+    return onnxruntime
+
+
+def _session(ort: Any, path: Path, threads: int, providers: list[tuple[str, dict[str, str]]]) -> Any:
+    session_options = ort.SessionOptions()
+    session_options.intra_op_num_threads = threads
+    session_options.inter_op_num_threads = 1
+    session_options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Spinning worker threads burn a core the gateway needs; block instead.
+    session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
+
+
+def _engine_cache(
+    manifest: FunctionManifest, path: Path, accel: Acceleration, ort_version: str
+) -> EngineCache:
+    environment = probe(accel.device_index)
+    assert isinstance(environment.device, gpu.Device)  # choose() put TensorRT first: there is one
+    shaping = options(TENSORRT, manifest, Path(), accel.device_index)
+    key = EngineKey(
+        model_sha256(path),
+        environment.tensorrt_version,
+        environment.device.compute_capability,
+        manifest.model.precision,
+        f"onnxruntime {ort_version}",
+        options_fingerprint(shaping, NOT_SHAPING),
+    )
+    return EngineCache(accel.engine_dir, key, accel.store, manifest.name)
+
+
+def model_sha256(path: Path) -> str:
+    """The model file's sha256: the artifact cache links each file to a blob named by it, so
+    that is read from the link when it can be; otherwise the file is hashed."""
+    if path.is_symlink():
+        target = path.readlink().name
+        if SHA256.match(target):
+            return target
+    return hash_file(path)

@@ -103,15 +103,14 @@ def test_gateway_and_runner_ports_match_the_kubernetes_objects() -> None:
 def test_gpu_image_pins_onnxruntime_gpu_and_tensorrt_and_caches_engines() -> None:
     text = DOCKERFILE.read_text(encoding="utf-8")
     assert re.search(r"^ARG ONNXRUNTIME_GPU_VERSION=\d+\.\d+\.\d+$", text, re.MULTILINE)
-    assert re.search(r"^ARG TENSORRT_VERSION=\d+\.\d+\.\d+", text, re.MULTILINE)
     gpu = final_stage("runner-gpu")
     assert gpu.base.startswith("nvidia/cuda:") and "cudnn-runtime" in gpu.base
     build = stages()["gpu-build"]
     assert any('"onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}"' in run for run in build.all("RUN"))
-    assert any('"tensorrt==${TENSORRT_VERSION}"' in run for run in build.all("RUN"))
-    assert any("pip uninstall --yes onnxruntime " in run for run in build.all("RUN"))
+    assert any('".[gpu]"' in run for run in build.all("RUN"))  # TensorRT comes with the gpu extra
+    assert not any('".[cpu]"' in run for run in build.all("RUN"))  # never both onnxruntime packages
     env = " ".join(gpu.all("ENV"))
-    assert f"ORT_TENSORRT_CACHE_PATH={k8s.TENSORRT_CACHE_DIR}" in env
+    assert f"FNGATE_ENGINE_CACHE_DIR={k8s.TENSORRT_CACHE_DIR}" in env
     assert gpu.all("VOLUME") == [f'["{k8s.TENSORRT_CACHE_DIR}"]']
 
 

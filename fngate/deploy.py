@@ -1,0 +1,370 @@
+"""`fngate deploy`, `fngate ls` and `fngate rm`: versions into and out of a repository (a folder or
+S3), the registry kept in step with an S3 repository, and the queued invocations of a removed
+function answered. The repository object comes from the CLI (boto3 stays in runner/store.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from fngate import keys
+from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
+from fngate.manifest import FunctionManifest, ManifestError, load_manifest
+from fngate.registry import ControlOp, Registry, read_runners, send_control, summarize
+from fngate.repository import (
+    MANIFEST_FILE,
+    ArtifactFile,
+    FunctionRecord,
+    FunctionVersion,
+    Repository,
+    collect_files,
+    hash_file,
+    is_remote,
+    make_record,
+    policy_problems,
+)
+from fngate.wire import Invocation, Reply
+
+LARGE_BYTES = 8 * 1024 * 1024
+"""Uploads from this size on get a progress bar (on a terminal)."""
+EXAMPLE_ELEMENTS = 64
+REPLY_MAXLEN = 100_000
+
+
+class ProgressBar:
+    """Bytes uploaded of `total`, redrawn on one terminal line; boto3 reports from several threads."""
+
+    def __init__(self, total: int, stream: TextIO, label: str) -> None:
+        self._total = max(total, 1)
+        self._stream = stream
+        self._label = label
+        self._done = 0
+        self._drawn = 0.0
+        self._lock = threading.Lock()
+        self.enabled = total >= LARGE_BYTES and stream.isatty()
+
+    def __call__(self, count: int) -> None:
+        with self._lock:
+            self._done += count
+            now = time.monotonic()
+            if self.enabled and (now - self._drawn > 0.1 or self._done >= self._total):
+                self._drawn = now
+                self._stream.write("\r" + self.render())
+                self._stream.flush()
+
+    def render(self) -> str:
+        share = min(self._done / self._total, 1.0)
+        filled = int(share * 30)
+        return (
+            f"{self._label} [{'#' * filled}{'.' * (30 - filled)}] {share:4.0%} "
+            f"{_size(self._done)} of {_size(self._total)}"
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            self._stream.write("\n")
+
+
+def deploy(path: Path, repository: Repository, redis_url: str, gateway: str, out: TextIO, err: TextIO) -> int:
+    """Validate, upload as the next version, record it, print how to call it. Nothing is uploaded
+    for a manifest, a version policy or a registry that fails its check."""
+    try:
+        manifest = load_manifest(path)
+    except ManifestError as exc:
+        for line in exc.lines():
+            print(line, file=err)
+        print("fngate deploy: nothing was uploaded", file=err)
+        return 2
+    remote = is_remote(repository.url)
+    try:
+        files = deploy_files(path, manifest)
+        problems = _policy_check(repository, manifest)
+        if problems:
+            for problem in problems:
+                print(f"{path}: {problem}", file=err)
+            print("fngate deploy: nothing was uploaded", file=err)
+            return 2
+        if remote:
+            asyncio.run(_ping(redis_url))
+        total = sum(item.size for item, _ in files)
+        print(f"{manifest.name}: uploading {len(files)} files ({_size(total)}) to {repository.url}", file=out)
+        bar = ProgressBar(total, err, f"{manifest.name}: uploading")
+        try:
+            version = repository.add_version(manifest, files, bar)
+        finally:
+            bar.close()
+        record = repository.get(manifest.name)
+    except FunctionError as exc:
+        print(f"fngate deploy: {exc.message}", file=err)
+        return 1
+    except (RedisError, OSError) as exc:
+        print(
+            f"fngate deploy: the registry at {redis_url} is unreachable ({exc}); nothing was uploaded",
+            file=err,
+        )
+        return 1
+    try:
+        asyncio.run(_announce(redis_url, repository.url, record, remote))
+    except (RedisError, OSError) as exc:
+        if remote:
+            print(
+                f"fngate deploy: version {version.version} is in {repository.url}, but the registry at "
+                f"{redis_url} could not record it ({exc}); run `fngate ls --sync` when it is reachable",
+                file=err,
+            )
+            return 1
+    _print_deployed(version, record, repository.url, gateway, out)
+    return 0
+
+
+def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactFile, Path]]:
+    """The manifest (stored as function.yaml whatever its name) and the files of its folder."""
+    manifest_file = path.resolve()
+    files = [
+        (item, source)
+        for item, source in collect_files(manifest_file.parent)
+        if item.path != MANIFEST_FILE and source.resolve() != manifest_file
+    ]
+    files.insert(
+        0, (ArtifactFile(MANIFEST_FILE, hash_file(manifest_file), manifest_file.stat().st_size), path)
+    )
+    if not any(item.path == manifest.model.path for item, _ in files):
+        raise InvalidArgument(f"{manifest_file.parent / manifest.model.path} does not exist (model.path)")
+    return files
+
+
+def _policy_check(repository: Repository, manifest: FunctionManifest) -> list[str]:
+    """The version policy as it will be with this version added as the next number."""
+    try:
+        stored = list(repository.get(manifest.name).versions.values())
+    except FunctionNotFound:
+        stored = []
+    upcoming = FunctionVersion(manifest, repository.next_version(manifest.name), Path())
+    return policy_problems(make_record([*stored, upcoming]))
+
+
+def _print_deployed(
+    version: FunctionVersion, record: FunctionRecord, url: str, gateway: str, out: TextIO
+) -> None:
+    name = version.name
+    traffic = ", ".join(f"version {v}: {w}%" for v, w in record.traffic.items())
+    print(
+        f"deployed {name} version {version.version} (digest {version.digest[:12]}) "
+        f"to {url}/{name}/{version.version}/\nserving versions {', '.join(record.served)}; traffic {traffic}",
+        file=out,
+    )
+    body = example_body(version.manifest)
+    data = f"'{body}'" if body is not None else "@request.json"
+    print(
+        f"call it:\n  curl -s -X POST {gateway}/v1/functions/{name} -d {data}\n"
+        f"  curl -s -X POST {gateway}/v2/models/{name}/versions/{version.version}/infer "
+        "-d '{\"inputs\": [...]}'",
+        file=out,
+    )
+
+
+def example_body(manifest: FunctionManifest) -> str | None:
+    """A /v1 body of zeros with one row, or None when it would be too long to print."""
+    inputs: dict[str, Any] = {}
+    for spec in manifest.inputs:
+        shape = [1 if dim == -1 else dim for dim in spec.shape]
+        count = 1
+        for dim in shape:
+            count *= dim
+        if count > EXAMPLE_ELEMENTS:
+            return None
+        zero: Any = {"BOOL": False, "BYTES": ""}.get(
+            spec.datatype, 0.0 if spec.datatype.startswith("FP") else 0
+        )
+        value: Any = zero
+        for dim in reversed(shape):
+            value = [value] * dim
+        inputs[spec.name] = value
+    return orjson.dumps({"inputs": inputs}).decode()
+
+
+async def _ping(redis_url: str) -> None:
+    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+        await redis.ping()
+
+
+async def _announce(redis_url: str, repo_url: str, record: FunctionRecord, remote: bool) -> None:
+    """Record the function (S3 repositories) and tell runners to look now."""
+    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+        if remote:
+            await Registry(redis, repo_url).put(record)
+        await send_control(redis, ControlOp("deploy", record.name))
+
+
+def list_functions(repository: Repository, redis_url: str, sync: bool, out: TextIO, err: TextIO) -> int:
+    """Every function and version: served, traffic share, load state across runners."""
+    try:
+        records = repository.scan()
+    except FunctionError as exc:
+        print(f"fngate ls: {exc.message}", file=err)
+        return 1
+    try:
+        runners, drift = asyncio.run(_states(redis_url, repository.url, records, sync))
+    except (RedisError, OSError) as exc:
+        print(f"fngate ls: load states unknown: redis at {redis_url} is unreachable ({exc})", file=err)
+        runners, drift = None, []
+    rows = [("FUNCTION", "VERSION", "SERVED", "TRAFFIC", "STATE", "REASON")]
+    for name, record in sorted(records.items()):
+        for version in record.versions:
+            state = summarize(runners, name, version) if runners is not None else None
+            traffic = record.traffic.get(version)
+            rows.append(
+                (
+                    name,
+                    version,
+                    "yes" if version in record.served else "no",
+                    f"{traffic}%" if traffic else "-",
+                    state.state if state is not None else "?",
+                    state.reason if state is not None else "",
+                )
+            )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out
+        )
+    for line in drift:
+        print(f"fngate ls: {line}", file=err)
+    return 0
+
+
+async def _states(
+    redis_url: str, repo_url: str, records: dict[str, FunctionRecord], sync: bool
+) -> tuple[list[Any], list[str]]:
+    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+        runners = await read_runners(redis)
+        if not is_remote(repo_url):
+            return runners, []
+        registry = Registry(redis, repo_url)
+        recorded = await registry.read()
+        stale = sorted(
+            name
+            for name in records.keys() | recorded.keys()
+            if name not in recorded
+            or name not in records
+            or recorded[name].versions.keys() != records[name].versions.keys()
+        )
+        if not sync:
+            hint = "; `fngate ls --sync` rewrites it from the repository"
+            return runners, [f"the registry differs from the repository for {stale}{hint}"] if stale else []
+        for name in stale:
+            if name in records:
+                await registry.put(records[name])
+            else:
+                await registry.remove(name)
+            await send_control(redis, ControlOp("deploy", name))
+        return runners, [f"registry rewritten for {stale}"] if stale else []
+
+
+def remove(
+    repository: Repository, name: str, redis_url: str, grace_s: float, out: TextIO, err: TextIO
+) -> int:
+    """Delete every version; queued invocations are answered not_found, now and after `grace_s`
+    (gateways that had not refreshed yet may still have queued some)."""
+    try:
+        record = repository.get(name)
+    except FunctionError as exc:
+        print(f"fngate rm: {exc.message}", file=err)
+        return 1
+    remote = is_remote(repository.url)
+    try:
+        answered = asyncio.run(_remove(repository, record, redis_url, grace_s, remote))
+    except FunctionError as exc:
+        print(f"fngate rm: {exc.message}", file=err)
+        return 1
+    except (RedisError, OSError) as exc:
+        if remote:
+            print(
+                f"fngate rm: the registry at {redis_url} is unreachable ({exc}); nothing was removed",
+                file=err,
+            )
+            return 1
+        repository.remove(name)
+        print(
+            f"fngate rm: redis at {redis_url} is unreachable ({exc}): queued invocations were not answered",
+            file=err,
+        )
+        answered = 0
+    print(
+        f"removed {name} ({_count(len(record.versions), 'version')}) from {repository.url}; "
+        f"answered {_count(answered, 'queued invocation')} with not_found",
+        file=out,
+    )
+    return 0
+
+
+async def _remove(
+    repository: Repository, record: FunctionRecord, redis_url: str, grace_s: float, remote: bool
+) -> int:
+    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+        await redis.ping()
+        if remote:
+            await Registry(redis, repository.url).remove(record.name)
+        await asyncio.to_thread(repository.remove, record.name)
+        await send_control(redis, ControlOp("remove", record.name))
+        answered = await answer_queued(redis, record.name)
+        await asyncio.sleep(grace_s)
+        return answered + await answer_queued(redis, record.name)
+
+
+async def answer_queued(redis: aioredis.Redis, name: str) -> int:
+    """Answer every invocation queued for `name` (and those waiting on it) not_found; delete them."""
+    stream = keys.invocations(name)
+    error = FunctionNotFound(f"function '{name}' was removed")
+    answered = 0
+    while True:
+        entries: Any = await redis.xrange(stream, count=500)
+        if not entries:
+            break
+        ids = [entry_id for entry_id, _ in entries]
+        async with redis.pipeline(transaction=False) as pipe:
+            for _entry_id, fields in entries:
+                try:
+                    invocation = Invocation.decode(fields)
+                except (KeyError, ValueError, TypeError, FunctionError):
+                    continue
+                reply = Reply(invocation.id, invocation.version, {}, error).encode()
+                pipe.xadd(invocation.reply_to, reply, maxlen=REPLY_MAXLEN, approximate=True)
+                answered += 1 + await _answer_waiters(redis, pipe, invocation, reply)
+            pipe.xdel(stream, *ids)
+            await pipe.execute()
+        with contextlib.suppress(ResponseError):  # no runner group yet
+            await redis.xack(stream, keys.RUNNER_GROUP, *ids)
+    return answered
+
+
+async def _answer_waiters(redis: aioredis.Redis, pipe: Any, invocation: Invocation, reply: Any) -> int:
+    if not invocation.in_flight_key:
+        return 0
+    waiting: Any = await redis.lrange(keys.waiters(invocation.in_flight_key), 0, -1)
+    for waiter in waiting:
+        stream, _, waiter_id = waiter.decode().partition(" ")
+        pipe.xadd(stream, {**reply, b"for": waiter_id}, maxlen=REPLY_MAXLEN, approximate=True)
+    pipe.delete(invocation.in_flight_key, keys.waiters(invocation.in_flight_key))
+    return len(waiting)
+
+
+def _count(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _size(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"

@@ -1,0 +1,235 @@
+"""Redis records beside the queue: the registry (a mirror of an S3 repository that gateways and
+runners read, so that gateways never need S3 and runners never list it), each runner's load state
+of every model under a heartbeat, and the control stream (load, unload, deploy, remove) that
+every runner reads."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from fngate import keys
+from fngate.manifest import ManifestError
+from fngate.repository import (
+    FunctionRecord,
+    decode_version,
+    encode_version,
+    is_remote,
+    make_record,
+    open_repository,
+    repo_url,
+)
+
+log = logging.getLogger(__name__)
+
+READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
+CONTROL_MAXLEN = 1000
+CONTROL_OPS = ("load", "unload", "deploy", "remove")
+Source = Callable[[], Awaitable[dict[str, FunctionRecord]]]
+
+
+def function_source(repo: str, redis: aioredis.Redis) -> Source:
+    """Where a process learns the functions and their versions: an S3 repository through the
+    registry (no S3 client needed, no listing of the bucket every few seconds), a folder by
+    scanning it in a thread."""
+    if is_remote(repo):
+        return Registry(redis, repo_url(repo)).read
+    repository = open_repository(repo)
+    return lambda: asyncio.to_thread(repository.scan)
+
+
+class Registry:
+    """Hash field per function: its repository URL and every stored version's index document."""
+
+    def __init__(self, redis: aioredis.Redis, repo_url: str) -> None:
+        self._redis = redis
+        self._repo = repo_url
+        self._reported: set[str] = set()
+        self._decoded: dict[bytes, FunctionRecord | None] = {}
+        """Records by their JSON: a read every few seconds validates only what changed."""
+
+    async def read(self) -> dict[str, FunctionRecord]:
+        raw: Any = await self._redis.hgetall(keys.registry())
+        decoded: dict[bytes, FunctionRecord | None] = {}
+        for name, doc in raw.items():
+            if doc in self._decoded:
+                decoded[doc] = self._decoded[doc]
+                continue
+            try:
+                decoded[doc] = self._decode(name.decode(), orjson.loads(doc))
+            except (ValueError, KeyError, TypeError, ManifestError) as exc:
+                self._report(name.decode(), str(exc))
+                decoded[doc] = None
+        self._decoded = decoded
+        return {record.name: record for record in decoded.values() if record is not None}
+
+    async def put(self, record: FunctionRecord) -> None:
+        doc = {"repo": self._repo, "versions": [encode_version(item) for item in record.versions.values()]}
+        await self._redis.hset(keys.registry(), record.name, orjson.dumps(doc))
+
+    async def remove(self, name: str) -> bool:
+        return bool(await self._redis.hdel(keys.registry(), name))
+
+    def _decode(self, name: str, doc: dict[str, Any]) -> FunctionRecord | None:
+        if doc.get("repo") != self._repo:
+            self._report(name, f"recorded for repository {doc.get('repo')}, not {self._repo}")
+            return None
+        versions = [
+            decode_version(item, Path(), f"registry {name}/{item.get('version')}") for item in doc["versions"]
+        ]
+        record = make_record(versions)
+        if record.name != name:
+            raise ValueError(f"holds function {record.name!r}")
+        return record
+
+    def _report(self, name: str, problem: str) -> None:
+        if f"{name}: {problem}" not in self._reported:
+            self._reported.add(f"{name}: {problem}")
+            log.warning("registry entry %s skipped: %s", name, problem)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelState:
+    state: str
+    """READY, LOADING or UNAVAILABLE."""
+    reason: str = ""
+    """Why UNAVAILABLE: not-loaded, unloaded, idle-unloaded, retired, load-failed: <message>."""
+    at_ms: int = 0
+    request: str = ""
+    """The control entry (a load request) that this state answers, if any."""
+    download_s: float | None = None
+    load_s: float | None = None
+
+    def encode(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ModelState:
+        doc = orjson.loads(raw)
+        return cls(**{field.name: doc[field.name] for field in dataclasses.fields(cls) if field.name in doc})
+
+
+NOT_LOADED = ModelState(UNAVAILABLE, "not-loaded")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunnerView:
+    name: str
+    pool: str
+    control: str
+    """The last control entry this runner has acted on."""
+    models: dict[tuple[str, str], ModelState]
+
+
+def model_field(function: str, version: str) -> str:
+    return f"{function}/{version}"
+
+
+class StateBoard:
+    """One runner's model states, in a hash that lives as long as the runner's heartbeat."""
+
+    def __init__(self, redis: aioredis.Redis, runner: str, pool: str, ttl_s: float) -> None:
+        self._redis = redis
+        self._key = keys.runner_models(runner)
+        self._runner = runner
+        self._pool = pool
+        self._ttl_ms = int(ttl_s * 1000)
+
+    async def set(self, function: str, version: str, state: ModelState) -> None:
+        await self._redis.hset(self._key, model_field(function, version), state.encode())
+
+    async def forget(self, function: str) -> None:
+        """Drop the states of every version of a removed function."""
+        fields: Any = await self._redis.hkeys(self._key)
+        mine = [field for field in fields if field.startswith(f"{function}/".encode())]
+        if mine:
+            await self._redis.hdel(self._key, *mine)
+
+    async def acknowledge(self, control_id: str) -> None:
+        await self._redis.hset(self._key, "_control", control_id)
+
+    async def heartbeat(self) -> None:
+        now_ms = int(time.time() * 1000)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self._key, "_pool", self._pool)
+            pipe.pexpire(self._key, self._ttl_ms)
+            pipe.zadd(keys.runners(), {self._runner: now_ms + self._ttl_ms})
+            pipe.zremrangebyscore(keys.runners(), "-inf", now_ms)
+            await pipe.execute()
+
+    async def close(self) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self._key)
+            pipe.zrem(keys.runners(), self._runner)
+            await pipe.execute()
+
+
+async def read_runners(redis: aioredis.Redis) -> list[RunnerView]:
+    """Every runner whose heartbeat has not expired, with its model states."""
+    names: Any = await redis.zrangebyscore(keys.runners(), int(time.time() * 1000), "+inf")
+    if not names:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(keys.runner_models(name.decode()))
+        hashes: list[dict[bytes, bytes]] = await pipe.execute()
+    views = []
+    for name, fields in zip(names, hashes, strict=True):
+        models = {}
+        for field, raw in fields.items():
+            if field.startswith(b"_") or b"/" not in field:
+                continue
+            function, version = field.decode().rsplit("/", 1)
+            models[(function, version)] = ModelState.decode(raw)
+        pool = fields.get(b"_pool", b"").decode()
+        control = fields.get(b"_control", b"0-0").decode()
+        views.append(RunnerView(name.decode(), pool, control, models))
+    return views
+
+
+def summarize(runners: Iterable[RunnerView], function: str, version: str) -> ModelState:
+    """One state for a version across runners: READY if any has it, else LOADING if any loads it,
+    else the latest reason it is unavailable."""
+    states = [view.models[(function, version)] for view in runners if (function, version) in view.models]
+    for wanted in (READY, LOADING):
+        found = [state for state in states if state.state == wanted]
+        if found:
+            return max(found, key=lambda state: state.at_ms)
+    return max(states, key=lambda state: state.at_ms, default=NOT_LOADED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControlOp:
+    op: str
+    function: str
+    versions: tuple[str, ...] = ()
+    id: str = ""
+
+
+async def send_control(redis: aioredis.Redis, op: ControlOp) -> str:
+    """Append an operation for every runner; returns its entry id."""
+    fields = {"op": op.op, "fn": op.function, "ver": ",".join(op.versions)}
+    entry_id: Any = await redis.xadd(keys.control(), fields, maxlen=CONTROL_MAXLEN, approximate=True)  # type: ignore[arg-type]
+    return str(entry_id.decode())
+
+
+def decode_control(entry_id: bytes, fields: dict[bytes, bytes]) -> ControlOp | None:
+    op = fields.get(b"op", b"").decode()
+    if op not in CONTROL_OPS:
+        return None
+    versions = tuple(item for item in fields.get(b"ver", b"").decode().split(",") if item)
+    return ControlOp(op, fields.get(b"fn", b"").decode(), versions, entry_id.decode())
+
+
+def id_order(entry_id: str) -> tuple[int, int]:
+    """Stream ids compare as (milliseconds, sequence)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

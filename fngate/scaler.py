@@ -1,0 +1,233 @@
+"""The local scaler of `fngate up`: the single-machine counterpart of KEDA.
+
+It starts a runner the moment a gateway announces work for a pool with none (the wake channel),
+adds runners while a pool's backlog grows (up to max_replicas), keeps min_replicas warm, and
+records a runner that could not start so gateways can answer 503 at once. Runners stop on their
+own when idle (FNGATE_IDLE_SHUTDOWN_S); the scaler only reaps them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fngate import keys
+
+log = logging.getLogger("fngate.scaler")
+START_GRACE_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    functions: tuple[str, ...]
+    min_replicas: int
+    max_replicas: int
+    rows_per_runner: int
+    """Backlog one runner is expected to absorb before another is worth starting."""
+
+
+@dataclasses.dataclass
+class Started:
+    process: subprocess.Popen[bytes]
+    pool: str
+    at: float
+    warm: bool
+    seen: bool = False
+
+
+class LocalScaler:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        pools: Callable[[], Awaitable[dict[str, PoolSpec]]],
+        env: dict[str, str],
+        idle_shutdown_s: float,
+        logs: Path | None = None,
+        poll_s: float = 0.5,
+        cooldown_s: float = 1.0,
+    ) -> None:
+        self._redis = redis
+        self._pools = pools
+        self._env = env
+        self._idle_shutdown_s = idle_shutdown_s
+        self._logs = logs
+        self._poll_s = poll_s
+        self._cooldown_s = cooldown_s
+        self._started: list[Started] = []
+        self._last_start: dict[str, float] = {}
+        self._specs: dict[str, PoolSpec] = {}
+        self.timeline: list[tuple[float, str, int]] = []
+        """(time, pool, live runners) at each change, for the scale-up/scale-down story."""
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Scale until `stopping` is set; then stop every runner (they drain)."""
+        pubsub = self._redis.pubsub()
+        await pubsub.subscribe(keys.wake_channel())
+        try:
+            while not stopping.is_set():
+                await self._tick()
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
+                while message is not None:  # every pool woken meanwhile, then one tick for all
+                    await self._wake(message["data"].decode())
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.to_thread(self.stop_all)
+
+    async def _wake(self, pool: str) -> None:
+        if pool not in self._specs:
+            self._specs = await self._pools()
+        if pool in self._specs and not self._live(pool):
+            log.info("pool %s woken with no runner: starting one", pool)
+            self._start(pool)
+
+    async def _tick(self) -> None:
+        self._specs = await self._pools()
+        heartbeats = await self._heartbeats()
+        await self._reap(heartbeats)
+        backlog = await self._backlog()
+        now = time.monotonic()
+        for pool, spec in self._specs.items():
+            starting = any(item.pool == pool and not item.seen for item in self._started)
+            since = now - self._last_start.get(pool, float("-inf"))
+            for _ in range(
+                to_start(spec, self._live(pool), starting, backlog.get(pool, 0), since, self._cooldown_s)
+            ):
+                self._start(pool)
+
+    def _live(self, pool: str) -> int:
+        return sum(1 for item in self._started if item.pool == pool and item.process.poll() is None)
+
+    def _start(self, pool: str) -> None:
+        spec = self._specs.get(pool)
+        warm = (
+            spec is not None
+            and sum(1 for i in self._started if i.pool == pool and i.warm) < spec.min_replicas
+        )
+        env = {
+            **self._env,
+            "FNGATE_POOL": pool,
+            "FNGATE_STATUS_PORT": "0",
+            "FNGATE_IDLE_SHUTDOWN_S": "0" if warm else str(self._idle_shutdown_s),
+        }
+        output: Any = subprocess.DEVNULL
+        if self._logs is not None:
+            output = open(self._logs / f"runner-{pool}-{len(self._started)}.log", "ab")  # noqa: SIM115
+        process = subprocess.Popen(
+            [sys.executable, "-m", "runner"],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if output is not subprocess.DEVNULL:
+            output.close()
+        now = time.monotonic()
+        self._started.append(Started(process, pool, now, warm))
+        self._last_start[pool] = now
+        self._note(pool)
+
+    async def _reap(self, heartbeats: set[int]) -> None:
+        """Forget runners that exited; one that died before its first heartbeat failed to start."""
+        for item in list(self._started):
+            if item.process.pid in heartbeats and not item.seen:
+                item.seen = True
+                with contextlib.suppress(RedisError):
+                    await self._redis.hdel(keys.start_failures(), item.pool)
+            code = item.process.poll()
+            if code is None:
+                continue
+            self._started.remove(item)
+            if not item.seen and code != 0:
+                reason = f"runner exited with code {code} before it was ready"
+                log.error("pool %s: %s", item.pool, reason)
+                with contextlib.suppress(RedisError):
+                    await self._redis.hset(keys.start_failures(), item.pool, reason)
+            else:
+                log.info("pool %s: runner %d stopped (code %s)", item.pool, item.process.pid, code)
+            self._note(item.pool)
+
+    def _note(self, pool: str) -> None:
+        self.timeline.append((time.time(), pool, self._live(pool)))
+
+    async def _heartbeats(self) -> set[int]:
+        """Process ids of runners with a live heartbeat (runner names end in -{pid}-{suffix})."""
+        names: Any = await self._redis.zrangebyscore(keys.runners(), int(time.time() * 1000), "+inf")
+        pids = set()
+        for name in names:
+            with contextlib.suppress(ValueError, IndexError):
+                pids.add(int(name.decode().rsplit("-", 2)[-2]))
+        return pids
+
+    async def _backlog(self) -> dict[str, int]:
+        """Invocations queued or in flight, per pool."""
+        streams = [(pool, function) for pool, spec in self._specs.items() for function in spec.functions]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for _pool, function in streams:
+                pipe.xlen(keys.invocations(function))
+            try:
+                lengths: list[Any] = await pipe.execute()
+            except RedisError:
+                return {}
+        backlog: dict[str, int] = {}
+        for (pool, _function), length in zip(streams, lengths, strict=True):
+            backlog[pool] = backlog.get(pool, 0) + int(length or 0)
+        return backlog
+
+    def stop_all(self, timeout_s: float = 35) -> None:
+        for item in self._started:
+            if item.process.poll() is None:
+                item.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for item in self._started:
+            try:
+                item.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                item.process.kill()
+                item.process.wait()
+        self._started.clear()
+
+
+def to_start(
+    spec: PoolSpec, live: int, starting: bool, backlog: int, since_start_s: float, cooldown_s: float
+) -> int:
+    """How many runners to start now: up to min_replicas at once; one for work at zero; one more
+    while the backlog is over what the live runners absorb, one start at a time, up to max."""
+    if live < spec.min_replicas:
+        return spec.min_replicas - live
+    if backlog > 0 and live == 0:
+        return 1
+    growing = backlog > live * spec.rows_per_runner
+    if growing and live < spec.max_replicas and not starting and since_start_s >= cooldown_s:
+        return 1
+    return 0
+
+
+def pool_specs(functions: dict[str, Any]) -> dict[str, PoolSpec]:
+    """Pools from the served functions' manifests (each value has .newest().manifest)."""
+    grouped: dict[str, list[Any]] = {}
+    for record in functions.values():
+        manifest = record.newest().manifest
+        grouped.setdefault(manifest.scaling.pool, []).append(manifest)
+    return {
+        pool: PoolSpec(
+            name=pool,
+            functions=tuple(sorted(manifest.name for manifest in manifests)),
+            min_replicas=max(manifest.scaling.min_replicas for manifest in manifests),
+            max_replicas=max(manifest.scaling.max_replicas for manifest in manifests),
+            rows_per_runner=max(2 * max(manifest.batching.max_batch_size, 1) for manifest in manifests),
+        )
+        for pool, manifests in grouped.items()
+    }

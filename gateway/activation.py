@@ -1,0 +1,68 @@
+"""Scale from zero: know which runner pools have a live runner, and wake a pool that has none the
+moment work arrives for it, instead of waiting for a scaler's poll.
+
+The invocation itself waits in the queue as usual, bounded by its deadline; a pool whose runner
+could not start fails fast with 503 and Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fngate import keys
+from fngate.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class Activator:
+    def __init__(self, redis: aioredis.Redis, refresh_s: float = 0.25) -> None:
+        self._redis = redis
+        self._refresh_s = refresh_s
+        self._live_pools: set[str] = set()
+        self._failures: dict[str, str] = {}
+        self._woken: dict[str, float] = {}
+
+    def check(self, pool: str) -> None:
+        """Before an invocation is queued: a pool with no runner whose last start failed is 503."""
+        failure = self._failures.get(pool)
+        if failure and pool not in self._live_pools:
+            self._woken.pop(pool, None)
+            raise Unavailable(f"no runner could start for pool '{pool}' ({failure}); retrying the start")
+
+    async def wake(self, pool: str) -> None:
+        """After an invocation is queued: wake the pool if nothing serves it."""
+        if pool in self._live_pools:
+            return
+        now = time.monotonic()
+        if now - self._woken.get(pool, float("-inf")) < self._refresh_s:
+            return  # asked already; the scaler starts one runner however many ask
+        self._woken[pool] = now
+        try:
+            await self._redis.publish(keys.wake_channel(), pool)
+        except RedisError as exc:
+            log.warning("could not wake pool %s: %s", pool, exc)
+
+    async def run(self) -> None:
+        """Refresh the live pools and start failures every refresh_s, until cancelled."""
+        while True:
+            try:
+                await self.refresh()
+            except RedisError as exc:
+                log.warning("activator refresh failed: %s", exc)
+            await asyncio.sleep(self._refresh_s)
+
+    async def refresh(self) -> None:
+        runners: Any = await self._redis.zrangebyscore(keys.runners(), int(time.time() * 1000), "+inf")
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name in runners:
+                pipe.hget(keys.runner_models(name.decode()), "_pool")
+            pipe.hgetall(keys.start_failures())
+            results: list[Any] = await pipe.execute()
+        self._live_pools = {pool.decode() for pool in results[:-1] if pool}
+        self._failures = {pool.decode(): reason.decode() for pool, reason in results[-1].items()}

@@ -1,0 +1,83 @@
+"""Idle models and idle runners: a model unused for its manifest's idle_unload_s is unloaded and
+its memory handed back to the system; a runner with no model loaded and nothing to do for
+idle_shutdown_s asks to stop (local scale to zero; on Kubernetes KEDA scales instead, and the
+setting stays 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from runner.metrics import MODELS_LOADED, RSS_BYTES
+from runner.pool import ModelPool
+
+log = logging.getLogger(__name__)
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size, from /proc (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE_BYTES
+    except OSError:
+        return 0
+
+
+def give_back_memory() -> None:
+    """Collect cycles, then ask glibc to return freed heap pages to the system: without it, an
+    unloaded model's memory stays in the process's arenas and RSS does not come down."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        libc = ctypes.CDLL(name)
+        trim = getattr(libc, "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+async def watch(
+    pool: ModelPool,
+    busy: Callable[[], bool],
+    stopping: asyncio.Event,
+    idle_shutdown_s: float,
+    interval_s: float = 0.25,
+) -> None:
+    """Until `stopping`: unload idle models; set `stopping` once the runner has been idle long enough.
+    `busy()` says whether any invocation is read and not yet answered."""
+    idle_since = time.monotonic()
+    while not stopping.is_set():
+        now = time.monotonic()
+        for key, model in list(pool.loaded.items()):
+            limit = model.function.manifest.scaling.idle_unload_s
+            if model.in_use == 0 and now - model.last_used >= limit:
+                before = rss_bytes()
+                if await pool.unload(key, "idle-unloaded"):
+                    await asyncio.to_thread(give_back_memory)
+                    after = rss_bytes()
+                    log.info(
+                        "%s version %s idle for %.0f s: unloaded; RSS %.1f -> %.1f MiB",
+                        *key,
+                        limit,
+                        before / 2**20,
+                        after / 2**20,
+                    )
+        MODELS_LOADED.set(len(pool.loaded))
+        RSS_BYTES.set(rss_bytes())
+        if pool.loaded or pool.loading or busy():
+            idle_since = now
+        elif idle_shutdown_s > 0 and now - idle_since >= idle_shutdown_s:
+            log.info("no model loaded and no work for %.0f s: stopping", idle_shutdown_s)
+            stopping.set()
+            return
+        try:
+            async with asyncio.timeout(interval_s):
+                await stopping.wait()
+        except TimeoutError:
+            pass
