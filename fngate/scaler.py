@@ -122,17 +122,17 @@ class LocalScaler:
             "FNGATE_STATUS_PORT": "0",
             "FNGATE_IDLE_SHUTDOWN_S": "0" if warm else str(self._idle_shutdown_s),
         }
-        output: Any = subprocess.DEVNULL
+        output: Any = None  # without a log folder, runners write where `fngate up` writes
         if self._logs is not None:
             output = open(self._logs / f"runner-{pool}-{len(self._started)}.log", "ab")  # noqa: SIM115
         process = subprocess.Popen(
             [sys.executable, "-m", "runner"],
             env=env,
             stdout=output,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if output is not None else None,
             start_new_session=True,
         )
-        if output is not subprocess.DEVNULL:
+        if output is not None:
             output.close()
         now = time.monotonic()
         self._started.append(Started(process, pool, now, warm))
