@@ -16,6 +16,7 @@ from fngate.errors import FunctionError, FunctionNotFound, Unavailable
 from fngate.registry import LOADING, READY, UNAVAILABLE, ModelState
 from fngate.repository import FunctionRecord, FunctionVersion
 from runner.backends import Backend, load_backend
+from runner.backends.providers import Acceleration
 from runner.store import Store
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,15 @@ async def _no_report(_function: str, _version: str, _state: ModelState) -> None:
 
 class ModelPool:
     def __init__(
-        self, threads: int, store: Store | None = None, report: Report = _no_report, retry_s: float = 30.0
+        self,
+        threads: int,
+        store: Store | None = None,
+        report: Report = _no_report,
+        retry_s: float = 30.0,
+        accel: Acceleration | None = None,
     ) -> None:
         self._threads = threads
+        self._accel = accel
         self._store = store or Store("", Path(), 0)
         self._report = report
         self._retry_s = retry_s
@@ -150,7 +157,9 @@ class ModelPool:
             materialized = await asyncio.to_thread(self._store.materialize, function)
             started = time.perf_counter()
             loaded = materialized.function
-            backend = await asyncio.to_thread(load_backend, loaded.manifest, loaded.directory, self._threads)
+            backend = await asyncio.to_thread(
+                load_backend, loaded.manifest, loaded.directory, self._threads, self._accel
+            )
         except Exception as exc:
             if materialized is not None:
                 self._store.release(materialized.function)

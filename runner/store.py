@@ -41,6 +41,7 @@ from fngate.repository import (
     next_version,
     now_iso,
 )
+from runner.backends.engine_cache import EngineStore, FolderEngineStore, S3EngineStore
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class S3Repository:
 
         config = Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=60)
         self._client: Any = boto3.client("s3", config=config)
+
+    def engine_store(self) -> S3EngineStore:
+        """TensorRT engine caches under `{prefix}/.engines/`, beside the versions."""
+        return S3EngineStore(self._client, self._bucket, self._prefix)
 
     def scan(self) -> dict[str, FunctionRecord]:
         records = {}
@@ -384,6 +389,7 @@ class Store:
 
     def __init__(self, repo_url: str, artifact_dir: Path, max_bytes: int) -> None:
         self._remote = S3Repository(repo_url) if is_remote(repo_url) else None
+        self._root = Path(repo_url).expanduser().resolve() if repo_url and self._remote is None else None
         self._cache = ArtifactCache(artifact_dir, max_bytes) if self._remote is not None else None
 
     def materialize(self, function: FunctionVersion) -> Materialized:
@@ -408,3 +414,9 @@ class Store:
     def release(self, function: FunctionVersion) -> None:
         if self._cache is not None:
             self._cache.release(function)
+
+    def engine_store(self) -> EngineStore | None:
+        """Where TensorRT engine caches persist: beside the versions, under `.engines/`."""
+        if self._remote is not None:
+            return self._remote.engine_store()
+        return FolderEngineStore(self._root) if self._root is not None else None

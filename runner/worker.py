@@ -24,6 +24,7 @@ from fngate.config import RunnerSettings
 from fngate.registry import ControlOp, ModelState, Source, StateBoard, decode_control, function_source
 from fngate.repository import FunctionRecord
 from runner import idle
+from runner.backends.providers import Acceleration
 from runner.consumer import FunctionConsumer
 from runner.pool import Key, ModelPool
 from runner.status import StatusServer
@@ -82,7 +83,8 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
     store = await asyncio.to_thread(
         Store, settings.repo, _artifact_dir(settings), settings.artifact_max_bytes
     )
-    pool = ModelPool(settings.intra_op_threads, store, report, settings.load_retry_s)
+    accel = Acceleration.from_settings(settings, store.engine_store())
+    pool = ModelPool(settings.intra_op_threads, store, report, settings.load_retry_s, accel)
     async with redis, control:
         await redis.ping()
         await board.heartbeat()

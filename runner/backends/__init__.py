@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from fngate.manifest import FunctionManifest
+
+if TYPE_CHECKING:  # the GPU modules load only with a backend that needs them
+    from runner.backends.providers import Acceleration
 
 Tensors = dict[str, np.ndarray[Any, Any]]
 
@@ -24,31 +27,35 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-Loader = Callable[[FunctionManifest, Path, int], Backend]
+Loader = Callable[[FunctionManifest, Path, int, "Acceleration | None"], Backend]
 
 
-def _onnx(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+def _onnx(manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None) -> Backend:
     from runner.backends.onnx import OnnxBackend
 
-    return OnnxBackend(manifest, directory, threads)
+    return OnnxBackend(manifest, directory, threads, accel)
 
 
-def _python(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+def _python(manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None) -> Backend:
     from runner.backends.python import PythonBackend
 
     return PythonBackend(manifest, directory)
 
 
-def _tensorrt(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+def _tensorrt(
+    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None
+) -> Backend:
     from runner.backends.tensorrt import TensorRTBackend
 
-    return TensorRTBackend(manifest, directory)
+    return TensorRTBackend(manifest, directory, accel)
 
 
 LOADERS: dict[str, Loader] = {"onnxruntime": _onnx, "python": _python, "tensorrt": _tensorrt}
 
 
-def load_backend(manifest: FunctionManifest, directory: Path, threads: int) -> Backend:
+def load_backend(
+    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None = None
+) -> Backend:
     """Load the model of `manifest` from `directory`. Blocking: run it in a thread."""
     try:
         loader = LOADERS[manifest.model.backend]
@@ -56,4 +63,4 @@ def load_backend(manifest: FunctionManifest, directory: Path, threads: int) -> B
         raise NotImplementedError(
             f"backend '{manifest.model.backend}' is not available in this runner"
         ) from None
-    return loader(manifest, directory, threads)
+    return loader(manifest, directory, threads, accel)
