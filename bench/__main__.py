@@ -370,7 +370,7 @@ def cold_start_phases(log: str, sent: float) -> dict[str, float]:
         elif message.startswith("loaded "):
             for phase, pattern in (
                 ("download_ms", r"download ([0-9.]+) s"),
-                ("model_load_ms", r"load ([0-9.]+) s"),
+                ("model_load_ms", r", load ([0-9.]+) s"),
             ):
                 found = re.search(pattern, message)
                 if found:

@@ -53,6 +53,8 @@ class _Connection(asyncio.Protocol):
         self._need = -1
         self._status = 0
         self._header_end = 0
+        self.closing = False
+        """The server said `connection: close`: open a new connection before the next request."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -81,8 +83,11 @@ class _Connection(asyncio.Protocol):
             length = 0
             for line in head[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
+                name = name.strip().lower()
+                if name == "content-length":
                     length = int(value)
+                elif name == "connection" and value.strip().lower() == "close":
+                    self.closing = True
             self._header_end = end + 4
             self._need = self._header_end + length
         if len(self._buffer) >= self._need and self._waiter is not None:
@@ -121,6 +126,9 @@ async def run(
     async def client(connection: _Connection) -> None:
         nonlocal errors, error_sample, checked
         for index in counter:
+            if connection.closing:  # as any HTTP client would: the server asked to end this one
+                _transport, connection = await loop.create_connection(_Connection, host, port)
+                connections.append(connection)
             now = time.perf_counter()
             if now >= measure_until:
                 return

@@ -232,6 +232,10 @@ def _gateway(options: Options) -> list[Obj]:
 
 def _runner(pool: Pool, options: Options) -> Obj:
     env = {"FNGATE_POOL": pool.name, "FNGATE_FUNCTIONS": json.dumps([m.name for m in pool.functions])}
+    # Model files from S3 are cached on the pod's writable cache volume (the root filesystem is read-only).
+    env["FNGATE_ARTIFACT_DIR"] = f"{CACHE_DIR}/artifacts"
+    if pool.gpu:
+        env["FNGATE_ENGINE_CACHE_DIR"] = TENSORRT_CACHE_DIR
     image = options.gpu_image if pool.gpu else options.runner_image
     container = _container("runner", image, env, ("metrics", RUNNER_PORT), options)
     ready = {"path": "/healthz/ready", "port": "metrics"}

@@ -68,6 +68,7 @@ class LocalScaler:
         self._started: list[Started] = []
         self._last_start: dict[str, float] = {}
         self._specs: dict[str, PoolSpec] = {}
+        self._beating: set[int] = set()
         self.timeline: list[tuple[float, str, int]] = []
         """(time, pool, live runners) at each change, for the scale-up/scale-down story."""
 
@@ -89,6 +90,7 @@ class LocalScaler:
     async def _wake(self, pool: str) -> None:
         if pool not in self._specs:
             self._specs = await self._pools()
+        self._beating = await self._heartbeats()
         if pool in self._specs and not self._live(pool):
             log.info("pool %s woken with no runner: starting one", pool)
             self._start(pool)
@@ -96,6 +98,7 @@ class LocalScaler:
     async def _tick(self) -> None:
         self._specs = await self._pools()
         heartbeats = await self._heartbeats()
+        self._beating = heartbeats
         await self._reap(heartbeats)
         backlog = await self._backlog()
         now = time.monotonic()
@@ -108,7 +111,15 @@ class LocalScaler:
                 self._start(pool)
 
     def _live(self, pool: str) -> int:
-        return sum(1 for item in self._started if item.pool == pool and item.process.poll() is None)
+        """Runners of the pool that are starting or serving: one that was seen and has dropped its
+        heartbeat is on its way out (draining) and no longer counts."""
+        return sum(
+            1
+            for item in self._started
+            if item.pool == pool
+            and item.process.poll() is None
+            and not (item.seen and item.process.pid not in self._beating)
+        )
 
     def _start(self, pool: str) -> None:
         spec = self._specs.get(pool)

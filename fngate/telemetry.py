@@ -51,6 +51,11 @@ def configure(service: str, level: str) -> None:
     trace.set_tracer_provider(provider)
 
 
+def tracing_active() -> bool:
+    """An SDK tracer provider is installed (configure() found tracing requested)."""
+    return _has_sdk_provider()
+
+
 def _has_sdk_provider() -> bool:
     return hasattr(trace.get_tracer_provider(), "add_span_processor")
 

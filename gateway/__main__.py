@@ -31,6 +31,7 @@ def hypercorn_config(settings: GatewaySettings) -> Config:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 75
+    config.keep_alive_max_requests = 100_000  # Hypercorn's 1000 makes busy clients reconnect often
     config.graceful_timeout = 10
     return config
 

@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from fngate import keys
+from fngate import keys, telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from gateway import admin, endpoints, metrics
@@ -27,7 +27,11 @@ from gateway.tracing import TracingMiddleware
 
 log = logging.getLogger(__name__)
 
+# Starlette tries routes in order: the invocation routes come first, they carry the traffic.
 ROUTES = [
+    Route("/v2/models/{name}/infer", endpoints.infer_v2, methods=["POST"]),
+    Route("/v1/functions/{name}", endpoints.invoke_v1, methods=["POST"]),
+    Route("/v2/models/{name}/versions/{version}/infer", endpoints.infer_v2, methods=["POST"]),
     Route("/v2/health/live", endpoints.live),
     Route("/v2/health/ready", endpoints.ready),
     Route("/v2", endpoints.server_metadata),
@@ -36,10 +40,7 @@ ROUTES = [
     Route("/v2/models/{name}/versions/{version}", endpoints.model_metadata),
     Route("/v2/models/{name}/ready", endpoints.model_ready),
     Route("/v2/models/{name}/versions/{version}/ready", endpoints.model_ready),
-    Route("/v2/models/{name}/infer", endpoints.infer_v2, methods=["POST"]),
-    Route("/v2/models/{name}/versions/{version}/infer", endpoints.infer_v2, methods=["POST"]),
     Route("/v1/functions", endpoints.list_functions),
-    Route("/v1/functions/{name}", endpoints.invoke_v1, methods=["POST"]),
     Route("/metrics", metrics.metrics),
     *admin.ROUTES,
 ]
@@ -98,7 +99,8 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         routes=ROUTES,
         lifespan=lifespan,
         exception_handlers={FunctionError: handle_function_error},
-        middleware=[Middleware(TracingMiddleware)],
+        # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
+        middleware=[Middleware(TracingMiddleware)] if telemetry.tracing_active() else [],
     )
     app.state.retry_after_s = settings.retry_after_s
     return app
