@@ -89,6 +89,7 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         "scenario",
         "function",
         "body",
+        "cache",
         "concurrency",
         "batch",
         "gateways",
@@ -104,8 +105,12 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         "cpu_us_redis",
         "cpu_us_loadgen",
         "spawn_to_answer_ms",
-        "model_load_ms",
+        "woken_at_ms",
         "imports_ms",
+        "runner_up_at_ms",
+        "download_ms",
+        "model_load_ms",
+        "loaded_at_ms",
     ]
     used = [column for column in columns if any(column in row for row in rows)]
     lines.append("| " + " | ".join(used) + " |")
@@ -113,6 +118,10 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
     for row in rows:
         lines.append("| " + " | ".join(_cell(row.get(column)) for column in used) + " |")
     lines += [
+        "",
+        "S4 phases, in ms after the request was sent: woken_at (the scaler heard the gateway's wake), "
+        "runner_up_at (the runner process had started, imported and connected; imports_ms of it were "
+        "imports), loaded_at (the model was loaded); spawn_to_answer is the whole cold start.",
         "",
         "cpu_us_*: CPU time per completed request of each kind of process during the measurement "
         "window (user + system, from /proc).",
