@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from fngate.local import private_redis
+from fngate.process import stop_processes
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -74,11 +74,11 @@ class Deployment:
         return process
 
     def stop_runners(self) -> None:
-        _stop([process for process in self.runners])
+        stop_processes(self.runners)
         self.runners.clear()
 
     def stop(self) -> None:
-        _stop([process for process, _ in self.gateways])
+        stop_processes([process for process, _ in self.gateways])
         self.gateways.clear()
         self.stop_runners()
 
@@ -113,15 +113,3 @@ def _wait_live(url: str, timeout_s: float = 30) -> None:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"{url} did not come up")
-
-
-def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

@@ -22,6 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from fngate import telemetry
+from fngate.process import stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote
 from fngate.scaler import LocalScaler, PoolSpec, pool_specs
@@ -119,7 +120,7 @@ def run_local(args: argparse.Namespace) -> int:
                 _banner(args, repo, redis_url)
                 return asyncio.run(_serve(gateway, env, args))
             finally:
-                _stop([gateway], timeout_s=15)
+                stop_processes([gateway], timeout_s=15)
     except LocalError as exc:
         print(f"fngate up: {exc}", file=sys.stderr)
         return 1
@@ -152,26 +153,13 @@ async def _serve(gateway: subprocess.Popen[bytes], env: dict[str, str], args: ar
         if not stopping.is_set():
             print(f"fngate up: the gateway exited with code {gateway.returncode}", file=sys.stderr)
             code = 1
-        await asyncio.to_thread(_stop, [gateway], 15)
+        await asyncio.to_thread(stop_processes, [gateway], 15)
         gateway_down.set()
 
     async with client, asyncio.TaskGroup() as tasks:
         tasks.create_task(watch_gateway())
         tasks.create_task(scaler.run(gateway_down))
     return code
-
-
-def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _banner(args: argparse.Namespace, repo: str, redis_url: str) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
+from fngate.process import stop_processes
 
 log = logging.getLogger("fngate.scaler")
 START_GRACE_S = 30.0
@@ -198,16 +198,7 @@ class LocalScaler:
         return backlog
 
     def stop_all(self, timeout_s: float = 35) -> None:
-        for item in self._started:
-            if item.process.poll() is None:
-                item.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for item in self._started:
-            try:
-                item.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                item.process.kill()
-                item.process.wait()
+        stop_processes([item.process for item in self._started], timeout_s)
         self._started.clear()
 
 

@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fngate import keys, telemetry
@@ -44,45 +44,13 @@ from runner.metrics import (
     MODELS_LOADED,
     QUEUE_DURATION,
 )
+from runner.outbox import Outbox
 from runner.pool import LoadedModel, ModelPool
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("fngate.runner")
 
 Entry = tuple[bytes, Invocation]
-# KEYS[1]: the invocation stream; KEYS[2..]: reply streams. ARGV: group, reply maxlen, the number
-# of replies n, then n groups of eight (index into KEYS, header, body, cache entry or '',
-# its TTL in s, in-flight marker or '', its waiters list, '1' to answer the waiters too), then the
-# entry ids to acknowledge and delete. One command per batch, however many replies it carries.
-FINISH = """
-local n = tonumber(ARGV[3])
-local maxlen = ARGV[2]
-for i = 0, n - 1 do
-  local at = 4 + i * 8
-  local h, b = ARGV[at + 1], ARGV[at + 2]
-  redis.call('XADD', KEYS[tonumber(ARGV[at])], 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
-  if ARGV[at + 3] ~= '' then
-    redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
-    redis.call('EXPIRE', ARGV[at + 3], ARGV[at + 4])
-  end
-  if ARGV[at + 5] ~= '' then
-    if ARGV[at + 7] == '1' then
-      for _, waiter in ipairs(redis.call('LRANGE', ARGV[at + 6], 0, -1)) do
-        local stream, id = string.match(waiter, '^(%S+) (%S+)$')
-        redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b, 'for', id)
-      end
-    end
-    redis.call('DEL', ARGV[at + 5], ARGV[at + 6])
-  end
-end
-local ids = {}
-for i = 4 + n * 8, #ARGV do ids[#ids + 1] = ARGV[i] end
-if #ids > 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
-  redis.call('XDEL', KEYS[1], unpack(ids))
-end
-return n
-"""
 
 
 class FunctionConsumer:
@@ -105,10 +73,7 @@ class FunctionConsumer:
         self._pending: collections.deque[Entry] = collections.deque()
         self._contended = False
         self._last_claim = 0.0
-        self._finish = redis.register_script(FINISH)
-        separate = settings.cache_url and settings.cache_url != settings.redis_url
-        self._cache = aioredis.from_url(settings.cache_url, socket_timeout=1) if separate else None
-        self.cache_failures = 0
+        self._outbox = Outbox(redis, self._stream, settings)
         self.batches = 0
         self.executed = 0
         self.expired = 0
@@ -123,8 +88,7 @@ class FunctionConsumer:
         try:
             await self._consume()
         finally:
-            if self._cache is not None:
-                await self._cache.aclose()
+            await self._outbox.aclose()
 
     async def _consume(self) -> None:
         await self._ensure_group()
@@ -246,7 +210,7 @@ class FunctionConsumer:
                 }
             )
         self._observe(batch, replies, parents, batch_span, started_ns, rows)
-        await self._reply(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
+        await self._outbox.send(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
 
     async def _load(self, function: FunctionVersion) -> LoadedModel:
         """The model, loaded now if this batch is its first (a cold start, with a span of its own);
@@ -311,67 +275,6 @@ class FunctionConsumer:
                 span.set_status(Status(StatusCode.ERROR, reply.error.message))
             span.end(end_time=ended_ns)
 
-    async def _reply(
-        self,
-        replies: Sequence[Reply],
-        entry_ids: list[bytes],
-        invocations: Sequence[Invocation],
-        ran_digest: str = "",
-    ) -> None:
-        """Write every reply, store cacheable answers, answer invocations that waited on these, and
-        acknowledge (and delete) the entries, in one round trip. Shielded: once a batch ran, its
-        replies go out even if this task is being cancelled."""
-        reply_keys: dict[str, int] = {}
-        groups: list[bytes | str | int] = []
-        separate: list[tuple[str, Fields, int]] = []
-        for reply, invocation in zip(replies, invocations, strict=True):
-            index = reply_keys.setdefault(invocation.reply_to, len(reply_keys) + 2)
-            fields = reply.encode()
-            # Only an answer of the very files the gateway keyed on may be cached: during a
-            # rollout a runner can still hold the previous model.
-            cacheable = reply.error is None and invocation.digest == ran_digest
-            entry = invocation.cache_key if cacheable and invocation.cache_key else ""
-            if entry and self._cache is not None:
-                separate.append((entry, fields, invocation.cache_ttl_s))
-                entry = ""
-            in_flight = invocation.in_flight_key or ""
-            # Identical invocations share a failure, but not a deadline: theirs may be later.
-            share = not isinstance(reply.error, DeadlineExceeded)
-            groups += [
-                index,
-                fields[b"h"],
-                fields[b"b"],
-                entry,
-                invocation.cache_ttl_s,
-                in_flight,
-                keys.waiters(in_flight) if in_flight else "",
-                "1" if share else "0",
-            ]
-        if separate and self._cache is not None:
-            # Stored before the replies go out, so that a repeat of the request right after its
-            # answer already hits.
-            await asyncio.shield(self._store_separately(self._cache, separate))
-        await asyncio.shield(
-            self._finish(
-                keys=[self._stream, *reply_keys],
-                args=[keys.RUNNER_GROUP, self._settings.reply_maxlen, len(replies), *groups, *entry_ids],
-            )
-        )
-
-    async def _store_separately(self, cache: aioredis.Redis, entries: list[tuple[str, Fields, int]]) -> None:
-        """Answers for a cache Redis of its own: best effort, a cache that is down costs nothing."""
-        try:
-            async with cache.pipeline(transaction=False) as pipe:
-                for entry, fields, ttl_s in entries:
-                    pipe.hset(entry, mapping={"h": fields[b"h"], "b": fields[b"b"]})
-                    pipe.expire(entry, ttl_s)
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            self.cache_failures += 1
-            log.debug(
-                "%s: could not store %d answers in the cache: %s", self.function.name, len(entries), exc
-            )
-
     async def _expire(self, entries: Sequence[Entry]) -> None:
         self.expired += len(entries)
         log.info("%s: %d invocations past their deadline, not executed", self.function.name, len(entries))
@@ -380,7 +283,7 @@ class FunctionConsumer:
             Reply(inv.id, inv.version, {}, DeadlineExceeded("the deadline passed while queued"))
             for inv in invocations
         ]
-        await self._reply(replies, [entry_id for entry_id, _ in entries], invocations)
+        await self._outbox.send(replies, [entry_id for entry_id, _ in entries], invocations)
 
     async def _claim_due(self) -> None:
         now = time.monotonic()
@@ -425,7 +328,7 @@ class FunctionConsumer:
         invocations = [Invocation.decode(fields) for _, fields in entries]
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
         replies = [Reply(invocation.id, invocation.version, {}, error) for invocation in invocations]
-        await self._reply(replies, [entry_id for entry_id, _ in entries], invocations)
+        await self._outbox.send(replies, [entry_id for entry_id, _ in entries], invocations)
 
 
 def _entry_ms(entry_id: bytes) -> int:

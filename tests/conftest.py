@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import redis.asyncio as aioredis
 from hypercorn.asyncio import serve
 
 from fngate.config import GatewaySettings, RunnerSettings
+from fngate.process import stop_processes
 from gateway.__main__ import hypercorn_config
 from gateway.app import create_app
 from runner.worker import main as runner_main
@@ -235,18 +235,6 @@ def gateway_process(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Call
     stop_processes(processes)
     for sock in sockets:
         sock.close()
-
-
-def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def wait_http(base: str, timeout_s: float = 20) -> None:
