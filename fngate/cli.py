@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=60.0,
         help="a runner with no model loaded and no work this long exits (default 60)",
     )
-    up.add_argument("--gateway-workers", type=int, default=1, help="gateway processes (default 1)")
+    up.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=min(os.cpu_count() or 1, 4),
+        help="gateway processes sharing the port (default: one per core, at most 4)",
+    )
     up.add_argument("--log-level", default="INFO")
 
     gateway = commands.add_parser(

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
@@ -49,20 +50,29 @@ def supervise(settings: GatewaySettings) -> int:
     """Bind once, start `workers` gateway processes on the shared socket, and stop them together."""
     sock = socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=False)
     sock.set_inheritable(True)
-    env = {**os.environ, "FNGATE_BIND": f"fd://{sock.fileno()}", "FNGATE_WORKERS": "1"}
-    children = [
-        subprocess.Popen([sys.executable, "-m", "gateway"], env=env, pass_fds=[sock.fileno()])
-        for _ in range(settings.workers)
-    ]
-    log.info("gateway: %d workers on http://%s:%d", settings.workers, settings.host, sock.getsockname()[1])
+    with tempfile.TemporaryDirectory(prefix="fngate-metrics-") as metrics_dir:
+        # Each worker writes its metrics there; /metrics on any worker sums them all.
+        env = {
+            "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
+            **os.environ,
+            "FNGATE_BIND": f"fd://{sock.fileno()}",
+            "FNGATE_WORKERS": "1",
+        }
+        children = [
+            subprocess.Popen([sys.executable, "-m", "gateway"], env=env, pass_fds=[sock.fileno()])
+            for _ in range(settings.workers)
+        ]
+        log.info(
+            "gateway: %d workers on http://%s:%d", settings.workers, settings.host, sock.getsockname()[1]
+        )
 
-    def forward(signum: int, _frame: object) -> None:
-        for child in children:
-            child.send_signal(signum)
+        def forward(signum: int, _frame: object) -> None:
+            for child in children:
+                child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [child.wait() for child in children]
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        codes = [child.wait() for child in children]
     return max(codes, default=0)
 
 
