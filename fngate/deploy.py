@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -231,14 +232,31 @@ def list_functions(repository: Repository, redis_url: str, sync: bool, out: Text
                     state.reason if state is not None else "",
                 )
             )
+    _print_table(rows, out)
+    if runners:
+        print(file=out)
+        _print_table(_runner_rows(runners), out)
+    for line in drift:
+        print(f"fngate ls: {line}", file=err)
+    return 0
+
+
+def _runner_rows(runners: list[Any]) -> list[tuple[str, ...]]:
+    """Live runners, each loaded model on a line with how long it has been idle."""
+    rows: list[tuple[str, ...]] = [("RUNNER", "POOL", "LOADED", "IDLE")]
+    for view in sorted(runners, key=lambda view: view.name):
+        loaded = sorted(view.idle_s.items()) or [("-", None)]
+        for model, idle in loaded:
+            rows.append((view.name, view.pool, model, f"{idle:.0f} s" if idle is not None else "-"))
+    return rows
+
+
+def _print_table(rows: Sequence[tuple[str, ...]], out: TextIO) -> None:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     for row in rows:
         print(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(), file=out
         )
-    for line in drift:
-        print(f"fngate ls: {line}", file=err)
-    return 0
 
 
 async def _states(

@@ -127,6 +127,8 @@ class RunnerView:
     control: str
     """The last control entry this runner has acted on."""
     models: dict[tuple[str, str], ModelState]
+    idle_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds since each loaded model ("function/version") last ran a batch, as of the heartbeat."""
 
 
 def model_field(function: str, version: str) -> str:
@@ -156,10 +158,10 @@ class StateBoard:
     async def acknowledge(self, control_id: str) -> None:
         await self._redis.hset(self._key, "_control", control_id)
 
-    async def heartbeat(self) -> None:
+    async def heartbeat(self, idle_s: dict[str, float] | None = None) -> None:
         now_ms = int(time.time() * 1000)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self._key, "_pool", self._pool)
+            pipe.hset(self._key, mapping={"_pool": self._pool, "_idle": orjson.dumps(idle_s or {})})
             pipe.pexpire(self._key, self._ttl_ms)
             pipe.zadd(keys.runners(), {self._runner: now_ms + self._ttl_ms})
             pipe.zremrangebyscore(keys.runners(), "-inf", now_ms)
@@ -191,7 +193,8 @@ async def read_runners(redis: aioredis.Redis) -> list[RunnerView]:
             models[(function, version)] = ModelState.decode(raw)
         pool = fields.get(b"_pool", b"").decode()
         control = fields.get(b"_control", b"0-0").decode()
-        views.append(RunnerView(name.decode(), pool, control, models))
+        idle = orjson.loads(fields.get(b"_idle", b"{}"))
+        views.append(RunnerView(name.decode(), pool, control, models, idle))
     return views
 
 

@@ -244,8 +244,13 @@ async def _heartbeat_loop(runner: Runner) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(runner.settings.heartbeat_s):
                 await runner.stopping.wait()
+        now = time.monotonic()
+        idle = {
+            f"{name}/{version}": round(now - model.last_used, 1)
+            for (name, version), model in runner.pool.loaded.items()
+        }
         try:
-            await runner.board.heartbeat()
+            await runner.board.heartbeat(idle)
         except (RedisError, OSError) as exc:
             log.warning("heartbeat failed: %s", exc)
 
