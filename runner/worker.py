@@ -77,6 +77,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
     async def report(function: str, version: str, state: ModelState) -> None:
         try:
             await board.set(function, version, state)
+            await board.heartbeat(_idle_times(pool))  # what is loaded changed: say so now
         except RedisError as exc:
             log.warning("could not record the state of %s version %s: %s", function, version, exc)
 
@@ -244,15 +245,17 @@ async def _heartbeat_loop(runner: Runner) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(runner.settings.heartbeat_s):
                 await runner.stopping.wait()
-        now = time.monotonic()
-        idle = {
-            f"{name}/{version}": round(now - model.last_used, 1)
-            for (name, version), model in runner.pool.loaded.items()
-        }
         try:
-            await runner.board.heartbeat(idle)
+            await runner.board.heartbeat(_idle_times(runner.pool))
         except (RedisError, OSError) as exc:
             log.warning("heartbeat failed: %s", exc)
+
+
+def _idle_times(pool: ModelPool) -> dict[str, float]:
+    now = time.monotonic()
+    return {
+        f"{name}/{version}": round(now - model.last_used, 1) for (name, version), model in pool.loaded.items()
+    }
 
 
 async def _control_loop(runner: Runner, control: aioredis.Redis) -> None:

@@ -58,12 +58,16 @@ async def test_deploy_roll_out_list_and_remove_in_a_folder(
 
         listed = await cli("ls", *flags)
         assert listed.returncode == 0, listed.stderr
-        rows = [line.split() for line in listed.stdout.splitlines()]
+        functions, runners = listed.stdout.split("\n\n")
+        rows = [line.split() for line in functions.splitlines()]
         assert rows[0] == ["FUNCTION", "VERSION", "SERVED", "TRAFFIC", "STATE", "REASON"]
         assert rows[1:] == [
             ["scale", "1", "no", "-", "UNAVAILABLE", "retired"],
             ["scale", "2", "yes", "100%", "READY"],
         ]
+        runner_rows = [line.split() for line in runners.splitlines()]
+        assert runner_rows[0] == ["RUNNER", "POOL", "LOADED", "IDLE"]
+        assert [row[2] for row in runner_rows[1:]] == ["scale/2"]  # the retired version is gone
 
         removed = await cli("rm", "scale", *flags, "--grace-s", "0.2")
         assert removed.returncode == 0, removed.stderr
