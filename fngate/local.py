@@ -36,38 +36,31 @@ class LocalError(Exception):
     pass
 
 
-@contextlib.contextmanager
-def private_redis() -> Iterator[str]:
-    """A redis-server on a unix socket in a private folder, no persistence. Yields its URL."""
+def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server on a unix socket in `folder`, no persistence, answering; returns it and its URL.
+    `args` are extra server options (a memory limit, say)."""
     server = shutil.which("redis-server")
     if server is None:
         raise LocalError("redis-server is not installed: run scripts/bootstrap, or pass --redis URL")
+    sock = folder / "redis.sock"
+    options = ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", ""]
+    options += ["--appendonly", "no", "--dir", str(folder), "--loglevel", "warning", *args]
+    process = subprocess.Popen([server, *options], stdout=subprocess.DEVNULL, start_new_session=True)
+    url = f"unix://{sock}"
+    try:
+        _wait_for_redis(url, process)
+    except LocalError:
+        process.kill()
+        raise
+    return process, url
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """A redis-server of our own in a private folder, stopped on exit. Yields its URL."""
     with tempfile.TemporaryDirectory(prefix="fngate-redis-") as folder:
-        sock = Path(folder) / "redis.sock"
-        process = subprocess.Popen(
-            [
-                server,
-                "--port",
-                "0",
-                "--unixsocket",
-                str(sock),
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                folder,
-                "--loglevel",
-                "warning",
-            ],
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        process, url = start_redis(Path(folder))
         try:
-            url = f"unix://{sock}"
-            _wait_for_redis(url, process)
             yield url
         finally:
             process.terminate()

@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-import redis as sync_redis
 import redis.asyncio as aioredis
 from hypercorn.asyncio import serve
 
+from fngate import local
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
 from gateway.__main__ import hypercorn_config
@@ -32,43 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A redis-server on a unix socket in `folder`, no persistence; returns it and its URL."""
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed: run scripts/bootstrap")
-    sock = folder / "redis.sock"
-    process = subprocess.Popen(
-        [
-            server,
-            "--port",
-            "0",
-            "--unixsocket",
-            str(sock),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(folder),
-            "--loglevel",
-            "warning",
-            *args,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"unix://{sock}"
-    client = sync_redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except (sync_redis.ConnectionError, FileNotFoundError):
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise
-            time.sleep(0.05)
-    client.close()
-    return process, url
+    try:
+        return local.start_redis(folder, *args)
+    except local.LocalError as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="session")
