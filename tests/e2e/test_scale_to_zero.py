@@ -21,8 +21,11 @@ ROW = [0.5] * 16
 
 
 @pytest.fixture
-async def scaler(redis_url: str, repo: Path, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    """Factory: the local scaler of `fngate up`, in this event loop, starting real runner processes."""
+async def scaler(
+    redis_url: str, repo: Path, tmp_path: Path, redis: aioredis.Redis
+) -> AsyncIterator[Callable[..., Any]]:
+    """Factory: the local scaler of `fngate up`, in this event loop, starting real runner processes
+    (on a Redis flushed by the `redis` fixture: no heartbeat or start failure of another test)."""
     running: list[tuple[asyncio.Event, asyncio.Task[None], aioredis.Redis]] = []
 
     async def start(idle_shutdown_s: float = 1.0, **env: str) -> LocalScaler:
@@ -130,3 +133,24 @@ async def test_backlog_scales_up_to_max_replicas_and_back_down(
     assert max(counts) == 3, counts  # max_replicas, never more
     assert counts[:3] == [1, 2, 3], counts
     assert counts[-1] == 0
+
+
+async def test_a_runner_that_cannot_start_gives_503_with_retry_after(
+    serve_gateway: Callable[..., Any], scaler: Callable[..., Any]
+) -> None:
+    base = await serve_gateway()
+    # A misspelt setting stops a runner at start-up, before its first heartbeat.
+    await scaler(FNGATE_NOT_A_SETTING="1")
+    body = {"inputs": {"input": [ROW]}, "timeout_ms": 1000}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        first = await client.post("/v1/functions/brief", json=body)
+        assert first.status_code == 504  # queued while the first start was still being tried
+        for _ in range(100):
+            refused = await client.post("/v1/functions/brief", json=body)
+            if refused.status_code == 503:
+                break
+            await asyncio.sleep(0.1)
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    assert "no runner could start for pool 'brief'" in refused.json()["error"]
+    assert "exited with code 2" in refused.json()["error"]
