@@ -16,10 +16,11 @@ from starlette.routing import Route
 from fngate import keys, telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
+from fngate.registry import function_source
 from gateway import admin, endpoints, metrics
 from gateway.activation import Activator
 from gateway.cache import CacheHealth, SeparateCache
-from gateway.catalog import Catalog, catalog_source
+from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import handle_function_error
 from gateway.replies import ReplyRouter
@@ -64,7 +65,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         activator = Activator(reader)
         # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies,
         # so that the invocations' connection pool stays the invocations'.
-        catalog = Catalog(catalog_source(settings.repo, reader), reader)
+        catalog = Catalog(function_source(settings.repo, reader), reader)
         app.state.load_timeout_s = settings.load_timeout_s
         replies = ReplyRouter(reader, keys.replies(gateway_id), settings.reply_block_ms)
         async with redis, reader:

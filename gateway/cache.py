@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from fngate.tensors import datatype_of, to_bytes
 from fngate.wire import Fields, Tensors
+from gateway.metrics import CACHE_FAILURES
 
 log = logging.getLogger(__name__)
 COMPLAIN_EVERY_S = 30.0
@@ -46,8 +47,8 @@ def cache_key(
 
 
 class CacheHealth:
-    """Counts cache failures and logs them at most once per interval: a cache that is down must
-    not flood the log, nor fail a single request."""
+    """Counts cache failures (fngate_cache_failures_total) and logs them at most once per interval:
+    a cache that is down must not flood the log, nor fail a single request."""
 
     def __init__(self) -> None:
         self.failures = 0
@@ -55,6 +56,7 @@ class CacheHealth:
 
     def failed(self, exc: Exception) -> None:
         self.failures += 1
+        CACHE_FAILURES.inc()
         now = time.monotonic()
         if now - self._last_complaint >= COMPLAIN_EVERY_S:
             self._last_complaint = now

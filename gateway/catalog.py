@@ -14,15 +14,10 @@ from redis.exceptions import RedisError
 
 from fngate import keys
 from fngate.errors import FunctionNotFound, Unavailable
-from fngate.registry import READY, ModelState, RunnerView, Source, function_source, read_runners, summarize
+from fngate.registry import READY, ModelState, RunnerView, Source, read_runners, summarize
 from fngate.repository import FunctionRecord, FunctionVersion
 
 log = logging.getLogger(__name__)
-
-
-def catalog_source(url: str, redis: aioredis.Redis) -> Source:
-    """A folder is scanned; an S3 repository is read through the registry (gateways need no S3)."""
-    return function_source(url, redis)
 
 
 def route_weights(record: FunctionRecord, ready: set[str]) -> dict[str, int]:

@@ -74,9 +74,6 @@ class FunctionConsumer:
         self._contended = False
         self._last_claim = 0.0
         self._outbox = Outbox(redis, self._stream, settings)
-        self.batches = 0
-        self.executed = 0
-        self.expired = 0
 
     @property
     def pending(self) -> int:
@@ -242,8 +239,6 @@ class FunctionConsumer:
     ) -> None:
         """Metrics for the batch, and each invocation's share of it as spans in its own trace."""
         name, version = self.function.name, self.function.version
-        self.batches += 1
-        self.executed += len(batch)
         EXECUTION_COUNT.labels(name, version).inc()
         INFERENCE_COUNT.labels(name, version).inc(rows)
         BATCH_SIZE.labels(name).observe(rows)
@@ -276,7 +271,7 @@ class FunctionConsumer:
             span.end(end_time=ended_ns)
 
     async def _expire(self, entries: Sequence[Entry]) -> None:
-        self.expired += len(entries)
+        INVOCATIONS.labels(self.function.name, DeadlineExceeded.code.value).inc(len(entries))
         log.info("%s: %d invocations past their deadline, not executed", self.function.name, len(entries))
         invocations = [invocation for _, invocation in entries]
         replies = [

@@ -65,3 +65,6 @@ GPU_LOAD_REFUSALS = Counter(
     "fngate_gpu_load_refusals", "Loads refused: the model would not fit the GPU memory budget", ["function"]
 )
 RSS_BYTES = Gauge("fngate_runner_rss_bytes", "Resident memory of this runner process")
+CACHE_STORE_FAILURES = Counter(
+    "fngate_cache_store_failures", "Answers a runner could not store in a separate cache Redis"
+)

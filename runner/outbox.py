@@ -14,6 +14,7 @@ from fngate import keys
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded
 from fngate.wire import Fields, Invocation, Reply
+from runner.metrics import CACHE_STORE_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ class Outbox:
         self._finish = redis.register_script(FINISH)
         separate = settings.cache_url and settings.cache_url != settings.redis_url
         self._cache = aioredis.from_url(settings.cache_url, socket_timeout=1) if separate else None
-        self.cache_failures = 0
 
     async def aclose(self) -> None:
         if self._cache is not None:
@@ -121,5 +121,5 @@ class Outbox:
                     pipe.expire(entry, ttl_s)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            self.cache_failures += 1
+            CACHE_STORE_FAILURES.inc()
             log.debug("%s: could not store %d answers in the cache: %s", self._stream, len(entries), exc)

@@ -156,9 +156,12 @@ async def test_cache_down_fails_open(
         cache_process.send_signal(signal.SIGKILL)
         cache_process.wait()
         after = [await client.post(MEMO, json=body(4.0)) for _ in range(3)]
+        metrics = (await client.get("/metrics")).text
     assert [response.status_code for response in after] == [200, 200, 200]
     assert [response.headers["x-fngate-cache"] for response in after] == ["miss"] * 3
     assert executions(log) == ["4"] * 4
+    failures = [line for line in metrics.splitlines() if line.startswith("fngate_cache_failures_total ")]
+    assert failures and float(failures[0].split()[1]) >= 3  # each failed lookup is counted
 
 
 async def test_cache_pressure_never_evicts_queued_invocations(
