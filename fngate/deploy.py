@@ -5,7 +5,6 @@ function answered. The repository object comes from the CLI (boto3 stays in runn
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -14,9 +13,9 @@ from typing import Any, TextIO
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from fngate import keys
+from fngate import keys, queue
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.registry import ControlOp, Registry, read_runners, send_control, summarize
@@ -341,38 +340,29 @@ async def _remove(
 async def answer_queued(redis: aioredis.Redis, name: str) -> int:
     """Answer every invocation queued for `name` (and those waiting on it) not_found; delete them."""
     stream = keys.invocations(name)
+    finish = redis.register_script(queue.FINISH)
     error = FunctionNotFound(f"function '{name}' was removed")
     answered = 0
     while True:
         entries: Any = await redis.xrange(stream, count=500)
         if not entries:
             break
+        outgoing = []
+        for _entry_id, fields in entries:
+            try:
+                invocation = Invocation.decode(fields)
+            except (KeyError, ValueError, TypeError, FunctionError):
+                continue
+            reply = Reply(invocation.id, invocation.version, {}, error).encode()
+            outgoing.append(
+                queue.Outgoing(reply, invocation.reply_to, in_flight=invocation.in_flight_key or "")
+            )
         ids = [entry_id for entry_id, _ in entries]
-        async with redis.pipeline(transaction=False) as pipe:
-            for _entry_id, fields in entries:
-                try:
-                    invocation = Invocation.decode(fields)
-                except (KeyError, ValueError, TypeError, FunctionError):
-                    continue
-                reply = Reply(invocation.id, invocation.version, {}, error).encode()
-                pipe.xadd(invocation.reply_to, reply, maxlen=REPLY_MAXLEN, approximate=True)
-                answered += 1 + await _answer_waiters(redis, pipe, invocation, reply)
-            pipe.xdel(stream, *ids)
-            await pipe.execute()
-        with contextlib.suppress(ResponseError):  # no runner group yet
-            await redis.xack(stream, keys.RUNNER_GROUP, *ids)
+        size = sum(queue.entry_bytes(fields) for _, fields in entries)
+        call = queue.finish_call(stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
+        await finish(keys=call.keys, args=call.args)
+        answered += len(outgoing)
     return answered
-
-
-async def _answer_waiters(redis: aioredis.Redis, pipe: Any, invocation: Invocation, reply: Any) -> int:
-    if not invocation.in_flight_key:
-        return 0
-    waiting: Any = await redis.lrange(keys.waiters(invocation.in_flight_key), 0, -1)
-    for waiter in waiting:
-        stream, _, waiter_id = waiter.decode().partition(" ")
-        pipe.xadd(stream, {**reply, b"for": waiter_id}, maxlen=REPLY_MAXLEN, approximate=True)
-    pipe.delete(invocation.in_flight_key, keys.waiters(invocation.in_flight_key))
-    return len(waiting)
 
 
 def _count(count: int, noun: str) -> str:
