@@ -328,7 +328,7 @@ class FunctionConsumer:
         if now - self._last_claim < self._settings.claim_interval_ms / 1000:
             return
         self._last_claim = now
-        held = [entry.id for entry in (*self._pending, *self._running)]
+        held: list[bytes | str | int | memoryview] = [entry.id for entry in (*self._pending, *self._running)]
         if held:
             # Reset the idle time of what we hold (JUSTID: no delivery is counted), so that neither
             # we nor another runner claim an invocation that is only waiting or running long here.
