@@ -10,6 +10,9 @@ import dataclasses
 import functools
 import importlib.metadata
 import logging
+import struct
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from fngate.config import RunnerSettings
@@ -26,6 +29,14 @@ CHAIN = {"tensorrt": (TENSORRT, CUDA, CPU), "cuda": (CUDA, CPU), "cpu": (CPU,)}
 SHORT = {TENSORRT: "TensorRT", CUDA: "CUDA", CPU: "CPU"}
 TENSORRT_LIBRARIES = ("libnvinfer.so.10", "libnvonnxparser.so.10")
 """What onnxruntime-gpu's TensorRT provider links (its `readelf -d` NEEDED entries)."""
+PROVIDER_LIBRARIES = {
+    CUDA: "libonnxruntime_providers_cuda.so",
+    TENSORRT: "libonnxruntime_providers_tensorrt.so",
+}
+"""In onnxruntime/capi/: onnxruntime loads one when a session asks for its provider."""
+WHEEL_FOLDERS = ("nvidia", "tensorrt_libs")
+"""Where NVIDIA's wheels put their libraries under site-packages: nvidia/<name>/lib for CUDA 12,
+nvidia/cu13/lib for CUDA 13, nvidia/cudnn/lib, tensorrt_libs/ (tensorrt-cu13-libs)."""
 NOT_SHAPING = ("device_id", "trt_engine_cache_path", "trt_timing_cache_path")
 """Options that do not change the engine TensorRT builds, so stay out of the cache key."""
 
@@ -63,6 +74,8 @@ class Environment:
     tensorrt_problem: str = ""
     package_problem: str = ""
     """Set when onnxruntime's packages are wrong: none, or the CPU and GPU ones both (one import name)."""
+    cuda_problem: str = ""
+    """Which libraries the CUDA provider links could not be loaded, and why; empty when all could."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,7 +115,9 @@ def unavailable(provider: str, environment: Environment) -> str | None:
         return f"onnxruntime has no {provider} ({hint})"
     if isinstance(environment.device, gpu.NoDevice):
         return f"no NVIDIA GPU is visible ({environment.device.reason})"
-    if provider == TENSORRT and not environment.tensorrt_version:
+    if environment.cuda_problem:
+        return f"the CUDA libraries onnxruntime links cannot be loaded ({environment.cuda_problem})"
+    if provider == TENSORRT and (environment.tensorrt_problem or not environment.tensorrt_version):
         return f"TensorRT's libraries cannot be loaded ({environment.tensorrt_problem})"
     return None
 
@@ -174,19 +189,31 @@ def options(
 
 @functools.cache
 def probe(device_index: int) -> Environment:
-    """Look once per process: onnxruntime's providers, the GPU (NVML), TensorRT's libraries."""
+    """Look once per process: onnxruntime's providers, the GPU (NVML), the libraries each GPU
+    provider links (loaded here from the CUDA and TensorRT wheels), TensorRT's version."""
     device = gpu.find_device(device_index)
     try:
         import onnxruntime as ort
     except ImportError:
         return Environment((), device, package_problem="onnxruntime is not installed; install fngate[gpu]")
     available = tuple(ort.get_available_providers())
-    if CUDA in available and isinstance(device, gpu.Device) and hasattr(ort, "preload_dlls"):
-        # CUDA and cuDNN from their pip packages (onnxruntime-gpu[cuda,cudnn]) are found only so.
-        with contextlib.suppress(Exception):
-            ort.preload_dlls()
+    problems: dict[str, str] = {}
+    if isinstance(device, gpu.Device):
+        capi = Path(ort.__file__).parent / "capi"
+        roots = [capi, *wheel_roots()]
+        for provider in (CUDA, TENSORRT):
+            library = capi / PROVIDER_LIBRARIES[provider]
+            if provider in available and library.is_file():
+                problems[provider] = "; ".join(preload(library, roots).failed)
     version, problem = ("", "") if TENSORRT not in available else tensorrt_library()
-    return Environment(available, device, version, problem, _package_conflict())
+    return Environment(
+        available,
+        device,
+        version,
+        problems.get(TENSORRT) or problem,
+        _package_conflict(),
+        problems.get(CUDA, ""),
+    )
 
 
 def tensorrt_library() -> tuple[str, str]:
@@ -224,3 +251,147 @@ def _package_conflict() -> str:
         "onnxruntime and onnxruntime-gpu are both installed and share the import name 'onnxruntime'; "
         "uninstall both, then install fngate[gpu] alone"
     )
+
+
+def wheel_roots() -> list[Path]:
+    """The folders Python imports packages from (site-packages, the virtual environment's first)."""
+    return [Path(entry) for entry in sys.path if entry and Path(entry).is_dir()]
+
+
+def needed_libraries(path: Path) -> tuple[str, ...]:
+    """The libraries an ELF file links (its DT_NEEDED entries, what `readelf -d` lists as NEEDED),
+    in order; () for a file that is not a 64-bit little-endian ELF with a dynamic section."""
+    try:
+        with path.open("rb") as elf:
+            header = elf.read(64)
+            if len(header) < 64 or header[:4] != b"\x7fELF" or header[4:6] != b"\x02\x01":
+                return ()
+            phoff, phentsize, phnum = (
+                struct.unpack_from("<Q", header, 32)[0],
+                *struct.unpack_from("<HH", header, 54),
+            )
+            elf.seek(phoff)
+            segments = [struct.unpack_from("<IIQQQQ", elf.read(phentsize)) for _ in range(phnum)]
+            loads = [(vaddr, offset, filesz) for kind, _f, offset, vaddr, _p, filesz in segments if kind == 1]
+            dynamic = next(
+                ((offset, filesz) for kind, _f, offset, _v, _p, filesz in segments if kind == 2), None
+            )
+            if dynamic is None:
+                return ()
+            elf.seek(dynamic[0])
+            table = elf.read(dynamic[1])
+            entries = [struct.unpack_from("<qQ", table, at) for at in range(0, len(table) - 15, 16)]
+            strtab = next((value for tag, value in entries if tag == 5), None)  # DT_STRTAB
+            start = next(
+                (
+                    offset + strtab - vaddr
+                    for vaddr, offset, size in loads
+                    if vaddr <= (strtab or -1) < vaddr + size
+                ),
+                None,
+            )
+            if start is None:
+                return ()
+            names = []
+            for tag, value in entries:
+                if tag == 0:  # DT_NULL ends the table
+                    break
+                if tag == 1:  # DT_NEEDED: an offset into the string table
+                    elf.seek(start + value)
+                    names.append(elf.read(256).split(b"\0", 1)[0].decode(errors="replace"))
+            return tuple(names)
+    except (OSError, struct.error):
+        return ()
+
+
+def wheel_libraries(roots: Sequence[Path]) -> dict[str, Path]:
+    """Shared libraries by file name in NVIDIA's wheel folders under `roots` (and in a root itself:
+    onnxruntime's capi folder), the first root's first."""
+    found: dict[str, Path] = {}
+    for root in roots:
+        folders = [root / name for name in WHEEL_FOLDERS if (root / name).is_dir()]
+        candidates = [path for path in root.glob("lib*.so*")]
+        for folder in folders:
+            candidates += sorted(folder.rglob("lib*.so*"))
+        for path in candidates:
+            if path.is_file():
+                found.setdefault(path.name, path)
+    return found
+
+
+def load_order(
+    wanted: Sequence[str], found: Mapping[str, Path], needs: Callable[[Path], Sequence[str]]
+) -> list[Path]:
+    """The files of `found` that `wanted` needs, directly or through one another, each after the
+    ones it links; names not in `found` are left to the system's loader."""
+    order: list[Path] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in seen or name not in found:
+            return
+        seen.add(name)
+        for dependency in needs(found[name]):
+            visit(dependency)
+        order.append(found[name])
+
+    for name in wanted:
+        visit(name)
+    return order
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Preloaded:
+    loaded: tuple[Path, ...]
+    failed: tuple[str, ...] = ()
+    """"name: why" for each library the provider links that cannot be loaded."""
+
+
+def preload(provider_library: Path, roots: Sequence[Path]) -> Preloaded:
+    """Load what `provider_library` links before onnxruntime does: from the wheels where they are
+    (by path, so that nvidia/cu13/lib needs no LD_LIBRARY_PATH), else by name as the system's
+    loader finds it. A library loaded once is found by its name afterwards, so onnxruntime's own
+    dlopen of the provider then succeeds; one that fails here is the reason the provider would."""
+    wanted = needed_libraries(provider_library)
+    found = wheel_libraries(roots)
+    loaded: list[Path] = []
+    failed: list[str] = []
+    for path in load_order(wanted, found, needed_libraries):
+        try:
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            loaded.append(path)
+        except OSError as exc:
+            failed.append(f"{path.name}: {exc}")
+    for name in wanted:
+        if name not in found:
+            try:
+                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                failed.append(f"{name}: {exc}")
+    return Preloaded(tuple(loaded), tuple(failed))
+
+
+def session_problem(
+    asked: Sequence[tuple[str, Mapping[str, str]]],
+    providers: Sequence[str],
+    provider_options: Mapping[str, Mapping[str, str]],
+) -> str | None:
+    """How a session differs from the one asked for (providers in order, and the options given to
+    each), or None. onnxruntime's Python layer retries a session that fails to create with its
+    own fallback providers and none of the options (device_id included), and a provider it cannot
+    load is left out with a warning: the session, not the request, says what runs. Of the options
+    only device_id is compared: the others are echoed in onnxruntime's own spelling, and a session
+    that lost them in a fallback has lost the TensorRT provider too."""
+    names = [name for name, _options in asked]
+    if list(providers) != names:
+        lost = [SHORT.get(name, name) for name in names if name not in providers]
+        said = f"the session has {list(providers)}, not {names}"
+        return f"onnxruntime did not create the {', '.join(lost)} provider ({said})" if lost else said
+    for name, options in asked:
+        wanted, given = options.get("device_id"), provider_options.get(name, {}).get("device_id")
+        if wanted is not None and given is not None and given != wanted:
+            return (
+                f"onnxruntime created the {SHORT.get(name, name)} provider on GPU {given}, not {wanted}: "
+                "it dropped the options asked for"
+            )
+    return None
