@@ -462,14 +462,8 @@ def environment() -> int:
     """What this machine offers fngate, as the runner sees it."""
     sys.path.insert(0, str(ROOT))
     from runner import gpu
-    from runner.backends.providers import (
-        PROVIDER_LIBRARIES,
-        needed_libraries,
-        preload,
-        probe,
-        wheel_libraries,
-        wheel_roots,
-    )
+    from runner.backends.libraries import needed_libraries, preload, wheel_libraries, wheel_roots
+    from runner.backends.providers import PROVIDER_LIBRARIES, probe
 
     for name in (
         "onnxruntime",
@@ -491,6 +485,7 @@ def environment() -> int:
         return 1
     print(f"onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
     print(f"onnxruntime's CUDA build: {getattr(ort, 'cuda_version', '') or 'none (a CPU build)'}")
+    print(f"onnxruntime's build: {ort.get_build_info()}")
     print(f"onnxruntime's providers: {ort.get_available_providers()}")
     capi = Path(ort.__file__).parent / "capi"
     roots = [capi, *wheel_roots()]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.backends.providers import load_order, needed_libraries, preload, wheel_libraries
+from runner.backends.libraries import load_order, needed_libraries, preload, wheel_libraries
 
 
 def touch(path: Path) -> Path:
