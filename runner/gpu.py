@@ -123,7 +123,8 @@ def _cuda_uuid(cuda_index: int) -> str | None:
         error, uuid = get_uuid(device)
         if error != driver.CUresult.CUDA_SUCCESS:
             return None
-        return uuid_text(bytes(uuid.bytes)[:16])
+        raw = uuid.bytes
+        return uuid_text((raw.encode("latin-1") if isinstance(raw, str) else bytes(raw))[:16])
     except Exception:  # a driver the bindings do not match: fall back to CUDA_VISIBLE_DEVICES
         log.debug("cuda-bindings could not name CUDA device %d", cuda_index, exc_info=True)
         return None
