@@ -73,12 +73,9 @@ class RunnerSettings(_Settings):
     """Refuse to serve a function whose accelerator (cuda, tensorrt) this runner cannot give, instead
     of running it on a lesser one (CPU at worst) with a warning and the reason recorded."""
     gpu_device: Annotated[int, Field(ge=0)] = 0
-    """The GPU this runner uses (its index as NVML and CUDA count them)."""
+    """The GPU this runner uses, by its CUDA index (as CUDA_VISIBLE_DEVICES leaves them numbered)."""
     engine_cache_dir: str = "~/.cache/fngate/engines"
     """Local TensorRT engine and timing caches: one folder per model, TensorRT version, GPU and precision."""
-    gpu_memory_budget_bytes: Annotated[int, Field(ge=0)] = 0
-    """GPU memory this runner's models may hold; past it, idle models are unloaded (least recently
-    used first) or the load is refused. 0: 90% of the device's memory."""
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
