@@ -54,7 +54,7 @@ CMD ["gateway"]
 
 # ---------------------------------------------------------------- CPU runner
 FROM cpu-base AS runner
-# 9100: metrics and health; /healthz/ready answers once the models are loaded and consuming.
+# 9100: metrics and health; /healthz/ready answers while Redis does and the runner consumes.
 EXPOSE 9100
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9100/healthz/ready', timeout=2)"]
