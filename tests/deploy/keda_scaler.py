@@ -1,7 +1,7 @@
 """What KEDA 2.x asks Redis for a `redis-streams` trigger, and what it makes of the answer, written
-after kedacore/keda v2.17.1 (unchanged in v2.20): pkg/scalers/redis_streams_scaler.go
-(`createEntriesCountFn`, `GetMetricsAndActivity`) and pkg/scaling/executor/scale_scaledobjects.go
-(`RequestScale`). Imported by name (`keda_scaler`), like deploy_files."""
+after kedacore/keda v2.17.1: pkg/scalers/redis_streams_scaler.go (`createEntriesCountFn`,
+`GetMetricsAndActivity`; the same file in v2.20.2) and pkg/scaling/executor/scale_scaledobjects.go
+(`RequestScale`; rewritten by v2.20.2, same decisions). Imported by name, like deploy_files."""
 
 from __future__ import annotations
 
