@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from fngate import keys, queue
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
-from fngate.registry import ControlOp, Registry, read_runners, send_control, summarize
+from fngate.registry import ControlOp, Registry, create_stream, read_runners, send_control, summarize
 from fngate.repository import (
     MANIFEST_FILE,
     ArtifactFile,
@@ -73,9 +73,19 @@ class ProgressBar:
             self._stream.write("\n")
 
 
-def deploy(path: Path, repository: Repository, redis_url: str, gateway: str, out: TextIO, err: TextIO) -> int:
+def deploy(
+    path: Path,
+    repository: Repository,
+    redis_url: str,
+    gateway: str,
+    out: TextIO,
+    err: TextIO,
+    record_it: bool = True,
+) -> int:
     """Validate, upload as the next version, record it, print how to call it. Nothing is uploaded
-    for a manifest, a version policy or a registry that fails its check."""
+    for a manifest, a version policy or a registry that fails its check. Without `record_it` an S3
+    repository is only written: the registry (private to the cluster) learns the version from a
+    later `fngate ls --sync` that can reach it."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
@@ -92,7 +102,7 @@ def deploy(path: Path, repository: Repository, redis_url: str, gateway: str, out
                 print(f"{path}: {problem}", file=err)
             print("fngate deploy: nothing was uploaded", file=err)
             return 2
-        if remote:
+        if remote and record_it:
             asyncio.run(_ping(redis_url))
         total = sum(item.size for item, _ in files)
         print(f"{manifest.name}: uploading {len(files)} files ({_size(total)}) to {repository.url}", file=out)
@@ -111,6 +121,13 @@ def deploy(path: Path, repository: Repository, redis_url: str, gateway: str, out
             file=err,
         )
         return 1
+    if remote and not record_it:
+        print(
+            f"uploaded {manifest.name} version {version.version} to {repository.url}; it is served once "
+            "`fngate ls --sync` has run where the registry is reachable (the fngate-registry-sync job)",
+            file=out,
+        )
+        return 0
     try:
         asyncio.run(_announce(redis_url, repository.url, record, remote))
     except (RedisError, OSError) as exc:
@@ -197,10 +214,13 @@ async def _ping(redis_url: str) -> None:
 
 
 async def _announce(redis_url: str, repo_url: str, record: FunctionRecord, remote: bool) -> None:
-    """Record the function (S3 repositories) and tell runners to look now."""
+    """Record the function (S3 repositories), create its stream and runner group, and tell runners
+    to look now."""
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
         if remote:
             await Registry(redis, repo_url).put(record)
+        else:
+            await create_stream(redis, record.name)
         await send_control(redis, ControlOp("deploy", record.name))
 
 
@@ -214,6 +234,9 @@ def list_functions(repository: Repository, redis_url: str, sync: bool, out: Text
     try:
         runners, drift = asyncio.run(_states(redis_url, repository.url, records, sync))
     except (RedisError, OSError) as exc:
+        if sync:  # a job that syncs must fail visibly
+            print(f"fngate ls --sync: redis at {redis_url} is unreachable ({exc})", file=err)
+            return 1
         print(f"fngate ls: load states unknown: redis at {redis_url} is unreachable ({exc})", file=err)
         runners, drift = None, []
     rows = [("FUNCTION", "VERSION", "SERVED", "TRAFFIC", "STATE", "REASON")]
@@ -263,6 +286,9 @@ async def _states(
 ) -> tuple[list[Any], list[str]]:
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
         runners = await read_runners(redis)
+        if sync:  # streams and groups of functions deployed before they were made at deploy time
+            for name in records:
+                await create_stream(redis, name)
         if not is_remote(repo_url):
             return runners, []
         registry = Registry(redis, repo_url)
