@@ -27,8 +27,8 @@ GATEWAY_PORT = 8000
 RUNNER_PORT = 9100
 """The runner's metrics and health port: /healthz/ready answers while Redis does and it consumes."""
 RUNNER_READ_AHEAD_BATCHES = 2
-"""A busy runner holds up to this many batches (of max_batch_size) read and not yet answered
-(runner/consumer.py reads `2 * max_batch_size` entries at a time): the pending target per runner."""
+"""A busy runner holds up to this many batches (of max_batch_size) read and not yet answered: the
+one running and at most one read ahead (runner/consumer.py): the pending target per runner."""
 UID = 10001
 CACHE_DIR = "/var/cache/fngate"
 TENSORRT_CACHE_DIR = "/var/cache/fngate/tensorrt"

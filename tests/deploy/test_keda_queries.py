@@ -159,12 +159,6 @@ def test_keda_queries_from_deploy_through_load_to_drain(run: Run, crowd: Functio
     assert run.drained == Decision({"lag-crowd": 0, "pending-crowd": 0}, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner/consumer.py (_read) reads 2 * max_batch_size entries on every pass, whatever it "
-    "already holds, so a runner's pending entries grow past its read-ahead under backlog; the bound "
-    "belongs to the hot-path rewrite, and k8s.RUNNER_READ_AHEAD_BATCHES to it",
-)
 def test_a_busy_runner_counts_as_one_runner(run: Run, crowd: FunctionManifest) -> None:
     _, pending_target = k8s.targets(crowd, k8s.Options())
     held = max(sample.counts["pending-crowd"] for sample in run.under_load)
