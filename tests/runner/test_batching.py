@@ -39,7 +39,7 @@ def test_no_delay_never_waits() -> None:
 
 def waiting(
     deadline_ms: int = 10_000, queued_ms: int = 0, group: str = "v1", rows: int = 1, alone: bool = False
-):  # type: ignore[no-untyped-def]
+) -> Waiting:
     return Waiting(deadline_ms, queued_ms, group, rows, alone)
 
 
