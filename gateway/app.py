@@ -7,6 +7,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
@@ -17,8 +18,9 @@ from fngate import keys, telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.registry import function_source
-from gateway import admin, endpoints, metrics
+from gateway import admin, deployments, endpoints, metrics
 from gateway.activation import Activator
+from gateway.auth import AuthMiddleware, KeyTable, Limiter
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
@@ -43,15 +45,19 @@ ROUTES = [
     Route("/v2/models/{name}/versions/{version}/ready", endpoints.model_ready),
     Route("/v1/functions", endpoints.list_functions),
     Route("/metrics", metrics.metrics),
+    *deployments.ROUTES,
     *admin.ROUTES,
 ]
 
 
 def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None) -> Starlette:
     """The gateway app. `stopping` is set if a background loop dies, so the server can shut down."""
+    key_table = KeyTable(settings.auth_refresh_s, enabled=settings.auth)
+    limiter = Limiter(settings.in_flight_ttl_s)
+    auth_layer = [Middleware(AuthMiddleware, key_table, limiter)] if settings.auth else []
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, endpoints.Services]]:
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         gateway_id = uuid.uuid4().hex[:12]
         # Invocations wait for a free connection rather than fail when many are in flight at once.
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -71,6 +77,9 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         async with redis, reader:
             await redis.ping()
             await catalog.refresh()
+            if settings.auth:
+                await key_table.refresh(reader)
+                limiter.bind(redis)
             log.info(
                 "gateway %s serving %d functions from %s", gateway_id, len(catalog.functions), settings.repo
             )
@@ -82,11 +91,14 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                         _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
                     ),
                 ]
+                if settings.auth:
+                    loops.append(tasks.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
                 try:
                     separate = _separate_cache(settings)
                     dispatcher = Dispatcher(redis, replies, separate, activator)
                     yield {
-                        "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis)
+                        "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis),
+                        "deployer": deployments.Deployer(settings),
                     }
                     if separate is not None:
                         await separate.aclose()
@@ -101,7 +113,10 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         lifespan=lifespan,
         exception_handlers={FunctionError: handle_function_error},
         # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
-        middleware=[Middleware(TracingMiddleware)] if telemetry.tracing_active() else [],
+        middleware=[
+            *([Middleware(TracingMiddleware)] if telemetry.tracing_active() else []),
+            *auth_layer,
+        ],
     )
     app.state.retry_after_s = settings.retry_after_s
     return app

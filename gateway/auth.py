@@ -1,0 +1,369 @@
+"""Who may call what: the in-memory table of API keys (refreshed from Redis), `authorize()` (pure, a
+few microseconds), the scope each route needs, and the per-key limits checked in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import logging
+import random
+import re
+import uuid
+from collections.abc import Iterable
+from fnmatch import translate
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fngate import apikeys, keys
+from fngate.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+INVOKE, READ, DEPLOY, ADMIN = apikeys.SCOPES
+ANY = ""
+"""Any valid key: for paths no route serves (they answer 404 only to a caller with a key)."""
+BEARER = "bearer "
+KEY_HEAD = f"{apikeys.KEY_PREFIX}_"
+ID_END = len(KEY_HEAD) + 12
+MAX_BACKOFF_S = 10.0
+
+
+class AuthError(Exception):
+    """Refused before any work: rendered as {"error", "code"} with `status` and `headers`. The
+    message never contains the key."""
+
+    status = 401
+    code = "unauthenticated"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": self.message, "code": self.code})
+
+
+class Unauthenticated(AuthError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {"WWW-Authenticate": 'Bearer realm="fngate"'})
+
+
+class Forbidden(AuthError):
+    status = 403
+    code = "permission_denied"
+
+
+class RateLimited(AuthError):
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+        self.retry_after_s = retry_after_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Principal:
+    """A caller the table knows: its key's id, hash, scopes and limits."""
+
+    key_id: str
+    digest: bytes
+    scopes: frozenset[str]
+    invoke: re.Pattern[str] | None
+    """Function names the key may invoke; None: none."""
+    rps: float = 0.0
+    burst: int = 0
+    max_in_flight: int = 0
+
+    @property
+    def limited(self) -> bool:
+        return self.rps > 0 or self.max_in_flight > 0
+
+    def allows(self, scope: str, function: str | None) -> bool:
+        if ADMIN in self.scopes or scope == ANY:
+            return True
+        if scope == INVOKE or (scope == READ and READ not in self.scopes):
+            return self.invoke is not None and function is not None and bool(self.invoke.match(function))
+        return scope in self.scopes
+
+
+def principal_of(record: apikeys.KeyRecord) -> Principal:
+    plain = frozenset(scope for scope in record.scopes if ":" not in scope)
+    globs = [scope.partition(":")[2] or "*" for scope in record.scopes if scope.startswith(INVOKE)]
+    pattern = re.compile("|".join(f"(?:{translate(glob)})" for glob in globs)) if globs else None
+    burst = record.burst or max(1, int(record.rps + 0.999))
+    return Principal(
+        record.id,
+        bytes.fromhex(record.sha256),
+        plain,
+        pattern,
+        record.rps,
+        burst,
+        record.max_in_flight,
+    )
+
+
+OPEN = Principal("", b"", frozenset({ADMIN}), None)
+"""The caller when auth is off."""
+
+
+class KeyTable:
+    """Every key's Principal by key id, in memory. `run()` reloads it from Redis when the keys'
+    version counter moves (checked every `refresh_s`), and keeps the last table through outages."""
+
+    def __init__(self, refresh_s: float = 1.0, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.refresh_s = refresh_s
+        self.healthy = True
+        self._by_id: dict[str, Principal] = {}
+        self._version: Any = None
+
+    def load(self, records: Iterable[apikeys.KeyRecord]) -> None:
+        self._by_id = {record.id: principal_of(record) for record in records}
+
+    def authorize(self, header: str | None, scope: str, function: str | None = None) -> Principal:
+        """The caller named by an `Authorization` header value, if it may use `scope` (on
+        `function`); raises Unauthenticated (no or unknown key) or Forbidden (scope missing)."""
+        if not self.enabled:
+            return OPEN
+        if not header or header[:7].lower() != BEARER:
+            raise Unauthenticated("this endpoint needs an API key: send 'Authorization: Bearer <key>'")
+        key = header[7:].strip()
+        principal = self._by_id.get(key[len(KEY_HEAD) : ID_END]) if key.startswith(KEY_HEAD) else None
+        # The digest of a random 256-bit key is compared in constant time all the same.
+        if principal is None or not hmac.compare_digest(
+            hashlib.sha256(key.encode()).digest(), principal.digest
+        ):
+            raise Unauthenticated("the API key is not valid (unknown or revoked)")
+        if not principal.allows(scope, function):
+            wanted = f"{scope}:{function}" if scope == INVOKE and function else scope
+            raise Forbidden(f"the API key {principal.key_id} lacks the scope {wanted}")
+        return principal
+
+    async def refresh(self, redis: aioredis.Redis) -> bool:
+        """Reload when the version moved; True when it did. Raises RedisError."""
+        version = await redis.get(keys.api_keys_version())
+        if version is not None and version == self._version:
+            return False
+        raw: Any = await redis.hgetall(keys.api_keys())
+        records = []
+        for ident, value in raw.items():
+            try:
+                records.append(apikeys.KeyRecord.decode(value))
+            except (ValueError, KeyError, TypeError):
+                log.warning(
+                    "API key %s has an unreadable record; it is refused", ident.decode(errors="replace")
+                )
+        self.load(records)
+        self._version = version
+        return True
+
+    async def run(self, redis: aioredis.Redis) -> None:
+        """Refresh forever; a Redis error is retried with backoff and jitter, the last table stays."""
+        failures = 0
+        while True:
+            try:
+                await self.refresh(redis)
+            except RedisError as exc:
+                failures += 1
+                if self.healthy:
+                    log.warning(
+                        "API keys could not be refreshed (%s); keeping the last %d", exc, len(self._by_id)
+                    )
+                self.healthy = False
+                await asyncio.sleep(min(MAX_BACKOFF_S, self.refresh_s * 2**failures) * random.uniform(0.5, 1))
+                continue
+            failures = 0
+            self.healthy = True
+            await asyncio.sleep(self.refresh_s)
+
+
+# Routes and the scope each needs. The invocation routes come first: they carry the traffic.
+_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/infer")
+_FUNCTION = re.compile(r"/v1/functions/([^/]+)")
+_MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?(?:/ready)?")
+_CONTROL = re.compile(r"/v2/repository/models/[^/]+/(?:load|unload)")
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+DEPLOY_METHODS = frozenset({"PUT", "GET", "DELETE"})
+
+
+def required_scope(method: str, path: str) -> tuple[str, str | None] | None:
+    """(scope, function) that a request needs; None for the open health endpoints."""
+    if method == "POST":
+        found = _INFER.fullmatch(path) or _FUNCTION.fullmatch(path)
+        if found:
+            return INVOKE, found[1]
+    if path in OPEN_PATHS:
+        return None
+    if path in ("/v2", "/v2/", "/v1/functions", "/v2/repository/index"):
+        return READ, None
+    found = _MODEL.fullmatch(path)
+    if found:
+        return READ, found[1]
+    if method in DEPLOY_METHODS and _FUNCTION.fullmatch(path):
+        return DEPLOY, None
+    if path == "/metrics" or _CONTROL.fullmatch(path):
+        return ADMIN, None
+    return ANY, None
+
+
+# The per-key limits, as a Lua function the enqueue script can include and call before it queues:
+# admit(bucket, busy, rps, burst, cap, member, ttl_ms) -> {'ok'} | {'rate'|'busy', retry_after_ms}.
+# A token bucket (`burst` tokens, `rps` per second, Redis time) and a sorted set of the key's
+# invocations in flight with their expiry, so that a dead gateway's members lapse.
+ADMIT_LUA = """
+local function admit(bucket, busy, rps, burst, cap, member, ttl_ms)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if cap > 0 then
+    redis.call('ZREMRANGEBYSCORE', busy, '-inf', now)
+    if redis.call('ZCARD', busy) >= cap then
+      local first = redis.call('ZRANGE', busy, 0, 0, 'WITHSCORES')
+      return {'busy', math.min(1000, tonumber(first[2]) - now)}
+    end
+  end
+  if rps > 0 then
+    local state = redis.call('HMGET', bucket, 't', 'ms')
+    local tokens = tonumber(state[1]) or burst
+    local last = tonumber(state[2]) or now
+    tokens = math.min(burst, tokens + math.max(0, now - last) * rps / 1000)
+    if tokens < 1 then
+      return {'rate', math.ceil((1 - tokens) * 1000 / rps)}
+    end
+    redis.call('HSET', bucket, 't', tostring(tokens - 1), 'ms', now)
+    redis.call('PEXPIRE', bucket, math.ceil(burst * 1000 / rps) + 1000)
+  end
+  if cap > 0 then
+    redis.call('ZADD', busy, now + ttl_ms, member)
+    redis.call('PEXPIRE', busy, ttl_ms)
+  end
+  return {'ok'}
+end
+"""
+ADMIT_SCRIPT = (
+    ADMIT_LUA + "return admit(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), "
+    "tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]))\n"
+)
+
+
+def admission(principal: Principal, member: str, ttl_ms: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ADMIT_SCRIPT for one invocation of `principal`; `member` names it in the
+    in-flight set until released or `ttl_ms` passes."""
+    ident = principal.key_id
+    return (
+        [keys.key_rate(ident), keys.key_in_flight(ident)],
+        [principal.rps, principal.burst, principal.max_in_flight, member, ttl_ms],
+    )
+
+
+def admitted(principal: Principal, outcome: list[Any]) -> None:
+    """Raise RateLimited for a refusal from ADMIT_SCRIPT (or the enqueue script that includes it)."""
+    verdict = outcome[0]
+    if verdict in (b"ok", "ok"):
+        return
+    retry_after_s = max(1, -(-int(outcome[1]) // 1000))
+    if verdict in (b"rate", "rate"):
+        raise RateLimited(
+            f"the API key {principal.key_id} is over its rate of {principal.rps:g} invocations per second "
+            f"(burst {principal.burst}); retry in {retry_after_s} s",
+            retry_after_s,
+        )
+    raise RateLimited(
+        f"the API key {principal.key_id} has {principal.max_in_flight} invocations in flight "
+        "(max_in_flight); retry later",
+        retry_after_s,
+    )
+
+
+class Limiter:
+    """Runs ADMIT_SCRIPT as its own call before an invocation is dispatched, and takes the
+    invocation out of the key's in-flight set when it is over."""
+
+    def __init__(self, in_flight_ttl_s: float) -> None:
+        self._redis: aioredis.Redis | None = None
+        self._script: Any = None
+        self._ttl_ms = int(in_flight_ttl_s * 1000)
+
+    def bind(self, redis: aioredis.Redis) -> None:
+        """Use this client (the invocations' pool), once the lifespan has opened it."""
+        self._redis = redis
+        self._script = redis.register_script(ADMIT_SCRIPT)
+
+    async def admit(self, principal: Principal) -> str:
+        """The member to release when the invocation is over; raises RateLimited or Unavailable."""
+        if self._script is None:
+            raise Unavailable("the rate limiter is not connected to Redis yet")
+        member = uuid.uuid4().hex
+        script_keys, args = admission(principal, member, self._ttl_ms)
+        try:
+            outcome = await self._script(keys=script_keys, args=args)
+        except RedisError as exc:
+            raise Unavailable(f"the rate limiter is unavailable: {exc}") from exc
+        admitted(principal, outcome)
+        return member
+
+    async def release(self, principal: Principal, member: str) -> None:
+        if principal.max_in_flight > 0 and self._redis is not None:
+            try:
+                await self._redis.zrem(keys.key_in_flight(principal.key_id), member)
+            except RedisError as exc:  # the member lapses at its expiry
+                log.warning("could not release an in-flight invocation of key %s: %s", principal.key_id, exc)
+
+
+class AuthMiddleware:
+    """A plain ASGI middleware: every HTTP request but health carries a key with the route's
+    scope; invocations also pass the key's limits, and leave its in-flight set when answered.
+    The caller's Principal is put in the scope as `fngate.principal`."""
+
+    def __init__(self, app: Any, table: KeyTable, limiter: Limiter | None = None) -> None:
+        self.app = app
+        self.table = table
+        self.limiter = limiter
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        need = required_scope(scope["method"], scope["path"])
+        if need is None:
+            await self.app(scope, receive, send)
+            return
+        header = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
+        member = None
+        try:
+            principal = self.table.authorize(header, *need)
+            if need[0] == INVOKE and principal.limited and self.limiter is not None:
+                member = await self.limiter.admit(principal)
+        except AuthError as exc:
+            await send_error(send, exc.status, exc.body(), exc.headers)
+            return
+        except Unavailable as exc:
+            body = orjson.dumps({"error": exc.message, "code": exc.code.value})
+            await send_error(send, 503, body, {"Retry-After": "1"})
+            return
+        scope["fngate.principal"] = principal
+        if member is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            assert self.limiter is not None
+            await asyncio.shield(self.limiter.release(principal, member))
+
+
+async def send_error(send: Any, status: int, body: bytes, headers: dict[str, str]) -> None:
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(name.lower().encode(), value.encode()) for name, value in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
