@@ -139,6 +139,22 @@ def revoke(client: redis.Redis, ident: str) -> None:
         raise FunctionNotFound(f"no API key with id {ident!r}")
 
 
+def hashed_admin(value: str) -> KeyRecord:
+    """The admin key named by `<key id>:<sha256 hex>` (GatewaySettings.admin_key_hash)."""
+    ident, _, digest = value.strip().partition(":")
+    if not _ID.fullmatch(ident) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise InvalidArgument("an admin key hash is '<12 hex digits>:<64 hex digits>' (fngate keys hash)")
+    return KeyRecord(ident, digest, ("admin",), "admin_key_hash")
+
+
+def hash_line(key: str) -> str:
+    """`<key id>:<sha256 hex>` of a key, for GatewaySettings.admin_key_hash."""
+    ident = key_id(key.strip())
+    if ident is None:
+        raise InvalidArgument("that is not an fngate API key (fng_<id>_<secret>)")
+    return f"{ident}:{hash_key(key.strip()).hex()}"
+
+
 def admin_key(client: redis.Redis, path: Path) -> tuple[str, bool]:
     """The admin key kept in the file `path` (mode 0600), registered in Redis; a new one, written
     there, when the file does not exist. Returns the key and whether it was created now."""

@@ -199,6 +199,9 @@ def _add_key_commands(commands: Any) -> None:
     listing = actions.add_parser("ls", help="list keys: id, name, scopes, limits (never the key)")
     revoke = actions.add_parser("revoke", help="revoke a key on every gateway within a few seconds")
     revoke.add_argument("id", metavar="ID")
+    actions.add_parser(
+        "hash", help="print '<id>:<sha256>' of the key in FNGATE_API_KEY, for FNGATE_ADMIN_KEY_HASH"
+    )
     for parser in (create, listing, revoke):
         parser.add_argument("--redis", metavar="URL", help="the registry Redis (default: FNGATE_REDIS_URL)")
 
@@ -210,6 +213,13 @@ def _key_command(args: argparse.Namespace) -> int:
     from fngate.config import GatewaySettings
     from fngate.errors import FunctionError
 
+    if args.action == "hash":
+        try:
+            print(apikeys.hash_line(os.environ.get("FNGATE_API_KEY", "")))
+        except FunctionError as exc:
+            print(f"fngate keys: {exc.message} in FNGATE_API_KEY", file=sys.stderr)
+            return 2
+        return 0
     client = redis.Redis.from_url(args.redis or GatewaySettings().redis_url, socket_connect_timeout=3)
     try:
         if args.action == "create":

@@ -48,6 +48,9 @@ class GatewaySettings(_Settings):
     (the bound when a gateway dies with invocations in flight)."""
     max_deploy_bytes: Annotated[int, Field(ge=1024)] = 2 * 1024**3
     """The largest archive PUT /v1/functions/{name} accepts."""
+    admin_key_hash: str = ""
+    """`<key id>:<sha256 hex>` of an admin key accepted besides the keys in Redis (`fngate keys
+    hash` prints it): from a Kubernetes Secret, a new cluster has a key before anyone writes to Redis."""
 
 
 class RunnerSettings(_Settings):

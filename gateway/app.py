@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from fngate import keys, telemetry
+from fngate import apikeys, keys, telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.registry import function_source
@@ -52,7 +52,8 @@ ROUTES = [
 
 def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None) -> Starlette:
     """The gateway app. `stopping` is set if a background loop dies, so the server can shut down."""
-    key_table = KeyTable(settings.auth_refresh_s, enabled=settings.auth)
+    fixed = [apikeys.hashed_admin(settings.admin_key_hash)] if settings.admin_key_hash else []
+    key_table = KeyTable(settings.auth_refresh_s, settings.auth, fixed)
     limiter = Limiter(settings.in_flight_ttl_s)
     auth_layer = [Middleware(AuthMiddleware, key_table, limiter)] if settings.auth else []
 

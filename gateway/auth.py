@@ -117,15 +117,19 @@ class KeyTable:
     """Every key's Principal by key id, in memory. `run()` reloads it from Redis when the keys'
     version counter moves (checked every `refresh_s`), and keeps the last table through outages."""
 
-    def __init__(self, refresh_s: float = 1.0, enabled: bool = True) -> None:
+    def __init__(
+        self, refresh_s: float = 1.0, enabled: bool = True, fixed: Iterable[apikeys.KeyRecord] = ()
+    ) -> None:
         self.enabled = enabled
         self.refresh_s = refresh_s
         self.healthy = True
-        self._by_id: dict[str, Principal] = {}
+        self._fixed = {record.id: principal_of(record) for record in fixed}
+        """Keys from settings (a Kubernetes Secret), accepted whatever Redis holds."""
+        self._by_id: dict[str, Principal] = dict(self._fixed)
         self._version: Any = None
 
     def load(self, records: Iterable[apikeys.KeyRecord]) -> None:
-        self._by_id = {record.id: principal_of(record) for record in records}
+        self._by_id = {**{record.id: principal_of(record) for record in records}, **self._fixed}
 
     def authorize(self, header: str | None, scope: str, function: str | None = None) -> Principal:
         """The caller named by an `Authorization` header value, if it may use `scope` (on

@@ -13,7 +13,7 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from fngate import apikeys, keys
+from fngate import apikeys, cli, keys
 from gateway import auth
 
 # (method, path, body, who may call it, the status once allowed). Allowed without a runner: the
@@ -281,3 +281,24 @@ async def test_the_key_table_reloads_when_keys_change_and_survives_an_outage(
     with pytest.raises(asyncio.CancelledError):
         await task
     await broken.aclose()
+
+
+async def test_an_admin_key_from_settings_is_accepted_whatever_redis_holds(
+    redis: aioredis.Redis,
+    serve_gateway: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    key, ident = apikeys.new_key()
+    monkeypatch.setenv("FNGATE_API_KEY", key)
+    assert cli.main(["keys", "hash"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"{ident}:") and key not in line
+    base = await serve_gateway(auth=True, admin_key_hash=line)
+    async with httpx.AsyncClient(base_url=base) as http:
+        assert (await http.post("/v2/repository/index", headers=bearer(key))).status_code == 200
+        assert (
+            await http.post(
+                "/v2/repository/index", headers=bearer(key[:-1] + ("A" if key[-1] != "A" else "B"))
+            )
+        ).status_code == 401
