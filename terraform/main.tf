@@ -156,5 +156,6 @@ module "fngate" {
   gateway_max_replicas    = var.gateway_max_replicas
   gateway_allowed_cidrs   = var.gateway_allowed_cidrs
   gateway_certificate_arn = var.gateway_certificate_arn
+  gateway_internal        = var.gateway_internal
   log_level               = var.log_level
 }

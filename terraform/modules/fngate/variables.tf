@@ -109,6 +109,11 @@ variable "gateway_certificate_arn" {
   type        = string
 }
 
+variable "gateway_internal" {
+  description = "An internal load balancer (the VPC and its peers only) instead of an internet-facing one."
+  type        = bool
+}
+
 variable "log_level" {
   description = "FNGATE_LOG_LEVEL."
   type        = string
