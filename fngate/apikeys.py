@@ -42,6 +42,9 @@ class KeyRecord:
     """Invocations allowed at once above the rate (the bucket's size); 0: max(1, rps)."""
     max_in_flight: int = 0
     """Invocations of this key in flight at once across all gateways; 0: no limit."""
+    max_queued: int = 0
+    """Invocations of one function this key may have queued or running at once: its share of the
+    function's max_queue_size, so that one caller cannot fill a queue; 0: no limit."""
     created_s: float = 0.0
 
     def encode(self) -> bytes:
@@ -58,6 +61,7 @@ class KeyRecord:
             rps=float(doc.get("rps", 0.0)),
             burst=int(doc.get("burst", 0)),
             max_in_flight=int(doc.get("max_in_flight", 0)),
+            max_queued=int(doc.get("max_queued", 0)),
             created_s=float(doc.get("created_s", 0.0)),
         )
 
@@ -99,11 +103,12 @@ def create(
     rps: float = 0.0,
     burst: int = 0,
     max_in_flight: int = 0,
+    max_queued: int = 0,
 ) -> tuple[str, KeyRecord]:
     """Store a new key's record; returns the key (shown once, never stored) and its record."""
     if not scopes:
         raise InvalidArgument("a key needs at least one scope")
-    if rps < 0 or burst < 0 or max_in_flight < 0:
+    if min(rps, burst, max_in_flight, max_queued) < 0:
         raise InvalidArgument("limits are 0 (none) or positive")
     key, ident = new_key()
     record = KeyRecord(
@@ -114,6 +119,7 @@ def create(
         rps,
         burst,
         max_in_flight,
+        max_queued,
         round(time.time(), 3),
     )
     with client.pipeline(transaction=True) as pipe:

@@ -196,6 +196,12 @@ def _add_key_commands(commands: Any) -> None:
     create.add_argument(
         "--max-in-flight", type=int, default=0, help="invocations in flight at once (0: no limit)"
     )
+    create.add_argument(
+        "--max-queued",
+        type=int,
+        default=0,
+        help="invocations of one function queued or running at once: a share of its queue (0: no limit)",
+    )
     listing = actions.add_parser("ls", help="list keys: id, name, scopes, limits (never the key)")
     revoke = actions.add_parser("revoke", help="revoke a key on every gateway within a few seconds")
     revoke.add_argument("id", metavar="ID")
@@ -224,18 +230,20 @@ def _key_command(args: argparse.Namespace) -> int:
     try:
         if args.action == "create":
             key, record = apikeys.create(
-                client, args.scope, args.name, args.rps, args.burst, args.max_in_flight
+                client, args.scope, args.name, args.rps, args.burst, args.max_in_flight, args.max_queued
             )
             print(f"created key {record.id} ({', '.join(record.scopes)}); it is shown only now:\n{key}")
         elif args.action == "revoke":
             apikeys.revoke(client, args.id)
             print(f"revoked key {args.id}")
         else:
-            print(f"{'ID':<12}  {'NAME':<16}  {'RPS':>6}  {'BURST':>5}  {'IN-FLIGHT':>9}  SCOPES")
+            print(
+                f"{'ID':<12}  {'NAME':<16}  {'RPS':>6}  {'BURST':>5}  {'IN-FLIGHT':>9}  {'QUEUED':>6}  SCOPES"
+            )
             for record in apikeys.records(client):
                 print(
                     f"{record.id:<12}  {record.name:<16}  {record.rps:>6g}  {record.burst:>5}  "
-                    f"{record.max_in_flight:>9}  {' '.join(record.scopes)}"
+                    f"{record.max_in_flight:>9}  {record.max_queued:>6}  {' '.join(record.scopes)}"
                 )
     except FunctionError as exc:
         print(f"fngate keys: {exc.message}", file=sys.stderr)

@@ -90,3 +90,9 @@ def key_in_flight(key_id: str) -> str:
     """Sorted set of one API key's invocations in flight on every gateway -> expiry (ms): a gateway
     that dies leaves members that lapse at their expiry."""
     return f"{PREFIX}:busy:{key_id}"
+
+
+def key_share(key_id: str, function: str) -> str:
+    """Sorted set of one API key's invocations of one function, queued or running -> expiry (ms):
+    the key's share of that function's queue."""
+    return f"{PREFIX}:share:{key_id}:{function}"

@@ -20,11 +20,13 @@ from fngate.errors import FunctionError
 from fngate.registry import function_source
 from gateway import admin, deployments, endpoints, metrics
 from gateway.activation import Activator
-from gateway.auth import AuthMiddleware, KeyTable, Limiter
+from gateway.auth import KeyTable
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
+from gateway.guard import AuthMiddleware
 from gateway.http_errors import handle_function_error
+from gateway.limits import Limiter
 from gateway.replies import ReplyRouter
 from gateway.tracing import TracingMiddleware
 

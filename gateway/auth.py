@@ -1,5 +1,5 @@
 """Who may call what: the in-memory table of API keys (refreshed from Redis), `authorize()` (pure, a
-few microseconds), the scope each route needs, and the per-key limits checked in Redis."""
+few microseconds, callable from any request path) and the scope each route needs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import hmac
 import logging
 import random
 import re
-import uuid
 from collections.abc import Iterable
 from fnmatch import translate
 from typing import Any
@@ -20,7 +19,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import apikeys, keys
-from fngate.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +78,11 @@ class Principal:
     rps: float = 0.0
     burst: int = 0
     max_in_flight: int = 0
+    max_queued: int = 0
 
     @property
     def limited(self) -> bool:
-        return self.rps > 0 or self.max_in_flight > 0
+        return self.rps > 0 or self.max_in_flight > 0 or self.max_queued > 0
 
     def allows(self, scope: str, function: str | None) -> bool:
         if ADMIN in self.scopes or scope == ANY:
@@ -106,6 +105,7 @@ def principal_of(record: apikeys.KeyRecord) -> Principal:
         record.rps,
         burst,
         record.max_in_flight,
+        record.max_queued,
     )
 
 
@@ -215,159 +215,3 @@ def required_scope(method: str, path: str) -> tuple[str, str | None] | None:
     if path == "/metrics" or _CONTROL.fullmatch(path):
         return ADMIN, None
     return ANY, None
-
-
-# The per-key limits, as a Lua function the enqueue script can include and call before it queues:
-# admit(bucket, busy, rps, burst, cap, member, ttl_ms) -> {'ok'} | {'rate'|'busy', retry_after_ms}.
-# A token bucket (`burst` tokens, `rps` per second, Redis time) and a sorted set of the key's
-# invocations in flight with their expiry, so that a dead gateway's members lapse.
-ADMIT_LUA = """
-local function admit(bucket, busy, rps, burst, cap, member, ttl_ms)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  if cap > 0 then
-    redis.call('ZREMRANGEBYSCORE', busy, '-inf', now)
-    if redis.call('ZCARD', busy) >= cap then
-      local first = redis.call('ZRANGE', busy, 0, 0, 'WITHSCORES')
-      return {'busy', math.min(1000, tonumber(first[2]) - now)}
-    end
-  end
-  if rps > 0 then
-    local state = redis.call('HMGET', bucket, 't', 'ms')
-    local tokens = tonumber(state[1]) or burst
-    local last = tonumber(state[2]) or now
-    tokens = math.min(burst, tokens + math.max(0, now - last) * rps / 1000)
-    if tokens < 1 then
-      return {'rate', math.ceil((1 - tokens) * 1000 / rps)}
-    end
-    redis.call('HSET', bucket, 't', tostring(tokens - 1), 'ms', now)
-    redis.call('PEXPIRE', bucket, math.ceil(burst * 1000 / rps) + 1000)
-  end
-  if cap > 0 then
-    redis.call('ZADD', busy, now + ttl_ms, member)
-    redis.call('PEXPIRE', busy, ttl_ms)
-  end
-  return {'ok'}
-end
-"""
-ADMIT_SCRIPT = (
-    ADMIT_LUA + "return admit(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), "
-    "tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]))\n"
-)
-
-
-def admission(principal: Principal, member: str, ttl_ms: int) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ADMIT_SCRIPT for one invocation of `principal`; `member` names it in the
-    in-flight set until released or `ttl_ms` passes."""
-    ident = principal.key_id
-    return (
-        [keys.key_rate(ident), keys.key_in_flight(ident)],
-        [principal.rps, principal.burst, principal.max_in_flight, member, ttl_ms],
-    )
-
-
-def admitted(principal: Principal, outcome: list[Any]) -> None:
-    """Raise RateLimited for a refusal from ADMIT_SCRIPT (or the enqueue script that includes it)."""
-    verdict = outcome[0]
-    if verdict in (b"ok", "ok"):
-        return
-    retry_after_s = max(1, -(-int(outcome[1]) // 1000))
-    if verdict in (b"rate", "rate"):
-        raise RateLimited(
-            f"the API key {principal.key_id} is over its rate of {principal.rps:g} invocations per second "
-            f"(burst {principal.burst}); retry in {retry_after_s} s",
-            retry_after_s,
-        )
-    raise RateLimited(
-        f"the API key {principal.key_id} has {principal.max_in_flight} invocations in flight "
-        "(max_in_flight); retry later",
-        retry_after_s,
-    )
-
-
-class Limiter:
-    """Runs ADMIT_SCRIPT as its own call before an invocation is dispatched, and takes the
-    invocation out of the key's in-flight set when it is over."""
-
-    def __init__(self, in_flight_ttl_s: float) -> None:
-        self._redis: aioredis.Redis | None = None
-        self._script: Any = None
-        self._ttl_ms = int(in_flight_ttl_s * 1000)
-
-    def bind(self, redis: aioredis.Redis) -> None:
-        """Use this client (the invocations' pool), once the lifespan has opened it."""
-        self._redis = redis
-        self._script = redis.register_script(ADMIT_SCRIPT)
-
-    async def admit(self, principal: Principal) -> str:
-        """The member to release when the invocation is over; raises RateLimited or Unavailable."""
-        if self._script is None:
-            raise Unavailable("the rate limiter is not connected to Redis yet")
-        member = uuid.uuid4().hex
-        script_keys, args = admission(principal, member, self._ttl_ms)
-        try:
-            outcome = await self._script(keys=script_keys, args=args)
-        except RedisError as exc:
-            raise Unavailable(f"the rate limiter is unavailable: {exc}") from exc
-        admitted(principal, outcome)
-        return member
-
-    async def release(self, principal: Principal, member: str) -> None:
-        if principal.max_in_flight > 0 and self._redis is not None:
-            try:
-                await self._redis.zrem(keys.key_in_flight(principal.key_id), member)
-            except RedisError as exc:  # the member lapses at its expiry
-                log.warning("could not release an in-flight invocation of key %s: %s", principal.key_id, exc)
-
-
-class AuthMiddleware:
-    """A plain ASGI middleware: every HTTP request but health carries a key with the route's
-    scope; invocations also pass the key's limits, and leave its in-flight set when answered.
-    The caller's Principal is put in the scope as `fngate.principal`."""
-
-    def __init__(self, app: Any, table: KeyTable, limiter: Limiter | None = None) -> None:
-        self.app = app
-        self.table = table
-        self.limiter = limiter
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        need = required_scope(scope["method"], scope["path"])
-        if need is None:
-            await self.app(scope, receive, send)
-            return
-        header = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                header = value.decode("latin-1")
-                break
-        member = None
-        try:
-            principal = self.table.authorize(header, *need)
-            if need[0] == INVOKE and principal.limited and self.limiter is not None:
-                member = await self.limiter.admit(principal)
-        except AuthError as exc:
-            await send_error(send, exc.status, exc.body(), exc.headers)
-            return
-        except Unavailable as exc:
-            body = orjson.dumps({"error": exc.message, "code": exc.code.value})
-            await send_error(send, 503, body, {"Retry-After": "1"})
-            return
-        scope["fngate.principal"] = principal
-        if member is None:
-            await self.app(scope, receive, send)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            assert self.limiter is not None
-            await asyncio.shield(self.limiter.release(principal, member))
-
-
-async def send_error(send: Any, status: int, body: bytes, headers: dict[str, str]) -> None:
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(name.lower().encode(), value.encode()) for name, value in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})

@@ -14,7 +14,7 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 from fngate import apikeys, cli, keys
-from gateway import auth
+from gateway import auth, limits
 
 # (method, path, body, who may call it, the status once allowed). Allowed without a runner: the
 # invocations carry an invalid body (400 after auth), the admin routes name an unknown function.
@@ -213,16 +213,24 @@ def test_scopes_are_checked_when_a_key_is_created() -> None:
             apikeys.check_scope(bad)
 
 
-def principal(rps: float = 0, burst: int = 0, max_in_flight: int = 0) -> auth.Principal:
+def principal(rps: float = 0, burst: int = 0, max_in_flight: int = 0, max_queued: int = 0) -> auth.Principal:
     record = apikeys.KeyRecord(
-        "0123456789ab", "00" * 32, ("invoke",), rps=rps, burst=burst, max_in_flight=max_in_flight
+        "0123456789ab",
+        "00" * 32,
+        ("invoke",),
+        rps=rps,
+        burst=burst,
+        max_in_flight=max_in_flight,
+        max_queued=max_queued,
     )
     return auth.principal_of(record)
 
 
-async def admit(client: aioredis.Redis, who: auth.Principal, member: str, ttl_ms: int = 60_000) -> list[Any]:
-    script_keys, args = auth.admission(who, member, ttl_ms)
-    outcome: list[Any] = await client.eval(auth.ADMIT_SCRIPT, 2, *script_keys, *args)  # type: ignore[misc]
+async def admit(
+    client: aioredis.Redis, who: auth.Principal, member: str, ttl_ms: int = 60_000, function: str = "f"
+) -> list[Any]:
+    script_keys, args = limits.admission(who, function, member, ttl_ms)
+    outcome: list[Any] = await client.eval(limits.ADMIT_SCRIPT, 3, *script_keys, *args)  # type: ignore[misc]
     return outcome
 
 
@@ -231,7 +239,7 @@ async def test_the_rate_limit_allows_the_burst_then_refuses_with_a_retry_time(re
     outcomes = [await admit(redis, who, f"m{index}") for index in range(5)]
     assert [outcome[0] for outcome in outcomes] == [b"ok", b"ok", b"ok", b"rate", b"rate"]
     with pytest.raises(auth.RateLimited) as raised:
-        auth.admitted(who, outcomes[3])
+        limits.admitted(who, "f", outcomes[3])
     assert raised.value.status == 429 and int(raised.value.headers["Retry-After"]) >= 99
     assert await redis.pttl(keys.key_rate(who.key_id)) > 0  # the bucket does not outlive its use
 
@@ -254,6 +262,16 @@ async def test_the_in_flight_cap_counts_until_released_or_expired(redis: aioredi
     assert (await admit(redis, who, "g"))[0] == b"busy"
     await asyncio.sleep(0.1)
     assert (await admit(redis, who, "h"))[0] == b"ok"
+
+
+async def test_a_key_holds_at_most_its_share_of_each_function_queue(redis: aioredis.Redis) -> None:
+    who = principal(max_queued=1)
+    assert (await admit(redis, who, "a", function="f"))[0] == b"ok"
+    refused = await admit(redis, who, "b", function="f")
+    assert refused[0] == b"share"
+    with pytest.raises(auth.RateLimited, match="invocations of 'f' queued or running"):
+        limits.admitted(who, "f", refused)
+    assert (await admit(redis, who, "c", function="g"))[0] == b"ok"  # another function's queue
 
 
 async def test_a_refused_invocation_takes_neither_a_token_nor_a_slot(redis: aioredis.Redis) -> None:
