@@ -145,12 +145,16 @@ def revoke(client: redis.Redis, ident: str) -> None:
         raise FunctionNotFound(f"no API key with id {ident!r}")
 
 
-def hashed_admin(value: str) -> KeyRecord:
-    """The admin key named by `<key id>:<sha256 hex>` (GatewaySettings.admin_key_hash)."""
-    ident, _, digest = value.strip().partition(":")
-    if not _ID.fullmatch(ident) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise InvalidArgument("an admin key hash is '<12 hex digits>:<64 hex digits>' (fngate keys hash)")
-    return KeyRecord(ident, digest, ("admin",), "admin_key_hash")
+def hashed_admins(value: str) -> list[KeyRecord]:
+    """The admin keys named by `<key id>:<sha256 hex>` items, separated by commas or white space
+    (GatewaySettings.admin_key_hash)."""
+    found = []
+    for item in value.replace(",", " ").split():
+        ident, _, digest = item.partition(":")
+        if not _ID.fullmatch(ident) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise InvalidArgument("an admin key hash is '<12 hex digits>:<64 hex digits>' (fngate keys hash)")
+        found.append(KeyRecord(ident, digest, ("admin",), "admin_key_hash"))
+    return found
 
 
 def hash_line(key: str) -> str:

@@ -49,8 +49,9 @@ class GatewaySettings(_Settings):
     max_deploy_bytes: Annotated[int, Field(ge=1024)] = 2 * 1024**3
     """The largest archive PUT /v1/functions/{name} accepts."""
     admin_key_hash: str = ""
-    """`<key id>:<sha256 hex>` of an admin key accepted besides the keys in Redis (`fngate keys
-    hash` prints it): from a Kubernetes Secret, a new cluster has a key before anyone writes to Redis."""
+    """`<key id>:<sha256 hex>` of admin keys accepted besides the keys in Redis, comma-separated
+    (`fngate keys hash` prints one): from a Kubernetes Secret, a new cluster has keys (its first
+    admin's, Prometheus's) before anyone writes to Redis."""
 
 
 class RunnerSettings(_Settings):

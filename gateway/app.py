@@ -54,8 +54,9 @@ ROUTES = [
 
 def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None) -> Starlette:
     """The gateway app. `stopping` is set if a background loop dies, so the server can shut down."""
-    fixed = [apikeys.hashed_admin(settings.admin_key_hash)] if settings.admin_key_hash else []
-    key_table = KeyTable(settings.auth_refresh_s, settings.auth, fixed)
+    key_table = KeyTable(
+        settings.auth_refresh_s, settings.auth, apikeys.hashed_admins(settings.admin_key_hash)
+    )
     limiter = Limiter(settings.in_flight_ttl_s)
     auth_layer = [Middleware(AuthMiddleware, key_table, limiter)] if settings.auth else []
 

@@ -312,9 +312,11 @@ async def test_an_admin_key_from_settings_is_accepted_whatever_redis_holds(
     assert cli.main(["keys", "hash"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"{ident}:") and key not in line
-    base = await serve_gateway(auth=True, admin_key_hash=line)
+    other, _ = apikeys.new_key()
+    base = await serve_gateway(auth=True, admin_key_hash=f"{line},{apikeys.hash_line(other)}")
     async with httpx.AsyncClient(base_url=base) as http:
         assert (await http.post("/v2/repository/index", headers=bearer(key))).status_code == 200
+        assert (await http.get("/metrics", headers=bearer(other))).status_code == 200
         assert (
             await http.post(
                 "/v2/repository/index", headers=bearer(key[:-1] + ("A" if key[-1] != "A" else "B"))
