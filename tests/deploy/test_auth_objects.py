@@ -68,7 +68,20 @@ def test_terraform_has_no_open_cidr_default_and_an_internal_load_balancer(module
 def test_terraform_makes_the_admin_key_secret_the_renderer_names(modules: dict[str, Module]) -> None:
     fngate = modules["fngate"]
     secret = fngate.resource("kubernetes_secret_v1", "api_keys")
-    assert secret["data"]["admin"] == "${random_id.admin_key.hex}:${sha256(local.admin_key)}"
+    assert "${random_id.admin_key.hex}:${sha256(local.admin_key)}" in secret["data"]["admin"]
+    assert "var.extra_admin_key_hashes" in secret["data"]["admin"]
     flags = fngate.locals["render_flags"]
     assert flags[flags.index("--api-keys-secret") + 1] == "${kubernetes_secret_v1.api_keys.metadata[0].name}"
     assert modules["root"].named("output")["admin_api_key"]["sensitive"] is True
+
+
+def test_prometheus_scrapes_the_gateways_with_a_key_they_accept(modules: dict[str, Module]) -> None:
+    observability = modules["observability"]
+    secret = observability.resource("kubernetes_secret_v1", "metrics_key")
+    assert secret["data"]["key"] == "${local.metrics_key}"
+    release = observability.resource("helm_release", "fngate_monitoring")
+    assert "authorization" in release["values"][0] and "local.metrics_key_secret" in release["values"][0]
+    hashed = observability.named("output")["metrics_key_hash"]["value"]
+    assert hashed == "${random_id.metrics_key.hex}:${sha256(local.metrics_key)}"
+    root = modules["root"].named("module")["fngate"]
+    assert root["extra_admin_key_hashes"] == ["${module.observability.metrics_key_hash}"]

@@ -97,7 +97,7 @@ resource "kubernetes_secret_v1" "api_keys" {
   }
 
   data = {
-    admin = "${random_id.admin_key.hex}:${sha256(local.admin_key)}"
+    admin = join(",", concat(["${random_id.admin_key.hex}:${sha256(local.admin_key)}"], var.extra_admin_key_hashes))
   }
 }
 

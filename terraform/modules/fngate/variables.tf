@@ -118,3 +118,9 @@ variable "log_level" {
   description = "FNGATE_LOG_LEVEL."
   type        = string
 }
+
+variable "extra_admin_key_hashes" {
+  description = "Further admin API keys the gateways accept, as '<id>:<sha256>' (Prometheus's, for /metrics)."
+  type        = list(string)
+  default     = []
+}
