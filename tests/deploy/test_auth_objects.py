@@ -35,7 +35,7 @@ def test_gateways_take_the_admin_key_hash_from_a_secret() -> None:
 
 
 def test_network_policies_let_runners_take_traffic_only_from_prometheus() -> None:
-    objects = rendered(prometheus_label="app=prom")
+    objects = rendered(prometheus_label="app=prom", deployed=("classifier", "normalize"))
     for obj in objects:
         if obj["kind"] == "NetworkPolicy":
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
