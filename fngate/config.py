@@ -22,6 +22,9 @@ class _Settings(BaseSettings):
     """A Redis for the response cache; empty: the queue's Redis (one round trip per invocation)."""
     repo: str = "functions"
     log_level: str = "INFO"
+    redis_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    """A Redis command (or connection) that takes longer fails: a gateway answers 503 rather than
+    wait out the invocation's deadline on a Redis that stopped answering; a runner retries."""
 
 
 class GatewaySettings(_Settings):
@@ -36,9 +39,6 @@ class GatewaySettings(_Settings):
     redis_connections: Annotated[int, Field(ge=2)] = 256
     """Connections to the queue's Redis per gateway process; invocations wait for one when all are busy."""
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
-    redis_timeout_s: Annotated[float, Field(gt=0)] = 2.0
-    """A Redis command (or connection) that takes longer fails: the invocation gets 503 rather
-    than waiting out its deadline on a Redis that stopped answering."""
     catalog_refresh_s: Annotated[float, Field(gt=0)] = 2.0
     retry_after_s: Annotated[int, Field(ge=1)] = 1
     load_timeout_s: Annotated[float, Field(gt=0)] = 120.0

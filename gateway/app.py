@@ -19,6 +19,7 @@ from fngate import apikeys, telemetry
 from fngate.backoff import backoff_s
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
+from fngate.pipelined import PipelinedRedis
 from fngate.registry import function_source
 from gateway import admin, deployments, endpoints, metrics
 from gateway.activation import Activator
@@ -84,6 +85,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         catalog = Catalog(function_source(settings.repo, reader), reader)
         app.state.load_timeout_s = settings.load_timeout_s
         replies = ReplyRouter(reader, gateway_id, settings.reply_block_ms)
+        pipelined = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
         async with redis, reader:
             await _wait_for_redis(redis)
             await catalog.refresh()
@@ -107,7 +109,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                     loops.append(tasks.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
                 try:
                     separate = _separate_cache(settings)
-                    dispatcher = Dispatcher(redis, replies, separate, activator)
+                    dispatcher = Dispatcher(pipelined, replies, separate, activator)
                     yield {
                         "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis),
                         "deployer": deployments.Deployer(settings),
@@ -118,6 +120,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                     for loop in loops:
                         loop.cancel()
             await replies.stop()
+            await pipelined.aclose()
 
     app = Starlette(
         routes=ROUTES, lifespan=lifespan, exception_handlers={FunctionError: handle_function_error}
