@@ -31,7 +31,7 @@ from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner.batching import Run, plan
-from runner.execution import execute, shape_key
+from runner.execution import run_batch, shape_key
 from runner.metrics import (
     BATCH_SIZE,
     COLD_STARTS,
@@ -190,9 +190,8 @@ class FunctionConsumer:
             else:
                 ran_digest = model.function.digest
                 computed = time.perf_counter()
-                manifest = model.function.manifest
                 try:
-                    replies = await asyncio.to_thread(execute, model.backend, manifest, invocations, batch_id)
+                    replies = await run_batch(self._pool, model, invocations, batch_id)
                 finally:
                     await self._pool.release(model)
                 COMPUTE_DURATION.labels(name).observe(time.perf_counter() - computed)
