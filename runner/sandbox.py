@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import re
 import select
@@ -23,7 +24,7 @@ import numpy as np
 import orjson
 
 from fngate.errors import ErrorCode, FunctionError
-from fngate.tensors import datatype_of, from_bytes, to_bytes
+from fngate.tensors import DATATYPES, datatype_of, from_bytes, to_bytes
 
 Tensors = dict[str, np.ndarray[Any, Any]]
 Header = dict[str, Any]
@@ -54,63 +55,87 @@ def encode_tensors(tensors: Mapping[str, np.ndarray[Any, Any]]) -> tuple[list[li
         datatype = datatype_of(array)
         if datatype == "BYTES":
             buffer: Buffer = to_bytes(array)
+        elif not array.size:
+            buffer = b""
+        elif array.flags.c_contiguous and array.dtype.byteorder != ">":
+            buffer = array.data.cast("B")
         else:
-            contiguous = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-            buffer = contiguous.reshape(-1).data.cast("B") if contiguous.size else b""
+            buffer = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).data.cast("B")
         specs.append([name, datatype, list(array.shape), len(buffer)])
         buffers.append(buffer)
     return specs, buffers
 
 
-def decode_tensors(specs: Sequence[Sequence[Any]], body: bytearray) -> Tensors:
-    """Arrays over `body` (no copy for fixed-size datatypes)."""
-    view = memoryview(body)
+def decode_tensors(specs: Sequence[Sequence[Any]], body: np.ndarray[Any, Any]) -> Tensors:
+    """Arrays over `body`, a uint8 array (no copy for fixed-size datatypes)."""
     tensors: Tensors = {}
     offset = 0
     for name, datatype, shape, length in specs:
-        tensors[name] = from_bytes(datatype, shape, view[offset : offset + length], f"tensor '{name}'")
+        if datatype == "BYTES":
+            tensors[name] = from_bytes(datatype, shape, body[offset : offset + length].data, name)
+        else:
+            dtype = DATATYPES[datatype]
+            count = length // dtype.itemsize
+            if count * dtype.itemsize != length or count != math.prod(shape):
+                raise ValueError(f"tensor '{name}': {length} bytes do not hold {datatype} of shape {shape}")
+            array = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
+            tensors[name] = array.reshape(shape)
         offset += length
     return tensors
 
 
 def send(fd: int, header: Header, buffers: Sequence[Buffer] = (), deadline: float | None = None) -> None:
-    """Write one frame. With a deadline (time.monotonic()), `fd` must be non-blocking; raises
-    TimeoutError past it and ChannelClosed when the reader is gone."""
+    """Write one frame, in one system call when the pipe has room. With a deadline
+    (time.monotonic()), `fd` must be non-blocking; raises TimeoutError past it and ChannelClosed
+    when the reader is gone."""
     raw = orjson.dumps(header)
-    pending = [memoryview(PREFIX.pack(len(raw), sum(len(b) for b in buffers))), memoryview(raw)]
-    pending += [memoryview(buffer) for buffer in buffers if len(buffer)]
+    parts: list[Buffer] = [PREFIX.pack(len(raw), sum(len(buffer) for buffer in buffers)) + raw]
+    parts += [buffer for buffer in buffers if len(buffer)]
+    total = sum(len(part) for part in parts)
+    written = _write(fd, parts[:512], deadline)
+    if written == total:
+        return
+    pending = [memoryview(part).cast("B") for part in parts]
     while pending:
-        try:
-            written = os.writev(fd, pending[:512])
-        except BlockingIOError:
-            _wait(fd, select.POLLOUT, deadline)
-            continue
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise ChannelClosed(str(exc)) from exc
         while pending and written >= len(pending[0]):
             written -= len(pending[0])
             pending.pop(0)
         if written:
             pending[0] = pending[0][written:]
+        if pending:
+            written = _write(fd, pending[:512], deadline)
 
 
-def receive(fd: int, deadline: float | None = None) -> tuple[Header, bytearray]:
-    """Read one frame: its header and its body."""
+def _write(fd: int, parts: Sequence[Buffer], deadline: float | None) -> int:
+    while True:
+        try:
+            return os.writev(fd, parts)
+        except BlockingIOError:
+            _wait(fd, select.POLLOUT, deadline)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise ChannelClosed(str(exc)) from exc
+
+
+def receive(fd: int, deadline: float | None = None) -> tuple[Header, np.ndarray[Any, Any]]:
+    """Read one frame: its header and its body (a uint8 array), in two system calls when it has
+    all arrived."""
+    if deadline is not None:
+        _wait(fd, select.POLLIN, deadline)  # rather than a first read that fails with EAGAIN
     prefix = bytearray(PREFIX.size)
-    _read_into(fd, memoryview(prefix), deadline)
+    _read_into(fd, [memoryview(prefix)], deadline)
     header_bytes, body_bytes = PREFIX.unpack(prefix)
     raw = bytearray(header_bytes)
-    _read_into(fd, memoryview(raw), deadline)
-    body = bytearray(body_bytes)
-    _read_into(fd, memoryview(body), deadline)
+    body = np.empty(body_bytes, dtype=np.uint8)  # not zeroed: every byte is read into
+    _read_into(fd, [memoryview(raw), body.data], deadline)
     header: Header = orjson.loads(raw)
     return header, body
 
 
-def _read_into(fd: int, view: memoryview, deadline: float | None) -> None:
-    while len(view):
+def _read_into(fd: int, views: list[memoryview], deadline: float | None) -> None:
+    views = [view for view in views if len(view)]
+    while views:
         try:
-            count = os.readv(fd, [view])
+            count = os.readv(fd, views)
         except BlockingIOError:
             _wait(fd, select.POLLIN, deadline)
             continue
@@ -118,7 +143,11 @@ def _read_into(fd: int, view: memoryview, deadline: float | None) -> None:
             raise ChannelClosed(str(exc)) from exc
         if count == 0:
             raise ChannelClosed("end of file")
-        view = view[count:]
+        while views and count >= len(views[0]):
+            count -= len(views[0])
+            views.pop(0)
+        if count:
+            views[0] = views[0][count:]
 
 
 def _wait(fd: int, events: int, deadline: float | None) -> None:
