@@ -41,7 +41,7 @@ async def run_batch(
     done, _ = await asyncio.wait({work}, timeout=manifest.execution_timeout_s)
     if done:
         return work.result()
-    pool.hold_stuck(model, work, started)
+    await pool.hold_stuck(model, work, started)
     error = ModelTimeout(
         f"function '{manifest.name}': the batch ran past its execution timeout of "
         f"{manifest.execution_timeout_s * 1000:.0f} ms; this runner gives the function no more work "

@@ -168,21 +168,22 @@ class ModelPool:
             await asyncio.to_thread(self._close, model)
         return True
 
-    def hold_stuck(self, model: LoadedModel, work: asyncio.Future[Any], started: float) -> None:
+    async def hold_stuck(self, model: LoadedModel, work: asyncio.Future[Any], started: float) -> None:
         """A batch of `model` that began at `started` (time.monotonic()) ran past its execution
         timeout in a thread that cannot be stopped: keep the model open for that thread, give the
         version no work and report it unavailable until `work` completes."""
+        key = (model.function.name, model.function.version)
         model.in_use += 1
         model.stuck_since = started
+        log.error("%s version %s: %s", *key, _stuck_reason(model))
+        if not model.unloaded:
+            await self._report(*key, ModelState(UNAVAILABLE, f"stuck: {_stuck_reason(model)}", _now_ms()))
         task = asyncio.get_running_loop().create_task(self._await_stuck(model, work))
         self._stuck.add(task)
         task.add_done_callback(self._stuck.discard)
 
     async def _await_stuck(self, model: LoadedModel, work: asyncio.Future[Any]) -> None:
         key = (model.function.name, model.function.version)
-        log.error("%s version %s: %s", *key, _stuck_reason(model))
-        if not model.unloaded:
-            await self._report(*key, ModelState(UNAVAILABLE, f"stuck: {_stuck_reason(model)}", _now_ms()))
         with contextlib.suppress(Exception):
             await work
         log.warning("%s version %s: the stuck batch returned after %.1f s", *key, model.stuck_for_s())

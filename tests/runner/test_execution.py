@@ -1,13 +1,23 @@
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
+import yaml
+from onnx import TensorProto, helper, numpy_helper
 
-from fngate.errors import ModelFailed
+from fngate.errors import ModelFailed, ModelTimeout, Unavailable
 from fngate.manifest import FunctionManifest, parse_manifest
-from runner.execution import check_outputs
+from fngate.registry import READY, ModelState
+from fngate.repository import open_repository
+from fngate.wire import Invocation
+from runner.execution import check_outputs, run_batch
+from runner.pool import ModelPool
 
 
 def manifest(datatype: str = "FP32", shape: tuple[int, ...] = (-1, 4), batch: int = 8) -> FunctionManifest:
@@ -85,3 +95,108 @@ def test_bytes_outputs_pass() -> None:
 def test_unbatched_outputs_keep_their_declared_shape() -> None:
     array = np.zeros((2, 4), np.float32)
     assert check_outputs(manifest(shape=(2, 4), batch=0), {"y": array}, None)["y"] is array
+
+
+def build_slow_model(folder: Path) -> None:
+    """An ONNX model that loops max(x) times in onnxruntime (in the runner's process) and answers y = x."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Add", ["acc_in", "one"], ["acc_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, []),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, []),
+        ],
+        [numpy_helper.from_array(np.array(1, np.float32), "one")],
+    )
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+        helper.make_node("Cast", ["top"], ["count"], to=TensorProto.INT64),
+        helper.make_node("Loop", ["count", "go", "zero"], ["acc"], body=body),
+        helper.make_node("Mul", ["acc", "zero"], ["nothing"]),
+        helper.make_node("Add", ["x", "nothing"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [
+            numpy_helper.from_array(np.array(True), "go"),
+            numpy_helper.from_array(np.array(0, np.float32), "zero"),
+        ],
+    )
+    folder.mkdir(parents=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "model.onnx")
+    manifest = {
+        "name": "slow",
+        "model": {"backend": "onnxruntime", "path": "model.onnx", "execution_timeout_ms": 200},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+    }
+    (folder / "function.yaml").write_text(yaml.safe_dump(manifest))
+
+
+def invocation(loops: float) -> Invocation:
+    x = np.full((1, 4), loops, dtype=np.float32)
+    return Invocation("i", "slow", "1", "replies", int(time.time() * 1000) + 60_000, {"x": x})
+
+
+async def test_an_in_process_batch_past_its_timeout_is_answered_and_its_model_held_stuck(
+    tmp_path: Path,
+) -> None:
+    build_slow_model(tmp_path / "slow")
+    records = open_repository(str(tmp_path)).scan()
+    states: list[ModelState] = []
+
+    async def report(_function: str, _version: str, state: ModelState) -> None:
+        states.append(state)
+
+    pool = ModelPool(1, report=report)
+    pool.offer(records)
+    function = records["slow"].versions["1"]
+    key = ("slow", "1")
+
+    async def run(loops: float) -> Any:
+        model = await pool.acquire(function)
+        try:
+            return (await run_batch(pool, model, [invocation(loops)], "b"))[0]
+        finally:
+            await pool.release(model)
+
+    async def settled(reason: str) -> None:
+        for _ in range(600):
+            if states[-1].reason == reason and not pool.stuck:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"never {reason!r}: {states[-1]}")
+
+    await pool.get(function)  # loaded before the loop is timed
+    started = time.perf_counter()
+    assert (await run(2000)).error is None
+    loops = max(200_000.0, 1.5 / ((time.perf_counter() - started) / 2000))  # 1.5 s or more: over 200 ms
+
+    stuck = await run(loops)
+    assert isinstance(stuck.error, ModelTimeout)
+    assert "ran past its execution timeout of 200 ms" in stuck.error.message
+    assert pool.stuck == [key]
+    assert states[-1].reason.startswith("stuck: a batch has run for")
+    with pytest.raises(Unavailable, match="past its execution timeout of 200 ms"):
+        await pool.get(function)
+    await settled("")  # the batch returned: ready again
+    assert states[-1].state == READY
+    np.testing.assert_array_equal((await run(3)).outputs["y"], invocation(3).inputs["x"])
+
+    assert isinstance((await run(loops)).error, ModelTimeout)
+    assert await pool.unload(key)
+    assert states[-1].reason.startswith("unloading: a batch has run for")
+    assert states[-1].reason.endswith("it is freed when that batch returns")
+    await settled("unloaded")
+    assert key not in pool.loaded
