@@ -34,9 +34,11 @@ async def run_batch(
     pool keeps the model open for the thread, gives it no work and reports it stuck until the
     thread returns. (The python backend enforces the timeout itself, by stopping its process.)"""
     manifest = model.function.manifest
+    loop = asyncio.get_running_loop()
     if getattr(model.backend, "isolated", False):
-        return await asyncio.to_thread(execute, model.backend, manifest, batch, batch_id)
-    work = asyncio.get_running_loop().run_in_executor(None, execute, model.backend, manifest, batch, batch_id)
+        executor = getattr(model.backend, "executor", None)
+        return await loop.run_in_executor(executor, execute, model.backend, manifest, batch, batch_id)
+    work = loop.run_in_executor(None, execute, model.backend, manifest, batch, batch_id)
     started = time.monotonic()
     done, _ = await asyncio.wait({work}, timeout=manifest.execution_timeout_s)
     if done:

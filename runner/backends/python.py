@@ -12,6 +12,7 @@ again for a later one, after a backoff; one over memory_limit_mb is restarted be
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -46,6 +47,10 @@ class PythonBackend:
     isolated = True
     """Enforces its own execution timeout: a late batch kills the child, never blocks a thread."""
 
+    executor: concurrent.futures.ThreadPoolExecutor
+    """The thread that waits on this function's process: its own, so that functions that hang or
+    back off never hold the threads other functions' batches need."""
+
     def __init__(self, manifest: FunctionManifest, directory: Path) -> None:
         self._manifest = manifest
         self._name = manifest.name
@@ -62,6 +67,7 @@ class PythonBackend:
         if not self._module.is_file():
             raise InvalidArgument(f"{manifest.model.path} is not a file in the function's folder")
         self._child = self._start()
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"function-{self._name}")
 
     @property
     def pid(self) -> int | None:
@@ -102,6 +108,7 @@ class PythonBackend:
             child, self._child = self._child, None
         if child is not None:
             child.stop(graceful=True)
+        self.executor.shutdown(wait=False)
 
     def _running_child(self, deadline: float) -> _Child:
         """The child, started again when the last one is gone: after its backoff, which the batch
