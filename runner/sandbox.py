@@ -10,6 +10,7 @@ import math
 import os
 import re
 import select
+import shutil
 import signal
 import struct
 import sys
@@ -245,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     close = getattr(model, "close", None)
     if callable(close):
         close()
+    shutil.rmtree(os.getcwd(), ignore_errors=True)  # the working folder the runner made for this process
     return 0
 
 

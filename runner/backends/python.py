@@ -107,7 +107,8 @@ class PythonBackend:
             self._closed = True
             child, self._child = self._child, None
         if child is not None:
-            child.stop(graceful=True)
+            # Model.close and the interpreter's exit take a while: an unload does not wait for them.
+            threading.Thread(target=child.stop, args=(True,), name=f"stop-{self._name}", daemon=True).start()
         self.executor.shutdown(wait=False)
 
     def _running_child(self, deadline: float) -> _Child:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,11 @@ def test_a_model_that_does_not_load_names_the_reason(backend: Callable[..., Pyth
 def test_close_stops_the_process(backend: Callable[..., PythonBackend]) -> None:
     python = backend()
     pid = python.pid
-    python.close()
+    python.close()  # returns at once; the process exits after Model.close
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists()
     with pytest.raises(ModelFailed, match="unloaded"):
         python.run(batch(1.0), ["y"])
