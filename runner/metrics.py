@@ -71,6 +71,7 @@ CACHE_STORE_FAILURES = Counter(
 FUNCTION_RESTARTS = Counter(
     "fngate_function_restarts",
     "Processes of Python functions stopped to be started again, by reason: exited (it died), timeout "
-    "(a batch ran past execution_timeout_ms), memory (its RSS went over memory_limit_mb)",
+    "(a batch ran past execution_timeout_ms), memory (its RSS went over memory_limit_mb), protocol "
+    "(it wrote something else than an answer on the pipe)",
     ["function", "reason"],
 )

@@ -37,6 +37,7 @@ SECRET = re.compile(r"^(FNGATE_|AWS_|AZURE_|GOOGLE_)|SECRET|PASSWORD|PASSWD|TOKE
 """Variables a function's process never sees: the runner's settings (the Redis URL holds its
 password), cloud credentials, and whatever is named like a secret."""
 PARENT_CHECK_S = 0.5
+MAX_HEADER_BYTES = 16 * 2**20
 
 
 class ChannelClosed(Exception):
@@ -125,6 +126,8 @@ def receive(fd: int, deadline: float | None = None) -> tuple[Header, np.ndarray[
     prefix = bytearray(PREFIX.size)
     _read_into(fd, [memoryview(prefix)], deadline)
     header_bytes, body_bytes = PREFIX.unpack(prefix)
+    if header_bytes > MAX_HEADER_BYTES:
+        raise ValueError(f"a frame header of {header_bytes} bytes")
     raw = bytearray(header_bytes)
     body = np.empty(body_bytes, dtype=np.uint8)  # not zeroed: every byte is read into
     _read_into(fd, [memoryview(raw), body.data], deadline)

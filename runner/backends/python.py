@@ -77,12 +77,13 @@ class PythonBackend:
 
     def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
         timeout_s = self._manifest.execution_timeout_s
+        specs, buffers = sandbox.encode_tensors(inputs)
         child = self._running_child(time.monotonic() + timeout_s)
         deadline = time.monotonic() + timeout_s
         try:
-            specs, buffers = sandbox.encode_tensors(inputs)
             sandbox.send(child.requests, {"tensors": specs, "outputs": outputs}, buffers, deadline)
             header, body = sandbox.receive(child.replies, deadline)
+            results = {} if "error" in header else sandbox.decode_tensors(header["tensors"], body)
         except TimeoutError:
             self._fail(child, "timeout", f"ran past its execution timeout of {timeout_s * 1000:.0f} ms")
             raise ModelTimeout(
@@ -95,10 +96,15 @@ class PythonBackend:
                 f"function '{self._name}': its process {exit_text} while running the batch; "
                 "it starts again for the next batch"
             ) from None
+        except Exception as exc:  # not a frame: whatever wrote it, the pipe is out of step now
+            problem = f"wrote what is not an answer ({type(exc).__name__}: {exc})"
+            self._fail(child, "protocol", problem)
+            raise ModelFailed(
+                f"function '{self._name}': its process {problem}; it starts again for the next batch"
+            ) from None
         self._failures = 0
         if "error" in header:
             raise FunctionError.from_code(header["code"], header["error"])
-        results = sandbox.decode_tensors(header["tensors"], body)
         self._check_memory(child)
         return results
 

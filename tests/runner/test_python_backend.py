@@ -26,7 +26,8 @@ import numpy as np
 
 class Model:
     """y = 2x; x[0, 0] steers it: -1 raises, -2 exits with code 3, -3 never returns, -4 keeps
-    100 MiB, -5 dumps what the process sees to view.json in the function's folder."""
+    100 MiB, -5 dumps what the process sees to view.json in the function's folder, -6 writes
+    garbage where its answers go (fd 3: stdout as the process found it)."""
 
     def __init__(self, directory):
         self.directory = directory
@@ -44,6 +45,8 @@ class Model:
                 time.sleep(1)
         if first == -4:
             self.kept.append(np.ones(25 * 2**20, dtype=np.float32))
+        if first == -6:
+            os.write(3, b"\\xff" * 64)
         if first == -5:
             view = {"environ": dict(os.environ), "cwd": os.getcwd(), "ppid": os.getppid()}
             (self.directory / "view.json").write_text(json.dumps(view))
@@ -118,6 +121,15 @@ def test_a_process_that_exits_fails_its_batch_and_starts_again(backend: Callable
     assert restarts("exited") == before + 1
     np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
     assert python.pid not in (None, pid)
+
+
+def test_a_process_that_writes_garbage_is_restarted(backend: Callable[..., PythonBackend]) -> None:
+    python = backend()
+    before = restarts("protocol")
+    with pytest.raises(ModelFailed, match="its process wrote what is not an answer"):
+        python.run(batch(-6.0), ["y"])
+    assert restarts("protocol") == before + 1
+    np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
 
 
 def test_a_batch_past_the_execution_timeout_stops_the_process(backend: Callable[..., PythonBackend]) -> None:
