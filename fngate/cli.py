@@ -109,10 +109,18 @@ def _add_repository_commands(commands: Any) -> None:
     deploy.add_argument(
         "--gateway", default="http://127.0.0.1:8000", metavar="URL", help="for the printed curl lines"
     )
+    deploy.add_argument(
+        "--no-registry",
+        dest="record_it",
+        action="store_false",
+        help="S3 only: upload without recording; `fngate ls --sync` records it where Redis is reachable",
+    )
 
     ls = commands.add_parser("ls", help="list functions, versions, traffic and load state")
     _repository_flags(ls)
-    ls.add_argument("--sync", action="store_true", help="rewrite the registry from the S3 repository")
+    ls.add_argument(
+        "--sync", action="store_true", help="rewrite the registry from the repository; create missing streams"
+    )
 
     rm = commands.add_parser("rm", help="remove a function; its queued invocations get not_found")
     rm.add_argument("name", metavar="NAME")
@@ -146,7 +154,9 @@ def _repository_command(args: argparse.Namespace) -> int:
     else:
         repository = open_repository(url)
     if args.command == "deploy":
-        return deploy.deploy(args.file, repository, redis_url, args.gateway, sys.stdout, sys.stderr)
+        return deploy.deploy(
+            args.file, repository, redis_url, args.gateway, sys.stdout, sys.stderr, args.record_it
+        )
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
     return deploy.remove(repository, args.name, redis_url, args.grace_s, sys.stdout, sys.stderr)

@@ -85,6 +85,8 @@ class BatchingSpec(_Frozen):
     preferred_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = ()
     max_queue_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 2000
     max_queue_size: Annotated[int, Field(ge=1)] = 1000
+    max_queue_bytes: Annotated[int, Field(ge=0)] = 256 * 1024 * 1024
+    """Past this many bytes of queued invocations, new ones are refused (503); 0: no limit."""
     timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 5000
 
     @model_validator(mode="after")

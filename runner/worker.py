@@ -27,7 +27,7 @@ from runner import idle
 from runner.backends.providers import Acceleration
 from runner.consumer import FunctionConsumer
 from runner.pool import Key, ModelPool
-from runner.status import StatusServer
+from runner.status import StatusServer, redis_ready
 from runner.store import Store
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
                 runner.loops.append(tasks.create_task(_heartbeat_loop(runner), name="heartbeat"))
                 runner.loops.append(tasks.create_task(_control_loop(runner, control), name="control"))
                 status = StatusServer(
-                    settings.status_host, settings.status_port, lambda: bool(runner.consumers)
+                    settings.status_host, settings.status_port, redis_ready(redis, stopping)
                 )
                 serving = tasks.create_task(status.run(), name="status")
                 runner.loops.append(
