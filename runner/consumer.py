@@ -106,6 +106,10 @@ class FunctionConsumer:
         failures = 0
         while not self._stopping.is_set():
             try:
+                if self._pool.is_stuck(self.function.name):
+                    # A batch that cannot be stopped holds it: leave its work to other runners.
+                    await asyncio.sleep(self._settings.claim_interval_ms / 1000)
+                    continue
                 if failures or not self._last_claim:
                     await self._ensure_group()
                 await self._claim_due()

@@ -80,6 +80,10 @@ class ModelPool:
         """Loaded versions with a batch stuck past its execution timeout: unhealthy until it returns."""
         return [key for key, model in self._models.items() if model.stuck_since is not None]
 
+    def is_stuck(self, name: str) -> bool:
+        """A version of function `name` has a batch stuck past its execution timeout."""
+        return any(key[0] == name for key in self.stuck)
+
     @property
     def loading(self) -> bool:
         """A load is under way (a runner that is loading is never idle)."""

@@ -1,6 +1,6 @@
 """Functions cannot take their neighbours down: four bad Python functions (one that exits, one that
 never returns, one that leaks, one that answers the wrong shape and datatype) beside `classifier` on
-one runner process; and what a function's process can see."""
+one runner process; an in-process model that hangs; and what a function's process can see."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,8 @@ import onnxruntime as ort
 import redis.asyncio as aioredis
 
 from fngate import keys
+from tests.e2e import deployments
+from tests.runner.slow_model import build_slow_model
 
 NEIGHBOURS = ("classifier", "crasher", "hang", "leak", "misshapen")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -131,9 +134,9 @@ async def test_bad_functions_do_not_disturb_their_neighbours(
         )
         answers = await neighbours
 
-    for index, response in enumerate(answers):
+    for number, response in enumerate(answers):
         assert response.status_code == 200, response.text
-        expected = session.run(["probabilities"], {"input": inputs[index]})[0]
+        expected = session.run(["probabilities"], {"input": inputs[number]})[0]
         np.testing.assert_allclose(
             response.json()["outputs"]["probabilities"], expected, rtol=1e-5, atol=1e-7
         )
@@ -153,9 +156,9 @@ async def test_bad_functions_do_not_disturb_their_neighbours(
             "its process was stopped and starts again for the next batch",
             "code": "model_timeout",
         }
-    for index, response in enumerate(leaked):
+    for number, response in enumerate(leaked):
         assert response.status_code == 200, response.text
-        assert response.json()["outputs"]["y"] == [[index * 2.0, 2.0, 4.0, 6.0]]
+        assert response.json()["outputs"]["y"] == [[number * 2.0, 2.0, 4.0, 6.0]]
     for response in misshapen:
         assert response.status_code == 500
         assert response.json()["code"] == "model_failed"
@@ -209,3 +212,49 @@ async def test_a_function_sees_no_secrets_and_dies_with_its_runner(
             break
         await asyncio.sleep(0.1)
     assert not alive(view["pid"])
+
+
+async def test_a_stuck_in_process_model_gets_no_more_work_and_unload_says_so(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    repo: Path,
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "repo"
+    build_slow_model(folder / "slow", execution_timeout_ms=300)
+    shutil.copytree(repo / "classifier", folder / "classifier")
+    base = await serve_gateway(repo=str(folder))
+    runner_process(FNGATE_REPO=str(folder), FNGATE_FUNCTIONS='["slow", "classifier"]')
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        loaded = await until_ok(lambda: client.post("/v1/functions/slow", json=x_body(1.0)))
+        assert loaded.json()["outputs"]["y"] == [[1.0, 1.0, 2.0, 3.0]]
+
+        # Two million turns of onnxruntime's loop: seconds (until after the unload below), far past
+        # the function's 300 ms.
+        stuck = await client.post("/v1/functions/slow", json=x_body(2e6))
+        assert stuck.status_code == 504
+        assert stuck.json()["code"] == "model_timeout"
+        assert "ran past its execution timeout of 300 ms" in stuck.json()["error"]
+        assert (await deployments.index(client))[("slow", "1")]["reason"].startswith(
+            "stuck: a batch has run for"
+        )
+
+        # What a read already under way brought in is refused at once (503, retry)...
+        early = await client.post("/v1/functions/slow", json={**x_body(2.0), "timeout_ms": 500})
+        if early.status_code == 503:
+            assert "this runner gives the function no work until it returns" in early.json()["error"]
+        else:
+            assert early.json()["code"] == "deadline_exceeded", early.text
+        # ...then the runner leaves the function's work in the queue, for other runners...
+        left = await client.post("/v1/functions/slow", json={**x_body(3.0), "timeout_ms": 500})
+        assert left.status_code == 504, left.text
+        assert left.json()["code"] == "deadline_exceeded"
+        # ...and serves its other functions.
+        classified = await client.post("/v1/functions/classifier", json={"inputs": {"input": [[0.5] * 16]}})
+        assert classified.status_code == 200, classified.text
+
+        unloaded = await client.post("/v2/repository/models/slow/unload")
+        assert unloaded.status_code == 200, unloaded.text
+        state = (await deployments.index(client))[("slow", "1")]
+        assert state["state"] == "UNAVAILABLE"
+        assert state["reason"].startswith("unloading: a batch has run for")

@@ -6,10 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import pytest
-import yaml
-from onnx import TensorProto, helper, numpy_helper
 
 from fngate.errors import ModelFailed, ModelTimeout, Unavailable
 from fngate.manifest import FunctionManifest, parse_manifest
@@ -18,6 +15,7 @@ from fngate.repository import open_repository
 from fngate.wire import Invocation
 from runner.execution import check_outputs, run_batch
 from runner.pool import ModelPool
+from tests.runner.slow_model import build_slow_model
 
 
 def manifest(datatype: str = "FP32", shape: tuple[int, ...] = (-1, 4), batch: int = 8) -> FunctionManifest:
@@ -95,53 +93,6 @@ def test_bytes_outputs_pass() -> None:
 def test_unbatched_outputs_keep_their_declared_shape() -> None:
     array = np.zeros((2, 4), np.float32)
     assert check_outputs(manifest(shape=(2, 4), batch=0), {"y": array}, None)["y"] is array
-
-
-def build_slow_model(folder: Path) -> None:
-    """An ONNX model that loops max(x) times in onnxruntime (in the runner's process) and answers y = x."""
-    body = helper.make_graph(
-        [
-            helper.make_node("Add", ["acc_in", "one"], ["acc_out"]),
-            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
-        ],
-        "body",
-        [
-            helper.make_tensor_value_info("i", TensorProto.INT64, []),
-            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, []),
-        ],
-        [
-            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, []),
-        ],
-        [numpy_helper.from_array(np.array(1, np.float32), "one")],
-    )
-    nodes = [
-        helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
-        helper.make_node("Cast", ["top"], ["count"], to=TensorProto.INT64),
-        helper.make_node("Loop", ["count", "go", "zero"], ["acc"], body=body),
-        helper.make_node("Mul", ["acc", "zero"], ["nothing"]),
-        helper.make_node("Add", ["x", "nothing"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "slow",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [
-            numpy_helper.from_array(np.array(True), "go"),
-            numpy_helper.from_array(np.array(0, np.float32), "zero"),
-        ],
-    )
-    folder.mkdir(parents=True)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "model.onnx")
-    manifest = {
-        "name": "slow",
-        "model": {"backend": "onnxruntime", "path": "model.onnx", "execution_timeout_ms": 200},
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
-    }
-    (folder / "function.yaml").write_text(yaml.safe_dump(manifest))
 
 
 def invocation(loops: float) -> Invocation:
