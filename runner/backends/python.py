@@ -119,22 +119,27 @@ class PythonBackend:
 
     def _running_child(self, deadline: float) -> _Child:
         """The child, started again when the last one is gone: after its backoff, which the batch
-        waits out if its deadline allows, else the batch fails at once."""
+        waits out if its deadline allows, else the batch fails at once. (Neither the wait nor the
+        start holds the lock: an unload meanwhile is not held up.)"""
         with self._lock:
             if self._closed:
                 raise ModelFailed(f"function '{self._name}' was unloaded")
             if self._child is not None:
                 return self._child
             wait_s = self._next_start - time.monotonic()
-            if wait_s > 0 and time.monotonic() + wait_s >= deadline:
-                raise ModelFailed(
-                    f"function '{self._name}': its process {self._last_exit}; it starts again in "
-                    f"{wait_s:.1f} s"
-                )
-            if wait_s > 0:
-                time.sleep(wait_s)
-            self._child = self._start()
-            return self._child
+        if wait_s > 0 and time.monotonic() + wait_s >= deadline:
+            raise ModelFailed(
+                f"function '{self._name}': its process {self._last_exit}; it starts again in {wait_s:.1f} s"
+            )
+        if wait_s > 0:
+            time.sleep(wait_s)
+        child = self._start()
+        with self._lock:
+            if not self._closed:
+                self._child = child
+                return child
+        child.stop(graceful=False)
+        raise ModelFailed(f"function '{self._name}' was unloaded")
 
     def _start(self) -> _Child:
         try:

@@ -123,6 +123,19 @@ def test_a_process_that_exits_fails_its_batch_and_starts_again(backend: Callable
     assert python.pid not in (None, pid)
 
 
+def test_the_backoff_grows_and_a_batch_that_cannot_wait_it_out_fails_at_once(
+    backend: Callable[..., PythonBackend],
+) -> None:
+    python = backend(execution_timeout_ms=300)
+    for _ in range(3):  # each waits out the backoff (0.1 s, then 0.2 s), starts a process, kills it
+        with pytest.raises(ModelFailed, match="its process exited with code 3 while running the batch"):
+            python.run(batch(-2.0), ["y"])
+    # 0.4 s now, longer than the batch may take
+    with pytest.raises(ModelFailed, match=r"its process exited with code 3; it starts again in 0\.\d s"):
+        python.run(batch(1.0), ["y"])
+    assert python.pid is None
+
+
 def test_a_process_that_writes_garbage_is_restarted(backend: Callable[..., PythonBackend]) -> None:
     python = backend()
     before = restarts("protocol")
