@@ -13,6 +13,12 @@ from fngate.manifest import ManifestError, load_manifest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    return _run(parser, args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fngate", description="Serve ML models as serverless functions.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -33,7 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=min(os.cpu_count() or 1, 4),
         help="gateway processes sharing the port (default: one per core, at most 4)",
     )
+    up.add_argument(
+        "--server",
+        choices=["uvicorn", "hypercorn"],
+        default="uvicorn",
+        help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
+    )
     up.add_argument("--log-level", default="INFO")
+    _add_auth_flags(up)
 
     gateway = commands.add_parser(
         "gateway", help="run one gateway (settings from flags or FNGATE_* variables)"
@@ -43,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     gateway.add_argument("--host")
     gateway.add_argument("--port", type=int)
     gateway.add_argument("--workers", type=int)
+    gateway.add_argument(
+        "--server", choices=["uvicorn", "hypercorn"], help="the HTTP server (default uvicorn)"
+    )
 
     runner = commands.add_parser("runner", help="run one runner (settings from flags or FNGATE_* variables)")
     runner.add_argument("--repo")
@@ -68,7 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     k8s.add_argument("action", choices=["render"])
     k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.k8s --help`")
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command == "keys" or (
+        args.command == "deploy" and args.gateway and not (args.repo or args.redis)
+    ):
+        return _key_command(args) if args.command == "keys" else _deploy_through(args)
     if args.command in ("deploy", "ls", "rm"):
         return _repository_command(args)
     if args.command == "cache":
@@ -88,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.__main__ import main as gateway_main
 
         overrides = _overrides(
-            args, redis_url="redis", repo="repo", host="host", port="port", workers="workers"
+            args, redis_url="redis", repo="repo", host="host", port="port", workers="workers", server="server"
         )
         return gateway_main(GatewaySettings(**overrides))  # type: ignore[arg-type]
     if args.command == "runner":
@@ -107,7 +130,10 @@ def _add_repository_commands(commands: Any) -> None:
     deploy.add_argument("file", type=Path, metavar="FILE", help="the function's manifest (function.yaml)")
     _repository_flags(deploy)
     deploy.add_argument(
-        "--gateway", default="http://127.0.0.1:8000", metavar="URL", help="for the printed curl lines"
+        "--gateway",
+        metavar="URL",
+        help="upload through this gateway's deploy API with the key in FNGATE_API_KEY (without --repo "
+        "and --redis; with them, only the address in the printed curl lines)",
     )
     deploy.add_argument(
         "--no-registry",
@@ -128,6 +154,7 @@ def _add_repository_commands(commands: Any) -> None:
     rm.add_argument(
         "--grace-s", type=float, default=3.0, help="answer invocations queued this long after (default 3)"
     )
+    _add_key_commands(commands)
 
 
 def _repository_flags(parser: argparse.ArgumentParser) -> None:
@@ -154,12 +181,118 @@ def _repository_command(args: argparse.Namespace) -> int:
     else:
         repository = open_repository(url)
     if args.command == "deploy":
+        gateway = args.gateway or "http://127.0.0.1:8000"
         return deploy.deploy(
-            args.file, repository, redis_url, args.gateway, sys.stdout, sys.stderr, args.record_it
+            args.file, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it
         )
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
     return deploy.remove(repository, args.name, redis_url, args.grace_s, sys.stdout, sys.stderr)
+
+
+# `fngate keys` and `fngate deploy --gateway`: API keys in the registry Redis, deploys by API key;
+# `fngate up --no-auth`, `--state-dir`.
+def _add_auth_flags(up: argparse.ArgumentParser) -> None:
+    up.add_argument(
+        "--no-auth", action="store_true", help="serve without API keys (only with a loopback --host)"
+    )
+    up.add_argument(
+        "--state-dir",
+        default=os.path.join(os.environ.get("XDG_STATE_HOME", "~/.local/state"), "fngate"),
+        help="where the admin API key is kept (default: ~/.local/state/fngate)",
+    )
+
+
+def _add_key_commands(commands: Any) -> None:
+    keys = commands.add_parser("keys", help="create, list and revoke API keys")
+    actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="create a key; it is printed once and stored only as a hash")
+    create.add_argument(
+        "--scope",
+        action="append",
+        required=True,
+        metavar="SCOPE",
+        help="invoke[:glob], read, deploy or admin; repeat for several",
+    )
+    create.add_argument("--name", default="", help="a label shown by `fngate keys ls`")
+    create.add_argument(
+        "--rps", type=float, default=0.0, help="invocations per second, all gateways (0: no limit)"
+    )
+    create.add_argument(
+        "--burst", type=int, default=0, help="invocations above the rate at once (0: the rate)"
+    )
+    create.add_argument(
+        "--max-in-flight", type=int, default=0, help="invocations in flight at once (0: no limit)"
+    )
+    create.add_argument(
+        "--max-queued",
+        type=int,
+        default=0,
+        help="invocations of one function queued or running at once: a share of its queue (0: no limit)",
+    )
+    listing = actions.add_parser("ls", help="list keys: id, name, scopes, limits (never the key)")
+    revoke = actions.add_parser("revoke", help="revoke a key on every gateway within a few seconds")
+    revoke.add_argument("id", metavar="ID")
+    actions.add_parser(
+        "hash", help="print '<id>:<sha256>' of the key in FNGATE_API_KEY, for FNGATE_ADMIN_KEY_HASH"
+    )
+    for parser in (create, listing, revoke):
+        parser.add_argument("--redis", metavar="URL", help="the registry Redis (default: FNGATE_REDIS_URL)")
+
+
+def _key_command(args: argparse.Namespace) -> int:
+    import redis
+
+    from fngate import apikeys
+    from fngate.config import GatewaySettings
+    from fngate.errors import FunctionError
+
+    if args.action == "hash":
+        try:
+            print(apikeys.hash_line(os.environ.get("FNGATE_API_KEY", "")))
+        except FunctionError as exc:
+            print(f"fngate keys: {exc.message} in FNGATE_API_KEY", file=sys.stderr)
+            return 2
+        return 0
+    client = redis.Redis.from_url(args.redis or GatewaySettings().redis_url, socket_connect_timeout=3)
+    try:
+        if args.action == "create":
+            key, record = apikeys.create(
+                client, args.scope, args.name, args.rps, args.burst, args.max_in_flight, args.max_queued
+            )
+            print(f"created key {record.id} ({', '.join(record.scopes)}); it is shown only now:\n{key}")
+        elif args.action == "revoke":
+            apikeys.revoke(client, args.id)
+            print(f"revoked key {args.id}")
+        else:
+            print(
+                f"{'ID':<12}  {'NAME':<16}  {'RPS':>6}  {'BURST':>5}  {'IN-FLIGHT':>9}  {'QUEUED':>6}  SCOPES"
+            )
+            for record in apikeys.records(client):
+                print(
+                    f"{record.id:<12}  {record.name:<16}  {record.rps:>6g}  {record.burst:>5}  "
+                    f"{record.max_in_flight:>9}  {record.max_queued:>6}  {' '.join(record.scopes)}"
+                )
+    except FunctionError as exc:
+        print(f"fngate keys: {exc.message}", file=sys.stderr)
+        return 1
+    except (redis.RedisError, OSError) as exc:
+        print(f"fngate keys: redis is unreachable ({exc})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _deploy_through(args: argparse.Namespace) -> int:
+    from fngate import deploy
+
+    api_key = os.environ.get("FNGATE_API_KEY", "")
+    if not api_key:
+        print(
+            "fngate deploy: --gateway needs an API key with the deploy scope in FNGATE_API_KEY",
+            file=sys.stderr,
+        )
+        return 2
+    return deploy.deploy_through(args.file, args.gateway, api_key, sys.stdout, sys.stderr)
 
 
 def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:

@@ -85,7 +85,8 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
         Store, settings.repo, _artifact_dir(settings), settings.artifact_max_bytes
     )
     accel = Acceleration.from_settings(settings, store.engine_store())
-    pool = ModelPool(settings.intra_op_threads, store, report, settings.load_retry_s, accel)
+    threads = settings.intra_op_threads or min(os.cpu_count() or 1, 4)
+    pool = ModelPool(threads, store, report, settings.load_retry_s, accel)
     async with redis, control:
         await redis.ping()
         await board.heartbeat()
