@@ -165,7 +165,7 @@ def _repository_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _repository_command(args: argparse.Namespace) -> int:
-    """deploy, ls and rm: the repository is opened here (an S3 one needs runner.store's boto3)."""
+    """deploy, ls and rm: the repository is opened here (boto3 only for an S3 one)."""
     from fngate import deploy
     from fngate.config import GatewaySettings
     from fngate.repository import Repository, is_remote, open_repository
@@ -175,7 +175,7 @@ def _repository_command(args: argparse.Namespace) -> int:
     redis_url: str = args.redis or defaults.redis_url
     repository: Repository
     if is_remote(url):
-        from runner.store import S3Repository
+        from fngate.s3 import S3Repository
 
         repository = S3Repository(url)
     else:

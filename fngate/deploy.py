@@ -1,6 +1,6 @@
 """`fngate deploy`, `fngate ls` and `fngate rm`: versions into and out of a repository (a folder or
 S3), the registry kept in step with an S3 repository, and the queued invocations of a removed
-function answered. The repository object comes from the CLI (boto3 stays in runner/store.py)."""
+function answered. The repository object comes from the CLI (boto3 only for an S3 one: fngate/s3.py)."""
 
 from __future__ import annotations
 
@@ -488,9 +488,9 @@ def describe(record: FunctionRecord) -> dict[str, Any]:
 
 
 def open_any(url: str) -> Repository:
-    """A repository from its URL: a folder, or S3 (whose client lives in runner.store, with boto3)."""
+    """A repository from its URL: a folder, or S3 (fngate/s3.py, with boto3)."""
     if is_remote(url):
-        from runner.store import S3Repository
+        from fngate.s3 import S3Repository
 
         return S3Repository(url)
     return open_repository(url)

@@ -5,7 +5,7 @@ them the manifest's version policy serves, and where their files are. The folder
     {root}/{function}/{version}/...      a deployed version: its manifest and model files
     {root}/{function}/{version}.json     that version's index (files and sha256), written last
 
-An S3 repository (runner/store.py) has the same layout under s3://bucket/prefix/."""
+An S3 repository (fngate/s3.py) has the same layout under s3://bucket/prefix/."""
 
 from __future__ import annotations
 
@@ -399,7 +399,7 @@ def repo_url(url: str) -> str:
 
 
 def open_repository(url: str) -> FolderRepository:
-    """A folder repository from its path. S3 repositories need boto3: see runner.store."""
+    """A folder repository from its path. S3 repositories need boto3: see fngate.s3."""
     if is_remote(url):
-        raise ValueError(f"{url} is an S3 repository: open it with runner.store.S3Repository")
+        raise ValueError(f"{url} is an S3 repository: open it with fngate.s3.S3Repository")
     return FolderRepository(Path(url).expanduser().resolve())

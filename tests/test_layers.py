@@ -4,6 +4,7 @@ neither, except the CLI inside its subcommands."""
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,56 @@ def test_fngate_imports_gateway_and_runner_only_inside_functions() -> None:
         if imported_packages(path, top_level_only=True) & {"gateway", "runner"}
     ]
     assert offenders == []
+
+
+def test_only_the_cli_starts_gateways_and_runners() -> None:
+    """The shared core never reaches into gateway or runner, even inside a function; only the
+    console script, which launches them, does."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "fngate").rglob("*.py"))
+        if path.name != "cli.py" and imported_packages(path, top_level_only=False) & {"gateway", "runner"}
+    ]
+    assert offenders == []
+
+
+def test_heavy_clients_are_imported_only_where_used() -> None:
+    """boto3 loads with an S3 repository, not with fngate: gateways and the CLI stay light."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in ("fngate", "gateway")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if imported_packages(path, top_level_only=True) & {"boto3", "botocore", "onnxruntime", "tensorrt"}
+    ]
+    assert offenders == []
+
+
+def module_imports(path: Path) -> set[str]:
+    """Project modules this module imports, at its top level or inside a function (an import put in
+    a function to dodge a circle is still a circle)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.split(".")[0] in {"fngate", "gateway", "runner"}}
+
+
+def test_no_import_circles() -> None:
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for package in ("fngate", "gateway", "runner")
+        for path in (ROOT / package).rglob("*.py")
+    }
+    # A package's loader table may import its own modules lazily (runner.backends): not a circle.
+    graph = {
+        name: {dep for dep in module_imports(path) if dep in modules and not dep.startswith(name)}
+        for name, path in modules.items()
+    }
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import orjson
 
 from fngate.errors import FunctionError, FunctionNotFound
+from fngate.s3 import s3_errors
 from runner.metrics import ENGINE_CACHE_EVENTS
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,6 @@ class S3EngineStore:
         self._prefix = prefix.strip("/")
 
     def fetch(self, key: str, target: Path) -> bool:
-        from runner.store import s3_errors
-
         try:
             with s3_errors(self._url(key)):
                 self._client.download_file(self._bucket, self._key(key), str(target))
@@ -140,8 +139,6 @@ class S3EngineStore:
         return True
 
     def store(self, key: str, source: Path) -> None:
-        from runner.store import s3_errors
-
         with s3_errors(self._url(key)):
             self._client.upload_file(str(source), self._bucket, self._key(key))
 

@@ -14,8 +14,9 @@ from fngate.errors import FunctionNotFound, Unavailable
 from fngate.manifest import FunctionManifest, load_manifest
 from fngate.registry import ModelState
 from fngate.repository import ArtifactFile, FunctionVersion, collect_files
+from fngate.s3 import S3Repository
 from runner.pool import ModelPool
-from runner.store import ArtifactCache, S3Repository, Store
+from runner.store import ArtifactCache, Store
 from tests.s3 import Bucket
 
 MODEL = b"class Model:\n    def __init__(self, directory):\n        pass\n"

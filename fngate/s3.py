@@ -1,0 +1,207 @@
+"""An S3 repository: the layout of fngate/repository.py under s3://bucket/prefix/, and the one place
+where boto3's exceptions become fngate's. boto3 is imported when an S3 repository is opened, so
+gateways, the CLI and runners of folder repositories never pay for it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from fngate.errors import FunctionNotFound, Unavailable
+from fngate.manifest import FunctionManifest, ManifestError
+from fngate.repository import (
+    CHUNK,
+    MANIFEST_FILE,
+    VERSION,
+    ArtifactFile,
+    FunctionRecord,
+    FunctionVersion,
+    Progress,
+    check_name,
+    decode_version,
+    digest_of,
+    encode_version,
+    make_record,
+    next_version,
+    now_iso,
+)
+
+log = logging.getLogger(__name__)
+
+MISSING = {"NoSuchKey", "404", "NotFound"}
+CLAIM_ATTEMPTS = 20
+SMALL_BYTES = 8 * 1024 * 1024
+"""Up to this size a file is fetched with one GET (the transfer manager adds a HEAD)."""
+
+
+@contextlib.contextmanager
+def s3_errors(what: str) -> Iterator[None]:
+    """boto3's exceptions become Unavailable (FunctionNotFound for a missing object), once, here."""
+    from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
+
+    try:
+        yield
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        if code in MISSING:
+            raise FunctionNotFound(f"{what} is missing from the repository") from exc
+        if code in {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"}:
+            raise Unavailable(f"{what}: access denied by S3 ({code})") from exc
+        if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+            raise Unavailable(f"{what}: S3 is unavailable ({code})") from exc
+        raise Unavailable(f"{what}: S3 answered {code}: {error.get('Message', exc)}") from exc
+    except BotoCoreError as exc:
+        raise Unavailable(f"{what}: the repository is unreachable: {exc}") from exc
+
+
+class S3Repository:
+    """The repository layout of fngate/repository.py under s3://bucket/prefix/. Endpoint, region and
+    credentials come from the standard AWS settings (AWS_ENDPOINT_URL_S3 included)."""
+
+    def __init__(self, url: str) -> None:
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        if not url.startswith("s3://") or not bucket:
+            raise ValueError(f"{url!r} is not an S3 URL (s3://bucket/prefix)")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        # Imported here: a runner of a folder repository does not pay for boto3 at its cold start.
+        import boto3  # type: ignore[import-untyped]
+        from botocore.config import Config  # type: ignore[import-untyped]
+
+        config = Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=60)
+        self.client: Any = boto3.client("s3", config=config)
+
+    def scan(self) -> dict[str, FunctionRecord]:
+        records = {}
+        for name in self._children(self._key("")):
+            if VERSION.match(name) is None:
+                with contextlib.suppress(FunctionNotFound):
+                    record = self._read(check_name(name))
+                    if record is not None:
+                        records[name] = record
+        return records
+
+    def get(self, name: str) -> FunctionRecord:
+        record = self._read(check_name(name))
+        if record is None:
+            raise FunctionNotFound(f"function {name!r} is not in {self.url}")
+        return record
+
+    def next_version(self, name: str) -> str:
+        taken = self._children(self._key(check_name(name), ""))
+        return str(next_version(item.removesuffix(".json") for item in taken))
+
+    def add_version(
+        self, manifest: FunctionManifest, files: Sequence[tuple[ArtifactFile, Path]], progress: Progress
+    ) -> FunctionVersion:
+        name = check_name(manifest.name)
+        claim = next(((item, path) for item, path in files if item.path == MANIFEST_FILE), None)
+        if claim is None:
+            raise ValueError(f"a version's files must include its {MANIFEST_FILE}")
+        number = self._claim(name, claim[1].read_bytes())
+        progress(claim[0].size)
+        for item, source in files:
+            if item is not claim[0]:
+                self._upload(source, self._key(name, str(number), item.path), item, progress)
+        entries = tuple(item for item, _ in files)
+        version = FunctionVersion(manifest, str(number), Path(), digest_of(entries), entries)
+        index = orjson.dumps({**encode_version(version), "at": now_iso()})
+        with s3_errors(self._url(name, f"{number}.json")):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name, f"{number}.json"), Body=index)
+        return version
+
+    def remove(self, name: str) -> None:
+        home = self._key(check_name(name), "")
+        with s3_errors(self._url(name)):
+            keys = [item["Key"] for page in self._pages(home, None) for item in page.get("Contents", ())]
+            if not keys:
+                raise FunctionNotFound(f"function {name!r} is not in {self.url}")
+            # Indexes first: a scan in between sees fewer versions, never a version without files.
+            keys.sort(key=lambda key: not key.endswith(".json"))
+            for start in range(0, len(keys), 1000):
+                batch = [{"Key": key} for key in keys[start : start + 1000]]
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def fetch(self, function: FunctionVersion, item: ArtifactFile, target: Path) -> None:
+        """One GET for a small file; ranged GETs in parallel (boto3's transfer manager) for a large one."""
+        key = self._key(function.name, function.version, item.path)
+        with s3_errors(self._url(function.name, function.version, item.path)):
+            if item.size > SMALL_BYTES:
+                self.client.download_file(self.bucket, key, str(target))
+                return
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            with target.open("wb") as sink:
+                for chunk in body.iter_chunks(CHUNK):
+                    sink.write(chunk)
+
+    def _read(self, name: str) -> FunctionRecord | None:
+        versions = []
+        home = self._key(name, "")
+        with s3_errors(self._url(name)):
+            indexes = [item["Key"] for page in self._pages(home, "/") for item in page.get("Contents", ())]
+        for key in indexes:
+            stem = key.removeprefix(home).removesuffix(".json")
+            if not key.endswith(".json") or VERSION.match(stem) is None:
+                continue
+            with s3_errors(f"s3://{self.bucket}/{key}"):
+                body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            try:
+                version = decode_version(orjson.loads(body), Path(), f"s3://{self.bucket}/{key}")
+            except (ValueError, ManifestError) as exc:
+                log.warning("skipping %s: %s", key, exc)
+                continue
+            if version.name == name and version.version == stem:
+                versions.append(version)
+        return make_record(versions) if versions else None
+
+    def _claim(self, name: str, manifest: bytes) -> int:
+        """The next version number, claimed by writing its manifest only if it does not exist yet."""
+        number = int(self.next_version(name))
+        for _ in range(CLAIM_ATTEMPTS):
+            key = self._key(name, str(number), MANIFEST_FILE)
+            try:
+                with s3_errors(self._url(name, str(number))):
+                    self.client.put_object(Bucket=self.bucket, Key=key, Body=manifest, IfNoneMatch="*")
+                return number
+            except Unavailable as exc:
+                cause: Any = exc.__cause__
+                code = getattr(cause, "response", {}).get("Error", {}).get("Code")
+                if code not in {"PreconditionFailed", "412"}:  # not someone else's claim of it
+                    raise
+            number += 1
+        raise Unavailable(f"{self._url(name)}: could not claim a version number; retry")
+
+    def _upload(self, source: Path, key: str, item: ArtifactFile, progress: Progress) -> None:
+        extra = {"Metadata": {"sha256": item.sha256}, "ChecksumAlgorithm": "SHA256"}
+        with s3_errors(f"s3://{self.bucket}/{key}"):
+            self.client.upload_file(str(source), self.bucket, key, ExtraArgs=extra, Callback=progress)
+
+    def _children(self, prefix: str) -> list[str]:
+        """Names one level below `prefix`: folders without their '/', objects as they are."""
+        names = []
+        with s3_errors(self._url()):
+            for page in self._pages(prefix, "/"):
+                names += [
+                    item["Prefix"][len(prefix) :].rstrip("/") for item in page.get("CommonPrefixes", ())
+                ]
+                names += [item["Key"][len(prefix) :] for item in page.get("Contents", ())]
+        return names
+
+    def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
+        arguments = {"Bucket": self.bucket, "Prefix": prefix}
+        if delimiter:
+            arguments["Delimiter"] = delimiter
+        yield from self.client.get_paginator("list_objects_v2").paginate(**arguments)
+
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *parts] if self.prefix else parts)
+
+    def _url(self, *parts: str) -> str:
+        return "/".join([self.url, *parts])
