@@ -16,7 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from fngate import apikeys, telemetry
-from fngate.backoff import backoff_s
+from fngate.backoff import until_done
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.pipelined import PipelinedRedis
@@ -90,7 +90,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s
         )
         async with redis, reader:
-            await _wait_for_redis(redis)
+            await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
             await catalog.refresh()
             await replies.start()
             if settings.auth:
@@ -136,20 +136,6 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
     if settings.auth:
         served = AuthMiddleware(served, key_table, limiter)
     return TracingMiddleware(served) if telemetry.tracing_active() else served
-
-
-async def _wait_for_redis(redis: aioredis.Redis) -> None:
-    """Start only once Redis answers, however long that takes: a gateway never exits for it."""
-    failures = 0
-    while True:
-        try:
-            await redis.ping()
-            return
-        except (RedisError, OSError) as exc:
-            failures += 1
-            delay_s = backoff_s(failures)
-            log.warning("redis unavailable at start (%s); retrying in %.1f s", exc, delay_s)
-            await asyncio.sleep(delay_s)
 
 
 def _separate_cache(settings: GatewaySettings) -> SeparateCache | None:

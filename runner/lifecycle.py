@@ -1,0 +1,228 @@
+"""The runner's functions over their lifetime: which it consumes (discovery, every rescan_s and on
+deploys), which versions it loads beside the old ones and retires, and the model-control operations
+(load, unload, remove) every runner carries out from the control stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fngate import keys
+from fngate.config import RunnerSettings
+from fngate.registry import ControlOp, Source, StateBoard, decode_control
+from fngate.repository import FunctionRecord
+from runner.consumer import FunctionConsumer
+from runner.pool import Key, ModelPool
+
+log = logging.getLogger(__name__)
+
+REPLAY_MS = 600_000
+"""Load requests this recent are carried out by a runner that starts after them."""
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        name: str,
+        settings: RunnerSettings,
+        redis: aioredis.Redis,
+        pool: ModelPool,
+        board: StateBoard,
+        source: Source,
+        stopping: asyncio.Event,
+        tasks: asyncio.TaskGroup,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.redis = redis
+        self.pool = pool
+        self.board = board
+        self.source = source
+        self.stopping = stopping
+        self.tasks = tasks
+        self.records: dict[str, FunctionRecord] = {}
+        self.consumers: dict[str, tuple[FunctionConsumer, asyncio.Task[None]]] = {}
+        self.loops: list[asyncio.Task[None]] = []
+        """What draining waits for: the consume loops and the runner's own loops."""
+        self.background: set[asyncio.Task[Any]] = set()
+        """Loads asked for by a load request or a new version; cancelled, not awaited, at shutdown."""
+        self.preloading: set[Key] = set()
+
+    @property
+    def busy(self) -> bool:
+        """Some consumer holds invocations it has not answered."""
+        return any(consumer.pending for consumer, _task in self.consumers.values())
+
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
+        task = self.tasks.create_task(work, name=name)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def discover(self) -> None:
+        """One pass: consume every function of our pool, load new served versions of warm functions,
+        retire versions no longer served, forget removed functions."""
+        settings = self.settings
+        try:
+            found = await self.source()
+        except (OSError, RedisError) as exc:
+            log.warning("discovery failed (%s); keeping the functions known so far", exc)
+            return
+        wanted = set(settings.functions)
+        records = {
+            name: record
+            for name, record in found.items()
+            if (name in wanted if wanted else _pool_of(record) == settings.pool)
+        }
+        gone = self.records.keys() - records.keys()
+        self.records = records
+        self.pool.offer(records)
+        for name in gone:
+            await self._forget(name, "removed" if name not in found else "moved to another pool")
+            if name in found:  # its invocations are for another pool's runners now
+                self._stop_consuming(name)
+        for record in records.values():
+            self._consume(record)
+            self._preload(record)
+        await self._retire()
+
+    def _consume(self, record: FunctionRecord) -> None:
+        """A consume loop per function; its `function` (batching policy) is the newest served version."""
+        default = record.default
+        if default is None:
+            return
+        entry = self.consumers.get(record.name)
+        if entry is None:
+            consumer = FunctionConsumer(
+                self.redis, default, self.pool, self.settings, self.name, self.stopping
+            )
+            task = self.tasks.create_task(consumer.run(), name=f"consume {record.name}")
+            self.consumers[record.name] = (consumer, task)
+            self.loops.append(task)
+            log.info("consuming %s (serving versions %s)", record.name, ", ".join(record.served))
+        elif entry[0].function != default:
+            log.info("%s now serves versions %s", record.name, ", ".join(record.served))
+            entry[0].function = default
+
+    def _preload(self, record: FunctionRecord) -> None:
+        """Make before break: a function loaded here gets its newly served versions loaded beside."""
+        if not any(key[0] == record.name for key in self.pool.loaded):
+            return
+        for version in record.served:
+            key = (record.name, version)
+            if key not in self.pool.loaded and key not in self.preloading:
+                self.preloading.add(key)
+                self.spawn(self._preload_one(key), f"preload {key}")
+
+    async def _preload_one(self, key: Key) -> None:
+        try:
+            with contextlib.suppress(Exception):  # the failure is recorded as the version's state
+                await self.pool.get(self.pool.version(*key))
+        finally:
+            self.preloading.discard(key)
+
+    async def _retire(self) -> None:
+        """Unload versions the policy stopped serving once a newer served one is loaded here and they
+        have been idle for retire_after_s (gateways move traffic when they see the newer one ready)."""
+        now = time.monotonic()
+        for key, model in list(self.pool.loaded.items()):
+            record = self.records.get(key[0])
+            if record is None or key[1] in record.served:
+                continue
+            newer = any(
+                int(version) > int(key[1]) and (key[0], version) in self.pool.loaded
+                for version in record.served
+            )
+            if newer and model.in_use == 0 and now - model.last_used >= self.settings.retire_after_s:
+                await self.pool.unload(key, "retired")
+
+    def _stop_consuming(self, name: str) -> None:
+        """What the loop read and did not answer stays pending for other runners to claim. (A removed
+        function's loop keeps running: it answers invocations that gateways still queue not_found.)"""
+        entry = self.consumers.pop(name, None)
+        if entry is not None:
+            entry[1].cancel()
+            log.info("no longer consuming %s: it moved to another pool", name)
+
+    async def _forget(self, name: str, reason: str) -> None:
+        for key in [key for key in self.pool.loaded if key[0] == name]:
+            await self.pool.unload(key, reason)
+        with contextlib.suppress(RedisError):
+            await self.board.forget(name)
+
+    async def discover_loop(self) -> None:
+        """Every rescan_s; a deploy or removal on the control stream triggers a pass at once too."""
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.rescan_s):
+                    await self.stopping.wait()
+            if not self.stopping.is_set():
+                await self.discover()
+
+    async def control_loop(self, control: aioredis.Redis) -> None:
+        """Carry out load requests of the last REPLAY_MS, then every operation as it arrives."""
+        last = ""
+        while not self.stopping.is_set():
+            try:
+                if not last:
+                    last = await self._replay(control)
+                block_ms = min(self.settings.read_block_ms, 1000)
+                response: Any = await control.xread({keys.control(): last}, count=100, block=block_ms)
+                for _stream, entries in response or ():
+                    for entry_id, fields in entries:
+                        last = entry_id.decode()
+                        op = decode_control(entry_id, fields)
+                        if op is not None:
+                            await self._apply(op)
+                        await self.board.acknowledge(last)
+            except (RedisError, OSError) as exc:
+                log.warning("control loop: redis unavailable (%s); retrying in 1 s", exc)
+                await asyncio.sleep(1)
+
+    async def _replay(self, control: aioredis.Redis) -> str:
+        newest: Any = await control.xrevrange(keys.control(), count=1)
+        if not newest:
+            return "0-0"
+        last: str = newest[0][0].decode()
+        since = int(time.time() * 1000) - REPLAY_MS
+        entries: Any = await control.xrange(keys.control(), min=f"{since}-0", max=last)
+        wanted: dict[str, ControlOp] = {}
+        for entry_id, fields in entries:
+            op = decode_control(entry_id, fields)
+            if op is None:
+                continue
+            if op.op == "load":
+                wanted[op.function] = op
+            elif op.op in ("unload", "remove"):
+                wanted.pop(op.function, None)
+        for op in wanted.values():
+            await self._apply(op)
+        await self.board.acknowledge(last)
+        return last
+
+    async def _apply(self, op: ControlOp) -> None:
+        record = self.records.get(op.function)
+        unknown = record is None or any(version not in record.versions for version in op.versions)
+        if op.op in ("deploy", "remove") or (op.op == "load" and unknown):
+            await self.discover()  # the operation may name what the last pass did not see yet
+            record = self.records.get(op.function)
+        if op.op == "load" and record is not None:
+            for version in op.versions or record.served:
+                if version in record.versions:
+                    self.spawn(self.pool.load(record.versions[version], op.id), f"load {op.function}")
+        elif op.op == "unload":
+            loaded = {version for function, version in self.pool.loaded if function == op.function}
+            for version in sorted(set(op.versions) | loaded):
+                await self.pool.unload((op.function, version), "unloaded")  # waits for a load under way
+        elif op.op == "remove":
+            await self._forget(op.function, "removed")
+
+
+def _pool_of(record: FunctionRecord) -> str:
+    return record.newest().manifest.scaling.pool
