@@ -73,11 +73,9 @@ def binary_body(shape: list[int], data: bytes) -> tuple[bytes, dict[str, str]]:
     return header + data, {"inference-header-content-length": str(len(header))}
 
 
-def nested(depth: int) -> Any:
-    data: Any = "x"
-    for _ in range(depth):
-        data = [data]
-    return data
+def nested(depth: int) -> bytes:
+    """JSON text of one string inside `depth` lists (built as text: encoders recurse)."""
+    return b"[" * depth + b'"x"' + b"]" * depth
 
 
 def assert_json_400(response: httpx.Response, mentions: str) -> None:
@@ -117,15 +115,13 @@ async def test_shapes_beyond_the_bytes_received_are_400_without_allocating(
 async def test_data_nested_deeper_than_any_shape_is_400(gateway_with_pid: Callable[..., Any]) -> None:
     base, _process = gateway_with_pid()
     await wait_http(base)
+    v2 = b'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": %s}]}'
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        doc = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": nested(990)}]}
-        assert_json_400(await client.post(INFER, json=doc), "nested deeper")
+        assert_json_400(await client.post(INFER, content=v2 % nested(990)), "nested deeper")
         # Deeper than the JSON parser goes: still a JSON 400, never a 500 or plain text.
-        deep = b'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": '
-        deep += b"[" * 5000 + b'"x"' + b"]" * 5000 + b"}]}"
-        assert_json_400(await client.post(INFER, content=deep), "JSON")
-        doc = {"inputs": {"text": nested(990)}}
-        assert_json_400(await client.post("/v1/functions/strings", json=doc), "rank")
+        assert_json_400(await client.post(INFER, content=v2 % nested(5000)), "JSON")
+        v1 = b'{"inputs": {"text": %s}}' % nested(990)
+        assert_json_400(await client.post("/v1/functions/strings", content=v1), "rank")
 
 
 async def read_response(base: str, request: bytes, timeout_s: float = 20) -> bytes:
