@@ -112,7 +112,8 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
                 up.process.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(up.process.pid, signal.SIGKILL)
-        assert up.process.returncode == 0, up.log.read_text()[-4000:]
+        assert up.process.returncode == 0, up.log.read_text()[-4000:]  # a clean exit, when asked
+        assert (tmp_path / "state" / "redis" / "appendonlydir").is_dir()  # the data stays
 
 
 @dataclasses.dataclass
@@ -300,3 +301,16 @@ async def test_gateway_killed_comes_back(fngate_up: Callable[..., Any]) -> None:
     assert up.alive()
     assert up.children("gateway") not in ([], [gateway])
     assert "the gateway exited with signal SIGKILL; restarting it" in up.log.read_text()
+
+
+async def test_one_fngate_up_per_state_folder(fngate_up: Callable[..., Any], repo: Path) -> None:
+    up = await serving(fngate_up())
+    state = Path(up.redis_url.removeprefix("unix://")).parent.parent
+    second = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fngate.cli", "up", "--repo", str(repo), "--port", str(free_port()),
+        "--state-dir", str(state), cwd=ROOT, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(second.communicate(), 60)
+    assert second.returncode == 1
+    assert b"another fngate up uses the state folder" in err
+    assert up.alive()
