@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
-from tests.conftest import ROOT, wait_http
+from tests.conftest import ROOT, start_redis, wait_http
 
 PROBE = "/v2/models/probe/infer"
 CROWD = "/v2/models/crowd/infer"
@@ -314,3 +314,36 @@ async def test_one_fngate_up_per_state_folder(fngate_up: Callable[..., Any], rep
     assert second.returncode == 1
     assert b"another fngate up uses the state folder" in err
     assert up.alive()
+
+
+async def test_redis_restarted_empty_under_a_standalone_gateway_and_runner(
+    gateway_process: Callable[..., str],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    """Redis without persistence, killed and started again empty (as a pod without a volume would
+    be): queued invocations are gone, but every request is answered and both processes go on."""
+    folder = tmp_path / "external-redis"
+    folder.mkdir()
+    redis_process, url = start_redis(folder)
+    try:
+        base = gateway_process(FNGATE_REDIS_URL=url)
+        runner = runner_process(FNGATE_REDIS_URL=url, FNGATE_FUNCTIONS='["probe"]')
+        await wait_http(base)
+        await first_success(base)
+        load = Load(base)
+        load.start()
+        await asyncio.sleep(1.0)
+        killed_at = time.monotonic()
+        redis_process.kill()
+        redis_process.wait()
+        await asyncio.sleep(1.0)
+        redis_process, _ = start_redis(folder)  # the same address, nothing in it
+        back_at = await load.wait_for_success_after(time.monotonic(), timeout_s=30)
+        await asyncio.sleep(1.0)
+        outcomes = await load.stop()
+        report("external redis SIGKILL + empty restart", check_answered(outcomes), back_at - killed_at)
+        assert runner.poll() is None
+    finally:
+        redis_process.kill()
+        redis_process.wait()
