@@ -37,9 +37,10 @@ class InferRequest:
 
 
 async def decode(parse: Callable[..., InferRequest], body: bytes, *args: Any) -> InferRequest:
-    """`parse(body, *args)`: on the event loop for small bodies, in a thread for large ones so that
-    other clients keep their latency. A failure nobody foresaw while parsing is still the body's
-    fault: a 400 (logged as a warning with its traceback), never a 500."""
+    """`parse(body, *args)`: on the event loop for small bodies, in a worker thread for large ones,
+    so that the event loop serves other clients meanwhile (as far as the GIL lets it: orjson holds
+    it while it parses). A failure nobody foresaw while parsing is still the body's fault: a 400
+    (logged as a warning with its traceback), never a 500."""
     try:
         if len(body) < OFF_LOOP_BYTES:
             return parse(body, *args)

@@ -124,6 +124,20 @@ async def test_data_nested_deeper_than_any_shape_is_400(gateway_with_pid: Callab
         assert_json_400(await client.post("/v1/functions/strings", content=v1), "rank")
 
 
+async def test_large_bodies_are_parsed_off_the_loop_with_the_same_answers(
+    gateway_with_pid: Callable[..., Any],
+) -> None:
+    base, _process = gateway_with_pid()
+    await wait_http(base)
+    rows = [["x" * 1000] * 100] * 4  # about 400 KB of JSON: over the threshold for a parse thread
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        ok = await client.post("/v1/functions/strings", json={"inputs": {"text": rows}, "timeout_ms": 1})
+        assert ok.status_code == 504, ok.text  # valid: queued, and no runner answers within 1 ms
+        bad = {"inputs": {"text": [*rows, ["x"]]}}
+        assert_json_400(await client.post("/v1/functions/strings", json=bad), "401 elements")
+        assert_json_400(await client.post(INFER, content=b"[" + b"1," * 200_000), "not valid JSON")
+
+
 async def read_response(base: str, request: bytes, timeout_s: float = 20) -> bytes:
     """Send raw bytes and read until the server closes the connection."""
     host, port = base.removeprefix("http://").split(":")
