@@ -109,6 +109,8 @@ class InvokeRoutes:
             headers = [JSON]
             if status == 503:
                 headers.append((b"retry-after", self._retry_after))
+            elif status == 408:  # the rest of the body may still come: the connection is done
+                headers.append((b"connection", b"close"))
             content = error_body(exc)
         except Exception:
             request_id = uuid.uuid4().hex

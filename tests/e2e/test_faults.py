@@ -86,7 +86,15 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
         state = tmp_path / "state"
         log = tmp_path / f"up-{len(started)}.log"
         command = [sys.executable, "-m", "fngate.cli", "up", "--repo", str(repo), "--port", str(port)]
-        command += ["--state-dir", str(state), "--gateway-workers", "1", "--idle-shutdown-s", "30"]
+        command += [
+            "--state-dir",
+            str(state),
+            "--gateway-workers",
+            "1",
+            "--idle-shutdown-s",
+            "30",
+            "--no-auth",
+        ]
         clean = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
         with open(log, "wb") as out:
             process = subprocess.Popen(
@@ -308,7 +316,7 @@ async def test_one_fngate_up_per_state_folder(fngate_up: Callable[..., Any], rep
     state = Path(up.redis_url.removeprefix("unix://")).parent.parent
     second = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fngate.cli", "up", "--repo", str(repo), "--port", str(free_port()),
-        "--state-dir", str(state), cwd=ROOT, stderr=asyncio.subprocess.PIPE,
+        "--state-dir", str(state), "--no-auth", cwd=ROOT, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, err = await asyncio.wait_for(second.communicate(), 60)
     assert second.returncode == 1

@@ -69,7 +69,13 @@ async def measure(redis_url: str, repo: Path, body: bytes, headers: dict[str, st
     sock = free_socket()
     gateway = spawn(
         "gateway",
-        child_env(redis_url, repo, FNGATE_BIND=f"fd://{sock.fileno()}", FNGATE_LOG_LEVEL="WARNING"),
+        child_env(
+            redis_url,
+            repo,
+            FNGATE_BIND=f"fd://{sock.fileno()}",
+            FNGATE_LOG_LEVEL="WARNING",
+            FNGATE_AUTH="false",
+        ),
         pass_fds=[sock.fileno()],
     )
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"

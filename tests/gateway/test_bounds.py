@@ -41,7 +41,9 @@ def gateway_with_pid(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Cal
         with open(tmp_path / f"gateway-{len(started)}.log", "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "gateway"],
-                env=child_env(redis_url, repo, FNGATE_BIND=f"fd://{sock.fileno()}", **env),
+                env=child_env(
+                    redis_url, repo, FNGATE_AUTH="false", FNGATE_BIND=f"fd://{sock.fileno()}", **env
+                ),
                 pass_fds=[sock.fileno()],
                 cwd=ROOT,
                 stdout=log,
