@@ -1,20 +1,24 @@
-"""Retry delays for loops that outlive their dependencies: exponential, capped, with full jitter."""
+"""Retry delays for loops that outlive their dependencies (exponential, capped, with jitter), and
+the health record that loops update and readiness reads: an outage is logged once as it starts and
+once as it ends, not on every retry."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("fngate.backoff")
 
 
 def backoff_s(failures: int, base_s: float = 0.1, cap_s: float = 5.0) -> float:
     """The delay before retry number `failures` (1 for the first): uniform in [d/2, d], d doubling
     from base_s up to cap_s, so that processes that lost Redis together do not return together."""
-    delay_s = min(cap_s, base_s * 2 ** max(failures - 1, 0))
+    delay_s = min(cap_s, base_s * 2 ** min(max(failures - 1, 0), 32))
     return random.uniform(delay_s / 2, delay_s)
 
 
@@ -35,3 +39,49 @@ async def until_done(
             delay_s = backoff_s(failures)
             log.warning("%s failed (%s); retrying in %.1f s", what, exc, delay_s)
             await asyncio.sleep(delay_s)
+
+
+class Backoff:
+    """The retry state of one loop: `failed()` answers how long to wait, `succeeded()` resets."""
+
+    def __init__(self, base_s: float = 0.05, cap_s: float = 1.0) -> None:
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self.failures = 0
+
+    def failed(self) -> float:
+        self.failures += 1
+        return backoff_s(self.failures, self.base_s, self.cap_s)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+
+class Health:
+    """Whether a dependency answers, as the loops that use it last saw it. Pure state: readiness
+    reads `available` without a round trip of its own."""
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self._clock = clock
+        self._down_since: float | None = None
+        self.last_error = ""
+
+    @property
+    def available(self) -> bool:
+        return self._down_since is None
+
+    def down_for_s(self) -> float:
+        return 0.0 if self._down_since is None else self._clock() - self._down_since
+
+    def failed(self, where: str, exc: BaseException) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if self._down_since is None:
+            self._down_since = self._clock()
+            log.warning("%s unavailable (%s: %s); retrying with backoff", self.name, where, self.last_error)
+
+    def succeeded(self) -> None:
+        if self._down_since is not None:
+            log.info("%s available again after %.1f s", self.name, self._clock() - self._down_since)
+            self._down_since = None
+            self.last_error = ""

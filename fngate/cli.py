@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         default="uvicorn",
         help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
     )
+    up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
     up.add_argument("--log-level", default="INFO")
     _add_auth_flags(up)
 
@@ -199,7 +200,7 @@ def _add_auth_flags(up: argparse.ArgumentParser) -> None:
     up.add_argument(
         "--state-dir",
         default=os.path.join(os.environ.get("XDG_STATE_HOME", "~/.local/state"), "fngate"),
-        help="where the admin API key is kept (default: ~/.local/state/fngate)",
+        help="where the admin API key and the private Redis's data are kept (default: ~/.local/state/fngate)",
     )
 
 

@@ -36,6 +36,12 @@ class GatewaySettings(_Settings):
     server: Literal["uvicorn", "hypercorn"] = "uvicorn"
     """The HTTP server: uvicorn (httptools, uvloop; the fastest on the benchmark) or Hypercorn (HTTP/2)."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """The whole request body must arrive within this; past it, 408 and the connection is closed."""
+    header_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """How long a connection may take to send a request's head, or stay idle between requests: the
+    HTTP server's idle limit (uvicorn's timeout_keep_alive, Hypercorn's keep_alive_timeout). Behind
+    an HTTP load balancer, keep the balancer's idle timeout below this one."""
     redis_connections: Annotated[int, Field(ge=2)] = 256
     """Connections to the queue's Redis per gateway process; invocations wait for one when all are busy."""
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000

@@ -1,14 +1,17 @@
 """`fngate up`: a whole deployment on one machine. Starts a private redis-server (unless given a
-URL) and the gateway, and runs the local scaler, which starts runner processes when work arrives
-and reaps them when they stop idle. Ctrl-C or SIGTERM stops everything in order: the gateway first,
-then the runners drain, then Redis."""
+URL) that keeps its data in an append-only file in the state folder, the gateway, and the local
+scaler, which starts runner processes when work arrives and reaps them when they stop idle. A Redis
+or gateway that dies is restarted with backoff; Ctrl-C or SIGTERM stops everything in order: the
+gateway first, then the runners drain, then Redis."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
+import logging
 import os
 import shutil
 import signal
@@ -16,19 +19,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
 
 from fngate import apikeys, telemetry
+from fngate.backoff import Backoff
 from fngate.process import stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote
 from fngate.scaler import LocalScaler, PoolSpec, pool_specs
 
+log = logging.getLogger("fngate.up")
 POLL_S = 0.5
+STABLE_S = 30.0
+"""A process that ran this long before it died is restarted after the shortest backoff again."""
 ROW = ", ".join(f"{0.1 * i:.1f}" for i in range(1, 17))
 EXAMPLE = f'{{"inputs": {{"input": [[{ROW}]]}}}}'
 
@@ -37,15 +44,27 @@ class LocalError(Exception):
     pass
 
 
+def durable_options(max_memory: str) -> list[str]:
+    """Every write in an append-only file (written before the client hears OK; flushed to disk
+    every second), and a memory limit past which only keys with a TTL (the cache) are evicted:
+    queues never carry one, so they are never evicted (writes fail instead)."""
+    return [
+        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        "--maxmemory", max_memory, "--maxmemory-policy", "volatile-lru",
+    ]  # fmt: skip
+
+
 def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A redis-server on a unix socket in `folder`, no persistence, answering; returns it and its URL.
-    `args` are extra server options (a memory limit, say)."""
+    """A redis-server on a unix socket in `folder`, no persistence unless `args` turn it on,
+    answering; returns it and its URL. `args` are extra server options (a memory limit, say)."""
     server = shutil.which("redis-server")
     if server is None:
         raise LocalError("redis-server is not installed: run scripts/bootstrap, or pass --redis URL")
     sock = folder / "redis.sock"
-    options = ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", ""]
-    options += ["--appendonly", "no", "--dir", str(folder), "--loglevel", "warning", *args]
+    options = ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
+    if "--appendonly" not in args:
+        options += ["--save", "", "--appendonly", "no"]
+    options += ["--dir", str(folder), "--loglevel", "warning", *args]
     process = subprocess.Popen([server, *options], stdout=subprocess.DEVNULL, start_new_session=True)
     url = f"unix://{sock}"
     try:
@@ -58,7 +77,8 @@ def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]
 
 @contextlib.contextmanager
 def private_redis() -> Iterator[str]:
-    """A redis-server of our own in a private folder, stopped on exit. Yields its URL."""
+    """A throwaway redis-server in a private folder, stopped and deleted on exit (the benchmark's).
+    Yields its URL."""
     with tempfile.TemporaryDirectory(prefix="fngate-redis-") as folder:
         process, url = start_redis(Path(folder))
         try:
@@ -68,13 +88,79 @@ def private_redis() -> Iterator[str]:
             process.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def state_folder(path: Path) -> Iterator[Path]:
+    """The state folder, created if missing and locked for this `fngate up`; never deleted."""
+    folder = path.expanduser().resolve()
+    (folder / "redis").mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LocalError(f"another fngate up uses the state folder {folder}; pass --state-dir") from None
+        yield folder
+
+
+class Supervised:
+    """A child process that is started again, after a growing delay, when it dies unasked."""
+
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[], subprocess.Popen[bytes]],
+        process: subprocess.Popen[bytes] | None = None,
+    ) -> None:
+        self.name = name
+        self._start = start
+        self.process = process or start()
+        self._started_at = time.monotonic()
+        self._backoff = Backoff(base_s=0.2, cap_s=10.0)
+        self.restarts = 0
+
+    async def watch(self, stopping: asyncio.Event, before_restart: Callable[[], None] | None = None) -> None:
+        """Until `stopping`: whenever the process has exited, log it and start it again."""
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await stopping.wait()
+            code = self.process.poll()
+            if code is None or stopping.is_set():
+                continue
+            if time.monotonic() - self._started_at >= STABLE_S:
+                self._backoff.succeeded()
+            delay_s = self._backoff.failed()
+            log.error("%s exited with %s; restarting it in %.1f s", self.name, _describe(code), delay_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay_s):
+                    await stopping.wait()
+            if stopping.is_set():
+                return
+            if before_restart is not None:
+                before_restart()
+            try:
+                self.process = await asyncio.to_thread(self._start)
+            except LocalError as exc:
+                log.error("%s did not start again: %s", self.name, exc)
+                continue
+            self._started_at = time.monotonic()
+            self.restarts += 1
+            log.info("%s restarted (pid %d)", self.name, self.process.pid)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
+
+
 def _wait_for_redis(url: str, process: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     client = redis.Redis.from_url(url)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise LocalError(f"redis-server exited with code {process.returncode}")
-        with contextlib.suppress(redis.ConnectionError, FileNotFoundError):
+        with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError, FileNotFoundError):
             if client.ping():
                 return
         time.sleep(0.05)
@@ -94,68 +180,87 @@ def run_local(args: argparse.Namespace) -> int:
         return 2
     try:
         with contextlib.ExitStack() as stack:
-            redis_url = args.redis or stack.enter_context(private_redis())
-            env = {
-                **os.environ,
-                "FNGATE_REDIS_URL": redis_url,
-                "FNGATE_REPO": repo if is_remote(repo) else str(Path(repo).resolve()),
-                "FNGATE_LOG_LEVEL": args.log_level,
-            }
-            api_key = _auth(args, redis_url, env)
-            gateway = _spawn(
-                "gateway",
-                {
-                    **env,
-                    "FNGATE_HOST": args.host,
-                    "FNGATE_PORT": str(args.port),
-                    "FNGATE_WORKERS": str(args.gateway_workers),
-                    "FNGATE_SERVER": args.server,
-                },
-            )
+            redis_server: Supervised | None = None
+            if args.redis:
+                redis_url = args.redis
+            else:
+                folder = stack.enter_context(state_folder(Path(args.state_dir)))
+                options = durable_options(args.redis_max_memory)
+                process, redis_url = start_redis(folder / "redis", *options)
+                redis_server = Supervised(
+                    "redis-server", lambda: start_redis(folder / "redis", *options)[0], process
+                )
             try:
-                _banner(args, repo, redis_url, api_key)
-                return asyncio.run(_serve(gateway, env, args))
+                return _run(args, repo, redis_url, redis_server)
             finally:
-                stop_processes([gateway], timeout_s=15)
+                if redis_server is not None:
+                    stop_processes([redis_server.process], timeout_s=10)
     except LocalError as exc:
         print(f"fngate up: {exc}", file=sys.stderr)
         return 1
 
 
-async def _serve(gateway: subprocess.Popen[bytes], env: dict[str, str], args: argparse.Namespace) -> int:
-    """The scaler starts and reaps runners until Ctrl-C or SIGTERM, or until the gateway dies."""
+def _run(args: argparse.Namespace, repo: str, redis_url: str, redis_server: Supervised | None) -> int:
+    env = {
+        **os.environ,
+        "FNGATE_REDIS_URL": redis_url,
+        "FNGATE_REPO": repo if is_remote(repo) else str(Path(repo).resolve()),
+        "FNGATE_LOG_LEVEL": args.log_level,
+    }
+    api_key = _auth(args, redis_url, env)
+    gateway_env = {
+        **env,
+        "FNGATE_HOST": args.host,
+        "FNGATE_PORT": str(args.port),
+        "FNGATE_WORKERS": str(args.gateway_workers),
+        "FNGATE_SERVER": args.server,
+    }
+    gateway = Supervised("the gateway", lambda: _spawn("gateway", gateway_env))
+    try:
+        _banner(args, repo, redis_url, api_key)
+        asyncio.run(_serve(gateway, redis_server, env, args))
+        return 0
+    finally:
+        _stop_group(gateway.process, timeout_s=15)
+
+
+def _stop_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Stop a process we started in a session of its own, and whatever it left behind (a gateway
+    killed with SIGKILL leaves its workers holding the port)."""
+    stop_processes([process], timeout_s=timeout_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+async def _serve(
+    gateway: Supervised, redis_server: Supervised | None, env: dict[str, str], args: argparse.Namespace
+) -> None:
+    """The scaler starts and reaps runners, and dead processes are started again, until Ctrl-C or
+    SIGTERM."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
-    client = aioredis.from_url(env["FNGATE_REDIS_URL"])
+    client = aioredis.from_url(env["FNGATE_REDIS_URL"], socket_connect_timeout=2, socket_timeout=5)
     source = function_source(env["FNGATE_REPO"], client)
 
     async def pools() -> dict[str, PoolSpec]:
         return pool_specs(await source())
 
     scaler = LocalScaler(client, pools, env, idle_shutdown_s=args.idle_shutdown_s)
-    code = 0
-
     gateway_down = asyncio.Event()
 
-    async def watch_gateway() -> None:
+    async def gateway_first() -> None:
         """Until asked to stop; then the gateway goes first, so nothing new arrives while runners drain."""
-        nonlocal code
-        while gateway.poll() is None and not stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_S):
-                    await stopping.wait()
-        if not stopping.is_set():
-            print(f"fngate up: the gateway exited with code {gateway.returncode}", file=sys.stderr)
-            code = 1
-        await asyncio.to_thread(stop_processes, [gateway], 15)
+        await gateway.watch(stopping, before_restart=lambda: _stop_group(gateway.process, 1))
+        await asyncio.to_thread(_stop_group, gateway.process, 15)
         gateway_down.set()
 
     async with client, asyncio.TaskGroup() as tasks:
-        tasks.create_task(watch_gateway())
+        tasks.create_task(gateway_first())
         tasks.create_task(scaler.run(gateway_down))
-    return code
+        if redis_server is not None:
+            tasks.create_task(redis_server.watch(stopping))
 
 
 # Private by default: auth on with an admin key kept in the state folder; runners' status ports on

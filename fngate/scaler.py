@@ -22,10 +22,17 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
+from fngate.backoff import Backoff, Health, backoff_s
 from fngate.process import stop_processes
 
 log = logging.getLogger("fngate.scaler")
 START_GRACE_S = 30.0
+TICK_TIMEOUT_S = 5.0
+"""A scaling pass that takes longer failed: a paused Redis answers nothing at all."""
+CRASH_BACKOFF_S = 0.5
+MAX_CRASH_BACKOFF_S = 30.0
+STABLE_S = 30.0
+"""A runner that lived this long before it died resets its pool's backoff."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,23 +76,47 @@ class LocalScaler:
         self._last_start: dict[str, float] = {}
         self._specs: dict[str, PoolSpec] = {}
         self._beating: set[int] = set()
+        self._crashes: dict[str, int] = {}
+        self._not_before: dict[str, float] = {}
+        """Per pool: runners that died in a row, and when the next may start (backoff)."""
+        self.health = Health("redis")
         self.timeline: list[tuple[float, str, int]] = []
         """(time, pool, live runners) at each change, for the scale-up/scale-down story."""
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Scale until `stopping` is set; then stop every runner (they drain)."""
-        pubsub = self._redis.pubsub()
-        await pubsub.subscribe(keys.wake_channel())
+        """Scale until `stopping` is set; then stop every runner (they drain). While Redis fails or
+        does not answer, retry with backoff; the runners already started go on."""
+        backoff = Backoff(base_s=0.1, cap_s=1.0)
         try:
             while not stopping.is_set():
-                await self._tick()
+                try:
+                    await self._scale(stopping, backoff)
+                except (RedisError, OSError) as exc:  # OSError covers TimeoutError
+                    self.health.failed("scaler", exc)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(backoff.failed()):
+                            await stopping.wait()
+        finally:
+            await asyncio.to_thread(self.stop_all)
+
+    async def _scale(self, stopping: asyncio.Event, backoff: Backoff) -> None:
+        pubsub = self._redis.pubsub()
+        try:
+            async with asyncio.timeout(TICK_TIMEOUT_S):
+                await pubsub.subscribe(keys.wake_channel())
+            while not stopping.is_set():
+                async with asyncio.timeout(TICK_TIMEOUT_S):
+                    await self._tick()
+                backoff.succeeded()
+                self.health.succeeded()
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
                 while message is not None:  # every pool woken meanwhile, then one tick for all
-                    await self._wake(message["data"].decode())
+                    async with asyncio.timeout(TICK_TIMEOUT_S):
+                        await self._wake(message["data"].decode())
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.to_thread(self.stop_all)
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _wake(self, pool: str) -> None:
         if pool not in self._specs:
@@ -122,6 +153,8 @@ class LocalScaler:
         )
 
     def _start(self, pool: str) -> None:
+        if time.monotonic() < self._not_before.get(pool, float("-inf")):
+            return  # its last runner died: wait out the backoff
         spec = self._specs.get(pool)
         warm = (
             spec is not None
@@ -161,14 +194,31 @@ class LocalScaler:
             if code is None:
                 continue
             self._started.remove(item)
-            if not item.seen and code != 0:
-                reason = f"runner exited with code {code} before it was ready"
-                log.error("pool %s: %s", item.pool, reason)
-                with contextlib.suppress(RedisError):
-                    await self._redis.hset(keys.start_failures(), item.pool, reason)
+            if code != 0:
+                self._crashed(item, code)
             else:
                 log.info("pool %s: runner %d stopped (code %s)", item.pool, item.process.pid, code)
+            if not item.seen and code != 0:
+                reason = f"runner exited with code {code} before it was ready"
+                with contextlib.suppress(RedisError):
+                    await self._redis.hset(keys.start_failures(), item.pool, reason)
             self._note(item.pool)
+
+    def _crashed(self, item: Started, code: int) -> None:
+        """A runner died unasked: the pool's next start waits a delay that grows while runners keep
+        dying young (work waiting for the pool starts a new one after it; nothing is lost)."""
+        now = time.monotonic()
+        lived_s = now - item.at
+        failures = 1 if lived_s >= STABLE_S else self._crashes.get(item.pool, 0) + 1
+        self._crashes[item.pool] = failures
+        wait_s = backoff_s(failures, CRASH_BACKOFF_S, MAX_CRASH_BACKOFF_S)
+        self._not_before[item.pool] = now + wait_s
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        ready = "after it was ready" if item.seen else "before it was ready"
+        log.error(
+            "pool %s: runner %d died (%s) %s, %.0f s after its start; the next start waits %.1f s",
+            item.pool, item.process.pid, how, ready, lived_s, wait_s,
+        )  # fmt: skip
 
     def _note(self, pool: str) -> None:
         self.timeline.append((time.time(), pool, self._live(pool)))

@@ -82,7 +82,7 @@ def from_json(datatype: str, shape: Sequence[int], data: Any, where: str) -> np.
     """Decode the `data` of a JSON tensor (flat or nested, row-major) and check it against `shape`."""
     count = element_count(shape)
     if datatype == "BYTES":
-        flat = _flatten(data)
+        flat = _flatten(data, len(shape), where)
         if len(flat) != count:
             raise InvalidArgument(
                 f"{where}: {len(flat)} elements of data but shape {list(shape)} needs {count}"
@@ -118,19 +118,30 @@ def to_json_data(array: np.ndarray[Any, Any]) -> Any:
 
 
 def _has_bool(data: Any) -> bool:
-    if isinstance(data, bool):
-        return True
-    if isinstance(data, list) and data:
-        return _has_bool(data[0])
-    return False
+    while isinstance(data, list) and data:
+        data = data[0]
+    return isinstance(data, bool)
 
 
-def _flatten(data: Any) -> list[Any]:
+def _flatten(data: Any, max_depth: int, where: str) -> list[Any]:
+    """The leaves of nested lists, row-major; without recursion, and no deeper than `max_depth`
+    levels of lists (the rank of the shape: the data is flat or nested like the shape)."""
     if not isinstance(data, list):
         return [data]
     out: list[Any] = []
-    for item in data:
-        out.extend(_flatten(item))
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                if len(stack) >= max_depth:
+                    raise InvalidArgument(
+                        f"{where}: data nested deeper than the {max_depth} dimensions of its shape"
+                    )
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
     return out
 
 
@@ -147,6 +158,13 @@ def _unpack_bytes(
     data: bytes | memoryview, count: int, shape: Sequence[int], where: str
 ) -> np.ndarray[Any, Any]:
     view = memoryview(data)
+    # Each element carries a 4-byte length: check the count against the bytes received before
+    # allocating anything for it (a shape can claim far more elements than its data holds).
+    if count * 4 > len(view):
+        raise InvalidArgument(
+            f"{where}: shape {list(shape)} has {count} BYTES elements but {len(view)} bytes of data "
+            f"hold at most {len(view) // 4}"
+        )
     out = np.empty(count, dtype=np.object_)
     offset = 0
     for i in range(count):

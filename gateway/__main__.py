@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -38,10 +39,55 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
     config.bind = [settings.bind or f"{settings.host}:{settings.port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.keep_alive_timeout = 75
+    # A connection whose request head is incomplete counts as idle: this timeout cuts a slow client.
+    config.keep_alive_timeout = settings.header_timeout_s
     config.keep_alive_max_requests = 100_000  # Hypercorn's 1000 makes busy clients reconnect often
     config.graceful_timeout = 10
     await serve(app, config, shutdown_trigger=stopping.wait)
+
+
+def head_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol, with a limit on how long a request's head may take: from the
+    connection (or the previous response) to the end of the headers. uvicorn has none of its own
+    (any byte resets its keep-alive timer), so a client sending a header a byte at a time would
+    hold its connection for ever."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeadTimeoutProtocol(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(timeout_s, self._head_too_slow)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_too_slow(self) -> None:
+            self._head_timer = None
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeadTimeoutProtocol
 
 
 async def serve_uvicorn(app: Any, settings: GatewaySettings, stopping: asyncio.Event) -> None:
@@ -60,12 +106,12 @@ async def serve_uvicorn(app: Any, settings: GatewaySettings, stopping: asyncio.E
         app,
         **where,
         loop="none",  # already on uvloop (fngate.process.run_forever)
-        http="httptools",
+        http=head_timeout_protocol(settings.header_timeout_s),
         lifespan="on",
         access_log=False,
         log_config=None,
         server_header=False,
-        timeout_keep_alive=75,
+        timeout_keep_alive=math.ceil(settings.header_timeout_s),  # also cuts an incomplete request head
         timeout_graceful_shutdown=10,
         backlog=2048,
     )

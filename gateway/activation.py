@@ -15,15 +15,19 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
+from fngate.backoff import Backoff, Health
 from fngate.errors import Unavailable
 
 log = logging.getLogger(__name__)
+REFRESH_TIMEOUT_S = 1.0
+"""A refresh that takes longer counts as a failure: a Redis that is paused answers nothing at all."""
 
 
 class Activator:
-    def __init__(self, redis: aioredis.Redis, refresh_s: float = 0.25) -> None:
+    def __init__(self, redis: aioredis.Redis, refresh_s: float = 0.25, health: Health | None = None) -> None:
         self._redis = redis
         self._refresh_s = refresh_s
+        self.health = health or Health("redis")
         self._live_pools: set[str] = set()
         self._failures: dict[str, str] = {}
         self._woken: dict[str, float] = {}
@@ -49,12 +53,19 @@ class Activator:
             log.warning("could not wake pool %s: %s", pool, exc)
 
     async def run(self) -> None:
-        """Refresh the live pools and start failures every refresh_s, until cancelled."""
+        """Refresh the live pools and start failures every refresh_s, until cancelled. While Redis
+        fails or does not answer, retry with backoff and report it in `health`; keep the last view."""
+        backoff = Backoff()
         while True:
             try:
-                await self.refresh()
-            except RedisError as exc:
-                log.warning("activator refresh failed: %s", exc)
+                async with asyncio.timeout(REFRESH_TIMEOUT_S):
+                    await self.refresh()
+            except (RedisError, OSError) as exc:  # OSError covers TimeoutError
+                self.health.failed("activator", exc)
+                await asyncio.sleep(backoff.failed())
+                continue
+            backoff.succeeded()
+            self.health.succeeded()
             await asyncio.sleep(self._refresh_s)
 
     async def refresh(self) -> None:

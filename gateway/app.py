@@ -16,7 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from fngate import apikeys, telemetry
-from fngate.backoff import until_done
+from fngate.backoff import Health, until_done
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.pipelined import PipelinedRedis
@@ -79,10 +79,11 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             socket_connect_timeout=settings.redis_timeout_s,
             socket_timeout=settings.reply_block_ms / 1000 + settings.redis_timeout_s,
         )
-        activator = Activator(reader)
+        health = Health("redis")  # the activator's and the catalog's view of Redis: readiness
+        activator = Activator(reader, health=health)
         # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies,
         # so that the invocations' connection pool stays the invocations'.
-        catalog = Catalog(function_source(settings.repo, reader), reader)
+        catalog = Catalog(function_source(settings.repo, reader), reader, health)
         app.state.load_timeout_s = settings.load_timeout_s
         pipelined = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
         reply_reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
@@ -112,7 +113,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                     loops.append(tasks.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
                 try:
                     separate = _separate_cache(settings)
-                    dispatcher = Dispatcher(pipelined, replies, separate, activator)
+                    dispatcher = Dispatcher(pipelined, replies, separate, activator, health)
                     yield {
                         "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis),
                         "deployer": deployments.Deployer(settings),
@@ -132,7 +133,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
     app.state.retry_after_s = settings.retry_after_s
     # The layers, outermost first: tracing (only with a tracing SDK configured; otherwise its spans
     # would be no-ops), the key check on every route but health, the invocation routes, the rest.
-    served: ASGIApp = InvokeRoutes(app, settings.retry_after_s)
+    served: ASGIApp = InvokeRoutes(app, settings.retry_after_s, settings.body_timeout_s)
     if settings.auth:
         served = AuthMiddleware(served, key_table, limiter)
     return TracingMiddleware(served) if telemetry.tracing_active() else served

@@ -13,11 +13,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
+from fngate.backoff import Backoff, Health
 from fngate.errors import FunctionNotFound, Unavailable
 from fngate.registry import READY, ModelState, RunnerView, Source, read_runners, summarize
 from fngate.repository import FunctionRecord, FunctionVersion
 
 log = logging.getLogger(__name__)
+REFRESH_MARGIN_S = 1.0
 
 
 def route_weights(record: FunctionRecord, ready: set[str]) -> dict[str, int]:
@@ -39,10 +41,14 @@ def choose(weights: Mapping[str, int], rng: random.Random) -> str:
 
 
 class Catalog:
-    def __init__(self, source: Source, redis: aioredis.Redis | None = None) -> None:
+    def __init__(
+        self, source: Source, redis: aioredis.Redis | None = None, health: Health | None = None
+    ) -> None:
         self._source = source
         self.redis = redis
         """The queue's Redis: runner states are read, and model control written, there."""
+        self.health = health or Health("redis")
+        """Whether the last refresh worked (shared with the activator): the gateway's readiness."""
         self._records: dict[str, FunctionRecord] = {}
         self._runners: list[RunnerView] = []
         self._ready: dict[str, set[str]] = {}
@@ -107,24 +113,30 @@ class Catalog:
 
     async def run(self, interval_s: float) -> None:
         """Re-read every `interval_s`, and at once when a deploy or removal is announced on the
-        control stream; a failed read keeps the last good catalog."""
+        control stream. A failed or unanswered read keeps the last good catalog, is reported in
+        `health`, and is retried with backoff (at most 1 s apart, so service resumes promptly)."""
         last = "$"
+        backoff = Backoff()
         while True:
             try:
                 last = await self._wait(interval_s, last)
-            except (OSError, RedisError):
-                await asyncio.sleep(interval_s)
-            try:
-                await self.refresh()
-            except (OSError, RedisError):
-                log.exception("catalog refresh failed; keeping the previous catalog")
+                async with asyncio.timeout(interval_s + REFRESH_MARGIN_S):
+                    await self.refresh()
+            except (OSError, RedisError) as exc:  # OSError covers TimeoutError
+                self.health.failed("catalog", exc)
+                await asyncio.sleep(backoff.failed())
+                continue
+            backoff.succeeded()
+            self.health.succeeded()
 
     async def _wait(self, interval_s: float, last: str) -> str:
         if self.redis is None:
             await asyncio.sleep(interval_s)
             return last
         block_ms = max(1, int(interval_s * 1000))
-        response: Any = await self.redis.xread({keys.control(): last}, count=100, block=block_ms)
+        # The client has no socket timeout (it blocks on purpose): bound the wait for a paused Redis.
+        async with asyncio.timeout(interval_s + REFRESH_MARGIN_S):
+            response: Any = await self.redis.xread({keys.control(): last}, count=100, block=block_ms)
         for _stream, entries in response or ():
             last = entries[-1][0].decode()
         return last

@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanKind
 from redis.exceptions import RedisError
 
 from fngate import keys, queue, telemetry
+from fngate.backoff import Health
 from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
 from fngate.pipelined import PipelinedRedis, Script
 from fngate.repository import FunctionVersion
@@ -37,8 +38,10 @@ class Dispatcher:
         replies: ReplyRouter,
         cache: SeparateCache | None = None,
         activator: Activator | None = None,
+        health: Health | None = None,
     ) -> None:
         self._replies = replies
+        self._health = health
         self._activator = activator
         self._enqueue = Script(redis, queue.ENQUEUE)
         self._separate_cache = cache
@@ -57,7 +60,8 @@ class Dispatcher:
         With the function's cache on, a cached answer is returned at once and an identical
         invocation in flight is waited on; use_cache=False skips both but still stores the answer."""
         manifest = function.manifest
-        if not self._replies.healthy:
+        if not self._replies.healthy or (self._health is not None and not self._health.available):
+            # Known down (the reply, activator or catalog loop saw it): answer now, not at a timeout.
             raise Unavailable("the queue is unavailable: Redis cannot be reached")
         limit_ms = manifest.batching.timeout_ms
         timeout_ms = limit_ms if timeout_ms is None else min(timeout_ms, limit_ms)

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import fngate
+from fngate.errors import Unavailable
 from fngate.manifest import FunctionManifest
 from fngate.repository import FunctionVersion
 from gateway.catalog import Catalog
@@ -42,6 +43,11 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
+    """Ready while this gateway's loops reach Redis: a load balancer stops sending to it otherwise."""
+    health = services(request).catalog.health
+    if not health.available:
+        message = f"{health.name} unavailable for {health.down_for_s():.1f} s ({health.last_error})"
+        raise Unavailable(message)
     return Response(status_code=200)
 
 

@@ -27,12 +27,26 @@ class PayloadTooLarge(FunctionError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class BodyTimeout(FunctionError):
+    """The body did not arrive within body_timeout_s; answered 408 rather than 400."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+def status_of(exc: FunctionError) -> int:
+    if isinstance(exc, PayloadTooLarge):
+        return 413
+    if isinstance(exc, BodyTimeout):
+        return 408
+    return STATUS[exc.code]
+
+
 def error_body(exc: FunctionError) -> bytes:
     return dumps({"error": exc.message, "code": exc.code.value})
 
 
 def error_response(exc: FunctionError, retry_after_s: int = 1) -> Response:
-    status = 413 if isinstance(exc, PayloadTooLarge) else STATUS[exc.code]
+    status = status_of(exc)
     headers = {"Retry-After": str(retry_after_s)} if exc.code in RETRY else None
     return Response(error_body(exc), status, headers, media_type="application/json")
 

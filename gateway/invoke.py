@@ -7,6 +7,7 @@ Everything else goes to the Starlette app behind.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -18,9 +19,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fngate.errors import ErrorCode, FunctionError, Internal
 from fngate.repository import FunctionVersion
 from gateway.endpoints import Services
-from gateway.http_errors import STATUS, PayloadTooLarge, error_body
+from gateway.http_errors import BodyTimeout, PayloadTooLarge, error_body, status_of
 from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
-from gateway.protocol import InferRequest, parse_v1, parse_v2, render_v1, render_v2
+from gateway.protocol import InferRequest, decode, parse_v1, parse_v2, render_v1, render_v2
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +75,10 @@ def match(path: str) -> Invocation | None:
 
 
 class InvokeRoutes:
-    def __init__(self, app: ASGIApp, retry_after_s: int) -> None:
+    def __init__(self, app: ASGIApp, retry_after_s: int, body_timeout_s: float | None = None) -> None:
         self.app = app
         self._retry_after = str(retry_after_s).encode()
+        self._body_timeout_s = body_timeout_s
         self._metrics: dict[str, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,16 +97,20 @@ class InvokeRoutes:
                     call.header_length = value
                 elif key == b"cache-control":
                     call.no_cache = b"no-cache" in value
-            body = await read_body(receive, services.max_body_bytes, call.content_length)
+            body = await read_body(
+                receive, services.max_body_bytes, call.content_length, self._body_timeout_s
+            )
             status, headers, content = await self._invoke(services, call, body)
         except ClientDisconnected:
             return
         except FunctionError as exc:
             self._failed(services, call.name, exc.code.value)
-            status = 413 if isinstance(exc, PayloadTooLarge) else STATUS[exc.code]
+            status = status_of(exc)
             headers = [JSON]
             if status == 503:
                 headers.append((b"retry-after", self._retry_after))
+            elif status == 408:  # the rest of the body may still come: the connection is done
+                headers.append((b"connection", b"close"))
             content = error_body(exc)
         except Exception:
             request_id = uuid.uuid4().hex
@@ -124,10 +130,10 @@ class InvokeRoutes:
         function = services.catalog.get(call.name, call.version)
         manifest = function.manifest
         if call.route is V1:
-            parsed = parse_v1(body, manifest)
+            parsed = await decode(parse_v1, body, manifest)
         else:
             header_length = call.header_length.decode("latin-1") if call.header_length is not None else None
-            parsed = parse_v2(body, header_length, manifest)
+            parsed = await decode(parse_v2, body, header_length, manifest)
         reply = await services.dispatcher.submit(
             function, parsed.inputs, parsed.outputs, parsed.timeout_ms, _use_cache(parsed, call)
         )
@@ -156,11 +162,21 @@ def _cache_state(function: FunctionVersion, cached: bool) -> bytes:
     return b"hit" if cached else b"miss"
 
 
-async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
+async def read_body(
+    receive: Receive, limit: int, declared: int | None, timeout_s: float | None = None
+) -> bytes:
     """The whole body, refused past `limit` bytes before it is read (when declared) or as soon as
-    it is (when streamed)."""
+    it is (when streamed), and cut (408) when it has not all arrived within `timeout_s`."""
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(receive, limit)
+    except TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s") from None
+
+
+async def _receive_body(receive: Receive, limit: int) -> bytes:
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientDisconnected

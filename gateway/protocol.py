@@ -6,19 +6,24 @@ ranks, dimensions, data lengths, batch rows, malformed JSON and binary framing.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import orjson
 
-from fngate.errors import InvalidArgument
+from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.tensors import from_bytes, from_json, to_bytes, to_json_data
 from fngate.wire import Reply, Tensors
 
 HEADER_LENGTH = "inference-header-content-length"
+OFF_LOOP_BYTES = 256 * 1024
+"""Bodies this large or larger are parsed in a worker thread."""
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,9 +36,26 @@ class InferRequest:
     use_cache: bool = True
 
 
+async def decode(parse: Callable[..., InferRequest], body: bytes, *args: Any) -> InferRequest:
+    """`parse(body, *args)`: on the event loop for small bodies, in a worker thread for large ones,
+    so that the event loop serves other clients meanwhile (as far as the GIL lets it: orjson holds
+    it while it parses). A failure nobody foresaw while parsing is still the body's fault: a 400
+    (logged as a warning with its traceback), never a 500."""
+    try:
+        if len(body) < OFF_LOOP_BYTES:
+            return parse(body, *args)
+        return await asyncio.to_thread(parse, body, *args)
+    except FunctionError:
+        raise
+    except Exception as exc:  # RecursionError, MemoryError, numpy's ValueError...
+        log.warning("a body of %d bytes failed to parse unexpectedly", len(body), exc_info=True)
+        raise InvalidArgument(f"the body could not be parsed ({type(exc).__name__})") from exc
+
+
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
     """A V2 infer request, JSON or with the binary tensor data extension."""
-    binary = b""
+    header: bytes | memoryview = body
+    binary = memoryview(b"")
     if header_length is not None:
         try:
             json_size = int(header_length)
@@ -45,10 +67,11 @@ def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest)
             raise InvalidArgument(
                 f"Inference-Header-Content-Length {json_size} is outside the body of {len(body)} bytes"
             )
-        binary = body[json_size:]
-        body = body[:json_size]
-    doc = _load_json(body)
-    inputs = _v2_inputs(doc, memoryview(binary), manifest)
+        whole = memoryview(body)  # slices of a view: the binary part is not copied
+        binary = whole[json_size:]
+        header = whole[:json_size]
+    doc = _load_json(header)
+    inputs = _v2_inputs(doc, binary, manifest)
     _check_complete(manifest, inputs)
     outputs, binary_outputs = _requested_outputs(doc, manifest)
     request_id = doc.get("id")
@@ -164,7 +187,7 @@ def render_v1(reply: Reply) -> bytes:
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _load_json(body: bytes) -> dict[str, Any]:
+def _load_json(body: bytes | memoryview) -> dict[str, Any]:
     if not body:
         raise InvalidArgument("the request body is empty")
     try:

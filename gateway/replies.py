@@ -85,7 +85,7 @@ class ReplyRouter:
             except (RedisError, OSError) as exc:
                 failures += 1
                 self.healthy = False
-                delay_s = backoff_s(failures)
+                delay_s = backoff_s(failures, cap_s=1.0)  # back within a second of Redis
                 log.warning("reply loop: redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 continue

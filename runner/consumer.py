@@ -138,7 +138,7 @@ class FunctionConsumer:
             except (RedisError, OSError) as exc:
                 # What we had read stays in our pending list at Redis; a later claim recovers it.
                 failures += 1
-                delay_s = backoff_s(failures)
+                delay_s = backoff_s(failures, cap_s=1.0)  # back within a second of Redis
                 log.warning(
                     "%s: redis unavailable (%s); retrying in %.1f s", self.function.name, exc, delay_s
                 )
@@ -261,7 +261,7 @@ class FunctionConsumer:
                 }
             )
         self._observe(batch, replies, parents, batch_span, started_ns, rows)
-        await self._outbox.send(batch, replies, ran_digest)
+        await self._send(batch, replies, ran_digest)
 
     async def _load(self, function: FunctionVersion) -> LoadedModel:
         """The model, loaded now if this batch is its first (a cold start, with a span of its own);
@@ -330,7 +330,21 @@ class FunctionConsumer:
         log.info("%s: %d invocations past their deadline, not executed", self.function.name, len(entries))
         error = DeadlineExceeded("the deadline passed while queued")
         replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in entries]
-        await self._outbox.send(entries, replies)
+        await self._send(entries, replies)
+
+    async def _send(self, entries: Sequence[Entry], replies: Sequence[Reply], ran_digest: str = "") -> None:
+        """The batch's replies and acknowledgements (Outbox.send). When Redis fails here, the entries
+        stay unacknowledged in our pending list: claimed and answered again once it is back (at
+        least once), never lost, and the runner goes on."""
+        try:
+            await self._outbox.send(entries, replies, ran_digest)
+        except (RedisError, OSError) as exc:
+            log.warning(
+                "%s: could not write %d replies (%s); they are retried once Redis is back",
+                self.function.name,
+                len(replies),
+                exc,
+            )
 
     async def _claim_due(self) -> None:
         """Take over what runners that died left unacknowledged; each runs alone (Entry.alone)."""
@@ -386,7 +400,7 @@ class FunctionConsumer:
         ]
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
         replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in dead]
-        await self._outbox.send(dead, replies)
+        await self._send(dead, replies)
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:

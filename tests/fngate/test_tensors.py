@@ -41,6 +41,8 @@ def test_nested_and_flat_json_are_equal() -> None:
         ("BYTES", [2], ["a"], "1 elements"),
         ("BYTES", [1], [1], "must be strings"),
         ("FP32", [2, 2], [[1, 2], [3]], "ragged"),
+        ("BYTES", [1], [["a"]], "nested deeper than the 1 dimensions"),
+        ("BYTES", [1, 1], [[[["a"]]]], "nested deeper than the 2 dimensions"),
     ],
 )
 def test_bad_json_data(datatype: str, shape: list[int], data: object, fragment: str) -> None:
@@ -57,4 +59,23 @@ def test_bad_binary_data() -> None:
     with pytest.raises(InvalidArgument, match="left over"):
         from_bytes("BYTES", [1], b"\x01\x00\x00\x00abc", "x")
     with pytest.raises(InvalidArgument, match="ends after 1 of 2"):
+        from_bytes("BYTES", [2], b"\x01\x00\x00\x00a\x00\x00\x00", "x")
+    with pytest.raises(InvalidArgument, match="5 bytes of data hold at most 1"):
         from_bytes("BYTES", [2], b"\x01\x00\x00\x00a", "x")
+    with pytest.raises(InvalidArgument, match="hold at most 1"):  # checked before anything is allocated
+        from_bytes("BYTES", [1, 10**12], b"\x00\x00\x00\x00", "x")
+
+
+def deep(depth: int, leaf: object) -> object:
+    data = leaf
+    for _ in range(depth):
+        data = [data]
+    return data
+
+
+@pytest.mark.parametrize("datatype", ["BYTES", "FP32", "BOOL"])
+def test_data_nested_far_deeper_than_the_shape_is_invalid_not_a_crash(datatype: str) -> None:
+    leaf = True if datatype == "BOOL" else "a" if datatype == "BYTES" else 1.0
+    with pytest.raises(InvalidArgument, match="x: "):
+        from_json(datatype, [1, 1], deep(5000, leaf), "x")
+    assert from_json("BYTES", [2, 1], [["a"], ["b"]], "x").tolist() == [[b"a"], [b"b"]]

@@ -1,0 +1,213 @@
+"""Bounded work per request: shapes that claim more than their bytes, data nested past any shape,
+and slow or vanished clients cost a gateway process little memory and a bounded time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import ROOT, child_env, free_socket, wait_http
+
+INFER = "/v2/models/strings/infer"
+RSS_SLACK_BYTES = 64 * 2**20
+"""How much a gateway's peak RSS may grow over the whole test: far below what the shapes claim."""
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set size (VmHWM) from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc status")
+
+
+@pytest.fixture
+def gateway_with_pid(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Factory: `python -m gateway` on a socket bound here; returns (base URL, process)."""
+    started: list[tuple[subprocess.Popen[bytes], socket.socket]] = []
+
+    def start(**env: str) -> tuple[str, subprocess.Popen[bytes]]:
+        sock = free_socket()
+        with open(tmp_path / f"gateway-{len(started)}.log", "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "gateway"],
+                env=child_env(
+                    redis_url, repo, FNGATE_AUTH="false", FNGATE_BIND=f"fd://{sock.fileno()}", **env
+                ),
+                pass_fds=[sock.fileno()],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        started.append((process, sock))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}", process
+
+    yield start
+    for process, sock in started:
+        process.terminate()
+        process.wait(timeout=15)
+        sock.close()
+
+
+def binary_body(shape: list[int], data: bytes) -> tuple[bytes, dict[str, str]]:
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "text",
+                    "datatype": "BYTES",
+                    "shape": shape,
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ]
+        }
+    )
+    return header + data, {"inference-header-content-length": str(len(header))}
+
+
+def nested(depth: int) -> bytes:
+    """JSON text of one string inside `depth` lists (built as text: encoders recurse)."""
+    return b"[" * depth + b'"x"' + b"]" * depth
+
+
+def assert_json_400(response: httpx.Response, mentions: str) -> None:
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["code"] == "invalid_argument"
+    assert mentions in body["error"]
+
+
+async def test_shapes_beyond_the_bytes_received_are_400_without_allocating(
+    redis: Any, gateway_with_pid: Callable[..., Any]
+) -> None:
+    base, process = gateway_with_pid()
+    await wait_http(base)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        await client.post(INFER, content=b"{}")  # warm the code paths before the baseline
+        baseline = peak_rss_bytes(process.pid)
+
+        body, headers = binary_body([8, 12_500_000], b"\x00\x00\x00\x00")
+        assert len(body) < 200  # a few bytes that claim 100 million strings
+        assert_json_400(await client.post(INFER, content=body, headers=headers), "at most 1")
+
+        body, headers = binary_body([1, 10**12], b"\x00\x00\x00\x00")
+        assert_json_400(await client.post(INFER, content=body, headers=headers), "at most 1")
+
+        doc = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 10**12], "data": ["abcd"]}]}
+        assert_json_400(await client.post(INFER, json=doc), "1 elements of data")
+
+        doc = {"inputs": {"text": [["ab"] * 3] * 2}}
+        ok = await client.post("/v1/functions/strings", json={**doc, "timeout_ms": 1})
+        assert ok.status_code != 400, ok.text  # a well-formed one passes validation
+
+        peak = peak_rss_bytes(process.pid)
+    assert peak - baseline < RSS_SLACK_BYTES, f"peak RSS grew by {(peak - baseline) / 2**20:.0f} MiB"
+
+
+async def test_data_nested_deeper_than_any_shape_is_400(gateway_with_pid: Callable[..., Any]) -> None:
+    base, _process = gateway_with_pid()
+    await wait_http(base)
+    v2 = b'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": %s}]}'
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert_json_400(await client.post(INFER, content=v2 % nested(990)), "nested deeper")
+        # Deeper than the JSON parser goes: still a JSON 400, never a 500 or plain text.
+        assert_json_400(await client.post(INFER, content=v2 % nested(5000)), "JSON")
+        v1 = b'{"inputs": {"text": %s}}' % nested(990)
+        assert_json_400(await client.post("/v1/functions/strings", content=v1), "rank")
+
+
+async def test_large_bodies_are_parsed_off_the_loop_with_the_same_answers(
+    gateway_with_pid: Callable[..., Any],
+) -> None:
+    base, _process = gateway_with_pid()
+    await wait_http(base)
+    rows = [["x" * 1000] * 100] * 4  # about 400 KB of JSON: over the threshold for a parse thread
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        ok = await client.post("/v1/functions/strings", json={"inputs": {"text": rows}, "timeout_ms": 1})
+        assert ok.status_code == 504, ok.text  # valid: queued, and no runner answers within 1 ms
+        bad = {"inputs": {"text": [*rows, ["x"]]}}
+        assert_json_400(await client.post("/v1/functions/strings", json=bad), "401 elements")
+        assert_json_400(await client.post(INFER, content=b"[" + b"1," * 200_000), "not valid JSON")
+
+
+async def read_response(base: str, request: bytes, timeout_s: float = 20) -> bytes:
+    """Send raw bytes and read until the server closes the connection."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(timeout_s):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("sent", [b"", b'{"inputs": '])
+async def test_a_body_that_does_not_arrive_is_cut_at_the_body_timeout(
+    serve_gateway: Callable[..., Any], sent: bytes
+) -> None:
+    base = await serve_gateway(body_timeout_s=0.5)
+    head = (
+        f"POST {INFER} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        f"content-length: 1000\r\n\r\n"
+    ).encode()
+    answer = await read_response(base, head + sent)  # returns only once the server closed it
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408"), answer
+    assert b'"code":"invalid_argument"' in rest
+    assert b"did not arrive within 0.5 s" in rest
+
+
+async def test_a_request_head_sent_a_byte_at_a_time_is_cut_at_the_header_timeout(
+    serve_gateway: Callable[..., Any],
+) -> None:
+    base = await serve_gateway(header_timeout_s=1.0)
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    closed_after = None
+    try:
+        started = asyncio.get_running_loop().time()
+        for byte in f"POST {INFER} HTTP/1.1\r\nhost: test\r\nx-slow: ".encode() + b"a" * 200:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.05)  # every byte well inside any idle limit
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.001):
+                    await reader.read(1)
+            if reader.at_eof():
+                closed_after = asyncio.get_running_loop().time() - started
+                break
+    except ConnectionError:
+        closed_after = asyncio.get_running_loop().time() - started
+    finally:
+        writer.close()
+    assert closed_after is not None, "the server kept a connection whose head never ended"
+
+
+async def test_a_client_that_disconnects_mid_body_is_not_an_error_log(
+    serve_gateway: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    base = await serve_gateway()
+    host, port = base.removeprefix("http://").split(":")
+    for _ in range(3):
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST {INFER} HTTP/1.1\r\nhost: test\r\ncontent-length: 100\r\n\r\n{{".encode())
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert_json_400(await client.post(INFER, content=b"{"), "not valid JSON")  # still serving
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert not errors, [record.getMessage() for record in errors]
