@@ -69,3 +69,13 @@ def runners() -> str:
 def runner_models(runner: str) -> str:
     """Hash of one runner: "{function}/{version}" -> JSON load state, plus `_pool` and `_control`."""
     return f"{PREFIX}:models:{runner}"
+
+
+def statistics(function: str, version: str) -> str:
+    """Hash of one function version's counters in Triton's statistics terms (fngate.statistics)."""
+    return f"{PREFIX}:stats:{function}:{version}"
+
+
+def unloaded() -> str:
+    """Hash: function name -> when (ms) it was explicitly unloaded; it is served again after a load."""
+    return f"{PREFIX}:unloaded"

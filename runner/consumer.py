@@ -30,6 +30,7 @@ from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
+from runner import statistics
 from runner.batching import Run, plan
 from runner.execution import execute, shape_key
 from runner.metrics import (
@@ -208,6 +209,7 @@ class FunctionConsumer:
             )
         self._observe(batch, replies, parents, batch_span, started_ns, rows)
         await self._outbox.send(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
+        await statistics.record(self._redis, self.function, version, batch, replies, started_ns)
 
     async def _load(self, function: FunctionVersion) -> LoadedModel:
         """The model, loaded now if this batch is its first (a cold start, with a span of its own);
