@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.routing import Route
 
 from fngate import keys, telemetry
@@ -22,11 +23,12 @@ from gateway.activation import Activator
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
-from gateway.http_errors import handle_function_error
+from gateway.http_errors import handle_function_error, handle_unknown_route
 from gateway.replies import ReplyRouter
 from gateway.tracing import TracingMiddleware
 
 log = logging.getLogger(__name__)
+GZIP_MIN_BYTES = 64 * 1024
 
 # Starlette tries routes in order: the invocation routes come first, they carry the traffic.
 ROUTES = [
@@ -37,10 +39,15 @@ ROUTES = [
     Route("/v2/health/ready", endpoints.ready),
     Route("/v2", endpoints.server_metadata),
     Route("/v2/", endpoints.server_metadata),
+    Route("/v2/models/stats", endpoints.model_statistics),
     Route("/v2/models/{name}", endpoints.model_metadata),
     Route("/v2/models/{name}/versions/{version}", endpoints.model_metadata),
     Route("/v2/models/{name}/ready", endpoints.model_ready),
     Route("/v2/models/{name}/versions/{version}/ready", endpoints.model_ready),
+    Route("/v2/models/{name}/config", endpoints.model_config_json),
+    Route("/v2/models/{name}/versions/{version}/config", endpoints.model_config_json),
+    Route("/v2/models/{name}/stats", endpoints.model_statistics),
+    Route("/v2/models/{name}/versions/{version}/stats", endpoints.model_statistics),
     Route("/v1/functions", endpoints.list_functions),
     Route("/metrics", metrics.metrics),
     *admin.ROUTES,
@@ -99,9 +106,17 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
     app = Starlette(
         routes=ROUTES,
         lifespan=lifespan,
-        exception_handlers={FunctionError: handle_function_error},
-        # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
-        middleware=[Middleware(TracingMiddleware)] if telemetry.tracing_active() else [],
+        exception_handlers={
+            FunctionError: handle_function_error,
+            404: handle_unknown_route,
+            405: handle_unknown_route,
+        },
+        middleware=[
+            # Clients that accept gzip get large responses compressed; small ones pass as they are.
+            Middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES),
+            # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
+            *([Middleware(TracingMiddleware)] if telemetry.tracing_active() else []),
+        ],
     )
     app.state.retry_after_s = settings.retry_after_s
     return app

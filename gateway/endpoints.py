@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import time
@@ -9,23 +10,35 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
 import fngate
-from fngate.errors import FunctionError
-from fngate.manifest import FunctionManifest
+from fngate import keys
+from fngate.errors import FunctionError, FunctionNotFound, Unavailable
 from fngate.repository import FunctionVersion
+from fngate.statistics import model_stats
 from fngate.wire import Reply
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import PayloadTooLarge
 from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
-from gateway.protocol import HEADER_LENGTH, InferRequest, parse_v1, parse_v2, render_v1, render_v2
+from gateway.model_config import PLATFORMS, model_config
+from gateway.protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    decode_body,
+    parse_v1,
+    parse_v2,
+    render_v1,
+    render_v2,
+)
 from gateway.rendering import json_response
 
 Handler = Callable[[Request], Awaitable[Response]]
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+READY_TIMEOUT_S = 1.0
 CACHE_HEADER = "x-fngate-cache"
 
 
@@ -45,11 +58,19 @@ def services(request: Request) -> Services:
 
 
 async def live(request: Request) -> Response:
-    return Response(status_code=200)
+    return json_response({"live": True})
 
 
 async def ready(request: Request) -> Response:
-    return Response(status_code=200)
+    """This gateway can queue: its Redis answers and its catalog is loaded (the lifespan loaded it
+    before serving). Not ready is a 503 with Retry-After, as for any missing dependency."""
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            await services(request).redis.ping()
+    except (RedisError, OSError, TimeoutError):
+        headers = {"Retry-After": str(request.app.state.retry_after_s)}
+        return json_response({"ready": False}, 503, headers)
+    return json_response({"ready": True})
 
 
 async def server_metadata(request: Request) -> Response:
@@ -59,7 +80,7 @@ async def server_metadata(request: Request) -> Response:
 async def model_metadata(request: Request) -> Response:
     pinned = request.path_params.get("version")
     if pinned is not None:
-        function = _function(request)
+        function = _described(request)
         versions = [function.version]
     else:  # no version asked for: every served one, described by the default
         record = services(request).catalog.record(request.path_params["name"])
@@ -70,7 +91,7 @@ async def model_metadata(request: Request) -> Response:
         {
             "name": manifest.name,
             "versions": versions,
-            "platform": _platform(manifest),
+            "platform": PLATFORMS[manifest.model.backend] or "python",
             "inputs": [_tensor_metadata(spec) for spec in manifest.inputs],
             "outputs": [_tensor_metadata(spec) for spec in manifest.outputs],
         }
@@ -78,8 +99,56 @@ async def model_metadata(request: Request) -> Response:
 
 
 async def model_ready(request: Request) -> Response:
-    _function(request)
-    return Response(status_code=200)
+    """200 for a served version, idle or not (its next invocation loads it); 400 once explicitly
+    unloaded, until loaded again."""
+    function = _described(request)
+    ready = not services(request).catalog.is_unloaded(function.name)
+    return json_response({"name": function.name, "ready": ready}, 200 if ready else 400)
+
+
+async def model_config_json(request: Request) -> Response:
+    """Triton's model configuration of the version asked for, or of the default one."""
+    pinned = request.path_params.get("version")
+    if pinned is not None:
+        function = _described(request)
+    else:
+        record = services(request).catalog.record(request.path_params["name"])
+        function = record.default or record.newest()
+    return json_response(model_config(function.manifest))
+
+
+async def model_statistics(request: Request) -> Response:
+    """Triton's statistics of every served version (of one function, or of all), summed over every
+    runner; a pinned version may be any stored one."""
+    catalog = services(request).catalog
+    name = request.path_params.get("name")
+    pinned = request.path_params.get("version")
+    if name is None:
+        wanted = [
+            (name, version) for name, record in sorted(catalog.records.items()) for version in record.served
+        ]
+    elif pinned is not None:
+        record = catalog.record(name)
+        if pinned not in record.versions:
+            raise FunctionNotFound(f"function '{name}' has no version '{pinned}'")
+        wanted = [(name, pinned)]
+    else:
+        wanted = [(name, version) for version in catalog.record(name).served]
+    try:
+        async with services(request).redis.pipeline(transaction=False) as pipe:
+            for function, version in wanted:
+                pipe.hgetall(keys.statistics(function, version))
+            hashes: list[dict[bytes, bytes]] = await pipe.execute()
+    except RedisError as exc:
+        raise Unavailable(f"statistics are unavailable: {exc}") from exc
+    return json_response(
+        {
+            "model_stats": [
+                model_stats(function, version, raw)
+                for (function, version), raw in zip(wanted, hashes, strict=True)
+            ]
+        }
+    )
 
 
 def observed(handler: Handler) -> Handler:
@@ -157,6 +226,10 @@ def _function(request: Request) -> FunctionVersion:
     return services(request).catalog.get(request.path_params["name"], request.path_params.get("version"))
 
 
+def _described(request: Request) -> FunctionVersion:
+    return services(request).catalog.find(request.path_params["name"], request.path_params.get("version"))
+
+
 async def _body(request: Request) -> bytes:
     limit = services(request).max_body_bytes
     declared = request.headers.get("content-length")
@@ -169,13 +242,7 @@ async def _body(request: Request) -> bytes:
         if size > limit:
             raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _platform(manifest: FunctionManifest) -> str:
-    return {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": "python"}[
-        manifest.model.backend
-    ]
+    return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)
 
 
 def _tensor_metadata(spec: Any) -> dict[str, Any]:

@@ -91,12 +91,17 @@ async def test_deploy_canary_pin_unload_reload(
             assert entries[("scale", version)]["state"] == "UNAVAILABLE"
             assert entries[("scale", version)]["reason"] == "unloaded"
 
-        again = answered_by(await invoke(client, "/v1/functions/scale"), factors)
-        await wait_index(client, {("scale", again): "READY"})
+        # Explicitly unloaded: not ready, and invocations are refused until a load.
+        assert (await client.get("/v2/models/scale/ready")).status_code == 400
+        refused = await invoke(client, "/v1/functions/scale")
+        assert refused.status_code == 503
+        assert "unloaded" in refused.json()["error"]
 
         loaded = await client.post("/v2/repository/models/scale/load")
         assert loaded.status_code == 200, loaded.text
         assert await wait_index(client, {("scale", "1"): "READY", ("scale", "2"): "READY"})
+        assert (await client.get("/v2/models/scale/ready")).status_code == 200
+        answered_by(await invoke(client, "/v1/functions/scale"), factors)
 
 
 DAMAGES = ["corrupt", "truncated", "missing", "denied", "down"]
