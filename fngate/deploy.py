@@ -74,9 +74,11 @@ class ProgressBar:
             self._stream.write("\n")
 
 
-def deploy(path: Path, repository: Repository, redis_url: str, gateway: str, out: TextIO, err: TextIO) -> int:
-    """Validate, upload as the next version, record it, print how to call it. Nothing is uploaded
-    for a manifest, a version policy or a registry that fails its check."""
+def deploy(
+    path: Path, repository: Repository, redis_url: str, gateway: str | None, out: TextIO, err: TextIO
+) -> int:
+    """Validate, upload as the next version, record it, print how to call it (unless `gateway` is
+    None). Nothing is uploaded for a manifest, a version policy or a registry that fails its check."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
@@ -153,7 +155,7 @@ def _policy_check(repository: Repository, manifest: FunctionManifest) -> list[st
 
 
 def _print_deployed(
-    version: FunctionVersion, record: FunctionRecord, url: str, gateway: str, out: TextIO
+    version: FunctionVersion, record: FunctionRecord, url: str, gateway: str | None, out: TextIO
 ) -> None:
     name = version.name
     traffic = ", ".join(f"version {v}: {w}%" for v, w in record.traffic.items())
@@ -162,6 +164,8 @@ def _print_deployed(
         f"to {url}/{name}/{version.version}/\nserving versions {', '.join(record.served)}; traffic {traffic}",
         file=out,
     )
+    if gateway is None:
+        return
     body = example_body(version.manifest)
     data = f"'{body}'" if body is not None else "@request.json"
     print(

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +23,15 @@ import redis
 import redis.asyncio as aioredis
 
 from fngate import telemetry
+from fngate.deploy import example_body
+from fngate.errors import FunctionError
 from fngate.process import stop_processes
 from fngate.registry import function_source
-from fngate.repository import is_remote
+from fngate.repository import is_remote, open_repository
 from fngate.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.state import UpState, clear_up, state_dir, write_up
 
 POLL_S = 0.5
-ROW = ", ".join(f"{0.1 * i:.1f}" for i in range(1, 17))
-EXAMPLE = f'{{"inputs": {{"input": [[{ROW}]]}}}}'
 
 
 class LocalError(Exception):
@@ -86,14 +88,19 @@ def _spawn(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    telemetry.configure("up", args.log_level)
     repo = str(args.repo)
     if not is_remote(repo) and not Path(repo).is_dir():
         print(f"fngate up: repository folder {repo} does not exist", file=sys.stderr)
         return 2
+    busy = _port_in_use(args.host, args.port)
+    if busy:
+        print(f"fngate up: {busy}", file=sys.stderr)
+        return 2
+    telemetry.configure("up", args.log_level)
     try:
         with contextlib.ExitStack() as stack:
             redis_url = args.redis or stack.enter_context(private_redis())
+            state = stack.enter_context(_state(args, repo, redis_url))
             env = {
                 **os.environ,
                 "FNGATE_REDIS_URL": redis_url,
@@ -110,7 +117,7 @@ def run_local(args: argparse.Namespace) -> int:
                 },
             )
             try:
-                _banner(args, repo, redis_url)
+                _banner(state)
                 return asyncio.run(_serve(gateway, env, args))
             finally:
                 stop_processes([gateway], timeout_s=15)
@@ -155,14 +162,67 @@ async def _serve(gateway: subprocess.Popen[bytes], env: dict[str, str], args: ar
     return code
 
 
-def _banner(args: argparse.Namespace, repo: str, redis_url: str) -> None:
-    base = f"http://{args.host}:{args.port}"
+def _port_in_use(host: str, port: int) -> str:
+    """Why the gateway could not bind host:port, checked before anything starts ('' if it can)."""
+    if port == 0:
+        return ""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        return f"cannot listen on {host}:{port} ({exc.strerror}); is another fngate up running? pass --port N"
+    return ""
+
+
+@contextlib.contextmanager
+def _state(args: argparse.Namespace, repo: str, redis_url: str) -> Iterator[UpState]:
+    """Leave the gateway, Redis and repository in the state folder while we run, for other commands."""
+    folder = state_dir(getattr(args, "state_dir", None))
+    state = UpState(
+        gateway_url=f"http://{args.host}:{args.port}",
+        redis_url=redis_url,
+        repo=repo if is_remote(repo) else str(Path(repo).resolve()),
+        pid=os.getpid(),
+    )
+    try:
+        write_up(state, folder)
+    except OSError as exc:
+        print(
+            f"fngate up: cannot write {folder} ({exc.strerror}); other commands need --redis", file=sys.stderr
+        )
+    try:
+        yield state
+    finally:
+        clear_up(folder, state.pid)
+
+
+def _banner(state: UpState) -> None:
+    base = state.gateway_url
     print(
-        f"fngate up: gateway {base}, repository {repo}, redis {redis_url}\n"
+        f"fngate up: gateway {base}, repository {state.repo}, redis {state.redis_url}\n"
         "  runners start on the first invocation of their pool and stop when idle\n"
-        f"  curl -s {base}/v1/functions\n"
-        f"  curl -s -X POST {base}/v1/functions/classifier "
-        f"-d '{EXAMPLE}'\n"
-        "  Ctrl-C stops everything.",
+        f"  curl -s {base}/v1/functions",
         flush=True,
     )
+    example = example_invocation(state.repo)
+    if example is not None:
+        name, body = example
+        print(f"  curl -s -X POST {base}/v1/functions/{name} -d '{body}'", flush=True)
+    else:
+        print("  no function in the repository yet: fngate deploy FILE adds one", flush=True)
+    print("  Ctrl-C stops everything.", flush=True)
+
+
+def example_invocation(repo: str) -> tuple[str, str] | None:
+    """A function of the repository and a body to call it with (the classifier when there is one)."""
+    if is_remote(repo):
+        return None
+    try:
+        records = open_repository(repo).scan()
+    except (FunctionError, OSError):
+        return None
+    for name in sorted(records, key=lambda name: (name != "classifier", name)):
+        record = records[name]
+        body = example_body((record.default or record.newest()).manifest)
+        if body is not None:
+            return name, body
+    return None

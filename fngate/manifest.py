@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -189,7 +191,71 @@ def parse_manifest(data: Any, source: str) -> FunctionManifest:
     try:
         return FunctionManifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(source, [(_field_path(err["loc"]), err["msg"]) for err in exc.errors()]) from exc
+        raise ManifestError(
+            source, [(_field_path(err["loc"]), _message(err)) for err in exc.errors()]
+        ) from exc
+
+
+SCHEMA_ID = "https://fngate.dev/function.schema.json"
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of function.yaml, for editors (yaml-language-server) and `fngate schema`."""
+    doc = FunctionManifest.model_json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "fngate function manifest (function.yaml)",
+        **{key: value for key, value in doc.items() if key != "title"},
+    }
+
+
+def schema_json() -> str:
+    return json.dumps(schema(), indent=2, sort_keys=True) + "\n"
+
+
+def _message(error: Any) -> str:
+    """Pydantic's message in plain words: no 'Value error,' prefix; unknown keys with a suggestion."""
+    kind, loc = error["type"], error["loc"]
+    if kind == "extra_forbidden":
+        known = _keys_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f" (known keys: {', '.join(known)})"
+        return f"unknown key{hint}"
+    if kind == "missing":
+        return "is required"
+    if kind == "literal_error":
+        return f"{error['input']!r} is not allowed: use {error['msg'].removeprefix('Input should be ')}"
+    message: str = error["msg"]
+    return message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
+def _keys_at(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys a mapping at `loc` may have (walking the manifest's models along the path)."""
+    model: Any = FunctionManifest
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = (
+            model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        )
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _model_of(annotation: Any) -> Any:
+    """The pydantic model inside an annotation such as `tuple[TensorSpec, ...]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def load_manifest(path: Path) -> FunctionManifest:
