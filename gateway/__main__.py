@@ -29,7 +29,8 @@ log = logging.getLogger("gateway")
 def hypercorn_config(settings: GatewaySettings) -> Config:
     config = Config()
     config.bind = [settings.bind or f"{settings.host}:{settings.port}"]
-    config.accesslog = None
+    config.accesslog = logging.getLogger("hypercorn.access") if telemetry.interactive() else None
+    config.access_log_format = telemetry.ACCESS_LOG_FORMAT
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 75
     config.keep_alive_max_requests = 100_000  # Hypercorn's 1000 makes busy clients reconnect often
