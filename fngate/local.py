@@ -169,7 +169,8 @@ def _port_in_use(host: str, port: int) -> str:
     try:
         socket.create_server((host, port)).close()
     except OSError as exc:
-        return f"cannot listen on {host}:{port} ({exc.strerror}); is another fngate up running? pass --port N"
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        return f"cannot listen on {host}:{port} ({reason}); is another fngate up running? pass --port N"
     return ""
 
 

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.gzip import GZipMiddleware
 from starlette.routing import Route
 
 from fngate import keys, telemetry
@@ -22,6 +21,7 @@ from gateway import admin, endpoints, metrics
 from gateway.activation import Activator
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
+from gateway.compression import GzipLargeResponses
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import handle_function_error, handle_unknown_route
 from gateway.replies import ReplyRouter
@@ -113,7 +113,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         },
         middleware=[
             # Clients that accept gzip get large responses compressed; small ones pass as they are.
-            Middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES),
+            Middleware(GzipLargeResponses, minimum_bytes=GZIP_MIN_BYTES),
             # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
             *([Middleware(TracingMiddleware)] if telemetry.tracing_active() else []),
         ],

@@ -157,6 +157,9 @@ async def test_idle_unload_keeps_the_function_ready(
 
 
 async def test_health_bodies_and_json_errors(serve_gateway: Callable[..., Any]) -> None:
+    """The bodies the protocol defines, read as KServe's InferenceRESTClient reads them:
+    is_server_live takes `live`, is_server_ready `ready`, is_model_ready the status. (KServe's
+    package pulls in its whole server, Kubernetes client and pandas, so it is not installed.)"""
     base = await serve_gateway(max_body_bytes=1024 * 1024)
     async with httpx.AsyncClient(base_url=base) as client:
         live = await client.get("/v2/health/live")
@@ -197,3 +200,26 @@ async def test_server_not_ready_while_redis_does_not_answer(
         assert (ready.status_code, ready.json()) == (503, {"ready": False})
         assert ready.headers["retry-after"] == "1"
         assert (await client.get("/v2/health/live")).json() == {"live": True}
+
+
+async def test_large_responses_are_gzipped_for_clients_that_accept_it(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any]
+) -> None:
+    base = await serve_gateway()
+    await inprocess_runner()
+    row = [1.0] * 20_000
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, len(row)], "data": row}]}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        compressed = await client.post(
+            "/v2/models/normalize/infer", json=body, headers={"accept-encoding": "gzip"}
+        )
+        assert compressed.status_code == 200, compressed.text
+        assert compressed.headers["content-encoding"] == "gzip"
+        assert len(compressed.json()["outputs"][0]["data"]) == len(row)
+        plain = await client.post(
+            "/v2/models/normalize/infer", json=body, headers={"accept-encoding": "identity"}
+        )
+        assert "content-encoding" not in plain.headers
+        assert plain.json()["outputs"][0]["data"] == compressed.json()["outputs"][0]["data"]
+        small = await client.get("/v2/models/normalize", headers={"accept-encoding": "gzip"})
+        assert "content-encoding" not in small.headers
