@@ -17,11 +17,15 @@ TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Attribute docstrings become the JSON Schema's descriptions (editors show them).
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class TensorSpec(_Frozen):
+    """An input or output tensor."""
+
     name: str
+    """The tensor's name, as the model and clients know it."""
     datatype: Literal[
         "BOOL",
         "UINT8",
@@ -37,7 +41,9 @@ class TensorSpec(_Frozen):
         "FP64",
         "BYTES",
     ]
+    """An Open Inference Protocol datatype."""
     shape: tuple[int, ...] = Field(min_length=1)
+    """Dimensions, -1 for a variable one; with batching on, the first is the batch dimension (-1)."""
 
     @field_validator("name")
     @classmethod
@@ -56,10 +62,16 @@ class TensorSpec(_Frozen):
 
 
 class ModelSpec(_Frozen):
+    """The model and where it runs."""
+
     backend: Literal["onnxruntime", "tensorrt", "python"]
+    """onnxruntime (an .onnx file), tensorrt (a .plan engine) or python (a model.py)."""
     path: str
+    """The model file, relative to the manifest, inside its folder."""
     accelerator: Literal["cpu", "cuda", "tensorrt"] = "cpu"
+    """onnxruntime's execution provider."""
     precision: Literal["fp32", "fp16"] = "fp32"
+    """fp16 lets TensorRT build half-precision engines."""
 
     @field_validator("path")
     @classmethod
@@ -77,11 +89,18 @@ class ModelSpec(_Frozen):
 
 
 class BatchingSpec(_Frozen):
+    """Dynamic batching across every gateway's invocations."""
+
     max_batch_size: Annotated[int, Field(ge=0, le=65536)] = 32
+    """Most rows in one batch; 0 turns batching off (shapes are then whole tensors)."""
     preferred_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = ()
+    """Under concurrent load, a batch waits (at most max_queue_delay_us) to reach one of these."""
     max_queue_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 2000
+    """How long a batch may wait to fill, under concurrent load only."""
     max_queue_size: Annotated[int, Field(ge=1)] = 1000
+    """Queued invocations past which new ones get 503 with Retry-After."""
     timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 5000
+    """Each invocation's deadline (a request may ask for less)."""
 
     @model_validator(mode="after")
     def _preferred(self) -> BatchingSpec:
@@ -92,15 +111,25 @@ class BatchingSpec(_Frozen):
 
 
 class CacheSpec(_Frozen):
+    """The response cache shared by every gateway."""
+
     enabled: bool = False
+    """Answer repeated invocations from the cache."""
     ttl_s: Annotated[int, Field(ge=1)] = 3600
+    """How long a cached response lives."""
 
 
 class ScalingSpec(_Frozen):
+    """Runners and idle unloading."""
+
     pool: str = "default"
+    """The runner pool that serves the function (a DNS-1123 label); pools scale apart."""
     min_replicas: Annotated[int, Field(ge=0)] = 0
+    """Runners of the pool kept on Kubernetes even when idle (0: scale to zero)."""
     max_replicas: Annotated[int, Field(ge=1)] = 4
+    """Most runners of the pool."""
     idle_unload_s: Annotated[float, Field(gt=0)] = 300
+    """A model unused this long is unloaded; the next invocation loads it again."""
 
     @field_validator("pool")
     @classmethod
@@ -117,18 +146,30 @@ class ScalingSpec(_Frozen):
 
 
 class VersionsSpec(_Frozen):
+    """Which stored versions are served, and how unpinned invocations split over them."""
+
     # Versions are numbers in YAML (`traffic: {1: 90, 2: 10}`) and strings everywhere else.
-    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", coerce_numbers_to_str=True, use_attribute_docstrings=True
+    )
 
     policy: Literal["latest", "all", "specific"] = "latest"
+    """latest (the newest `latest` versions), all, or specific (those in `specific`)."""
     latest: Annotated[int, Field(ge=1)] = 1
+    """With policy latest: how many of the newest versions."""
     specific: tuple[str, ...] = ()
+    """With policy specific: the version numbers."""
     traffic: dict[str, Annotated[int, Field(ge=0, le=100)]] = Field(default_factory=dict)
+    """Weights by version, e.g. {1: 90, 2: 10}; they add up to 100."""
 
 
 class FunctionManifest(_Frozen):
+    """A function: its model, tensors, batching, cache, scaling and versions."""
+
     name: Annotated[str, Field(max_length=63)]
+    """The function's name: a DNS-1123 label (lower-case letters, digits, '-')."""
     description: str = ""
+    """Free text."""
     model: ModelSpec
     inputs: tuple[TensorSpec, ...] = Field(min_length=1)
     outputs: tuple[TensorSpec, ...] = Field(min_length=1)

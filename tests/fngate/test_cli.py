@@ -148,6 +148,16 @@ def test_schema_is_published_and_every_key_documented(capsys: pytest.CaptureFixt
     assert missing == []
 
 
+def test_editors_accept_the_examples_with_the_schema() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    import yaml
+
+    validator = jsonschema.Draft202012Validator(json.loads(schema_json()))
+    for path in sorted((ROOT / "functions").glob("*/function.yaml")):
+        assert list(validator.iter_errors(yaml.safe_load(path.read_text()))) == [], path
+    assert list(validator.iter_errors({"name": "x", "modle": {}}))
+
+
 def key_paths(schema: dict[str, Any], node: dict[str, Any], prefix: str = "") -> Iterator[str]:
     if "$ref" in node:
         node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]]
