@@ -172,7 +172,7 @@ def key_paths(schema: dict[str, Any], node: dict[str, Any], prefix: str = "") ->
 
 
 async def test_invoke_json_and_npy(
-    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis: Any, tmp_path: Path
 ) -> None:
     base = await serve_gateway()
     await inprocess_runner()

@@ -44,6 +44,7 @@ async def test_perf_analyzer_json_and_binary(
     perf_command: list[str],
     serve_gateway: Callable[..., Any],
     inprocess_runner: Callable[..., Any],
+    redis: Any,
     tmp_path: Path,
 ) -> None:
     base = await serve_gateway()

@@ -91,8 +91,9 @@ def exercise_config_and_statistics(url: str) -> None:
 
 
 async def test_tritonclient_reads_config_and_statistics(
-    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any]
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis: Any
 ) -> None:
+    """(`redis` flushes the statistics that earlier tests left.)"""
     base = await serve_gateway()
     await inprocess_runner()
     await asyncio.to_thread(exercise_config_and_statistics, base)
@@ -127,7 +128,7 @@ def exercise_model_control(url: str, other: str) -> None:
 
 
 async def test_explicit_unload_is_not_ready_everywhere_until_load(
-    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any]
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis: Any
 ) -> None:
     base = await serve_gateway()
     other = await serve_gateway()
@@ -156,7 +157,7 @@ async def test_idle_unload_keeps_the_function_ready(
         assert ready.json() == {"name": "brief", "ready": True}
 
 
-async def test_health_bodies_and_json_errors(serve_gateway: Callable[..., Any]) -> None:
+async def test_health_bodies_and_json_errors(serve_gateway: Callable[..., Any], redis: Any) -> None:
     """The bodies the protocol defines, read as KServe's InferenceRESTClient reads them:
     is_server_live takes `live`, is_server_ready `ready`, is_model_ready the status. (KServe's
     package pulls in its whole server, Kubernetes client and pandas, so it is not installed.)"""
@@ -203,7 +204,7 @@ async def test_server_not_ready_while_redis_does_not_answer(
 
 
 async def test_large_responses_are_gzipped_for_clients_that_accept_it(
-    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any]
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis: Any
 ) -> None:
     base = await serve_gateway()
     await inprocess_runner()
