@@ -174,7 +174,14 @@ def _run(args: argparse.Namespace) -> int:
         overrides = _overrides(
             args, redis_url="redis", repo="repo", host="host", port="port", workers="workers"
         )
-        return gateway_main(GatewaySettings(**overrides))  # type: ignore[arg-type]
+        settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
+        if not settings.bind:
+            from fngate.local import port_problem
+
+            busy = port_problem(settings.host, settings.port)
+            if busy:
+                raise UsageError(busy)
+        return gateway_main(settings)
     if args.command == "runner":
         from fngate.config import RunnerSettings
         from runner.__main__ import main as runner_main

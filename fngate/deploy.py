@@ -107,7 +107,7 @@ def deploy(
         record = repository.get(manifest.name)
     except FunctionError as exc:
         print(f"fngate deploy: {exc.message}", file=err)
-        return 1
+        return 2 if isinstance(exc, InvalidArgument) else 1  # the user's mistake, or a service's
     except (RedisError, OSError) as exc:
         print(
             f"fngate deploy: the registry at {redis_url} is unreachable ({exc}); nothing was uploaded",

@@ -92,7 +92,7 @@ def run_local(args: argparse.Namespace) -> int:
     if not is_remote(repo) and not Path(repo).is_dir():
         print(f"fngate up: repository folder {repo} does not exist", file=sys.stderr)
         return 2
-    busy = _port_in_use(args.host, args.port)
+    busy = port_problem(args.host, args.port)
     if busy:
         print(f"fngate up: {busy}", file=sys.stderr)
         return 2
@@ -162,7 +162,7 @@ async def _serve(gateway: subprocess.Popen[bytes], env: dict[str, str], args: ar
     return code
 
 
-def _port_in_use(host: str, port: int) -> str:
+def port_problem(host: str, port: int) -> str:
     """Why the gateway could not bind host:port, checked before anything starts ('' if it can)."""
     if port == 0:
         return ""
@@ -170,7 +170,7 @@ def _port_in_use(host: str, port: int) -> str:
         socket.create_server((host, port)).close()
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        return f"cannot listen on {host}:{port} ({reason}); is another fngate up running? pass --port N"
+        return f"cannot listen on {host}:{port} ({reason}); is another fngate running? pass --port N"
     return ""
 
 

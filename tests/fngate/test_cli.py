@@ -79,6 +79,17 @@ def test_user_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
     assert err == f"fngate deploy: {tmp_path / 'none.yaml'} does not exist\n"
 
 
+def test_a_model_file_missing_at_deploy_is_a_user_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    folder = tmp_path / "classifier"
+    shutil.copytree(ROOT / "functions" / "classifier", folder)
+    (folder / "model.onnx").unlink()
+    code, _, err = run(capsys, "deploy", str(folder / "function.yaml"), "--repo", str(tmp_path / "repo"))
+    assert code == 2
+    assert err == f"fngate deploy: {folder / 'model.onnx'} does not exist (model.path)\n"
+
+
 def test_an_unreachable_redis_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "cache", "clear", "classifier", "--redis", "redis://127.0.0.1:1/0")
     assert code == 1
@@ -93,6 +104,14 @@ def test_up_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2
     assert err.startswith(f"fngate up: cannot listen on 127.0.0.1:{port}")
     assert err.count("\n") == 1
+
+
+def test_gateway_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, _, err = run(capsys, "gateway", "--port", str(port))
+    assert code == 2
+    assert err.startswith(f"fngate gateway: cannot listen on 127.0.0.1:{port} (Address already in use)")
 
 
 def test_commands_find_the_running_up(
