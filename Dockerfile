@@ -5,10 +5,13 @@
 #   runner-gpu   `fngate runner` on CUDA, with onnxruntime-gpu and TensorRT
 #                                                          docker build --target runner-gpu -t fngate/runner-gpu .
 # Each final stage holds a virtual environment in /opt/fngate and no compiler, pip or build files,
-# and runs as the unprivileged user 10001.
+# and runs as the unprivileged user 10001. Dependencies are installed before the source is copied,
+# so that a code change rebuilds one small layer and pulls no wheel again.
 
 # The `gpu` extra pins the set that works together (docs/gpu.md): onnxruntime-gpu 1.31 is built for
-# CUDA 13, and its TensorRT provider links TensorRT 10 (tensorrt-cu13).
+# CUDA 13, and its TensorRT provider links TensorRT 10 (tensorrt-cu13). CUDA and cuDNN come from
+# those wheels (onnxruntime-gpu[cuda,cudnn]) and nowhere else: the GPU base is plain Ubuntu, and the
+# driver is the node's, mounted by the NVIDIA container runtime.
 ARG ONNXRUNTIME_GPU_VERSION=1.31.1
 
 # ---------------------------------------------------------------- CPU: build the environment
@@ -16,11 +19,14 @@ FROM python:3.12-slim-bookworm AS cpu-build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The dependencies (and the `cpu` extra) as pyproject.toml lists them, without the source.
+RUN python -m venv /opt/fngate \
+ && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['cpu']))" > requirements.txt \
+ && /opt/fngate/bin/pip install --no-cache-dir -r requirements.txt
 COPY fngate ./fngate
 COPY gateway ./gateway
 COPY runner ./runner
-RUN python -m venv /opt/fngate \
- && /opt/fngate/bin/pip install --no-cache-dir ".[cpu]" \
+RUN /opt/fngate/bin/pip install --no-cache-dir --no-deps . \
  && /opt/fngate/bin/pip uninstall --yes pip
 
 # ---------------------------------------------------------------- CPU: what both CPU images share
@@ -48,14 +54,14 @@ CMD ["gateway"]
 
 # ---------------------------------------------------------------- CPU runner
 FROM cpu-base AS runner
-# 9100: metrics and health; /healthz/ready answers once the models are loaded and consuming.
+# 9100: metrics and health; /healthz/ready answers while Redis does and the runner consumes.
 EXPOSE 9100
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9100/healthz/ready', timeout=2)"]
 CMD ["runner"]
 
 # ---------------------------------------------------------------- GPU: build the environment
-FROM nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04 AS gpu-build
+FROM ubuntu:24.04 AS gpu-build
 ARG ONNXRUNTIME_GPU_VERSION
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 # Ubuntu's security updates replace package versions, so apt versions are not pinned; the base image tag is.
@@ -65,16 +71,18 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# Only the `gpu` extra: the CPU onnxruntime (the `cpu` extra) shares its import name with onnxruntime-gpu.
+RUN python3 -m venv /opt/fngate \
+ && python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > requirements.txt \
+ && /opt/fngate/bin/pip install --no-cache-dir -r requirements.txt "onnxruntime-gpu[cuda,cudnn]==${ONNXRUNTIME_GPU_VERSION}"
 COPY fngate ./fngate
 COPY gateway ./gateway
 COPY runner ./runner
-# Only the `gpu` extra: the CPU onnxruntime (the `cpu` extra) shares its import name with onnxruntime-gpu.
-RUN python3 -m venv /opt/fngate \
- && /opt/fngate/bin/pip install --no-cache-dir ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+RUN /opt/fngate/bin/pip install --no-cache-dir --no-deps . \
  && /opt/fngate/bin/pip uninstall --yes pip
 
 # ---------------------------------------------------------------- GPU runner
-FROM nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04 AS runner-gpu
+FROM ubuntu:24.04 AS runner-gpu
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -85,9 +93,12 @@ RUN apt-get update \
  && mkdir -p /var/cache/fngate/tensorrt \
  && chown -R fngate:fngate /var/cache/fngate
 COPY --from=gpu-build /opt/fngate /opt/fngate
-# TensorRT's libraries come from its wheel; onnxruntime's TensorRT provider loads them by name. Built
-# engines are cached on a volume so that a runner restart does not rebuild them.
+# TensorRT's libraries come from its wheel; onnxruntime's TensorRT provider loads them by name, and
+# the runner preloads CUDA and cuDNN from theirs (onnxruntime.preload_dlls). The device plugin sets
+# NVIDIA_VISIBLE_DEVICES; the runtime mounts the driver for these capabilities. Built engines are
+# cached on a volume so that a runner restart does not rebuild them.
 ENV PATH=/opt/fngate/bin:$PATH \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     LD_LIBRARY_PATH=/opt/fngate/lib/python3.12/site-packages/tensorrt_libs \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -10,6 +10,7 @@ import datetime
 import json
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import redis
 
 import fngate
 from bench import inprocess, loadgen
-from bench.deployment import Deployment, cpu_seconds, deployment
+from bench.deployment import Deployment, cpu_seconds, deployment, tree_cpu_seconds
 from bench.models import build_repository
 from fngate import keys
 
@@ -36,7 +37,7 @@ Row = dict[str, Any]
 
 
 def requests_for(
-    function: str, features: int, count: int, binary: bool, seed: int
+    function: str, features: int, count: int, binary: bool, seed: int, output: str = "output"
 ) -> tuple[list[loadgen.Request], np.ndarray]:
     """`count` requests of one row each, every one with distinct random input."""
     rng = np.random.default_rng(seed)
@@ -55,7 +56,7 @@ def requests_for(
                             "parameters": {"binary_data_size": x.nbytes},
                         }
                     ],
-                    "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+                    "outputs": [{"name": output, "parameters": {"binary_data": True}}],
                 }
             )
             out.append(
@@ -153,7 +154,7 @@ class Bench:
         cycle: bool = False,
     ) -> Row:
         """Drive with these requests: each used once, or over and over with `cycle` (cache hits)."""
-        urls = gateways or [deployed.gateways[0][1]]
+        urls = gateways or deployed.urls()[:1]
         check = checker(inputs, features, self.reference(model))
         before = deployed.cpu()
         limit = 200_000 if cycle else len(requests)
@@ -221,41 +222,108 @@ class Bench:
                 )
 
     def http_floor(self, deployed: Deployment) -> None:
-        print("S0 HTTP floor: a fixed answer from Starlette on Hypercorn, no fngate", flush=True)
-        sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
-        port = sock.getsockname()[1]
-        server = subprocess.Popen(
-            [sys.executable, "-m", "bench.floor", f"fd://{sock.fileno()}"], pass_fds=[sock.fileno()]
-        )
-        sock.close()
-        try:
-            requests, _inputs = requests_for("tiny", 16, 2000, True, seed=5)
-            for concurrency in (1, 16):
-                time.sleep(1.0 if concurrency == 1 else 0)
-                before = cpu_seconds(server.pid)
-                result = asyncio.run(
-                    loadgen.run(
-                        "127.0.0.1", port, requests, concurrency, self.args.warmup_s, self.args.measure_s
+        print("S0 HTTP floor: a fixed answer from a plain ASGI app on each server, no fngate", flush=True)
+        for server_name in ("uvicorn", "hypercorn"):
+            sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
+            port = sock.getsockname()[1]
+            server = subprocess.Popen(
+                [sys.executable, "-m", "bench.floor", f"fd://{sock.fileno()}", server_name],
+                pass_fds=[sock.fileno()],
+            )
+            sock.close()
+            try:
+                wait_live(f"http://127.0.0.1:{port}", path="/v2/models/floor/infer", method="POST")
+                requests, _inputs = requests_for("tiny", 16, 2000, True, seed=5)
+                for concurrency in (1, 16):
+                    before = cpu_seconds(server.pid)
+                    result = asyncio.run(
+                        loadgen.run(
+                            "127.0.0.1", port, requests, concurrency, self.args.warmup_s, self.args.measure_s
+                        )
                     )
-                )
-                used = cpu_seconds(server.pid) - before
-                self.record(
-                    {
-                        "scenario": "S0",
-                        "function": "http-floor",
-                        "body": "binary",
-                        "concurrency": concurrency,
-                        "req_per_s": result.throughput,
-                        "p50_ms": result.percentile_ms(50),
-                        "p99_ms": result.percentile_ms(99),
-                        "errors": result.errors,
-                        "cpu_us_gateway": used / max(result.completed, 1) * 1e6,
-                    }
-                )
-        finally:
-            server.terminate()
-            server.wait()
+                    used = cpu_seconds(server.pid) - before
+                    self.record(
+                        {
+                            "scenario": "S0",
+                            "function": f"http-floor-{server_name}",
+                            "body": "binary",
+                            "concurrency": concurrency,
+                            "req_per_s": result.throughput,
+                            "p50_ms": result.percentile_ms(50),
+                            "p99_ms": result.percentile_ms(99),
+                            "errors": result.errors,
+                            "cpu_us_gateway": used / max(result.completed, 1) * 1e6,
+                        }
+                    )
+            finally:
+                server.terminate()
+                server.wait()
         del deployed
+
+    def peer(self, deployed: Deployment, serve_sh: Path) -> None:
+        """fngate beside the real Triton server on the same models and load, point by point (each
+        fngate point right before the same Triton point, so that drift hits both alike)."""
+        print(f"T  fngate against Triton ({serve_sh})", flush=True)
+        models = self.logs / "triton-models"
+        models.mkdir(parents=True, exist_ok=True)
+        for name in ("tiny", "wide"):
+            shutil.copy(self.repo / name / "model.onnx", models / f"{name}.onnx")
+        sock = socket.create_server(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        with open(self.logs / "triton.log", "wb") as log:
+            triton = subprocess.Popen(
+                ["bash", str(serve_sh), str(models), str(port), "batch"], stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            triton_url = f"http://127.0.0.1:{port}"
+            for name in ("tiny", "wide"):
+                wait_live(triton_url, path=f"/v2/models/{name}/ready", timeout_s=900)
+            points = [("tiny", 16, "output", 1), ("tiny", 16, "output", 16)]
+            points += [("wide", 512, "probabilities", c) for c in (1, 16, 64)]
+            for name, features, triton_output, concurrency in points:
+                ours = self.drive(deployed, "T", name, name, features, concurrency, False)
+                theirs = self.drive_peer(triton, port, name, features, triton_output, concurrency)
+                ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
+                ours["triton_ratio"] = ratio
+                print(f"   {name} c={concurrency}: fngate/Triton throughput x{ratio:.2f}", flush=True)
+        finally:
+            triton.terminate()
+            triton.wait(timeout=60)
+
+    def drive_peer(
+        self,
+        server: subprocess.Popen[bytes],
+        port: int,
+        name: str,
+        features: int,
+        output: str,
+        concurrency: int,
+    ) -> Row:
+        requests, inputs = requests_for(name, features, 20_000, False, seed=concurrency, output=output)
+        check = checker(inputs, features, self.reference(name))
+        before = tree_cpu_seconds(server.pid)
+        result = asyncio.run(
+            loadgen.run(
+                "127.0.0.1", port, requests, concurrency, self.args.warmup_s, self.args.measure_s, check
+            )
+        )
+        used = tree_cpu_seconds(server.pid) - before
+        row: Row = {
+            "scenario": "T",
+            "function": f"{name}@triton",
+            "body": "json",
+            "concurrency": concurrency,
+            "req_per_s": result.throughput,
+            "p50_ms": result.percentile_ms(50),
+            "p90_ms": result.percentile_ms(90),
+            "p99_ms": result.percentile_ms(99),
+            "errors": result.errors,
+            "checked": result.checked,
+            "cpu_us_server": used / max(result.completed, 1) * 1e6,
+        }
+        self.record(row)
+        return row
 
     def overhead_and_batching(self, deployed: Deployment) -> None:
         print("S1 overhead: tiny", flush=True)
@@ -270,7 +338,7 @@ class Bench:
 
     def cache(self, deployed: Deployment) -> None:
         print("S3 cache: hits (inputs answered before) against misses (new inputs), tiny-cached", flush=True)
-        url = deployed.gateways[0][1]
+        url = deployed.urls()[0]
         port = int(url.rsplit(":", 1)[1])
         warm, _ = requests_for("tiny-cached", 16, 200, True, seed=11)
         asyncio.run(loadgen.run("127.0.0.1", port, warm, 1, 0.0, 60.0, max_requests=len(warm)))
@@ -345,7 +413,7 @@ class Bench:
         print("S5 two gateways, two runners, one queue", flush=True)
         deployed.start_gateway()
         deployed.start_runner()
-        urls = [url for _, url in deployed.gateways]
+        urls = deployed.urls()
         self.drive(deployed, "S5", "tiny", "tiny", 16, 32, True, urls)
         self.drive(deployed, "S5", "wide", "wide", 512, 64, True, urls)
 
@@ -379,11 +447,11 @@ def cold_start_phases(log: str, sent: float) -> dict[str, float]:
     return phases
 
 
-def wait_live(url: str, timeout_s: float = 30) -> None:
+def wait_live(url: str, timeout_s: float = 30, path: str = "/v2/health/live", method: str = "GET") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/v2/health/live").status_code == 200:
+            if httpx.request(method, f"{url}{path}").status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -414,7 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure-s", type=float, default=4.0)
     parser.add_argument("--cold-starts", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="short windows, for a smoke run")
-    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5")
+    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T")
+    parser.add_argument(
+        "--triton",
+        type=Path,
+        metavar="SERVE_SH",
+        help="scenario T: also run the real Triton server, started by this script "
+        "(`SERVE_SH MODELS_DIR PORT batch`, serving tiny.onnx and wide.onnx), on the same load, "
+        "and print fngate/Triton ratios; its first run installs Triton (nvidia-pytriton)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup_s, args.measure_s, args.cold_starts = 0.3, 1.0, 1
@@ -434,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         with deployment(repo, Path(folder) / "logs") as deployed:
             deployed.start_gateway()
             deployed.start_runner()
+            if args.triton and wanted("T"):
+                bench.peer(deployed, args.triton.resolve())
             if wanted("S0"):
                 bench.http_floor(deployed)
             if wanted("S1") or wanted("S2"):

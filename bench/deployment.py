@@ -28,6 +28,29 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(value) for value in fields[11:15]) / CLOCK_TICKS
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and every live descendant (a server that runs its models in child
+    processes, as Triton's Python backend does)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += cpu_seconds(current)
+        except OSError:
+            continue
+        todo += children.get(current, [])
+    return total
+
+
 def redis_pid(url: str) -> int:
     import redis
 
@@ -48,22 +71,29 @@ class Deployment:
         env.update(extra)
         return env
 
-    def start_gateway(self, **extra: str) -> str:
+    def start_gateway(self, workers: int = 0, **extra: str) -> str:
+        """A gateway of `workers` processes on one socket, as `fngate up` runs it (0: one per core,
+        at most 4, fngate up's default)."""
         sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
         port = sock.getsockname()[1]
-        with open(self.logs / f"gateway-{len(self.gateways)}.log", "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "gateway"],
-                env=self.env(FNGATE_BIND=f"fd://{sock.fileno()}", **extra),
-                pass_fds=[sock.fileno()],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        sock.close()
         url = f"http://127.0.0.1:{port}"
-        self.gateways.append((process, url))
+        for _ in range(workers or min(os.cpu_count() or 1, 4)):
+            with open(self.logs / f"gateway-{len(self.gateways)}.log", "wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "gateway"],
+                    env=self.env(FNGATE_BIND=f"fd://{sock.fileno()}", **extra),
+                    pass_fds=[sock.fileno()],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            self.gateways.append((process, url))
+        sock.close()
         _wait_live(url)
         return url
+
+    def urls(self) -> list[str]:
+        """One URL per gateway (its worker processes share it)."""
+        return list(dict.fromkeys(url for _, url in self.gateways))
 
     def start_runner(self, **extra: str) -> subprocess.Popen[bytes]:
         with open(self.logs / f"runner-{len(self.runners)}.log", "ab") as log:

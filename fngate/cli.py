@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=min(os.cpu_count() or 1, 4),
         help="gateway processes sharing the port (default: one per core, at most 4)",
     )
+    up.add_argument(
+        "--server",
+        choices=["uvicorn", "hypercorn"],
+        default="uvicorn",
+        help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
+    )
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
 
     gateway = commands.add_parser(
@@ -84,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", help="address to listen on (FNGATE_HOST)")
     gateway.add_argument("--port", type=int, help="port to listen on (FNGATE_PORT)")
     gateway.add_argument("--workers", type=int, help="processes sharing the port (FNGATE_WORKERS)")
+    gateway.add_argument(
+        "--server", choices=["uvicorn", "hypercorn"], help="the HTTP server (default uvicorn)"
+    )
 
     runner = commands.add_parser("runner", help="run one runner (settings from flags or FNGATE_* variables)")
     runner.add_argument("--repo", help="repository: a folder or s3://bucket/prefix (FNGATE_REPO)")
@@ -172,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         from gateway.__main__ import main as gateway_main
 
         overrides = _overrides(
-            args, redis_url="redis", repo="repo", host="host", port="port", workers="workers"
+            args, redis_url="redis", repo="repo", host="host", port="port", workers="workers", server="server"
         )
         settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
         if not settings.bind:
@@ -201,10 +210,18 @@ def _add_repository_commands(commands: Any) -> None:
         metavar="URL",
         help=f"for the printed curl lines (default: fngate up's, or {DEFAULT_GATEWAY})",
     )
+    deploy.add_argument(
+        "--no-registry",
+        dest="record_it",
+        action="store_false",
+        help="S3 only: upload without recording; `fngate ls --sync` records it where Redis is reachable",
+    )
 
     ls = commands.add_parser("ls", help="list functions, versions, traffic and load state")
     _repository_flags(ls)
-    ls.add_argument("--sync", action="store_true", help="rewrite the registry from the S3 repository")
+    ls.add_argument(
+        "--sync", action="store_true", help="rewrite the registry from the repository; create missing streams"
+    )
 
     rm = commands.add_parser("rm", help="remove a function; its queued invocations get not_found")
     rm.add_argument("name", metavar="NAME", help="the function")
@@ -266,7 +283,9 @@ def _repository_command(args: argparse.Namespace) -> int:
                 f"{args.file} does not exist" if not args.file.exists() else f"{args.file} is not a file"
             )
         gateway = _deploy_gateway(args.gateway, url)
-        return deploy.deploy(args.file, repository, redis_url, gateway, sys.stdout, sys.stderr)
+        return deploy.deploy(
+            args.file, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it
+        )
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
     _deployed(repository, args.name)

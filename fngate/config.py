@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,10 +28,15 @@ class GatewaySettings(_Settings):
     bind: str = ""
     """A Hypercorn bind (`fd://3`, `unix:/path`); overrides host and port when set."""
     workers: Annotated[int, Field(ge=1)] = 1
+    server: Literal["uvicorn", "hypercorn"] = "uvicorn"
+    """The HTTP server: uvicorn (httptools, uvloop; the fastest on the benchmark) or Hypercorn (HTTP/2)."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     redis_connections: Annotated[int, Field(ge=2)] = 256
     """Connections to the queue's Redis per gateway process; invocations wait for one when all are busy."""
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
+    redis_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    """A Redis command (or connection) that takes longer fails: the invocation gets 503 rather
+    than waiting out its deadline on a Redis that stopped answering."""
     catalog_refresh_s: Annotated[float, Field(gt=0)] = 2.0
     retry_after_s: Annotated[int, Field(ge=1)] = 1
     load_timeout_s: Annotated[float, Field(gt=0)] = 120.0
@@ -42,7 +47,8 @@ class RunnerSettings(_Settings):
     functions: tuple[str, ...] = ()
     """Functions to serve; empty serves every function in the repository (refreshed every rescan_s)."""
     pool: str = "default"
-    intra_op_threads: Annotated[int, Field(ge=0)] = 1
+    intra_op_threads: Annotated[int, Field(ge=0)] = 0
+    """onnxruntime's threads per session (spinning off); 0: one per core, at most 4."""
     claim_idle_ms: Annotated[int, Field(ge=10)] = 2000
     claim_interval_ms: Annotated[int, Field(ge=10)] = 500
     max_deliveries: Annotated[int, Field(ge=1)] = 3
@@ -70,12 +76,9 @@ class RunnerSettings(_Settings):
     """Refuse to serve a function whose accelerator (cuda, tensorrt) this runner cannot give, instead
     of running it on a lesser one (CPU at worst) with a warning and the reason recorded."""
     gpu_device: Annotated[int, Field(ge=0)] = 0
-    """The GPU this runner uses (its index as NVML and CUDA count them)."""
+    """The GPU this runner uses, by its CUDA index (as CUDA_VISIBLE_DEVICES leaves them numbered)."""
     engine_cache_dir: str = "~/.cache/fngate/engines"
     """Local TensorRT engine and timing caches: one folder per model, TensorRT version, GPU and precision."""
-    gpu_memory_budget_bytes: Annotated[int, Field(ge=0)] = 0
-    """GPU memory this runner's models may hold; past it, idle models are unloaded (least recently
-    used first) or the load is refused. 0: 90% of the device's memory."""
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -5,7 +5,6 @@ function answered. The repository object comes from the CLI (boto3 stays in runn
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -14,12 +13,12 @@ from typing import Any, TextIO
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from fngate import keys
+from fngate import keys, queue
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
-from fngate.registry import ControlOp, Registry, read_runners, send_control, summarize
+from fngate.registry import ControlOp, Registry, create_stream, read_runners, send_control, summarize
 from fngate.repository import (
     MANIFEST_FILE,
     ArtifactFile,
@@ -75,10 +74,18 @@ class ProgressBar:
 
 
 def deploy(
-    path: Path, repository: Repository, redis_url: str, gateway: str | None, out: TextIO, err: TextIO
+    path: Path,
+    repository: Repository,
+    redis_url: str,
+    gateway: str | None,
+    out: TextIO,
+    err: TextIO,
+    record_it: bool = True,
 ) -> int:
     """Validate, upload as the next version, record it, print how to call it (unless `gateway` is
-    None). Nothing is uploaded for a manifest, a version policy or a registry that fails its check."""
+    None). Nothing is uploaded for a manifest, a version policy or a registry that fails its check.
+    Without `record_it` an S3 repository is only written: the registry (private to the cluster)
+    learns the version from a later `fngate ls --sync` that can reach it."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
@@ -95,7 +102,7 @@ def deploy(
                 print(f"{path}: {problem}", file=err)
             print("fngate deploy: nothing was uploaded", file=err)
             return 2
-        if remote:
+        if remote and record_it:
             asyncio.run(_ping(redis_url))
         total = sum(item.size for item, _ in files)
         print(f"{manifest.name}: uploading {len(files)} files ({_size(total)}) to {repository.url}", file=out)
@@ -114,6 +121,13 @@ def deploy(
             file=err,
         )
         return 1
+    if remote and not record_it:
+        print(
+            f"uploaded {manifest.name} version {version.version} to {repository.url}; it is served once "
+            "`fngate ls --sync` has run where the registry is reachable (the fngate-registry-sync job)",
+            file=out,
+        )
+        return 0
     try:
         asyncio.run(_announce(redis_url, repository.url, record, remote))
     except (RedisError, OSError) as exc:
@@ -202,10 +216,13 @@ async def _ping(redis_url: str) -> None:
 
 
 async def _announce(redis_url: str, repo_url: str, record: FunctionRecord, remote: bool) -> None:
-    """Record the function (S3 repositories) and tell runners to look now."""
+    """Record the function (S3 repositories), create its stream and runner group, and tell runners
+    to look now."""
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
         if remote:
             await Registry(redis, repo_url).put(record)
+        else:
+            await create_stream(redis, record.name)
         await send_control(redis, ControlOp("deploy", record.name))
 
 
@@ -219,6 +236,9 @@ def list_functions(repository: Repository, redis_url: str, sync: bool, out: Text
     try:
         runners, drift = asyncio.run(_states(redis_url, repository.url, records, sync))
     except (RedisError, OSError) as exc:
+        if sync:  # a job that syncs must fail visibly
+            print(f"fngate ls --sync: redis at {redis_url} is unreachable ({exc})", file=err)
+            return 1
         print(f"fngate ls: load states unknown: redis at {redis_url} is unreachable ({exc})", file=err)
         runners, drift = None, []
     rows = [("FUNCTION", "VERSION", "SERVED", "TRAFFIC", "STATE", "REASON")]
@@ -268,6 +288,9 @@ async def _states(
 ) -> tuple[list[Any], list[str]]:
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
         runners = await read_runners(redis)
+        if sync:  # streams and groups of functions deployed before they were made at deploy time
+            for name in records:
+                await create_stream(redis, name)
         if not is_remote(repo_url):
             return runners, []
         registry = Registry(redis, repo_url)
@@ -345,38 +368,29 @@ async def _remove(
 async def answer_queued(redis: aioredis.Redis, name: str) -> int:
     """Answer every invocation queued for `name` (and those waiting on it) not_found; delete them."""
     stream = keys.invocations(name)
+    finish = redis.register_script(queue.FINISH)
     error = FunctionNotFound(f"function '{name}' was removed")
     answered = 0
     while True:
         entries: Any = await redis.xrange(stream, count=500)
         if not entries:
             break
+        outgoing = []
+        for _entry_id, fields in entries:
+            try:
+                invocation = Invocation.decode(fields)
+            except (KeyError, ValueError, TypeError, FunctionError):
+                continue
+            reply = Reply(invocation.id, invocation.version, {}, error).encode()
+            outgoing.append(
+                queue.Outgoing(reply, invocation.reply_to, in_flight=invocation.in_flight_key or "")
+            )
         ids = [entry_id for entry_id, _ in entries]
-        async with redis.pipeline(transaction=False) as pipe:
-            for _entry_id, fields in entries:
-                try:
-                    invocation = Invocation.decode(fields)
-                except (KeyError, ValueError, TypeError, FunctionError):
-                    continue
-                reply = Reply(invocation.id, invocation.version, {}, error).encode()
-                pipe.xadd(invocation.reply_to, reply, maxlen=REPLY_MAXLEN, approximate=True)
-                answered += 1 + await _answer_waiters(redis, pipe, invocation, reply)
-            pipe.xdel(stream, *ids)
-            await pipe.execute()
-        with contextlib.suppress(ResponseError):  # no runner group yet
-            await redis.xack(stream, keys.RUNNER_GROUP, *ids)
+        size = sum(queue.entry_bytes(fields) for _, fields in entries)
+        call = queue.finish_call(stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
+        await finish(keys=call.keys, args=call.args)
+        answered += len(outgoing)
     return answered
-
-
-async def _answer_waiters(redis: aioredis.Redis, pipe: Any, invocation: Invocation, reply: Any) -> int:
-    if not invocation.in_flight_key:
-        return 0
-    waiting: Any = await redis.lrange(keys.waiters(invocation.in_flight_key), 0, -1)
-    for waiter in waiting:
-        stream, _, waiter_id = waiter.decode().partition(" ")
-        pipe.xadd(stream, {**reply, b"for": waiter_id}, maxlen=REPLY_MAXLEN, approximate=True)
-    pipe.delete(invocation.in_flight_key, keys.waiters(invocation.in_flight_key))
-    return len(waiting)
 
 
 def _count(count: int, noun: str) -> str:

@@ -25,11 +25,25 @@ GPU_NODE_LABEL = ("nvidia.com/gpu.present", "true")
 GPU_TAINT_KEY = "nvidia.com/gpu"
 GATEWAY_PORT = 8000
 RUNNER_PORT = 9100
-"""The runner's metrics and health port: GET /healthz/ready answers once models are loaded and consuming."""
+"""The runner's metrics and health port: /healthz/ready answers while Redis does and it consumes."""
+RUNNER_READ_AHEAD_BATCHES = 2
+"""A busy runner holds up to this many batches (of max_batch_size) read and not yet answered: the
+one running and at most one read ahead (runner/consumer.py): the pending target per runner."""
 UID = 10001
 CACHE_DIR = "/var/cache/fngate"
 TENSORRT_CACHE_DIR = "/var/cache/fngate/tensorrt"
 POOL_LABEL = "fngate/pool"
+WARM_COST = (
+    "keeps one runner per pool running around the clock, and for a GPU pool one GPU node "
+    "(a g5.xlarge costs about 1 USD an hour on demand, some 730 USD a month)"
+)
+# cluster-autoscaler removes no node that runs a pod with an emptyDir volume, unless the pod names
+# the volume in this annotation (kubernetes/autoscaler, cluster-autoscaler/FAQ.md: "What types of
+# pods can prevent CA from removing a node?"); runners keep nothing there that another cannot refetch.
+SAFE_TO_EVICT_VOLUMES = "cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"
+TMP_BYTES = 1024**3
+TENSORRT_CACHE_BYTES = 20 * 1024**3
+SYNC_JOB = "fngate-registry-sync"
 
 GATEWAY_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 CPU_RUNNER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
@@ -37,6 +51,7 @@ GPU_RUNNER_RESOURCES = {
     "requests": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "1"},
     "limits": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
 }
+SYNC_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}}
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True}
 
@@ -55,10 +70,23 @@ class Options:
     redis_tls: bool = True
     redis_secret: str = "fngate-redis"
     """A Secret with keys `url` (FNGATE_REDIS_URL) and `password`, made beside these objects."""
+    deployed: tuple[str, ...] = ()
+    """The functions that have been deployed (`fngate deploy`, or `fngate ls --sync`, made their
+    stream and runner group): only they get runner pools and triggers. KEDA's pending-entries query
+    (XPENDING) fails until the group exists, and KEDA scales no pool to zero while a trigger fails."""
     polling_interval_s: int = 5
     cooldown_s: int = 300
     target_lag: int = 0
-    """Waiting invocations per runner before KEDA adds one; 0: each function's max_batch_size."""
+    """Waiting invocations per runner before KEDA adds one; 0: each function's max_batch_size. The
+    pending-entries target is RUNNER_READ_AHEAD_BATCHES times this."""
+    warm_runners: int = 0
+    """Runners each pool keeps when idle, over the manifests' min_replicas. 1 removes the cold start
+    from zero, and keeps one runner per pool, and for a GPU pool one GPU node, running (WARM_COST)."""
+    artifact_cache_bytes: int = 10 * 1024**3
+    """Model files a runner keeps (FNGATE_ARTIFACT_MAX_BYTES): sizes its cache volume and its
+    ephemeral-storage request."""
+    sync_schedule: str = ""
+    """Cron schedule of the registry-sync job (`fngate ls --sync`); empty: suspended, run on demand."""
     gateway_min_replicas: int = 2
     gateway_max_replicas: int = 10
     gateway_workers: int = 1
@@ -69,10 +97,16 @@ class Options:
     source_ranges: tuple[str, ...] = ()
     gateway_role_arn: str = ""
     runner_role_arn: str = ""
+    deployer_role_arn: str = ""
     otlp_endpoint: str = ""
+    """The collector's OTLP/HTTP base URL (port 4318): the processes export traces over HTTP."""
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        if self.warm_runners < 0 or self.target_lag < 0 or self.artifact_cache_bytes < 1024**2:
+            raise ValueError(
+                "warm_runners and target_lag must be 0 or more, artifact_cache_bytes 1 MiB or more"
+            )
         for pair in self.service_annotations:
             key, sep, _ = pair.partition("=")
             if not key or not sep:
@@ -101,16 +135,29 @@ def needs_gpu(manifest: FunctionManifest) -> bool:
     return manifest.model.backend == "tensorrt" or manifest.model.accelerator in ("cuda", "tensorrt")
 
 
-def pools(manifests: Sequence[FunctionManifest]) -> list[Pool]:
-    """Functions grouped by `scaling.pool`, in name order; raises ValueError on a duplicate name."""
+def pools(manifests: Sequence[FunctionManifest], deployed: Sequence[str]) -> list[Pool]:
+    """The deployed functions grouped by `scaling.pool`, in name order; raises ValueError on a
+    duplicate name, or on a deployed name that no manifest defines."""
     names = [manifest.name for manifest in manifests]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"functions defined more than once: {', '.join(duplicates)}")
+    unknown = sorted(set(deployed) - set(names))
+    if unknown:
+        raise ValueError(f"deployed functions without a manifest: {', '.join(unknown)}")
     grouped: dict[str, list[FunctionManifest]] = {}
     for manifest in sorted(manifests, key=lambda m: m.name):
-        grouped.setdefault(manifest.scaling.pool, []).append(manifest)
+        if manifest.name in deployed:
+            grouped.setdefault(manifest.scaling.pool, []).append(manifest)
     return [Pool(name, tuple(members)) for name, members in sorted(grouped.items())]
+
+
+def targets(manifest: FunctionManifest, options: Options) -> tuple[int, int]:
+    """(lagCount, pendingEntriesCount) of a function's triggers: entries per runner before KEDA
+    adds one. A busy runner holds RUNNER_READ_AHEAD_BATCHES batches pending, so a pending target of
+    one batch would count each busy runner twice and double the pool with nothing waiting."""
+    lag = options.target_lag or max(1, manifest.batching.max_batch_size)
+    return lag, lag * RUNNER_READ_AHEAD_BATCHES
 
 
 def render(manifests: Sequence[FunctionManifest], options: Options) -> list[Obj]:
@@ -118,11 +165,13 @@ def render(manifests: Sequence[FunctionManifest], options: Options) -> list[Obj]
     objects = [
         _service_account("gateway", options.gateway_role_arn, options),
         _service_account("runner", options.runner_role_arn, options),
+        _service_account("deployer", options.deployer_role_arn, options),
         _trigger_authentication(options),
         *_gateway(options),
+        _registry_sync(options),
     ]
-    for pool in pools(manifests):
-        objects += [_runner(pool, options), _scaled_object(pool, options)]
+    for pool in pools(manifests, options.deployed):
+        objects += [_runner(pool, options), _runner_budget(pool, options), _scaled_object(pool, options)]
     return copy.deepcopy(objects)  # no dict shared between objects, or with this module
 
 
@@ -134,6 +183,10 @@ def _object(api: str, kind: str, name: str, component: str, options: Options, **
 
 def _selector(component: str, **labels: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "fngate", "app.kubernetes.io/component": component, **labels}
+
+
+def _mebibytes(count: int) -> str:
+    return f"{-(-count // 1024**2)}Mi"
 
 
 def _trigger_authentication(options: Options) -> Obj:
@@ -149,7 +202,7 @@ def _service_account(component: str, role_arn: str, options: Options) -> Obj:
     return account | {"automountServiceAccountToken": False}
 
 
-def _container(name: str, image: str, env: dict[str, str], port: tuple[str, int], options: Options) -> Obj:
+def _container(name: str, image: str, args: list[str], env: dict[str, str], options: Options) -> Obj:
     if options.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = options.otlp_endpoint
     env |= {"FNGATE_REPO": options.repo, "FNGATE_LOG_LEVEL": options.log_level}
@@ -159,18 +212,22 @@ def _container(name: str, image: str, env: dict[str, str], port: tuple[str, int]
     return {
         "name": name,
         "image": image,
-        "args": [name],
+        "args": args,
         "env": [url, *({"name": key, "value": value} for key, value in env.items())],
-        "ports": [{"name": port[0], "containerPort": port[1], "protocol": "TCP"}],
         "securityContext": CONTAINER_SECURITY | {"capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
     }
 
 
-def _deployment(name: str, labels: dict[str, str], container: Obj, pod: Obj, options: Options) -> Obj:
-    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *pod.pop("volumes", [])]
-    pod = {
-        "serviceAccountName": f"fngate-{container['name']}",
+def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj) -> Obj:
+    """A pod spec: unprivileged, no API token, `tmp` and `cache` volumes of bounded size."""
+    volumes = [
+        {"name": "tmp", "emptyDir": {"sizeLimit": _mebibytes(TMP_BYTES)}},
+        {"name": "cache", "emptyDir": {"sizeLimit": _mebibytes(cache_bytes)}},
+        *pod.pop("volumes", []),
+    ]
+    return {
+        "serviceAccountName": f"fngate-{account}",
         "automountServiceAccountToken": False,
         # Service links would add FNGATE_* variables for Services named fngate-*, and an unknown
         # FNGATE_ variable stops startup.
@@ -180,12 +237,23 @@ def _deployment(name: str, labels: dict[str, str], container: Obj, pod: Obj, opt
         "volumes": volumes,
         **pod,
     }
+
+
+def _deployment(
+    name: str, labels: dict[str, str], container: Obj, pod: Obj, cache_bytes: int, options: Options
+) -> Obj:
+    spec = _pod(container["name"], container, cache_bytes, pod)
     deployment = _object("apps/v1", "Deployment", name, container["name"], options, **labels)
-    template = {"metadata": {"labels": deployment["metadata"]["labels"]}, "spec": pod}
+    evictable = ",".join(volume["name"] for volume in spec["volumes"])
+    template_metadata = {
+        "labels": deployment["metadata"]["labels"],
+        "annotations": {SAFE_TO_EVICT_VOLUMES: evictable},
+    }
+    template = {"metadata": template_metadata, "spec": spec}
     # No replicas: the HPA (KEDA's, for runners) owns the count, and `kubectl apply` or a Helm upgrade
-    # would reset a count written here. A new runner Deployment starts one pod until KEDA's first poll.
-    spec = {"selector": {"matchLabels": _selector(container["name"], **labels)}}
-    return deployment | {"spec": spec | {"template": template}}
+    # would reset a count written here.
+    selector = {"selector": {"matchLabels": _selector(container["name"], **labels)}}
+    return deployment | {"spec": selector | {"template": template}}
 
 
 def _gateway(options: Options) -> list[Obj]:
@@ -194,8 +262,9 @@ def _gateway(options: Options) -> list[Obj]:
         "FNGATE_PORT": str(GATEWAY_PORT),
         "FNGATE_WORKERS": str(options.gateway_workers),
     }
-    container = _container("gateway", options.image, env, ("http", GATEWAY_PORT), options)
+    container = _container("gateway", options.image, ["gateway"], env, options)
     container |= {
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "resources": GATEWAY_RESOURCES,
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10},
@@ -226,7 +295,7 @@ def _gateway(options: Options) -> list[Obj]:
         "maxReplicas": options.gateway_max_replicas,
         "metrics": [{"type": "Resource", "resource": cpu}],
     }
-    deployment = _deployment("fngate-gateway", {}, container, pod, options)
+    deployment = _deployment("fngate-gateway", {}, container, pod, TMP_BYTES, options)
     return [deployment, service, pdb, hpa]
 
 
@@ -234,51 +303,106 @@ def _runner(pool: Pool, options: Options) -> Obj:
     env = {"FNGATE_POOL": pool.name, "FNGATE_FUNCTIONS": json.dumps([m.name for m in pool.functions])}
     # Model files from S3 are cached on the pod's writable cache volume (the root filesystem is read-only).
     env["FNGATE_ARTIFACT_DIR"] = f"{CACHE_DIR}/artifacts"
+    env["FNGATE_ARTIFACT_MAX_BYTES"] = str(options.artifact_cache_bytes)
+    # A runner that exits when idle is restarted by its Deployment, again and again (CrashLoopBackOff):
+    # here KEDA scales the pool to zero, so idle shutdown stays off whatever the image says.
+    env["FNGATE_IDLE_SHUTDOWN_S"] = "0"
     if pool.gpu:
         env["FNGATE_ENGINE_CACHE_DIR"] = TENSORRT_CACHE_DIR
     image = options.gpu_image if pool.gpu else options.runner_image
-    container = _container("runner", image, env, ("metrics", RUNNER_PORT), options)
-    ready = {"path": "/healthz/ready", "port": "metrics"}
-    container["readinessProbe"] = {"httpGet": ready, "periodSeconds": 5}
-    container["resources"] = GPU_RUNNER_RESOURCES if pool.gpu else CPU_RUNNER_RESOURCES
+    container = _container("runner", image, ["runner"], env, options)
+    container["ports"] = [{"name": "metrics", "containerPort": RUNNER_PORT, "protocol": "TCP"}]
+    container["readinessProbe"] = {
+        "httpGet": {"path": "/healthz/ready", "port": "metrics"},
+        "periodSeconds": 5,
+    }
+    # Live while the process serves its status port; a model load that takes minutes is not a hang.
+    container["livenessProbe"] = {
+        "httpGet": {"path": "/healthz/live", "port": "metrics"},
+        "periodSeconds": 10,
+        "failureThreshold": 6,
+    }
+    # Files beyond artifact_cache_bytes that loaded models still need may stay a while: a quarter more.
+    cache_bytes = options.artifact_cache_bytes * 5 // 4
+    scratch_bytes = cache_bytes + TMP_BYTES + (TENSORRT_CACHE_BYTES if pool.gpu else 0)
+    resources = copy.deepcopy(GPU_RUNNER_RESOURCES if pool.gpu else CPU_RUNNER_RESOURCES)
+    resources["requests"]["ephemeral-storage"] = _mebibytes(scratch_bytes)
+    container["resources"] = resources
     # Runners drain on SIGTERM (FNGATE_DRAIN_TIMEOUT_S, 30 s by default) before they exit.
     pod: Obj = {"terminationGracePeriodSeconds": 60}
     if pool.gpu:
         container["volumeMounts"].append({"name": "tensorrt-cache", "mountPath": TENSORRT_CACHE_DIR})
         pod["nodeSelector"] = {GPU_NODE_LABEL[0]: GPU_NODE_LABEL[1]}
         pod["tolerations"] = [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
-        pod["volumes"] = [{"name": "tensorrt-cache", "emptyDir": {"sizeLimit": "20Gi"}}]
+        size = _mebibytes(TENSORRT_CACHE_BYTES)
+        pod["volumes"] = [{"name": "tensorrt-cache", "emptyDir": {"sizeLimit": size}}]
     labels = {POOL_LABEL: pool.name}
-    return _deployment(f"fngate-runner-{pool.name}", labels, container, pod, options)
+    return _deployment(f"fngate-runner-{pool.name}", labels, container, pod, cache_bytes, options)
+
+
+def _runner_budget(pool: Pool, options: Options) -> Obj:
+    """Node drains (upgrades, scale-down) take a pool's runners one at a time."""
+    name = f"fngate-runner-{pool.name}"
+    pdb = _object("policy/v1", "PodDisruptionBudget", name, "runner", options, **{POOL_LABEL: pool.name})
+    pdb["spec"] = {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": _selector("runner", **{POOL_LABEL: pool.name})},
+    }
+    return pdb
 
 
 def _scaled_object(pool: Pool, options: Options) -> Obj:
     triggers: list[Obj] = []
     for manifest in pool.functions:
-        target = str(options.target_lag or max(1, manifest.batching.max_batch_size))
+        lag_target, pending_target = targets(manifest, options)
         common = {"address": options.redis_address, "stream": keys.invocations(manifest.name)}
         common |= {"consumerGroup": keys.RUNNER_GROUP, "databaseIndex": "0"}
         common["enableTLS"] = "true" if options.redis_tls else "false"
         # Lag (entries not yet delivered to the group) wakes the pool at the first one; pending
         # entries (delivered, not yet acknowledged) keep it up while batches run.
-        lag = common | {"lagCount": target, "activationLagCount": "0"}
-        pending = common | {"pendingEntriesCount": target}
+        lag = common | {"lagCount": str(lag_target), "activationLagCount": "0"}
+        pending = common | {"pendingEntriesCount": str(pending_target)}
         for name, metadata in ((f"lag-{manifest.name}", lag), (f"pending-{manifest.name}", pending)):
             trigger = {"type": "redis-streams", "name": name, "metadata": metadata}
             triggers.append(trigger | {"authenticationRef": {"name": "fngate-redis"}})
     name = f"fngate-runner-{pool.name}"
     scaled = _object("keda.sh/v1alpha1", "ScaledObject", name, "runner", options, **{POOL_LABEL: pool.name})
+    # No fallback: a trigger fails only when KEDA cannot read Redis, and then no runner could serve
+    # either; a fallback would hold a runner (and a GPU node) for nothing.
     scaled["spec"] = {
         "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
         "pollingInterval": options.polling_interval_s,
         "cooldownPeriod": options.cooldown_s,
-        "minReplicaCount": pool.min_replicas,
-        "maxReplicaCount": pool.max_replicas,
-        # Until the consumer group exists KEDA cannot read the lag; one runner then creates it.
-        "fallback": {"failureThreshold": 3, "replicas": 1},
+        "minReplicaCount": max(pool.min_replicas, options.warm_runners),
+        "maxReplicaCount": max(pool.max_replicas, options.warm_runners),
         "triggers": triggers,
     }
     return scaled
+
+
+def _registry_sync(options: Options) -> Obj:
+    """`fngate ls --sync` as the deployer: the registry rewritten from the S3 repository, and every
+    function's stream and group made. Suspended unless scheduled; run it on demand with
+    `kubectl create job --from=cronjob/fngate-registry-sync`."""
+    container = _container("registry-sync", options.runner_image, ["ls", "--sync"], {}, options)
+    container["resources"] = SYNC_RESOURCES
+    pod = _pod("deployer", container, TMP_BYTES, {"restartPolicy": "Never"})
+    job = {
+        "backoffLimit": 2,
+        "activeDeadlineSeconds": 600,
+        "ttlSecondsAfterFinished": 86400,
+        "template": {"metadata": {"labels": _selector("deployer")}, "spec": pod},
+    }
+    cron = _object("batch/v1", "CronJob", SYNC_JOB, "deployer", options)
+    cron["spec"] = {
+        "schedule": options.sync_schedule or "*/5 * * * *",
+        "suspend": not options.sync_schedule,
+        "concurrencyPolicy": "Forbid",
+        "successfulJobsHistoryLimit": 1,
+        "failedJobsHistoryLimit": 3,
+        "jobTemplate": {"spec": job},
+    }
+    return cron
 
 
 def load_functions(folder: Path) -> list[FunctionManifest]:

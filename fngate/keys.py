@@ -31,11 +31,6 @@ def in_flight(function: str, key_hex: str) -> str:
     return f"{PREFIX}:f:{function}:{key_hex}"
 
 
-def waiters(in_flight_key: str) -> str:
-    """Reply streams and invocation ids waiting on an in-flight invocation, as "stream id" items."""
-    return f"{in_flight_key}:w"
-
-
 def wake_channel() -> str:
     """Pub/sub channel on which gateways name a runner pool that has work and no live runner."""
     return f"{PREFIX}:wake"
@@ -49,6 +44,11 @@ def start_failures() -> str:
 def replies(gateway_id: str) -> str:
     """The reply stream of one gateway process."""
     return f"{PREFIX}:r:{gateway_id}"
+
+
+def gateways() -> str:
+    """Sorted set: live gateway process id -> the time (s) its heartbeat expires."""
+    return f"{PREFIX}:gateways"
 
 
 def registry() -> str:

@@ -114,6 +114,7 @@ def run_local(args: argparse.Namespace) -> int:
                     "FNGATE_HOST": args.host,
                     "FNGATE_PORT": str(args.port),
                     "FNGATE_WORKERS": str(args.gateway_workers),
+                    "FNGATE_SERVER": args.server,
                 },
             )
             try:

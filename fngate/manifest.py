@@ -99,6 +99,8 @@ class BatchingSpec(_Frozen):
     """How long a batch may wait to fill, under concurrent load only."""
     max_queue_size: Annotated[int, Field(ge=1)] = 1000
     """Queued invocations past which new ones get 503 with Retry-After."""
+    max_queue_bytes: Annotated[int, Field(ge=0)] = 256 * 1024 * 1024
+    """Past this many bytes of queued invocations, new ones are refused (503); 0: no limit."""
     timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 5000
     """Each invocation's deadline (a request may ask for less)."""
 

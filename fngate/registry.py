@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from fngate import keys
 from fngate.manifest import ManifestError
@@ -72,7 +73,9 @@ class Registry:
         return {record.name: record for record in decoded.values() if record is not None}
 
     async def put(self, record: FunctionRecord) -> None:
+        """Record the function, and make sure its stream and runner group exist (`create_stream`)."""
         doc = {"repo": self._repo, "versions": [encode_version(item) for item in record.versions.values()]}
+        await create_stream(self._redis, record.name)
         await self._redis.hset(keys.registry(), record.name, orjson.dumps(doc))
 
     async def remove(self, name: str) -> bool:
@@ -94,6 +97,19 @@ class Registry:
         if f"{name}: {problem}" not in self._reported:
             self._reported.add(f"{name}: {problem}")
             log.warning("registry entry %s skipped: %s", name, problem)
+
+
+async def create_stream(redis: aioredis.Redis, function: str) -> None:
+    """The function's invocation stream and its runner group, made when the function is deployed
+    (idempotent). KEDA's pending-entries trigger runs XPENDING on the group, which fails with NOGROUP
+    until the group exists, and KEDA 2.x scales no ScaledObject to zero while one of its triggers
+    fails (kedacore/keda pkg/scaling/executor/scale_scaledobjects.go, `RequestScale`). Id 0, as the
+    runners use: anything queued before the group existed is still delivered."""
+    try:
+        await redis.xgroup_create(keys.invocations(function), keys.RUNNER_GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

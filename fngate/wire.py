@@ -14,6 +14,7 @@ import numpy as np
 import orjson
 
 from fngate.errors import FunctionError, InvalidArgument
+from fngate.queue import AS, BODY, BY, HEADER, TO
 from fngate.tensors import datatype_of, from_bytes, to_bytes
 
 WIRE_VERSION = 1
@@ -69,12 +70,13 @@ class Invocation:
     def decode(cls, fields: Mapping[Any, bytes]) -> Invocation:
         header, tensors = _decode(fields)
         outputs = header.get("out")
+        promoted = fields.get(AS)  # a waiter running in place of an identical invocation (fngate.queue)
         return cls(
-            id=header["id"],
+            id=promoted.decode() if promoted else header["id"],
             function=header["fn"],
             version=header["ver"],
-            reply_to=header["reply"],
-            deadline_ms=header["deadline_ms"],
+            reply_to=fields[TO].decode() if promoted else header["reply"],
+            deadline_ms=int(fields[BY]) if promoted else header["deadline_ms"],
             inputs=tensors,
             outputs=tuple(outputs) if outputs is not None else None,
             traceparent=header.get("tp"),
@@ -131,14 +133,14 @@ def _encode(header: dict[str, Any], tensors: Tensors) -> Fields:
         specs.append([name, datatype_of(array), list(array.shape), len(raw)])
         buffers.append(raw)
     header["t"] = specs
-    return {b"h": orjson.dumps(header), b"b": b"".join(buffers)}
+    return {HEADER: orjson.dumps(header), BODY: b"".join(buffers)}
 
 
 def _decode(fields: Mapping[Any, bytes]) -> tuple[dict[str, Any], Tensors]:
-    header = orjson.loads(fields[b"h"])
+    header = orjson.loads(fields[HEADER])
     if header.get("v") != WIRE_VERSION:
         raise InvalidArgument(f"wire version {header.get('v')} is not {WIRE_VERSION}")
-    body = memoryview(fields.get(b"b", b""))
+    body = memoryview(fields.get(BODY, b""))
     tensors: Tensors = {}
     offset = 0
     for name, datatype, shape, size in header["t"]:

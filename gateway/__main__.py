@@ -1,12 +1,13 @@
-"""settings -> Hypercorn config -> serve(app, shutdown_trigger=stopping.wait).
+"""settings -> server (uvicorn or Hypercorn) -> serve the app until `stopping` is set.
 
 With workers > 1 this process binds the socket and supervises that many single-worker gateway
-processes sharing it; each has its own reply stream.
+processes sharing it (each with its own reply stream), restarting any that dies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -14,19 +15,25 @@ import socket
 import subprocess
 import sys
 import tempfile
-
-from hypercorn.asyncio import serve
-from hypercorn.config import Config
+import time
+from typing import Any
 
 from fngate import telemetry
+from fngate.backoff import backoff_s
 from fngate.config import GatewaySettings, unknown_variables
 from fngate.process import run_forever
 from gateway.app import create_app
 
 log = logging.getLogger("gateway")
 
+STABLE_S = 30.0
+"""A worker that ran this long before dying is restarted at once; one that keeps dying, with backoff."""
 
-def hypercorn_config(settings: GatewaySettings) -> Config:
+
+async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio.Event) -> None:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
     config = Config()
     config.bind = [settings.bind or f"{settings.host}:{settings.port}"]
     config.accesslog = logging.getLogger("hypercorn.access") if telemetry.interactive() else None
@@ -35,7 +42,48 @@ def hypercorn_config(settings: GatewaySettings) -> Config:
     config.keep_alive_timeout = 75
     config.keep_alive_max_requests = 100_000  # Hypercorn's 1000 makes busy clients reconnect often
     config.graceful_timeout = 10
-    return config
+    await serve(app, config, shutdown_trigger=stopping.wait)
+
+
+async def serve_uvicorn(app: Any, settings: GatewaySettings, stopping: asyncio.Event) -> None:
+    import uvicorn
+
+    where: dict[str, Any] = {"host": settings.host, "port": settings.port}
+    sockets = None
+    if settings.bind.startswith("fd://"):  # family detected from the socket (uvicorn's fd= assumes unix)
+        sockets = [socket.socket(fileno=int(settings.bind.removeprefix("fd://")))]
+    elif settings.bind.startswith("unix:"):
+        where = {"uds": settings.bind.removeprefix("unix:")}
+    elif settings.bind:
+        host, _, port = settings.bind.rpartition(":")
+        where = {"host": host, "port": int(port)}
+    config = uvicorn.Config(
+        app,
+        **where,
+        loop="none",  # already on uvloop (fngate.process.run_forever)
+        http="httptools",
+        lifespan="on",
+        access_log=telemetry.interactive(),  # an access log for a person at a terminal
+        log_config=None,
+        server_header=False,
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=10,
+        backlog=2048,
+    )
+    server = uvicorn.Server(config)
+
+    async def stop_when_asked() -> None:
+        await stopping.wait()
+        server.should_exit = True
+
+    async with asyncio.TaskGroup() as tasks:
+        watcher = tasks.create_task(stop_when_asked())
+        await server.serve(sockets=sockets)
+        watcher.cancel()
+        stopping.set()
+
+
+SERVERS = {"uvicorn": serve_uvicorn, "hypercorn": serve_hypercorn}
 
 
 async def run(settings: GatewaySettings) -> None:
@@ -44,13 +92,23 @@ async def run(settings: GatewaySettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     app = create_app(settings, stopping)
-    await serve(app, hypercorn_config(settings), shutdown_trigger=stopping.wait)  # type: ignore[arg-type]
+    await SERVERS[settings.server](app, settings, stopping)
 
 
 def supervise(settings: GatewaySettings) -> int:
-    """Bind once, start `workers` gateway processes on the shared socket, and stop them together."""
+    """Bind once, keep `workers` gateway processes serving the shared socket (a worker that dies is
+    started again, with backoff if it keeps dying), and stop them together when asked."""
     sock = socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=False)
     sock.set_inheritable(True)
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child, _started in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
     with tempfile.TemporaryDirectory(prefix="fngate-metrics-") as metrics_dir:
         # Each worker writes its metrics there; /metrics on any worker sums them all.
         env = {
@@ -59,22 +117,41 @@ def supervise(settings: GatewaySettings) -> int:
             "FNGATE_BIND": f"fd://{sock.fileno()}",
             "FNGATE_WORKERS": "1",
         }
-        children = [
-            subprocess.Popen([sys.executable, "-m", "gateway"], env=env, pass_fds=[sock.fileno()])
-            for _ in range(settings.workers)
-        ]
-        log.info(
-            "gateway: %d workers on http://%s:%d", settings.workers, settings.host, sock.getsockname()[1]
-        )
 
-        def forward(signum: int, _frame: object) -> None:
-            for child in children:
-                child.send_signal(signum)
+        def start() -> tuple[subprocess.Popen[bytes], float]:
+            child = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, pass_fds=[sock.fileno()])
+            return child, time.monotonic()
 
+        children = [start() for _ in range(settings.workers)]
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
-        codes = [child.wait() for child in children]
-    return max(codes, default=0)
+        log.info(
+            "gateway: %d workers (%s) on http://%s:%d",
+            settings.workers,
+            settings.server,
+            settings.host,
+            sock.getsockname()[1],
+        )
+        failures = [0] * len(children)
+        code = 0
+        while True:
+            for index, (child, started) in enumerate(children):
+                status = child.poll()
+                if status is None:
+                    continue
+                if stopping:
+                    code = max(code, status)
+                    continue
+                failures[index] = 0 if time.monotonic() - started > STABLE_S else failures[index] + 1
+                delay_s = backoff_s(failures[index], base_s=0.5, cap_s=30) if failures[index] else 0
+                log.warning(
+                    "gateway worker %d exited with %s; starting another in %.1f s", child.pid, status, delay_s
+                )
+                time.sleep(delay_s)
+                children[index] = start()
+            if stopping and all(child.poll() is not None for child, _ in children):
+                return code
+            time.sleep(0.2)
 
 
 def main(settings: GatewaySettings | None = None) -> int:

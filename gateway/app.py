@@ -9,11 +9,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
-from fngate import keys, telemetry
+from fngate import telemetry
+from fngate.backoff import backoff_s
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from fngate.registry import function_source
@@ -24,17 +26,15 @@ from gateway.catalog import Catalog
 from gateway.compression import GzipLargeResponses
 from gateway.dispatch import Dispatcher
 from gateway.http_errors import handle_function_error, handle_unknown_route
+from gateway.invoke import InvokeRoutes
 from gateway.replies import ReplyRouter
 from gateway.tracing import TracingMiddleware
 
 log = logging.getLogger(__name__)
 GZIP_MIN_BYTES = 64 * 1024
 
-# Starlette tries routes in order: the invocation routes come first, they carry the traffic.
+# The invocation routes are gateway.invoke's, in front of these.
 ROUTES = [
-    Route("/v2/models/{name}/infer", endpoints.infer_v2, methods=["POST"]),
-    Route("/v1/functions/{name}", endpoints.invoke_v1, methods=["POST"]),
-    Route("/v2/models/{name}/versions/{version}/infer", endpoints.infer_v2, methods=["POST"]),
     Route("/v2/health/live", endpoints.live),
     Route("/v2/health/ready", endpoints.ready),
     Route("/v2", endpoints.server_metadata),
@@ -54,7 +54,7 @@ ROUTES = [
 ]
 
 
-def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None) -> Starlette:
+def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None) -> ASGIApp:
     """The gateway app. `stopping` is set if a background loop dies, so the server can shut down."""
 
     @contextlib.asynccontextmanager
@@ -65,25 +65,34 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             settings.redis_url,
             max_connections=settings.redis_connections,
             timeout=5,
-            socket_connect_timeout=5,
+            socket_connect_timeout=settings.redis_timeout_s,
+            socket_timeout=settings.redis_timeout_s,
         )
         redis = aioredis.Redis.from_pool(pool)  # owns the pool: closing it closes the connections
-        reader = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
+        # A Redis that stops answering (paused, partitioned) fails the blocking reads too, so the
+        # reply loop notices and invocations are refused at once instead of waiting out deadlines.
+        reader = aioredis.from_url(
+            settings.redis_url,
+            socket_connect_timeout=settings.redis_timeout_s,
+            socket_timeout=settings.reply_block_ms / 1000 + settings.redis_timeout_s,
+        )
         activator = Activator(reader)
         # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies,
         # so that the invocations' connection pool stays the invocations'.
         catalog = Catalog(function_source(settings.repo, reader), reader)
         app.state.load_timeout_s = settings.load_timeout_s
-        replies = ReplyRouter(reader, keys.replies(gateway_id), settings.reply_block_ms)
+        replies = ReplyRouter(reader, gateway_id, settings.reply_block_ms)
         async with redis, reader:
-            await redis.ping()
+            await _wait_for_redis(redis)
             await catalog.refresh()
+            await replies.start()
             log.info(
                 "gateway %s serving %d functions from %s", gateway_id, len(catalog.functions), settings.repo
             )
             async with asyncio.TaskGroup() as tasks:
                 loops = [
                     tasks.create_task(_guard(replies.run(), "reply loop", stopping)),
+                    tasks.create_task(_guard(replies.sweep(), "reply sweep", stopping)),
                     tasks.create_task(_guard(activator.run(), "activator loop", stopping)),
                     tasks.create_task(
                         _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
@@ -100,8 +109,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                 finally:
                     for loop in loops:
                         loop.cancel()
-            with contextlib.suppress(Exception):
-                await redis.delete(replies.stream)
+            await replies.stop()
 
     app = Starlette(
         routes=ROUTES,
@@ -111,15 +119,26 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             404: handle_unknown_route,
             405: handle_unknown_route,
         },
-        middleware=[
-            # Clients that accept gzip get large responses compressed; small ones pass as they are.
-            Middleware(GzipLargeResponses, minimum_bytes=GZIP_MIN_BYTES),
-            # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
-            *([Middleware(TracingMiddleware)] if telemetry.tracing_active() else []),
-        ],
     )
     app.state.retry_after_s = settings.retry_after_s
-    return app
+    # Clients that accept gzip get large responses compressed, invocations' included.
+    served = GzipLargeResponses(InvokeRoutes(app, settings.retry_after_s), GZIP_MIN_BYTES)
+    # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
+    return TracingMiddleware(served) if telemetry.tracing_active() else served
+
+
+async def _wait_for_redis(redis: aioredis.Redis) -> None:
+    """Start only once Redis answers, however long that takes: a gateway never exits for it."""
+    failures = 0
+    while True:
+        try:
+            await redis.ping()
+            return
+        except (RedisError, OSError) as exc:
+            failures += 1
+            delay_s = backoff_s(failures)
+            log.warning("redis unavailable at start (%s); retrying in %.1f s", exc, delay_s)
+            await asyncio.sleep(delay_s)
 
 
 def _separate_cache(settings: GatewaySettings) -> SeparateCache | None:

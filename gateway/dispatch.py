@@ -1,5 +1,9 @@
 """Append an invocation to its function's stream and await its reply before the deadline; answer
-from the response cache, or wait on an identical invocation already in flight, when it can."""
+from the response cache, or wait on an identical invocation already in flight, when it can.
+
+The enqueue scripts of all invocations that arrive in one event-loop turn go to Redis as one
+pipeline (auto-pipelining): under load one round trip carries many invocations.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,15 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
-from fngate import keys, telemetry
+from fngate import keys, queue, telemetry
 from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply, Tensors
@@ -21,33 +27,70 @@ from gateway.activation import Activator
 from gateway.cache import SeparateCache, cache_key
 from gateway.replies import ReplyRouter
 
-# One round trip for the whole decision. KEYS: the stream, the cache entry ('' to skip the
-# lookup), the in-flight marker and its waiters list ('' for no coalescing). ARGV: max queue size,
-# header, body, this invocation as a waiter ("reply_stream id"), marker TTL in ms.
-# Entries leave the stream when a runner acknowledges them, so XLEN counts queued or in flight.
-ENQUEUE = """
-if KEYS[2] ~= '' then
-  local hit = redis.call('HMGET', KEYS[2], 'h', 'b')
-  if hit[1] then return {'hit', hit[1], hit[2]} end
-end
-if KEYS[3] ~= '' then
-  if not redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[5]) then
-    redis.call('RPUSH', KEYS[4], ARGV[4])
-    redis.call('PEXPIRE', KEYS[4], ARGV[5])
-    return {'wait'}
-  end
-end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
-  if KEYS[3] ~= '' then redis.call('DEL', KEYS[3]) end
-  return {'full'}
-end
-redis.call('XADD', KEYS[1], '*', 'h', ARGV[2], 'b', ARGV[3])
-return {'queued'}
-"""
-
-
 tracer = trace.get_tracer("fngate.gateway")
 REDIS = {"db.system.name": "redis"}
+
+
+class ScriptPipeline:
+    """Calls of one Lua script made in the same event-loop turn, sent together as one pipeline.
+
+    EVALSHA directly (redis-py's pipelined scripts ask SCRIPT EXISTS before every pipeline); the
+    script is loaded on the first NOSCRIPT, as after a Redis restart, and the calls resent once."""
+
+    def __init__(self, redis: aioredis.Redis, script: str) -> None:
+        self._redis = redis
+        self._script = redis.register_script(script)
+        self._calls: list[tuple[queue.ScriptCall, asyncio.Future[Any]]] = []
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def call(self, call: queue.ScriptCall) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._calls.append((call, future))
+        if len(self._calls) == 1:
+            loop.call_soon(self._flush)  # after every callback already ready in this turn
+        return await future
+
+    def _flush(self) -> None:
+        calls, self._calls = self._calls, []
+        task = asyncio.get_running_loop().create_task(self._send(calls))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, calls: Sequence[tuple[queue.ScriptCall, asyncio.Future[Any]]]) -> None:
+        try:
+            results = await self._execute([call for call, _ in calls])
+            if any(isinstance(result, NoScriptError) for result in results):
+                await self._redis.script_load(self._script.script)
+                results = await self._execute([call for call, _ in calls])
+        except BaseException as exc:
+            for _, future in calls:
+                if not future.done():
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, future), result in zip(calls, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def _execute(self, calls: Sequence[queue.ScriptCall]) -> list[Any]:
+        sha = self._script.sha
+        if len(calls) == 1:
+            call = calls[0]
+            try:
+                return [await self._redis.evalsha(sha, len(call.keys), *call.keys, *call.args)]
+            except NoScriptError as exc:
+                return [exc]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
 
 
 class Dispatcher:
@@ -60,8 +103,9 @@ class Dispatcher:
     ) -> None:
         self._replies = replies
         self._activator = activator
-        self._enqueue = redis.register_script(ENQUEUE)
+        self._enqueue = ScriptPipeline(redis, queue.ENQUEUE)
         self._separate_cache = cache
+        self._tracing = telemetry.tracing_active()
 
     async def submit(
         self,
@@ -76,6 +120,8 @@ class Dispatcher:
         With the function's cache on, a cached answer is returned at once and an identical
         invocation in flight is waited on; use_cache=False skips both but still stores the answer."""
         manifest = function.manifest
+        if not self._replies.healthy:
+            raise Unavailable("the queue is unavailable: Redis cannot be reached")
         limit_ms = manifest.batching.timeout_ms
         timeout_ms = limit_ms if timeout_ms is None else min(timeout_ms, limit_ms)
         entry = in_flight = ""
@@ -91,7 +137,7 @@ class Dispatcher:
             deadline_ms=int(time.time() * 1000) + timeout_ms,
             inputs=inputs,
             outputs=outputs,
-            traceparent=telemetry.inject(),
+            traceparent=telemetry.inject() if self._tracing else None,
             digest=function.digest,
             cache_key=entry or None,
             cache_ttl_s=manifest.cache.ttl_s,
@@ -106,41 +152,24 @@ class Dispatcher:
         pool = manifest.scaling.pool
         if self._activator is not None:
             self._activator.check(pool)
-        lookup = entry if use_cache and self._separate_cache is None else ""
-        fields = invocation.encode()
+        call = queue.enqueue_call(
+            keys.invocations(manifest.name),
+            invocation.encode(),
+            queue.Waiter(self._replies.stream, invocation.id, invocation.deadline_ms),
+            timeout_ms,
+            manifest.batching.max_queue_size,
+            manifest.batching.max_queue_bytes,
+            lookup=entry if use_cache and self._separate_cache is None else "",
+            in_flight=in_flight,
+        )
         future = self._replies.expect(invocation.id)
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                try:
-                    with tracer.start_as_current_span(
-                        f"enqueue {manifest.name}", kind=SpanKind.PRODUCER, attributes=REDIS
-                    ) as span:
-                        outcome = await self._enqueue(
-                            keys=[
-                                keys.invocations(manifest.name),
-                                lookup,
-                                in_flight,
-                                keys.waiters(in_flight) if in_flight else "",
-                            ],
-                            args=[
-                                manifest.batching.max_queue_size,
-                                fields[b"h"],
-                                fields[b"b"],
-                                f"{self._replies.stream} {invocation.id}",
-                                timeout_ms,
-                            ],
-                        )
-                except RedisError as exc:
-                    raise Unavailable(f"the queue is unavailable: {exc}") from exc
-                if outcome[0] == b"hit":
-                    return dataclasses.replace(
-                        Reply.decode({b"h": outcome[1], b"b": outcome[2]}), cached=True
-                    )
-                if outcome[0] == b"full":
-                    raise Overloaded(
-                        f"function '{manifest.name}' has {manifest.batching.max_queue_size} invocations "
-                        "queued (max_queue_size); retry later"
-                    )
+                outcome = await self._submit(call, manifest.name)
+                if isinstance(outcome, queue.Hit):
+                    return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
+                if isinstance(outcome, queue.Full):
+                    raise Overloaded(_full_message(manifest.name, outcome, manifest.batching))
                 if self._activator is not None:
                     await self._activator.wake(pool)
                 reply = await future
@@ -153,3 +182,21 @@ class Dispatcher:
         if reply.error is not None:
             raise reply.error
         return reply
+
+    async def _submit(self, call: queue.ScriptCall, name: str) -> queue.EnqueueOutcome:
+        try:
+            if not self._tracing:
+                return queue.parse_enqueue(await self._enqueue.call(call))
+            with tracer.start_as_current_span(f"enqueue {name}", kind=SpanKind.PRODUCER, attributes=REDIS):
+                return queue.parse_enqueue(await self._enqueue.call(call))
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the queue is unavailable: {exc}") from exc
+
+
+def _full_message(name: str, outcome: queue.Full, batching: Any) -> str:
+    if outcome.limit == "bytes":
+        return (
+            f"function '{name}' has {batching.max_queue_bytes} bytes of invocations queued "
+            "(max_queue_bytes); retry later"
+        )
+    return f"function '{name}' has {batching.max_queue_size} invocations queued (max_queue_size); retry later"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,24 +14,12 @@ from starlette.responses import Response
 
 import fngate
 from fngate import keys
-from fngate.errors import FunctionError, FunctionNotFound, Unavailable
+from fngate.errors import FunctionNotFound, Unavailable
 from fngate.repository import FunctionVersion
 from fngate.statistics import model_stats
-from fngate.wire import Reply
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
-from gateway.http_errors import PayloadTooLarge
-from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
 from gateway.model_config import PLATFORMS, model_config
-from gateway.protocol import (
-    HEADER_LENGTH,
-    InferRequest,
-    decode_body,
-    parse_v1,
-    parse_v2,
-    render_v1,
-    render_v2,
-)
 from gateway.rendering import json_response
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -151,48 +137,6 @@ async def model_statistics(request: Request) -> Response:
     )
 
 
-def observed(handler: Handler) -> Handler:
-    """Count each invocation's outcome and time it, labelled by function (and version or code)."""
-
-    @functools.wraps(handler)
-    async def wrapper(request: Request) -> Response:
-        name = request.path_params["name"]
-        started = time.perf_counter()
-        try:
-            response = await handler(request)
-        except FunctionError as exc:
-            known = name in services(request).catalog.functions
-            REQUEST_FAILURE.labels(name if known else "", exc.code.value).inc()
-            raise
-        finally:
-            REQUEST_DURATION.labels(name).observe(time.perf_counter() - started)
-        REQUEST_SUCCESS.labels(name, request.state.version).inc()
-        return response
-
-    return wrapper
-
-
-@observed
-async def infer_v2(request: Request) -> Response:
-    function = _function(request)
-    body = await _body(request)
-    parsed = parse_v2(body, request.headers.get(HEADER_LENGTH), function.manifest)
-    reply = await _submit(request, function, parsed)
-    content, headers = render_v2(parsed, reply, function.manifest)
-    headers[CACHE_HEADER] = _cache_state(function, reply)
-    return Response(content, 200, headers)
-
-
-@observed
-async def invoke_v1(request: Request) -> Response:
-    function = services(request).catalog.get(request.path_params["name"])
-    body = await _body(request)
-    parsed = parse_v1(body, function.manifest)
-    reply = await _submit(request, function, parsed)
-    headers = {CACHE_HEADER: _cache_state(function, reply)}
-    return Response(render_v1(reply), 200, headers, media_type="application/json")
-
-
 async def list_functions(request: Request) -> Response:
     catalog = services(request).catalog
     return json_response(
@@ -205,44 +149,8 @@ async def list_functions(request: Request) -> Response:
     )
 
 
-async def _submit(request: Request, function: FunctionVersion, parsed: InferRequest) -> Reply:
-    use_cache = parsed.use_cache and "no-cache" not in request.headers.get("cache-control", "")
-    reply = await services(request).dispatcher.submit(
-        function, parsed.inputs, parsed.outputs, parsed.timeout_ms, use_cache
-    )
-    request.state.version = reply.version
-    if function.manifest.cache.enabled:
-        (CACHE_HITS if reply.cached else CACHE_MISSES).labels(function.name).inc()
-    return reply
-
-
-def _cache_state(function: FunctionVersion, reply: Reply) -> str:
-    if not function.manifest.cache.enabled:
-        return "off"
-    return "hit" if reply.cached else "miss"
-
-
-def _function(request: Request) -> FunctionVersion:
-    return services(request).catalog.get(request.path_params["name"], request.path_params.get("version"))
-
-
 def _described(request: Request) -> FunctionVersion:
     return services(request).catalog.find(request.path_params["name"], request.path_params.get("version"))
-
-
-async def _body(request: Request) -> bytes:
-    limit = services(request).max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)
 
 
 def _tensor_metadata(spec: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fngate.errors import ErrorCode, FunctionError
-from gateway.rendering import json_response
+from gateway.rendering import dumps
 
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -27,10 +27,14 @@ class PayloadTooLarge(FunctionError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+def error_body(exc: FunctionError) -> bytes:
+    return dumps({"error": exc.message, "code": exc.code.value})
+
+
 def error_response(exc: FunctionError, retry_after_s: int = 1) -> Response:
     status = 413 if isinstance(exc, PayloadTooLarge) else STATUS[exc.code]
     headers = {"Retry-After": str(retry_after_s)} if exc.code in RETRY else None
-    return json_response({"error": exc.message, "code": exc.code.value}, status, headers)
+    return Response(error_body(exc), status, headers, media_type="application/json")
 
 
 async def handle_function_error(request: Request, exc: Exception) -> Response:
@@ -47,4 +51,5 @@ async def handle_unknown_route(request: Request, exc: Exception) -> Response:
     else:
         message = f"no route {request.method} {request.url.path}"
         code = ErrorCode.NOT_FOUND
-    return json_response({"error": message, "code": code.value}, exc.status_code, exc.headers)
+    body = dumps({"error": message, "code": code.value})
+    return Response(body, exc.status_code, exc.headers, media_type="application/json")

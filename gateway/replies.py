@@ -1,24 +1,44 @@
-"""The one loop that reads this gateway's reply stream and resolves waiting invocations by id."""
+"""The one loop that reads this gateway's reply stream and resolves waiting invocations by id.
+
+Replies leave Redis as soon as they are read (XTRIM up to the last one read, sent with the next
+read in one round trip). The stream lives as long as its gateway: it is created at start and again
+after Redis lost it, runners write only to streams that exist, and a gateway that stops
+heart-beating has its stream removed by the others (sweep).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
+from fngate import keys, queue
+from fngate.backoff import backoff_s
 from fngate.wire import Fields, Reply
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 2.0
+"""How often a gateway says it is alive (and recreates its stream if Redis lost it)."""
+GONE_AFTER_S = 15.0
+"""A gateway silent this long is gone: its reply stream is removed."""
+SWEEP_S = 30.0
+
 
 class ReplyRouter:
-    def __init__(self, redis: aioredis.Redis, stream: str, block_ms: int) -> None:
+    def __init__(self, redis: aioredis.Redis, gateway_id: str, block_ms: int) -> None:
         self._redis = redis
-        self.stream = stream
+        self.gateway_id = gateway_id
+        self.stream = keys.replies(gateway_id)
         self._block_ms = block_ms
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
+        self.healthy = True
+        """False while Redis cannot be read: invocations are refused at once meanwhile."""
 
     def expect(self, invocation_id: str) -> asyncio.Future[Reply]:
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -28,11 +48,39 @@ class ReplyRouter:
     def forget(self, invocation_id: str) -> None:
         self._waiting.pop(invocation_id, None)
 
+    async def start(self) -> None:
+        """Create the stream (runners write only to reply streams that exist) and say we are alive."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xgroup_create(self.stream, "alive", id="$", mkstream=True)
+            pipe.zadd(keys.gateways(), {self.gateway_id: time.time() + GONE_AFTER_S})
+            await pipe.execute(raise_on_error=False)
+
     async def run(self) -> None:
-        """Read replies until cancelled. Needs a connection of its own: XREAD blocks it."""
+        """Read replies until cancelled; a Redis outage is waited out with backoff. Needs a
+        connection of its own: XREAD blocks it."""
         last_id = b"0-0"  # the stream is this process's own: nothing in it predates us
+        failures = 0
+        next_beat = 0.0
         while True:
-            response: Any = await self._redis.xread({self.stream: last_id}, count=1000, block=self._block_ms)
+            try:
+                if time.monotonic() >= next_beat or failures:
+                    await self.start()
+                    next_beat = time.monotonic() + HEARTBEAT_S
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    if last_id != b"0-0":
+                        pipe.xtrim(self.stream, minid=_after(last_id))
+                    pipe.xread({self.stream: last_id}, count=1000, block=self._block_ms)
+                    results: list[Any] = await pipe.execute()
+                failures = 0
+                self.healthy = True
+            except (RedisError, OSError) as exc:
+                failures += 1
+                self.healthy = False
+                delay_s = backoff_s(failures)
+                log.warning("reply loop: redis unavailable (%s); retrying in %.1f s", exc, delay_s)
+                await asyncio.sleep(delay_s)
+                continue
+            response = results[-1]
             if not response:
                 continue
             _, entries = response[0]
@@ -40,14 +88,39 @@ class ReplyRouter:
             for _entry_id, fields in entries:
                 self._resolve(fields)
 
+    async def sweep(self) -> None:
+        """Every SWEEP_S, remove the reply streams of gateways that stopped heart-beating."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            with contextlib.suppress(RedisError, OSError):
+                gone: Any = await self._redis.zrangebyscore(keys.gateways(), "-inf", time.time())
+                for gateway in gone:
+                    name = gateway.decode()
+                    async with self._redis.pipeline(transaction=True) as pipe:
+                        pipe.delete(keys.replies(name))
+                        pipe.zrem(keys.gateways(), name)
+                        await pipe.execute()
+                    log.info("removed the reply stream of gateway %s, silent for %.0f s", name, GONE_AFTER_S)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.stream)
+                pipe.zrem(keys.gateways(), self.gateway_id)
+                await pipe.execute()
+
     def _resolve(self, fields: Fields) -> None:
         try:
             reply = Reply.decode(fields)
         except Exception:
             log.exception("dropping a reply that does not decode")
             return
-        # A reply delivered to an invocation that waited on an identical one names it in `for`.
-        target = fields.get(b"for")
-        future = self._waiting.pop(target.decode() if target else reply.id, None)
+        future = self._waiting.pop(queue.answered_id(fields, reply.id), None)
         if future is not None and not future.done():
             future.set_result(reply)
+
+
+def _after(entry_id: bytes) -> str:
+    """The smallest stream id after `entry_id`."""
+    ms, _, seq = entry_id.decode().partition("-")
+    return f"{ms}-{int(seq) + 1}"

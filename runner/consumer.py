@@ -9,29 +9,27 @@ is answered with an error and moved to the dead-letter stream.
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import logging
-import math
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError
 
-from fngate import keys, telemetry
+from fngate import keys, queue, telemetry
+from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
-from runner.batching import Run, plan
+from runner.batching import Waiting, next_step
 from runner.execution import execute, shape_key
 from runner.metrics import (
     BATCH_SIZE,
@@ -45,16 +43,19 @@ from runner.metrics import (
     MODELS_LOADED,
     QUEUE_DURATION,
 )
-from runner.outbox import Outbox
+from runner.outbox import Entry, Outbox
 from runner.pool import LoadedModel, ModelPool
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("fngate.runner")
 
-Entry = tuple[bytes, Invocation]
-
 
 class FunctionConsumer:
+    """Two tasks: a reader that keeps one blocking XREADGROUP outstanding (Redis wakes it the moment
+    an invocation arrives) and reads ahead up to one batch, and a batcher that times its batch
+    window on the runner's own clock. A short Redis BLOCK is never used to wait: Redis checks
+    blocked clients' timeouts on its `hz` tick, so a 2 ms BLOCK can last 100 ms."""
+
     def __init__(
         self,
         redis: aioredis.Redis,
@@ -71,7 +72,10 @@ class FunctionConsumer:
         self._consumer = consumer
         self._stopping = stopping
         self._stream = keys.invocations(function.name)
-        self._pending: collections.deque[Entry] = collections.deque()
+        self._pending: list[Entry] = []
+        self._running: Sequence[Entry] = ()
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
         self._contended = False
         self._last_claim = 0.0
         self._outbox = Outbox(redis, self._stream, settings)
@@ -81,27 +85,68 @@ class FunctionConsumer:
         """Invocations read and not yet answered."""
         return len(self._pending)
 
+    @property
+    def _read_ahead(self) -> int:
+        """At most one batch waits here beside the one running; the rest stays for other runners."""
+        return max(self.function.manifest.batching.max_batch_size, 1)
+
     async def run(self) -> None:
         """Consume until `stopping` is set, then finish what was already read and return."""
         try:
-            await self._consume()
+            async with asyncio.TaskGroup() as tasks:
+                reader = tasks.create_task(self._read_loop(), name=f"read {self.function.name}")
+                try:
+                    await self._batch_loop()
+                finally:
+                    reader.cancel()
         finally:
             await self._outbox.aclose()
 
-    async def _consume(self) -> None:
-        await self._ensure_group()
-        wait_ms: int | None = None
-        while not (self._stopping.is_set() and not self._pending):
+    async def _read_loop(self) -> None:
+        """Read and claim until `stopping`; a Redis outage is waited out with backoff."""
+        failures = 0
+        while not self._stopping.is_set():
             try:
-                if not self._stopping.is_set():
-                    await self._claim_due()
-                    await self._read(wait_ms)
-                wait_ms = await self._step()
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if failures or not self._last_claim:
+                    await self._ensure_group()
+                await self._claim_due()
+                room = self._read_ahead - len(self._pending)
+                if room <= 0:
+                    self._room.clear()
+                    async with asyncio.timeout(self._settings.claim_interval_ms / 1000):
+                        await self._room.wait()
+                    continue
+                block = min(self._settings.read_block_ms, self._settings.claim_interval_ms)
+                response: Any = await self._redis.xreadgroup(
+                    keys.RUNNER_GROUP, self._consumer, {self._stream: ">"}, count=room, block=block
+                )
+                for _stream, entries in response or ():
+                    await self._accept(entries)
+                failures = 0
+            except TimeoutError:
+                continue
+            except (RedisError, OSError) as exc:
                 # What we had read stays in our pending list at Redis; a later claim recovers it.
-                log.warning("%s: redis unavailable (%s); retrying in 1 s", self.function.name, exc)
-                self._pending.clear()
-                await asyncio.sleep(1)
+                failures += 1
+                delay_s = backoff_s(failures)
+                log.warning(
+                    "%s: redis unavailable (%s); retrying in %.1f s", self.function.name, exc, delay_s
+                )
+                await asyncio.sleep(delay_s)
+
+    async def _batch_loop(self) -> None:
+        while True:
+            self._arrived.clear()
+            if not self._pending:
+                if self._stopping.is_set():
+                    return
+                await _first(self._arrived.wait(), self._stopping.wait())
+                continue
+            wait_us = await self._step()
+            if wait_us is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_us / 1e6):
+                        await self._arrived.wait()
 
     async def _ensure_group(self) -> None:
         try:
@@ -110,30 +155,20 @@ class FunctionConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def _read(self, wait_ms: int | None) -> None:
-        if self._pending:
-            block = wait_ms  # None: take what is queued now, without blocking
-        else:
-            block = min(self._settings.read_block_ms, self._settings.claim_interval_ms)
-        room = max(self.function.manifest.batching.max_batch_size, 1) * 2
-        response: Any = await self._redis.xreadgroup(
-            keys.RUNNER_GROUP, self._consumer, {self._stream: ">"}, count=room, block=block
-        )
-        for _stream, entries in response or ():
-            await self._accept(entries)
-
-    async def _accept(self, entries: Iterable[tuple[bytes, Fields | None]]) -> None:
+    async def _accept(self, entries: Iterable[tuple[bytes, Fields | None]], alone: bool = False) -> None:
         broken = []
         for entry_id, fields in entries:
             if not fields:
                 continue  # deleted after it was delivered: someone already answered it
             try:
-                self._pending.append((entry_id, Invocation.decode(fields)))
+                invocation = Invocation.decode(fields)
             except (KeyError, ValueError, TypeError, FunctionError) as exc:
                 log.error(
                     "%s: entry %s does not decode (%s); dead-lettered", self.function.name, entry_id, exc
                 )
                 broken.append((entry_id, fields))
+                continue
+            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone))
         if broken:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for _entry_id, fields in broken:
@@ -141,41 +176,50 @@ class FunctionConsumer:
                 pipe.xack(self._stream, keys.RUNNER_GROUP, *[entry_id for entry_id, _ in broken])
                 pipe.xdel(self._stream, *[entry_id for entry_id, _ in broken])
                 await pipe.execute()
+        self._arrived.set()
 
     async def _step(self) -> int | None:
-        """Drop expired entries, then run a batch or say how many ms to wait for more."""
-        if not self._pending:
-            return None
-        now_ms = int(time.time() * 1000)
-        expired = [entry for entry in self._pending if entry[1].deadline_ms <= now_ms]
-        if expired:
-            self._pending = collections.deque(
-                entry for entry in self._pending if entry[1].deadline_ms > now_ms
-            )
-            await self._expire(expired)
-            if not self._pending:
-                return None
+        """Answer expired entries, then run a batch or say how many µs to wait for more."""
         manifest = self.function.manifest
-        # A batch runs on one version's model: invocations name theirs (pinned, or by traffic split).
-        first = self._pending[0][1]
-        first_key = (first.version, shape_key(first))
-        candidates = [
-            entry for entry in self._pending if (entry[1].version, shape_key(entry[1])) == first_key
-        ]
-        rows = [entry[1].rows if manifest.batched else 1 for entry in candidates]
-        oldest_age_us = max(0, now_ms - _entry_ms(candidates[0][0])) * 1000
-        decision = plan(rows, oldest_age_us, manifest.batching, self._contended or len(self._pending) > 1)
-        if not isinstance(decision, Run):
-            return max(1, math.ceil(decision.us / 1000))
-        batch = candidates[: decision.count]
-        taken = {entry_id for entry_id, _ in batch}
-        self._pending = collections.deque(entry for entry in self._pending if entry[0] not in taken)
-        self._contended = len(batch) > 1 or bool(self._pending)
-        await self._execute(batch)
-        return None
+        now_ms = int(time.time() * 1000)
+        step = next_step(
+            [
+                Waiting(
+                    entry.invocation.deadline_ms,
+                    _entry_ms(entry.id),
+                    (entry.invocation.version, shape_key(entry.invocation)),
+                    entry.invocation.rows,
+                    entry.alone,
+                )
+                for entry in self._pending
+            ],
+            now_ms,
+            manifest.batching,
+            manifest.batched,
+            self._contended,
+        )
+        taken = set(step.expired) | set(step.batch)
+        expired = [self._pending[index] for index in step.expired]
+        batch = [self._pending[index] for index in step.batch]
+        if taken:
+            self._pending = [entry for index, entry in enumerate(self._pending) if index not in taken]
+            self._room.set()
+        if expired:
+            await self._expire(expired)
+        if batch:
+            self._contended = len(batch) > 1 or bool(self._pending)
+            await self._execute(batch)
+        return step.wait_us
 
     async def _execute(self, batch: Sequence[Entry]) -> None:
-        invocations = [invocation for _, invocation in batch]
+        self._running = batch
+        try:
+            await self._run(batch)
+        finally:
+            self._running = ()
+
+    async def _run(self, batch: Sequence[Entry]) -> None:
+        invocations = [entry.invocation for entry in batch]
         name = self.function.name
         version = invocations[0].version
         batch_id = uuid.uuid4().hex[:16]
@@ -208,7 +252,7 @@ class FunctionConsumer:
                 }
             )
         self._observe(batch, replies, parents, batch_span, started_ns, rows)
-        await self._outbox.send(replies, [entry_id for entry_id, _ in batch], invocations, ran_digest)
+        await self._outbox.send(batch, replies, ran_digest)
         await statistics.record(self._redis, self.function, version, batch, replies, started_ns)
 
     async def _load(self, function: FunctionVersion) -> LoadedModel:
@@ -240,14 +284,15 @@ class FunctionConsumer:
         rows: int,
     ) -> None:
         """Metrics for the batch, and each invocation's share of it as spans in its own trace."""
-        name, version = self.function.name, self.function.version
+        name, version = self.function.name, batch[0].invocation.version  # the version this batch ran
         EXECUTION_COUNT.labels(name, version).inc()
         INFERENCE_COUNT.labels(name, version).inc(rows)
         BATCH_SIZE.labels(name).observe(rows)
         ended_ns = time.time_ns()
         batch_link = [Link(batch_span.get_span_context())]
-        for (entry_id, invocation), reply, parent in zip(batch, replies, parents, strict=True):
-            queued_ns = _entry_ms(entry_id) * 1_000_000
+        for entry, reply, parent in zip(batch, replies, parents, strict=True):
+            invocation = entry.invocation
+            queued_ns = _entry_ms(entry.id) * 1_000_000
             QUEUE_DURATION.labels(name).observe(max(0, started_ns - queued_ns) / 1e9)
             INVOCATIONS.labels(name, reply.error.code.value if reply.error else "success").inc()
             if parent is None or not batch_span.get_span_context().trace_flags.sampled:
@@ -275,18 +320,21 @@ class FunctionConsumer:
     async def _expire(self, entries: Sequence[Entry]) -> None:
         INVOCATIONS.labels(self.function.name, DeadlineExceeded.code.value).inc(len(entries))
         log.info("%s: %d invocations past their deadline, not executed", self.function.name, len(entries))
-        invocations = [invocation for _, invocation in entries]
-        replies = [
-            Reply(inv.id, inv.version, {}, DeadlineExceeded("the deadline passed while queued"))
-            for inv in invocations
-        ]
-        await self._outbox.send(replies, [entry_id for entry_id, _ in entries], invocations)
+        error = DeadlineExceeded("the deadline passed while queued")
+        replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in entries]
+        await self._outbox.send(entries, replies)
 
     async def _claim_due(self) -> None:
+        """Take over what runners that died left unacknowledged; each runs alone (Entry.alone)."""
         now = time.monotonic()
         if now - self._last_claim < self._settings.claim_interval_ms / 1000:
             return
         self._last_claim = now
+        held: list[bytes | str | int | memoryview] = [entry.id for entry in (*self._pending, *self._running)]
+        if held:
+            # Reset the idle time of what we hold (JUSTID: no delivery is counted), so that neither
+            # we nor another runner claim an invocation that is only waiting or running long here.
+            await self._redis.xclaim(self._stream, keys.RUNNER_GROUP, self._consumer, 0, held, justid=True)
         _next, claimed, _deleted = await self._redis.xautoclaim(
             self._stream, keys.RUNNER_GROUP, self._consumer, self._settings.claim_idle_ms, "0-0", count=100
         )
@@ -308,7 +356,9 @@ class FunctionConsumer:
         if poisoned:
             await self._dead_letter(poisoned)
         poisoned_ids = {entry_id for entry_id, _ in poisoned}
-        await self._accept((entry_id, fields) for entry_id, fields in claimed if entry_id not in poisoned_ids)
+        await self._accept(
+            ((entry_id, fields) for entry_id, fields in claimed if entry_id not in poisoned_ids), alone=True
+        )
 
     async def _dead_letter(self, entries: Sequence[tuple[bytes, Fields]]) -> None:
         limit = self._settings.max_deliveries
@@ -322,10 +372,23 @@ class FunctionConsumer:
             for _entry_id, fields in entries:
                 pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"max_deliveries"})
             await pipe.execute()
-        invocations = [Invocation.decode(fields) for _, fields in entries]
+        dead = [
+            Entry(entry_id, Invocation.decode(fields), queue.entry_bytes(fields))
+            for entry_id, fields in entries
+        ]
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
-        replies = [Reply(invocation.id, invocation.version, {}, error) for invocation in invocations]
-        await self._outbox.send(replies, [entry_id for entry_id, _ in entries], invocations)
+        replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in dead]
+        await self._outbox.send(dead, replies)
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Wait until the first of `waits` is done; cancel the others."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _entry_ms(entry_id: bytes) -> int:

@@ -1,21 +1,19 @@
-"""The GPU as NVML sees it (nvidia-ml-py, imported lazily: its one home), and the memory policy of a
-runner's GPU: which idle models to unload, least recently used first, so that a new one fits its
-budget, or why it cannot. NVML calls block briefly; none raises on a machine without a GPU."""
+"""The GPU as NVML sees it (nvidia-ml-py, imported lazily: its one home): the device a CUDA index
+names (matched by UUID, since NVML and CUDA may number GPUs differently), and the device memory a
+load takes. NVML calls block briefly; none raises on a machine without a GPU."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUDGET_SHARE = 0.9
-"""Without a configured budget, models may hold this share of the device's memory (the rest is
-left to CUDA contexts, workspaces and other processes)."""
 MIB = 1024 * 1024
 
 _lock = threading.Lock()
@@ -26,12 +24,20 @@ _nvml_problem = ""
 @dataclasses.dataclass(frozen=True, slots=True)
 class Device:
     index: int
+    """The CUDA index: what onnxruntime's device_id, cudaSetDevice and FNGATE_GPU_DEVICE count."""
     name: str
     uuid: str
     compute_capability: str
     """"9.0" for an H100/H200: TensorRT engines are built for one."""
     total_bytes: int
     used_bytes: int
+    driver_version: str = ""
+    """NVIDIA's driver, "580.65.06"; its major version is part of an engine's key."""
+    nvml_index: int = 0
+
+    @property
+    def driver_major(self) -> str:
+        return self.driver_version.split(".", 1)[0]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,16 +62,107 @@ def _library() -> Any:
         return _nvml
 
 
-def find_device(index: int = 0) -> Device | NoDevice:
-    """The GPU with this index, or why there is none."""
+def uuid_text(raw: bytes) -> str:
+    """CUDA's 16-byte device UUID written as NVML writes it: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
+    digits = raw.hex()
+    return f"GPU-{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:32]}"
+
+
+def nvml_index(
+    cuda_index: int, nvml_uuids: Sequence[str], cuda_uuid: str | None, visible: str | None
+) -> int | str:
+    """The NVML index of the GPU that CUDA numbers `cuda_index`, or why it cannot be told.
+
+    CUDA counts only the GPUs CUDA_VISIBLE_DEVICES lists (`visible`, by index or UUID prefix) and by
+    default fastest first; NVML counts every GPU in PCI order. CUDA's own UUID of the device
+    (`cuda_uuid`, from the driver API) settles it; without one, CUDA_VISIBLE_DEVICES is read and
+    PCI order assumed."""
+    wanted = [uuid.lower() for uuid in nvml_uuids]
+    if cuda_uuid is not None:
+        if cuda_uuid.lower() in wanted:
+            return wanted.index(cuda_uuid.lower())
+        return f"CUDA's GPU {cuda_index} ({cuda_uuid}) is not among the GPUs NVML sees"
+    if visible is None:
+        return (
+            cuda_index
+            if cuda_index < len(wanted)
+            else f"NVML sees {len(wanted)} GPUs; there is no GPU {cuda_index}"
+        )
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if cuda_index >= len(entries):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} leaves {len(entries)} GPUs; there is no GPU {cuda_index}"
+    entry = entries[cuda_index].lower()
+    if entry.isdigit():
+        found = int(entry)
+        return (
+            found
+            if found < len(wanted)
+            else f"CUDA_VISIBLE_DEVICES names GPU {found}, which NVML does not see"
+        )
+    matches = [index for index, uuid in enumerate(wanted) if uuid.startswith(entry)]
+    if len(matches) == 1:
+        return matches[0]
+    return f"CUDA_VISIBLE_DEVICES entry {entries[cuda_index]!r} names no single GPU that NVML sees"
+
+
+def _cuda_uuid(cuda_index: int) -> str | None:
+    """CUDA's UUID of a device, from the driver API (cuda-bindings); None without it. cuInit
+    creates no context, so this costs no device memory."""
+    try:
+        from cuda.bindings import driver  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    try:
+        (error,) = driver.cuInit(0)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            return None
+        error, device = driver.cuDeviceGet(cuda_index)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            return None
+        get_uuid = getattr(driver, "cuDeviceGetUuid_v2", None) or driver.cuDeviceGetUuid
+        error, uuid = get_uuid(device)
+        if error != driver.CUresult.CUDA_SUCCESS:
+            return None
+        raw = uuid.bytes
+        return uuid_text((raw.encode("latin-1") if isinstance(raw, str) else bytes(raw))[:16])
+    except Exception:  # a driver the bindings do not match: fall back to CUDA_VISIBLE_DEVICES
+        log.debug("cuda-bindings could not name CUDA device %d", cuda_index, exc_info=True)
+        return None
+
+
+@functools.cache
+def _nvml_index(cuda_index: int) -> int | str:
+    """Looked up once per process: which GPU a runner uses does not change while it runs."""
     nvml = _library()
     if nvml is None:
-        return NoDevice(_nvml_problem)
+        return _nvml_problem
     try:
         count = nvml.nvmlDeviceGetCount()
-        if index >= count:
-            return NoDevice(f"NVML sees {count} GPUs; there is no GPU {index}")
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+    except Exception as exc:  # pynvml.NVMLError
+        return f"NVML could not list the GPUs: {exc}"
+    return nvml_index(cuda_index, uuids, _cuda_uuid(cuda_index), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _handle(cuda_index: int) -> tuple[Any, Any, int] | str:
+    """(pynvml, the device's handle, its NVML index), or why there is none."""
+    found = _nvml_index(cuda_index)
+    if isinstance(found, str):
+        return found
+    nvml = _library()
+    try:
+        return nvml, nvml.nvmlDeviceGetHandleByIndex(found), found
+    except Exception as exc:  # pynvml.NVMLError
+        return f"NVML could not read GPU {cuda_index}: {exc}"
+
+
+def find_device(index: int = 0) -> Device | NoDevice:
+    """The GPU with this CUDA index, or why there is none."""
+    found = _handle(index)
+    if isinstance(found, str):
+        return NoDevice(found)
+    nvml, handle, at = found
+    try:
         major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         return Device(
@@ -75,95 +172,49 @@ def find_device(index: int = 0) -> Device | NoDevice:
             f"{major}.{minor}",
             int(memory.total),
             int(memory.used),
+            _text(nvml.nvmlSystemGetDriverVersion()),
+            at,
         )
     except Exception as exc:  # pynvml.NVMLError
         return NoDevice(f"NVML could not read GPU {index}: {exc}")
 
 
-def process_bytes(index: int = 0, pid: int | None = None) -> int | None:
-    """Device memory held by this process (or `pid`) on the GPU; None where NVML cannot tell
-    (no GPU, or a container whose process ids NVML does not see)."""
-    nvml = _library()
-    if nvml is None:
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryReading:
+    """One look at a GPU's memory: the whole device's use, and this process's where NVML lists it."""
+
+    device_used_bytes: int
+    process_bytes: int | None
+    """None when NVML does not list this process: it has no CUDA context yet, or NVML cannot see
+    its process id (a container)."""
+
+
+def read_memory(index: int = 0, pid: int | None = None) -> MemoryReading | None:
+    """This process's (or `pid`'s) view of the GPU's memory; None where NVML cannot tell."""
+    found = _handle(index)
+    if isinstance(found, str):
         return None
+    nvml, handle, _at = found
     wanted = os.getpid() if pid is None else pid
     try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        used = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
         processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
     except Exception:  # pynvml.NVMLError
         return None
-    for process in processes:
-        if process.pid == wanted and process.usedGpuMemory is not None:
-            return int(process.usedGpuMemory)
-    return None
-
-
-def held_bytes(index: int = 0) -> int | None:
-    """What a load or unload moves: this process's memory on the device where NVML reports it,
-    else the whole device's used memory (a delta of it then also counts other processes)."""
-    own = process_bytes(index)
-    if own is not None:
-        return own
-    device = find_device(index)
-    return device.used_bytes if isinstance(device, Device) else None
-
-
-def budget_bytes(configured: int, device: Device) -> int:
-    """The memory a runner's models may hold: the setting, or a share of the device."""
-    return configured if configured > 0 else int(device.total_bytes * DEFAULT_BUDGET_SHARE)
-
-
-def estimate_bytes(model_bytes: int, precision: str, measured: int | None = None) -> int:
-    """Device memory a model will likely need before it is loaded: what it took the last time it
-    was loaded here, else its weights (halved for fp16) and a workspace of 256 MiB."""
-    if measured is not None and measured > 0:
-        return measured
-    weights = model_bytes // 2 if precision == "fp16" else model_bytes
-    return weights + 256 * MIB
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Resident:
-    """A loaded model as the memory policy sees it."""
-
-    key: Hashable
-    bytes: int
-    last_used: float
-    busy: bool
-    """A batch is running on it: never evicted."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Room:
-    evict: tuple[Hashable, ...] = ()
-    """Unload these (least recently used first), then load."""
-    refused: str | None = None
-    """Why the model cannot be loaded now; nothing is evicted then."""
-
-
-def make_room(need_bytes: int, budget: int, residents: Sequence[Resident]) -> Room:
-    """Which idle models to unload so that `need_bytes` more fit `budget`, or why it cannot fit.
-    Models in use are never evicted; among idle ones the least recently used go first."""
-    held = sum(model.bytes for model in residents)
-    if held + need_bytes <= budget:
-        return Room()
-    if need_bytes > budget:
-        return Room(refused=f"it needs {_mib(need_bytes)} of GPU memory, more than the budget {_mib(budget)}")
-    evict: list[Hashable] = []
-    for model in sorted((m for m in residents if not m.busy), key=lambda m: m.last_used):
-        evict.append(model.key)
-        held -= model.bytes
-        if held + need_bytes <= budget:
-            return Room(evict=tuple(evict))
-    busy = [model for model in residents if model.busy]
-    return Room(
-        refused=f"it needs {_mib(need_bytes)} of GPU memory; the budget is {_mib(budget)} and "
-        f"{len(busy)} models in use hold {_mib(sum(model.bytes for model in busy))}"
+    own = next(
+        (int(p.usedGpuMemory) for p in processes if p.pid == wanted and p.usedGpuMemory is not None), None
     )
+    return MemoryReading(used, own)
 
 
-def _mib(count: int) -> str:
-    return f"{count / MIB:.0f} MiB"
+def taken_bytes(before: MemoryReading, after: MemoryReading) -> int:
+    """What a load took, both readings counted the same way. Where NVML lists this process after
+    the load, its own memory (absent before: none, as on a process's first load, which creates its
+    CUDA context); where it does not (its process id is hidden), the device's use, which then also
+    counts what other processes did meanwhile."""
+    if after.process_bytes is not None:
+        return max(after.process_bytes - (before.process_bytes or 0), 0)
+    return max(after.device_used_bytes - before.device_used_bytes, 0)
 
 
 def _text(value: bytes | str) -> str:

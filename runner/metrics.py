@@ -3,9 +3,16 @@ runner's own port by runner.status."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import contextlib
+import functools
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Metric
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from fngate.telemetry import LATENCY_BUCKETS
+from runner import gpu
 
 INFERENCE_COUNT = Counter(
     "fngate_inference_count", "Rows executed (inferences), over all batches", ["function", "version"]
@@ -52,18 +59,63 @@ ACCELERATOR_FALLBACKS = Counter(
 ENGINE_CACHE_EVENTS = Counter(
     "fngate_engine_cache_events",
     "TensorRT engine caches by event: local, downloaded, miss (built), mismatch (ignored, built), "
-    "uploaded, upload_failed",
+    "stale (did not load: deleted, built), uploaded, upload_failed",
     ["function", "event"],
 )
 MODEL_GPU_MEMORY = Gauge(
-    "fngate_model_gpu_memory_bytes", "GPU memory a loaded model took (NVML)", ["function", "version", "gpu"]
+    "fngate_model_gpu_memory_bytes",
+    "GPU memory a loaded model took when it loaded (NVML)",
+    ["function", "version", "gpu"],
 )
-GPU_MEMORY_USED = Gauge("fngate_gpu_memory_used_bytes", "GPU memory in use (NVML)", ["gpu"])
-GPU_MEMORY_TOTAL = Gauge("fngate_gpu_memory_total_bytes", "GPU memory in all (NVML)", ["gpu"])
-GPU_EVICTIONS = Counter("fngate_gpu_evictions", "Models unloaded to make room on the GPU", ["function"])
-GPU_LOAD_REFUSALS = Counter(
-    "fngate_gpu_load_refusals", "Loads refused: the model would not fit the GPU memory budget", ["function"]
-)
+CPU_DEVICES = ("CPUExecutionProvider", "python")
+"""What a model that runs on no GPU reports as its device."""
+
+
+class GpuMemory(Collector):
+    """fngate_gpu_memory_used_bytes and _total_bytes of the runner's GPU, read from NVML when
+    scraped; registered once a model runs on that GPU."""
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily("fngate_gpu_memory_used_bytes", "GPU memory in use (NVML)", labels=["gpu"])
+        total = GaugeMetricFamily("fngate_gpu_memory_total_bytes", "GPU memory in all (NVML)", labels=["gpu"])
+        device = gpu.find_device(self._index)
+        if isinstance(device, gpu.Device):
+            used.add_metric([str(self._index)], device.used_bytes)
+            total.add_metric([str(self._index)], device.total_bytes)
+        yield used
+        yield total
+
+
+@functools.cache
+def _watch(index: int) -> None:
+    REGISTRY.register(GpuMemory(index))
+
+
+def _model_labels(name: str, version: str, accelerator: str, backend: object) -> tuple[str, str, str, str]:
+    return (name, version, str(getattr(backend, "device", "python")), accelerator)
+
+
+def model_loaded(name: str, version: str, accelerator: str, backend: object, gpu_index: int) -> None:
+    """After a load: what the model runs on and, on a GPU, the memory it took."""
+    labels = _model_labels(name, version, accelerator, backend)
+    MODEL_DEVICE.labels(*labels).set(1)
+    if labels[2] not in CPU_DEVICES:
+        _watch(gpu_index)
+        MODEL_GPU_MEMORY.labels(name, version, str(gpu_index)).set(
+            int(getattr(backend, "device_memory_bytes", 0))
+        )
+
+
+def model_unloaded(name: str, version: str, accelerator: str, backend: object, gpu_index: int) -> None:
+    with contextlib.suppress(KeyError):
+        MODEL_DEVICE.remove(*_model_labels(name, version, accelerator, backend))
+    with contextlib.suppress(KeyError):
+        MODEL_GPU_MEMORY.remove(name, version, str(gpu_index))
+
+
 RSS_BYTES = Gauge("fngate_runner_rss_bytes", "Resident memory of this runner process")
 CACHE_STORE_FAILURES = Counter(
     "fngate_cache_store_failures", "Answers a runner could not store in a separate cache Redis"

@@ -17,6 +17,7 @@ from fngate.registry import LOADING, READY, UNAVAILABLE, ModelState
 from fngate.repository import FunctionRecord, FunctionVersion
 from runner.backends import Backend, load_backend
 from runner.backends.providers import Acceleration
+from runner.metrics import model_loaded, model_unloaded
 from runner.store import Store
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class ModelPool:
             if model is None:
                 return False
             model.unloaded = True
+            model_unloaded(*key, model.function.manifest.model.accelerator, model.backend, self._gpu_index)
             log.info("unloaded %s version %s (%s)", *key, reason)
             await self._report(*key, ModelState(UNAVAILABLE, reason, _now_ms()))
         if model.in_use == 0:
@@ -173,6 +175,7 @@ class ModelPool:
             loaded, backend, time.perf_counter() - started, time.monotonic(), materialized.download_s
         )
         self._models[key] = model
+        model_loaded(*key, loaded.manifest.model.accelerator, backend, self._gpu_index)
         log.info(
             "loaded %s version %s (%s): download %.3f s, load %.3f s",
             *key,
@@ -182,6 +185,10 @@ class ModelPool:
         )
         await self._report(*key, _ready(model, request))
         return model
+
+    @property
+    def _gpu_index(self) -> int:
+        return self._accel.device_index if self._accel is not None else 0
 
     def _close(self, model: LoadedModel) -> None:
         try:

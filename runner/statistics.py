@@ -13,7 +13,8 @@ from redis.exceptions import RedisError
 from fngate import keys
 from fngate.repository import FunctionVersion
 from fngate.statistics import LAST_INFERENCE, BatchOutcome, increments
-from fngate.wire import Invocation, Reply
+from fngate.wire import Reply
+from runner.outbox import Entry
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +23,15 @@ async def record(
     redis: aioredis.Redis,
     function: FunctionVersion,
     version: str,
-    batch: Sequence[tuple[bytes, Invocation]],
+    batch: Sequence[Entry],
     replies: Sequence[Reply],
     started_ns: int,
 ) -> None:
     """Never raises for Redis: statistics are lost rather than the batch's bookkeeping disturbed."""
     ended_ns = time.time_ns()
     outcome = BatchOutcome(
-        enqueued_ms=[int(entry_id.split(b"-", 1)[0]) for entry_id, _ in batch],
-        rows=[invocation.rows if function.manifest.batched else 1 for _, invocation in batch],
+        enqueued_ms=[int(entry.id.split(b"-", 1)[0]) for entry in batch],
+        rows=[entry.invocation.rows if function.manifest.batched else 1 for entry in batch],
         failed=[reply.error is not None for reply in replies],
         started_ns=started_ns,
         ended_ns=ended_ns,

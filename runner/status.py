@@ -1,24 +1,44 @@
 """The runner's own small HTTP port: GET /metrics (Prometheus), /healthz/live, /healthz/ready.
 
-Ready means the runner consumes its functions' streams (Kubernetes sends traffic, and KEDA
-counts the pod, only then). A stdlib asyncio server: a runner needs no web framework for three
-GET routes, and its start-up stays lean."""
+Ready means Redis answers and the runner consumes (it is not draining): not that a model is loaded,
+since a runner of a pool with nothing queued loads nothing, and a Deployment whose pods never get
+ready stalls every rollout. A stdlib asyncio server: three GET routes need no web framework."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
+import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 16 * 1024
+READY_PING_TIMEOUT_S = 1.0
+
+Readiness = Callable[[], Awaitable[bool]]
+
+
+def redis_ready(redis: aioredis.Redis, stopping: asyncio.Event) -> Readiness:
+    """Ready while not stopping and Redis answers a PING within READY_PING_TIMEOUT_S."""
+
+    async def ready() -> bool:
+        if stopping.is_set():
+            return False
+        try:
+            async with asyncio.timeout(READY_PING_TIMEOUT_S):
+                return bool(await redis.ping())
+        except (RedisError, OSError, TimeoutError):
+            return False
+
+    return ready
 
 
 class StatusServer:
-    def __init__(self, host: str, port: int, ready: Callable[[], bool]) -> None:
+    def __init__(self, host: str, port: int, ready: Readiness) -> None:
         self._host = host
         self._port = port
         self._ready = ready
@@ -27,7 +47,7 @@ class StatusServer:
     async def run(self) -> None:
         """Serve until cancelled; a port that is taken is logged, not fatal."""
         try:
-            server = await asyncio.start_server(self._handle, self._host, self._port)
+            server = await asyncio.start_server(self._handle, self._host, self._port, limit=MAX_HEADER_BYTES)
         except OSError as exc:
             log.warning(
                 "status port %s:%d unavailable (%s); no /metrics from this runner",
@@ -45,7 +65,7 @@ class StatusServer:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
             request_line = head.split(b"\r\n", 1)[0].decode("latin-1").split()
-            status, content_type, body = self._route(request_line)
+            status, content_type, body = await self._route(request_line)
             writer.write(
                 f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
                 "connection: close\r\n\r\n".encode()
@@ -59,7 +79,7 @@ class StatusServer:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
-    def _route(self, request_line: list[str]) -> tuple[str, str, bytes]:
+    async def _route(self, request_line: list[str]) -> tuple[str, str, bytes]:
         if len(request_line) < 2 or request_line[0] != "GET":
             return "405 Method Not Allowed", "text/plain", b"GET only\n"
         path = request_line[1].split("?", 1)[0]
@@ -68,7 +88,7 @@ class StatusServer:
         if path == "/healthz/live":
             return "200 OK", "text/plain", b"live\n"
         if path == "/healthz/ready":
-            if self._ready():
+            if await self._ready():
                 return "200 OK", "text/plain", b"ready\n"
             return "503 Service Unavailable", "text/plain", b"starting\n"
         return "404 Not Found", "text/plain", b"not found\n"

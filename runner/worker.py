@@ -27,7 +27,7 @@ from runner import idle
 from runner.backends.providers import Acceleration
 from runner.consumer import FunctionConsumer
 from runner.pool import Key, ModelPool
-from runner.status import StatusServer
+from runner.status import StatusServer, redis_ready
 from runner.store import Store
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,8 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
         Store, settings.repo, _artifact_dir(settings), settings.artifact_max_bytes
     )
     accel = Acceleration.from_settings(settings, store.engine_store())
-    pool = ModelPool(settings.intra_op_threads, store, report, settings.load_retry_s, accel)
+    threads = settings.intra_op_threads or min(os.cpu_count() or 1, 4)
+    pool = ModelPool(threads, store, report, settings.load_retry_s, accel)
     async with redis, control:
         await redis.ping()
         await board.heartbeat()
@@ -99,7 +100,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
                 runner.loops.append(tasks.create_task(_heartbeat_loop(runner), name="heartbeat"))
                 runner.loops.append(tasks.create_task(_control_loop(runner, control), name="control"))
                 status = StatusServer(
-                    settings.status_host, settings.status_port, lambda: bool(runner.consumers)
+                    settings.status_host, settings.status_port, redis_ready(redis, stopping)
                 )
                 serving = tasks.create_task(status.run(), name="status")
                 runner.loops.append(

@@ -17,6 +17,10 @@ cpu_instance_types = ["m7i.xlarge"]
 gpu_instance_types = ["g5.xlarge"]
 gpu_max_size       = 2
 
+# Functions deployed and synced (docs/deployment.md, step 4): only these get runner pools. Empty on
+# the first apply; add a function once `fngate deploy` and the registry-sync job have run.
+deployed_functions = []
+
 keda_polling_interval_s = 5
 keda_cooldown_s         = 300
 

@@ -57,18 +57,8 @@ module "redis" {
 }
 
 # ---------------------------------------------------------------- IAM roles for service accounts
-# Runners and gateways read the repository; only the deployer writes to it.
-module "gateway_role" {
-  source = "./modules/irsa"
-
-  name              = "${var.name}-gateway"
-  oidc_provider_arn = module.eks.oidc_provider_arn
-  oidc_issuer       = module.eks.oidc_issuer
-  namespace         = var.namespace
-  service_account   = "fngate-gateway"
-  policy_json       = module.bucket.read_policy_json
-}
-
+# Runners read the repository and write engine caches beside it; only the deployer writes functions.
+# Gateways get no role: they learn functions from the Redis registry and never touch S3.
 module "runner_role" {
   source = "./modules/irsa"
 
@@ -77,7 +67,7 @@ module "runner_role" {
   oidc_issuer       = module.eks.oidc_issuer
   namespace         = var.namespace
   service_account   = "fngate-runner"
-  policy_json       = module.bucket.read_policy_json
+  policy_json       = module.bucket.runner_policy_json
 }
 
 module "deployer_role" {
@@ -104,10 +94,17 @@ module "cluster_autoscaler_role" {
 }
 
 # ---------------------------------------------------------------- in the cluster
+# Everything below runs on the nodes, so it waits for the whole eks module, node groups included,
+# not only for the API endpoint that the providers read (a first apply would otherwise race the
+# nodes, and Helm's wait would time out on pods with nowhere to run). See docs/deployment.md for the
+# two-stage first apply that keeps the Kubernetes providers from being configured by unknown values.
 module "keda" {
   source = "./modules/keda"
 
-  chart_version = var.keda_chart_version
+  chart_version      = var.keda_chart_version
+  kubernetes_version = var.kubernetes_version
+
+  depends_on = [module.eks]
 }
 
 module "cluster_addons" {
@@ -119,6 +116,8 @@ module "cluster_addons" {
   autoscaler_role_arn  = module.cluster_autoscaler_role.arn
   gpu_node_label_key   = module.eks.gpu_node_label.key
   gpu_node_label_value = module.eks.gpu_node_label.value
+
+  depends_on = [module.eks]
 }
 
 module "observability" {
@@ -126,9 +125,11 @@ module "observability" {
 
   objects_chart        = "${path.root}/charts/objects"
   rules_file           = "${path.root}/../deploy/prometheus/rules.yaml"
-  fngate_namespace     = var.namespace
+  fngate_namespace     = module.fngate.namespace
   install_prometheus   = var.install_prometheus_stack
   otlp_export_endpoint = var.otlp_export_endpoint
+
+  depends_on = [module.eks]
 }
 
 module "fngate" {
@@ -145,16 +146,22 @@ module "fngate" {
   redis_address           = module.redis.address
   redis_port              = module.redis.port
   redis_auth_token        = module.redis.auth_token
-  gateway_role_arn        = module.gateway_role.arn
+  gateway_role_arn        = ""
   runner_role_arn         = module.runner_role.arn
   deployer_role_arn       = module.deployer_role.arn
   otlp_endpoint           = module.observability.otlp_endpoint
   keda_release            = module.keda.release
   polling_interval_s      = var.keda_polling_interval_s
   cooldown_s              = var.keda_cooldown_s
+  deployed_functions      = var.deployed_functions
+  warm_runners            = var.warm_runners_per_pool
+  artifact_cache_bytes    = var.runner_artifact_cache_gib * 1024 * 1024 * 1024
+  registry_sync_schedule  = var.registry_sync_schedule
   gateway_min_replicas    = var.gateway_min_replicas
   gateway_max_replicas    = var.gateway_max_replicas
   gateway_allowed_cidrs   = var.gateway_allowed_cidrs
   gateway_certificate_arn = var.gateway_certificate_arn
   log_level               = var.log_level
+
+  depends_on = [module.eks]
 }

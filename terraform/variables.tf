@@ -140,9 +140,9 @@ variable "redis_snapshot_retention_days" {
 
 # ---------------------------------------------------------------- Kubernetes cluster
 variable "kubernetes_version" {
-  description = "EKS Kubernetes version."
+  description = "EKS Kubernetes version: one in EKS standard support (1.35 until March 2027) that keda_chart_version is tested on (modules/keda checks the pair)."
   type        = string
-  default     = "1.33"
+  default     = "1.35"
 }
 
 variable "admin_role_arns" {
@@ -194,13 +194,13 @@ variable "gpu_max_size" {
 
 # ---------------------------------------------------------------- add-ons
 variable "keda_chart_version" {
-  description = "Version of KEDA's Helm chart (kedacore/keda); 2.17 or later."
+  description = "Version of KEDA's Helm chart (kedacore/keda), pinned: a release that KEDA tests on kubernetes_version (modules/keda checks the pair)."
   type        = string
-  default     = "2.17.1"
+  default     = "2.20.2"
 
   validation {
     condition     = can(regex("^2\\.(1[7-9]|[2-9][0-9])\\.[0-9]+$", var.keda_chart_version))
-    error_message = "keda_chart_version: 2.17.0 or later within KEDA 2."
+    error_message = "keda_chart_version: an exact version, 2.17.0 or later within KEDA 2."
   }
 }
 
@@ -242,6 +242,35 @@ variable "functions_dir" {
   description = "Folder of <function>/function.yaml manifests whose scaling.pool settings define the runner pools."
   type        = string
   default     = "../functions"
+}
+
+variable "deployed_functions" {
+  description = "Functions of functions_dir that have been deployed to the repository and synced (docs/deployment.md, step 4): only these get runner pools. KEDA cannot read the queue of a function never deployed, and then never scales its pool to zero."
+  type        = list(string)
+  default     = []
+}
+
+variable "warm_runners_per_pool" {
+  description = "Runners every pool keeps while idle. 0: pools scale to zero, and a first call after an idle period waits for a runner (minutes when a GPU node must start). 1: no such wait, but one runner per pool runs around the clock, and for a GPU pool one GPU node (a g5.xlarge is about 1 USD an hour on demand, some 730 USD a month)."
+  type        = number
+  default     = 0
+
+  validation {
+    condition     = var.warm_runners_per_pool >= 0
+    error_message = "warm_runners_per_pool: 0 or more."
+  }
+}
+
+variable "runner_artifact_cache_gib" {
+  description = "Model files a runner keeps on its node's disk, GiB; also what each runner requests as ephemeral storage (plus a quarter, and 20 GiB of TensorRT engines on GPU nodes)."
+  type        = number
+  default     = 10
+}
+
+variable "registry_sync_schedule" {
+  description = "Cron schedule of the fngate-registry-sync job, which records new versions from the repository in the registry (`fngate ls --sync`); empty: run it on demand only."
+  type        = string
+  default     = ""
 }
 
 variable "fngate_python" {

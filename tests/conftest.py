@@ -19,12 +19,11 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from hypercorn.asyncio import serve
 
 from fngate import local
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
-from gateway.__main__ import hypercorn_config
+from gateway.__main__ import SERVERS
 from gateway.app import create_app
 from runner.worker import main as runner_main
 
@@ -100,12 +99,13 @@ async def serve_gateway(redis_url: str, repo: Path) -> AsyncIterator[Callable[..
     async def start(**overrides: Any) -> str:
         sock = free_socket()
         port = sock.getsockname()[1]
-        # Detached: Hypercorn owns the descriptor from here on and closes it.
+        # Detached: the server owns the descriptor from here on and closes it. The server is the
+        # settings' (FNGATE_SERVER=hypercorn runs the whole suite on Hypercorn).
         fields = {"redis_url": redis_url, "repo": str(repo), **overrides, "bind": f"fd://{sock.detach()}"}
         settings = GatewaySettings(**fields)
         stopping = asyncio.Event()
         app = create_app(settings, stopping)
-        task = asyncio.create_task(serve(app, hypercorn_config(settings), shutdown_trigger=stopping.wait))
+        task = asyncio.create_task(SERVERS[settings.server](app, settings, stopping))
         stops.append((stopping, task))
         base = f"http://127.0.0.1:{port}"
         await wait_http(base)
@@ -145,7 +145,11 @@ async def inprocess_runner(redis_url: str, repo: Path) -> AsyncIterator[Callable
 
 
 def child_env(redis_url: str, repo: Path, **extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("FNGATE_") or key == "FNGATE_SERVER"  # the server the suite runs on
+    }
     env.update(
         FNGATE_REDIS_URL=redis_url, FNGATE_REPO=str(repo), FNGATE_LOG_LEVEL="INFO", FNGATE_STATUS_PORT="0"
     )

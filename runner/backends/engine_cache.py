@@ -1,8 +1,9 @@
 """TensorRT engine caches that outlive a pod. The key names what an engine depends on (the model's
-sha256, the TensorRT version, the GPU's compute capability, the precision, the builder and the
-options that shape the engine); a model's local folder is filled from a store before its session
-is created and saved to the store after a build. A cache whose recorded key differs from the one
-wanted is never used. Every method here blocks."""
+sha256, the TensorRT version, the GPU: its compute capability, name and driver, the precision,
+the builder and the options that shape the engine); a model's local folder is filled from a store
+before its session is created and saved to the store after a build. A cache whose recorded key
+differs from the one wanted is never used; one that TensorRT refuses is stale: deleted and rebuilt.
+Every method here blocks."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ class EngineKey:
     tensorrt: str
     """TensorRT's version, as the library reports it: an engine only loads in the same one."""
     compute_capability: str
+    device: str
+    """The GPU's name, "NVIDIA H200": GPUs of one compute capability (H100, H200) still differ in
+    what TensorRT tunes an engine for, and TensorRT advises against sharing engines between them."""
+    driver: str
+    """The driver's major version, "580": what TensorRT chose under one driver may not hold under another."""
     precision: str
     builder: str
     """What built the engine, e.g. "onnxruntime 1.31.1": its cache files are named its way."""
@@ -53,7 +59,9 @@ class EngineKey:
         """The store's key: one folder per model, one object per build configuration."""
         builder = _SLUG.sub("-", self.builder.lower()).strip("-")
         cc = self.compute_capability.replace(".", "")
-        return f"{self.model_sha256}/trt{self.tensorrt}-sm{cc}-{self.precision}-{builder}-{self.options}.tar"
+        device = _SLUG.sub("-", self.device.lower()).strip("-")
+        gpu = f"sm{cc}-{device}-r{self.driver}"
+        return f"{self.model_sha256}/trt{self.tensorrt}-{gpu}-{self.precision}-{builder}-{self.options}.tar"
 
     def fields(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -157,7 +165,7 @@ class EngineCache:
         self._store = store
         self._function = function
         self.event = ""
-        """What `prepare` found: local, downloaded, miss or mismatch."""
+        """What `prepare` found: local, downloaded, miss or mismatch; stale after `discard`."""
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -182,10 +190,24 @@ class EngineCache:
             return self._record("miss")
         return self._record(self._download())
 
+    def discard(self, problem: str) -> None:
+        """The engines `prepare` kept or downloaded did not load (TensorRT refused them, or its
+        provider failed with them): delete them, so that the next session builds afresh and
+        `save` replaces the stored copy."""
+        log.warning(
+            "%s: its TensorRT engine cache (%s) did not load (%s); deleted, building one",
+            self._function,
+            self.event,
+            problem,
+        )
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True)
+        self._record("stale")
+
     def save(self) -> bool:
         """After a build: record the key beside the engines and upload them. Never raises; a store
         that fails costs the next pod a build, not this one its model."""
-        if self.event not in ("miss", "mismatch") or not self._engines(self.folder):
+        if self.event not in ("miss", "mismatch", "stale") or not self._engines(self.folder):
             return False
         (self.folder / META).write_bytes(orjson.dumps(self.key.fields()))
         if self._store is None:

@@ -32,10 +32,13 @@ from runner.backends.providers import (
     choose,
     options,
     probe,
+    session_problem,
 )
 from runner.metrics import ACCELERATOR_FALLBACKS
 
 log = logging.getLogger(__name__)
+
+MAX_ERROR_CHARS = 400
 
 
 class OnnxBackend:
@@ -58,26 +61,30 @@ class OnnxBackend:
         folder = cache.folder if cache is not None else accel.engine_dir
         providers = [(name, options(name, manifest, folder, accel.device_index)) for name in choice.providers]
         on_gpu = choice.providers[0] != CPU
-        before = gpu.held_bytes(accel.device_index) if on_gpu else None
+        before = gpu.read_memory(accel.device_index) if on_gpu else None
         with cache.locked() if cache is not None else contextlib.nullcontext():
             if cache is not None:
                 cache.prepare()
-            self._session = _session(ort, path, threads, providers)
-            self.device: str = self._session.get_providers()[0]
-            if cache is not None and self.device == TENSORRT:
+            self._session, problem = create_session(ort, path, threads, providers)
+            if problem is not None and cache is not None and cache.event in ("local", "downloaded"):
+                # Engines that TensorRT refuses (a damaged file, another driver) make the provider
+                # fail: build afresh once, and let the rebuilt engines replace the stored ones.
+                cache.discard(problem)
+                self._session, problem = create_session(ort, path, threads, providers)
+            if cache is not None and problem is None:
                 cache.save()
+        self.device: str = self._session.get_providers()[0]
         self.fallback_reason: str | None = choice.reason
-        if self.device != choice.providers[0]:
-            failed = f"onnxruntime could not create the {SHORT[choice.providers[0]]} provider (see its log)"
-            self.fallback_reason = f"{choice.reason}; {failed}" if choice.reason else failed
+        if problem is not None:
+            self.fallback_reason = f"{choice.reason}; {problem}" if choice.reason else problem
             self._refuse_fallback(manifest, accel, self.fallback_reason)
         self._check_names(manifest)
         self.device_memory_bytes = 0
         if on_gpu:
             self._warm_up(manifest)
-            after = gpu.held_bytes(accel.device_index)
+            after = gpu.read_memory(accel.device_index)
             if before is not None and after is not None:
-                self.device_memory_bytes = max(after - before, 0)
+                self.device_memory_bytes = gpu.taken_bytes(before, after)
         self._announce(manifest)
 
     def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
@@ -137,7 +144,15 @@ def _onnxruntime() -> Any:
     return onnxruntime
 
 
-def _session(ort: Any, path: Path, threads: int, providers: list[tuple[str, dict[str, str]]]) -> Any:
+def create_session(
+    ort: Any, path: Path, threads: int, providers: list[tuple[str, dict[str, str]]]
+) -> tuple[Any, str | None]:
+    """A session of the model on `providers`, and how it differs from what was asked for (None when
+    it does not). onnxruntime's own fallback is off: it would retry on its fallback providers with
+    none of the options (device_id included) and say so only on stdout. Instead a provider that
+    fails is reported and the next one tried with its options; only the last one's failure (the
+    CPU's: the model itself) raises. At run time a failing provider fails its batch rather than
+    moving the model, unseen, to another device."""
     session_options = ort.SessionOptions()
     session_options.intra_op_num_threads = threads
     session_options.inter_op_num_threads = 1
@@ -145,7 +160,29 @@ def _session(ort: Any, path: Path, threads: int, providers: list[tuple[str, dict
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # Spinning worker threads burn a core the gateway needs; block instead.
     session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
+    problems = []
+    for start in range(len(providers)):
+        chain = providers[start:]
+        try:
+            # enable_fallback=0 is read by onnxruntime 1.32 and later; older ones ignore it, and
+            # the comparison below catches their fallback.
+            session = ort.InferenceSession(
+                str(path), sess_options=session_options, providers=chain, enable_fallback=0
+            )
+        except Exception as exc:  # onnxruntime's Fail, RuntimeError, ...: the provider did not start
+            if len(chain) == 1:
+                raise
+            said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:MAX_ERROR_CHARS]
+            problems.append(
+                f"onnxruntime could not create the {SHORT.get(chain[0][0], chain[0][0])} provider: {said}"
+            )
+            continue
+        session.disable_fallback()
+        mismatch = session_problem(chain, session.get_providers(), session.get_provider_options())
+        if mismatch is not None:
+            problems.append(mismatch)
+        return session, "; ".join(problems) or None
+    raise AssertionError("unreachable: the last provider's failure raises")
 
 
 def _engine_cache(
@@ -158,6 +195,8 @@ def _engine_cache(
         model_sha256(path),
         environment.tensorrt_version,
         environment.device.compute_capability,
+        environment.device.name,
+        environment.device.driver_major,
         manifest.model.precision,
         f"onnxruntime {ort_version}",
         options_fingerprint(shaping, NOT_SHAPING),

@@ -10,12 +10,14 @@ import dataclasses
 import functools
 import importlib.metadata
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fngate.config import RunnerSettings
 from fngate.manifest import FunctionManifest
 from runner import gpu
 from runner.backends.engine_cache import EngineStore
+from runner.backends.libraries import preload, wheel_roots
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,11 @@ CHAIN = {"tensorrt": (TENSORRT, CUDA, CPU), "cuda": (CUDA, CPU), "cpu": (CPU,)}
 SHORT = {TENSORRT: "TensorRT", CUDA: "CUDA", CPU: "CPU"}
 TENSORRT_LIBRARIES = ("libnvinfer.so.10", "libnvonnxparser.so.10")
 """What onnxruntime-gpu's TensorRT provider links (its `readelf -d` NEEDED entries)."""
+PROVIDER_LIBRARIES = {
+    CUDA: "libonnxruntime_providers_cuda.so",
+    TENSORRT: "libonnxruntime_providers_tensorrt.so",
+}
+"""In onnxruntime/capi/: onnxruntime loads one when a session asks for its provider."""
 NOT_SHAPING = ("device_id", "trt_engine_cache_path", "trt_timing_cache_path")
 """Options that do not change the engine TensorRT builds, so stay out of the cache key."""
 
@@ -63,6 +70,8 @@ class Environment:
     tensorrt_problem: str = ""
     package_problem: str = ""
     """Set when onnxruntime's packages are wrong: none, or the CPU and GPU ones both (one import name)."""
+    cuda_problem: str = ""
+    """Which libraries the CUDA provider links could not be loaded, and why; empty when all could."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,7 +111,9 @@ def unavailable(provider: str, environment: Environment) -> str | None:
         return f"onnxruntime has no {provider} ({hint})"
     if isinstance(environment.device, gpu.NoDevice):
         return f"no NVIDIA GPU is visible ({environment.device.reason})"
-    if provider == TENSORRT and not environment.tensorrt_version:
+    if environment.cuda_problem:
+        return f"the CUDA libraries onnxruntime links cannot be loaded ({environment.cuda_problem})"
+    if provider == TENSORRT and (environment.tensorrt_problem or not environment.tensorrt_version):
         return f"TensorRT's libraries cannot be loaded ({environment.tensorrt_problem})"
     return None
 
@@ -174,19 +185,31 @@ def options(
 
 @functools.cache
 def probe(device_index: int) -> Environment:
-    """Look once per process: onnxruntime's providers, the GPU (NVML), TensorRT's libraries."""
+    """Look once per process: onnxruntime's providers, the GPU (NVML), the libraries each GPU
+    provider links (loaded here from the CUDA and TensorRT wheels), TensorRT's version."""
     device = gpu.find_device(device_index)
     try:
         import onnxruntime as ort
     except ImportError:
         return Environment((), device, package_problem="onnxruntime is not installed; install fngate[gpu]")
     available = tuple(ort.get_available_providers())
-    if CUDA in available and isinstance(device, gpu.Device) and hasattr(ort, "preload_dlls"):
-        # CUDA and cuDNN from their pip packages (onnxruntime-gpu[cuda,cudnn]) are found only so.
-        with contextlib.suppress(Exception):
-            ort.preload_dlls()
+    problems: dict[str, str] = {}
+    if isinstance(device, gpu.Device):
+        capi = Path(ort.__file__).parent / "capi"
+        roots = [capi, *wheel_roots()]
+        for provider in (CUDA, TENSORRT):
+            library = capi / PROVIDER_LIBRARIES[provider]
+            if provider in available and library.is_file():
+                problems[provider] = "; ".join(preload(library, roots).failed)
     version, problem = ("", "") if TENSORRT not in available else tensorrt_library()
-    return Environment(available, device, version, problem, _package_conflict())
+    return Environment(
+        available,
+        device,
+        version,
+        problems.get(TENSORRT) or problem,
+        _package_conflict(),
+        problems.get(CUDA, ""),
+    )
 
 
 def tensorrt_library() -> tuple[str, str]:
@@ -224,3 +247,29 @@ def _package_conflict() -> str:
         "onnxruntime and onnxruntime-gpu are both installed and share the import name 'onnxruntime'; "
         "uninstall both, then install fngate[gpu] alone"
     )
+
+
+def session_problem(
+    asked: Sequence[tuple[str, Mapping[str, str]]],
+    providers: Sequence[str],
+    provider_options: Mapping[str, Mapping[str, str]],
+) -> str | None:
+    """How a session differs from the one asked for (providers in order, and the options given to
+    each), or None. onnxruntime's Python layer retries a session that fails to create with its
+    own fallback providers and none of the options (device_id included), and a provider it cannot
+    load is left out with a warning: the session, not the request, says what runs. Of the options
+    only device_id is compared: the others are echoed in onnxruntime's own spelling, and a session
+    that lost them in a fallback has lost the TensorRT provider too."""
+    names = [name for name, _options in asked]
+    if list(providers) != names:
+        lost = [SHORT.get(name, name) for name in names if name not in providers]
+        said = f"the session has {list(providers)}, not {names}"
+        return f"onnxruntime did not create the {', '.join(lost)} provider ({said})" if lost else said
+    for name, options in asked:
+        wanted, given = options.get("device_id"), provider_options.get(name, {}).get("device_id")
+        if wanted is not None and given is not None and given != wanted:
+            return (
+                f"onnxruntime created the {SHORT.get(name, name)} provider on GPU {given}, not {wanted}: "
+                "it dropped the options asked for"
+            )
+    return None

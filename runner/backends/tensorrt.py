@@ -9,9 +9,12 @@ engine at all) makes the function unavailable with TensorRT's reason, never a cr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import logging
 import math
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,17 @@ log = logging.getLogger(__name__)
 
 DEVICE = "TensorRT"
 ONNX_SUFFIXES = (".onnx", ".ort")
+NUMPY_TYPES = {
+    "FLOAT": "float32",
+    "HALF": "float16",
+    "INT8": "int8",
+    "UINT8": "uint8",
+    "INT32": "int32",
+    "INT64": "int64",
+    "BOOL": "bool",
+}
+"""TensorRT's datatypes (trt.DataType names) that numpy holds; BF16, FP8, INT4, FP4 are refused."""
+KEPT_ERRORS = 64
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,13 +76,14 @@ class TensorRTBackend:
         self._buffers: list[int] = []
         self._stream: Any = None
         self._call("cudaSetDevice", self._index)
-        logger = _logger(trt)
-        self._logger = logger  # TensorRT calls it for as long as the runtime lives
+        logger = process_logger(trt)
+        mark = logger.mark()
         self._runtime = trt.Runtime(logger)
         plan = path.read_bytes()
         self._engine = self._runtime.deserialize_cuda_engine(plan)
         if self._engine is None:
-            raise Unavailable(f"{manifest.name}: {explain(logger.errors, trt.__version__, device)}")
+            said = logger.errors_since(mark)
+            raise Unavailable(f"{manifest.name}: {explain(said, trt.__version__, device)}")
         try:
             self._bind(trt, manifest)
         except BaseException:
@@ -99,14 +114,18 @@ class TensorRTBackend:
         self._outputs: dict[str, Binding] = {}
         for name in inputs:
             low, _opt, high = (tuple(dims) for dims in engine.get_tensor_profile_shape(name, 0))
-            self._inputs[name] = Binding(name, np.dtype(trt.nptype(engine.get_tensor_dtype(name))), high)
+            self._inputs[name] = Binding(
+                name, numpy_dtype(self._name, name, engine.get_tensor_dtype(name).name), high
+            )
             self._check_rows(manifest, name, low, high)
             self._context.set_input_shape(name, high)
         for name in outputs:
             shape = tuple(self._context.get_tensor_shape(name))
             if any(dim < 0 for dim in shape):
                 raise Unavailable(f"{self._name}: output '{name}' has a data-dependent shape {list(shape)}")
-            self._outputs[name] = Binding(name, np.dtype(trt.nptype(engine.get_tensor_dtype(name))), shape)
+            self._outputs[name] = Binding(
+                name, numpy_dtype(self._name, name, engine.get_tensor_dtype(name).name), shape
+            )
         _check_types(manifest, {**self._inputs, **self._outputs})
         self._buffer_bytes = 0
         for binding in (*self._inputs.values(), *self._outputs.values()):
@@ -186,9 +205,26 @@ class TensorRTBackend:
         return rest[0] if rest else None
 
 
+def numpy_dtype(function: str, tensor: str, datatype: str) -> np.dtype[Any]:
+    """The numpy type of an engine tensor of TensorRT's `datatype` (its DataType's name), or
+    Unavailable for the ones numpy cannot hold (BF16, FP8, INT4, FP4), where trt.nptype would
+    raise a bare TypeError."""
+    found = NUMPY_TYPES.get(datatype)
+    if found is None:
+        raise Unavailable(
+            f"{function}: tensor '{tensor}' of the engine is {datatype}, which fngate's tensors (numpy) "
+            "cannot hold; rebuild the engine with FP32, FP16 or integer inputs and outputs (casting "
+            "inside the network)"
+        )
+    return np.dtype(found)
+
+
 def explain(errors: Sequence[str], runtime_version: str, device: gpu.Device) -> str:
     """Why TensorRT refused an engine, from its logged errors, in the words a user needs."""
-    said = " / ".join(errors) or "no reason given"
+    said = " / ".join(errors) or (
+        "no reason given; TensorRT logs to the first logger of the process, which may be "
+        "onnxruntime's: see the runner's log"
+    )
     lower = said.lower()
     if "incompatible device" in lower or "expecting compute" in lower:
         return (
@@ -209,7 +245,8 @@ def build_plan(manifest: FunctionManifest, onnx_path: Path, plan_path: Path, fp1
     """Build a `.plan` for this runner's TensorRT and GPU from an ONNX model, with the profile the
     manifest's batch range asks for (1 to max_batch_size rows). Blocking; needs a GPU."""
     trt, _cuda = _imports()
-    logger = _logger(trt)
+    logger = process_logger(trt)
+    mark = logger.mark()
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
@@ -231,7 +268,9 @@ def build_plan(manifest: FunctionManifest, onnx_path: Path, plan_path: Path, fp1
         config.add_optimization_profile(shapes)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise Unavailable(f"TensorRT could not build {manifest.name}: {' / '.join(logger.errors)}")
+        raise Unavailable(
+            f"TensorRT could not build {manifest.name}: {' / '.join(logger.errors_since(mark))}"
+        )
     plan_path.write_bytes(bytes(plan))
 
 
@@ -253,20 +292,35 @@ def _imports() -> tuple[Any, Any]:
     return trt, cudart
 
 
-def _logger(trt: Any) -> Any:
-    """A TensorRT logger that keeps errors (to explain a refused engine) and logs the rest."""
+@functools.cache
+def process_logger(trt: Any) -> Any:
+    """The process's one TensorRT logger (TensorRT keeps the first one it is given and warns about
+    any other): it keeps the last errors, to explain a refused engine, and logs the rest. Loads in
+    parallel threads may see each other's errors among their own."""
 
     class Logger(trt.ILogger):  # type: ignore[misc,name-defined,unused-ignore]
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
-            self.errors: list[str] = []
+            self._lock = threading.Lock()
+            self._errors: collections.deque[str] = collections.deque(maxlen=KEPT_ERRORS)
+            self._count = 0
 
         def log(self, severity: Any, message: str) -> None:
             if int(severity) <= int(trt.ILogger.Severity.ERROR):
-                self.errors.append(message)
+                with self._lock:
+                    self._errors.append(message)
+                    self._count += 1
                 log.error("TensorRT: %s", message)
             elif int(severity) <= int(trt.ILogger.Severity.WARNING):
                 log.warning("TensorRT: %s", message)
+
+        def mark(self) -> int:
+            with self._lock:
+                return self._count
+
+        def errors_since(self, mark: int) -> list[str]:
+            with self._lock:
+                return list(self._errors)[max(len(self._errors) - (self._count - mark), 0) :]
 
     return Logger()
 

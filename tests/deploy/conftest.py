@@ -1,5 +1,5 @@
-"""Fixtures of the deployment checks: the Terraform modules, parsed once, and one checkov run per
-session (it takes seconds, and every checkov test reads the same report)."""
+"""Fixtures of the deployment checks: the Terraform modules, parsed once, one checkov run per
+session (it takes seconds, and every checkov test reads the same report), and a real S3 API."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ from typing import Any
 
 import pytest
 from deploy_files import ROOT, TERRAFORM, CheckovReport, Module, find_tool, load_module
+
+from tests.s3 import moto_server, s3
+
+__all__ = ["checkov_report", "modules", "moto_server", "s3"]
 
 CHECKOV_TIMEOUT_S = 600
 

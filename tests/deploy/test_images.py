@@ -104,11 +104,16 @@ def test_gpu_image_pins_onnxruntime_gpu_and_tensorrt_and_caches_engines() -> Non
     text = DOCKERFILE.read_text(encoding="utf-8")
     assert re.search(r"^ARG ONNXRUNTIME_GPU_VERSION=\d+\.\d+\.\d+$", text, re.MULTILINE)
     gpu = final_stage("runner-gpu")
-    assert gpu.base.startswith("nvidia/cuda:") and "cudnn-runtime" in gpu.base
     build = stages()["gpu-build"]
-    assert any('"onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}"' in run for run in build.all("RUN"))
-    assert any('".[gpu]"' in run for run in build.all("RUN"))  # TensorRT comes with the gpu extra
-    assert not any('".[cpu]"' in run for run in build.all("RUN"))  # never both onnxruntime packages
+    # One source of CUDA: the wheels (onnxruntime-gpu[cuda,cudnn], TensorRT's), not a CUDA base image
+    # whose libraries would sit beside theirs in another version.
+    for stage in (gpu, build):
+        assert stage.base.startswith("ubuntu:") and "cuda" not in stage.base, stage.base
+    assert any('"onnxruntime-gpu[cuda,cudnn]==${ONNXRUNTIME_GPU_VERSION}"' in run for run in build.all("RUN"))
+    # TensorRT comes with the gpu extra; never both onnxruntime packages (the cpu extra).
+    assert any("['optional-dependencies']['gpu']" in run for run in build.all("RUN"))
+    assert not any("['cpu']" in run for run in build.all("RUN"))
+    assert "compute" in " ".join(gpu.all("ENV"))  # NVIDIA_DRIVER_CAPABILITIES: the driver's CUDA part
     env = " ".join(gpu.all("ENV"))
     assert f"FNGATE_ENGINE_CACHE_DIR={k8s.TENSORRT_CACHE_DIR}" in env
     assert gpu.all("VOLUME") == [f'["{k8s.TENSORRT_CACHE_DIR}"]']
@@ -131,3 +136,16 @@ def test_dockerignore_lets_in_only_what_pip_install_needs() -> None:
         for source in arguments.split()[:-1]
     }
     assert copied == allowed
+
+
+@pytest.mark.parametrize("build", ["cpu-build", "gpu-build"])
+def test_dependencies_are_installed_before_the_source_is_copied(build: str) -> None:
+    # A code change then rebuilds the last layers only; the wheels (GBs for the GPU image) stay cached.
+    steps = stages()[build].instructions
+    first_source = next(
+        i for i, (name, args) in enumerate(steps) if name == "COPY" and args.startswith("fngate")
+    )
+    installs = [i for i, (name, args) in enumerate(steps) if name == "RUN" and "-r requirements.txt" in args]
+    assert installs and installs[0] < first_source
+    after = [args for name, args in steps[first_source:] if name == "RUN"]
+    assert after and all("--no-deps" in args for args in after if "pip install" in args)

@@ -19,7 +19,9 @@ from fngate import k8s, keys
 from fngate.config import ENV_PREFIX, GatewaySettings, RunnerSettings
 from fngate.manifest import FunctionManifest, parse_manifest
 
-KUBERNETES_VERSION = "1.33"  # terraform/variables.tf: kubernetes_version
+KUBERNETES_VERSION = "1.33"
+"""The newest Kubernetes whose schemas kubernetes-validate ships here (terraform/variables.tf pins
+1.35: no object here uses an API that changed since)."""
 KEDA_SCHEMA = json.loads((Path(__file__).parent / "keda.schema.json").read_text(encoding="utf-8"))
 
 
@@ -62,15 +64,27 @@ def mixed() -> list[dict[str, Any]]:
         manifest("detect", pool="gpu", accelerator="cuda", batch=16),
         manifest("segment", pool="gpu", accelerator="tensorrt"),
     ]
-    options = k8s.Options(redis_address="redis.example:6379", polling_interval_s=7, cooldown_s=120)
+    options = k8s.Options(
+        redis_address="redis.example:6379",
+        polling_interval_s=7,
+        cooldown_s=120,
+        deployed=("classify", "embed", "detect", "segment"),
+    )
     return k8s.render(functions, options)
 
 
 def test_example_functions_render_valid_objects() -> None:
-    objects = k8s.render(k8s.load_functions(ROOT / "functions"), k8s.Options())
+    options = k8s.Options(deployed=("classifier", "normalize"))
+    objects = k8s.render(k8s.load_functions(ROOT / "functions"), options)
     kinds = sorted(obj["kind"] for obj in objects)
     assert kinds.count("ScaledObject") == kinds.count("Deployment") - 1 >= 1
-    for kind in ("Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "TriggerAuthentication"):
+    for kind in (
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "TriggerAuthentication",
+        "CronJob",
+    ):
         assert kind in kinds
     validate(objects)
 
@@ -121,11 +135,14 @@ def test_scaled_object_triggers_on_lag_from_zero_and_on_pending_entries(mixed: l
     assert scaled["spec"]["cooldownPeriod"] == 120
     triggers = scaled["spec"]["triggers"]
     assert {t["type"] for t in triggers} == {"redis-streams"}
-    for function, target in (("detect", "16"), ("segment", "8")):
+    for function, batch in (("detect", 16), ("segment", 8)):
         stream = [t["metadata"] for t in triggers if t["metadata"]["stream"] == keys.invocations(function)]
         lag = next(m for m in stream if "lagCount" in m)
         pending = next(m for m in stream if "pendingEntriesCount" in m)
-        assert lag["lagCount"] == pending["pendingEntriesCount"] == target
+        # One batch waiting per runner adds one; a busy runner holds its read-ahead pending, and
+        # counts as one runner, not RUNNER_READ_AHEAD_BATCHES of them.
+        assert lag["lagCount"] == str(batch)
+        assert pending["pendingEntriesCount"] == str(batch * k8s.RUNNER_READ_AHEAD_BATCHES)
         assert lag["activationLagCount"] == "0"
         assert "pendingEntriesCount" not in lag  # KEDA would read a lagCount trigger as lag mode anyway
         for metadata in (lag, pending):
@@ -140,9 +157,11 @@ def test_scaled_object_triggers_on_lag_from_zero_and_on_pending_entries(mixed: l
 
 
 def test_target_lag_option_overrides_batch_size() -> None:
-    objects = k8s.render([manifest("classify")], k8s.Options(target_lag=3, redis_tls=False))
+    options = k8s.Options(target_lag=3, redis_tls=False, deployed=("classify",))
+    objects = k8s.render([manifest("classify")], options)
     metadata = [t["metadata"] for t in of_kind(objects, "ScaledObject")[0]["spec"]["triggers"]]
-    assert {m.get("lagCount", m.get("pendingEntriesCount")) for m in metadata} == {"3"}
+    assert {m["lagCount"] for m in metadata if "lagCount" in m} == {"3"}
+    assert {m["pendingEntriesCount"] for m in metadata if "pendingEntriesCount" in m} == {"6"}
     assert {m["enableTLS"] for m in metadata} == {"false"}
 
 
@@ -161,13 +180,14 @@ def test_gpu_pool_runs_the_gpu_image_on_gpu_nodes(mixed: list[dict[str, Any]]) -
     assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"]["limits"]
 
 
-def test_runner_readiness_means_models_loaded(mixed: list[dict[str, Any]]) -> None:
+def test_runner_probes_readiness_and_liveness(mixed: list[dict[str, Any]]) -> None:
     for name in ("fngate-runner-default", "fngate-runner-gpu"):
         container = by_name(mixed, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
-        probe = container["readinessProbe"]["httpGet"]
-        assert probe["path"] == "/healthz/ready"
-        port = next(p for p in container["ports"] if p["name"] == probe["port"])
-        assert port["containerPort"] == k8s.RUNNER_PORT
+        for probe_name, path in (("readinessProbe", "/healthz/ready"), ("livenessProbe", "/healthz/live")):
+            probe = container[probe_name]["httpGet"]
+            assert probe["path"] == path
+            port = next(p for p in container["ports"] if p["name"] == probe["port"])
+            assert port["containerPort"] == k8s.RUNNER_PORT
 
 
 def test_gateway_objects(mixed: list[dict[str, Any]]) -> None:
@@ -195,7 +215,7 @@ def test_every_fngate_variable_is_a_setting(mixed: list[dict[str, Any]]) -> None
     known = {
         ENV_PREFIX + name.upper() for cls in (GatewaySettings, RunnerSettings) for name in cls.model_fields
     }
-    for container in containers(mixed):
+    for container in [*containers(mixed), *cron_containers(mixed)]:
         for env in container["env"]:
             assert not env["name"].startswith(ENV_PREFIX) or env["name"] in known, env["name"]
         assert "FNGATE_REDIS_URL" in {env["name"] for env in container["env"]}
@@ -218,11 +238,17 @@ def test_pods_run_unprivileged(mixed: list[dict[str, Any]]) -> None:
 
 
 def test_service_accounts_carry_the_iam_roles() -> None:
-    options = k8s.Options(gateway_role_arn="arn:aws:iam::1:role/g", runner_role_arn="arn:aws:iam::1:role/r")
+    options = k8s.Options(
+        runner_role_arn="arn:aws:iam::1:role/r",
+        deployer_role_arn="arn:aws:iam::1:role/d",
+        deployed=("classify",),
+    )
     objects = k8s.render([manifest("classify")], options)
+    # Gateways read no S3 (the registry is in Redis): no role.
+    assert "annotations" not in by_name(objects, "ServiceAccount", "fngate-gateway")["metadata"]
     for name, arn in (
-        ("fngate-gateway", "arn:aws:iam::1:role/g"),
         ("fngate-runner", "arn:aws:iam::1:role/r"),
+        ("fngate-deployer", "arn:aws:iam::1:role/d"),
     ):
         account = by_name(objects, "ServiceAccount", name)
         assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": arn}
@@ -241,12 +267,14 @@ def test_render_returns_no_shared_objects(mixed: list[dict[str, Any]]) -> None:
         return runner["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]  # type: ignore[no-any-return]
 
     limits(mixed)["cpu"] = "99"
-    assert limits(k8s.render([manifest("classify")], k8s.Options()))["cpu"] != "99"
+    rendered = k8s.render([manifest("classify")], k8s.Options(deployed=("classify",)))
+    assert limits(rendered)["cpu"] != "99"
 
 
 def test_main_writes_yaml_json_and_terraform_forms(capsys: pytest.CaptureFixture[str]) -> None:
     functions = str(ROOT / "functions")
     flags = ["--functions", functions, "--namespace", "ml", "--redis-address", "r.example:6380"]
+    flags += ["--deployed", "classifier", "--warm-runners", "1"]
     flags += ["--service-annotation", "a.example/b=c=d", "--source-range", "10.0.0.0/8", "--cooldown", "60"]
     assert k8s.main(flags) == 0
     documents = list(yaml.safe_load_all(capsys.readouterr().out))
@@ -258,6 +286,8 @@ def test_main_writes_yaml_json_and_terraform_forms(capsys: pytest.CaptureFixture
             service_annotations=("a.example/b=c=d",),
             source_ranges=("10.0.0.0/8",),
             cooldown_s=60,
+            deployed=("classifier",),
+            warm_runners=1,
         ),
     )
     assert documents == expected
@@ -281,3 +311,86 @@ def test_main_names_the_invalid_manifest(tmp_path: Path, capsys: pytest.CaptureF
 def test_main_refuses_a_malformed_annotation(capsys: pytest.CaptureFixture[str]) -> None:
     assert k8s.main(["--functions", str(ROOT / "functions"), "--service-annotation", "novalue"]) == 1
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def cron_containers(objects: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        container
+        for cron in of_kind(objects, "CronJob")
+        for container in cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def test_only_deployed_functions_get_pools_and_triggers() -> None:
+    functions = [manifest("classify"), manifest("embed"), manifest("detect", pool="gpu", accelerator="cuda")]
+    objects = k8s.render(functions, k8s.Options(deployed=("classify",)))
+    assert [obj["metadata"]["name"] for obj in of_kind(objects, "ScaledObject")] == ["fngate-runner-default"]
+    streams = {t["metadata"]["stream"] for t in of_kind(objects, "ScaledObject")[0]["spec"]["triggers"]}
+    assert streams == {keys.invocations("classify")}
+    assert "fngate-runner-gpu" not in {obj["metadata"]["name"] for obj in objects}
+    # Nothing deployed yet: the gateway, the accounts and the sync job only (a first apply).
+    first = k8s.render(functions, k8s.Options())
+    assert not of_kind(first, "ScaledObject")
+    assert [d["metadata"]["name"] for d in of_kind(first, "Deployment")] == ["fngate-gateway"]
+    with pytest.raises(ValueError, match="nameless"):
+        k8s.render(functions, k8s.Options(deployed=("nameless",)))
+
+
+def test_pools_reach_zero_without_fallback_and_warm_runners_keep_one(mixed: list[dict[str, Any]]) -> None:
+    for scaled in of_kind(mixed, "ScaledObject"):
+        assert scaled["spec"]["minReplicaCount"] == 0
+        # A fallback would hold a runner (a GPU node) while KEDA cannot read Redis, for nothing.
+        assert "fallback" not in scaled["spec"]
+    warm = k8s.render([manifest("classify")], k8s.Options(deployed=("classify",), warm_runners=1))
+    assert of_kind(warm, "ScaledObject")[0]["spec"]["minReplicaCount"] == 1
+    assert "USD" in k8s.WARM_COST
+
+
+def test_nodes_can_scale_down_and_disks_are_bounded(mixed: list[dict[str, Any]]) -> None:
+    for deployment in of_kind(mixed, "Deployment"):
+        template = deployment["spec"]["template"]
+        empty_dirs = [v for v in template["spec"]["volumes"] if "emptyDir" in v]
+        evictable = template["metadata"]["annotations"][k8s.SAFE_TO_EVICT_VOLUMES].split(",")
+        assert sorted(evictable) == sorted(v["name"] for v in empty_dirs)
+        assert all(v["emptyDir"].get("sizeLimit") for v in empty_dirs)
+    options = k8s.Options(artifact_cache_bytes=4 * 1024**3, deployed=("classify", "detect"))
+    functions = [manifest("classify"), manifest("detect", pool="gpu", accelerator="cuda")]
+    for name, extra in (("fngate-runner-default", 0), ("fngate-runner-gpu", k8s.TENSORRT_CACHE_BYTES)):
+        runner = by_name(k8s.render(functions, options), "Deployment", name)["spec"]["template"]["spec"]
+        container = runner["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["FNGATE_ARTIFACT_MAX_BYTES"] == str(4 * 1024**3)
+        cache = next(v for v in runner["volumes"] if v["name"] == "cache")
+        assert cache["emptyDir"]["sizeLimit"] == "5120Mi"  # the cache and a quarter more
+        requested = container["resources"]["requests"]["ephemeral-storage"]
+        assert requested == f"{(5 * 1024**3 + k8s.TMP_BYTES + extra) // 1024**2}Mi"
+
+
+def test_runner_pools_have_a_disruption_budget_and_never_idle_exit(mixed: list[dict[str, Any]]) -> None:
+    for pool in ("default", "gpu"):
+        name = f"fngate-runner-{pool}"
+        deployment = by_name(mixed, "Deployment", name)
+        pdb = by_name(mixed, "PodDisruptionBudget", name)
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+        env = {
+            e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        # A runner that exits when idle would be restarted by its Deployment for ever (CrashLoopBackOff).
+        assert env["FNGATE_IDLE_SHUTDOWN_S"] == "0"
+
+
+def test_registry_sync_job_runs_ls_sync_as_the_deployer(mixed: list[dict[str, Any]]) -> None:
+    cron = by_name(mixed, "CronJob", k8s.SYNC_JOB)
+    assert cron["spec"]["suspend"] is True  # run on demand: kubectl create job --from=cronjob/...
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "fngate-deployer"
+    assert pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    assert container["args"] == ["ls", "--sync"]
+    assert container["image"] == k8s.Options().runner_image  # boto3 for the S3 repository
+    env = {e["name"] for e in container["env"]}
+    assert {"FNGATE_REDIS_URL", "FNGATE_REPO"} <= env
+    scheduled = k8s.render([], k8s.Options(sync_schedule="*/10 * * * *"))
+    assert by_name(scheduled, "CronJob", k8s.SYNC_JOB)["spec"]["suspend"] is False

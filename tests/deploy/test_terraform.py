@@ -1,6 +1,7 @@
 """terraform/: what matters about it, read with python-hcl2 (GPU nodes scale to zero, the bucket is
-private and TLS-only, Redis speaks TLS and evicts cache entries only, KEDA is recent enough, the
-renderer gets what it needs), then `terraform fmt` and `terraform validate` where Terraform exists."""
+private and TLS-only, Redis speaks TLS and evicts cache entries only, KEDA and Kubernetes are a tested
+pair, in-cluster releases wait for the nodes, the renderer gets what it needs), then `terraform fmt`
+and `terraform validate` where Terraform exists."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from deploy_files import ROOT, TERRAFORM, Module, find_tool, load_hcl
 
 from fngate import k8s
+from runner.backends import engine_cache
 
 TERRAFORM_TIMEOUT_S = 300
 
@@ -67,18 +69,31 @@ def test_bucket_is_private_versioned_encrypted_and_tls_only(modules: dict[str, M
     assert bucket.resource("aws_s3_bucket_policy", "this")["policy"].endswith("tls_only.json}")
 
 
-def test_only_deployers_write_the_repository(modules: dict[str, Module]) -> None:
+def test_only_deployers_write_functions_and_runners_write_only_engine_caches(
+    modules: dict[str, Module],
+) -> None:
     bucket = modules["bucket"]
     read = bucket.resource("aws_iam_policy_document", "read", section="data")
     actions = {action for statement in read["statement"] for action in statement["actions"]}
     assert not any(action.startswith(("s3:Put", "s3:Delete")) for action in actions)
     write = bucket.resource("aws_iam_policy_document", "write", section="data")
     assert "s3:PutObject" in {a for s in write["statement"] for a in s["actions"]}
+    # Runners upload TensorRT engine caches to <prefix>/.engines/ (runner/backends/engine_cache.py)
+    # and may write nothing else; the key must let them encrypt what they write.
+    runner = bucket.resource("aws_iam_policy_document", "runner", section="data")
+    assert runner["source_policy_documents"] == ["${data.aws_iam_policy_document.read.json}"]
+    writes = [s for s in runner["statement"] if any(a.startswith("s3:Put") for a in s["actions"])]
+    assert [s["resources"] for s in writes] == [["${aws_s3_bucket.this.arn}/${var.prefix}/.engines/*"]]
+    assert not any(a.startswith("s3:Delete") for s in runner["statement"] for a in s["actions"])
+    assert any("kms:GenerateDataKey" in s["actions"] for s in runner["statement"])
+    assert engine_cache.PREFIX == ".engines"
     roles = modules["root"].named("module")
-    assert roles["runner_role"]["policy_json"] == "${module.bucket.read_policy_json}"
-    assert roles["gateway_role"]["policy_json"] == "${module.bucket.read_policy_json}"
+    assert roles["runner_role"]["policy_json"] == "${module.bucket.runner_policy_json}"
     assert roles["deployer_role"]["policy_json"] == "${module.bucket.write_policy_json}"
-    for role in ("runner_role", "gateway_role", "deployer_role"):
+    # Gateways read the registry in Redis, never S3: no role at all.
+    assert "gateway_role" not in roles
+    assert roles["fngate"]["gateway_role_arn"] == ""
+    for role in ("runner_role", "deployer_role"):
         assert roles[role]["service_account"] == f"fngate-{role.removesuffix('_role')}"
 
 
@@ -99,11 +114,25 @@ def test_redis_has_tls_auth_and_evicts_only_keys_with_a_ttl(modules: dict[str, M
     assert "--no-redis-tls" not in fngate.locals["render_flags"]
 
 
-def test_keda_is_installed_from_its_chart_at_2_17_or_later(modules: dict[str, Module]) -> None:
+def test_keda_and_kubernetes_are_pinned_to_a_pair_keda_tests(modules: dict[str, Module]) -> None:
     release = modules["keda"].resource("helm_release", "keda")
     assert release["chart"] == "keda"
     assert release["repository"] == "https://kedacore.github.io/charts"
-    variable = modules["root"].named("variable")["keda_chart_version"]
+    variables = modules["root"].named("variable")
+    keda_version, kubernetes = (
+        variables["keda_chart_version"]["default"],
+        variables["kubernetes_version"]["default"],
+    )
+    tested = modules["keda"].locals["tested_kubernetes"]
+    assert kubernetes in tested[".".join(keda_version.split(".")[:2])]
+    # keda.sh/docs/2.20/operate/cluster: 2.17 was tested on 1.30-1.32, 2.20 on 1.33-1.35.
+    assert tested["2.17"] == ["1.30", "1.31", "1.32"] and tested["2.20"] == ["1.33", "1.34", "1.35"]
+    precondition = release["lifecycle"][0]["precondition"][0]["condition"]
+    assert "local.tested_kubernetes" in precondition and "var.kubernetes_version" in precondition
+    assert modules["root"].named("module")["keda"]["kubernetes_version"] == "${var.kubernetes_version}"
+    # EKS standard support lasts 14 months: 1.35 until March 2027 (1.33 ended July 2026).
+    assert kubernetes == "1.35"
+    variable = variables["keda_chart_version"]
     pattern = re.search(r'regex\("(.+?)",', variable["validation"][0]["condition"])
     assert pattern is not None
     accepts = re.compile(pattern.group(1).replace("\\\\", "\\"))
@@ -135,6 +164,77 @@ def test_workloads_come_from_the_renderer_with_the_scaling_variables(modules: di
     release = fngate.resource("helm_release", "fngate")
     assert release["chart"] == "${var.objects_chart}"
     assert "data.external.objects.result.objects" in release["values"][0]
+
+
+def test_in_cluster_releases_wait_for_the_nodes(modules: dict[str, Module]) -> None:
+    # The providers only read the API endpoint; without this, Helm releases race node creation.
+    root = modules["root"].named("module")
+    for name in ("keda", "cluster_addons", "observability", "fngate"):
+        assert root[name]["depends_on"] == ["${module.eks}"], name
+
+
+def test_traces_go_to_the_collectors_otlp_http_port(modules: dict[str, Module]) -> None:
+    # fngate exports OTLP over HTTP (fngate/telemetry.py); 4318 is OTLP/HTTP, 4317 gRPC.
+    assert "proto.http" in (ROOT / "fngate" / "telemetry.py").read_text(encoding="utf-8")
+    endpoint = modules["observability"].named("output")["otlp_endpoint"]["value"]
+    assert endpoint.endswith(":4318")
+    assert (
+        modules["root"].named("module")["fngate"]["otlp_endpoint"] == "${module.observability.otlp_endpoint}"
+    )
+
+
+def test_alert_rules_go_to_fngates_namespace(modules: dict[str, Module]) -> None:
+    release = modules["observability"].resource("helm_release", "fngate_monitoring")
+    assert release["namespace"] == "${var.fngate_namespace}"
+    observability = modules["root"].named("module")["observability"]
+    assert observability["fngate_namespace"] == "${module.fngate.namespace}"  # made before, by fngate
+
+
+def test_one_kms_key_module_for_both_log_groups(modules: dict[str, Module]) -> None:
+    key = modules["kms-key"].resource("aws_kms_key", "this")
+    assert key["enable_key_rotation"] is True
+    for name, group in (
+        ("eks", "/aws/eks/${var.name}/cluster"),
+        ("network", "/aws/vpc/${var.name}/flow-logs"),
+    ):
+        module = modules[name]
+        assert not any("aws_kms_key" in entry for entry in module.blocks.get("resource", [])), name
+        used = module.named("module")["kms_key"]
+        assert used["source"] == "../kms-key"
+        assert used["log_group_name"] == group
+        # Existing keys move into the module instead of being replaced (EKS secrets are encrypted with one).
+        assert module.blocks["moved"][0]["to"] == "${module.kms_key.aws_kms_key.this}", name
+
+
+def test_gpu_nodes_carry_the_accelerator_label_the_autoscaler_knows(modules: dict[str, Module]) -> None:
+    eks = modules["eks"]
+    label = eks.locals["accelerator_label"]
+    assert label["key"] == "k8s.amazonaws.com/accelerator"
+    gpu = eks.resource("aws_eks_node_group", "gpu")
+    assert "${(local.accelerator_label.key)}" in gpu["labels"] or "${local.accelerator_label.key}" in {
+        eks.resolve(key) for key in gpu["labels"]
+    }
+    tags = eks.resource("aws_autoscaling_group_tag", "gpu_template")["for_each"]
+    assert any("${local.accelerator_label.key}" in key for key in tags)
+
+
+def test_workload_settings_reach_the_renderer(modules: dict[str, Module]) -> None:
+    flags = modules["fngate"].locals["render_flags"]
+    for flag in ("--warm-runners", "--artifact-cache-bytes", "--sync-schedule", "--deployer-role-arn"):
+        assert flag in flags, flag
+    args = modules["fngate"].locals["render_args"]
+    assert '[for name in var.deployed_functions : ["--deployed", name]]' in args
+    root = modules["root"].named("module")["fngate"]
+    assert root["deployed_functions"] == "${var.deployed_functions}"
+    assert root["warm_runners"] == "${var.warm_runners_per_pool}"
+    variables = modules["root"].named("variable")
+    assert variables["deployed_functions"]["default"] == []
+    assert variables["warm_runners_per_pool"]["default"] == 0
+    assert "USD" in variables["warm_runners_per_pool"]["description"]  # its cost, where it is set
+    # The deployer account is rendered with the other objects now, not made by Terraform beside them.
+    assert not any(
+        "kubernetes_service_account_v1" in entry for entry in modules["fngate"].blocks.get("resource", [])
+    )
 
 
 def test_objects_chart_applies_the_objects_it_is_given() -> None:

@@ -138,6 +138,27 @@ async def test_identical_concurrent_invocations_run_once(
     assert executions(log) == ["0", "9"]
 
 
+async def test_a_waiter_runs_in_place_of_the_invocation_it_waited_on_when_that_expires(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., Any],
+    tmp_path: Path,
+    redis: aioredis.Redis,
+) -> None:
+    log = tmp_path / "memo.log"
+    base = await serve_gateway()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        # No runner yet: the first invocation expires in the queue while an identical one waits on it.
+        first = asyncio.create_task(client.post(MEMO, json=body(13.0, timeout_ms=300)))
+        await asyncio.sleep(0.1)
+        waiting = asyncio.create_task(client.post(MEMO, json=body(13.0, timeout_ms=20_000)))
+        assert (await first).status_code == 504
+        runner_process(PROBE_LOG=str(log), FNGATE_FUNCTIONS='["memo"]')
+        response = await waiting
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [26.0, 2.0, 4.0, 6.0]
+    assert executions(log) == ["13"]  # the expired one never ran; the waiter ran once, in its place
+
+
 async def test_cache_down_fails_open(
     serve_gateway: Callable[..., Any],
     inprocess_runner: Callable[..., Any],

@@ -178,7 +178,7 @@ async def test_nothing_is_uploaded_for_a_manifest_that_fails_validation(
     modelless = scale_function(tmp_path / "modelless", "modelless", 2.0)
     (modelless.parent / "model.py").unlink()
     result = await deploy(s3, redis_url, modelless)
-    assert result.returncode == 1
+    assert result.returncode == 2  # the user's mistake, like the two above
     assert "model.py does not exist" in result.stderr
     writes = [(method, path) for method, path in s3.server.requests if method in ("PUT", "POST", "DELETE")]
     assert writes == [("PUT", f"/{s3.name}")]  # the bucket, made by the fixture

@@ -4,8 +4,10 @@ same models on CUDA and TensorRT (skipped, with the reason, where there is no GP
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 import logging
+import types
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,7 @@ from fngate.manifest import (
 from runner import gpu
 from runner.backends import load_backend
 from runner.backends.engine_cache import FolderEngineStore, options_fingerprint
-from runner.backends.onnx import OnnxBackend
+from runner.backends.onnx import OnnxBackend, create_session
 from runner.backends.providers import (
     CPU,
     CUDA,
@@ -39,8 +41,16 @@ from runner.backends.providers import (
     options,
     probe,
     profile,
+    session_problem,
 )
-from runner.backends.tensorrt import TensorRTBackend, build_plan, explain
+from runner.backends.tensorrt import (
+    KEPT_ERRORS,
+    TensorRTBackend,
+    build_plan,
+    explain,
+    numpy_dtype,
+    process_logger,
+)
 from tests.runner.gpu_support import classifier, require_gpu, rows
 
 H200 = gpu.Device(0, "NVIDIA H200", "GPU-1", "9.0", 141 * 1024**3, 0)
@@ -81,6 +91,18 @@ CPU_ONLY_HERE = CUDA not in probe(0).available
             Environment(GPU_BUILD, H200, "", "libnvinfer.so.10: cannot open shared object file"),
             (CUDA, CPU),
             ["TensorRT provider unavailable: TensorRT's libraries cannot be loaded (libnvinfer.so.10"],
+        ),
+        (
+            "tensorrt",
+            Environment(
+                GPU_BUILD, H200, "10.16.1", cuda_problem="libcublas.so.13: cannot open shared object"
+            ),
+            (CPU,),
+            [
+                "TensorRT provider unavailable: the CUDA libraries onnxruntime links cannot be loaded "
+                "(libcublas.so.13: cannot open shared object)",
+                "CUDA provider unavailable: the CUDA libraries",
+            ],
         ),
         (
             "cuda",
@@ -312,13 +334,136 @@ def test_the_tensorrt_backend_refuses_an_onnx_file(tmp_path: Path) -> None:
             "assertion magicTagRead == kMAGIC_TAG failed.Magic tag does not match)",
             "not a TensorRT engine, or it is damaged",
         ),
-        ("", "TensorRT cannot load the engine (TensorRT: no reason given)"),
+        ("", "TensorRT cannot load the engine (TensorRT: no reason given; TensorRT logs to the first"),
     ],
 )
 def test_a_refused_engine_is_explained(said: str, expected: str) -> None:
     reason = explain([said] if said else [], "10.16.1.11", H200)
     assert expected in reason
     assert said in reason
+
+
+@pytest.mark.parametrize(
+    ("asked", "providers", "given", "problem"),
+    [
+        ([(CUDA, {"device_id": "1"}), (CPU, {})], [CUDA, CPU], {CUDA: {"device_id": "1"}}, None),
+        ([(CPU, {})], [CPU], {CPU: {}}, None),
+        # onnxruntime's own fallback from TensorRT: CUDA and CPU, none of the options.
+        (
+            [(TENSORRT, {"device_id": "1"}), (CUDA, {"device_id": "1"}), (CPU, {})],
+            [CUDA, CPU],
+            {CUDA: {"device_id": "0"}},
+            "onnxruntime did not create the TensorRT provider (the session has",
+        ),
+        # The same fallback from CUDA, where TensorRT is installed: CUDA again, on GPU 0.
+        (
+            [(CUDA, {"device_id": "1"}), (CPU, {})],
+            [CUDA, CPU],
+            {CUDA: {"device_id": "0"}},
+            "onnxruntime created the CUDA provider on GPU 0, not 1",
+        ),
+        ([(CUDA, {"device_id": "0"}), (CPU, {})], [CPU], {CPU: {}}, "did not create the CUDA provider"),
+    ],
+)
+def test_a_session_is_compared_with_what_was_asked_for(
+    asked: list[tuple[str, dict[str, str]]],
+    providers: list[str],
+    given: dict[str, dict[str, str]],
+    problem: str | None,
+) -> None:
+    found = session_problem(asked, providers, given)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found
+
+
+@cpu_only
+def test_a_cpu_onnxruntime_asked_for_cuda_reports_the_fallback(tmp_path: Path) -> None:
+    import onnxruntime
+
+    _manifest, folder = classifier(tmp_path)
+    with pytest.warns(UserWarning, match="CUDAExecutionProvider"):  # onnxruntime's own, on stderr
+        session, problem = create_session(
+            onnxruntime, folder / "model.onnx", 1, [(CUDA, {"device_id": "0"}), (CPU, {})]
+        )
+    assert session.get_providers() == [CPU]
+    assert problem is not None
+    assert "onnxruntime did not create the CUDA provider" in problem
+    batch = rows(3)
+    assert session.run(["probabilities"], batch)[0].shape == (3, 4)
+
+
+def test_a_model_that_no_provider_can_load_fails_its_load(tmp_path: Path) -> None:
+    import onnxruntime
+
+    (tmp_path / "model.onnx").write_bytes(b"not a model")
+    with pytest.raises(Exception, match=r"(?i)protobuf|load"):
+        create_session(onnxruntime, tmp_path / "model.onnx", 1, [(CPU, {})])
+
+
+@pytest.mark.parametrize(
+    ("datatype", "expected"),
+    [
+        ("FLOAT", np.float32),
+        ("HALF", np.float16),
+        ("INT64", np.int64),
+        ("BOOL", np.bool_),
+        ("UINT8", np.uint8),
+    ],
+)
+def test_engine_datatypes_numpy_holds_are_mapped(datatype: str, expected: type) -> None:
+    assert numpy_dtype("m", "x", datatype) == np.dtype(expected)
+
+
+@pytest.mark.parametrize("datatype", ["BF16", "FP8", "INT4", "FP4"])
+def test_engine_datatypes_numpy_cannot_hold_are_refused_by_name(datatype: str) -> None:
+    with pytest.raises(Unavailable, match=rf"m: tensor 'logits' of the engine is {datatype}, which fngate"):
+        numpy_dtype("m", "logits", datatype)
+
+
+class Severity(enum.IntEnum):
+    """TensorRT's ILogger.Severity, for a stand-in of its module."""
+
+    INTERNAL_ERROR = 0
+    ERROR = 1
+    WARNING = 2
+    INFO = 3
+    VERBOSE = 4
+
+
+def stand_in_tensorrt() -> types.ModuleType:
+    """What process_logger uses of the tensorrt module: ILogger and its severities."""
+
+    class ILogger:
+        def __init__(self) -> None:
+            pass
+
+    ILogger.Severity = Severity  # type: ignore[attr-defined]
+    module = types.ModuleType("tensorrt")
+    module.ILogger = ILogger  # type: ignore[attr-defined]
+    return module
+
+
+def test_one_tensorrt_logger_serves_the_process_and_each_load_reads_its_own_errors() -> None:
+    trt = stand_in_tensorrt()
+    logger = process_logger(trt)
+    assert process_logger(trt) is logger
+    first = logger.mark()
+    logger.log(Severity.ERROR, "the engine plan file is not compatible")
+    logger.log(Severity.WARNING, "a warning is logged, not kept")
+    second = logger.mark()
+    logger.log(Severity.INTERNAL_ERROR, "magic tag does not match")
+    assert logger.errors_since(first) == [
+        "the engine plan file is not compatible",
+        "magic tag does not match",
+    ]
+    assert logger.errors_since(second) == ["magic tag does not match"]
+    assert logger.errors_since(logger.mark()) == []
+    for number in range(KEPT_ERRORS + 5):
+        logger.log(Severity.ERROR, f"error {number}")
+    kept = logger.errors_since(first)
+    assert len(kept) == KEPT_ERRORS and kept[-1] == f"error {KEPT_ERRORS + 4}"
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -329,7 +474,9 @@ def test_gpu_is_described_by_nvml() -> None:
     device = require_gpu()
     assert device.total_bytes > device.used_bytes > 0
     assert device.compute_capability.count(".") == 1
-    assert gpu.held_bytes(0) is not None
+    assert gpu.read_memory(0) is not None
+    environment = probe(0)
+    assert (environment.cuda_problem, environment.tensorrt_problem) == ("", "")
 
 
 @pytest.mark.gpu
@@ -384,6 +531,27 @@ def test_tensorrt_fp16_builds_once_and_another_pod_reuses_the_engine(tmp_path: P
         assert fetched == built
     finally:
         second.close()
+
+
+@pytest.mark.gpu
+def test_a_stored_engine_tensorrt_refuses_is_deleted_rebuilt_and_replaced(tmp_path: Path) -> None:
+    require_gpu()
+    manifest, folder = classifier(tmp_path, accelerator="tensorrt", precision="fp16")
+    store = FolderEngineStore(tmp_path / "repo")
+    OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod-a", store, require=True)).close()
+    (engine,) = (tmp_path / "pod-a").rglob("*.engine")
+    engine.write_bytes(bytes(64) + engine.read_bytes()[64:])  # damaged, its recorded key intact
+    (archive,) = (tmp_path / "repo").rglob("*.tar")
+    archive.unlink()
+    labels = {"function": "classifier", "event": "stale"}
+    stale = REGISTRY.get_sample_value("fngate_engine_cache_events_total", labels) or 0
+    again = OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod-a", store, require=True))
+    try:
+        assert (again.device, again.fallback_reason) == (TENSORRT, None)
+        assert REGISTRY.get_sample_value("fngate_engine_cache_events_total", labels) == stale + 1
+        assert list((tmp_path / "repo").rglob("*.tar"))  # the rebuilt engine is stored
+    finally:
+        again.close()
 
 
 def plan_function(tmp_path: Path, max_rows: int, manifest_rows: int) -> tuple[FunctionManifest, Path]:

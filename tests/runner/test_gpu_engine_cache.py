@@ -23,7 +23,9 @@ from runner.backends.engine_cache import (
 )
 from tests.s3 import Bucket
 
-KEY = EngineKey("a" * 64, "10.16.1", "9.0", "fp16", "onnxruntime 1.31.1", "0123456789abcdef")
+KEY = EngineKey(
+    "a" * 64, "10.16.1", "9.0", "NVIDIA H200", "580", "fp16", "onnxruntime 1.31.1", "0123456789abcdef"
+)
 ENGINE = b"serialized engine " * 100
 
 
@@ -50,12 +52,17 @@ def s3_store(bucket: Bucket) -> EngineStore:
 
 
 def test_key_names_everything_an_engine_depends_on() -> None:
-    assert KEY.name == f"{'a' * 64}/trt10.16.1-sm90-fp16-onnxruntime-1.31.1-0123456789abcdef.tar"
+    assert (
+        KEY.name
+        == f"{'a' * 64}/trt10.16.1-sm90-nvidia-h200-r580-fp16-onnxruntime-1.31.1-0123456789abcdef.tar"
+    )
     names = {KEY.name}
     for field, other in [
         ("model_sha256", "b" * 64),
         ("tensorrt", "10.9.0"),
         ("compute_capability", "8.6"),
+        ("device", "NVIDIA H100 80GB HBM3"),  # the same compute capability as an H200's
+        ("driver", "575"),
         ("precision", "fp32"),
         ("builder", "onnxruntime 1.30.0"),
         ("options", "fedcba9876543210"),
@@ -63,7 +70,7 @@ def test_key_names_everything_an_engine_depends_on() -> None:
         changed = dataclasses.replace(KEY, **{field: other})
         names.add(changed.name)
         assert KEY.mismatch(changed.fields()) == f"{field} is {other!r}, not {getattr(KEY, field)!r}"
-    assert len(names) == 7
+    assert len(names) == 9
     assert KEY.mismatch(KEY.fields()) is None
     assert KEY.mismatch(["not", "a", "mapping"]) == "it records no key"
 
@@ -206,3 +213,26 @@ def test_an_s3_store_that_refuses_is_a_miss_not_a_failed_load(tmp_path: Path, s3
     cache = EngineCache(tmp_path / "pod-b", KEY, store, "fc-s3-down")
     assert cache.prepare() == "miss"
     assert list(cache.folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["local", "downloaded"])
+def test_a_cache_tensorrt_refuses_is_deleted_reported_stale_and_replaced(tmp_path: Path, where: str) -> None:
+    store = folder_store(tmp_path)
+    seed = EngineCache(tmp_path / "pod-a", KEY, store, f"fc-stale-{where}")
+    seed.prepare()
+    build(seed)
+    (seed.folder / "TensorrtExecutionProvider_cache_sm90_123.engine").write_bytes(b"damaged")
+    assert seed.save()  # what a pod with a bad disk, or a bad build, left in the repository
+    cache = EngineCache(
+        tmp_path / ("pod-a" if where == "local" else "pod-b"), KEY, store, f"fc-stale-{where}"
+    )
+    assert cache.prepare() == where
+    cache.discard("onnxruntime could not create the TensorRT provider: could not deserialize engine")
+    assert cache.event == "stale"
+    assert list(cache.folder.iterdir()) == []
+    assert events(f"fc-stale-{where}", "stale") == 1
+    build(cache)  # the next session builds afresh
+    assert cache.save()
+    fresh = EngineCache(tmp_path / "pod-c", KEY, store, f"fc-stale-{where}")
+    assert fresh.prepare() == "downloaded"
+    assert (fresh.folder / "TensorrtExecutionProvider_cache_sm90_123.engine").read_bytes() == ENGINE

@@ -1,53 +1,93 @@
-"""GPU memory: the policy that makes room for a model (idle models first, least recently used
-first, never one in use) or refuses it, the estimate before a load, and NVML where there is none."""
+"""GPU memory and the device: what a load took, counted the same way before and after (a process's
+first load creates its CUDA context); which NVML device a CUDA index names (by UUID); the metrics
+a load and an unload set; and NVML where there is none."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from prometheus_client import REGISTRY
 
+from fngate.repository import FolderRepository
 from runner import gpu
-from runner.gpu import MIB, Resident, Room, make_room
+from runner.gpu import MIB, MemoryReading, nvml_index, taken_bytes, uuid_text
+from runner.pool import ModelPool
+from tests.runner.gpu_support import CLASSIFIER, require_gpu
 
-A = Resident("a", 400 * MIB, last_used=10.0, busy=False)
-B = Resident("b", 300 * MIB, last_used=5.0, busy=False)
-C = Resident("c", 200 * MIB, last_used=1.0, busy=True)
+A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+C = "GPU-cccccccc-0000-0000-0000-000000000000"
 
 
 @pytest.mark.parametrize(
-    ("need_mib", "residents", "expected"),
+    ("before", "after", "taken_mib"),
     [
-        (100, [A, B, C], Room()),  # 900 + 100 fits 1000
-        (200, [A, B, C], Room(evict=("b",))),  # b is the least recently used idle model
-        (500, [A, B, C], Room(evict=("b", "a"))),
-        (700, [A, B, C], Room(evict=("b", "a"))),
-        (
-            900,
-            [A, B, C],
-            Room(
-                refused="it needs 900 MiB of GPU memory; the budget is 1000 MiB and "
-                "1 models in use hold 200 MiB"
-            ),
-        ),
-        (1200, [], Room(refused="it needs 1200 MiB of GPU memory, more than the budget 1000 MiB")),
-        (1000, [], Room()),
+        # A process's first load: NVML lists it only once the load made its CUDA context; the
+        # device's use rose by more (another process loaded too): this process's 500 MiB count.
+        (MemoryReading(9000 * MIB, None), MemoryReading(10_700 * MIB, 500 * MIB), 500),
+        (MemoryReading(9000 * MIB, 300 * MIB), MemoryReading(9800 * MIB, 800 * MIB), 500),
+        # NVML never lists this process (its pid is hidden in a container): the device's use, both times.
+        (MemoryReading(9000 * MIB, None), MemoryReading(9600 * MIB, None), 600),
+        (MemoryReading(9000 * MIB, None), MemoryReading(8000 * MIB, None), 0),  # others freed more
     ],
 )
-def test_make_room_evicts_idle_models_least_recently_used_first(
-    need_mib: int, residents: list[Resident], expected: Room
+def test_a_load_is_measured_the_same_way_before_and_after(
+    before: MemoryReading, after: MemoryReading, taken_mib: int
 ) -> None:
-    assert make_room(need_mib * MIB, 1000 * MIB, residents) == expected
+    assert taken_bytes(before, after) == taken_mib * MIB
 
 
-def test_the_estimate_prefers_what_the_model_took_last_time() -> None:
-    assert gpu.estimate_bytes(1000 * MIB, "fp32") == 1256 * MIB
-    assert gpu.estimate_bytes(1000 * MIB, "fp16") == 756 * MIB
-    assert gpu.estimate_bytes(1000 * MIB, "fp16", measured=300 * MIB) == 300 * MIB
+def test_cudas_uuid_is_written_as_nvml_writes_it() -> None:
+    raw = bytes.fromhex("0123456789abcdef0011223344556677")
+    assert uuid_text(raw) == "GPU-01234567-89ab-cdef-0011-223344556677"
 
 
-def test_the_budget_is_the_setting_or_most_of_the_device() -> None:
-    device = gpu.Device(0, "NVIDIA H200", "GPU-1", "9.0", 1000 * MIB, 0)
-    assert gpu.budget_bytes(0, device) == 900 * MIB
-    assert gpu.budget_bytes(123, device) == 123
+@pytest.mark.parametrize(
+    ("cuda_index", "cuda_uuid", "visible", "expected"),
+    [
+        (0, None, None, 0),  # nothing hidden, nothing reordered
+        (1, C, None, 2),  # CUDA's own UUID settles it, whatever the order
+        (0, B, "2,1", 1),
+        (0, None, "2,1", 2),  # CUDA_VISIBLE_DEVICES by index: CUDA's 0 is NVML's 2
+        (1, None, "2,1", 1),
+        (0, None, "GPU-cccc", 2),  # by UUID prefix
+        (0, "GPU-dddddddd-0000-0000-0000-000000000000", None, "is not among the GPUs NVML sees"),
+        (2, None, "2,1", "leaves 2 GPUs; there is no GPU 2"),
+        (0, None, "GPU-", "names no single GPU"),
+        (3, None, None, "NVML sees 3 GPUs; there is no GPU 3"),
+    ],
+)
+def test_a_cuda_index_is_mapped_to_nvmls_by_uuid(
+    cuda_index: int, cuda_uuid: str | None, visible: str | None, expected: int | str
+) -> None:
+    found = nvml_index(cuda_index, [A, B, C.upper()], cuda_uuid, visible)
+    if isinstance(expected, int):
+        assert found == expected
+    else:
+        assert isinstance(found, str) and expected in found
+
+
+def test_the_driver_major_version_is_read_from_nvmls() -> None:
+    device = gpu.Device(0, "NVIDIA H200", A, "9.0", 141 * 1024**3, 0, "580.159.03")
+    assert device.driver_major == "580"
+
+
+async def test_a_loaded_model_reports_its_device_until_unloaded(tmp_path: Path) -> None:
+    record = FolderRepository(CLASSIFIER.parent).get("classifier")
+    pool = ModelPool(1)
+    pool.offer({"classifier": record})
+    (version,) = record.versions
+    labels = {"function": "classifier", "version": version, "device": "CPUExecutionProvider", "asked": "cpu"}
+    try:
+        await pool.get(record.versions[version])
+        assert REGISTRY.get_sample_value("fngate_model_device", labels) == 1
+        memory = {"function": "classifier", "version": version, "gpu": "0"}
+        assert REGISTRY.get_sample_value("fngate_model_gpu_memory_bytes", memory) is None  # not on a GPU
+        assert await pool.unload(("classifier", version))
+        assert REGISTRY.get_sample_value("fngate_model_device", labels) is None
+    finally:
+        pool.close()
 
 
 def test_without_a_gpu_nvml_says_why_and_reports_no_memory() -> None:
@@ -55,5 +95,14 @@ def test_without_a_gpu_nvml_says_why_and_reports_no_memory() -> None:
     if isinstance(device, gpu.Device):
         pytest.skip(f"this machine has a GPU ({device.name})")
     assert device.reason
-    assert gpu.process_bytes(0) is None
-    assert gpu.held_bytes(0) is None
+    assert gpu.read_memory(0) is None
+
+
+@pytest.mark.gpu
+def test_nvml_reads_the_gpu_cuda_numbers_0() -> None:
+    device = require_gpu()
+    assert device.total_bytes > device.used_bytes > 0
+    assert device.uuid.startswith(("GPU-", "MIG-"))
+    assert device.driver_major.isdigit()
+    reading = gpu.read_memory(0)
+    assert reading is not None and reading.device_used_bytes > 0

@@ -178,3 +178,22 @@ data "aws_iam_policy_document" "write" {
     resources = [aws_kms_key.this.arn]
   }
 }
+
+# Runners read the repository and write TensorRT engine caches beside it (runner/backends/engine_cache.py,
+# S3EngineStore: <prefix>/.engines/), so that a new GPU runner fetches the engines instead of
+# rebuilding them. Nothing else: a runner cannot change a function.
+data "aws_iam_policy_document" "runner" {
+  source_policy_documents = [data.aws_iam_policy_document.read.json]
+
+  statement {
+    sid       = "WriteEngineCaches"
+    actions   = ["s3:PutObject", "s3:AbortMultipartUpload"]
+    resources = ["${aws_s3_bucket.this.arn}/${var.prefix}/.engines/*"]
+  }
+
+  statement {
+    sid       = "EncryptEngineCaches"
+    actions   = ["kms:GenerateDataKey"]
+    resources = [aws_kms_key.this.arn]
+  }
+}

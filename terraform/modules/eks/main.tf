@@ -15,42 +15,29 @@ locals {
   # label and tolerate this taint.
   gpu_label = { key = "nvidia.com/gpu.present", value = "true" }
   gpu_taint = { key = "nvidia.com/gpu", value = "true", effect = "NO_SCHEDULE" }
+  # cluster-autoscaler's AWS provider knows GPU nodes by this label (GPULabel in
+  # cluster-autoscaler/cloudprovider/aws/aws_cloud_provider.go): until the device plugin advertises
+  # the GPU it counts such a node as coming up, instead of adding another one for the same pod.
+  accelerator_label = { key = "k8s.amazonaws.com/accelerator", value = var.gpu_accelerator }
 }
 
-resource "aws_kms_key" "this" {
-  description             = "${var.name} EKS secrets and control plane logs"
-  enable_key_rotation     = true
-  deletion_window_in_days = 30
-  policy = jsonencode({
-    Version = "2012-10-17"
-    Statement = [
-      {
-        Sid       = "AccountAdministers"
-        Effect    = "Allow"
-        Principal = { AWS = "arn:${data.aws_partition.current.partition}:iam::${local.account}:root" }
-        Action    = "kms:*"
-        Resource  = "*"
-      },
-      {
-        Sid       = "CloudWatchLogsUses"
-        Effect    = "Allow"
-        Principal = { Service = "logs.${local.region}.amazonaws.com" }
-        Action    = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
-        Resource  = "*"
-        Condition = {
-          ArnEquals = {
-            "kms:EncryptionContext:aws:logs:arn" = "arn:${data.aws_partition.current.partition}:logs:${local.region}:${local.account}:log-group:/aws/eks/${var.name}/cluster"
-          }
-        }
-      },
-    ]
-  })
+module "kms_key" {
+  source = "../kms-key"
+
+  description    = "${var.name} EKS secrets and control plane logs"
+  log_group_name = "/aws/eks/${var.name}/cluster"
+}
+
+# The key used to be declared here; state moves with it instead of a new key replacing it.
+moved {
+  from = aws_kms_key.this
+  to   = module.kms_key.aws_kms_key.this
 }
 
 resource "aws_cloudwatch_log_group" "this" {
   name              = "/aws/eks/${var.name}/cluster"
   retention_in_days = var.log_retention_days
-  kms_key_id        = aws_kms_key.this.arn
+  kms_key_id        = module.kms_key.arn
 }
 
 # ---------------------------------------------------------------- control plane
@@ -92,7 +79,7 @@ resource "aws_eks_cluster" "this" {
   encryption_config {
     resources = ["secrets"]
     provider {
-      key_arn = aws_kms_key.this.arn
+      key_arn = module.kms_key.arn
     }
   }
 
@@ -163,10 +150,11 @@ resource "aws_launch_template" "cpu" {
     http_put_response_hop_limit = 1
   }
 
+  # Images, and each runner's artifact cache (its ephemeral-storage request, runner_artifact_cache_gib).
   block_device_mappings {
     device_name = "/dev/xvda"
     ebs {
-      volume_size           = 50
+      volume_size           = var.cpu_volume_gib
       volume_type           = "gp3"
       encrypted             = true
       delete_on_termination = true
@@ -254,8 +242,9 @@ resource "aws_eks_node_group" "gpu" {
   }
 
   labels = {
-    "fngate/node-class"   = "gpu"
-    (local.gpu_label.key) = local.gpu_label.value
+    "fngate/node-class"           = "gpu"
+    (local.gpu_label.key)         = local.gpu_label.value
+    (local.accelerator_label.key) = local.accelerator_label.value
   }
 
   taint {
@@ -275,9 +264,10 @@ resource "aws_eks_node_group" "gpu" {
 # when there is no node yet to look at.
 resource "aws_autoscaling_group_tag" "gpu_template" {
   for_each = {
-    "k8s.io/cluster-autoscaler/node-template/label/${local.gpu_label.key}" = local.gpu_label.value
-    "k8s.io/cluster-autoscaler/node-template/taint/${local.gpu_taint.key}" = "${local.gpu_taint.value}:NoSchedule"
-    "k8s.io/cluster-autoscaler/node-template/resources/nvidia.com/gpu"     = tostring(var.gpus_per_node)
+    "k8s.io/cluster-autoscaler/node-template/label/${local.gpu_label.key}"         = local.gpu_label.value
+    "k8s.io/cluster-autoscaler/node-template/label/${local.accelerator_label.key}" = local.accelerator_label.value
+    "k8s.io/cluster-autoscaler/node-template/taint/${local.gpu_taint.key}"         = "${local.gpu_taint.value}:NoSchedule"
+    "k8s.io/cluster-autoscaler/node-template/resources/nvidia.com/gpu"             = tostring(var.gpus_per_node)
   }
 
   autoscaling_group_name = aws_eks_node_group.gpu.resources[0].autoscaling_groups[0].name

@@ -59,3 +59,15 @@ variable "log_retention_days" {
   type        = number
   default     = 365
 }
+
+variable "gpu_accelerator" {
+  description = "Value of the k8s.amazonaws.com/accelerator label on GPU nodes (the GPU model, e.g. nvidia-a10g for g5)."
+  type        = string
+  default     = "nvidia-a10g"
+}
+
+variable "cpu_volume_gib" {
+  description = "Root volume of a CPU node, GiB: images plus the artifact caches of the runners it holds."
+  type        = number
+  default     = 100
+}

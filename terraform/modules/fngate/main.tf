@@ -1,9 +1,9 @@
 # fngate's workloads. The Kubernetes objects (gateway Deployment, Service, PDB and HPA; per runner
-# pool a Deployment and its KEDA ScaledObject) come from one renderer, fngate/k8s.py, which Terraform
-# runs here and which users without Terraform run themselves (`python -m fngate.k8s`): one source
-# for both paths. They are applied as one Helm release, so a pool removed from the manifests is
-# removed from the cluster. What depends on this stack (namespace, Redis Secret, deployer account)
-# is made here with the Kubernetes provider.
+# pool of the deployed functions a Deployment, PDB and KEDA ScaledObject; the service accounts and
+# the registry-sync job) come from one renderer, fngate/k8s.py, which Terraform runs here and which
+# users without Terraform run themselves (`python -m fngate.k8s`): one source for both paths. They
+# are applied as one Helm release, so a pool removed from the manifests is removed from the cluster.
+# What the release needs first (namespace, Redis Secret) is made here with the Kubernetes provider.
 
 locals {
   redis_secret = "fngate-redis"
@@ -29,6 +29,9 @@ locals {
     "--repo", var.repo,
     "--redis-address", "${var.redis_address}:${var.redis_port}",
     "--redis-secret", local.redis_secret,
+    "--warm-runners", tostring(var.warm_runners),
+    "--artifact-cache-bytes", tostring(var.artifact_cache_bytes),
+    "--sync-schedule", var.registry_sync_schedule,
     "--polling-interval", tostring(var.polling_interval_s),
     "--cooldown", tostring(var.cooldown_s),
     "--gateway-min-replicas", tostring(var.gateway_min_replicas),
@@ -36,6 +39,7 @@ locals {
     "--service-port", local.https ? "443" : "80",
     "--gateway-role-arn", var.gateway_role_arn,
     "--runner-role-arn", var.runner_role_arn,
+    "--deployer-role-arn", var.deployer_role_arn,
     "--otlp-endpoint", var.otlp_endpoint,
     "--log-level", var.log_level,
   ]
@@ -43,6 +47,7 @@ locals {
     local.render_flags,
     flatten([for key, value in local.service_annotations : ["--service-annotation", "${key}=${value}"]]),
     flatten([for cidr in var.gateway_allowed_cidrs : ["--source-range", cidr]]),
+    flatten([for name in var.deployed_functions : ["--deployed", name]]),
   )
 }
 
@@ -68,16 +73,6 @@ resource "kubernetes_secret_v1" "redis" {
     url      = local.redis_url
     password = var.redis_auth_token
   }
-}
-
-# The account `fngate deploy` runs as inside the cluster (a CI job, say): it may write the repository.
-resource "kubernetes_service_account_v1" "deployer" {
-  metadata {
-    name        = "fngate-deployer"
-    namespace   = kubernetes_namespace_v1.this.metadata[0].name
-    annotations = { "eks.amazonaws.com/role-arn" = var.deployer_role_arn }
-  }
-  automount_service_account_token = false
 }
 
 data "external" "objects" {

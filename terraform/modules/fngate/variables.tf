@@ -70,7 +70,7 @@ variable "deployer_role_arn" {
 }
 
 variable "otlp_endpoint" {
-  description = "OTLP endpoint of the collector (OTEL_EXPORTER_OTLP_ENDPOINT)."
+  description = "OTLP/HTTP base URL of the collector (OTEL_EXPORTER_OTLP_ENDPOINT)."
   type        = string
 }
 
@@ -111,5 +111,25 @@ variable "gateway_certificate_arn" {
 
 variable "log_level" {
   description = "FNGATE_LOG_LEVEL."
+  type        = string
+}
+
+variable "deployed_functions" {
+  description = "Functions (of functions_dir) that have been deployed; only these get runner pools and KEDA triggers."
+  type        = list(string)
+}
+
+variable "warm_runners" {
+  description = "Runners each pool keeps when idle (0: pools scale to zero)."
+  type        = number
+}
+
+variable "artifact_cache_bytes" {
+  description = "A runner's model file cache (FNGATE_ARTIFACT_MAX_BYTES), and the base of its ephemeral-storage request."
+  type        = number
+}
+
+variable "registry_sync_schedule" {
+  description = "Cron schedule of the fngate-registry-sync job; empty: suspended, run on demand."
   type        = string
 }

@@ -136,40 +136,23 @@ resource "aws_vpc_endpoint" "s3" {
 }
 
 # ---------------------------------------------------------------- flow logs
-resource "aws_kms_key" "logs" {
-  description             = "${var.name} VPC flow logs"
-  enable_key_rotation     = true
-  deletion_window_in_days = 30
-  policy = jsonencode({
-    Version = "2012-10-17"
-    Statement = [
-      {
-        Sid       = "AccountAdministers"
-        Effect    = "Allow"
-        Principal = { AWS = "arn:aws:iam::${data.aws_caller_identity.current.account_id}:root" }
-        Action    = "kms:*"
-        Resource  = "*"
-      },
-      {
-        Sid       = "CloudWatchLogsUses"
-        Effect    = "Allow"
-        Principal = { Service = "logs.${data.aws_region.current.region}.amazonaws.com" }
-        Action    = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
-        Resource  = "*"
-        Condition = {
-          ArnEquals = {
-            "kms:EncryptionContext:aws:logs:arn" = "arn:aws:logs:${data.aws_region.current.region}:${data.aws_caller_identity.current.account_id}:log-group:/aws/vpc/${var.name}/flow-logs"
-          }
-        }
-      },
-    ]
-  })
+module "kms_key" {
+  source = "../kms-key"
+
+  description    = "${var.name} VPC flow logs"
+  log_group_name = "/aws/vpc/${var.name}/flow-logs"
+}
+
+# The key used to be declared here; state moves with it instead of a new key replacing it.
+moved {
+  from = aws_kms_key.logs
+  to   = module.kms_key.aws_kms_key.this
 }
 
 resource "aws_cloudwatch_log_group" "flow_logs" {
   name              = "/aws/vpc/${var.name}/flow-logs"
   retention_in_days = var.flow_log_retention_days
-  kms_key_id        = aws_kms_key.logs.arn
+  kms_key_id        = module.kms_key.arn
 }
 
 data "aws_iam_policy_document" "flow_logs_trust" {

@@ -1,5 +1,6 @@
-# Traces and metrics: an OpenTelemetry collector that gateways and runners send OTLP to, Prometheus
-# (kube-prometheus-stack, optional) scraping their /metrics, and fngate's alert rules.
+# Traces and metrics: an OpenTelemetry collector that gateways and runners send traces to over
+# OTLP/HTTP, Prometheus (kube-prometheus-stack, optional) scraping their /metrics, and fngate's alert
+# rules. fngate's metrics are Prometheus only; the collector's metrics pipeline serves other senders.
 
 locals {
   rules = yamldecode(file(var.rules_file))
@@ -64,10 +65,11 @@ resource "helm_release" "prometheus" {
 }
 
 # fngate's alert rules (deploy/prometheus/rules.yaml) and what Prometheus scrapes: the gateway's
-# /metrics on its http port and the runners' on their metrics port, in fngate's namespace.
+# /metrics on its http port and the runners' on their metrics port. Both live in fngate's namespace,
+# beside what they watch; Prometheus selects rules and monitors from every namespace (above).
 resource "helm_release" "fngate_monitoring" {
   name      = "fngate-monitoring"
-  namespace = var.namespace
+  namespace = var.fngate_namespace
   chart     = var.objects_chart
 
   values = [yamlencode({
@@ -91,6 +93,7 @@ resource "helm_release" "fngate_monitoring" {
     ]
   })]
 
-  # The namespace comes with the collector; the CRDs with kube-prometheus-stack.
-  depends_on = [helm_release.otel_collector, helm_release.prometheus]
+  # The CRDs come with kube-prometheus-stack; fngate_namespace is module.fngate's output, so the
+  # namespace exists first.
+  depends_on = [helm_release.prometheus]
 }

@@ -1,4 +1,6 @@
 output "otlp_endpoint" {
-  description = "OTLP/gRPC endpoint for gateways and runners (OTEL_EXPORTER_OTLP_ENDPOINT)."
-  value       = "http://otel-collector.${var.namespace}.svc.cluster.local:4317"
+  # fngate exports over OTLP/HTTP (fngate/telemetry.py), whose port is 4318; the exporter appends
+  # /v1/traces to this base URL (OpenTelemetry's OTLP exporter specification). 4317 is gRPC.
+  description = "OTLP/HTTP base URL for gateways and runners (OTEL_EXPORTER_OTLP_ENDPOINT)."
+  value       = "http://otel-collector.${var.namespace}.svc.cluster.local:4318"
 }

@@ -1,0 +1,270 @@
+"""The queue protocol between gateways and runners: entry field names, the waiter format, the enqueue
+and finish scripts, and pure builders of their arguments and parsers of their outcomes.
+
+Gateway and runner only call these; what a stream entry or a script argument looks like is decided
+here alone. Pipelines and asynchronous invocations extend this contract, not their callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+HEADER = b"h"
+"""An entry's JSON header (fngate.wire)."""
+BODY = b"b"
+"""An entry's tensors, back to back (fngate.wire)."""
+FOR = b"for"
+"""On a reply: the id of the invocation it answers when that is not the reply's own (a waiter)."""
+AS, TO, BY = b"as", b"to", b"by"
+"""On an invocation entry: a waiter promoted to run in place of an identical invocation that expired
+runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
+
+# One round trip for the whole decision. KEYS: the stream, its byte counter, the cache entry ('' to
+# skip the lookup), the in-flight marker and its waiters list ('' for no coalescing). ARGV: max queue
+# size, max queue bytes (0: no limit), header, body, this invocation as a waiter, marker TTL in ms.
+# Entries leave the stream when a runner acknowledges them, so XLEN counts queued or in flight.
+ENQUEUE = """
+if KEYS[3] ~= '' then
+  local hit = redis.call('HMGET', KEYS[3], 'h', 'b')
+  if hit[1] then return {'hit', hit[1], hit[2]} end
+end
+if KEYS[4] ~= '' then
+  if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[6]) then
+    redis.call('RPUSH', KEYS[5], ARGV[5])
+    redis.call('PEXPIRE', KEYS[5], ARGV[6])
+    return {'wait'}
+  end
+end
+local full = nil
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  full = 'count'
+elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
+  full = 'bytes'
+end
+if full then
+  if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
+  return {'full', full}
+end
+redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
+redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
+return {'queued'}
+"""
+
+FINISH_ITEM = 10
+"""Arguments per reply in FINISH."""
+
+# KEYS[1]: the invocation stream, KEYS[2]: its byte counter, KEYS[3..]: reply streams.
+# ARGV: group, reply maxlen, bytes acknowledged, the number of replies n, then n groups of
+# FINISH_ITEM (index into KEYS, header, body, cache entry or '', its TTL in s, in-flight marker or
+# '', its waiters list, what to do with the waiters: 'share' the reply, 'drop' them, or 'promote'
+# the first to run in place of this one, and for 'promote' the invocation's own header and body),
+# then the entry ids to acknowledge and delete. Replies go only to reply streams that exist
+# (NOMKSTREAM): a gateway that stopped took its stream with it. One command per batch.
+FINISH = """
+local n = tonumber(ARGV[4])
+local maxlen = ARGV[2]
+for i = 0, n - 1 do
+  local at = 5 + i * 10
+  local h, b = ARGV[at + 1], ARGV[at + 2]
+  redis.call('XADD', KEYS[tonumber(ARGV[at])], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  if ARGV[at + 3] ~= '' then
+    redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
+    redis.call('EXPIRE', ARGV[at + 3], ARGV[at + 4])
+  end
+  local marker, waiters, mode = ARGV[at + 5], ARGV[at + 6], ARGV[at + 7]
+  if marker ~= '' then
+    local promoted = false
+    if mode == 'share' then
+      for _, waiter in ipairs(redis.call('LRANGE', waiters, 0, -1)) do
+        local stream, id = string.match(waiter, '^(%S+) (%S+)')
+        redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b, 'for', id)
+      end
+    elseif mode == 'promote' then
+      local now = redis.call('TIME')
+      local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+      local waiter = redis.call('LPOP', waiters)
+      while waiter do
+        local stream, id, by = string.match(waiter, '^(%S+) (%S+) (%d+)$')
+        if by and tonumber(by) > now_ms then
+          local ih, ib = ARGV[at + 8], ARGV[at + 9]
+          redis.call('XADD', KEYS[1], '*', 'h', ih, 'b', ib, 'as', id, 'to', stream, 'by', by)
+          redis.call('INCRBY', KEYS[2], #ih + #ib)
+          redis.call('PEXPIRE', marker, tonumber(by) - now_ms)
+          promoted = true
+          break
+        end
+        waiter = redis.call('LPOP', waiters)
+      end
+    end
+    if not promoted then redis.call('DEL', marker, waiters) end
+  end
+end
+local ids = {}
+for i = 5 + n * 10, #ARGV do ids[#ids + 1] = ARGV[i] end
+if #ids > 0 then
+  redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
+  redis.call('XDEL', KEYS[1], unpack(ids))
+  if redis.call('XLEN', KEYS[1]) == 0 then
+    redis.call('DEL', KEYS[2])
+  else
+    redis.call('DECRBY', KEYS[2], ARGV[3])
+  end
+end
+return n
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """The KEYS and ARGV of one script call."""
+
+    keys: list[str]
+    args: list[bytes | str | int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Waiter:
+    """An invocation waiting on an identical one in flight: where its answer goes, and until when."""
+
+    stream: str
+    id: str
+    deadline_ms: int
+
+    def encode(self) -> str:
+        return f"{self.stream} {self.id} {self.deadline_ms}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Waiter:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        stream, invocation_id, deadline = text.split(" ")
+        return cls(stream, invocation_id, int(deadline))
+
+
+def waiters(in_flight_key: str) -> str:
+    """The list of Waiters of an in-flight invocation."""
+    return f"{in_flight_key}:w"
+
+
+def queue_bytes(stream: str) -> str:
+    """The byte counter of an invocation stream: what its entries hold, for max_queue_bytes."""
+    return f"{stream}:bytes"
+
+
+def enqueue_call(
+    stream: str,
+    fields: Mapping[bytes, bytes],
+    waiter: Waiter,
+    ttl_ms: int,
+    max_queue_size: int,
+    max_queue_bytes: int = 0,
+    lookup: str = "",
+    in_flight: str = "",
+) -> ScriptCall:
+    """ENQUEUE's arguments. `lookup`: the cache entry to answer from ('' for none); `in_flight`: the
+    marker that makes identical invocations wait on this one ('' for no coalescing)."""
+    return ScriptCall(
+        keys=[stream, queue_bytes(stream), lookup, in_flight, waiters(in_flight) if in_flight else ""],
+        args=[max_queue_size, max_queue_bytes, fields[HEADER], fields[BODY], waiter.encode(), max(ttl_ms, 1)],
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Queued:
+    """On the stream; the reply will come to the reply stream."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Waiting:
+    """An identical invocation is in flight: its reply will come, addressed `for` this one."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hit:
+    fields: dict[bytes, bytes]
+    """The cached reply's entry fields."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Full:
+    limit: str
+    """'count' (max_queue_size) or 'bytes' (max_queue_bytes)."""
+
+
+EnqueueOutcome = Queued | Waiting | Hit | Full
+
+
+def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
+    kind = raw[0]
+    if kind == b"queued":
+        return Queued()
+    if kind == b"wait":
+        return Waiting()
+    if kind == b"hit":
+        return Hit({HEADER: raw[1], BODY: raw[2] or b""})
+    if kind == b"full":
+        return Full(raw[1].decode())
+    raise ValueError(f"unknown enqueue outcome {kind!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One reply of a batch and what to do around it."""
+
+    reply: Mapping[bytes, bytes]
+    """The reply's entry fields."""
+    reply_to: str
+    cache_entry: str = ""
+    """Store the reply there ('' not to)."""
+    cache_ttl_s: int = 0
+    in_flight: str = ""
+    """The invocation's in-flight marker, if identical invocations may wait on it."""
+    waiters: str = "share"
+    """'share' the reply with them, 'drop' them, or 'promote' one to run instead."""
+    invocation: Mapping[bytes, bytes] | None = None
+    """For 'promote': the invocation's own entry fields, which the promoted waiter runs with."""
+
+
+def finish_call(
+    stream: str,
+    group: str,
+    replies: Sequence[Outgoing],
+    entry_ids: Sequence[bytes],
+    entry_bytes: int,
+    reply_maxlen: int,
+) -> ScriptCall:
+    """FINISH's arguments: write `replies`, acknowledge and delete `entry_ids` (which held
+    `entry_bytes` of the stream's byte count)."""
+    reply_keys: dict[str, int] = {}
+    items: list[bytes | str | int] = []
+    for out in replies:
+        index = reply_keys.setdefault(out.reply_to, len(reply_keys) + 3)
+        promote = out.waiters == "promote" and out.invocation is not None
+        items += [
+            index,
+            out.reply[HEADER],
+            out.reply[BODY],
+            out.cache_entry,
+            out.cache_ttl_s,
+            out.in_flight,
+            waiters(out.in_flight) if out.in_flight else "",
+            out.waiters if out.waiters != "promote" or promote else "drop",
+            out.invocation[HEADER] if promote and out.invocation else "",
+            out.invocation[BODY] if promote and out.invocation else "",
+        ]
+    return ScriptCall(
+        keys=[stream, queue_bytes(stream), *reply_keys],
+        args=[group, reply_maxlen, entry_bytes, len(replies), *items, *entry_ids],
+    )
+
+
+def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
+    """What an entry counts against max_queue_bytes."""
+    return len(fields.get(HEADER, b"")) + len(fields.get(BODY, b""))
+
+
+def answered_id(fields: Mapping[bytes, bytes], reply_id: str) -> str:
+    """The invocation a reply entry answers: the waiter it names, or the reply's own."""
+    target = fields.get(FOR)
+    return target.decode() if target else reply_id

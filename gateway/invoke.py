@@ -1,0 +1,183 @@
+"""The invocation routes as a plain ASGI app in front of Starlette: POST /v2/models/{name}/infer,
+/v2/models/{name}/versions/{v}/infer and /v1/functions/{name}. They carry the traffic, so they
+need no Request and Response objects, no router and no middleware stack: the path is split once,
+the headers scanned once, the body read into one buffer, and the answer sent as two ASGI messages.
+Everything else goes to the Starlette app behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from fngate.errors import ErrorCode, FunctionError, Internal
+from fngate.repository import FunctionVersion
+from gateway.endpoints import Services
+from gateway.http_errors import STATUS, PayloadTooLarge, error_body
+from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
+from gateway.protocol import InferRequest, decode_body, parse_v1, parse_v2, render_v1, render_v2
+
+log = logging.getLogger(__name__)
+
+JSON = (b"content-type", b"application/json")
+CACHE_HEADER = b"x-fngate-cache"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """What TracingMiddleware reads as `scope["route"]` to name the server span."""
+
+    path: str
+
+
+V2 = Route("/v2/models/{name}/infer")
+V2_PINNED = Route("/v2/models/{name}/versions/{version}/infer")
+V1 = Route("/v1/functions/{name}")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its body arrived: nothing to answer."""
+
+
+@dataclasses.dataclass(slots=True)
+class Invocation:
+    route: Route
+    name: str
+    version: str | None
+    content_length: int | None = None
+    header_length: bytes | None = None
+    no_cache: bool = False
+    encoding: str | None = None
+
+
+def match(path: str) -> Invocation | None:
+    parts = path.split("/")
+    if len(parts) == 5 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "infer" and parts[3]:
+        return Invocation(V2, parts[3], None)
+    if len(parts) == 4 and parts[1] == "v1" and parts[2] == "functions" and parts[3]:
+        return Invocation(V1, parts[3], None)
+    if (
+        len(parts) == 7
+        and parts[1] == "v2"
+        and parts[2] == "models"
+        and parts[4] == "versions"
+        and parts[6] == "infer"
+        and parts[3]
+        and parts[5]
+    ):
+        return Invocation(V2_PINNED, parts[3], parts[5])
+    return None
+
+
+class InvokeRoutes:
+    def __init__(self, app: ASGIApp, retry_after_s: int) -> None:
+        self.app = app
+        self._retry_after = str(retry_after_s).encode()
+        self._metrics: dict[str, Any] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call = match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if call is None:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = call.route
+        services: Services = scope["state"]["services"]
+        started = time.perf_counter()
+        try:
+            for key, value in scope["headers"]:
+                if key == b"content-length":
+                    call.content_length = int(value) if value.isdigit() else None
+                elif key == b"inference-header-content-length":
+                    call.header_length = value
+                elif key == b"cache-control":
+                    call.no_cache = b"no-cache" in value
+                elif key == b"content-encoding":
+                    call.encoding = value.decode("latin-1")
+            body = await read_body(receive, services.max_body_bytes, call.content_length)
+            body = decode_body(body, call.encoding, services.max_body_bytes)
+            status, headers, content = await self._invoke(services, call, body)
+        except ClientDisconnected:
+            return
+        except FunctionError as exc:
+            self._failed(services, call.name, exc.code.value)
+            status = 413 if isinstance(exc, PayloadTooLarge) else STATUS[exc.code]
+            headers = [JSON]
+            if status == 503:
+                headers.append((b"retry-after", self._retry_after))
+            content = error_body(exc)
+        except Exception:
+            request_id = uuid.uuid4().hex
+            log.exception("invocation of %s failed unexpectedly (request %s)", call.name, request_id)
+            self._failed(services, call.name, ErrorCode.INTERNAL.value)
+            status, headers = 500, [JSON]
+            content = error_body(Internal(f"internal error (request id {request_id})"))
+        finally:
+            REQUEST_DURATION.labels(call.name).observe(time.perf_counter() - started)
+        headers.append((b"content-length", str(len(content)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _invoke(
+        self, services: Services, call: Invocation, body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        function = services.catalog.get(call.name, call.version)
+        manifest = function.manifest
+        if call.route is V1:
+            parsed = parse_v1(body, manifest)
+        else:
+            header_length = call.header_length.decode("latin-1") if call.header_length is not None else None
+            parsed = parse_v2(body, header_length, manifest)
+        reply = await services.dispatcher.submit(
+            function, parsed.inputs, parsed.outputs, parsed.timeout_ms, _use_cache(parsed, call)
+        )
+        REQUEST_SUCCESS.labels(call.name, reply.version).inc()
+        cache_state = _cache_state(function, reply.cached)
+        if call.route is V1:
+            return 200, [JSON, (CACHE_HEADER, cache_state)], render_v1(reply)
+        content, extra = render_v2(parsed, reply, manifest)
+        headers = [(name.encode(), value.encode()) for name, value in extra.items()]
+        headers.append((CACHE_HEADER, cache_state))
+        return 200, headers, content
+
+    def _failed(self, services: Services, name: str, code: str) -> None:
+        known = name in services.catalog.functions
+        REQUEST_FAILURE.labels(name if known else "", code).inc()
+
+
+def _use_cache(parsed: InferRequest, call: Invocation) -> bool:
+    return parsed.use_cache and not call.no_cache
+
+
+def _cache_state(function: FunctionVersion, cached: bool) -> bytes:
+    if not function.manifest.cache.enabled:
+        return b"off"
+    (CACHE_HITS if cached else CACHE_MISSES).labels(function.name).inc()
+    return b"hit" if cached else b"miss"
+
+
+async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
+    """The whole body, refused past `limit` bytes before it is read (when declared) or as soon as
+    it is (when streamed)."""
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnected
+    first: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return first
+    chunks = bytearray(first)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunks += message.get("body", b"")
+        if len(chunks) > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+        if not message.get("more_body", False):
+            return bytes(chunks)

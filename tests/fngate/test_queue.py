@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+
+from fngate import queue
+
+
+def test_waiter_round_trip() -> None:
+    waiter = queue.Waiter("fngate:r:abc", "0123", 1_764_000_000_123)
+    assert waiter.encode() == "fngate:r:abc 0123 1764000000123"
+    assert queue.Waiter.decode(waiter.encode().encode()) == waiter
+
+
+def test_enqueue_call_without_cache() -> None:
+    call = queue.enqueue_call(
+        "fngate:q:f", {queue.HEADER: b"{}", queue.BODY: b"xy"}, queue.Waiter("r", "i", 9), 500, 100, 4096
+    )
+    assert call.keys == ["fngate:q:f", "fngate:q:f:bytes", "", "", ""]
+    assert call.args == [100, 4096, b"{}", b"xy", "r i 9", 500]
+
+
+def test_enqueue_call_with_lookup_and_coalescing() -> None:
+    call = queue.enqueue_call(
+        "s", {queue.HEADER: b"h", queue.BODY: b""}, queue.Waiter("r", "i", 9), 0, 1, lookup="c", in_flight="m"
+    )
+    assert call.keys == ["s", "s:bytes", "c", "m", "m:w"]
+    assert call.args[-1] == 1  # a marker never gets a TTL of 0
+
+
+@pytest.mark.parametrize(
+    ("raw", "outcome"),
+    [
+        ([b"queued"], queue.Queued()),
+        ([b"wait"], queue.Waiting()),
+        ([b"hit", b"head", None], queue.Hit({queue.HEADER: b"head", queue.BODY: b""})),
+        ([b"full", b"count"], queue.Full("count")),
+        ([b"full", b"bytes"], queue.Full("bytes")),
+    ],
+)
+def test_parse_enqueue(raw: list[bytes | None], outcome: queue.EnqueueOutcome) -> None:
+    assert queue.parse_enqueue(raw) == outcome
+
+
+def test_parse_enqueue_refuses_what_it_does_not_know() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        queue.parse_enqueue([b"maybe"])
+
+
+def test_finish_call_numbers_each_reply_stream_once() -> None:
+    reply = {queue.HEADER: b"h", queue.BODY: b"b"}
+    invocation = {queue.HEADER: b"ih", queue.BODY: b"ib"}
+    call = queue.finish_call(
+        "q",
+        "runners",
+        [
+            queue.Outgoing(reply, "r1"),
+            queue.Outgoing(reply, "r2", "c", 60, "m", "share"),
+            queue.Outgoing(reply, "r1", in_flight="m2", waiters="promote", invocation=invocation),
+            queue.Outgoing(reply, "r2", in_flight="m3", waiters="promote"),  # nothing to promote with
+        ],
+        [b"1-0", b"2-0", b"3-0", b"4-0"],
+        123,
+        1000,
+    )
+    assert call.keys == ["q", "q:bytes", "r1", "r2"]
+    assert call.args[:4] == ["runners", 1000, 123, 4]
+    items = [call.args[4 + i * queue.FINISH_ITEM : 4 + (i + 1) * queue.FINISH_ITEM] for i in range(4)]
+    assert items[0] == [3, b"h", b"b", "", 0, "", "", "share", "", ""]
+    assert items[1] == [4, b"h", b"b", "c", 60, "m", "m:w", "share", "", ""]
+    assert items[2] == [3, b"h", b"b", "", 0, "m2", "m2:w", "promote", b"ih", b"ib"]
+    assert items[3][7] == "drop"
+    assert call.args[4 + 4 * queue.FINISH_ITEM :] == [b"1-0", b"2-0", b"3-0", b"4-0"]
+
+
+def test_answered_id_prefers_the_waiter_named() -> None:
+    assert queue.answered_id({queue.FOR: b"w1"}, "own") == "w1"
+    assert queue.answered_id({}, "own") == "own"
