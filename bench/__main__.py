@@ -382,6 +382,7 @@ class Bench:
             "1",
             "--log-level",
             "INFO",
+            "--no-auth",
         ]
         with open(log, "wb") as output:
             up = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)

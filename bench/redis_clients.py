@@ -23,7 +23,14 @@ from fngate.process import run_forever
 
 SCRIPT = "return {'queued'}"
 KEYS = ["fngate:q:tiny", "fngate:q:tiny:bytes", "", "", ""]
-ARGS: list[bytes | str | int] = [1000, 0, b"x" * 200, b"y" * 64, "fngate:r:abc 0123456789abcdef 1764000000000", 5000]
+ARGS: list[bytes | str | int] = [
+    1000,
+    0,
+    b"x" * 200,
+    b"y" * 64,
+    "fngate:r:abc 0123456789abcdef 1764000000000",
+    5000,
+]
 CALLS = 4000
 
 
@@ -103,7 +110,7 @@ async def main() -> None:
 
         await measure("hiredis Reader + protocol", hiredis_one, hiredis_many)
         try:
-            import coredis  # type: ignore[import-not-found]
+            import coredis  # type: ignore[import-not-found, unused-ignore]
         except ImportError:
             print("coredis: not installed (pip install coredis to compare)")
         else:

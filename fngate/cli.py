@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
     )
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    _add_auth_flags(up)
 
     gateway = commands.add_parser(
         "gateway", help="run one gateway (settings from flags or FNGATE_* variables)"
@@ -147,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "keys" or (
+        args.command == "deploy" and args.gateway and not (args.repo or args.redis)
+    ):
+        return _key_command(args) if args.command == "keys" else _deploy_through(args)
     if args.command in ("deploy", "ls", "rm"):
         return _repository_command(args)
     if args.command == "cache":
@@ -167,9 +172,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "invoke":
         from fngate.invoke import InvokeError, invoke
 
-        gateway = args.gateway or _from_up("gateway_url") or DEFAULT_GATEWAY
+        up_gateway = _from_up("gateway_url")
+        gateway = args.gateway or up_gateway or DEFAULT_GATEWAY
         try:
-            return invoke(gateway, args.name, args.data, args.function_version, args.timeout_s, sys.stdout)
+            key = _api_key(gateway == up_gateway)
+            version, timeout_s = args.function_version, args.timeout_s
+            return invoke(gateway, args.name, args.data, version, timeout_s, sys.stdout, key)
         except InvokeError as exc:
             raise (ServiceError if exc.unreachable else UsageError)(str(exc)) from exc
     if args.command == "up":
@@ -208,7 +216,9 @@ def _add_repository_commands(commands: Any) -> None:
     deploy.add_argument(
         "--gateway",
         metavar="URL",
-        help=f"for the printed curl lines (default: fngate up's, or {DEFAULT_GATEWAY})",
+        help="upload through this gateway's deploy API with the key in FNGATE_API_KEY (without --repo "
+        f"and --redis; with them, only the address in the printed curl lines: default fngate up's, or "
+        f"{DEFAULT_GATEWAY})",
     )
     deploy.add_argument(
         "--no-registry",
@@ -229,6 +239,7 @@ def _add_repository_commands(commands: Any) -> None:
     rm.add_argument(
         "--grace-s", type=float, default=3.0, help="answer invocations queued this long after (default 3)"
     )
+    _add_key_commands(commands)
 
 
 def _repository_flags(parser: argparse.ArgumentParser) -> None:
@@ -240,6 +251,17 @@ def _repository_flags(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="the registry and queue Redis (default: FNGATE_REDIS_URL or fngate up's)",
     )
+
+
+def _api_key(to_up: bool) -> str | None:
+    """FNGATE_API_KEY, else (for fngate up's own gateway only) the admin key it keeps."""
+    key = os.environ.get("FNGATE_API_KEY")
+    if key or not to_up:
+        return key or None
+    try:
+        return (state_dir() / "admin.key").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _up() -> UpState | None:
@@ -325,6 +347,114 @@ def _same_repo(served: str, repo: str) -> bool:
     if is_remote(served) or is_remote(repo):
         return served.rstrip("/") == repo.rstrip("/")
     return Path(served).resolve() == Path(repo).resolve()
+
+
+# `fngate keys` and `fngate deploy --gateway`: API keys in the registry Redis, deploys by API key;
+# `fngate up --no-auth`, `--state-dir`.
+def _add_auth_flags(up: argparse.ArgumentParser) -> None:
+    up.add_argument(
+        "--no-auth", action="store_true", help="serve without API keys (only with a loopback --host)"
+    )
+    up.add_argument(
+        "--state-dir",
+        default=str(state_dir()),
+        help="where the admin API key and this deployment's URLs are kept, for the other commands "
+        "(default: $XDG_STATE_HOME/fngate, else ~/.local/state/fngate)",
+    )
+
+
+def _add_key_commands(commands: Any) -> None:
+    keys = commands.add_parser("keys", help="create, list and revoke API keys")
+    actions = keys.add_subparsers(
+        dest="action", required=True, metavar="ACTION", help="create, ls, revoke or hash"
+    )
+    create = actions.add_parser("create", help="create a key; it is printed once and stored only as a hash")
+    create.add_argument(
+        "--scope",
+        action="append",
+        required=True,
+        metavar="SCOPE",
+        help="invoke[:glob], read, deploy or admin; repeat for several",
+    )
+    create.add_argument("--name", default="", help="a label shown by `fngate keys ls`")
+    create.add_argument(
+        "--rps", type=float, default=0.0, help="invocations per second, all gateways (0: no limit)"
+    )
+    create.add_argument(
+        "--burst", type=int, default=0, help="invocations above the rate at once (0: the rate)"
+    )
+    create.add_argument(
+        "--max-in-flight", type=int, default=0, help="invocations in flight at once (0: no limit)"
+    )
+    create.add_argument(
+        "--max-queued",
+        type=int,
+        default=0,
+        help="invocations of one function queued or running at once: a share of its queue (0: no limit)",
+    )
+    listing = actions.add_parser("ls", help="list keys: id, name, scopes, limits (never the key)")
+    revoke = actions.add_parser("revoke", help="revoke a key on every gateway within a few seconds")
+    revoke.add_argument("id", metavar="ID")
+    actions.add_parser(
+        "hash", help="print '<id>:<sha256>' of the key in FNGATE_API_KEY, for FNGATE_ADMIN_KEY_HASH"
+    )
+    for parser in (create, listing, revoke):
+        parser.add_argument("--redis", metavar="URL", help="the registry Redis (default: FNGATE_REDIS_URL)")
+
+
+def _key_command(args: argparse.Namespace) -> int:
+    import redis
+
+    from fngate import apikeys
+    from fngate.config import GatewaySettings
+    from fngate.errors import FunctionError
+
+    if args.action == "hash":
+        try:
+            print(apikeys.hash_line(os.environ.get("FNGATE_API_KEY", "")))
+        except FunctionError as exc:
+            print(f"fngate keys: {exc.message} in FNGATE_API_KEY", file=sys.stderr)
+            return 2
+        return 0
+    client = redis.Redis.from_url(args.redis or GatewaySettings().redis_url, socket_connect_timeout=3)
+    try:
+        if args.action == "create":
+            key, record = apikeys.create(
+                client, args.scope, args.name, args.rps, args.burst, args.max_in_flight, args.max_queued
+            )
+            print(f"created key {record.id} ({', '.join(record.scopes)}); it is shown only now:\n{key}")
+        elif args.action == "revoke":
+            apikeys.revoke(client, args.id)
+            print(f"revoked key {args.id}")
+        else:
+            print(
+                f"{'ID':<12}  {'NAME':<16}  {'RPS':>6}  {'BURST':>5}  {'IN-FLIGHT':>9}  {'QUEUED':>6}  SCOPES"
+            )
+            for record in apikeys.records(client):
+                print(
+                    f"{record.id:<12}  {record.name:<16}  {record.rps:>6g}  {record.burst:>5}  "
+                    f"{record.max_in_flight:>9}  {record.max_queued:>6}  {' '.join(record.scopes)}"
+                )
+    except FunctionError as exc:
+        print(f"fngate keys: {exc.message}", file=sys.stderr)
+        return 1
+    except (redis.RedisError, OSError) as exc:
+        print(f"fngate keys: redis is unreachable ({exc})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _deploy_through(args: argparse.Namespace) -> int:
+    from fngate import deploy
+
+    api_key = os.environ.get("FNGATE_API_KEY", "")
+    if not api_key:
+        print(
+            "fngate deploy: --gateway needs an API key with the deploy scope in FNGATE_API_KEY",
+            file=sys.stderr,
+        )
+        return 2
+    return deploy.deploy_through(args.file, args.gateway, api_key, sys.stdout, sys.stderr)
 
 
 def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:

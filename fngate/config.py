@@ -10,6 +10,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "FNGATE_"
+CLIENT_VARIABLES = frozenset({"FNGATE_API_KEY"})
+"""Read by CLI commands that call a gateway (`fngate deploy --gateway`), not by any process."""
 
 
 class _Settings(BaseSettings):
@@ -20,6 +22,9 @@ class _Settings(BaseSettings):
     """A Redis for the response cache; empty: the queue's Redis (one round trip per invocation)."""
     repo: str = "functions"
     log_level: str = "INFO"
+    redis_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    """A Redis command (or connection) that takes longer fails: a gateway answers 503 rather than
+    wait out the invocation's deadline on a Redis that stopped answering; a runner retries."""
 
 
 class GatewaySettings(_Settings):
@@ -34,13 +39,24 @@ class GatewaySettings(_Settings):
     redis_connections: Annotated[int, Field(ge=2)] = 256
     """Connections to the queue's Redis per gateway process; invocations wait for one when all are busy."""
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
-    redis_timeout_s: Annotated[float, Field(gt=0)] = 2.0
-    """A Redis command (or connection) that takes longer fails: the invocation gets 503 rather
-    than waiting out its deadline on a Redis that stopped answering."""
     catalog_refresh_s: Annotated[float, Field(gt=0)] = 2.0
     retry_after_s: Annotated[int, Field(ge=1)] = 1
     load_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     """How long POST /v2/repository/models/{name}/load waits for a runner to report the model ready."""
+    auth: bool = True
+    """Every route but health needs an API key with its scope (`fngate keys create`). Turn it off
+    only behind something else that authenticates, or on a loopback address."""
+    auth_refresh_s: Annotated[float, Field(gt=0)] = 1.0
+    """How often the gateway checks Redis for created or revoked API keys."""
+    in_flight_ttl_s: Annotated[float, Field(gt=0)] = 300.0
+    """An invocation counts against its key's max_in_flight until answered, or this long at most
+    (the bound when a gateway dies with invocations in flight)."""
+    max_deploy_bytes: Annotated[int, Field(ge=1024)] = 2 * 1024**3
+    """The largest archive PUT /v1/functions/{name} accepts."""
+    admin_key_hash: str = ""
+    """`<key id>:<sha256 hex>` of admin keys accepted besides the keys in Redis, comma-separated
+    (`fngate keys hash` prints one): from a Kubernetes Secret, a new cluster has keys (its first
+    admin's, Prometheus's) before anyone writes to Redis."""
 
 
 class RunnerSettings(_Settings):
@@ -84,7 +100,7 @@ class RunnerSettings(_Settings):
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """`FNGATE_*` variables that no settings class knows: a typo there must stop startup."""
     env = os.environ if environ is None else environ
-    known = {
+    known = CLIENT_VARIABLES | {
         ENV_PREFIX + name.upper() for cls in (GatewaySettings, RunnerSettings) for name in cls.model_fields
     }
     return sorted(key for key in env if key.upper().startswith(ENV_PREFIX) and key.upper() not in known)

@@ -5,8 +5,12 @@ function answered. The repository object comes from the CLI (boto3 stays in runn
 from __future__ import annotations
 
 import asyncio
+import tarfile
+import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +33,7 @@ from fngate.repository import (
     hash_file,
     is_remote,
     make_record,
+    open_repository,
     policy_problems,
 )
 from fngate.wire import Invocation, Reply
@@ -140,6 +145,71 @@ def deploy(
             return 1
     _print_deployed(version, record, repository.url, gateway, out)
     return 0
+
+
+def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: TextIO) -> int:
+    """`fngate deploy --gateway URL`: the manifest and its folder, as a tar.gz, to the gateway's
+    deploy API with an API key of the `deploy` scope; the gateway stores it and tells the runners."""
+    try:
+        manifest = load_manifest(path)
+        files = deploy_files(path, manifest)
+    except ManifestError as exc:
+        for line in exc.lines():
+            print(line, file=err)
+        print("fngate deploy: nothing was uploaded", file=err)
+        return 2
+    except FunctionError as exc:
+        print(f"fngate deploy: {exc.message}", file=err)
+        return 2
+    base = gateway.rstrip("/")
+    with tempfile.TemporaryFile() as archive:
+        with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+            for item, source in files:
+                tar.add(source, arcname=item.path, recursive=False)
+        size = archive.tell()
+        archive.seek(0)
+        print(f"{manifest.name}: uploading {len(files)} files ({_size(size)} compressed) to {base}", file=out)
+        request = urllib.request.Request(
+            f"{base}/v1/functions/{manifest.name}",
+            data=archive,
+            method="PUT",
+            headers={
+                "Content-Type": "application/gzip",
+                "Content-Length": str(size),
+                "Authorization": f"Bearer {api_key}",
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                doc = orjson.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            print(f"fngate deploy: the gateway answered {exc.code}: {_api_error(exc.read())}", file=err)
+            return 1
+        except (urllib.error.URLError, OSError) as exc:
+            print(f"fngate deploy: the gateway at {base} is unreachable ({exc})", file=err)
+            return 1
+    traffic = ", ".join(f"version {v}: {w}%" for v, w in doc["traffic"].items())
+    print(
+        f"deployed {manifest.name} version {doc['deployed']} through {base}\n"
+        f"serving versions {', '.join(doc['served'])}; traffic {traffic}",
+        file=out,
+    )
+    body = example_body(manifest)
+    data = f"'{body}'" if body is not None else "@request.json"
+    print(
+        f"call it:\n  curl -s -X POST {base}/v1/functions/{manifest.name} "
+        f'-H "Authorization: Bearer $FNGATE_API_KEY" -d {data}',
+        file=out,
+    )
+    return 0
+
+
+def _api_error(body: bytes) -> str:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace")[:500]
+    return str(doc.get("error", doc)) if isinstance(doc, dict) else str(doc)
 
 
 def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactFile, Path]]:
@@ -356,13 +426,76 @@ async def _remove(
 ) -> int:
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
         await redis.ping()
-        if remote:
-            await Registry(redis, repository.url).remove(record.name)
-        await asyncio.to_thread(repository.remove, record.name)
-        await send_control(redis, ControlOp("remove", record.name))
-        answered = await answer_queued(redis, record.name)
-        await asyncio.sleep(grace_s)
-        return answered + await answer_queued(redis, record.name)
+        return await withdraw(repository, record, redis, grace_s)
+
+
+async def withdraw(
+    repository: Repository, record: FunctionRecord, redis: aioredis.Redis, grace_s: float
+) -> int:
+    """Remove every version of a function, tell the runners, answer its queued invocations
+    not_found (now and after `grace_s`); returns how many were answered. `fngate rm` and the deploy
+    API's DELETE."""
+    if is_remote(repository.url):
+        await Registry(redis, repository.url).remove(record.name)
+    await asyncio.to_thread(repository.remove, record.name)
+    await send_control(redis, ControlOp("remove", record.name))
+    answered = await answer_queued(redis, record.name)
+    await asyncio.sleep(grace_s)
+    return answered + await answer_queued(redis, record.name)
+
+
+async def publish(
+    path: Path, repository: Repository, redis: aioredis.Redis, name: str | None = None
+) -> tuple[FunctionVersion, FunctionRecord]:
+    """What `fngate deploy` does, for the deploy API: validate the manifest at `path` and its
+    folder, store them as the next version, record it and tell the runners. Raises FunctionError;
+    nothing is stored for a manifest (not named `name`, when given) or a version policy that fails
+    its check."""
+    try:
+        manifest = load_manifest(path)
+    except ManifestError as exc:
+        raise InvalidArgument("; ".join(line.removeprefix(f"{path}: ") for line in exc.lines())) from None
+    if name is not None and manifest.name != name:
+        raise InvalidArgument(f"the manifest names '{manifest.name}', not '{name}'")
+    files = deploy_files(path, manifest)
+    problems = await asyncio.to_thread(_policy_check, repository, manifest)
+    if problems:
+        raise InvalidArgument("; ".join(problems))
+    version = await asyncio.to_thread(repository.add_version, manifest, files, lambda count: None)
+    record = await asyncio.to_thread(repository.get, manifest.name)
+    if is_remote(repository.url):
+        await Registry(redis, repository.url).put(record)
+    await send_control(redis, ControlOp("deploy", record.name))
+    return version, record
+
+
+def describe(record: FunctionRecord) -> dict[str, Any]:
+    """A function's stored versions as the deploy API answers GET."""
+    return {
+        "name": record.name,
+        "served": list(record.served),
+        "traffic": record.traffic,
+        "versions": [
+            {
+                "version": number,
+                "digest": version.digest,
+                "backend": version.manifest.model.backend,
+                "files": [
+                    {"path": item.path, "sha256": item.sha256, "size": item.size} for item in version.files
+                ],
+            }
+            for number, version in record.versions.items()
+        ],
+    }
+
+
+def open_any(url: str) -> Repository:
+    """A repository from its URL: a folder, or S3 (whose client lives in runner.store, with boto3)."""
+    if is_remote(url):
+        from runner.store import S3Repository
+
+        return S3Repository(url)
+    return open_repository(url)
 
 
 async def answer_queued(redis: aioredis.Redis, name: str) -> int:

@@ -26,23 +26,30 @@ class InvokeError(Exception):
 
 
 def invoke(
-    gateway: str, name: str, data: Sequence[str], version: str | None, timeout_s: float, out: TextIO
+    gateway: str,
+    name: str,
+    data: Sequence[str],
+    version: str | None,
+    timeout_s: float,
+    out: TextIO,
+    api_key: str | None = None,
 ) -> int:
     """Print the answer; raises InvokeError."""
-    method, path, body, headers = _request(gateway, name, data, version, timeout_s)
-    answer = _call(method, gateway + path, body, headers, timeout_s)
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    method, path, body, headers = _request(gateway, name, data, version, timeout_s, auth)
+    answer = _call(method, gateway + path, body, {**headers, **auth}, timeout_s)
     out.write(orjson.dumps(orjson.loads(answer), option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
 
 
 def _request(
-    gateway: str, name: str, data: Sequence[str], version: str | None, timeout_s: float
+    gateway: str, name: str, data: Sequence[str], version: str | None, timeout_s: float, auth: dict[str, str]
 ) -> tuple[str, str, bytes, dict[str, str]]:
     """JSON goes to /v1/functions/NAME; .npy inputs to /v2/models/NAME/infer as binary tensors."""
     if not data:
         data = [sys.stdin.read()]
     if all(_is_npy(item) for item in data):
-        arrays = _arrays(gateway, name, data, timeout_s)
+        arrays = _arrays(gateway, name, data, timeout_s, auth)
         return _binary_request(name, arrays, version)
     if len(data) > 1:
         raise InvokeError("give one JSON body, or .npy files only")
@@ -58,7 +65,7 @@ def _request(
     if version is None:
         return "POST", f"/v1/functions/{name}", orjson.dumps(doc), {"content-type": "application/json"}
     metadata = orjson.loads(
-        _call("GET", f"{gateway}/v2/models/{name}/versions/{version}", None, {}, timeout_s)
+        _call("GET", f"{gateway}/v2/models/{name}/versions/{version}", None, auth, timeout_s)
     )
     path = f"/v2/models/{name}/versions/{version}/infer"
     return "POST", path, _v2_json(doc, metadata), {"content-type": "application/json"}
@@ -92,13 +99,13 @@ def _is_npy(item: str) -> bool:
 
 
 def _arrays(
-    gateway: str, name: str, data: Sequence[str], timeout_s: float
+    gateway: str, name: str, data: Sequence[str], timeout_s: float, auth: dict[str, str]
 ) -> dict[str, np.ndarray[Any, Any]]:
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for item in data:
         input_name, _, file = item.rpartition("=") if not item.startswith("@") else ("", "", item)
         if not input_name:
-            input_name = _single_input(gateway, name, timeout_s)
+            input_name = _single_input(gateway, name, timeout_s, auth)
         path = Path(file[1:])
         try:
             arrays[input_name] = np.load(path, allow_pickle=False)
@@ -109,8 +116,8 @@ def _arrays(
     return arrays
 
 
-def _single_input(gateway: str, name: str, timeout_s: float) -> str:
-    metadata = orjson.loads(_call("GET", f"{gateway}/v2/models/{name}", None, {}, timeout_s))
+def _single_input(gateway: str, name: str, timeout_s: float, auth: dict[str, str]) -> str:
+    metadata = orjson.loads(_call("GET", f"{gateway}/v2/models/{name}", None, auth, timeout_s))
     inputs = [item["name"] for item in metadata.get("inputs", [])]
     if len(inputs) != 1:
         raise InvokeError(f"function '{name}' takes inputs {inputs}: name each one, as NAME=@FILE.npy")

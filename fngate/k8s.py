@@ -101,6 +101,11 @@ class Options:
     otlp_endpoint: str = ""
     """The collector's OTLP/HTTP base URL (port 4318): the processes export traces over HTTP."""
     log_level: str = "INFO"
+    api_keys_secret: str = "fngate-api-keys"
+    """A Secret whose key `admin` holds an admin API key's '<id>:<sha256>' (`fngate keys hash`); the
+    gateways accept that key whatever Redis holds. Optional: without it, keys come from Redis only."""
+    prometheus_label: str = "app.kubernetes.io/name=prometheus"
+    """KEY=VALUE of the Prometheus pods (any namespace): the only ones that may reach a runner."""
 
     def __post_init__(self) -> None:
         if self.warm_runners < 0 or self.target_lag < 0 or self.artifact_cache_bytes < 1024**2:
@@ -169,6 +174,7 @@ def render(manifests: Sequence[FunctionManifest], options: Options) -> list[Obj]
         _trigger_authentication(options),
         *_gateway(options),
         _registry_sync(options),
+        *_network_policies(options),
     ]
     for pool in pools(manifests, options.deployed):
         objects += [_runner(pool, options), _runner_budget(pool, options), _scaled_object(pool, options)]
@@ -263,6 +269,8 @@ def _gateway(options: Options) -> list[Obj]:
         "FNGATE_WORKERS": str(options.gateway_workers),
     }
     container = _container("gateway", options.image, ["gateway"], env, options)
+    admin = {"secretKeyRef": {"name": options.api_keys_secret, "key": "admin", "optional": True}}
+    container["env"].append({"name": "FNGATE_ADMIN_KEY_HASH", "valueFrom": admin})
     container |= {
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "resources": GATEWAY_RESOURCES,
@@ -297,6 +305,26 @@ def _gateway(options: Options) -> list[Obj]:
     }
     deployment = _deployment("fngate-gateway", {}, container, pod, TMP_BYTES, options)
     return [deployment, service, pdb, hpa]
+
+
+def _network_policies(options: Options) -> list[Obj]:
+    """Gateways accept traffic on their HTTP port only (the load balancer's source ranges say from
+    where); runners accept none but Prometheus on their status port: they only call out."""
+    gateway = _object("networking.k8s.io/v1", "NetworkPolicy", "fngate-gateway", "gateway", options)
+    gateway["spec"] = {
+        "podSelector": {"matchLabels": _selector("gateway")},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"ports": [{"port": "http", "protocol": "TCP"}]}],
+    }
+    key, _, value = options.prometheus_label.partition("=")
+    prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": {key: value}}}
+    runner = _object("networking.k8s.io/v1", "NetworkPolicy", "fngate-runner", "runner", options)
+    runner["spec"] = {
+        "podSelector": {"matchLabels": _selector("runner")},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [prometheus], "ports": [{"port": "metrics", "protocol": "TCP"}]}],
+    }
+    return [gateway, runner]
 
 
 def _runner(pool: Pool, options: Options) -> Obj:

@@ -79,3 +79,30 @@ def statistics(function: str, version: str) -> str:
 def unloaded() -> str:
     """Hash: function name -> when (ms) it was explicitly unloaded; it is served again after a load."""
     return f"{PREFIX}:unloaded"
+
+
+def api_keys() -> str:
+    """Hash: API key id -> JSON record (sha256 of the key, scopes, limits); never the key itself."""
+    return f"{PREFIX}:apikeys"
+
+
+def api_keys_version() -> str:
+    """Counter bumped on every change to the API keys, so gateways reload only when it moves."""
+    return f"{PREFIX}:apikeys:version"
+
+
+def key_rate(key_id: str) -> str:
+    """Hash of one API key's token bucket: `t` tokens left at `ms` (Redis time)."""
+    return f"{PREFIX}:rate:{key_id}"
+
+
+def key_in_flight(key_id: str) -> str:
+    """Sorted set of one API key's invocations in flight on every gateway -> expiry (ms): a gateway
+    that dies leaves members that lapse at their expiry."""
+    return f"{PREFIX}:busy:{key_id}"
+
+
+def key_share(key_id: str, function: str) -> str:
+    """Sorted set of one API key's invocations of one function, queued or running -> expiry (ms):
+    the key's share of that function's queue."""
+    return f"{PREFIX}:share:{key_id}:{function}"

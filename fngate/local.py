@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
-from fngate import telemetry
+from fngate import apikeys, telemetry
 from fngate.deploy import example_body
 from fngate.errors import FunctionError
 from fngate.process import stop_processes
@@ -107,6 +108,7 @@ def run_local(args: argparse.Namespace) -> int:
                 "FNGATE_REPO": repo if is_remote(repo) else str(Path(repo).resolve()),
                 "FNGATE_LOG_LEVEL": args.log_level,
             }
+            api_key = _auth(args, redis_url, env)
             gateway = _spawn(
                 "gateway",
                 {
@@ -118,7 +120,7 @@ def run_local(args: argparse.Namespace) -> int:
                 },
             )
             try:
-                _banner(state)
+                _banner(state, api_key)
                 return asyncio.run(_serve(gateway, env, args))
             finally:
                 stop_processes([gateway], timeout_s=15)
@@ -197,18 +199,52 @@ def _state(args: argparse.Namespace, repo: str, redis_url: str) -> Iterator[UpSt
         clear_up(folder, state.pid)
 
 
-def _banner(state: UpState) -> None:
+# Private by default: auth on with an admin key kept in the state folder; runners' status ports on
+# loopback. --no-auth only when nothing but this machine can reach the gateway.
+def _auth(args: argparse.Namespace, redis_url: str, env: dict[str, str]) -> str | None:
+    """Set the gateway's and runners' variables; the admin key, or None with auth off."""
+    env["FNGATE_STATUS_HOST"] = "127.0.0.1"
+    if args.no_auth:
+        if not _is_loopback(args.host):
+            raise LocalError(
+                f"--no-auth needs a loopback --host (127.0.0.1, ::1, localhost), not {args.host}"
+            )
+        env["FNGATE_AUTH"] = "false"
+        return None
+    env["FNGATE_AUTH"] = "true"
+    path = Path(args.state_dir).expanduser() / "admin.key"
+    try:
+        key, created = apikeys.admin_key(redis.Redis.from_url(redis_url, socket_connect_timeout=3), path)
+    except (redis.RedisError, OSError) as exc:
+        raise LocalError(f"could not set up the admin API key in {path}: {exc}") from exc
+    print(f"fngate up: {'created the admin API key' if created else 'admin API key'} in {path}", flush=True)
+    return key
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _banner(state: UpState, api_key: str | None) -> None:
     base = state.gateway_url
+    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    key_line = f"  admin API key: {api_key} (FNGATE_API_KEY for fngate deploy --gateway)\n" if api_key else ""
     print(
         f"fngate up: gateway {base}, repository {state.repo}, redis {state.redis_url}\n"
+        f"{key_line}"
         "  runners start on the first invocation of their pool and stop when idle\n"
-        f"  curl -s {base}/v1/functions",
+        f"  curl -s{auth} {base}/v1/functions",
         flush=True,
     )
     example = example_invocation(state.repo)
     if example is not None:
         name, body = example
-        print(f"  curl -s -X POST {base}/v1/functions/{name} -d '{body}'", flush=True)
+        print(f"  curl -s -X POST{auth} {base}/v1/functions/{name} -d '{body}'", flush=True)
     else:
         print("  no function in the repository yet: fngate deploy FILE adds one", flush=True)
     print("  Ctrl-C stops everything.", flush=True)

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -14,19 +15,23 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from fngate import telemetry
+from fngate import apikeys, telemetry
 from fngate.backoff import backoff_s
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
+from fngate.pipelined import PipelinedRedis
 from fngate.registry import function_source
-from gateway import admin, endpoints, metrics
+from gateway import admin, deployments, endpoints, metrics
 from gateway.activation import Activator
+from gateway.auth import KeyTable
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
 from gateway.compression import GzipLargeResponses
 from gateway.dispatch import Dispatcher
+from gateway.guard import AuthMiddleware
 from gateway.http_errors import handle_function_error, handle_unknown_route
 from gateway.invoke import InvokeRoutes
+from gateway.limits import Limiter
 from gateway.replies import ReplyRouter
 from gateway.tracing import TracingMiddleware
 
@@ -50,15 +55,20 @@ ROUTES = [
     Route("/v2/models/{name}/versions/{version}/stats", endpoints.model_statistics),
     Route("/v1/functions", endpoints.list_functions),
     Route("/metrics", metrics.metrics),
+    *deployments.ROUTES,
     *admin.ROUTES,
 ]
 
 
 def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None) -> ASGIApp:
     """The gateway app. `stopping` is set if a background loop dies, so the server can shut down."""
+    key_table = KeyTable(
+        settings.auth_refresh_s, settings.auth, apikeys.hashed_admins(settings.admin_key_hash)
+    )
+    limiter = Limiter(settings.in_flight_ttl_s)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, endpoints.Services]]:
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         gateway_id = uuid.uuid4().hex[:12]
         # Invocations wait for a free connection rather than fail when many are in flight at once.
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -82,10 +92,14 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         catalog = Catalog(function_source(settings.repo, reader), reader)
         app.state.load_timeout_s = settings.load_timeout_s
         replies = ReplyRouter(reader, gateway_id, settings.reply_block_ms)
+        pipelined = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
         async with redis, reader:
             await _wait_for_redis(redis)
             await catalog.refresh()
             await replies.start()
+            if settings.auth:
+                await key_table.refresh(reader)
+                limiter.bind(redis)
             log.info(
                 "gateway %s serving %d functions from %s", gateway_id, len(catalog.functions), settings.repo
             )
@@ -98,11 +112,14 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                         _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
                     ),
                 ]
+                if settings.auth:
+                    loops.append(tasks.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
                 try:
                     separate = _separate_cache(settings)
-                    dispatcher = Dispatcher(redis, replies, separate, activator)
+                    dispatcher = Dispatcher(pipelined, replies, separate, activator)
                     yield {
-                        "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis)
+                        "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis),
+                        "deployer": deployments.Deployer(settings),
                     }
                     if separate is not None:
                         await separate.aclose()
@@ -110,6 +127,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                     for loop in loops:
                         loop.cancel()
             await replies.stop()
+            await pipelined.aclose()
 
     app = Starlette(
         routes=ROUTES,
@@ -121,9 +139,12 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         },
     )
     app.state.retry_after_s = settings.retry_after_s
+    # The layers, outermost first: tracing (only with a tracing SDK configured; otherwise its spans
+    # would be no-ops), the key check on every route but health, the invocation routes, the rest.
     # Clients that accept gzip get large responses compressed, invocations' included.
-    served = GzipLargeResponses(InvokeRoutes(app, settings.retry_after_s), GZIP_MIN_BYTES)
-    # Without a tracing SDK configured, server spans would be no-ops: skip the layer entirely.
+    served: ASGIApp = GzipLargeResponses(InvokeRoutes(app, settings.retry_after_s), GZIP_MIN_BYTES)
+    if settings.auth:
+        served = AuthMiddleware(served, key_table, limiter)
     return TracingMiddleware(served) if telemetry.tracing_active() else served
 
 

@@ -1,8 +1,8 @@
 """Append an invocation to its function's stream and await its reply before the deadline; answer
 from the response cache, or wait on an identical invocation already in flight, when it can.
 
-The enqueue scripts of all invocations that arrive in one event-loop turn go to Redis as one
-pipeline (auto-pipelining): under load one round trip carries many invocations.
+The enqueue scripts of all invocations that arrive in one event-loop turn go to Redis in one write
+(fngate.pipelined): under load one round trip carries many invocations.
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from fngate import keys, queue, telemetry
 from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
+from fngate.pipelined import PipelinedRedis, Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply, Tensors
 from gateway.activation import Activator
@@ -31,79 +30,17 @@ tracer = trace.get_tracer("fngate.gateway")
 REDIS = {"db.system.name": "redis"}
 
 
-class ScriptPipeline:
-    """Calls of one Lua script made in the same event-loop turn, sent together as one pipeline.
-
-    EVALSHA directly (redis-py's pipelined scripts ask SCRIPT EXISTS before every pipeline); the
-    script is loaded on the first NOSCRIPT, as after a Redis restart, and the calls resent once."""
-
-    def __init__(self, redis: aioredis.Redis, script: str) -> None:
-        self._redis = redis
-        self._script = redis.register_script(script)
-        self._calls: list[tuple[queue.ScriptCall, asyncio.Future[Any]]] = []
-        self._sending: set[asyncio.Task[None]] = set()
-
-    async def call(self, call: queue.ScriptCall) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._calls.append((call, future))
-        if len(self._calls) == 1:
-            loop.call_soon(self._flush)  # after every callback already ready in this turn
-        return await future
-
-    def _flush(self) -> None:
-        calls, self._calls = self._calls, []
-        task = asyncio.get_running_loop().create_task(self._send(calls))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _send(self, calls: Sequence[tuple[queue.ScriptCall, asyncio.Future[Any]]]) -> None:
-        try:
-            results = await self._execute([call for call, _ in calls])
-            if any(isinstance(result, NoScriptError) for result in results):
-                await self._redis.script_load(self._script.script)
-                results = await self._execute([call for call, _ in calls])
-        except BaseException as exc:
-            for _, future in calls:
-                if not future.done():
-                    future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        for (_, future), result in zip(calls, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
-    async def _execute(self, calls: Sequence[queue.ScriptCall]) -> list[Any]:
-        sha = self._script.sha
-        if len(calls) == 1:
-            call = calls[0]
-            try:
-                return [await self._redis.evalsha(sha, len(call.keys), *call.keys, *call.args)]
-            except NoScriptError as exc:
-                return [exc]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for call in calls:
-                pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
-            results: list[Any] = await pipe.execute(raise_on_error=False)
-        return results
-
-
 class Dispatcher:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: PipelinedRedis,
         replies: ReplyRouter,
         cache: SeparateCache | None = None,
         activator: Activator | None = None,
     ) -> None:
         self._replies = replies
         self._activator = activator
-        self._enqueue = ScriptPipeline(redis, queue.ENQUEUE)
+        self._enqueue = Script(redis, queue.ENQUEUE)
         self._separate_cache = cache
         self._tracing = telemetry.tracing_active()
 
@@ -186,9 +123,9 @@ class Dispatcher:
     async def _submit(self, call: queue.ScriptCall, name: str) -> queue.EnqueueOutcome:
         try:
             if not self._tracing:
-                return queue.parse_enqueue(await self._enqueue.call(call))
+                return queue.parse_enqueue(await self._enqueue(call.keys, call.args))
             with tracer.start_as_current_span(f"enqueue {name}", kind=SpanKind.PRODUCER, attributes=REDIS):
-                return queue.parse_enqueue(await self._enqueue.call(call))
+                return queue.parse_enqueue(await self._enqueue(call.keys, call.args))
         except (RedisError, OSError) as exc:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
 

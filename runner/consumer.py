@@ -26,6 +26,7 @@ from fngate import keys, queue, telemetry
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
+from fngate.pipelined import PipelinedRedis, stream_entries
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
@@ -78,7 +79,10 @@ class FunctionConsumer:
         self._room = asyncio.Event()
         self._contended = False
         self._last_claim = 0.0
-        self._outbox = Outbox(redis, self._stream, settings)
+        # The hot path's own connections: one blocks on reads, one carries replies and claims.
+        self._reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
+        self._writes = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
+        self._outbox = Outbox(self._writes, self._stream, settings)
 
     @property
     def pending(self) -> int:
@@ -101,6 +105,8 @@ class FunctionConsumer:
                     reader.cancel()
         finally:
             await self._outbox.aclose()
+            await self._reads.aclose()
+            await self._writes.aclose()
 
     async def _read_loop(self) -> None:
         """Read and claim until `stopping`; a Redis outage is waited out with backoff."""
@@ -117,11 +123,12 @@ class FunctionConsumer:
                         await self._room.wait()
                     continue
                 block = min(self._settings.read_block_ms, self._settings.claim_interval_ms)
-                response: Any = await self._redis.xreadgroup(
-                    keys.RUNNER_GROUP, self._consumer, {self._stream: ">"}, count=room, block=block
+                response = await self._reads.execute(
+                    *("XREADGROUP", "GROUP", keys.RUNNER_GROUP, self._consumer, "COUNT", room),
+                    *("BLOCK", block, "STREAMS", self._stream, ">"),
+                    timeout_s=block / 1000 + self._settings.redis_timeout_s,
                 )
-                for _stream, entries in response or ():
-                    await self._accept(entries)
+                await self._accept(stream_entries(response))
                 failures = 0
             except TimeoutError:
                 continue

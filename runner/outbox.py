@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from fngate import keys, queue
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded
+from fngate.pipelined import PipelinedRedis, Script
 from fngate.wire import Fields, Invocation, Reply
 from runner.metrics import CACHE_STORE_FAILURES
 
@@ -33,10 +34,10 @@ class Entry:
 
 
 class Outbox:
-    def __init__(self, redis: aioredis.Redis, stream: str, settings: RunnerSettings) -> None:
+    def __init__(self, redis: PipelinedRedis, stream: str, settings: RunnerSettings) -> None:
         self._stream = stream
         self._reply_maxlen = settings.reply_maxlen
-        self._finish = redis.register_script(queue.FINISH)
+        self._finish = Script(redis, queue.FINISH)
         separate = settings.cache_url and settings.cache_url != settings.redis_url
         self._cache = aioredis.from_url(settings.cache_url, socket_timeout=1) if separate else None
 
@@ -86,7 +87,7 @@ class Outbox:
             sum(entry.size for entry in entries),
             self._reply_maxlen,
         )
-        await asyncio.shield(self._finish(keys=call.keys, args=call.args))
+        await asyncio.shield(self._finish(call.keys, call.args))
 
     async def _store_separately(self, cache: aioredis.Redis, entries: list[tuple[str, Fields, int]]) -> None:
         """Answers for a cache Redis of its own: best effort, a cache that is down costs nothing."""

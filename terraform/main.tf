@@ -161,6 +161,8 @@ module "fngate" {
   gateway_max_replicas    = var.gateway_max_replicas
   gateway_allowed_cidrs   = var.gateway_allowed_cidrs
   gateway_certificate_arn = var.gateway_certificate_arn
+  gateway_internal        = var.gateway_internal
+  extra_admin_key_hashes  = [module.observability.metrics_key_hash]
   log_level               = var.log_level
 
   depends_on = [module.eks]

@@ -32,3 +32,9 @@ output "namespace" {
   description = "Kubernetes namespace of the gateway and runners."
   value       = var.namespace
 }
+
+output "admin_api_key" {
+  description = "The first admin API key: `terraform output -raw admin_api_key`. Create narrower ones with `fngate keys create`."
+  value       = module.fngate.admin_api_key
+  sensitive   = true
+}

@@ -56,9 +56,19 @@ variable "api_allowed_cidrs" {
 }
 
 variable "gateway_allowed_cidrs" {
-  description = "CIDRs that may call the gateway's load balancer."
+  description = "CIDRs that may call the gateway's load balancer; no default: name the callers' networks (0.0.0.0/0 only on purpose, for a public API: every route but health needs an API key)."
   type        = list(string)
-  default     = ["0.0.0.0/0"]
+
+  validation {
+    condition     = length(var.gateway_allowed_cidrs) > 0
+    error_message = "gateway_allowed_cidrs: list the networks that call the gateway."
+  }
+}
+
+variable "gateway_internal" {
+  description = "Make the gateway's load balancer internal (reachable from the VPC and its peers only); false: internet-facing."
+  type        = bool
+  default     = true
 }
 
 variable "gateway_certificate_arn" {

@@ -101,7 +101,9 @@ async def serve_gateway(redis_url: str, repo: Path) -> AsyncIterator[Callable[..
         port = sock.getsockname()[1]
         # Detached: the server owns the descriptor from here on and closes it. The server is the
         # settings' (FNGATE_SERVER=hypercorn runs the whole suite on Hypercorn).
-        fields = {"redis_url": redis_url, "repo": str(repo), **overrides, "bind": f"fd://{sock.detach()}"}
+        # Auth off unless a test asks for it: the tests about auth are tests/*/test_auth*.py.
+        fields = {"redis_url": redis_url, "repo": str(repo), "auth": False, **overrides}
+        fields["bind"] = f"fd://{sock.detach()}"
         settings = GatewaySettings(**fields)
         stopping = asyncio.Event()
         app = create_app(settings, stopping)
@@ -182,7 +184,8 @@ def runner_process(
 
 @pytest.fixture
 def gateway_process(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """Factory: start `python -m gateway` on a socket this test bound to port 0; returns its URL."""
+    """Factory: start `python -m gateway` on a socket this test bound to port 0; returns its URL.
+    Auth is off unless `FNGATE_AUTH="true"` is passed."""
     processes: list[subprocess.Popen[bytes]] = []
     sockets: list[socket.socket] = []
 
@@ -193,7 +196,12 @@ def gateway_process(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Call
             processes.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "gateway"],
-                    env=child_env(redis_url, repo, FNGATE_BIND=f"fd://{sock.fileno()}", **env),
+                    env=child_env(
+                        redis_url,
+                        repo,
+                        **{"FNGATE_AUTH": "false", **env},
+                        FNGATE_BIND=f"fd://{sock.fileno()}",
+                    ),
                     pass_fds=[sock.fileno()],
                     cwd=ROOT,
                     stdout=log,

@@ -13,6 +13,9 @@ locals {
     {
       "service.beta.kubernetes.io/aws-load-balancer-type"                              = "nlb"
       "service.beta.kubernetes.io/aws-load-balancer-cross-zone-load-balancing-enabled" = "true"
+      # The in-tree controller reads -internal, the AWS Load Balancer Controller -scheme.
+      "service.beta.kubernetes.io/aws-load-balancer-internal" = tostring(var.gateway_internal)
+      "service.beta.kubernetes.io/aws-load-balancer-scheme"   = var.gateway_internal ? "internal" : "internet-facing"
     },
     local.https ? {
       "service.beta.kubernetes.io/aws-load-balancer-ssl-cert"  = var.gateway_certificate_arn
@@ -32,6 +35,7 @@ locals {
     "--warm-runners", tostring(var.warm_runners),
     "--artifact-cache-bytes", tostring(var.artifact_cache_bytes),
     "--sync-schedule", var.registry_sync_schedule,
+    "--api-keys-secret", kubernetes_secret_v1.api_keys.metadata[0].name,
     "--polling-interval", tostring(var.polling_interval_s),
     "--cooldown", tostring(var.cooldown_s),
     "--gateway-min-replicas", tostring(var.gateway_min_replicas),
@@ -72,6 +76,33 @@ resource "kubernetes_secret_v1" "redis" {
   data = {
     url      = local.redis_url
     password = var.redis_auth_token
+  }
+}
+
+# The first admin API key: the gateways get only its '<id>:<sha256>' through this Secret (the renderer
+# names it: --api-keys-secret); the key itself is in Terraform's state and the sensitive output
+# admin_api_key. More keys, with narrower scopes: `fngate keys create`.
+resource "random_id" "admin_key" {
+  byte_length = 6
+}
+
+resource "random_password" "admin_key" {
+  length           = 43
+  override_special = "-_"
+}
+
+locals {
+  admin_key = "fng_${random_id.admin_key.hex}_${random_password.admin_key.result}"
+}
+
+resource "kubernetes_secret_v1" "api_keys" {
+  metadata {
+    name      = "fngate-api-keys"
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
+  }
+
+  data = {
+    admin = join(",", concat(["${random_id.admin_key.hex}:${sha256(local.admin_key)}"], var.extra_admin_key_hashes))
   }
 }
 

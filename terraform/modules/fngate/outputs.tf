@@ -7,3 +7,9 @@ output "namespace" {
   description = "The namespace, once it exists (depend on this to place objects in it)."
   value       = kubernetes_namespace_v1.this.metadata[0].name
 }
+
+output "admin_api_key" {
+  description = "The first admin API key (Authorization: Bearer <key>); give narrower keys to callers."
+  value       = local.admin_key
+  sensitive   = true
+}

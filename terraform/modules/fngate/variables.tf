@@ -109,6 +109,11 @@ variable "gateway_certificate_arn" {
   type        = string
 }
 
+variable "gateway_internal" {
+  description = "An internal load balancer (the VPC and its peers only) instead of an internet-facing one."
+  type        = bool
+}
+
 variable "log_level" {
   description = "FNGATE_LOG_LEVEL."
   type        = string
@@ -132,4 +137,10 @@ variable "artifact_cache_bytes" {
 variable "registry_sync_schedule" {
   description = "Cron schedule of the fngate-registry-sync job; empty: suspended, run on demand."
   type        = string
+}
+
+variable "extra_admin_key_hashes" {
+  description = "Further admin API keys the gateways accept, as '<id>:<sha256>' (Prometheus's, for /metrics)."
+  type        = list(string)
+  default     = []
 }

@@ -9,5 +9,8 @@ terraform {
     kubernetes = {
       source = "hashicorp/kubernetes"
     }
+    random = {
+      source = "hashicorp/random"
+    }
   }
 }

@@ -64,6 +64,35 @@ resource "helm_release" "prometheus" {
   depends_on = [helm_release.otel_collector]
 }
 
+# Prometheus's API key for the gateways' /metrics (an admin route): the key in a Secret beside the
+# PodMonitor, only its '<id>:<sha256>' to the gateways (output metrics_key_hash).
+resource "random_id" "metrics_key" {
+  byte_length = 6
+}
+
+resource "random_password" "metrics_key" {
+  length           = 43
+  override_special = "-_"
+}
+
+locals {
+  metrics_key        = "fng_${random_id.metrics_key.hex}_${random_password.metrics_key.result}"
+  metrics_key_secret = "fngate-metrics-key"
+}
+
+resource "kubernetes_secret_v1" "metrics_key" {
+  metadata {
+    name      = local.metrics_key_secret
+    namespace = var.namespace
+  }
+
+  data = {
+    key = local.metrics_key
+  }
+
+  depends_on = [helm_release.otel_collector] # which creates the namespace
+}
+
 # fngate's alert rules (deploy/prometheus/rules.yaml) and what Prometheus scrapes: the gateway's
 # /metrics on its http port and the runners' on their metrics port. Both live in fngate's namespace,
 # beside what they watch; Prometheus selects rules and monitors from every namespace (above).
@@ -85,9 +114,16 @@ resource "helm_release" "fngate_monitoring" {
         kind       = "PodMonitor"
         metadata   = { name = "fngate", labels = { "app.kubernetes.io/part-of" = "fngate" } }
         spec = {
-          namespaceSelector   = { matchNames = [var.fngate_namespace] }
-          selector            = { matchLabels = { "app.kubernetes.io/name" = "fngate" } }
-          podMetricsEndpoints = [{ port = "http", path = "/metrics" }, { port = "metrics", path = "/metrics" }]
+          namespaceSelector = { matchNames = [var.fngate_namespace] }
+          selector          = { matchLabels = { "app.kubernetes.io/name" = "fngate" } }
+          podMetricsEndpoints = [
+            {
+              port          = "http"
+              path          = "/metrics"
+              authorization = { type = "Bearer", credentials = { name = local.metrics_key_secret, key = "key" } }
+            },
+            { port = "metrics", path = "/metrics" },
+          ]
         }
       },
     ]

@@ -1,0 +1,217 @@
+"""Who may call what: the in-memory table of API keys (refreshed from Redis), `authorize()` (pure, a
+few microseconds, callable from any request path) and the scope each route needs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import logging
+import random
+import re
+from collections.abc import Iterable
+from fnmatch import translate
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from fngate import apikeys, keys
+
+log = logging.getLogger(__name__)
+
+INVOKE, READ, DEPLOY, ADMIN = apikeys.SCOPES
+ANY = ""
+"""Any valid key: for paths no route serves (they answer 404 only to a caller with a key)."""
+BEARER = "bearer "
+KEY_HEAD = f"{apikeys.KEY_PREFIX}_"
+ID_END = len(KEY_HEAD) + 12
+MAX_BACKOFF_S = 10.0
+
+
+class AuthError(Exception):
+    """Refused before any work: rendered as {"error", "code"} with `status` and `headers`. The
+    message never contains the key."""
+
+    status = 401
+    code = "unauthenticated"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": self.message, "code": self.code})
+
+
+class Unauthenticated(AuthError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {"WWW-Authenticate": 'Bearer realm="fngate"'})
+
+
+class Forbidden(AuthError):
+    status = 403
+    code = "permission_denied"
+
+
+class RateLimited(AuthError):
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+        self.retry_after_s = retry_after_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Principal:
+    """A caller the table knows: its key's id, hash, scopes and limits."""
+
+    key_id: str
+    digest: bytes
+    scopes: frozenset[str]
+    invoke: re.Pattern[str] | None
+    """Function names the key may invoke; None: none."""
+    rps: float = 0.0
+    burst: int = 0
+    max_in_flight: int = 0
+    max_queued: int = 0
+
+    @property
+    def limited(self) -> bool:
+        return self.rps > 0 or self.max_in_flight > 0 or self.max_queued > 0
+
+    def allows(self, scope: str, function: str | None) -> bool:
+        if ADMIN in self.scopes or scope == ANY:
+            return True
+        if scope == INVOKE or (scope == READ and READ not in self.scopes):
+            return self.invoke is not None and function is not None and bool(self.invoke.match(function))
+        return scope in self.scopes
+
+
+def principal_of(record: apikeys.KeyRecord) -> Principal:
+    plain = frozenset(scope for scope in record.scopes if ":" not in scope)
+    globs = [scope.partition(":")[2] or "*" for scope in record.scopes if scope.startswith(INVOKE)]
+    pattern = re.compile("|".join(f"(?:{translate(glob)})" for glob in globs)) if globs else None
+    burst = record.burst or max(1, int(record.rps + 0.999))
+    return Principal(
+        record.id,
+        bytes.fromhex(record.sha256),
+        plain,
+        pattern,
+        record.rps,
+        burst,
+        record.max_in_flight,
+        record.max_queued,
+    )
+
+
+OPEN = Principal("", b"", frozenset({ADMIN}), None)
+"""The caller when auth is off."""
+
+
+class KeyTable:
+    """Every key's Principal by key id, in memory. `run()` reloads it from Redis when the keys'
+    version counter moves (checked every `refresh_s`), and keeps the last table through outages."""
+
+    def __init__(
+        self, refresh_s: float = 1.0, enabled: bool = True, fixed: Iterable[apikeys.KeyRecord] = ()
+    ) -> None:
+        self.enabled = enabled
+        self.refresh_s = refresh_s
+        self.healthy = True
+        self._fixed = {record.id: principal_of(record) for record in fixed}
+        """Keys from settings (a Kubernetes Secret), accepted whatever Redis holds."""
+        self._by_id: dict[str, Principal] = dict(self._fixed)
+        self._version: Any = None
+
+    def load(self, records: Iterable[apikeys.KeyRecord]) -> None:
+        self._by_id = {**{record.id: principal_of(record) for record in records}, **self._fixed}
+
+    def authorize(self, header: str | None, scope: str, function: str | None = None) -> Principal:
+        """The caller named by an `Authorization` header value, if it may use `scope` (on
+        `function`); raises Unauthenticated (no or unknown key) or Forbidden (scope missing)."""
+        if not self.enabled:
+            return OPEN
+        if not header or header[:7].lower() != BEARER:
+            raise Unauthenticated("this endpoint needs an API key: send 'Authorization: Bearer <key>'")
+        key = header[7:].strip()
+        principal = self._by_id.get(key[len(KEY_HEAD) : ID_END]) if key.startswith(KEY_HEAD) else None
+        # The digest of a random 256-bit key is compared in constant time all the same.
+        if principal is None or not hmac.compare_digest(
+            hashlib.sha256(key.encode()).digest(), principal.digest
+        ):
+            raise Unauthenticated("the API key is not valid (unknown or revoked)")
+        if not principal.allows(scope, function):
+            wanted = f"{scope}:{function}" if scope == INVOKE and function else scope
+            raise Forbidden(f"the API key {principal.key_id} lacks the scope {wanted}")
+        return principal
+
+    async def refresh(self, redis: aioredis.Redis) -> bool:
+        """Reload when the version moved; True when it did. Raises RedisError."""
+        version = await redis.get(keys.api_keys_version())
+        if version is not None and version == self._version:
+            return False
+        raw: Any = await redis.hgetall(keys.api_keys())
+        records = []
+        for ident, value in raw.items():
+            try:
+                records.append(apikeys.KeyRecord.decode(value))
+            except (ValueError, KeyError, TypeError):
+                log.warning(
+                    "API key %s has an unreadable record; it is refused", ident.decode(errors="replace")
+                )
+        self.load(records)
+        self._version = version
+        return True
+
+    async def run(self, redis: aioredis.Redis) -> None:
+        """Refresh forever; a Redis error is retried with backoff and jitter, the last table stays."""
+        failures = 0
+        while True:
+            try:
+                await self.refresh(redis)
+            except RedisError as exc:
+                failures += 1
+                if self.healthy:
+                    log.warning(
+                        "API keys could not be refreshed (%s); keeping the last %d", exc, len(self._by_id)
+                    )
+                self.healthy = False
+                await asyncio.sleep(min(MAX_BACKOFF_S, self.refresh_s * 2**failures) * random.uniform(0.5, 1))
+                continue
+            failures = 0
+            self.healthy = True
+            await asyncio.sleep(self.refresh_s)
+
+
+# Routes and the scope each needs. The invocation routes come first: they carry the traffic.
+_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/infer")
+_FUNCTION = re.compile(r"/v1/functions/([^/]+)")
+_MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?(?:/ready)?")
+_CONTROL = re.compile(r"/v2/repository/models/[^/]+/(?:load|unload)")
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+DEPLOY_METHODS = frozenset({"PUT", "GET", "DELETE"})
+
+
+def required_scope(method: str, path: str) -> tuple[str, str | None] | None:
+    """(scope, function) that a request needs; None for the open health endpoints."""
+    if method == "POST":
+        found = _INFER.fullmatch(path) or _FUNCTION.fullmatch(path)
+        if found:
+            return INVOKE, found[1]
+    if path in OPEN_PATHS:
+        return None
+    if path in ("/v2", "/v2/", "/v1/functions", "/v2/repository/index"):
+        return READ, None
+    found = _MODEL.fullmatch(path)
+    if found:
+        return READ, found[1]
+    if method in DEPLOY_METHODS and _FUNCTION.fullmatch(path):
+        return DEPLOY, None
+    if path == "/metrics" or _CONTROL.fullmatch(path):
+        return ADMIN, None
+    return ANY, None

@@ -1,0 +1,66 @@
+"""AuthMiddleware: a plain ASGI middleware that checks the key and scope of every HTTP request but
+health, and the key's limits for invocations, before the app sees the request."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from fngate.errors import Unavailable
+from gateway.auth import INVOKE, AuthError, KeyTable, required_scope
+from gateway.limits import Limiter
+
+
+class AuthMiddleware:
+    """Refusals are answered here (401, 403, 429); an admitted invocation leaves the key's
+    in-flight sets when answered. The caller's Principal goes into the scope as `fngate.principal`."""
+
+    def __init__(self, app: Any, table: KeyTable, limiter: Limiter | None = None) -> None:
+        self.app = app
+        self.table = table
+        self.limiter = limiter
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        need = required_scope(scope["method"], scope["path"])
+        if need is None:
+            await self.app(scope, receive, send)
+            return
+        header = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
+        member = None
+        function = need[1] or ""
+        try:
+            principal = self.table.authorize(header, *need)
+            if need[0] == INVOKE and principal.limited and self.limiter is not None:
+                member = await self.limiter.admit(principal, function)
+        except AuthError as exc:
+            await send_error(send, exc.status, exc.body(), exc.headers)
+            return
+        except Unavailable as exc:
+            body = orjson.dumps({"error": exc.message, "code": exc.code.value})
+            await send_error(send, 503, body, {"Retry-After": "1"})
+            return
+        scope["fngate.principal"] = principal
+        if member is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            assert self.limiter is not None
+            await asyncio.shield(self.limiter.release(principal, function, member))
+
+
+async def send_error(send: Any, status: int, body: bytes, headers: dict[str, str]) -> None:
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(name.lower().encode(), value.encode()) for name, value in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

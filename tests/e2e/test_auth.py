@@ -1,0 +1,298 @@
+"""Auth with real processes: per-key limits that hold in total across two gateway processes, a
+revocation that every gateway sees, no key in logs or traces, the deploy API to a folder and to S3,
+and tritonclient (sync and asyncio) sending the key."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis as sync_redis
+import redis.asyncio as aioredis
+import tritonclient.http as triton
+import tritonclient.http.aio as triton_aio
+from tritonclient.utils import InferenceServerException
+
+from fngate import apikeys, keys
+from tests.conftest import wait_http
+from tests.e2e.deployments import cli, invoke, runner_env, scale_function
+from tests.e2e.test_observability import Receiver, receiver
+from tests.s3 import Bucket
+
+__all__ = ["receiver"]
+CLASSIFIER = {"inputs": {"input": [[0.5] * 16]}}
+PROBE = {"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}
+NO_AWS = {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+
+
+def create_key(redis_url: str, *scopes: str, **limits: Any) -> tuple[str, apikeys.KeyRecord]:
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        return apikeys.create(client, list(scopes), **limits)
+    finally:
+        client.close()
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def start_gateways(gateway_process: Callable[..., str], count: int, **env: str) -> list[str]:
+    bases = [gateway_process(FNGATE_AUTH="true", FNGATE_AUTH_REFRESH_S="0.2", **env) for _ in range(count)]
+    for base in bases:
+        await wait_http(base)
+    return bases
+
+
+async def warm_up(client: httpx.AsyncClient, base: str, function: str, body: Any, admin: str) -> None:
+    """Until the runner answers (its cold start can outlast the function's timeout)."""
+    deadline = time.monotonic() + 60
+    while True:
+        response = await client.post(f"{base}/v1/functions/{function}", json=body, headers=bearer(admin))
+        if response.status_code == 200:
+            return
+        assert time.monotonic() < deadline, response.text
+        await asyncio.sleep(0.2)
+
+
+async def test_the_rate_limit_holds_in_total_across_two_gateways(
+    redis: aioredis.Redis,
+    redis_url: str,
+    gateway_process: Callable[..., str],
+    runner_process: Callable[..., Any],
+) -> None:
+    # One token per 100 s: within this test the key gets its burst of 4 and no more.
+    limited, _ = create_key(redis_url, "invoke:classifier", rps=0.01, burst=4)
+    admin, _ = create_key(redis_url, "admin")
+    bases = await start_gateways(gateway_process, 2)
+    runner_process(FNGATE_FUNCTIONS='["classifier"]')
+    statuses = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        await warm_up(client, bases[0], "classifier", CLASSIFIER, admin)
+        for index in range(10):
+            response = await client.post(
+                f"{bases[index % 2]}/v1/functions/classifier", json=CLASSIFIER, headers=bearer(limited)
+            )
+            statuses.append(response.status_code)
+            if response.status_code == 429:
+                assert int(response.headers["retry-after"]) >= 1
+                assert response.json()["code"] == "rate_limited"
+    assert statuses.count(200) == 4 and statuses.count(429) == 6, statuses
+
+
+async def test_the_in_flight_cap_holds_in_total_and_frees_slots_when_answered(
+    redis: aioredis.Redis,
+    redis_url: str,
+    gateway_process: Callable[..., str],
+    runner_process: Callable[..., Any],
+) -> None:
+    admin, _ = create_key(redis_url, "admin")
+    capped, record = create_key(redis_url, "invoke:probe", max_in_flight=2)
+    bases = await start_gateways(gateway_process, 2)
+    runner_process(FNGATE_FUNCTIONS='["probe"]', PROBE_SLEEP_S="2")
+    async with httpx.AsyncClient(timeout=60) as client:
+        await warm_up(client, bases[0], "probe", PROBE, admin)
+
+        async def call(index: int) -> httpx.Response:
+            await asyncio.sleep(0.2 * (index >= 2))  # the first two are in flight before the rest arrive
+            return await client.post(
+                f"{bases[index % 2]}/v1/functions/probe", json=PROBE, headers=bearer(capped)
+            )
+
+        responses = await asyncio.gather(*(call(index) for index in range(6)))
+        statuses = sorted(response.status_code for response in responses)
+        assert statuses == [200, 200, 429, 429, 429, 429], [r.text for r in responses]
+        refused = next(response for response in responses if response.status_code == 429)
+        assert refused.json()["code"] == "rate_limited" and int(refused.headers["retry-after"]) >= 1
+        # Answered invocations left the key's in-flight set: the key may call again.
+        assert await redis.zcard(keys.key_in_flight(record.id)) == 0
+        again = await client.post(f"{bases[1]}/v1/functions/probe", json=PROBE, headers=bearer(capped))
+        assert again.status_code == 200
+
+
+async def test_a_revocation_is_seen_by_every_gateway_and_no_key_is_logged_or_traced(
+    redis: aioredis.Redis,
+    redis_url: str,
+    gateway_process: Callable[..., str],
+    runner_process: Callable[..., Any],
+    receiver: tuple[Receiver, str],
+    tmp_path: Path,
+) -> None:
+    spans, endpoint = receiver
+    key, record = create_key(redis_url, "invoke", "read")
+    bases = await start_gateways(
+        gateway_process, 2, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_BSP_SCHEDULE_DELAY="100"
+    )
+    runner_process(FNGATE_FUNCTIONS='["classifier"]')
+    async with httpx.AsyncClient(timeout=60) as client:
+        for base in bases:
+            await warm_up(client, base, "classifier", CLASSIFIER, key)
+            assert (
+                await client.post(f"{base}/v1/functions/classifier", json=CLASSIFIER, headers=bearer(key))
+            ).status_code == 200
+            assert (
+                await client.post(f"{base}/v1/functions/classifier", json={}, headers=bearer(key))
+            ).status_code == 400
+            assert (
+                await client.post(f"{base}/v2/repository/models/x/unload", headers=bearer(key))
+            ).status_code == 403
+            wrong = key[:-6] + "AAAAAA"
+            assert (await client.get(f"{base}/v1/functions", headers=bearer(wrong))).status_code == 401
+        revoked = await cli("keys", "revoke", record.id, "--redis", redis_url)
+        assert revoked.returncode == 0, revoked.stderr
+        deadline = time.monotonic() + 10
+        for base in bases:
+            while (await client.get(f"{base}/v1/functions", headers=bearer(key))).status_code != 401:
+                assert time.monotonic() < deadline, f"{base} still accepts a revoked key"
+                await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # the span exporters' schedule
+    assert spans.named("POST"), "no server span was exported"
+    secret = key.rsplit("_", 1)[1]
+    exported = repr(spans.spans)
+    assert secret not in exported and "Bearer" not in exported
+    logs = await asyncio.to_thread(read_logs, tmp_path)
+    assert any(name.startswith("gateway-") for name in logs)
+    for name, text in logs.items():
+        assert secret not in text, name
+
+
+def read_logs(folder: Path) -> dict[str, str]:
+    return {path.name: path.read_text(errors="replace") for path in folder.glob("*.log")}
+
+
+async def test_deploy_through_the_api_to_a_folder_then_invoke_and_remove(
+    redis: aioredis.Redis,
+    redis_url: str,
+    gateway_process: Callable[..., str],
+    runner_process: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    deployer, _ = create_key(redis_url, "deploy")
+    caller, _ = create_key(redis_url, "invoke:scale")
+    (base,) = await start_gateways(gateway_process, 1, FNGATE_REPO=str(repo), FNGATE_CATALOG_REFRESH_S="0.2")
+    runner_process(**runner_env(str(repo), tmp_path / "artifacts"))
+    manifest = scale_function(tmp_path / "v1", "scale", 2.0)
+
+    refused = await cli("deploy", str(manifest), "--gateway", base, env={"FNGATE_API_KEY": caller})
+    assert refused.returncode == 1 and "403" in refused.stderr and "deploy" in refused.stderr
+    missing = await cli("deploy", str(manifest), "--gateway", base)
+    assert missing.returncode == 2 and "FNGATE_API_KEY" in missing.stderr
+    assert not any(repo.iterdir())
+
+    deployed = await cli("deploy", str(manifest), "--gateway", base, env={"FNGATE_API_KEY": deployer})
+    assert deployed.returncode == 0, deployed.stderr
+    assert "deployed scale version 1 through" in deployed.stdout
+    assert (repo / "scale" / "1" / "model.py").is_file() and (repo / "scale" / "1.json").is_file()
+    async with httpx.AsyncClient(base_url=base, timeout=30, headers=bearer(caller)) as client:
+        response = await invoke(client, "/v1/functions/scale")
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"]["y"] == [[2.0, 4.0]]
+        assert (await client.get("/v1/functions/scale")).status_code == 403
+        described = await client.get("/v1/functions/scale", headers=bearer(deployer))
+        assert described.status_code == 200
+        assert [entry["version"] for entry in described.json()["versions"]] == ["1"]
+        removed = await client.delete("/v1/functions/scale", headers=bearer(deployer))
+        assert removed.status_code == 200 and removed.json()["versions"] == ["1"]
+        assert not (repo / "scale").exists()
+        gone = await client.get("/v1/functions/scale", headers=bearer(deployer))
+        assert gone.status_code == 404
+
+
+async def test_deploy_through_the_api_to_s3_then_invoke(
+    redis: aioredis.Redis,
+    redis_url: str,
+    gateway_process: Callable[..., str],
+    runner_process: Callable[..., Any],
+    s3: Bucket,
+    tmp_path: Path,
+) -> None:
+    deployer, _ = create_key(redis_url, "deploy")
+    caller, _ = create_key(redis_url, "invoke")
+    (base,) = await start_gateways(
+        gateway_process, 1, FNGATE_REPO=s3.repo, FNGATE_CATALOG_REFRESH_S="0.2", **s3.env
+    )
+    runner_process(**runner_env(s3.repo, tmp_path / "artifacts", s3.env))
+    manifest = scale_function(tmp_path / "v1", "scale", 3.0)
+    # The deployer has neither S3 nor Redis settings: only the gateway's address and a key.
+    deployed = await cli(
+        "deploy", str(manifest), "--gateway", base, env={"FNGATE_API_KEY": deployer, **NO_AWS}
+    )
+    assert deployed.returncode == 0, deployed.stderr
+    stored = s3.client().list_objects_v2(Bucket=s3.name, Prefix=s3.key("scale"))
+    assert s3.key("scale", "1", "model.py") in {item["Key"] for item in stored["Contents"]}
+    async with httpx.AsyncClient(base_url=base, timeout=30, headers=bearer(caller)) as client:
+        response = await invoke(client, "/v1/functions/scale")
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"]["y"] == [[3.0, 6.0]]
+
+
+async def test_a_deploy_over_the_size_limit_is_refused(
+    redis: aioredis.Redis, redis_url: str, serve_gateway: Callable[..., Any], tmp_path: Path
+) -> None:
+    deployer, _ = create_key(redis_url, "deploy")
+    base = await serve_gateway(auth=True, repo=str(tmp_path), max_deploy_bytes=4096)
+    async with httpx.AsyncClient(base_url=base, headers=bearer(deployer)) as client:
+        response = await client.put("/v1/functions/big", content=b"\0" * 10_000)
+        assert response.status_code == 413
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: the gateway counts
+            for _ in range(3):
+                yield b"\0" * 3000
+
+        streamed = await client.put("/v1/functions/big", content=chunks())
+        assert streamed.status_code == 413
+        garbage = await client.put("/v1/functions/big", content=b"not a tar")
+        assert garbage.status_code == 400 and "tar.gz" in garbage.json()["error"]
+    assert os.listdir(tmp_path) == []
+
+
+def triton_calls(url: str, key: str) -> None:
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        headers = bearer(key)
+        assert client.is_server_live()  # health stays open
+        with pytest.raises(InferenceServerException, match="API key"):
+            client.get_model_metadata("classifier")
+        assert client.is_model_ready("classifier", headers=headers)
+        assert client.get_model_metadata("classifier", headers=headers)["name"] == "classifier"
+        batch = np.full((2, 16), 0.5, dtype=np.float32)
+        tensor = triton.InferInput("input", [2, 16], "FP32")
+        tensor.set_data_from_numpy(batch, binary_data=True)
+        result = client.infer("classifier", [tensor], headers=headers)
+        assert result.as_numpy("probabilities").shape == (2, 4)
+        with pytest.raises(InferenceServerException, match="API key"):
+            client.infer("classifier", [tensor])
+    finally:
+        client.close()
+
+
+async def test_tritonclient_sync_and_asyncio_send_the_key(
+    redis: aioredis.Redis,
+    redis_url: str,
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+) -> None:
+    key, _ = create_key(redis_url, "invoke:classifier")
+    base = await serve_gateway(auth=True)
+    await inprocess_runner(functions=("classifier",))
+    await asyncio.to_thread(triton_calls, base, key)
+    client = triton_aio.InferenceServerClient(base.removeprefix("http://"))
+    try:
+        tensor = triton_aio.InferInput("input", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 16), 0.5, dtype=np.float32))
+        result = await client.infer("classifier", [tensor], headers=bearer(key))
+        assert result.as_numpy("probabilities").shape == (1, 4)
+        assert await client.is_model_ready("classifier", headers=bearer(key))
+        with pytest.raises(InferenceServerException, match="API key"):
+            await client.infer("classifier", [tensor])
+    finally:
+        await client.close()

@@ -1,0 +1,85 @@
+"""PipelinedRedis against a real redis-server: order, errors, scripts, and a server that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import Callable
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from fngate.local import start_redis
+from fngate.pipelined import PipelinedRedis, Script, stream_entries
+
+Start = Callable[..., tuple[subprocess.Popen[bytes], str]]
+
+
+async def test_concurrent_commands_get_their_own_replies(redis_url: str) -> None:
+    client = PipelinedRedis(redis_url)
+    await client.execute("DEL", "n")
+    replies = await asyncio.gather(*(client.execute("INCR", "n") for _ in range(200)))
+    assert replies == list(range(1, 201))  # one write per event-loop turn, replies in order
+    await client.aclose()
+
+
+async def test_reply_errors_are_redis_py_errors(redis_url: str) -> None:
+    client = PipelinedRedis(redis_url)
+    await client.execute("SET", "text", "x")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await client.execute("LPUSH", "text", "y")
+    assert await client.execute("GET", "text") == b"x"  # the connection goes on after an error
+    await client.aclose()
+
+
+async def test_a_script_is_loaded_when_redis_does_not_know_it(redis_url: str) -> None:
+    client = PipelinedRedis(redis_url)
+    await client.execute("SCRIPT", "FLUSH")
+    script = Script(client, "return {KEYS[1], ARGV[1]}")
+    assert await script(["k"], ["v"]) == [b"k", b"v"]
+    await client.aclose()
+
+
+async def test_stream_entries(redis_url: str) -> None:
+    client = PipelinedRedis(redis_url)
+    await client.execute("DEL", "s")
+    entry_id = await client.execute("XADD", "s", "*", "h", "1", "b", "2")
+    reply = await client.execute("XREAD", "COUNT", 10, "STREAMS", "s", "0-0")
+    assert stream_entries(reply) == [(entry_id, {b"h": b"1", b"b": b"2"})]
+    assert stream_entries(None) == []
+    await client.aclose()
+
+
+async def test_a_restarted_redis_is_reconnected(tmp_path_factory: pytest.TempPathFactory) -> None:
+    folder = tmp_path_factory.mktemp("restarted")
+    process, url = start_redis(folder)
+    client = PipelinedRedis(url, timeout_s=1)
+    try:
+        assert await client.execute("PING") == b"PONG"
+        process.kill()
+        process.wait()
+        with pytest.raises(RedisConnectionError):
+            await client.execute("PING")
+        process, url = start_redis(folder)
+        assert await client.execute("PING") == b"PONG"
+    finally:
+        process.kill()
+        process.wait()
+        await client.aclose()
+
+
+async def test_a_paused_redis_times_out_and_recovers(extra_redis: Start) -> None:
+    process, url = extra_redis()
+    client = PipelinedRedis(url, timeout_s=0.5)
+    assert await client.execute("SET", "k", "1")
+    process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(RedisTimeoutError):
+            await client.execute("GET", "k")
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert await client.execute("GET", "k") == b"1"  # a new connection: no reply out of step
+    await client.aclose()
