@@ -10,7 +10,6 @@ import datetime
 import json
 import platform
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import onnx
 import onnxruntime as ort
 import orjson
 import redis
@@ -266,8 +266,10 @@ class Bench:
         print(f"T  fngate against Triton ({serve_sh})", flush=True)
         models = self.logs / "triton-models"
         models.mkdir(parents=True, exist_ok=True)
-        for name in ("tiny", "wide"):
-            shutil.copy(self.repo / name / "model.onnx", models / f"{name}.onnx")
+        for name, output in (("tiny", "output"), ("wide", "probabilities")):
+            onnx.save(
+                renamed_output(onnx.load(self.repo / name / "model.onnx"), output), models / f"{name}.onnx"
+            )
         sock = socket.create_server(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         sock.close()
@@ -446,6 +448,16 @@ def cold_start_phases(log: str, sent: float) -> dict[str, float]:
                     phases[phase] = float(found.group(1)) * 1e3
             phases.setdefault("loaded_at_ms", since_ms)
     return phases
+
+
+def renamed_output(model: Any, name: str) -> Any:
+    """The model with its one output called `name` (the peer's configuration names wide's output
+    `probabilities`)."""
+    old = model.graph.output[0].name
+    for node in model.graph.node:
+        node.output[:] = [name if output == old else output for output in node.output]
+    model.graph.output[0].name = name
+    return model
 
 
 def wait_live(url: str, timeout_s: float = 30, path: str = "/v2/health/live", method: str = "GET") -> None:

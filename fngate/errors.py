@@ -6,7 +6,8 @@ FunctionError (base; carries an ErrorCode)
 ├── Overloaded         overloaded         the queue is full; retry later
 ├── Unavailable        unavailable        a dependency (Redis, repository, runner) is not there
 ├── DeadlineExceeded   deadline_exceeded  the invocation's deadline passed
-├── ModelFailed        model_failed       the backend raised while running a batch
+├── ModelFailed        model_failed       the backend raised, its process died, or its outputs are wrong
+├── ModelTimeout       model_timeout      a batch ran past the function's execution timeout
 └── Internal           internal           a bug
 """
 
@@ -22,6 +23,7 @@ class ErrorCode(enum.StrEnum):
     UNAVAILABLE = "unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     MODEL_FAILED = "model_failed"
+    MODEL_TIMEOUT = "model_timeout"
     INTERNAL = "internal"
 
 
@@ -63,6 +65,10 @@ class ModelFailed(FunctionError):
     code = ErrorCode.MODEL_FAILED
 
 
+class ModelTimeout(FunctionError):
+    code = ErrorCode.MODEL_TIMEOUT
+
+
 class Internal(FunctionError):
     code = ErrorCode.INTERNAL
 
@@ -76,6 +82,7 @@ _BY_CODE: dict[str, type[FunctionError]] = {
         Unavailable,
         DeadlineExceeded,
         ModelFailed,
+        ModelTimeout,
         Internal,
     )
 }

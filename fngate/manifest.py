@@ -72,6 +72,10 @@ class ModelSpec(_Frozen):
     """onnxruntime's execution provider."""
     precision: Literal["fp32", "fp16"] = "fp32"
     """fp16 lets TensorRT build half-precision engines."""
+    execution_timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] | None = None
+    """Longest a batch may run; None: the batching timeout (no invocation waits longer anyway)."""
+    memory_limit_mb: Annotated[int, Field(ge=1)] | None = None
+    """python backend: the function's process is restarted, between batches, once its RSS is over this."""
 
     @field_validator("path")
     @classmethod
@@ -85,6 +89,8 @@ class ModelSpec(_Frozen):
     def _accelerator(self) -> ModelSpec:
         if self.backend == "python" and self.accelerator != "cpu":
             raise ValueError("accelerator applies to the onnxruntime and tensorrt backends only")
+        if self.backend != "python" and self.memory_limit_mb is not None:
+            raise ValueError("memory_limit_mb applies to the python backend only (its own process)")
         return self
 
 
@@ -206,6 +212,10 @@ class FunctionManifest(_Frozen):
     @property
     def batched(self) -> bool:
         return self.batching.max_batch_size > 0
+
+    @property
+    def execution_timeout_s(self) -> float:
+        return (self.model.execution_timeout_ms or self.batching.timeout_ms) / 1000
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)

@@ -91,8 +91,11 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         # so that the invocations' connection pool stays the invocations'.
         catalog = Catalog(function_source(settings.repo, reader), reader)
         app.state.load_timeout_s = settings.load_timeout_s
-        replies = ReplyRouter(reader, gateway_id, settings.reply_block_ms)
         pipelined = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
+        reply_reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
+        replies = ReplyRouter(
+            reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s
+        )
         async with redis, reader:
             await _wait_for_redis(redis)
             await catalog.refresh()
@@ -128,6 +131,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                         loop.cancel()
             await replies.stop()
             await pipelined.aclose()
+            await reply_reads.aclose()
 
     app = Starlette(
         routes=ROUTES,

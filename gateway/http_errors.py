@@ -16,6 +16,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.MODEL_FAILED: 500,
+    ErrorCode.MODEL_TIMEOUT: 504,
     ErrorCode.INTERNAL: 500,
 }
 RETRY = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE}

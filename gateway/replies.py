@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from fngate import keys, queue
 from fngate.backoff import backoff_s
+from fngate.pipelined import PipelinedRedis, stream_entries
 from fngate.wire import Fields, Reply
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,12 @@ SWEEP_S = 30.0
 
 
 class ReplyRouter:
-    def __init__(self, redis: aioredis.Redis, gateway_id: str, block_ms: int) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, reads: PipelinedRedis, gateway_id: str, block_ms: int, timeout_s: float
+    ) -> None:
         self._redis = redis
+        self._reads = reads
+        self._timeout_s = timeout_s
         self.gateway_id = gateway_id
         self.stream = keys.replies(gateway_id)
         self._block_ms = block_ms
@@ -66,11 +71,15 @@ class ReplyRouter:
                 if time.monotonic() >= next_beat or failures:
                     await self.start()
                     next_beat = time.monotonic() + HEARTBEAT_S
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    if last_id != b"0-0":
-                        pipe.xtrim(self.stream, minid=_after(last_id))
-                    pipe.xread({self.stream: last_id}, count=1000, block=self._block_ms)
-                    results: list[Any] = await pipe.execute()
+                read = self._reads.execute(
+                    *("XREAD", "COUNT", 1000, "BLOCK", self._block_ms, "STREAMS", self.stream, last_id),
+                    timeout_s=self._block_ms / 1000 + self._timeout_s,
+                )
+                if last_id == b"0-0":
+                    response = await read
+                else:  # what was read leaves Redis, in the same write as the next read
+                    trim = self._reads.execute("XTRIM", self.stream, "MINID", _after(last_id))
+                    _, response = await asyncio.gather(trim, read)
                 failures = 0
                 self.healthy = True
             except (RedisError, OSError) as exc:
@@ -80,13 +89,13 @@ class ReplyRouter:
                 log.warning("reply loop: redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 continue
-            response = results[-1]
-            if not response:
+            entries = stream_entries(response)
+            if not entries:
                 continue
-            _, entries = response[0]
             last_id = entries[-1][0]
             for _entry_id, fields in entries:
-                self._resolve(fields)
+                if fields is not None:
+                    self._resolve(fields)
 
     async def sweep(self) -> None:
         """Every SWEEP_S, remove the reply streams of gateways that stopped heart-beating."""

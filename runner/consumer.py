@@ -31,7 +31,7 @@ from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
 from runner.batching import Waiting, next_step
-from runner.execution import execute, shape_key
+from runner.execution import run_batch, shape_key
 from runner.metrics import (
     BATCH_SIZE,
     COLD_STARTS,
@@ -113,6 +113,10 @@ class FunctionConsumer:
         failures = 0
         while not self._stopping.is_set():
             try:
+                if self._pool.is_stuck(self.function.name):
+                    # A batch that cannot be stopped holds it: leave its work to other runners.
+                    await asyncio.sleep(self._settings.claim_interval_ms / 1000)
+                    continue
                 if failures or not self._last_claim:
                     await self._ensure_group()
                 await self._claim_due()
@@ -242,9 +246,8 @@ class FunctionConsumer:
             else:
                 ran_digest = model.function.digest
                 computed = time.perf_counter()
-                manifest = model.function.manifest
                 try:
-                    replies = await asyncio.to_thread(execute, model.backend, manifest, invocations, batch_id)
+                    replies = await run_batch(self._pool, model, invocations, batch_id)
                 finally:
                     await self._pool.release(model)
                 COMPUTE_DURATION.labels(name).observe(time.perf_counter() - computed)

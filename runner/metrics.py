@@ -120,3 +120,10 @@ RSS_BYTES = Gauge("fngate_runner_rss_bytes", "Resident memory of this runner pro
 CACHE_STORE_FAILURES = Counter(
     "fngate_cache_store_failures", "Answers a runner could not store in a separate cache Redis"
 )
+FUNCTION_RESTARTS = Counter(
+    "fngate_function_restarts",
+    "Processes of Python functions stopped to be started again, by reason: exited (it died), timeout "
+    "(a batch ran past execution_timeout_ms), memory (its RSS went over memory_limit_mb), protocol "
+    "(it wrote something else than an answer on the pipe)",
+    ["function", "reason"],
+)

@@ -1,6 +1,7 @@
 """Loaded models: each function version is loaded on first use (or when asked), once even when
 asked concurrently, in worker threads; versions load beside each other; a failed load is
-remembered for `retry_s`; `unload` drops a version and closes it once no batch uses it."""
+remembered for `retry_s`; `unload` drops a version and closes it once no batch uses it; a version
+whose batch is stuck past its execution timeout gets no work until that batch returns."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from fngate.errors import FunctionError, FunctionNotFound, Unavailable
 from fngate.registry import LOADING, READY, UNAVAILABLE, ModelState
@@ -37,6 +39,12 @@ class LoadedModel:
     download_s: float = 0.0
     in_use: int = 0
     unloaded: bool = False
+    stuck_since: float | None = None
+    """time.monotonic() when a batch that is still running in a thread began, once it ran past
+    the function's execution timeout; None otherwise."""
+
+    def stuck_for_s(self) -> float:
+        return 0.0 if self.stuck_since is None else time.monotonic() - self.stuck_since
 
 
 async def _no_report(_function: str, _version: str, _state: ModelState) -> None:
@@ -61,10 +69,20 @@ class ModelPool:
         self._models: dict[Key, LoadedModel] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
         self._failures: dict[Key, tuple[float, Unavailable]] = {}
+        self._stuck: set[asyncio.Task[None]] = set()
 
     @property
     def loaded(self) -> dict[Key, LoadedModel]:
         return self._models
+
+    @property
+    def stuck(self) -> list[Key]:
+        """Loaded versions with a batch stuck past its execution timeout: unhealthy until it returns."""
+        return [key for key, model in self._models.items() if model.stuck_since is not None]
+
+    def is_stuck(self, name: str) -> bool:
+        """A version of function `name` has a batch stuck past its execution timeout."""
+        return any(key[0] == name for key in self.stuck)
 
     @property
     def loading(self) -> bool:
@@ -99,6 +117,8 @@ class ModelPool:
                     if failed is not None and time.monotonic() - failed[0] < self._retry_s:
                         raise failed[1]
                     model = await self._load(function, "")
+        if model.stuck_since is not None:
+            raise Unavailable(f"function '{key[0]}' version {key[1]}: {_stuck_reason(model)}")
         model.last_used = time.monotonic()
         return model
 
@@ -145,11 +165,40 @@ class ModelPool:
                 return False
             model.unloaded = True
             model_unloaded(*key, model.function.manifest.model.accelerator, model.backend, self._gpu_index)
+            if model.stuck_since is not None:
+                # The truth: its memory is held by a thread that cannot be stopped.
+                reason = f"unloading: {_stuck_reason(model)}; it is freed when that batch returns"
             log.info("unloaded %s version %s (%s)", *key, reason)
             await self._report(*key, ModelState(UNAVAILABLE, reason, _now_ms()))
         if model.in_use == 0:
             await asyncio.to_thread(self._close, model)
         return True
+
+    async def hold_stuck(self, model: LoadedModel, work: asyncio.Future[Any], started: float) -> None:
+        """A batch of `model` that began at `started` (time.monotonic()) ran past its execution
+        timeout in a thread that cannot be stopped: keep the model open for that thread, give the
+        version no work and report it unavailable until `work` completes."""
+        key = (model.function.name, model.function.version)
+        model.in_use += 1
+        model.stuck_since = started
+        log.error("%s version %s: %s", *key, _stuck_reason(model))
+        if not model.unloaded:
+            await self._report(*key, ModelState(UNAVAILABLE, f"stuck: {_stuck_reason(model)}", _now_ms()))
+        task = asyncio.get_running_loop().create_task(self._await_stuck(model, work))
+        self._stuck.add(task)
+        task.add_done_callback(self._stuck.discard)
+
+    async def _await_stuck(self, model: LoadedModel, work: asyncio.Future[Any]) -> None:
+        key = (model.function.name, model.function.version)
+        with contextlib.suppress(Exception):
+            await work
+        log.warning("%s version %s: the stuck batch returned after %.1f s", *key, model.stuck_for_s())
+        model.stuck_since = None
+        await self.release(model)
+        if self._models.get(key) is model:
+            await self._report(*key, _ready(model, ""))
+        elif key not in self._models:
+            await self._report(*key, ModelState(UNAVAILABLE, "unloaded", _now_ms()))
 
     async def _load(self, function: FunctionVersion, request: str) -> LoadedModel:
         key = (function.name, function.version)
@@ -199,12 +248,21 @@ class ModelPool:
 
     def close(self) -> None:
         for model in self._models.values():
-            self._close(model)
+            if model.stuck_since is None:  # a thread still runs in a stuck one: closing it would crash
+                self._close(model)
         self._models.clear()
 
 
 def _ready(model: LoadedModel, request: str) -> ModelState:
     return ModelState(READY, "", _now_ms(), request, round(model.download_s, 4), round(model.load_s, 4))
+
+
+def _stuck_reason(model: LoadedModel) -> str:
+    timeout_ms = model.function.manifest.execution_timeout_s * 1000
+    return (
+        f"a batch has run for {model.stuck_for_s():.1f} s, past its execution timeout of "
+        f"{timeout_ms:.0f} ms, and this runner gives the function no work until it returns"
+    )
 
 
 def _now_ms() -> int:

@@ -3,6 +3,9 @@
 A backend is loaded from a local folder holding the manifest and the model files. `run` is
 called with whole batches (the inputs of several invocations concatenated on the first axis)
 from a worker thread, never concurrently for one backend, and returns every output it computes.
+A backend that runs its model in another process (python) sets `isolated = True`: it enforces the
+function's execution timeout itself, and its batches run on its own `executor`
+(runner.execution.run_batch).
 """
 
 from __future__ import annotations

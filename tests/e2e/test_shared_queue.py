@@ -12,7 +12,9 @@ from typing import Any
 import httpx
 import numpy as np
 import onnxruntime as ort
+import redis.asyncio as aioredis
 
+from fngate import keys
 from tests.conftest import wait_http
 
 BACKLOG = 200
@@ -72,3 +74,21 @@ async def test_two_gateways_two_runners_share_batches(
 
         await asyncio.gather(*(limited(index) for index in range(BACKLOG, BACKLOG + LIVE)))
     assert max(sizes.values()) <= 32
+
+
+async def test_a_delivered_reply_leaves_nothing_in_redis(
+    serve_gateway: Callable[..., Any], runner_process: Callable[..., Any], redis: aioredis.Redis
+) -> None:
+    base = await serve_gateway()
+    runner_process(FNGATE_FUNCTIONS='["probe"]')
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [16, 4], "data": [1.0] * 64}]}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await client.post("/v2/models/probe/infer", json=body)).status_code == 200
+    lengths: list[int] = []
+    for _ in range(50):  # trimmed with the gateway's next read of its stream (within its block time)
+        streams = [key async for key in redis.scan_iter(match=keys.replies("*"))]
+        lengths = [await redis.xlen(key) for key in streams]
+        if lengths and sum(lengths) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert lengths == [0]

@@ -66,6 +66,16 @@ def test_datatypes_match_the_tensor_table() -> None:
         (with_(model={"backend": "onnxruntime", "path": "../escape.onnx"}), "model.path", "relative path"),
         (with_(model={"backend": "onnxruntime", "path": "/abs.onnx"}), "model.path", "relative path"),
         (with_(model={"backend": "python", "path": "m.py", "accelerator": "cuda"}), "model", "accelerator"),
+        (
+            with_(model={"backend": "onnxruntime", "path": "m", "memory_limit_mb": 512}),
+            "model",
+            "python backend",
+        ),
+        (
+            with_(model={"backend": "python", "path": "m.py", "execution_timeout_ms": 0}),
+            "model.execution_timeout_ms",
+            "greater than or equal to 1",
+        ),
         (with_(inputs=[{"name": "x", "datatype": "FLOAT", "shape": [-1]}]), "inputs[0].datatype", "FP32"),
         (
             with_(inputs=[{"name": "x", "datatype": "FP32", "shape": [-1, 0]}]),
@@ -99,6 +109,14 @@ def test_bad_manifests_name_the_field(manifest: dict[str, Any], where: str, frag
     problems = caught.value.problems
     assert any(path == where and fragment in message for path, message in problems), problems
     assert not any(message.startswith("Value error") for _, message in problems)
+
+
+def test_execution_timeout_defaults_to_the_batching_timeout() -> None:
+    assert parse_manifest(with_(batching={"timeout_ms": 2500}), "f").execution_timeout_s == 2.5
+    python = {"backend": "python", "path": "m.py", "execution_timeout_ms": 100, "memory_limit_mb": 256}
+    manifest = parse_manifest(with_(model=python), "f")
+    assert manifest.execution_timeout_s == 0.1
+    assert manifest.model.memory_limit_mb == 256
 
 
 def test_unbatched_functions_take_whole_shapes() -> None:

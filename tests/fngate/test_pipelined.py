@@ -83,3 +83,36 @@ async def test_a_paused_redis_times_out_and_recovers(extra_redis: Start) -> None
         process.send_signal(signal.SIGCONT)
     assert await client.execute("GET", "k") == b"1"  # a new connection: no reply out of step
     await client.aclose()
+
+
+async def test_queue_bytes_bound_and_release(redis_url: str) -> None:
+    """fngate.queue's scripts on a real Redis: max_queue_bytes refuses past the limit, FINISH gives
+    the bytes back, and a reply to a gateway whose stream is gone is dropped, not kept."""
+    from fngate import queue
+
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    enqueue, finish = Script(client, queue.ENQUEUE), Script(client, queue.FINISH)
+    fields = {queue.HEADER: b"h" * 40, queue.BODY: b"b" * 40}
+    waiter = queue.Waiter("fngate:r:gone", "i", 1)
+
+    async def submit() -> queue.EnqueueOutcome:
+        call = queue.enqueue_call("q", fields, waiter, 1000, max_queue_size=10, max_queue_bytes=100)
+        return queue.parse_enqueue(await enqueue(call.keys, call.args))
+
+    assert await submit() == queue.Queued()
+    assert await submit() == queue.Queued()  # 80 bytes queued: under the limit when it came
+    assert await submit() == queue.Full("bytes")
+    await client.execute("XGROUP", "CREATE", "q", "runners", "0")
+    read = await client.execute("XREADGROUP", "GROUP", "runners", "r1", "COUNT", 1, "STREAMS", "q", ">")
+    ((entry_id, entry),) = stream_entries(read)
+    assert entry is not None
+    reply = {queue.HEADER: b"{}", queue.BODY: b""}
+    call = queue.finish_call(
+        "q", "runners", [queue.Outgoing(reply, "fngate:r:gone")], [entry_id], queue.entry_bytes(entry), 1000
+    )
+    await finish(call.keys, call.args)
+    assert int(await client.execute("GET", queue.queue_bytes("q"))) == 80
+    assert await client.execute("EXISTS", "fngate:r:gone") == 0  # NOMKSTREAM: no stream conjured up
+    assert await submit() == queue.Queued()
+    await client.aclose()

@@ -1,7 +1,9 @@
-"""Test function: y = 2x. Steered by x[:, 0]: -1 raises, -2 kills the process. PROBE_SLEEP_S sleeps
+"""Test function: y = 2x. Steered by x[:, 0]: -1 raises, -2 kills the runner (the parent of the
+process a Python function runs in) and then that process. PROBE_SLEEP_S sleeps
 per batch; PROBE_LOG names a file that gets one line per executed row (its x[0])."""
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ class Model:
             with open(self.log, "a") as out:
                 out.writelines(f"{row[0]:g}\n" for row in x)
         if (x[:, 0] == -2).any():
+            os.kill(os.getppid(), signal.SIGKILL)
             os._exit(17)
         if (x[:, 0] == -1).any():
             raise ValueError("probe was asked to fail")

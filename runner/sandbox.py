@@ -1,0 +1,257 @@
+"""The process a Python function runs in (`python -m runner.sandbox`), and the frames it speaks with
+the runner over its stdin and stdout: a JSON header and the tensors' raw bytes in the V2 binary
+layout, read straight into the arrays that use them (one copy each way, no pickling)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import re
+import select
+import shutil
+import signal
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from fngate.errors import ErrorCode, FunctionError
+from fngate.tensors import DATATYPES, datatype_of, from_bytes, to_bytes
+
+Tensors = dict[str, np.ndarray[Any, Any]]
+Header = dict[str, Any]
+Buffer = bytes | memoryview
+
+PREFIX = struct.Struct("<IQ")
+"""Header bytes, body bytes."""
+SECRET = re.compile(r"^(FNGATE_|AWS_|AZURE_|GOOGLE_)|SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|PRIVATE|_KEY$")
+"""Variables a function's process never sees: the runner's settings (the Redis URL holds its
+password), cloud credentials, and whatever is named like a secret."""
+PARENT_CHECK_S = 0.5
+MAX_HEADER_BYTES = 16 * 2**20
+
+
+class ChannelClosed(Exception):
+    """The other end of the pipe is gone (the process exited or closed it)."""
+
+
+def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in environ.items() if not SECRET.search(name.upper())}
+
+
+def encode_tensors(tensors: Mapping[str, np.ndarray[Any, Any]]) -> tuple[list[list[Any]], list[Buffer]]:
+    """Each tensor as [name, datatype, shape, byte length], and its buffer (a view, not a copy, for a
+    C-contiguous little-endian array)."""
+    specs: list[list[Any]] = []
+    buffers: list[Buffer] = []
+    for name, array in tensors.items():
+        datatype = datatype_of(array)
+        if datatype == "BYTES":
+            buffer: Buffer = to_bytes(array)
+        elif not array.size:
+            buffer = b""
+        elif array.flags.c_contiguous and array.dtype.byteorder != ">":
+            buffer = array.data.cast("B")
+        else:
+            buffer = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).data.cast("B")
+        specs.append([name, datatype, list(array.shape), len(buffer)])
+        buffers.append(buffer)
+    return specs, buffers
+
+
+def decode_tensors(specs: Sequence[Sequence[Any]], body: np.ndarray[Any, Any]) -> Tensors:
+    """Arrays over `body`, a uint8 array (no copy for fixed-size datatypes)."""
+    tensors: Tensors = {}
+    offset = 0
+    for name, datatype, shape, length in specs:
+        if datatype == "BYTES":
+            tensors[name] = from_bytes(datatype, shape, body[offset : offset + length].data, name)
+        else:
+            dtype = DATATYPES[datatype]
+            count = length // dtype.itemsize
+            if count * dtype.itemsize != length or count != math.prod(shape):
+                raise ValueError(f"tensor '{name}': {length} bytes do not hold {datatype} of shape {shape}")
+            array = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
+            tensors[name] = array.reshape(shape)
+        offset += length
+    return tensors
+
+
+def send(fd: int, header: Header, buffers: Sequence[Buffer] = (), deadline: float | None = None) -> None:
+    """Write one frame, in one system call when the pipe has room. With a deadline
+    (time.monotonic()), `fd` must be non-blocking; raises TimeoutError past it and ChannelClosed
+    when the reader is gone."""
+    raw = orjson.dumps(header)
+    parts: list[Buffer] = [PREFIX.pack(len(raw), sum(len(buffer) for buffer in buffers)) + raw]
+    parts += [buffer for buffer in buffers if len(buffer)]
+    total = sum(len(part) for part in parts)
+    written = _write(fd, parts[:512], deadline)
+    if written == total:
+        return
+    pending = [memoryview(part).cast("B") for part in parts]
+    while pending:
+        while pending and written >= len(pending[0]):
+            written -= len(pending[0])
+            pending.pop(0)
+        if written:
+            pending[0] = pending[0][written:]
+        if pending:
+            written = _write(fd, pending[:512], deadline)
+
+
+def _write(fd: int, parts: Sequence[Buffer], deadline: float | None) -> int:
+    while True:
+        try:
+            return os.writev(fd, parts)
+        except BlockingIOError:
+            _wait(fd, select.POLLOUT, deadline)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise ChannelClosed(str(exc)) from exc
+
+
+def receive(fd: int, deadline: float | None = None) -> tuple[Header, np.ndarray[Any, Any]]:
+    """Read one frame: its header and its body (a uint8 array), in two system calls when it has
+    all arrived."""
+    if deadline is not None:
+        _wait(fd, select.POLLIN, deadline)  # rather than a first read that fails with EAGAIN
+    prefix = bytearray(PREFIX.size)
+    _read_into(fd, [memoryview(prefix)], deadline)
+    header_bytes, body_bytes = PREFIX.unpack(prefix)
+    if header_bytes > MAX_HEADER_BYTES:
+        raise ValueError(f"a frame header of {header_bytes} bytes")
+    raw = bytearray(header_bytes)
+    body = np.empty(body_bytes, dtype=np.uint8)  # not zeroed: every byte is read into
+    _read_into(fd, [memoryview(raw), body.data], deadline)
+    header: Header = orjson.loads(raw)
+    return header, body
+
+
+def _read_into(fd: int, views: list[memoryview], deadline: float | None) -> None:
+    views = [view for view in views if len(view)]
+    while views:
+        try:
+            count = os.readv(fd, views)
+        except BlockingIOError:
+            _wait(fd, select.POLLIN, deadline)
+            continue
+        except ConnectionResetError as exc:
+            raise ChannelClosed(str(exc)) from exc
+        if count == 0:
+            raise ChannelClosed("end of file")
+        while views and count >= len(views[0]):
+            count -= len(views[0])
+            views.pop(0)
+        if count:
+            views[0] = views[0][count:]
+
+
+def _wait(fd: int, events: int, deadline: float | None) -> None:
+    poller = select.poll()
+    poller.register(fd, events)
+    if deadline is None:
+        poller.poll()
+        return
+    remaining_ms = (deadline - time.monotonic()) * 1000
+    if remaining_ms <= 0 or not poller.poll(max(1, int(remaining_ms))):
+        raise TimeoutError
+
+
+# ---------------------------------------------------------------- the child's side
+
+
+def serve(model: Any, name: str, requests: int, replies: int) -> None:
+    """Answer batches until the runner closes the pipe or asks to close."""
+    while True:
+        try:
+            header, body = receive(requests)
+        except ChannelClosed:
+            return
+        if header.get("op") == "close":
+            return
+        try:
+            outputs = _infer(model, name, decode_tensors(header["tensors"], body), header["outputs"])
+            specs, buffers = encode_tensors(outputs)
+        except FunctionError as exc:
+            send(replies, {"error": exc.message, "code": exc.code.value})
+            continue
+        except Exception as exc:
+            message = f"function '{name}' failed: {type(exc).__name__}: {exc}"
+            send(replies, {"error": message, "code": ErrorCode.MODEL_FAILED.value})
+            continue
+        send(replies, {"tensors": specs}, buffers)
+
+
+def _infer(model: Any, name: str, inputs: Tensors, wanted: Sequence[str]) -> Tensors:
+    results = model.infer(inputs)
+    if not isinstance(results, dict):
+        raise TypeError(f"Model.infer returned {type(results).__name__}, not a dict of arrays")
+    outputs: Tensors = {}
+    for output in wanted:
+        if output in results:
+            array = np.asarray(results[output])
+            try:
+                datatype_of(array)
+            except FunctionError:
+                raise TypeError(f"output '{output}' is {array.dtype}, which no datatype holds") from None
+            outputs[output] = array
+    return outputs
+
+
+def load_model(module_path: Path, directory: Path) -> Any:
+    spec = importlib.util.spec_from_file_location("fngate_function", module_path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{module_path.name} is not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fngate_function"] = module
+    spec.loader.exec_module(module)
+    model_class = getattr(module, "Model", None)
+    if model_class is None:
+        raise ValueError(f"{module_path.name} defines no class Model")
+    return model_class(directory)
+
+
+def _watch_parent(parent: int) -> None:
+    """A runner that dies (even by SIGKILL) takes its functions' processes with it."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(70)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.sandbox")
+    parser.add_argument("--function", required=True)
+    parser.add_argument("--module", required=True, type=Path)
+    parser.add_argument("--directory", required=True, type=Path)
+    parser.add_argument("--parent", required=True, type=int)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when its functions stop
+    threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
+    # The frames own stdin and the original stdout; the model's prints go to stderr (the runner's log).
+    requests, replies = 0, os.dup(1)
+    os.dup2(2, 1)
+    try:
+        model = load_model(args.module, args.directory)
+    except Exception as exc:
+        traceback.print_exc()
+        send(replies, {"error": f"{type(exc).__name__}: {exc}", "code": ErrorCode.INVALID_ARGUMENT.value})
+        return 1
+    send(replies, {"ready": True})
+    serve(model, args.function, requests, replies)
+    close = getattr(model, "close", None)
+    if callable(close):
+        close()
+    shutil.rmtree(os.getcwd(), ignore_errors=True)  # the working folder the runner made for this process
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The python backend with real child processes: round trips, crashes, timeouts, memory limits and
+the environment a function sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+from fngate.errors import InvalidArgument, ModelFailed, ModelTimeout
+from fngate.manifest import parse_manifest
+from runner.backends.python import PythonBackend
+
+STEERED = '''
+import json, os, time
+from pathlib import Path
+import numpy as np
+
+
+class Model:
+    """y = 2x; x[0, 0] steers it: -1 raises, -2 exits with code 3, -3 never returns, -4 keeps
+    100 MiB, -5 dumps what the process sees to view.json in the function's folder, -6 writes
+    garbage where its answers go (fd 3: stdout as the process found it)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.kept = []
+
+    def infer(self, inputs):
+        x = inputs["x"]
+        first = x[0, 0]
+        if first == -1:
+            raise ValueError("asked to fail")
+        if first == -2:
+            os._exit(3)
+        if first == -3:
+            while True:
+                time.sleep(1)
+        if first == -4:
+            self.kept.append(np.ones(25 * 2**20, dtype=np.float32))
+        if first == -6:
+            os.write(3, b"\\xff" * 64)
+        if first == -5:
+            view = {"environ": dict(os.environ), "cwd": os.getcwd(), "ppid": os.getppid()}
+            (self.directory / "view.json").write_text(json.dumps(view))
+        return {"y": x * 2}
+'''
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[Callable[..., PythonBackend]]:
+    """Factory: a PythonBackend of the steered model (or `source`), closed at the end."""
+    started: list[PythonBackend] = []
+    folders = iter(range(100))
+
+    def start(source: str = STEERED, **model: Any) -> PythonBackend:
+        folder = tmp_path / f"f{next(folders)}"
+        folder.mkdir()
+        (folder / "model.py").write_text(source)
+        manifest = parse_manifest(
+            {
+                "name": "f",
+                "model": {"backend": "python", "path": "model.py", **model},
+                "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+                "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+            },
+            "f.yaml",
+        )
+        started.append(PythonBackend(manifest, folder))
+        return started[-1]
+
+    yield start
+    for item in started:
+        item.close()
+
+
+def batch(first: float, rows: int = 2) -> dict[str, np.ndarray[Any, Any]]:
+    x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+    x[0, 0] = first
+    return {"x": x}
+
+
+def restarts(reason: str) -> float:
+    return (
+        REGISTRY.get_sample_value("fngate_function_restarts_total", {"function": "f", "reason": reason}) or 0
+    )
+
+
+def test_runs_batches_in_a_process_of_its_own(backend: Callable[..., PythonBackend]) -> None:
+    python = backend()
+    assert python.pid is not None and python.pid != os.getpid()
+    inputs = batch(5.0, rows=300)
+    outputs = python.run(inputs, ["y"])
+    np.testing.assert_array_equal(outputs["y"], inputs["x"] * 2)
+    assert outputs["y"].dtype == np.float32
+
+
+def test_an_exception_fails_the_batch_and_keeps_the_process(backend: Callable[..., PythonBackend]) -> None:
+    python = backend()
+    pid = python.pid
+    with pytest.raises(ModelFailed, match="function 'f' failed: ValueError: asked to fail"):
+        python.run(batch(-1.0), ["y"])
+    assert python.pid == pid
+    np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
+
+
+def test_a_process_that_exits_fails_its_batch_and_starts_again(backend: Callable[..., PythonBackend]) -> None:
+    python = backend()
+    pid = python.pid
+    before = restarts("exited")
+    with pytest.raises(ModelFailed, match="its process exited with code 3 while running the batch"):
+        python.run(batch(-2.0), ["y"])
+    assert python.pid is None
+    assert restarts("exited") == before + 1
+    np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
+    assert python.pid not in (None, pid)
+
+
+def test_the_backoff_grows_and_a_batch_that_cannot_wait_it_out_fails_at_once(
+    backend: Callable[..., PythonBackend],
+) -> None:
+    python = backend(execution_timeout_ms=300)
+    for _ in range(3):  # each waits out the backoff (0.1 s, then 0.2 s), starts a process, kills it
+        with pytest.raises(ModelFailed, match="its process exited with code 3 while running the batch"):
+            python.run(batch(-2.0), ["y"])
+    # 0.4 s now, longer than the batch may take
+    with pytest.raises(ModelFailed, match=r"its process exited with code 3; it starts again in 0\.\d s"):
+        python.run(batch(1.0), ["y"])
+    assert python.pid is None
+
+
+def test_a_process_that_writes_garbage_is_restarted(backend: Callable[..., PythonBackend]) -> None:
+    python = backend()
+    before = restarts("protocol")
+    with pytest.raises(ModelFailed, match="its process wrote what is not an answer"):
+        python.run(batch(-6.0), ["y"])
+    assert restarts("protocol") == before + 1
+    np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
+
+
+def test_a_batch_past_the_execution_timeout_stops_the_process(backend: Callable[..., PythonBackend]) -> None:
+    python = backend(execution_timeout_ms=300)
+    pid = python.pid
+    assert pid is not None
+    with pytest.raises(ModelTimeout, match="ran past its execution timeout of 300 ms"):
+        python.run(batch(-3.0), ["y"])
+    assert not Path(f"/proc/{pid}").exists()
+    np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
+
+
+def test_a_process_over_its_memory_limit_is_restarted_after_the_batch(
+    backend: Callable[..., PythonBackend],
+) -> None:
+    python = backend(memory_limit_mb=80)
+    pid = python.pid
+    before = restarts("memory")
+    outputs = python.run(batch(-4.0), ["y"])  # the batch that went over is answered
+    np.testing.assert_array_equal(outputs["y"], batch(-4.0)["x"] * 2)
+    assert restarts("memory") == before + 1
+    assert python.pid is None
+    python.run(batch(1.0), ["y"])
+    assert python.pid not in (None, pid)
+
+
+def test_the_process_sees_no_secrets_and_works_in_its_own_folder(
+    backend: Callable[..., PythonBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FNGATE_REDIS_URL", "redis://:hunter2@redis:6379/0")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
+    monkeypatch.setenv("SERVICE_API_TOKEN", "token")
+    monkeypatch.setenv("MODEL_SETTING", "visible")
+    python = backend()
+    python.run(batch(-5.0), ["y"])
+    view = json.loads((tmp_path / "f0" / "view.json").read_text())
+    leaked = [name for name in view["environ"] if name.startswith(("FNGATE_", "AWS_")) or "TOKEN" in name]
+    assert leaked == []
+    assert "hunter2" not in json.dumps(view["environ"])
+    assert view["environ"]["MODEL_SETTING"] == "visible"
+    assert view["ppid"] == os.getpid()
+    assert Path(view["cwd"]) != Path.cwd()
+    assert Path(view["environ"]["TMPDIR"]) == Path(view["cwd"])
+
+
+def test_a_model_that_does_not_load_names_the_reason(backend: Callable[..., PythonBackend]) -> None:
+    with pytest.raises(InvalidArgument, match="ZeroDivisionError"):
+        backend("class Model:\n    def __init__(self, directory):\n        1 / 0\n")
+    with pytest.raises(InvalidArgument, match="defines no class Model"):
+        backend("x = 1\n")
+
+
+def test_close_stops_the_process(backend: Callable[..., PythonBackend]) -> None:
+    python = backend()
+    pid = python.pid
+    python.close()  # returns at once; the process exits after Model.close
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
+    with pytest.raises(ModelFailed, match="unloaded"):
+        python.run(batch(1.0), ["y"])
