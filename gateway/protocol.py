@@ -44,7 +44,7 @@ def decode_body(body: bytes, encoding: str | None, limit_bytes: int) -> bytes:
     wbits = _WBITS.get(name)
     if wbits is None:
         raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or none")
-    if name == "deflate" and body[:1] and body[0] & 0x0F != 8:
+    if name == "deflate" and not _zlib_header(body):
         wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib header that RFC 9110 asks for
     parts: list[bytes] = []
     size = 0
@@ -66,6 +66,11 @@ def decode_body(body: bytes, encoding: str | None, limit_bytes: int) -> bytes:
                 raise InvalidArgument(f"the {name} body is truncated")
         rest = decoder.unused_data if wbits > zlib.MAX_WBITS else b""
     return b"".join(parts)
+
+
+def _zlib_header(body: bytes) -> bool:
+    """RFC 1950: method 8 (deflate) in the low bits of the first byte, both bytes a multiple of 31."""
+    return len(body) >= 2 and body[0] & 0x0F == 8 and ((body[0] << 8) | body[1]) % 31 == 0
 
 
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
