@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="call a function and print its outputs",
         description="Call a function through the gateway. DATA is a JSON body ('{\"inputs\": {...}}' "
         "or just the inputs object), @FILE.json, @FILE.npy for a function with one input, or "
-        "NAME=@FILE.npy (repeatable) for several; with no DATA the body is read from stdin.",
+        "NAME=@FILE.npy (repeatable) for several; with no DATA the body is read from stdin. The API "
+        "key is FNGATE_API_KEY, or, for fngate up's own gateway, the admin key it keeps.",
     )
     invoke.add_argument("name", metavar="NAME", help="the function")
     invoke.add_argument(
