@@ -224,3 +224,42 @@ async def test_invoke_json_and_npy(
     code, out, err = await asyncio.to_thread(invoke, "nope", json.dumps({"input": row}))
     assert code == 2
     assert "404" in err
+
+
+async def test_invoke_sends_ups_admin_key_to_ups_gateway_only(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis: Any,
+    redis_url: str,
+    private_state: Path,
+    repo: Path,
+) -> None:
+    import redis as sync_redis
+
+    from fngate import apikeys
+
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        apikeys.admin_key(client, private_state / "admin.key")
+    finally:
+        client.close()
+    base = await serve_gateway(auth=True)
+    await inprocess_runner()
+    write_up(UpState(base, redis_url, str(repo), os.getpid()), private_state)
+    body = json.dumps({"input": [[0.5] * 16]})
+
+    def invoke(*argv: str) -> tuple[int, str, str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "fngate.cli", "invoke", "classifier", body, *argv],
+            capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+        )  # fmt: skip
+        return result.returncode, result.stdout, result.stderr
+
+    code, out, err = await asyncio.to_thread(invoke)
+    assert code == 0, err
+    assert "probabilities" in out
+    # Another address (the same server, as far as the CLI can tell, a different one): no key sent.
+    elsewhere = base.replace("127.0.0.1", "localhost")
+    code, _, err = await asyncio.to_thread(invoke, "--gateway", elsewhere)
+    assert code == 2
+    assert err.startswith("fngate invoke: 401"), err
