@@ -484,7 +484,13 @@ def wait_for_no_runner(redis_url: str, timeout_s: float = 60) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results"),
+        help="where results.json, results.md and throughput.png go (default: bench/results; the "
+        "committed figures are in docs/benchmarks: pass --out docs/benchmarks to replace them)",
+    )
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--measure-s", type=float, default=4.0)
     parser.add_argument("--cold-starts", type=int, default=3)

@@ -1,4 +1,7 @@
-"""The `fngate` console script. Gateway and runner are imported only inside their subcommands."""
+"""The `fngate` console script. Gateway and runner are imported only inside their subcommands.
+
+A user's mistake (a missing file, an unknown function, a port in use) is one line on stderr and
+exit code 2; an unreachable service is one line and exit code 1; never a traceback."""
 
 from __future__ import annotations
 
@@ -9,23 +12,58 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fngate.manifest import ManifestError, load_manifest
+import fngate
+from fngate.state import UpState, read_up, state_dir
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8000"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+DEFAULT_REPO = "functions"
+
+
+class UsageError(Exception):
+    """Something the user asked for cannot be done as asked: exit code 2."""
+
+
+class ServiceError(Exception):
+    """A service the command needs did not answer: exit code 1."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return _run(parser, args)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"fngate {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ServiceError as exc:
+        print(f"fngate {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader went away (`fngate ls | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fngate", description="Serve ML models as serverless functions.")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fngate",
+        description="Serve ML models as serverless functions.",
+        epilog="`fngate COMMAND --help` describes each command. Commands find a running `fngate up` "
+        "(its gateway, Redis and repository) through its state folder, so they need no flags.",
+    )
+    parser.add_argument("--version", action="version", version=f"fngate {fngate.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = commands.add_parser("up", help="run a whole deployment on this machine (Redis, gateway, runners)")
-    up.add_argument("--repo", default="functions", help="repository folder (default: ./functions)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
+    up.add_argument(
+        "--repo",
+        default=DEFAULT_REPO,
+        help="repository: a folder or s3://bucket/prefix (default: ./functions)",
+    )
+    up.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
     up.add_argument(
         "--idle-shutdown-s",
@@ -46,49 +84,75 @@ def _parser() -> argparse.ArgumentParser:
         help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
     )
     up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
-    up.add_argument("--log-level", default="INFO")
+    up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     _add_auth_flags(up)
 
     gateway = commands.add_parser(
         "gateway", help="run one gateway (settings from flags or FNGATE_* variables)"
     )
-    gateway.add_argument("--repo")
-    gateway.add_argument("--redis", metavar="URL")
-    gateway.add_argument("--host")
-    gateway.add_argument("--port", type=int)
-    gateway.add_argument("--workers", type=int)
+    gateway.add_argument("--repo", help="repository: a folder or s3://bucket/prefix (FNGATE_REPO)")
+    gateway.add_argument("--redis", metavar="URL", help="the queue Redis (FNGATE_REDIS_URL)")
+    gateway.add_argument("--host", help="address to listen on (FNGATE_HOST)")
+    gateway.add_argument("--port", type=int, help="port to listen on (FNGATE_PORT)")
+    gateway.add_argument("--workers", type=int, help="processes sharing the port (FNGATE_WORKERS)")
     gateway.add_argument(
         "--server", choices=["uvicorn", "hypercorn"], help="the HTTP server (default uvicorn)"
     )
 
     runner = commands.add_parser("runner", help="run one runner (settings from flags or FNGATE_* variables)")
-    runner.add_argument("--repo")
-    runner.add_argument("--redis", metavar="URL")
-    runner.add_argument("--pool")
+    runner.add_argument("--repo", help="repository: a folder or s3://bucket/prefix (FNGATE_REPO)")
+    runner.add_argument("--redis", metavar="URL", help="the queue Redis (FNGATE_REDIS_URL)")
+    runner.add_argument("--pool", help="the runner pool this runner serves (FNGATE_POOL)")
     runner.add_argument("--functions", nargs="+", metavar="NAME", help="serve only these functions")
 
-    validate = commands.add_parser("validate", help="check function manifests; print every problem")
-    validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    validate = commands.add_parser(
+        "validate",
+        help="check manifests as deploy does, and against their ONNX models; print every problem",
+    )
+    validate.add_argument("files", nargs="+", type=Path, metavar="FILE", help="function.yaml files")
+
+    commands.add_parser(
+        "schema", help="print the JSON Schema of function.yaml (also docs/function.schema.json)"
+    )
+
+    invoke = commands.add_parser(
+        "invoke",
+        help="call a function and print its outputs",
+        description="Call a function through the gateway. DATA is a JSON body ('{\"inputs\": {...}}' "
+        "or just the inputs object), @FILE.json, @FILE.npy for a function with one input, or "
+        "NAME=@FILE.npy (repeatable) for several; with no DATA the body is read from stdin. The API "
+        "key is FNGATE_API_KEY, or, for fngate up's own gateway, the admin key it keeps.",
+    )
+    invoke.add_argument("name", metavar="NAME", help="the function")
+    invoke.add_argument(
+        "data", nargs="*", metavar="DATA", help="JSON, @FILE.json, @FILE.npy or NAME=@FILE.npy"
+    )
+    invoke.add_argument("--version", dest="function_version", metavar="N", help="call this version")
+    invoke.add_argument(
+        "--gateway", metavar="URL", help=f"the gateway (default: fngate up's, or {DEFAULT_GATEWAY})"
+    )
+    invoke.add_argument("--timeout-s", type=float, default=60.0, help="give up after this long (default 60)")
 
     _add_repository_commands(commands)
 
     cache = commands.add_parser("cache", help="manage the response cache")
-    cache.add_argument("action", choices=["clear"])
-    cache.add_argument("function", metavar="NAME")
+    cache.add_argument("action", choices=["clear"], help="clear: drop every cached response of NAME")
+    cache.add_argument("function", metavar="NAME", help="the function")
     cache.add_argument(
-        "--redis", metavar="URL", help="the cache Redis (default: FNGATE_CACHE_URL or FNGATE_REDIS_URL)"
+        "--redis",
+        metavar="URL",
+        help="the cache Redis (default: FNGATE_CACHE_URL, FNGATE_REDIS_URL or fngate up's)",
     )
 
     k8s = commands.add_parser(
         "k8s", help="render Kubernetes objects (KEDA ScaledObjects per pool) from manifests"
     )
-    k8s.add_argument("action", choices=["render"])
+    k8s.add_argument("action", choices=["render"], help="render: print the objects as YAML")
     k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.k8s --help`")
-
     return parser
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     if args.command == "keys" or (
         args.command == "deploy" and args.gateway and not (args.repo or args.redis)
     ):
@@ -102,7 +166,25 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         return k8s_main(args.rest)
     if args.command == "validate":
-        return _validate(args.files)
+        from fngate.validation import validate_files
+
+        return validate_files(args.files, sys.stdout, sys.stderr)
+    if args.command == "schema":
+        from fngate.manifest import schema_json
+
+        sys.stdout.write(schema_json())
+        return 0
+    if args.command == "invoke":
+        from fngate.invoke import InvokeError, invoke
+
+        up_gateway = _from_up("gateway_url")
+        gateway = args.gateway or up_gateway or DEFAULT_GATEWAY
+        try:
+            key = _api_key(gateway == up_gateway)
+            version, timeout_s = args.function_version, args.timeout_s
+            return invoke(gateway, args.name, args.data, version, timeout_s, sys.stdout, key)
+        except InvokeError as exc:
+            raise (ServiceError if exc.unreachable else UsageError)(str(exc)) from exc
     if args.command == "up":
         from fngate.local import run_local
 
@@ -114,15 +196,21 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         overrides = _overrides(
             args, redis_url="redis", repo="repo", host="host", port="port", workers="workers", server="server"
         )
-        return gateway_main(GatewaySettings(**overrides))  # type: ignore[arg-type]
+        settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
+        if not settings.bind:
+            from fngate.local import port_problem
+
+            busy = port_problem(settings.host, settings.port)
+            if busy:
+                raise UsageError(busy)
+        return gateway_main(settings)
     if args.command == "runner":
         from fngate.config import RunnerSettings
         from runner.__main__ import main as runner_main
 
         overrides = _overrides(args, redis_url="redis", repo="repo", pool="pool", functions="functions")
         return runner_main(RunnerSettings(**overrides))  # type: ignore[arg-type]
-    parser.error(f"unknown command {args.command}")
-    return 2
+    raise UsageError(f"unknown command {args.command}")
 
 
 def _add_repository_commands(commands: Any) -> None:
@@ -134,7 +222,8 @@ def _add_repository_commands(commands: Any) -> None:
         "--gateway",
         metavar="URL",
         help="upload through this gateway's deploy API with the key in FNGATE_API_KEY (without --repo "
-        "and --redis; with them, only the address in the printed curl lines)",
+        f"and --redis; with them, only the address in the printed curl lines: default fngate up's, or "
+        f"{DEFAULT_GATEWAY})",
     )
     deploy.add_argument(
         "--no-registry",
@@ -150,7 +239,7 @@ def _add_repository_commands(commands: Any) -> None:
     )
 
     rm = commands.add_parser("rm", help="remove a function; its queued invocations get not_found")
-    rm.add_argument("name", metavar="NAME")
+    rm.add_argument("name", metavar="NAME", help="the function")
     _repository_flags(rm)
     rm.add_argument(
         "--grace-s", type=float, default=3.0, help="answer invocations queued this long after (default 3)"
@@ -159,36 +248,110 @@ def _add_repository_commands(commands: Any) -> None:
 
 
 def _repository_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repo", help="s3://bucket/prefix or a folder (default: FNGATE_REPO, ./functions)")
     parser.add_argument(
-        "--redis", metavar="URL", help="the registry and queue Redis (default: FNGATE_REDIS_URL)"
+        "--repo", help="s3://bucket/prefix or a folder (default: FNGATE_REPO, fngate up's, or ./functions)"
     )
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        help="the registry and queue Redis (default: FNGATE_REDIS_URL or fngate up's)",
+    )
+
+
+def _api_key(to_up: bool) -> str | None:
+    """FNGATE_API_KEY, else (for fngate up's own gateway only) the admin key it keeps."""
+    key = os.environ.get("FNGATE_API_KEY")
+    if key or not to_up:
+        return key or None
+    try:
+        return (state_dir() / "admin.key").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _up() -> UpState | None:
+    return read_up(state_dir())
+
+
+def _from_up(field: str) -> str | None:
+    up = _up()
+    return str(getattr(up, field)) if up is not None else None
+
+
+def targets(repo: str | None, redis_url: str | None) -> tuple[str, str]:
+    """The repository and Redis a command works on: its flags, else FNGATE_REPO and
+    FNGATE_REDIS_URL, else what a running `fngate up` serves, else the built-in defaults."""
+    up = _up()
+    repo = repo or os.environ.get("FNGATE_REPO") or (up.repo if up else None) or DEFAULT_REPO
+    redis_url = (
+        redis_url or os.environ.get("FNGATE_REDIS_URL") or (up.redis_url if up else None) or DEFAULT_REDIS
+    )
+    return repo, redis_url
 
 
 def _repository_command(args: argparse.Namespace) -> int:
     """deploy, ls and rm: the repository is opened here (boto3 only for an S3 one)."""
     from fngate import deploy
-    from fngate.config import GatewaySettings
     from fngate.repository import Repository, is_remote, open_repository
 
-    defaults = GatewaySettings()
-    url: str = args.repo or defaults.repo
-    redis_url: str = args.redis or defaults.redis_url
+    url, redis_url = targets(args.repo, args.redis)
     repository: Repository
     if is_remote(url):
         from fngate.s3 import S3Repository
 
         repository = S3Repository(url)
     else:
+        if not Path(url).is_dir() and args.command != "deploy":
+            raise UsageError(f"repository folder {url} does not exist")
         repository = open_repository(url)
     if args.command == "deploy":
-        gateway = args.gateway or "http://127.0.0.1:8000"
+        if not args.file.is_file():
+            raise UsageError(
+                f"{args.file} does not exist" if not args.file.exists() else f"{args.file} is not a file"
+            )
+        gateway = _deploy_gateway(args.gateway, url)
         return deploy.deploy(
             args.file, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it
         )
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
+    _deployed(repository, args.name)
     return deploy.remove(repository, args.name, redis_url, args.grace_s, sys.stdout, sys.stderr)
+
+
+def _deployed(repository: Any, name: str) -> None:
+    from fngate.errors import FunctionNotFound
+
+    try:
+        repository.get(name)
+    except FunctionNotFound as exc:
+        raise UsageError(f"{exc.message} ({repository.url})") from exc
+
+
+def _deploy_gateway(flag: str | None, repo: str) -> str | None:
+    """Where the printed curl lines point; None (no curl lines, a warning instead) when the running
+    `fngate up` serves another repository, so the lines would answer 404."""
+    if flag:
+        return flag
+    up = _up()
+    if up is None:
+        return DEFAULT_GATEWAY
+    if _same_repo(up.repo, repo):
+        return up.gateway_url
+    print(
+        f"fngate deploy: warning: fngate up at {up.gateway_url} serves {up.repo}, not {repo}; "
+        f"to call this function there, restart it with `fngate up --repo {repo}`",
+        file=sys.stderr,
+    )
+    return None
+
+
+def _same_repo(served: str, repo: str) -> bool:
+    from fngate.repository import is_remote
+
+    if is_remote(served) or is_remote(repo):
+        return served.rstrip("/") == repo.rstrip("/")
+    return Path(served).resolve() == Path(repo).resolve()
 
 
 # `fngate keys` and `fngate deploy --gateway`: API keys in the registry Redis, deploys by API key;
@@ -199,14 +362,17 @@ def _add_auth_flags(up: argparse.ArgumentParser) -> None:
     )
     up.add_argument(
         "--state-dir",
-        default=os.path.join(os.environ.get("XDG_STATE_HOME", "~/.local/state"), "fngate"),
-        help="where the admin API key and the private Redis's data are kept (default: ~/.local/state/fngate)",
+        default=str(state_dir()),
+        help="where the admin API key, the private Redis's data and this deployment's URLs are kept, "
+        "for the other commands (default: $XDG_STATE_HOME/fngate, else ~/.local/state/fngate)",
     )
 
 
 def _add_key_commands(commands: Any) -> None:
     keys = commands.add_parser("keys", help="create, list and revoke API keys")
-    actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions = keys.add_subparsers(
+        dest="action", required=True, metavar="ACTION", help="create, ls, revoke or hash"
+    )
     create = actions.add_parser("create", help="create a key; it is printed once and stored only as a hash")
     create.add_argument(
         "--scope",
@@ -305,37 +471,26 @@ def _clear_cache(function: str, url: str | None) -> int:
     import redis
 
     from fngate import keys
-    from fngate.config import GatewaySettings
 
     if url is None:
-        settings = GatewaySettings()
-        url = settings.cache_url or settings.redis_url
-    client = redis.Redis.from_url(url)
+        url = os.environ.get("FNGATE_CACHE_URL") or targets(None, None)[1]
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
     cleared = 0
     batch: list[bytes] = []
-    for key in client.scan_iter(match=keys.cache_prefix(function) + "*", count=1000):
-        batch.append(key)
-        if len(batch) == 1000:
+    try:
+        for key in client.scan_iter(match=keys.cache_prefix(function) + "*", count=1000):
+            batch.append(key)
+            if len(batch) == 1000:
+                cleared += client.unlink(*batch)
+                batch.clear()
+        if batch:
             cleared += client.unlink(*batch)
-            batch.clear()
-    if batch:
-        cleared += client.unlink(*batch)
+    except (redis.RedisError, OSError) as exc:
+        raise ServiceError(
+            f"redis at {url} is unreachable ({exc}); is fngate up running? or pass --redis URL"
+        ) from exc
     print(f"cleared {cleared} cached responses of {function}")
     return 0
-
-
-def _validate(files: Sequence[Path]) -> int:
-    failed = 0
-    for path in files:
-        try:
-            manifest = load_manifest(path)
-        except ManifestError as exc:
-            failed += 1
-            for line in exc.lines():
-                print(line, file=sys.stderr)
-        else:
-            print(f"{path}: ok ({manifest.name}, {manifest.model.backend})")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -82,15 +82,15 @@ def deploy(
     path: Path,
     repository: Repository,
     redis_url: str,
-    gateway: str,
+    gateway: str | None,
     out: TextIO,
     err: TextIO,
     record_it: bool = True,
 ) -> int:
-    """Validate, upload as the next version, record it, print how to call it. Nothing is uploaded
-    for a manifest, a version policy or a registry that fails its check. Without `record_it` an S3
-    repository is only written: the registry (private to the cluster) learns the version from a
-    later `fngate ls --sync` that can reach it."""
+    """Validate, upload as the next version, record it, print how to call it (unless `gateway` is
+    None). Nothing is uploaded for a manifest, a version policy or a registry that fails its check.
+    Without `record_it` an S3 repository is only written: the registry (private to the cluster)
+    learns the version from a later `fngate ls --sync` that can reach it."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
@@ -119,7 +119,7 @@ def deploy(
         record = repository.get(manifest.name)
     except FunctionError as exc:
         print(f"fngate deploy: {exc.message}", file=err)
-        return 1
+        return 2 if isinstance(exc, InvalidArgument) else 1  # the user's mistake, or a service's
     except (RedisError, OSError) as exc:
         print(
             f"fngate deploy: the registry at {redis_url} is unreachable ({exc}); nothing was uploaded",
@@ -239,7 +239,7 @@ def _policy_check(repository: Repository, manifest: FunctionManifest) -> list[st
 
 
 def _print_deployed(
-    version: FunctionVersion, record: FunctionRecord, url: str, gateway: str, out: TextIO
+    version: FunctionVersion, record: FunctionRecord, url: str, gateway: str | None, out: TextIO
 ) -> None:
     name = version.name
     traffic = ", ".join(f"version {v}: {w}%" for v, w in record.traffic.items())
@@ -248,6 +248,8 @@ def _print_deployed(
         f"to {url}/{name}/{version.version}/\nserving versions {', '.join(record.served)}; traffic {traffic}",
         file=out,
     )
+    if gateway is None:
+        return
     body = example_body(version.manifest)
     data = f"'{body}'" if body is not None else "@request.json"
     print(

@@ -71,6 +71,16 @@ def runner_models(runner: str) -> str:
     return f"{PREFIX}:models:{runner}"
 
 
+def statistics(function: str, version: str) -> str:
+    """Hash of one function version's counters in Triton's statistics terms (fngate.statistics)."""
+    return f"{PREFIX}:stats:{function}:{version}"
+
+
+def unloaded() -> str:
+    """Hash: function name -> when (ms) it was explicitly unloaded; it is served again after a load."""
+    return f"{PREFIX}:unloaded"
+
+
 def api_keys() -> str:
     """Hash: API key id -> JSON record (sha256 of the key, scopes, limits); never the key itself."""
     return f"{PREFIX}:apikeys"

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,17 +28,18 @@ import redis.asyncio as aioredis
 
 from fngate import apikeys, telemetry
 from fngate.backoff import Backoff
+from fngate.deploy import example_body
+from fngate.errors import FunctionError
 from fngate.process import stop_processes
 from fngate.registry import function_source
-from fngate.repository import is_remote
+from fngate.repository import is_remote, open_repository
 from fngate.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.state import UpState, clear_up, state_dir, write_up
 
 log = logging.getLogger("fngate.up")
 POLL_S = 0.5
 STABLE_S = 30.0
 """A process that ran this long before it died is restarted after the shortest backoff again."""
-ROW = ", ".join(f"{0.1 * i:.1f}" for i in range(1, 17))
-EXAMPLE = f'{{"inputs": {{"input": [[{ROW}]]}}}}'
 
 
 class LocalError(Exception):
@@ -173,11 +175,15 @@ def _spawn(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    telemetry.configure("up", args.log_level)
     repo = str(args.repo)
     if not is_remote(repo) and not Path(repo).is_dir():
         print(f"fngate up: repository folder {repo} does not exist", file=sys.stderr)
         return 2
+    busy = port_problem(args.host, args.port)
+    if busy:
+        print(f"fngate up: {busy}", file=sys.stderr)
+        return 2
+    telemetry.configure("up", args.log_level)
     try:
         with contextlib.ExitStack() as stack:
             redis_server: Supervised | None = None
@@ -190,8 +196,9 @@ def run_local(args: argparse.Namespace) -> int:
                 redis_server = Supervised(
                     "redis-server", lambda: start_redis(folder / "redis", *options)[0], process
                 )
+            state = stack.enter_context(_state(args, repo, redis_url))
             try:
-                return _run(args, repo, redis_url, redis_server)
+                return _run(args, state, redis_server)
             finally:
                 if redis_server is not None:
                     stop_processes([redis_server.process], timeout_s=10)
@@ -200,14 +207,14 @@ def run_local(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace, repo: str, redis_url: str, redis_server: Supervised | None) -> int:
+def _run(args: argparse.Namespace, state: UpState, redis_server: Supervised | None) -> int:
     env = {
         **os.environ,
-        "FNGATE_REDIS_URL": redis_url,
-        "FNGATE_REPO": repo if is_remote(repo) else str(Path(repo).resolve()),
+        "FNGATE_REDIS_URL": state.redis_url,
+        "FNGATE_REPO": state.repo,
         "FNGATE_LOG_LEVEL": args.log_level,
     }
-    api_key = _auth(args, redis_url, env)
+    api_key = _auth(args, state.redis_url, env)
     gateway_env = {
         **env,
         "FNGATE_HOST": args.host,
@@ -217,7 +224,7 @@ def _run(args: argparse.Namespace, repo: str, redis_url: str, redis_server: Supe
     }
     gateway = Supervised("the gateway", lambda: _spawn("gateway", gateway_env))
     try:
-        _banner(args, repo, redis_url, api_key)
+        _banner(state, api_key)
         asyncio.run(_serve(gateway, redis_server, env, args))
         return 0
     finally:
@@ -263,6 +270,40 @@ async def _serve(
             tasks.create_task(redis_server.watch(stopping))
 
 
+def port_problem(host: str, port: int) -> str:
+    """Why the gateway could not bind host:port, checked before anything starts ('' if it can)."""
+    if port == 0:
+        return ""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        return f"cannot listen on {host}:{port} ({reason}); is another fngate running? pass --port N"
+    return ""
+
+
+@contextlib.contextmanager
+def _state(args: argparse.Namespace, repo: str, redis_url: str) -> Iterator[UpState]:
+    """Leave the gateway, Redis and repository in the state folder while we run, for other commands."""
+    folder = state_dir(getattr(args, "state_dir", None))
+    state = UpState(
+        gateway_url=f"http://{args.host}:{args.port}",
+        redis_url=redis_url,
+        repo=repo if is_remote(repo) else str(Path(repo).resolve()),
+        pid=os.getpid(),
+    )
+    try:
+        write_up(state, folder)
+    except OSError as exc:
+        print(
+            f"fngate up: cannot write {folder} ({exc.strerror}); other commands need --redis", file=sys.stderr
+        )
+    try:
+        yield state
+    finally:
+        clear_up(folder, state.pid)
+
+
 # Private by default: auth on with an admin key kept in the state folder; runners' status ports on
 # loopback. --no-auth only when nothing but this machine can reach the gateway.
 def _auth(args: argparse.Namespace, redis_url: str, env: dict[str, str]) -> str | None:
@@ -294,17 +335,37 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _banner(args: argparse.Namespace, repo: str, redis_url: str, api_key: str | None) -> None:
-    base = f"http://{args.host}:{args.port}"
+def _banner(state: UpState, api_key: str | None) -> None:
+    base = state.gateway_url
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
     key_line = f"  admin API key: {api_key} (FNGATE_API_KEY for fngate deploy --gateway)\n" if api_key else ""
     print(
-        f"fngate up: gateway {base}, repository {repo}, redis {redis_url}\n"
+        f"fngate up: gateway {base}, repository {state.repo}, redis {state.redis_url}\n"
         f"{key_line}"
         "  runners start on the first invocation of their pool and stop when idle\n"
-        f"  curl -s{auth} {base}/v1/functions\n"
-        f"  curl -s -X POST{auth} {base}/v1/functions/classifier "
-        f"-d '{EXAMPLE}'\n"
-        "  Ctrl-C stops everything.",
+        f"  curl -s{auth} {base}/v1/functions",
         flush=True,
     )
+    example = example_invocation(state.repo)
+    if example is not None:
+        name, body = example
+        print(f"  curl -s -X POST{auth} {base}/v1/functions/{name} -d '{body}'", flush=True)
+    else:
+        print("  no function in the repository yet: fngate deploy FILE adds one", flush=True)
+    print("  Ctrl-C stops everything.", flush=True)
+
+
+def example_invocation(repo: str) -> tuple[str, str] | None:
+    """A function of the repository and a body to call it with (the classifier when there is one)."""
+    if is_remote(repo):
+        return None
+    try:
+        records = open_repository(repo).scan()
+    except (FunctionError, OSError):
+        return None
+    for name in sorted(records, key=lambda name: (name != "classifier", name)):
+        record = records[name]
+        body = example_body((record.default or record.newest()).manifest)
+        if body is not None:
+            return name, body
+    return None

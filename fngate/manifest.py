@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -15,11 +17,15 @@ TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Attribute docstrings become the JSON Schema's descriptions (editors show them).
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class TensorSpec(_Frozen):
+    """An input or output tensor."""
+
     name: str
+    """The tensor's name, as the model and clients know it."""
     datatype: Literal[
         "BOOL",
         "UINT8",
@@ -35,7 +41,9 @@ class TensorSpec(_Frozen):
         "FP64",
         "BYTES",
     ]
+    """An Open Inference Protocol datatype."""
     shape: tuple[int, ...] = Field(min_length=1)
+    """Dimensions, -1 for a variable one; with batching on, the first is the batch dimension (-1)."""
 
     @field_validator("name")
     @classmethod
@@ -54,10 +62,16 @@ class TensorSpec(_Frozen):
 
 
 class ModelSpec(_Frozen):
+    """The model and where it runs."""
+
     backend: Literal["onnxruntime", "tensorrt", "python"]
+    """onnxruntime (an .onnx file), tensorrt (a .plan engine) or python (a model.py)."""
     path: str
+    """The model file, relative to the manifest, inside its folder."""
     accelerator: Literal["cpu", "cuda", "tensorrt"] = "cpu"
+    """onnxruntime's execution provider."""
     precision: Literal["fp32", "fp16"] = "fp32"
+    """fp16 lets TensorRT build half-precision engines."""
     execution_timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] | None = None
     """Longest a batch may run; None: the batching timeout (no invocation waits longer anyway)."""
     memory_limit_mb: Annotated[int, Field(ge=1)] | None = None
@@ -81,13 +95,20 @@ class ModelSpec(_Frozen):
 
 
 class BatchingSpec(_Frozen):
+    """Dynamic batching across every gateway's invocations."""
+
     max_batch_size: Annotated[int, Field(ge=0, le=65536)] = 32
+    """Most rows in one batch; 0 turns batching off (shapes are then whole tensors)."""
     preferred_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = ()
+    """Under concurrent load, a batch waits (at most max_queue_delay_us) to reach one of these."""
     max_queue_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 2000
+    """How long a batch may wait to fill, under concurrent load only."""
     max_queue_size: Annotated[int, Field(ge=1)] = 1000
+    """Queued invocations past which new ones get 503 with Retry-After."""
     max_queue_bytes: Annotated[int, Field(ge=0)] = 256 * 1024 * 1024
     """Past this many bytes of queued invocations, new ones are refused (503); 0: no limit."""
     timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 5000
+    """Each invocation's deadline (a request may ask for less)."""
 
     @model_validator(mode="after")
     def _preferred(self) -> BatchingSpec:
@@ -98,15 +119,25 @@ class BatchingSpec(_Frozen):
 
 
 class CacheSpec(_Frozen):
+    """The response cache shared by every gateway."""
+
     enabled: bool = False
+    """Answer repeated invocations from the cache."""
     ttl_s: Annotated[int, Field(ge=1)] = 3600
+    """How long a cached response lives."""
 
 
 class ScalingSpec(_Frozen):
+    """Runners and idle unloading."""
+
     pool: str = "default"
+    """The runner pool that serves the function (a DNS-1123 label); pools scale apart."""
     min_replicas: Annotated[int, Field(ge=0)] = 0
+    """Runners of the pool kept on Kubernetes even when idle (0: scale to zero)."""
     max_replicas: Annotated[int, Field(ge=1)] = 4
+    """Most runners of the pool."""
     idle_unload_s: Annotated[float, Field(gt=0)] = 300
+    """A model unused this long is unloaded; the next invocation loads it again."""
 
     @field_validator("pool")
     @classmethod
@@ -123,18 +154,30 @@ class ScalingSpec(_Frozen):
 
 
 class VersionsSpec(_Frozen):
+    """Which stored versions are served, and how unpinned invocations split over them."""
+
     # Versions are numbers in YAML (`traffic: {1: 90, 2: 10}`) and strings everywhere else.
-    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", coerce_numbers_to_str=True, use_attribute_docstrings=True
+    )
 
     policy: Literal["latest", "all", "specific"] = "latest"
+    """latest (the newest `latest` versions), all, or specific (those in `specific`)."""
     latest: Annotated[int, Field(ge=1)] = 1
+    """With policy latest: how many of the newest versions."""
     specific: tuple[str, ...] = ()
+    """With policy specific: the version numbers."""
     traffic: dict[str, Annotated[int, Field(ge=0, le=100)]] = Field(default_factory=dict)
+    """Weights by version, e.g. {1: 90, 2: 10}; they add up to 100."""
 
 
 class FunctionManifest(_Frozen):
+    """A function: its model, tensors, batching, cache, scaling and versions."""
+
     name: Annotated[str, Field(max_length=63)]
+    """The function's name: a DNS-1123 label (lower-case letters, digits, '-')."""
     description: str = ""
+    """Free text."""
     model: ModelSpec
     inputs: tuple[TensorSpec, ...] = Field(min_length=1)
     outputs: tuple[TensorSpec, ...] = Field(min_length=1)
@@ -201,7 +244,71 @@ def parse_manifest(data: Any, source: str) -> FunctionManifest:
     try:
         return FunctionManifest.model_validate(data)
     except ValidationError as exc:
-        raise ManifestError(source, [(_field_path(err["loc"]), err["msg"]) for err in exc.errors()]) from exc
+        raise ManifestError(
+            source, [(_field_path(err["loc"]), _message(err)) for err in exc.errors()]
+        ) from exc
+
+
+SCHEMA_ID = "https://fngate.dev/function.schema.json"
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of function.yaml, for editors (yaml-language-server) and `fngate schema`."""
+    doc = FunctionManifest.model_json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "fngate function manifest (function.yaml)",
+        **{key: value for key, value in doc.items() if key != "title"},
+    }
+
+
+def schema_json() -> str:
+    return json.dumps(schema(), indent=2, sort_keys=True) + "\n"
+
+
+def _message(error: Any) -> str:
+    """Pydantic's message in plain words: no 'Value error,' prefix; unknown keys with a suggestion."""
+    kind, loc = error["type"], error["loc"]
+    if kind == "extra_forbidden":
+        known = _keys_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f" (known keys: {', '.join(known)})"
+        return f"unknown key{hint}"
+    if kind == "missing":
+        return "is required"
+    if kind == "literal_error":
+        return f"{error['input']!r} is not allowed: use {error['msg'].removeprefix('Input should be ')}"
+    message: str = error["msg"]
+    return message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
+def _keys_at(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys a mapping at `loc` may have (walking the manifest's models along the path)."""
+    model: Any = FunctionManifest
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = (
+            model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        )
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _model_of(annotation: Any) -> Any:
+    """The pydantic model inside an annotation such as `tuple[TensorSpec, ...]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def load_manifest(path: Path) -> FunctionManifest:

@@ -56,7 +56,9 @@ FINISH_ITEM = 10
 """Arguments per reply in FINISH."""
 
 # KEYS[1]: the invocation stream, KEYS[2]: its byte counter, KEYS[3..]: reply streams.
-# ARGV: group, reply maxlen, bytes acknowledged, the number of replies n, then n groups of
+# ARGV: group, reply maxlen, bytes acknowledged, the number of replies n, the statistics hash ('' for
+# none), the time of the batch's end in ms for it, the number m of its counters, m pairs (field,
+# amount) to add, then n groups of
 # FINISH_ITEM (index into KEYS, header, body, cache entry or '', its TTL in s, in-flight marker or
 # '', its waiters list, what to do with the waiters: 'share' the reply, 'drop' them, or 'promote'
 # the first to run in place of this one, and for 'promote' the invocation's own header and body),
@@ -65,8 +67,14 @@ FINISH_ITEM = 10
 FINISH = """
 local n = tonumber(ARGV[4])
 local maxlen = ARGV[2]
+local m = tonumber(ARGV[7])
+if ARGV[5] ~= '' then
+  for j = 0, m - 1 do redis.call('HINCRBY', ARGV[5], ARGV[8 + j * 2], ARGV[9 + j * 2]) end
+  redis.call('HSET', ARGV[5], 'last_inference', ARGV[6])
+end
+local first = 8 + m * 2
 for i = 0, n - 1 do
-  local at = 5 + i * 10
+  local at = first + i * 10
   local h, b = ARGV[at + 1], ARGV[at + 2]
   redis.call('XADD', KEYS[tonumber(ARGV[at])], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
   if ARGV[at + 3] ~= '' then
@@ -102,7 +110,7 @@ for i = 0, n - 1 do
   end
 end
 local ids = {}
-for i = 5 + n * 10, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = first + n * 10, #ARGV do ids[#ids + 1] = ARGV[i] end
 if #ids > 0 then
   redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
   redis.call('XDEL', KEYS[1], unpack(ids))
@@ -226,6 +234,15 @@ class Outgoing:
     """For 'promote': the invocation's own entry fields, which the promoted waiter runs with."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Statistics:
+    """A batch's share of its function version's statistics (fngate.statistics)."""
+
+    key: str
+    increments: Mapping[str, int]
+    ended_ms: int
+
+
 def finish_call(
     stream: str,
     group: str,
@@ -233,9 +250,10 @@ def finish_call(
     entry_ids: Sequence[bytes],
     entry_bytes: int,
     reply_maxlen: int,
+    statistics: Statistics | None = None,
 ) -> ScriptCall:
     """FINISH's arguments: write `replies`, acknowledge and delete `entry_ids` (which held
-    `entry_bytes` of the stream's byte count)."""
+    `entry_bytes` of the stream's byte count), and add the batch to its `statistics`."""
     reply_keys: dict[str, int] = {}
     items: list[bytes | str | int] = []
     for out in replies:
@@ -253,9 +271,23 @@ def finish_call(
             out.invocation[HEADER] if promote and out.invocation else "",
             out.invocation[BODY] if promote and out.invocation else "",
         ]
+    counters: list[bytes | str | int] = []
+    for field, amount in statistics.increments.items() if statistics else ():
+        counters += [field, amount]
     return ScriptCall(
         keys=[stream, queue_bytes(stream), *reply_keys],
-        args=[group, reply_maxlen, entry_bytes, len(replies), *items, *entry_ids],
+        args=[
+            group,
+            reply_maxlen,
+            entry_bytes,
+            len(replies),
+            statistics.key if statistics else "",
+            statistics.ended_ms if statistics else 0,
+            len(counters) // 2,
+            *counters,
+            *items,
+            *entry_ids,
+        ],
     )
 
 

@@ -252,3 +252,17 @@ def id_order(entry_id: str) -> tuple[int, int]:
     """Stream ids compare as (milliseconds, sequence)."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+async def set_unloaded(redis: aioredis.Redis, function: str, unloaded: bool) -> None:
+    """Record an explicit unload (the function answers 503 until a load) or clear it."""
+    if unloaded:
+        await redis.hset(keys.unloaded(), function, int(time.time() * 1000))
+    else:
+        await redis.hdel(keys.unloaded(), function)
+
+
+async def read_unloaded(redis: aioredis.Redis) -> frozenset[str]:
+    """The functions explicitly unloaded and not loaded since."""
+    names: Any = await redis.hkeys(keys.unloaded())
+    return frozenset(name.decode() for name in names)

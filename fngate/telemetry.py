@@ -1,5 +1,6 @@
-"""Process-wide telemetry set-up: JSON-line logs with trace ids, OpenTelemetry traces over
-OTLP/HTTP when the standard OTEL_* variables ask for them, and Prometheus metric names.
+"""Process-wide telemetry set-up: logs (human-readable lines on a terminal, JSON lines with trace
+ids otherwise), OpenTelemetry traces over OTLP/HTTP when the standard OTEL_* variables ask for
+them, and Prometheus metric names.
 
 With no OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or
 OTEL_TRACES_EXPORTER=otlp) set, no SDK is loaded: spans come from the API's no-op tracer.
@@ -32,10 +33,19 @@ def tracing_requested(environ: Mapping[str, str] | None = None) -> bool:
     )
 
 
+def interactive() -> bool:
+    """stderr is a terminal: logs are for a person (and the gateway writes an access log)."""
+    return sys.stderr.isatty()
+
+
+ACCESS_LOG_FORMAT = '%(h)s "%(r)s" %(s)s %(b)s bytes %(D)s us'
+"""Hypercorn's access log line (on a terminal): client, request line, status, size, duration."""
+
+
 def configure(service: str, level: str) -> None:
     """Logging and, where asked for, tracing for one process; call once from __main__."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service))
+    handler.setFormatter(ConsoleFormatter(service) if interactive() else JsonFormatter(service))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     if not tracing_requested() or _has_sdk_provider():
         return
@@ -104,3 +114,18 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line)
+
+
+class ConsoleFormatter(logging.Formatter):
+    """`12:00:01.234 INFO  gateway  message`, with the traceback below when there is one."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        line = f"{stamp} {record.levelname:<7} {self._service:<8} {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line

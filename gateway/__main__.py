@@ -37,7 +37,8 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
 
     config = Config()
     config.bind = [settings.bind or f"{settings.host}:{settings.port}"]
-    config.accesslog = None
+    config.accesslog = logging.getLogger("hypercorn.access") if telemetry.interactive() else None
+    config.access_log_format = telemetry.ACCESS_LOG_FORMAT
     config.errorlog = logging.getLogger("hypercorn.error")
     # A connection whose request head is incomplete counts as idle: this timeout cuts a slow client.
     config.keep_alive_timeout = settings.header_timeout_s
@@ -108,7 +109,7 @@ async def serve_uvicorn(app: Any, settings: GatewaySettings, stopping: asyncio.E
         loop="none",  # already on uvloop (fngate.process.run_forever)
         http=head_timeout_protocol(settings.header_timeout_s),
         lifespan="on",
-        access_log=False,
+        access_log=telemetry.interactive(),  # an access log for a person at a terminal
         log_config=None,
         server_header=False,
         timeout_keep_alive=math.ceil(settings.header_timeout_s),  # also cuts an incomplete request head

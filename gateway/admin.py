@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from fngate import keys
 from fngate.errors import InvalidArgument, Unavailable
-from fngate.registry import READY, UNAVAILABLE, ControlOp, id_order, send_control
+from fngate.registry import READY, UNAVAILABLE, ControlOp, id_order, send_control, set_unloaded
 from fngate.repository import FunctionRecord
 from gateway.catalog import Catalog
 from gateway.endpoints import services
@@ -51,6 +51,7 @@ async def load_model(request: Request) -> Response:
     runner has each ready, or with the reason a load failed."""
     catalog = services(request).catalog
     record = catalog.record(request.path_params["name"])
+    await _mark_unloaded(catalog, record.name, False)
     request_id = await _send(catalog, ControlOp("load", record.name, record.served))
     await _wake(catalog, record)
     deadline = time.monotonic() + _timeout_s(request)
@@ -68,9 +69,11 @@ async def load_model(request: Request) -> Response:
 
 async def unload_model(request: Request) -> Response:
     """Ask every runner to unload every version of the function; answer once each live runner has
-    done so. The next invocation loads it again."""
+    done so. Until a load, the function is not ready and its invocations get 503 (on every
+    gateway: the mark is in Redis before the control entry that makes them refresh)."""
     catalog = services(request).catalog
     record = catalog.record(request.path_params["name"])
+    await _mark_unloaded(catalog, record.name, True)
     request_id = await _send(catalog, ControlOp("unload", record.name, tuple(record.versions)))
     deadline = time.monotonic() + _timeout_s(request)
     while time.monotonic() < deadline:
@@ -117,6 +120,14 @@ async def _send(catalog: Catalog, op: ControlOp) -> str:
         return await send_control(_redis(catalog), op)
     except RedisError as exc:
         raise Unavailable(f"the control stream is unavailable: {exc}") from exc
+
+
+async def _mark_unloaded(catalog: Catalog, name: str, unloaded: bool) -> None:
+    try:
+        await set_unloaded(_redis(catalog), name, unloaded)
+    except RedisError as exc:
+        raise Unavailable(f"the registry is unavailable: {exc}") from exc
+    catalog.set_unloaded(name, unloaded)
 
 
 async def _refresh_states(catalog: Catalog) -> None:

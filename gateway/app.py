@@ -26,15 +26,17 @@ from gateway.activation import Activator
 from gateway.auth import KeyTable
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
+from gateway.compression import GzipLargeResponses
 from gateway.dispatch import Dispatcher
 from gateway.guard import AuthMiddleware
-from gateway.http_errors import handle_function_error
+from gateway.http_errors import handle_function_error, handle_unknown_route
 from gateway.invoke import InvokeRoutes
 from gateway.limits import Limiter
 from gateway.replies import ReplyRouter
 from gateway.tracing import TracingMiddleware
 
 log = logging.getLogger(__name__)
+GZIP_MIN_BYTES = 64 * 1024
 
 # The invocation routes are gateway.invoke's, in front of these.
 ROUTES = [
@@ -42,10 +44,15 @@ ROUTES = [
     Route("/v2/health/ready", endpoints.ready),
     Route("/v2", endpoints.server_metadata),
     Route("/v2/", endpoints.server_metadata),
+    Route("/v2/models/stats", endpoints.model_statistics),
     Route("/v2/models/{name}", endpoints.model_metadata),
     Route("/v2/models/{name}/versions/{version}", endpoints.model_metadata),
     Route("/v2/models/{name}/ready", endpoints.model_ready),
     Route("/v2/models/{name}/versions/{version}/ready", endpoints.model_ready),
+    Route("/v2/models/{name}/config", endpoints.model_config_json),
+    Route("/v2/models/{name}/versions/{version}/config", endpoints.model_config_json),
+    Route("/v2/models/{name}/stats", endpoints.model_statistics),
+    Route("/v2/models/{name}/versions/{version}/stats", endpoints.model_statistics),
     Route("/v1/functions", endpoints.list_functions),
     Route("/metrics", metrics.metrics),
     *deployments.ROUTES,
@@ -128,12 +135,20 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             await reply_reads.aclose()
 
     app = Starlette(
-        routes=ROUTES, lifespan=lifespan, exception_handlers={FunctionError: handle_function_error}
+        routes=ROUTES,
+        lifespan=lifespan,
+        exception_handlers={
+            FunctionError: handle_function_error,
+            404: handle_unknown_route,
+            405: handle_unknown_route,
+        },
     )
     app.state.retry_after_s = settings.retry_after_s
     # The layers, outermost first: tracing (only with a tracing SDK configured; otherwise its spans
     # would be no-ops), the key check on every route but health, the invocation routes, the rest.
-    served: ASGIApp = InvokeRoutes(app, settings.retry_after_s, settings.body_timeout_s)
+    # Clients that accept gzip get large responses compressed, invocations' included.
+    invocations = InvokeRoutes(app, settings.retry_after_s, settings.body_timeout_s)
+    served: ASGIApp = GzipLargeResponses(invocations, GZIP_MIN_BYTES)
     if settings.auth:
         served = AuthMiddleware(served, key_table, limiter)
     return TracingMiddleware(served) if telemetry.tracing_active() else served

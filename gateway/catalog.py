@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from fngate import keys
 from fngate.backoff import Backoff, Health
 from fngate.errors import FunctionNotFound, Unavailable
-from fngate.registry import READY, ModelState, RunnerView, Source, read_runners, summarize
+from fngate.registry import READY, ModelState, RunnerView, Source, read_runners, read_unloaded, summarize
 from fngate.repository import FunctionRecord, FunctionVersion
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class Catalog:
         self._records: dict[str, FunctionRecord] = {}
         self._runners: list[RunnerView] = []
         self._ready: dict[str, set[str]] = {}
+        self._unloaded: frozenset[str] = frozenset()
         self._rng = random.Random()
 
     @property
@@ -74,8 +75,25 @@ class Catalog:
             raise FunctionNotFound(f"function '{name}' is not deployed")
         return record
 
+    def is_unloaded(self, name: str) -> bool:
+        """Explicitly unloaded (model control) and not loaded since: not ready, invocations refused."""
+        return name in self._unloaded
+
+    def set_unloaded(self, name: str, unloaded: bool) -> None:
+        """What this gateway knows at once; the others learn it from Redis on their next refresh."""
+        self._unloaded = self._unloaded | {name} if unloaded else self._unloaded - {name}
+
     def get(self, name: str, version: str | None = None) -> FunctionVersion:
-        """The version that answers: the pinned one if served, else one drawn by traffic weight."""
+        """The version that answers an invocation: the pinned one if served, else one drawn by
+        traffic weight. An explicitly unloaded function answers 503 until it is loaded."""
+        if name in self._unloaded:
+            raise Unavailable(
+                f"function '{name}' is unloaded: POST /v2/repository/models/{name}/load serves it again"
+            )
+        return self.find(name, version)
+
+    def find(self, name: str, version: str | None = None) -> FunctionVersion:
+        """As `get`, whether unloaded or not (metadata, configuration, readiness)."""
         record = self.record(name)
         if version is not None:
             if version not in record.served:
@@ -104,6 +122,7 @@ class Catalog:
         if self.redis is None:
             return
         self._runners = await read_runners(self.redis)
+        self._unloaded = await read_unloaded(self.redis)
         ready: dict[str, set[str]] = {}
         for view in self._runners:
             for (function, version), state in view.models.items():

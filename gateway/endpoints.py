@@ -7,19 +7,23 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
 import fngate
-from fngate.errors import Unavailable
-from fngate.manifest import FunctionManifest
+from fngate import keys
+from fngate.errors import FunctionNotFound, Unavailable
 from fngate.repository import FunctionVersion
+from fngate.statistics import model_stats
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
+from gateway.model_config import PLATFORMS, model_config
 from gateway.rendering import json_response
 
 Handler = Callable[[Request], Awaitable[Response]]
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+READY_TIMEOUT_S = 1.0
 CACHE_HEADER = "x-fngate-cache"
 
 
@@ -39,16 +43,19 @@ def services(request: Request) -> Services:
 
 
 async def live(request: Request) -> Response:
-    return Response(status_code=200)
+    return json_response({"live": True})
 
 
 async def ready(request: Request) -> Response:
-    """Ready while this gateway's loops reach Redis: a load balancer stops sending to it otherwise."""
+    """This gateway can queue: the loops that read Redis reach it (no round trip of its own: a
+    probe must not add load to a Redis in trouble), and its catalog is loaded (the lifespan loaded it
+    before serving). Not ready is a 503 with Retry-After, the protocol's body and the reason."""
     health = services(request).catalog.health
     if not health.available:
-        message = f"{health.name} unavailable for {health.down_for_s():.1f} s ({health.last_error})"
-        raise Unavailable(message)
-    return Response(status_code=200)
+        reason = f"{health.name} unavailable for {health.down_for_s():.1f} s ({health.last_error})"
+        headers = {"Retry-After": str(request.app.state.retry_after_s)}
+        return json_response({"ready": False, "error": reason, "code": Unavailable.code.value}, 503, headers)
+    return json_response({"ready": True})
 
 
 async def server_metadata(request: Request) -> Response:
@@ -58,7 +65,7 @@ async def server_metadata(request: Request) -> Response:
 async def model_metadata(request: Request) -> Response:
     pinned = request.path_params.get("version")
     if pinned is not None:
-        function = _function(request)
+        function = _described(request)
         versions = [function.version]
     else:  # no version asked for: every served one, described by the default
         record = services(request).catalog.record(request.path_params["name"])
@@ -69,7 +76,7 @@ async def model_metadata(request: Request) -> Response:
         {
             "name": manifest.name,
             "versions": versions,
-            "platform": _platform(manifest),
+            "platform": PLATFORMS[manifest.model.backend] or "python",
             "inputs": [_tensor_metadata(spec) for spec in manifest.inputs],
             "outputs": [_tensor_metadata(spec) for spec in manifest.outputs],
         }
@@ -77,8 +84,56 @@ async def model_metadata(request: Request) -> Response:
 
 
 async def model_ready(request: Request) -> Response:
-    _function(request)
-    return Response(status_code=200)
+    """200 for a served version, idle or not (its next invocation loads it); 400 once explicitly
+    unloaded, until loaded again."""
+    function = _described(request)
+    ready = not services(request).catalog.is_unloaded(function.name)
+    return json_response({"name": function.name, "ready": ready}, 200 if ready else 400)
+
+
+async def model_config_json(request: Request) -> Response:
+    """Triton's model configuration of the version asked for, or of the default one."""
+    pinned = request.path_params.get("version")
+    if pinned is not None:
+        function = _described(request)
+    else:
+        record = services(request).catalog.record(request.path_params["name"])
+        function = record.default or record.newest()
+    return json_response(model_config(function.manifest))
+
+
+async def model_statistics(request: Request) -> Response:
+    """Triton's statistics of every served version (of one function, or of all), summed over every
+    runner; a pinned version may be any stored one."""
+    catalog = services(request).catalog
+    name = request.path_params.get("name")
+    pinned = request.path_params.get("version")
+    if name is None:
+        wanted = [
+            (name, version) for name, record in sorted(catalog.records.items()) for version in record.served
+        ]
+    elif pinned is not None:
+        record = catalog.record(name)
+        if pinned not in record.versions:
+            raise FunctionNotFound(f"function '{name}' has no version '{pinned}'")
+        wanted = [(name, pinned)]
+    else:
+        wanted = [(name, version) for version in catalog.record(name).served]
+    try:
+        async with services(request).redis.pipeline(transaction=False) as pipe:
+            for function, version in wanted:
+                pipe.hgetall(keys.statistics(function, version))
+            hashes: list[dict[bytes, bytes]] = await pipe.execute()
+    except RedisError as exc:
+        raise Unavailable(f"statistics are unavailable: {exc}") from exc
+    return json_response(
+        {
+            "model_stats": [
+                model_stats(function, version, raw)
+                for (function, version), raw in zip(wanted, hashes, strict=True)
+            ]
+        }
+    )
 
 
 async def list_functions(request: Request) -> Response:
@@ -93,14 +148,8 @@ async def list_functions(request: Request) -> Response:
     )
 
 
-def _function(request: Request) -> FunctionVersion:
-    return services(request).catalog.get(request.path_params["name"], request.path_params.get("version"))
-
-
-def _platform(manifest: FunctionManifest) -> str:
-    return {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": "python"}[
-        manifest.model.backend
-    ]
+def _described(request: Request) -> FunctionVersion:
+    return services(request).catalog.find(request.path_params["name"], request.path_params.get("version"))
 
 
 def _tensor_metadata(spec: Any) -> dict[str, Any]:

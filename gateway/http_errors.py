@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -54,3 +55,16 @@ def error_response(exc: FunctionError, retry_after_s: int = 1) -> Response:
 async def handle_function_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, FunctionError)
     return error_response(exc, request.app.state.retry_after_s)
+
+
+async def handle_unknown_route(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no such route) and 405 (no such method), in the same JSON body."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+        code = ErrorCode.INVALID_ARGUMENT
+    else:
+        message = f"no route {request.method} {request.url.path}"
+        code = ErrorCode.NOT_FOUND
+    body = dumps({"error": message, "code": code.value})
+    return Response(body, exc.status_code, exc.headers, media_type="application/json")

@@ -21,7 +21,7 @@ from fngate.repository import FunctionVersion
 from gateway.endpoints import Services
 from gateway.http_errors import BodyTimeout, PayloadTooLarge, error_body, status_of
 from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
-from gateway.protocol import InferRequest, decode, parse_v1, parse_v2, render_v1, render_v2
+from gateway.protocol import InferRequest, decode, decode_body, parse_v1, parse_v2, render_v1, render_v2
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class Invocation:
     content_length: int | None = None
     header_length: bytes | None = None
     no_cache: bool = False
+    encoding: str | None = None
 
 
 def match(path: str) -> Invocation | None:
@@ -97,9 +98,12 @@ class InvokeRoutes:
                     call.header_length = value
                 elif key == b"cache-control":
                     call.no_cache = b"no-cache" in value
+                elif key == b"content-encoding":
+                    call.encoding = value.decode("latin-1")
             body = await read_body(
                 receive, services.max_body_bytes, call.content_length, self._body_timeout_s
             )
+            body = decode_body(body, call.encoding, services.max_body_bytes)
             status, headers, content = await self._invoke(services, call, body)
         except ClientDisconnected:
             return

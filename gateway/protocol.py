@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,11 +20,14 @@ from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.tensors import from_bytes, from_json, to_bytes, to_json_data
 from fngate.wire import Reply, Tensors
+from gateway.http_errors import PayloadTooLarge
 
 HEADER_LENGTH = "inference-header-content-length"
 OFF_LOOP_BYTES = 256 * 1024
 """Bodies this large or larger are parsed in a worker thread."""
 log = logging.getLogger(__name__)
+
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,6 +54,45 @@ async def decode(parse: Callable[..., InferRequest], body: bytes, *args: Any) ->
     except Exception as exc:  # RecursionError, MemoryError, numpy's ValueError...
         log.warning("a body of %d bytes failed to parse unexpectedly", len(body), exc_info=True)
         raise InvalidArgument(f"the body could not be parsed ({type(exc).__name__})") from exc
+
+
+def decode_body(body: bytes, encoding: str | None, limit_bytes: int) -> bytes:
+    """The body as sent before its Content-Encoding (gzip or deflate; identity as is), never more
+    than `limit_bytes` once decompressed: output comes in bounded steps, so a small bomb stops at
+    the limit instead of filling memory."""
+    name = (encoding or "identity").strip().lower()
+    if name == "identity":
+        return body
+    wbits = _WBITS.get(name)
+    if wbits is None:
+        raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or none")
+    if name == "deflate" and not _zlib_header(body):
+        wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib header that RFC 9110 asks for
+    parts: list[bytes] = []
+    size = 0
+    rest = body
+    while rest:  # gzip allows several members one after another
+        decoder = zlib.decompressobj(wbits)
+        pending = rest
+        while not decoder.eof:
+            try:
+                chunk = decoder.decompress(pending, limit_bytes - size + 1)
+            except zlib.error as exc:
+                raise InvalidArgument(f"the {name} body does not decompress: {exc}") from None
+            size += len(chunk)
+            if size > limit_bytes:
+                raise PayloadTooLarge(f"the decompressed body is over the limit of {limit_bytes} bytes")
+            parts.append(chunk)
+            pending = decoder.unconsumed_tail
+            if not chunk and not pending:
+                raise InvalidArgument(f"the {name} body is truncated")
+        rest = decoder.unused_data if wbits > zlib.MAX_WBITS else b""
+    return b"".join(parts)
+
+
+def _zlib_header(body: bytes) -> bool:
+    """RFC 1950: method 8 (deflate) in the low bits of the first byte, both bytes a multiple of 31."""
+    return len(body) >= 2 and body[0] & 0x0F == 8 and ((body[0] << 8) | body[1]) % 31 == 0
 
 
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:

@@ -29,6 +29,7 @@ from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
 from fngate.pipelined import PipelinedRedis, stream_entries
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
+from runner import statistics
 from runner.batching import Waiting, next_step
 from runner.execution import run_batch, shape_key
 from runner.metrics import (
@@ -261,7 +262,12 @@ class FunctionConsumer:
                 }
             )
         self._observe(batch, replies, parents, batch_span, started_ns, rows)
-        await self._send(batch, replies, ran_digest)
+        await self._send(
+            batch,
+            replies,
+            ran_digest,
+            statistics.of_batch(self.function, version, batch, replies, started_ns),
+        )
 
     async def _load(self, function: FunctionVersion) -> LoadedModel:
         """The model, loaded now if this batch is its first (a cold start, with a span of its own);
@@ -332,12 +338,18 @@ class FunctionConsumer:
         replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in entries]
         await self._send(entries, replies)
 
-    async def _send(self, entries: Sequence[Entry], replies: Sequence[Reply], ran_digest: str = "") -> None:
+    async def _send(
+        self,
+        entries: Sequence[Entry],
+        replies: Sequence[Reply],
+        ran_digest: str = "",
+        stats: queue.Statistics | None = None,
+    ) -> None:
         """The batch's replies and acknowledgements (Outbox.send). When Redis fails here, the entries
         stay unacknowledged in our pending list: claimed and answered again once it is back (at
         least once), never lost, and the runner goes on."""
         try:
-            await self._outbox.send(entries, replies, ran_digest)
+            await self._outbox.send(entries, replies, ran_digest, stats)
         except (RedisError, OSError) as exc:
             log.warning(
                 "%s: could not write %d replies (%s); they are retried once Redis is back",

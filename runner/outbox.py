@@ -45,7 +45,13 @@ class Outbox:
         if self._cache is not None:
             await self._cache.aclose()
 
-    async def send(self, entries: Sequence[Entry], replies: Sequence[Reply], ran_digest: str = "") -> None:
+    async def send(
+        self,
+        entries: Sequence[Entry],
+        replies: Sequence[Reply],
+        ran_digest: str = "",
+        statistics: queue.Statistics | None = None,
+    ) -> None:
         """Write every reply, store cacheable answers, answer invocations that waited on these, and
         acknowledge (and delete) the entries, in one round trip. Shielded: once a batch ran, its
         replies go out even if this task is being cancelled."""
@@ -86,6 +92,7 @@ class Outbox:
             [entry.id for entry in entries],
             sum(entry.size for entry in entries),
             self._reply_maxlen,
+            statistics,
         )
         await asyncio.shield(self._finish(call.keys, call.args))
 

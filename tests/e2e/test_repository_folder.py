@@ -80,7 +80,7 @@ async def test_an_example_folder_is_not_deployed_over(tmp_path: Path, redis_url:
     shutil.copytree(ROOT / "functions", tmp_path / "functions")
     manifest = tmp_path / "functions" / "classifier" / "function.yaml"
     result = await cli("deploy", str(manifest), "--repo", str(tmp_path / "functions"), "--redis", redis_url)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a user error
     assert "holds an unversioned function" in result.stderr
     assert sorted(path.name for path in (tmp_path / "functions" / "classifier").iterdir()) == [
         "build.py",

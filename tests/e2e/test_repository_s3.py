@@ -91,12 +91,17 @@ async def test_deploy_canary_pin_unload_reload(
             assert entries[("scale", version)]["state"] == "UNAVAILABLE"
             assert entries[("scale", version)]["reason"] == "unloaded"
 
-        again = answered_by(await invoke(client, "/v1/functions/scale"), factors)
-        await wait_index(client, {("scale", again): "READY"})
+        # Explicitly unloaded: not ready, and invocations are refused until a load.
+        assert (await client.get("/v2/models/scale/ready")).status_code == 400
+        refused = await invoke(client, "/v1/functions/scale")
+        assert refused.status_code == 503
+        assert "unloaded" in refused.json()["error"]
 
         loaded = await client.post("/v2/repository/models/scale/load")
         assert loaded.status_code == 200, loaded.text
         assert await wait_index(client, {("scale", "1"): "READY", ("scale", "2"): "READY"})
+        assert (await client.get("/v2/models/scale/ready")).status_code == 200
+        answered_by(await invoke(client, "/v1/functions/scale"), factors)
 
 
 DAMAGES = ["corrupt", "truncated", "missing", "denied", "down"]
@@ -173,7 +178,7 @@ async def test_nothing_is_uploaded_for_a_manifest_that_fails_validation(
     modelless = scale_function(tmp_path / "modelless", "modelless", 2.0)
     (modelless.parent / "model.py").unlink()
     result = await deploy(s3, redis_url, modelless)
-    assert result.returncode == 1
+    assert result.returncode == 2  # the user's mistake, like the two above
     assert "model.py does not exist" in result.stderr
     writes = [(method, path) for method, path in s3.server.requests if method in ("PUT", "POST", "DELETE")]
     assert writes == [("PUT", f"/{s3.name}")]  # the bucket, made by the fixture

@@ -63,13 +63,22 @@ def test_finish_call_numbers_each_reply_stream_once() -> None:
         1000,
     )
     assert call.keys == ["q", "q:bytes", "r1", "r2"]
-    assert call.args[:4] == ["runners", 1000, 123, 4]
-    items = [call.args[4 + i * queue.FINISH_ITEM : 4 + (i + 1) * queue.FINISH_ITEM] for i in range(4)]
+    assert call.args[:7] == ["runners", 1000, 123, 4, "", 0, 0]  # no statistics
+    first = 7
+    items = [call.args[first + i * queue.FINISH_ITEM : first + (i + 1) * queue.FINISH_ITEM] for i in range(4)]
     assert items[0] == [3, b"h", b"b", "", 0, "", "", "share", "", ""]
     assert items[1] == [4, b"h", b"b", "c", 60, "m", "m:w", "share", "", ""]
     assert items[2] == [3, b"h", b"b", "", 0, "m2", "m2:w", "promote", b"ih", b"ib"]
     assert items[3][7] == "drop"
-    assert call.args[4 + 4 * queue.FINISH_ITEM :] == [b"1-0", b"2-0", b"3-0", b"4-0"]
+    assert call.args[first + 4 * queue.FINISH_ITEM :] == [b"1-0", b"2-0", b"3-0", b"4-0"]
+
+
+def test_finish_call_carries_the_batch_statistics() -> None:
+    reply = {queue.HEADER: b"h", queue.BODY: b"b"}
+    stats = queue.Statistics("fngate:stats:f:1", {"success_count": 2, "queue_ns": 50}, 99)
+    call = queue.finish_call("q", "g", [queue.Outgoing(reply, "r")], [b"1-0"], 10, 100, stats)
+    assert call.args[4:11] == ["fngate:stats:f:1", 99, 2, "success_count", 2, "queue_ns", 50]
+    assert call.args[11] == 3  # the first reply's stream
 
 
 def test_answered_id_prefers_the_waiter_named() -> None:

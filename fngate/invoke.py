@@ -1,0 +1,184 @@
+"""`fngate invoke`: one call of a function from the command line, with inputs as JSON or .npy files
+(sent as V2 binary tensors, so their datatypes travel exactly). Standard library HTTP only."""
+
+from __future__ import annotations
+
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import orjson
+
+from fngate.errors import FunctionError
+from fngate.tensors import datatype_of, to_bytes
+
+
+class InvokeError(Exception):
+    """Raised for the user's mistakes (exit 2); `unreachable` marks a gateway that did not answer."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def invoke(
+    gateway: str,
+    name: str,
+    data: Sequence[str],
+    version: str | None,
+    timeout_s: float,
+    out: TextIO,
+    api_key: str | None = None,
+) -> int:
+    """Print the answer; raises InvokeError."""
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    method, path, body, headers = _request(gateway, name, data, version, timeout_s, auth)
+    answer = _call(method, gateway + path, body, {**headers, **auth}, timeout_s)
+    out.write(orjson.dumps(orjson.loads(answer), option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0
+
+
+def _request(
+    gateway: str, name: str, data: Sequence[str], version: str | None, timeout_s: float, auth: dict[str, str]
+) -> tuple[str, str, bytes, dict[str, str]]:
+    """JSON goes to /v1/functions/NAME; .npy inputs to /v2/models/NAME/infer as binary tensors."""
+    if not data:
+        data = [sys.stdin.read()]
+    if all(_is_npy(item) for item in data):
+        arrays = _arrays(gateway, name, data, timeout_s, auth)
+        return _binary_request(name, arrays, version)
+    if len(data) > 1:
+        raise InvokeError("give one JSON body, or .npy files only")
+    text = data[0]
+    if text.startswith("@"):
+        text = _read(Path(text[1:])).decode()
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise InvokeError(f"DATA is not valid JSON ({exc})") from None
+    if isinstance(doc, dict) and "inputs" not in doc:
+        doc = {"inputs": doc}
+    if version is None:
+        return "POST", f"/v1/functions/{name}", orjson.dumps(doc), {"content-type": "application/json"}
+    metadata = orjson.loads(
+        _call("GET", f"{gateway}/v2/models/{name}/versions/{version}", None, auth, timeout_s)
+    )
+    path = f"/v2/models/{name}/versions/{version}/infer"
+    return "POST", path, _v2_json(doc, metadata), {"content-type": "application/json"}
+
+
+def _v2_json(doc: Any, metadata: Any) -> bytes:
+    """A v1 body ({"inputs": {name: nested lists}}) as a V2 request, for a pinned version (the
+    /v1 route draws a version by traffic weight)."""
+    inputs = doc.get("inputs") if isinstance(doc, dict) else None
+    if not isinstance(inputs, dict):
+        raise InvokeError("'inputs' must map input names to nested lists")
+    datatypes = {item["name"]: item["datatype"] for item in metadata.get("inputs", [])}
+    tensors = []
+    for input_name, value in inputs.items():
+        array = np.asarray(value, dtype=object)
+        tensors.append(
+            {
+                "name": input_name,
+                "datatype": datatypes.get(input_name, "FP32"),
+                "shape": list(array.shape),
+                "data": array.ravel().tolist(),
+            }
+        )
+    return orjson.dumps({"inputs": tensors})
+
+
+def _is_npy(item: str) -> bool:
+    return (item.partition("=")[2].startswith("@") and item.endswith(".npy")) or (
+        item.startswith("@") and item.endswith(".npy")
+    )
+
+
+def _arrays(
+    gateway: str, name: str, data: Sequence[str], timeout_s: float, auth: dict[str, str]
+) -> dict[str, np.ndarray[Any, Any]]:
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for item in data:
+        input_name, _, file = item.rpartition("=") if not item.startswith("@") else ("", "", item)
+        if not input_name:
+            input_name = _single_input(gateway, name, timeout_s, auth)
+        path = Path(file[1:])
+        try:
+            arrays[input_name] = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise InvokeError(f"{path} does not exist") from None
+        except (OSError, ValueError) as exc:
+            raise InvokeError(f"{path} is not a .npy array ({exc})") from None
+    return arrays
+
+
+def _single_input(gateway: str, name: str, timeout_s: float, auth: dict[str, str]) -> str:
+    metadata = orjson.loads(_call("GET", f"{gateway}/v2/models/{name}", None, auth, timeout_s))
+    inputs = [item["name"] for item in metadata.get("inputs", [])]
+    if len(inputs) != 1:
+        raise InvokeError(f"function '{name}' takes inputs {inputs}: name each one, as NAME=@FILE.npy")
+    return str(inputs[0])
+
+
+def _binary_request(
+    name: str, arrays: dict[str, np.ndarray[Any, Any]], version: str | None
+) -> tuple[str, str, bytes, dict[str, str]]:
+    header: dict[str, Any] = {"inputs": []}
+    buffers = []
+    for input_name, array in arrays.items():
+        try:
+            datatype = datatype_of(array)
+        except FunctionError as exc:
+            raise InvokeError(f"{input_name}: {exc.message}") from None
+        raw = to_bytes(array)
+        header["inputs"].append(
+            {
+                "name": input_name,
+                "datatype": datatype,
+                "shape": list(array.shape),
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        )
+        buffers.append(raw)
+    json_part = orjson.dumps(header)
+    path = f"/v2/models/{name}" + (f"/versions/{version}" if version else "") + "/infer"
+    headers = {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(json_part)),
+    }
+    return "POST", path, b"".join([json_part, *buffers]), headers
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise InvokeError(f"{path} does not exist") from None
+    except OSError as exc:
+        raise InvokeError(f"cannot read {path} ({exc.strerror})") from None
+
+
+def _call(method: str, url: str, body: bytes | None, headers: dict[str, str], timeout_s: float) -> bytes:
+    request = urllib.request.Request(url, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer: bytes = response.read()
+            return answer
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            message = orjson.loads(raw)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace")[:200]
+        raise InvokeError(f"{exc.code}: {message}", unreachable=exc.code >= 500) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        base = url.split("/v", maxsplit=1)[0]
+        raise InvokeError(
+            f"no gateway answers at {base} ({reason}); is fngate up running? or pass --gateway URL",
+            unreachable=True,
+        ) from None

@@ -1,0 +1,136 @@
+"""`fngate validate`: every check deploy makes on a manifest, plus its tensors against the ONNX
+graph it names (onnx is a dev extra, imported lazily). Every problem is reported at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from fngate.manifest import FunctionManifest, ManifestError, TensorSpec, load_manifest
+
+# onnx.TensorProto element types by number (the protocol buffer's stable enum values).
+ONNX_DATATYPES = {
+    1: "FP32",
+    2: "UINT8",
+    3: "INT8",
+    4: "UINT16",
+    5: "INT16",
+    6: "INT32",
+    7: "INT64",
+    8: "BYTES",
+    9: "BOOL",
+    10: "FP16",
+    11: "FP64",
+    12: "UINT32",
+    13: "UINT64",
+}
+
+
+def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
+    """Print `file: where: problem` lines for every file; exit code 2 when any has a problem."""
+    failed = 0
+    notes: set[str] = set()
+    for path in files:
+        problems, note = check(path)
+        if note:
+            notes.add(note)
+        if problems:
+            failed += 1
+            for line in problems:
+                print(line, file=err)
+        else:
+            manifest = load_manifest(path)
+            print(f"{path}: ok ({manifest.name}, {manifest.model.backend})", file=out)
+    for note in sorted(notes):
+        print(f"fngate validate: note: {note}", file=err)
+    return 2 if failed else 0
+
+
+def check(path: Path) -> tuple[list[str], str]:
+    """Every problem of one manifest as printable lines, and a note on what was not checked."""
+    try:
+        manifest = load_manifest(path)
+    except ManifestError as exc:
+        return list(exc.lines()), ""
+    problems = [f"{path}: {problem}" for problem in policy_problems(manifest)]
+    model = path.parent / manifest.model.path
+    if not model.is_file():
+        problems.append(f"{path}: model.path: {model} does not exist")
+        return problems, ""
+    note = ""
+    if manifest.model.backend == "onnxruntime":
+        try:
+            found = onnx_problems(manifest, model)
+        except ImportError:
+            note = "onnx is not installed (pip install onnx), so tensors were not compared with the models"
+            found = []
+        problems += [f"{path}: {problem}" for problem in found]
+    return problems, note
+
+
+def policy_problems(manifest: FunctionManifest) -> list[str]:
+    """The version policy checks that need no repository (deploy adds those against stored versions)."""
+    versions = manifest.versions
+    problems = []
+    if versions.policy == "specific" and not versions.specific:
+        problems.append("versions.specific: name at least one version for policy 'specific'")
+    if versions.traffic and sum(versions.traffic.values()) != 100:
+        problems.append(f"versions.traffic: weights add up to {sum(versions.traffic.values())}, not 100")
+    return problems
+
+
+def onnx_problems(manifest: FunctionManifest, model: Path) -> list[str]:
+    """Names, datatypes and shapes of the manifest's inputs and outputs against the ONNX graph."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(model), load_external_data=False).graph
+    except Exception as exc:
+        return [f"model.path: {model} is not an ONNX model ({type(exc).__name__}: {exc})"]
+    initializers = {item.name for item in graph.initializer}
+    problems: list[str] = []
+    for kind, specs, values in (
+        ("inputs", manifest.inputs, [item for item in graph.input if item.name not in initializers]),
+        ("outputs", manifest.outputs, list(graph.output)),
+    ):
+        declared = {item.name: item for item in values}
+        for index, spec in enumerate(specs):
+            value = declared.get(spec.name)
+            if value is None:
+                problems.append(
+                    f"{kind}[{index}].name: the model has no {kind[:-1]} '{spec.name}' "
+                    f"(its {kind}: {', '.join(sorted(declared)) or 'none'})"
+                )
+                continue
+            problems += [f"{kind}[{index}].{problem}" for problem in _tensor_problems(spec, value)]
+        named = {spec.name for spec in specs}
+        missing = [name for name in declared if name not in named]
+        if kind == "inputs" and missing:
+            problems.append(
+                f"inputs: the model also takes {', '.join(missing)}, which the manifest does not name"
+            )
+    return problems
+
+
+def _tensor_problems(spec: TensorSpec, value: Any) -> list[str]:
+    tensor_type = value.type.tensor_type
+    problems = []
+    datatype = ONNX_DATATYPES.get(tensor_type.elem_type, f"ONNX type {tensor_type.elem_type}")
+    if datatype != spec.datatype:
+        problems.append(f"datatype: {spec.datatype}, but the model's '{spec.name}' is {datatype}")
+    if tensor_type.HasField("shape"):
+        dims = [dim.dim_value if dim.HasField("dim_value") else -1 for dim in tensor_type.shape.dim]
+        if len(dims) != len(spec.shape):
+            problems.append(
+                f"shape: {list(spec.shape)} has rank {len(spec.shape)}, the model's {dims} rank {len(dims)}"
+            )
+        else:
+            clashes = [
+                axis
+                for axis, (mine, theirs) in enumerate(zip(spec.shape, dims, strict=True))
+                if theirs not in (-1, mine)  # a -1 where the model is fixed fails other sizes
+            ]
+            if clashes:
+                problems.append(f"shape: {list(spec.shape)}, but the model's '{spec.name}' is {dims}")
+    return problems

@@ -1,0 +1,27 @@
+"""Compressed responses for clients that ask for them: an ASGI layer that hands a request to
+Starlette's gzip responder only when its Accept-Encoding names gzip, so that every other request
+(the invocation traffic of most clients) pays one header scan and nothing more."""
+
+from __future__ import annotations
+
+from starlette.middleware.gzip import GZipResponder
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+
+class GzipLargeResponses:
+    def __init__(self, app: ASGIApp, minimum_bytes: int) -> None:
+        self.app = app
+        self.minimum_bytes = minimum_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and accepts_gzip(scope["headers"]):
+            await GZipResponder(self.app, self.minimum_bytes, 5)(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def accepts_gzip(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"accept-encoding":
+            return b"gzip" in value.lower()
+    return False

@@ -1,0 +1,83 @@
+"""A function's manifest as Triton's model configuration JSON (the model configuration extension),
+which perf_analyzer, model-analyzer and tritonclient read before anything else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fngate.manifest import FunctionManifest, TensorSpec
+
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": ""}
+"""Triton's platform per backend; a Python backend model has none."""
+
+
+def data_type(datatype: str) -> str:
+    """Triton's configuration names a datatype TYPE_<name>, and BYTES TYPE_STRING."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def model_config(manifest: FunctionManifest) -> dict[str, Any]:
+    """The configuration of one version. With batching on, dims leave out the batch dimension."""
+    batching = manifest.batching
+    accelerator = manifest.model.accelerator
+    on_gpu = accelerator != "cpu" or manifest.model.backend == "tensorrt"
+    config: dict[str, Any] = {
+        "name": manifest.name,
+        "platform": PLATFORMS[manifest.model.backend],
+        "backend": manifest.model.backend,
+        "version_policy": _version_policy(manifest),
+        "max_batch_size": batching.max_batch_size,
+        "input": [_tensor(spec, manifest.batched) for spec in manifest.inputs],
+        "output": [_tensor(spec, manifest.batched) for spec in manifest.outputs],
+        "instance_group": [
+            {
+                "name": f"{manifest.name}_0",
+                "kind": "KIND_GPU" if on_gpu else "KIND_CPU",
+                "count": 1,
+                "gpus": [],
+                "profile": [],
+                "passive": False,
+                "host_policy": "",
+            }
+        ],
+        "default_model_filename": manifest.model.path,
+        "response_cache": {"enable": manifest.cache.enabled},
+        "model_warmup": [],
+    }
+    if manifest.batched:
+        config["dynamic_batching"] = {
+            "preferred_batch_size": list(batching.preferred_batch_sizes),
+            "max_queue_delay_microseconds": batching.max_queue_delay_us,
+            "preserve_ordering": False,
+            "priority_levels": 0,
+            "default_priority_level": 0,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": batching.timeout_ms * 1000,
+                "allow_timeout_override": True,
+                "max_queue_size": batching.max_queue_size,
+            },
+        }
+    if accelerator == "tensorrt":
+        config["optimization"] = {
+            "execution_accelerators": {
+                "gpu_execution_accelerator": [
+                    {"name": "tensorrt", "parameters": {"precision_mode": manifest.model.precision.upper()}}
+                ]
+            }
+        }
+    return config
+
+
+def _tensor(spec: TensorSpec, batched: bool) -> dict[str, Any]:
+    dims = list(spec.shape[1:] if batched else spec.shape)
+    return {"name": spec.name, "data_type": data_type(spec.datatype), "dims": dims}
+
+
+def _version_policy(manifest: FunctionManifest) -> dict[str, Any]:
+    versions = manifest.versions
+    if versions.policy == "all":
+        return {"all": {}}
+    if versions.policy == "specific":
+        return {"specific": {"versions": [int(version) for version in versions.specific]}}
+    return {"latest": {"num_versions": versions.latest}}

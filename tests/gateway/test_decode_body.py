@@ -1,0 +1,62 @@
+"""Compressed request bodies: gzip and deflate decoded, the size limit applied after decompression."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+
+from fngate.errors import InvalidArgument
+from gateway.http_errors import PayloadTooLarge
+from gateway.protocol import decode_body
+
+BODY = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}' * 20
+
+
+def raw_deflate(data: bytes) -> bytes:
+    encoder = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return encoder.compress(data) + encoder.flush()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "sent"),
+    [
+        (None, BODY),
+        ("identity", BODY),
+        ("gzip", gzip.compress(BODY)),
+        ("GZip", gzip.compress(BODY)),
+        ("x-gzip", gzip.compress(BODY)),
+        ("deflate", zlib.compress(BODY)),
+        ("deflate", raw_deflate(BODY)),
+        ("gzip", gzip.compress(BODY[:100]) + gzip.compress(BODY[100:])),
+    ],
+)
+def test_decodes(encoding: str | None, sent: bytes) -> None:
+    assert decode_body(sent, encoding, len(BODY)) == BODY
+
+
+def test_the_limit_applies_to_the_decompressed_size() -> None:
+    with pytest.raises(PayloadTooLarge, match="decompressed body is over the limit of 100 bytes"):
+        decode_body(gzip.compress(BODY), "gzip", 100)
+
+
+def test_a_bomb_stops_at_the_limit() -> None:
+    bomb = gzip.compress(b"\0" * (64 * 1024 * 1024), compresslevel=9)
+    assert len(bomb) < 100_000
+    with pytest.raises(PayloadTooLarge):
+        decode_body(bomb, "gzip", 1024 * 1024)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "sent", "message"),
+    [
+        ("br", BODY, "'br' is not supported"),
+        ("gzip", BODY, "does not decompress"),
+        ("gzip", gzip.compress(BODY)[:-12], "truncated"),
+        ("deflate", zlib.compress(BODY)[:20], "truncated"),
+    ],
+)
+def test_bad_bodies_are_400(encoding: str, sent: bytes, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        decode_body(sent, encoding, 1 << 20)
