@@ -22,7 +22,15 @@ from redis.exceptions import RedisError
 from fngate import keys, queue
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
-from fngate.registry import ControlOp, Registry, create_stream, read_runners, send_control, summarize
+from fngate.registry import (
+    ControlOp,
+    Registry,
+    create_stream,
+    read_runners,
+    send_control,
+    set_unloaded,
+    summarize,
+)
 from fngate.repository import (
     MANIFEST_FILE,
     ArtifactFile,
@@ -438,6 +446,7 @@ async def withdraw(
     if is_remote(repository.url):
         await Registry(redis, repository.url).remove(record.name)
     await asyncio.to_thread(repository.remove, record.name)
+    await set_unloaded(redis, record.name, False)  # a function deployed again under this name starts loadable
     await send_control(redis, ControlOp("remove", record.name))
     answered = await answer_queued(redis, record.name)
     await asyncio.sleep(grace_s)

@@ -26,7 +26,6 @@ from fngate.backoff import Backoff, Health, backoff_s
 from fngate.process import stop_processes
 
 log = logging.getLogger("fngate.scaler")
-START_GRACE_S = 30.0
 TICK_TIMEOUT_S = 5.0
 """A scaling pass that takes longer failed: a paused Redis answers nothing at all."""
 CRASH_BACKOFF_S = 0.5

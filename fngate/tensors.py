@@ -49,13 +49,6 @@ def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def byte_size(datatype: str, shape: Sequence[int]) -> int | None:
-    """Bytes a fixed-size tensor occupies; None for BYTES, whose size depends on its contents."""
-    if datatype == "BYTES":
-        return None
-    return element_count(shape) * DATATYPES[datatype].itemsize
-
-
 def from_bytes(
     datatype: str, shape: Sequence[int], data: bytes | memoryview, where: str
 ) -> np.ndarray[Any, Any]:

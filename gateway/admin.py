@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.requests import Request
@@ -16,20 +14,20 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fngate import keys
-from fngate.errors import InvalidArgument, Unavailable
+from fngate.errors import Unavailable
 from fngate.registry import READY, UNAVAILABLE, ControlOp, id_order, send_control, set_unloaded
 from fngate.repository import FunctionRecord
 from gateway.catalog import Catalog
 from gateway.endpoints import services
+from gateway.protocol import load_json
 from gateway.rendering import json_response
 
 POLL_S = 0.1
-DEFAULT_TIMEOUT_S = 120.0
 
 
 async def repository_index(request: Request) -> Response:
     """Every function version that is served or loaded somewhere, with its state and reason."""
-    body = await _json_body(request)
+    body = load_json(await request.body(), empty={})
     ready_only = bool(body.get("ready", False))
     catalog = services(request).catalog
     await _refresh_states(catalog)
@@ -54,7 +52,7 @@ async def load_model(request: Request) -> Response:
     await _mark_unloaded(catalog, record.name, False)
     request_id = await _send(catalog, ControlOp("load", record.name, record.served))
     await _wake(catalog, record)
-    deadline = time.monotonic() + _timeout_s(request)
+    deadline = time.monotonic() + services(request).load_timeout_s
     while time.monotonic() < deadline:
         await _refresh_states(catalog)
         failure = _load_outcome(catalog, record, request_id)
@@ -63,7 +61,7 @@ async def load_model(request: Request) -> Response:
         if failure:
             raise Unavailable(f"function '{record.name}': {failure}")
         await asyncio.sleep(POLL_S)
-    waited = f"{_timeout_s(request):.0f} s"
+    waited = f"{services(request).load_timeout_s:.0f} s"
     raise Unavailable(f"function '{record.name}' did not load within {waited}{_no_runner(catalog, record)}")
 
 
@@ -75,7 +73,7 @@ async def unload_model(request: Request) -> Response:
     record = catalog.record(request.path_params["name"])
     await _mark_unloaded(catalog, record.name, True)
     request_id = await _send(catalog, ControlOp("unload", record.name, tuple(record.versions)))
-    deadline = time.monotonic() + _timeout_s(request)
+    deadline = time.monotonic() + services(request).load_timeout_s
     while time.monotonic() < deadline:
         await _refresh_states(catalog)
         if all(id_order(view.control) >= id_order(request_id) for view in catalog.runners):
@@ -141,23 +139,6 @@ def _redis(catalog: Catalog) -> aioredis.Redis:
     if catalog.redis is None:
         raise Unavailable("model control needs the queue's Redis")
     return catalog.redis
-
-
-def _timeout_s(request: Request) -> float:
-    return float(getattr(request.app.state, "load_timeout_s", DEFAULT_TIMEOUT_S))
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("the body must be a JSON object")
-    return doc
 
 
 ROUTES: list[Route] = [

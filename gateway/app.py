@@ -91,7 +91,6 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies,
         # so that the invocations' connection pool stays the invocations'.
         catalog = Catalog(function_source(settings.repo, reader), reader, health)
-        app.state.load_timeout_s = settings.load_timeout_s
         pipelined = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
         reply_reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
         replies = ReplyRouter(
@@ -122,7 +121,9 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                     separate = _separate_cache(settings)
                     dispatcher = Dispatcher(pipelined, replies, separate, activator, health)
                     yield {
-                        "services": endpoints.Services(catalog, dispatcher, settings.max_body_bytes, redis),
+                        "services": endpoints.Services(
+                            catalog, dispatcher, settings.max_body_bytes, redis, settings.load_timeout_s
+                        ),
                         "deployer": deployments.Deployer(settings),
                     }
                     if separate is not None:

@@ -35,6 +35,8 @@ class Services:
     dispatcher: Dispatcher
     max_body_bytes: int
     redis: aioredis.Redis
+    load_timeout_s: float
+    """How long POST /v2/repository/models/{name}/load waits for a runner to report the model ready."""
 
 
 def services(request: Request) -> Services:

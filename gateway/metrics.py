@@ -4,6 +4,7 @@ several gateway processes (PROMETHEUS_MULTIPROC_DIR set), /metrics aggregates al
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from prometheus_client import (
@@ -21,6 +22,9 @@ from starlette.responses import Response
 
 from fngate import keys
 from fngate.telemetry import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from gateway.endpoints import Services
 
 REQUEST_SUCCESS = Counter(
     "fngate_request_success", "Invocations answered successfully", ["function", "version"]
@@ -73,8 +77,12 @@ async def refresh_queue_gauges(redis: aioredis.Redis, functions: list[str]) -> N
                 QUEUE_LAG.labels(name).set(group.get("lag") or 0)
 
 
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+"""Read once, at import, as prometheus_client itself reads it: gateway workers sum their metrics."""
+
+
 def exposition() -> bytes:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if MULTIPROCESS:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
@@ -82,6 +90,6 @@ def exposition() -> bytes:
 
 
 async def metrics(request: Request) -> Response:
-    services = request.state.services
+    services: Services = request.state.services
     await refresh_queue_gauges(services.redis, sorted(services.catalog.functions))
     return Response(exposition(), media_type=CONTENT_TYPE_LATEST)

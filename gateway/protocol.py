@@ -113,7 +113,7 @@ def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest)
         whole = memoryview(body)  # slices of a view: the binary part is not copied
         binary = whole[json_size:]
         header = whole[:json_size]
-    doc = _load_json(header)
+    doc = load_json(header)
     inputs = _v2_inputs(doc, binary, manifest)
     _check_complete(manifest, inputs)
     outputs, binary_outputs = _requested_outputs(doc, manifest)
@@ -167,7 +167,7 @@ def _v2_inputs(doc: Mapping[str, Any], view: memoryview, manifest: FunctionManif
 
 def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
     """The serverless body: {"inputs": {"<name>": nested lists}, "outputs": [names]?}."""
-    doc = _load_json(body)
+    doc = load_json(body)
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, dict) or not raw_inputs:
         raise InvalidArgument("'inputs' must be an object mapping input names to nested lists")
@@ -230,8 +230,11 @@ def render_v1(reply: Reply) -> bytes:
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _load_json(body: bytes | memoryview) -> dict[str, Any]:
-    if not body:
+def load_json(body: bytes | memoryview, empty: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A JSON object from a request body; an empty body is `empty`, or refused when that is None."""
+    if not bytes(body).strip():
+        if empty is not None:
+            return empty
         raise InvalidArgument("the request body is empty")
     try:
         doc = orjson.loads(body)

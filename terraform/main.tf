@@ -57,8 +57,20 @@ module "redis" {
 }
 
 # ---------------------------------------------------------------- IAM roles for service accounts
-# Runners read the repository and write engine caches beside it; only the deployer writes functions.
-# Gateways get no role: they learn functions from the Redis registry and never touch S3.
+# Runners read the repository and write engine caches beside it. Functions are written by the
+# deployer and by the gateways' deploy API (PUT /v1/functions/{name}, behind the `deploy` scope): the
+# way a workstation deploys with an API key alone, without S3 or Redis credentials.
+module "gateway_role" {
+  source = "./modules/irsa"
+
+  name              = "${var.name}-gateway"
+  oidc_provider_arn = module.eks.oidc_provider_arn
+  oidc_issuer       = module.eks.oidc_issuer
+  namespace         = var.namespace
+  service_account   = "fngate-gateway"
+  policy_json       = module.bucket.write_policy_json
+}
+
 module "runner_role" {
   source = "./modules/irsa"
 
@@ -146,7 +158,7 @@ module "fngate" {
   redis_address           = module.redis.address
   redis_port              = module.redis.port
   redis_auth_token        = module.redis.auth_token
-  gateway_role_arn        = ""
+  gateway_role_arn        = module.gateway_role.arn
   runner_role_arn         = module.runner_role.arn
   deployer_role_arn       = module.deployer_role.arn
   otlp_endpoint           = module.observability.otlp_endpoint

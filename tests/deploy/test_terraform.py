@@ -90,10 +90,10 @@ def test_only_deployers_write_functions_and_runners_write_only_engine_caches(
     roles = modules["root"].named("module")
     assert roles["runner_role"]["policy_json"] == "${module.bucket.runner_policy_json}"
     assert roles["deployer_role"]["policy_json"] == "${module.bucket.write_policy_json}"
-    # Gateways read the registry in Redis, never S3: no role at all.
-    assert "gateway_role" not in roles
-    assert roles["fngate"]["gateway_role_arn"] == ""
-    for role in ("runner_role", "deployer_role"):
+    # Gateways write functions only through the deploy API: the deployer's policy, on the repository.
+    assert roles["gateway_role"]["policy_json"] == "${module.bucket.write_policy_json}"
+    assert roles["fngate"]["gateway_role_arn"] == "${module.gateway_role.arn}"
+    for role in ("runner_role", "deployer_role", "gateway_role"):
         assert roles[role]["service_account"] == f"fngate-{role.removesuffix('_role')}"
 
 

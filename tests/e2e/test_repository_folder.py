@@ -69,11 +69,19 @@ async def test_deploy_roll_out_list_and_remove_in_a_folder(
         assert runner_rows[0] == ["RUNNER", "POOL", "LOADED", "IDLE"]
         assert [row[2] for row in runner_rows[1:]] == ["scale/2"]  # the retired version is gone
 
+        unloaded = await client.post("/v2/repository/models/scale/unload")  # explicit: 503 until a load
+        assert unloaded.status_code == 200, unloaded.text
         removed = await cli("rm", "scale", *flags, "--grace-s", "0.2")
         assert removed.returncode == 0, removed.stderr
         assert not (repo / "scale").exists()
         # Whether the gateway or the runner notices first, the answer is the same.
         assert (await invoke(client, "/v1/functions/scale", wait_s=0)).status_code == 404
+
+        # Deployed again under the same name, it is a new function: the old unload does not hold it.
+        again = await cli("deploy", str(scale_function(tmp_path / "v3", "scale", 4.0)), *flags)
+        assert again.returncode == 0, again.stderr
+        response = await invoke(client, "/v1/functions/scale")
+        assert response.status_code == 200, response.text
 
 
 async def test_an_example_folder_is_not_deployed_over(tmp_path: Path, redis_url: str) -> None:
