@@ -1,0 +1,121 @@
+"""The dispatcher on a real Redis, with no runner: what an invocation gets before any runner answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from fngate import keys
+from fngate.backoff import Health
+from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
+from fngate.pipelined import PipelinedRedis
+from fngate.repository import FunctionVersion, open_repository
+from fngate.wire import Invocation, Reply
+from gateway.dispatch import Dispatcher
+from gateway.replies import ReplyRouter
+from tests.conftest import ROOT
+
+ROW = np.arange(16, dtype=np.float32).reshape(1, 16)
+
+
+def classifier(**batching: int) -> FunctionVersion:
+    version = open_repository(str(ROOT / "functions")).scan()["classifier"].newest()
+    if not batching:
+        return version
+    manifest = version.manifest.model_copy(
+        update={"batching": version.manifest.batching.model_copy(update=batching)}
+    )
+    return dataclasses.replace(version, manifest=manifest)
+
+
+@contextlib.asynccontextmanager
+async def dispatching(
+    redis_url: str, health: Health | None = None
+) -> AsyncIterator[tuple[Dispatcher, ReplyRouter]]:
+    client = aioredis.from_url(redis_url)
+    reads, writes = PipelinedRedis(redis_url), PipelinedRedis(redis_url)
+    replies = ReplyRouter(client, reads, "test", 200, 1.0)
+    await replies.start()
+    loop = asyncio.create_task(replies.run())
+    try:
+        yield Dispatcher(writes, replies, health=health), replies
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        await replies.stop()
+        await reads.aclose()
+        await writes.aclose()
+        await client.aclose()
+
+
+async def test_an_invocation_waits_on_the_queue_and_gets_the_reply_written_to_its_stream(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    async with dispatching(redis_url) as (dispatcher, replies):
+        answer = asyncio.create_task(dispatcher.submit(classifier(), {"input": ROW}, None, 5000))
+        stream = keys.invocations("classifier")
+        for _ in range(50):
+            entries = await redis.xrange(stream)
+            if entries:
+                break
+            await asyncio.sleep(0.02)
+        ((_entry_id, fields),) = entries
+        invocation = Invocation.decode(fields)
+        assert invocation.reply_to == replies.stream
+        np.testing.assert_array_equal(invocation.inputs["input"], ROW)
+        out = {"probabilities": np.ones((1, 4), np.float32)}
+        await redis.xadd(invocation.reply_to, Reply(invocation.id, "1", out, None, "b1", 1).encode())
+        reply = await answer
+    assert reply.batch_id == "b1"
+    np.testing.assert_array_equal(reply.outputs["probabilities"], out["probabilities"])
+
+
+async def test_a_full_queue_is_overloaded_and_nothing_is_queued(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    async with dispatching(redis_url) as (dispatcher, _):
+        function = classifier(max_queue_size=2)
+        waiting = [
+            asyncio.create_task(dispatcher.submit(function, {"input": ROW}, None, 2000)) for _ in range(2)
+        ]
+        await asyncio.sleep(0.2)
+        with pytest.raises(Overloaded, match="max_queue_size"):
+            await dispatcher.submit(function, {"input": ROW}, None, 2000)
+        assert await redis.xlen(keys.invocations("classifier")) == 2
+        for task in waiting:
+            task.cancel()
+
+
+async def test_no_answer_is_a_deadline_exceeded_at_the_deadline(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    async with dispatching(redis_url) as (dispatcher, _):
+        with pytest.raises(DeadlineExceeded, match="200 ms"):
+            await dispatcher.submit(classifier(), {"input": ROW}, None, 200)
+
+
+async def test_a_redis_known_down_is_unavailable_at_once(redis_url: str, redis: aioredis.Redis) -> None:
+    health = Health("redis")
+    health.failed("a test", ConnectionError("gone"))
+    async with dispatching(redis_url, health) as (dispatcher, _):
+        with pytest.raises(Unavailable, match="Redis cannot be reached"):
+            await dispatcher.submit(classifier(), {"input": ROW}, None, 5000)
+        assert await redis.xlen(keys.invocations("classifier")) == 0
+
+
+async def test_replies_leave_the_stream_once_read(redis_url: str, redis: aioredis.Redis) -> None:
+    async with dispatching(redis_url) as (_, replies):
+        for _ in range(3):
+            await redis.xadd(replies.stream, Reply("nobody", "1").encode())
+        for _ in range(50):
+            if await redis.xlen(replies.stream) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await redis.xlen(replies.stream) == 0
