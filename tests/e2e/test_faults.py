@@ -81,7 +81,7 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Factory: `fngate up` as a subprocess, with its state folder in tmp_path; stopped with SIGTERM."""
     started: list[Up] = []
 
-    def start(**env: str) -> Up:
+    def start(workers: int = 1, **env: str) -> Up:
         port = free_port()
         state = tmp_path / "state"
         log = tmp_path / f"up-{len(started)}.log"
@@ -90,7 +90,7 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
             "--state-dir",
             str(state),
             "--gateway-workers",
-            "1",
+            str(workers),
             "--idle-shutdown-s",
             "30",
             "--no-auth",
@@ -309,6 +309,22 @@ async def test_gateway_killed_comes_back(fngate_up: Callable[..., Any]) -> None:
     assert up.alive()
     assert up.children("gateway") not in ([], [gateway])
     assert "the gateway exited with signal SIGKILL; restarting it" in up.log.read_text()
+
+
+async def test_a_gateway_worker_killed_is_started_again(fngate_up: Callable[..., Any]) -> None:
+    up = await serving(fngate_up(workers=2))
+    [gateway] = up.children("gateway")
+    workers = _children(gateway)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    for _ in range(100):
+        now = _children(gateway)
+        if len(now) == 2 and workers[0] not in now:
+            break
+        await asyncio.sleep(0.1)
+    assert len(now) == 2 and workers[0] not in now, now
+    assert up.children("gateway") == [gateway]  # the supervisor itself went on
+    await first_success(up.base, timeout_s=30)
 
 
 async def test_one_fngate_up_per_state_folder(fngate_up: Callable[..., Any], repo: Path) -> None:
