@@ -21,11 +21,61 @@ AS, TO, BY = b"as", b"to", b"by"
 """On an invocation entry: a waiter promoted to run in place of an identical invocation that expired
 runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
 
+# admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
+#   -> {'ok'} | {'busy'|'share'|'rate', retry_after_ms}
+# A token bucket (`burst` tokens, `rps` per second, Redis time) and two sorted sets of the key's
+# invocations with their expiry: all of them (`busy`, at most `cap`) and those of one function
+# (`share`, at most `share_cap`). A dead gateway's members lapse at their expiry. Limits of 0 are
+# off; a refused invocation takes neither a token nor a place.
+ADMIT_LUA = """
+local function admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local sets = {{busy, cap, 'busy'}, {share, share_cap, 'share'}}
+  for _, set in ipairs(sets) do
+    if set[2] > 0 then
+      redis.call('ZREMRANGEBYSCORE', set[1], '-inf', now)
+      if redis.call('ZCARD', set[1]) >= set[2] then
+        local first = redis.call('ZRANGE', set[1], 0, 0, 'WITHSCORES')
+        return {set[3], math.max(1, math.min(1000, tonumber(first[2]) - now))}
+      end
+    end
+  end
+  if rps > 0 then
+    local state = redis.call('HMGET', bucket, 't', 'ms')
+    local tokens = tonumber(state[1]) or burst
+    local last = tonumber(state[2]) or now
+    tokens = math.min(burst, tokens + math.max(0, now - last) * rps / 1000)
+    if tokens < 1 then
+      return {'rate', math.ceil((1 - tokens) * 1000 / rps)}
+    end
+    redis.call('HSET', bucket, 't', tostring(tokens - 1), 'ms', now)
+    redis.call('PEXPIRE', bucket, math.ceil(burst * 1000 / rps) + 1000)
+  end
+  for _, set in ipairs(sets) do
+    if set[2] > 0 then
+      redis.call('ZADD', set[1], now + ttl_ms, member)
+      redis.call('PEXPIRE', set[1], ttl_ms)
+    end
+  end
+  return {'ok'}
+end
+"""
+
 # One round trip for the whole decision. KEYS: the stream, its byte counter, the cache entry ('' to
-# skip the lookup), the in-flight marker and its waiters list ('' for no coalescing). ARGV: max queue
-# size, max queue bytes (0: no limit), header, body, this invocation as a waiter, marker TTL in ms.
-# Entries leave the stream when a runner acknowledges them, so XLEN counts queued or in flight.
-ENQUEUE = """
+# skip the lookup), the in-flight marker and its waiters list ('' for no coalescing), then the
+# caller's admission keys (bucket, busy, share; '' for a caller without limits). ARGV: max queue
+# size, max queue bytes (0: no limit), header, body, this invocation as a waiter, marker TTL in ms,
+# then admit()'s rps, burst, cap, share_cap, member and ttl_ms. Entries leave the stream when a
+# runner acknowledges them, so XLEN counts queued or in flight.
+ENQUEUE = (
+    ADMIT_LUA
+    + """
+if KEYS[6] ~= '' then
+  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
+    tonumber(ARGV[10]), ARGV[11], tonumber(ARGV[12]))
+  if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
+end
 if KEYS[3] ~= '' then
   local hit = redis.call('HMGET', KEYS[3], 'h', 'b')
   if hit[1] then return {'hit', hit[1], hit[2]} end
@@ -45,12 +95,17 @@ elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= 
 end
 if full then
   if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
+  if KEYS[6] ~= '' then  -- refused: it holds no place in the caller's limits
+    redis.call('ZREM', KEYS[7], ARGV[11])
+    redis.call('ZREM', KEYS[8], ARGV[11])
+  end
   return {'full', full}
 end
 redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
 redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
 return {'queued'}
 """
+)
 
 FINISH_ITEM = 10
 """Arguments per reply in FINISH."""
@@ -129,7 +184,7 @@ class ScriptCall:
     """The KEYS and ARGV of one script call."""
 
     keys: list[str]
-    args: list[bytes | str | int]
+    args: list[bytes | str | int | float]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,6 +215,18 @@ def queue_bytes(stream: str) -> str:
     return f"{stream}:bytes"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admission:
+    """admit()'s KEYS (bucket, busy, share) and ARGV (rps, burst, cap, share_cap, member, ttl_ms)
+    for a caller with limits (gateway.limits builds it)."""
+
+    keys: tuple[str, str, str]
+    args: tuple[float, int, int, int, str, int]
+
+
+NO_ADMISSION = Admission(("", "", ""), (0, 0, 0, 0, "", 0))
+
+
 def enqueue_call(
     stream: str,
     fields: Mapping[bytes, bytes],
@@ -169,12 +236,30 @@ def enqueue_call(
     max_queue_bytes: int = 0,
     lookup: str = "",
     in_flight: str = "",
+    admission: Admission | None = None,
 ) -> ScriptCall:
     """ENQUEUE's arguments. `lookup`: the cache entry to answer from ('' for none); `in_flight`: the
-    marker that makes identical invocations wait on this one ('' for no coalescing)."""
+    marker that makes identical invocations wait on this one ('' for no coalescing); `admission`:
+    the caller's limits, checked first in the same round trip (None: a caller without limits)."""
+    admit = admission or NO_ADMISSION
     return ScriptCall(
-        keys=[stream, queue_bytes(stream), lookup, in_flight, waiters(in_flight) if in_flight else ""],
-        args=[max_queue_size, max_queue_bytes, fields[HEADER], fields[BODY], waiter.encode(), max(ttl_ms, 1)],
+        keys=[
+            stream,
+            queue_bytes(stream),
+            lookup,
+            in_flight,
+            waiters(in_flight) if in_flight else "",
+            *admit.keys,
+        ],
+        args=[
+            max_queue_size,
+            max_queue_bytes,
+            fields[HEADER],
+            fields[BODY],
+            waiter.encode(),
+            max(ttl_ms, 1),
+            *admit.args,
+        ],
     )
 
 
@@ -200,7 +285,15 @@ class Full:
     """'count' (max_queue_size) or 'bytes' (max_queue_bytes)."""
 
 
-EnqueueOutcome = Queued | Waiting | Hit | Full
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limited:
+    """Refused by the caller's limits before anything else: 'rate', 'busy' (in flight) or 'share'."""
+
+    limit: str
+    retry_after_ms: int
+
+
+EnqueueOutcome = Queued | Waiting | Hit | Full | Limited
 
 
 def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
@@ -213,6 +306,8 @@ def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
         return Hit({HEADER: raw[1], BODY: raw[2] or b""})
     if kind == b"full":
         return Full(raw[1].decode())
+    if kind == b"limited":
+        return Limited(raw[1].decode(), int(raw[2]))
     raise ValueError(f"unknown enqueue outcome {kind!r}")
 
 
@@ -255,7 +350,7 @@ def finish_call(
     """FINISH's arguments: write `replies`, acknowledge and delete `entry_ids` (which held
     `entry_bytes` of the stream's byte count), and add the batch to its `statistics`."""
     reply_keys: dict[str, int] = {}
-    items: list[bytes | str | int] = []
+    items: list[bytes | str | int | float] = []
     for out in replies:
         index = reply_keys.setdefault(out.reply_to, len(reply_keys) + 3)
         promote = out.waiters == "promote" and out.invocation is not None
@@ -271,7 +366,7 @@ def finish_call(
             out.invocation[HEADER] if promote and out.invocation else "",
             out.invocation[BODY] if promote and out.invocation else "",
         ]
-    counters: list[bytes | str | int] = []
+    counters: list[bytes | str | int | float] = []
     for field, amount in statistics.increments.items() if statistics else ():
         counters += [field, amount]
     return ScriptCall(

@@ -31,6 +31,14 @@ tracer = trace.get_tracer("fngate.gateway")
 REDIS = {"db.system.name": "redis"}
 
 
+class Refused(Exception):
+    """The caller's limits refused the invocation (in the enqueue's own round trip)."""
+
+    def __init__(self, outcome: queue.Limited) -> None:
+        super().__init__(outcome.limit)
+        self.outcome = outcome
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -54,6 +62,7 @@ class Dispatcher:
         outputs: tuple[str, ...] | None,
         timeout_ms: int | None,
         use_cache: bool = True,
+        admission: queue.Admission | None = None,
     ) -> Reply:
         """Answer one invocation; raises the FunctionError it failed with.
 
@@ -102,6 +111,7 @@ class Dispatcher:
             manifest.batching.max_queue_bytes,
             lookup=entry if use_cache and self._separate_cache is None else "",
             in_flight=in_flight,
+            admission=admission,
         )
         future = self._replies.expect(invocation.id)
         try:
@@ -111,6 +121,8 @@ class Dispatcher:
                     return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
                 if isinstance(outcome, queue.Full):
                     raise Overloaded(_full_message(manifest.name, outcome, manifest.batching))
+                if isinstance(outcome, queue.Limited):
+                    raise Refused(outcome)
                 if self._activator is not None:
                     await self._activator.wake(pool)
                 reply = await future

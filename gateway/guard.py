@@ -12,6 +12,12 @@ from fngate.errors import Unavailable
 from gateway.auth import INVOKE, AuthError, KeyTable, required_scope
 from gateway.limits import Limiter
 
+PRINCIPAL = "fngate.principal"
+"""Scope keys: the caller, its invocation's admission (when its key has limits), and whether the
+enqueue admitted it (then it holds a place until released)."""
+ADMISSION = "fngate.admission"
+ADMITTED = "fngate.admitted"
+
 
 class AuthMiddleware:
     """Refusals are answered here (401, 403, 429); an admitted invocation leaves the key's
@@ -35,12 +41,14 @@ class AuthMiddleware:
             if name == b"authorization":
                 header = value.decode("latin-1")
                 break
-        member = None
+        admit = None
         function = need[1] or ""
         try:
             principal = self.table.authorize(header, *need)
             if need[0] == INVOKE and principal.limited and self.limiter is not None:
-                member = await self.limiter.admit(principal, function)
+                # Checked by the enqueue script, in the invocation's own round trip (gateway.invoke).
+                admit = self.limiter.admission(principal, function)
+                scope[ADMISSION] = admit
         except AuthError as exc:
             await send_error(send, exc.status, exc.body(), exc.headers)
             return
@@ -48,15 +56,15 @@ class AuthMiddleware:
             body = orjson.dumps({"error": exc.message, "code": exc.code.value})
             await send_error(send, 503, body, {"Retry-After": "1"})
             return
-        scope["fngate.principal"] = principal
-        if member is None:
+        scope[PRINCIPAL] = principal
+        if admit is None:
             await self.app(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)
         finally:
-            assert self.limiter is not None
-            await asyncio.shield(self.limiter.release(principal, function, member))
+            if scope.get(ADMITTED) and self.limiter is not None:
+                await asyncio.shield(self.limiter.release(principal, function, admit))
 
 
 async def send_error(send: Any, status: int, body: bytes, headers: dict[str, str]) -> None:

@@ -18,8 +18,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fngate.errors import ErrorCode, FunctionError, Internal
 from fngate.repository import FunctionVersion
+from gateway.dispatch import Refused
 from gateway.endpoints import Services
+from gateway.guard import ADMISSION, ADMITTED, PRINCIPAL
 from gateway.http_errors import BodyTimeout, PayloadTooLarge, error_body, status_of
+from gateway.limits import refusal
 from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
 from gateway.protocol import InferRequest, decode, decode_body, parse_v1, parse_v2, render_v1, render_v2
 
@@ -104,9 +107,18 @@ class InvokeRoutes:
                 receive, services.max_body_bytes, call.content_length, self._body_timeout_s
             )
             body = decode_body(body, call.encoding, services.max_body_bytes)
-            status, headers, content = await self._invoke(services, call, body)
+            status, headers, content = await self._invoke(services, call, body, scope)
         except ClientDisconnected:
             return
+        except Refused as exc:  # the caller's key is over one of its limits: 429
+            scope[ADMITTED] = False
+            self._failed(services, call.name, "rate_limited")
+            limited = refusal(scope[PRINCIPAL], call.name, exc.outcome.limit, exc.outcome.retry_after_ms)
+            status, content = limited.status, limited.body()
+            headers = [
+                JSON,
+                *((name.lower().encode(), value.encode()) for name, value in limited.headers.items()),
+            ]
         except FunctionError as exc:
             self._failed(services, call.name, exc.code.value)
             status = status_of(exc)
@@ -129,7 +141,7 @@ class InvokeRoutes:
         await send({"type": "http.response.body", "body": content})
 
     async def _invoke(
-        self, services: Services, call: Invocation, body: bytes
+        self, services: Services, call: Invocation, body: bytes, scope: Scope
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         function = services.catalog.get(call.name, call.version)
         manifest = function.manifest
@@ -138,8 +150,11 @@ class InvokeRoutes:
         else:
             header_length = call.header_length.decode("latin-1") if call.header_length is not None else None
             parsed = await decode(parse_v2, body, header_length, manifest)
+        admission = scope.get(ADMISSION)
+        if admission is not None:
+            scope[ADMITTED] = True  # from here it may hold a place in its key's limits
         reply = await services.dispatcher.submit(
-            function, parsed.inputs, parsed.outputs, parsed.timeout_ms, _use_cache(parsed, call)
+            function, parsed.inputs, parsed.outputs, parsed.timeout_ms, _use_cache(parsed, call), admission
         )
         REQUEST_SUCCESS.labels(call.name, reply.version).inc()
         cache_state = _cache_state(function, reply.cached)

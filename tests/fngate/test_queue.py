@@ -15,16 +15,25 @@ def test_enqueue_call_without_cache() -> None:
     call = queue.enqueue_call(
         "fngate:q:f", {queue.HEADER: b"{}", queue.BODY: b"xy"}, queue.Waiter("r", "i", 9), 500, 100, 4096
     )
-    assert call.keys == ["fngate:q:f", "fngate:q:f:bytes", "", "", ""]
-    assert call.args == [100, 4096, b"{}", b"xy", "r i 9", 500]
+    assert call.keys == ["fngate:q:f", "fngate:q:f:bytes", "", "", "", "", "", ""]
+    assert call.args == [100, 4096, b"{}", b"xy", "r i 9", 500, 0, 0, 0, 0, "", 0]  # no admission
 
 
 def test_enqueue_call_with_lookup_and_coalescing() -> None:
     call = queue.enqueue_call(
         "s", {queue.HEADER: b"h", queue.BODY: b""}, queue.Waiter("r", "i", 9), 0, 1, lookup="c", in_flight="m"
     )
-    assert call.keys == ["s", "s:bytes", "c", "m", "m:w"]
-    assert call.args[-1] == 1  # a marker never gets a TTL of 0
+    assert call.keys[:5] == ["s", "s:bytes", "c", "m", "m:w"]
+    assert call.args[5] == 1  # a marker never gets a TTL of 0
+
+
+def test_enqueue_call_with_an_admission() -> None:
+    admission = queue.Admission(("rate", "busy", "share"), (2.5, 5, 3, 1, "member", 300_000))
+    call = queue.enqueue_call(
+        "s", {queue.HEADER: b"h", queue.BODY: b""}, queue.Waiter("r", "i", 9), 10, 1, admission=admission
+    )
+    assert call.keys[5:] == ["rate", "busy", "share"]
+    assert call.args[6:] == [2.5, 5, 3, 1, "member", 300_000]
 
 
 @pytest.mark.parametrize(
@@ -35,6 +44,7 @@ def test_enqueue_call_with_lookup_and_coalescing() -> None:
         ([b"hit", b"head", None], queue.Hit({queue.HEADER: b"head", queue.BODY: b""})),
         ([b"full", b"count"], queue.Full("count")),
         ([b"full", b"bytes"], queue.Full("bytes")),
+        ([b"limited", b"rate", 250], queue.Limited("rate", 250)),
     ],
 )
 def test_parse_enqueue(raw: list[bytes | None], outcome: queue.EnqueueOutcome) -> None:

@@ -229,8 +229,8 @@ def principal(rps: float = 0, burst: int = 0, max_in_flight: int = 0, max_queued
 async def admit(
     client: aioredis.Redis, who: auth.Principal, member: str, ttl_ms: int = 60_000, function: str = "f"
 ) -> list[Any]:
-    script_keys, args = limits.admission(who, function, member, ttl_ms)
-    outcome: list[Any] = await client.eval(limits.ADMIT_SCRIPT, 3, *script_keys, *args)  # type: ignore[misc]
+    admit = limits.admission(who, function, member, ttl_ms)
+    outcome: list[Any] = await client.eval(limits.ADMIT_SCRIPT, 3, *admit.keys, *admit.args)  # type: ignore[misc]
     return outcome
 
 
