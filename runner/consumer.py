@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -99,10 +99,12 @@ class FunctionConsumer:
         try:
             async with asyncio.TaskGroup() as tasks:
                 reader = tasks.create_task(self._read_loop(), name=f"read {self.function.name}")
+                stop = tasks.create_task(self._wake_on_stop(), name=f"stop {self.function.name}")
                 try:
                     await self._batch_loop()
                 finally:
                     reader.cancel()
+                    stop.cancel()
         finally:
             await self._outbox.aclose()
             await self._reads.aclose()
@@ -145,13 +147,18 @@ class FunctionConsumer:
                 )
                 await asyncio.sleep(delay_s)
 
+    async def _wake_on_stop(self) -> None:
+        """The batcher waits on one event: arrivals, and the stop (one waiter, not one per wait)."""
+        await self._stopping.wait()
+        self._arrived.set()
+
     async def _batch_loop(self) -> None:
         while True:
             self._arrived.clear()
             if not self._pending:
                 if self._stopping.is_set():
                     return
-                await _first(self._arrived.wait(), self._stopping.wait())
+                await self._arrived.wait()
                 continue
             wait_us = await self._step()
             if wait_us is not None:
@@ -413,16 +420,6 @@ class FunctionConsumer:
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
         replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in dead]
         await self._send(dead, replies)
-
-
-async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
-    """Wait until the first of `waits` is done; cancel the others."""
-    tasks = [asyncio.ensure_future(wait) for wait in waits]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 def _entry_ms(entry_id: bytes) -> int:
