@@ -411,7 +411,6 @@ def _key_command(args: argparse.Namespace) -> int:
     import redis
 
     from fngate import apikeys
-    from fngate.config import GatewaySettings
     from fngate.errors import FunctionError
 
     if args.action == "hash":
@@ -421,7 +420,7 @@ def _key_command(args: argparse.Namespace) -> int:
             print(f"fngate keys: {exc.message} in FNGATE_API_KEY", file=sys.stderr)
             return 2
         return 0
-    client = redis.Redis.from_url(args.redis or GatewaySettings().redis_url, socket_connect_timeout=3)
+    client = redis.Redis.from_url(targets(None, args.redis)[1], socket_connect_timeout=3)
     try:
         if args.action == "create":
             key, record = apikeys.create(
