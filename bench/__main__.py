@@ -372,7 +372,7 @@ class Bench:
         command = [
             sys.executable,
             "-m",
-            "fngate.cli",
+            "fngate.tools.cli",
             "up",
             "--redis",
             deployed.redis_url,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from fngate.local import private_redis
 from fngate.process import stop_processes
+from fngate.tools.local import private_redis
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -18,8 +18,8 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 
-from fngate.local import private_redis
 from fngate.process import run_forever
+from fngate.tools.local import private_redis
 
 SCRIPT = "return {'queued'}"
 KEYS = ["fngate:q:tiny", "fngate:q:tiny:bytes", "", "", ""]

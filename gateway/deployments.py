@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fngate import deploy
+from fngate import deployment
 from fngate.config import GatewaySettings
 from fngate.errors import InvalidArgument
 from fngate.repository import MANIFEST_FILE, Repository, check_name
@@ -38,7 +38,7 @@ class Deployer:
 
     def repository(self) -> Repository:
         if self._repository is None:
-            self._repository = deploy.open_any(self.url)
+            self._repository = deployment.open_any(self.url)
         return self._repository
 
 
@@ -63,15 +63,17 @@ async def put_function(request: Request) -> Response:
         manifest = folder / MANIFEST_FILE
         if not manifest.is_file():
             raise InvalidArgument(f"the archive has no {MANIFEST_FILE} at its root")
-        version, record = await deploy.publish(manifest, owner.repository(), services(request).redis, name)
+        version, record = await deployment.publish(
+            manifest, owner.repository(), services(request).redis, name
+        )
     log.info("deployed %s version %s (key %s)", name, version.version, _key_id(request))
-    return json_response({**deploy.describe(record), "deployed": version.version}, 201)
+    return json_response({**deployment.describe(record), "deployed": version.version}, 201)
 
 
 async def get_function(request: Request) -> Response:
     name = check_name(request.path_params["name"])
     record = await asyncio.to_thread(deployer(request).repository().get, name)
-    return json_response(deploy.describe(record))
+    return json_response(deployment.describe(record))
 
 
 async def delete_function(request: Request) -> Response:
@@ -79,7 +81,7 @@ async def delete_function(request: Request) -> Response:
     name = check_name(request.path_params["name"])
     repository = deployer(request).repository()
     record = await asyncio.to_thread(repository.get, name)
-    answered = await deploy.withdraw(repository, record, services(request).redis, REMOVE_GRACE_S)
+    answered = await deployment.withdraw(repository, record, services(request).redis, REMOVE_GRACE_S)
     log.info("removed %s (key %s)", name, _key_id(request))
     return json_response({"removed": name, "versions": list(record.versions), "answered": answered})
 

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from fngate import local
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
+from fngate.tools import local
 from gateway.__main__ import SERVERS
 from gateway.app import create_app
 from runner.worker import main as runner_main

@@ -65,12 +65,26 @@ def test_heavy_clients_are_imported_only_where_used() -> None:
     assert offenders == []
 
 
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but what sits under `if TYPE_CHECKING:` (imports for annotations only)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+    return out
+
+
 def module_imports(path: Path) -> set[str]:
     """Project modules this module imports, at its top level or inside a function (an import put in
     a function to dodge a circle is still a circle)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -94,3 +108,16 @@ def test_no_import_circles() -> None:
         tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as exc:
         pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
+def test_gateway_runner_and_the_core_never_import_the_tooling() -> None:
+    """fngate.tools (the CLI, fngate up, the Kubernetes renderer) sits on top: nothing serving
+    traffic, and nothing in the shared core, depends on it."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in ("gateway", "runner", "fngate")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if "tools" not in path.relative_to(ROOT).parts
+        and any(name.startswith("fngate.tools") for name in module_imports(path))
+    ]
+    assert offenders == []

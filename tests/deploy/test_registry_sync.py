@@ -14,7 +14,8 @@ import pytest
 import redis
 from deploy_files import ROOT
 
-from fngate import k8s, keys
+from fngate import keys
+from fngate.tools import k8s
 from tests.e2e.deployments import scale_function
 from tests.s3 import Bucket
 
@@ -32,7 +33,7 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 def fngate(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     environment = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
     return subprocess.run(
-        [sys.executable, "-m", "fngate.cli", *args],
+        [sys.executable, "-m", "fngate.tools.cli", *args],
         capture_output=True,
         text=True,
         env=environment | env,

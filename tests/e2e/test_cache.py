@@ -56,7 +56,16 @@ async def test_hit_across_two_gateway_processes(
     assert v1_hit.json()["outputs"]["y"] == [[10.0, 2.0, 4.0, 6.0]]
     assert executions(log) == ["5"]
     assert len([key async for key in redis.scan_iter(match=keys.cache_prefix("memo") + "*")]) == 1
-    command = [sys.executable, "-m", "fngate.cli", "cache", "clear", "memo", "--redis", await _url(redis)]
+    command = [
+        sys.executable,
+        "-m",
+        "fngate.tools.cli",
+        "cache",
+        "clear",
+        "memo",
+        "--redis",
+        await _url(redis),
+    ]
     cleared = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, check=False)
     assert cleared.returncode == 0, cleared.stderr
     assert "cleared 1 cached responses of memo" in cleared.stdout

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from fngate.registry import function_source
-from fngate.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from tests.conftest import child_env
 
 ROW = [0.5] * 16

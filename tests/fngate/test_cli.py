@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import fngate
-from fngate import cli, local
 from fngate.manifest import schema_json
-from fngate.state import UpState, read_up, state_dir, write_up
+from fngate.tools import cli, local
+from fngate.tools.state import UpState, read_up, state_dir, write_up
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -201,7 +201,7 @@ async def test_invoke_json_and_npy(
 
     def invoke(*argv: str) -> tuple[int, str, str]:
         result = subprocess.run(
-            [sys.executable, "-m", "fngate.cli", "invoke", *argv, "--gateway", base],
+            [sys.executable, "-m", "fngate.tools.cli", "invoke", *argv, "--gateway", base],
             capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
         )  # fmt: skip
         return result.returncode, result.stdout, result.stderr
@@ -250,7 +250,7 @@ async def test_invoke_sends_ups_admin_key_to_ups_gateway_only(
 
     def invoke(*argv: str) -> tuple[int, str, str]:
         result = subprocess.run(
-            [sys.executable, "-m", "fngate.cli", "invoke", "classifier", body, *argv],
+            [sys.executable, "-m", "fngate.tools.cli", "invoke", "classifier", body, *argv],
             capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
         )  # fmt: skip
         return result.returncode, result.stdout, result.stderr

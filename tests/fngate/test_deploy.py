@@ -7,8 +7,8 @@ from pathlib import Path
 
 import orjson
 
-from fngate.deploy import LARGE_BYTES, ProgressBar, example_body
 from fngate.manifest import FunctionManifest, load_manifest
+from fngate.tools.deploy import LARGE_BYTES, ProgressBar, example_body
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

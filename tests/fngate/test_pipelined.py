@@ -12,8 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fngate.local import start_redis
 from fngate.pipelined import PipelinedRedis, Script, stream_entries
+from fngate.tools.local import start_redis
 
 Start = Callable[..., tuple[subprocess.Popen[bytes], str]]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from fngate.validation import validate_files
+from fngate.tools.validation import validate_files
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,8 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from fngate import apikeys, cli, keys
+from fngate import apikeys, keys
+from fngate.tools import cli
 from gateway import auth, limits
 
 # (method, path, body, who may call it, the status once allowed). Allowed without a runner: the

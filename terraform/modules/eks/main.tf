@@ -11,7 +11,7 @@ data "aws_partition" "current" {}
 locals {
   account = data.aws_caller_identity.current.account_id
   region  = data.aws_region.current.region
-  # Must match fngate/k8s.py (GPU_NODE_LABEL, GPU_TAINT_KEY): runner pods of GPU pools select this
+  # Must match fngate/tools/k8s.py (GPU_NODE_LABEL, GPU_TAINT_KEY): runner pods of GPU pools select this
   # label and tolerate this taint.
   gpu_label = { key = "nvidia.com/gpu.present", value = "true" }
   gpu_taint = { key = "nvidia.com/gpu", value = "true", effect = "NO_SCHEDULE" }

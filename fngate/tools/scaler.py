@@ -25,7 +25,7 @@ from fngate import keys
 from fngate.backoff import Backoff, Health, backoff_s
 from fngate.process import stop_processes
 
-log = logging.getLogger("fngate.scaler")
+log = logging.getLogger("fngate.tools.scaler")
 TICK_TIMEOUT_S = 5.0
 """A scaling pass that takes longer failed: a paused Redis answers nothing at all."""
 CRASH_BACKOFF_S = 0.5

@@ -28,13 +28,13 @@ import redis.asyncio as aioredis
 
 from fngate import apikeys, telemetry
 from fngate.backoff import Backoff
-from fngate.deploy import example_body
 from fngate.errors import FunctionError
 from fngate.process import stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote, open_repository
-from fngate.scaler import LocalScaler, PoolSpec, pool_specs
-from fngate.state import UpState, clear_up, state_dir, write_up
+from fngate.tools.deploy import example_body
+from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.tools.state import UpState, clear_up, state_dir, write_up
 
 log = logging.getLogger("fngate.up")
 POLL_S = 0.5

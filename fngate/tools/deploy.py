@@ -19,8 +19,8 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate import keys, queue
-from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
+from fngate.deployment import deploy_files, policy_check, withdraw
+from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.registry import (
     ControlOp,
@@ -28,23 +28,14 @@ from fngate.registry import (
     create_stream,
     read_runners,
     send_control,
-    set_unloaded,
     summarize,
 )
 from fngate.repository import (
-    MANIFEST_FILE,
-    ArtifactFile,
     FunctionRecord,
     FunctionVersion,
     Repository,
-    collect_files,
-    hash_file,
     is_remote,
-    make_record,
-    open_repository,
-    policy_problems,
 )
-from fngate.wire import Invocation, Reply
 
 LARGE_BYTES = 8 * 1024 * 1024
 """Uploads from this size on get a progress bar (on a terminal)."""
@@ -109,7 +100,7 @@ def deploy(
     remote = is_remote(repository.url)
     try:
         files = deploy_files(path, manifest)
-        problems = _policy_check(repository, manifest)
+        problems = policy_check(repository, manifest)
         if problems:
             for problem in problems:
                 print(f"{path}: {problem}", file=err)
@@ -218,32 +209,6 @@ def _api_error(body: bytes) -> str:
     except orjson.JSONDecodeError:
         return body.decode(errors="replace")[:500]
     return str(doc.get("error", doc)) if isinstance(doc, dict) else str(doc)
-
-
-def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactFile, Path]]:
-    """The manifest (stored as function.yaml whatever its name) and the files of its folder."""
-    manifest_file = path.resolve()
-    files = [
-        (item, source)
-        for item, source in collect_files(manifest_file.parent)
-        if item.path != MANIFEST_FILE and source.resolve() != manifest_file
-    ]
-    files.insert(
-        0, (ArtifactFile(MANIFEST_FILE, hash_file(manifest_file), manifest_file.stat().st_size), path)
-    )
-    if not any(item.path == manifest.model.path for item, _ in files):
-        raise InvalidArgument(f"{manifest_file.parent / manifest.model.path} does not exist (model.path)")
-    return files
-
-
-def _policy_check(repository: Repository, manifest: FunctionManifest) -> list[str]:
-    """The version policy as it will be with this version added as the next number."""
-    try:
-        stored = list(repository.get(manifest.name).versions.values())
-    except FunctionNotFound:
-        stored = []
-    upcoming = FunctionVersion(manifest, repository.next_version(manifest.name), Path())
-    return policy_problems(make_record([*stored, upcoming]))
 
 
 def _print_deployed(
@@ -435,104 +400,6 @@ async def _remove(
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
         await redis.ping()
         return await withdraw(repository, record, redis, grace_s)
-
-
-async def withdraw(
-    repository: Repository, record: FunctionRecord, redis: aioredis.Redis, grace_s: float
-) -> int:
-    """Remove every version of a function, tell the runners, answer its queued invocations
-    not_found (now and after `grace_s`); returns how many were answered. `fngate rm` and the deploy
-    API's DELETE."""
-    if is_remote(repository.url):
-        await Registry(redis, repository.url).remove(record.name)
-    await asyncio.to_thread(repository.remove, record.name)
-    await set_unloaded(redis, record.name, False)  # a function deployed again under this name starts loadable
-    await send_control(redis, ControlOp("remove", record.name))
-    answered = await answer_queued(redis, record.name)
-    await asyncio.sleep(grace_s)
-    return answered + await answer_queued(redis, record.name)
-
-
-async def publish(
-    path: Path, repository: Repository, redis: aioredis.Redis, name: str | None = None
-) -> tuple[FunctionVersion, FunctionRecord]:
-    """What `fngate deploy` does, for the deploy API: validate the manifest at `path` and its
-    folder, store them as the next version, record it and tell the runners. Raises FunctionError;
-    nothing is stored for a manifest (not named `name`, when given) or a version policy that fails
-    its check."""
-    try:
-        manifest = load_manifest(path)
-    except ManifestError as exc:
-        raise InvalidArgument("; ".join(line.removeprefix(f"{path}: ") for line in exc.lines())) from None
-    if name is not None and manifest.name != name:
-        raise InvalidArgument(f"the manifest names '{manifest.name}', not '{name}'")
-    files = deploy_files(path, manifest)
-    problems = await asyncio.to_thread(_policy_check, repository, manifest)
-    if problems:
-        raise InvalidArgument("; ".join(problems))
-    version = await asyncio.to_thread(repository.add_version, manifest, files, lambda count: None)
-    record = await asyncio.to_thread(repository.get, manifest.name)
-    if is_remote(repository.url):
-        await Registry(redis, repository.url).put(record)
-    await send_control(redis, ControlOp("deploy", record.name))
-    return version, record
-
-
-def describe(record: FunctionRecord) -> dict[str, Any]:
-    """A function's stored versions as the deploy API answers GET."""
-    return {
-        "name": record.name,
-        "served": list(record.served),
-        "traffic": record.traffic,
-        "versions": [
-            {
-                "version": number,
-                "digest": version.digest,
-                "backend": version.manifest.model.backend,
-                "files": [
-                    {"path": item.path, "sha256": item.sha256, "size": item.size} for item in version.files
-                ],
-            }
-            for number, version in record.versions.items()
-        ],
-    }
-
-
-def open_any(url: str) -> Repository:
-    """A repository from its URL: a folder, or S3 (fngate/s3.py, with boto3)."""
-    if is_remote(url):
-        from fngate.s3 import S3Repository
-
-        return S3Repository(url)
-    return open_repository(url)
-
-
-async def answer_queued(redis: aioredis.Redis, name: str) -> int:
-    """Answer every invocation queued for `name` (and those waiting on it) not_found; delete them."""
-    stream = keys.invocations(name)
-    finish = redis.register_script(queue.FINISH)
-    error = FunctionNotFound(f"function '{name}' was removed")
-    answered = 0
-    while True:
-        entries: Any = await redis.xrange(stream, count=500)
-        if not entries:
-            break
-        outgoing = []
-        for _entry_id, fields in entries:
-            try:
-                invocation = Invocation.decode(fields)
-            except (KeyError, ValueError, TypeError, FunctionError):
-                continue
-            reply = Reply(invocation.id, invocation.version, {}, error).encode()
-            outgoing.append(
-                queue.Outgoing(reply, invocation.reply_to, in_flight=invocation.in_flight_key or "")
-            )
-        ids = [entry_id for entry_id, _ in entries]
-        size = sum(queue.entry_bytes(fields) for _, fields in entries)
-        call = queue.finish_call(stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
-        await finish(keys=call.keys, args=call.args)
-        answered += len(outgoing)
-    return answered
 
 
 def _count(count: int, noun: str) -> str:

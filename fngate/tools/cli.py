@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import fngate
-from fngate.state import UpState, read_up, state_dir
+from fngate.tools.state import UpState, read_up, state_dir
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "k8s", help="render Kubernetes objects (KEDA ScaledObjects per pool) from manifests"
     )
     k8s.add_argument("action", choices=["render"], help="render: print the objects as YAML")
-    k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.k8s --help`")
+    k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.tools.k8s --help`")
     return parser
 
 
@@ -162,11 +162,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "cache":
         return _clear_cache(args.function, args.redis)
     if args.command == "k8s":
-        from fngate.k8s import main as k8s_main
+        from fngate.tools.k8s import main as k8s_main
 
         return k8s_main(args.rest)
     if args.command == "validate":
-        from fngate.validation import validate_files
+        from fngate.tools.validation import validate_files
 
         return validate_files(args.files, sys.stdout, sys.stderr)
     if args.command == "schema":
@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(schema_json())
         return 0
     if args.command == "invoke":
-        from fngate.invoke import InvokeError, invoke
+        from fngate.tools.invoke import InvokeError, invoke
 
         up_gateway = _from_up("gateway_url")
         gateway = args.gateway or up_gateway or DEFAULT_GATEWAY
@@ -186,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         except InvokeError as exc:
             raise (ServiceError if exc.unreachable else UsageError)(str(exc)) from exc
     if args.command == "up":
-        from fngate.local import run_local
+        from fngate.tools.local import run_local
 
         return run_local(args)
     if args.command == "gateway":
@@ -198,7 +198,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
         if not settings.bind:
-            from fngate.local import port_problem
+            from fngate.tools.local import port_problem
 
             busy = port_problem(settings.host, settings.port)
             if busy:
@@ -291,8 +291,8 @@ def targets(repo: str | None, redis_url: str | None) -> tuple[str, str]:
 
 def _repository_command(args: argparse.Namespace) -> int:
     """deploy, ls and rm: the repository is opened here (boto3 only for an S3 one)."""
-    from fngate import deploy
     from fngate.repository import Repository, is_remote, open_repository
+    from fngate.tools import deploy
 
     url, redis_url = targets(args.repo, args.redis)
     repository: Repository
@@ -449,7 +449,7 @@ def _key_command(args: argparse.Namespace) -> int:
 
 
 def _deploy_through(args: argparse.Namespace) -> int:
-    from fngate import deploy
+    from fngate.tools import deploy
 
     api_key = os.environ.get("FNGATE_API_KEY", "")
     if not api_key:

@@ -1,0 +1,156 @@
+"""What deploying and removing a function does, for `fngate deploy` and `fngate rm` and for the
+gateway's deploy API alike: check a function's folder, store it as the next version, keep the
+registry in step, tell the runners; remove every version and answer what was queued for it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from fngate import keys, queue
+from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
+from fngate.manifest import FunctionManifest, ManifestError, load_manifest
+from fngate.registry import ControlOp, Registry, send_control, set_unloaded
+from fngate.repository import (
+    MANIFEST_FILE,
+    ArtifactFile,
+    FunctionRecord,
+    FunctionVersion,
+    Repository,
+    collect_files,
+    hash_file,
+    is_remote,
+    make_record,
+    open_repository,
+    policy_problems,
+)
+from fngate.wire import Invocation, Reply
+
+REPLY_MAXLEN = 100_000
+
+
+def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactFile, Path]]:
+    """The manifest (stored as function.yaml whatever its name) and the files of its folder."""
+    manifest_file = path.resolve()
+    files = [
+        (item, source)
+        for item, source in collect_files(manifest_file.parent)
+        if item.path != MANIFEST_FILE and source.resolve() != manifest_file
+    ]
+    files.insert(
+        0, (ArtifactFile(MANIFEST_FILE, hash_file(manifest_file), manifest_file.stat().st_size), path)
+    )
+    if not any(item.path == manifest.model.path for item, _ in files):
+        raise InvalidArgument(f"{manifest_file.parent / manifest.model.path} does not exist (model.path)")
+    return files
+
+
+def policy_check(repository: Repository, manifest: FunctionManifest) -> list[str]:
+    """The version policy as it will be with this version added as the next number."""
+    try:
+        stored = list(repository.get(manifest.name).versions.values())
+    except FunctionNotFound:
+        stored = []
+    upcoming = FunctionVersion(manifest, repository.next_version(manifest.name), Path())
+    return policy_problems(make_record([*stored, upcoming]))
+
+
+async def withdraw(
+    repository: Repository, record: FunctionRecord, redis: aioredis.Redis, grace_s: float
+) -> int:
+    """Remove every version of a function, tell the runners, answer its queued invocations
+    not_found (now and after `grace_s`); returns how many were answered. `fngate rm` and the deploy
+    API's DELETE."""
+    if is_remote(repository.url):
+        await Registry(redis, repository.url).remove(record.name)
+    await asyncio.to_thread(repository.remove, record.name)
+    await set_unloaded(redis, record.name, False)  # a function deployed again under this name starts loadable
+    await send_control(redis, ControlOp("remove", record.name))
+    answered = await answer_queued(redis, record.name)
+    await asyncio.sleep(grace_s)
+    return answered + await answer_queued(redis, record.name)
+
+
+async def publish(
+    path: Path, repository: Repository, redis: aioredis.Redis, name: str | None = None
+) -> tuple[FunctionVersion, FunctionRecord]:
+    """What `fngate deploy` does, for the deploy API: validate the manifest at `path` and its
+    folder, store them as the next version, record it and tell the runners. Raises FunctionError;
+    nothing is stored for a manifest (not named `name`, when given) or a version policy that fails
+    its check."""
+    try:
+        manifest = load_manifest(path)
+    except ManifestError as exc:
+        raise InvalidArgument("; ".join(line.removeprefix(f"{path}: ") for line in exc.lines())) from None
+    if name is not None and manifest.name != name:
+        raise InvalidArgument(f"the manifest names '{manifest.name}', not '{name}'")
+    files = deploy_files(path, manifest)
+    problems = await asyncio.to_thread(policy_check, repository, manifest)
+    if problems:
+        raise InvalidArgument("; ".join(problems))
+    version = await asyncio.to_thread(repository.add_version, manifest, files, lambda count: None)
+    record = await asyncio.to_thread(repository.get, manifest.name)
+    if is_remote(repository.url):
+        await Registry(redis, repository.url).put(record)
+    await send_control(redis, ControlOp("deploy", record.name))
+    return version, record
+
+
+def describe(record: FunctionRecord) -> dict[str, Any]:
+    """A function's stored versions as the deploy API answers GET."""
+    return {
+        "name": record.name,
+        "served": list(record.served),
+        "traffic": record.traffic,
+        "versions": [
+            {
+                "version": number,
+                "digest": version.digest,
+                "backend": version.manifest.model.backend,
+                "files": [
+                    {"path": item.path, "sha256": item.sha256, "size": item.size} for item in version.files
+                ],
+            }
+            for number, version in record.versions.items()
+        ],
+    }
+
+
+def open_any(url: str) -> Repository:
+    """A repository from its URL: a folder, or S3 (fngate/s3.py, with boto3)."""
+    if is_remote(url):
+        from fngate.s3 import S3Repository
+
+        return S3Repository(url)
+    return open_repository(url)
+
+
+async def answer_queued(redis: aioredis.Redis, name: str) -> int:
+    """Answer every invocation queued for `name` (and those waiting on it) not_found; delete them."""
+    stream = keys.invocations(name)
+    finish = redis.register_script(queue.FINISH)
+    error = FunctionNotFound(f"function '{name}' was removed")
+    answered = 0
+    while True:
+        entries: Any = await redis.xrange(stream, count=500)
+        if not entries:
+            break
+        outgoing = []
+        for _entry_id, fields in entries:
+            try:
+                invocation = Invocation.decode(fields)
+            except (KeyError, ValueError, TypeError, FunctionError):
+                continue
+            reply = Reply(invocation.id, invocation.version, {}, error).encode()
+            outgoing.append(
+                queue.Outgoing(reply, invocation.reply_to, in_flight=invocation.in_flight_key or "")
+            )
+        ids = [entry_id for entry_id, _ in entries]
+        size = sum(queue.entry_bytes(fields) for _, fields in entries)
+        call = queue.finish_call(stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
+        await finish(keys=call.keys, args=call.args)
+        answered += len(outgoing)
+    return answered
