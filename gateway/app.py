@@ -71,14 +71,14 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         gateway_id = uuid.uuid4().hex[:12]
         # Invocations wait for a free connection rather than fail when many are in flight at once.
-        pool = aioredis.BlockingConnectionPool.from_url(
+        connections = aioredis.BlockingConnectionPool.from_url(
             settings.redis_url,
             max_connections=settings.redis_connections,
             timeout=5,
             socket_connect_timeout=settings.redis_timeout_s,
             socket_timeout=settings.redis_timeout_s,
         )
-        redis = aioredis.Redis.from_pool(pool)  # owns the pool: closing it closes the connections
+        redis = aioredis.Redis.from_pool(connections)  # closing it closes the connections
         # A Redis that stops answering (paused, partitioned) fails the blocking reads too, so the
         # reply loop notices and invocations are refused at once instead of waiting out deadlines.
         reader = aioredis.from_url(
@@ -89,7 +89,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         health = Health("redis")  # the activator's and the catalog's view of Redis: readiness
         activator = Activator(reader, health=health)
         # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies,
-        # so that the invocations' connection pool stays the invocations'.
+        # so that the invocations' connections stay the invocations'.
         catalog = Catalog(function_source(settings.repo, reader), reader, health)
         pipelined = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
         reply_reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)

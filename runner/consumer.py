@@ -44,8 +44,8 @@ from runner.metrics import (
     MODELS_LOADED,
     QUEUE_DURATION,
 )
+from runner.models import LoadedModel, LoadedModels
 from runner.outbox import Entry, Outbox
-from runner.pool import LoadedModel, ModelPool
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("fngate.runner")
@@ -61,14 +61,14 @@ class FunctionConsumer:
         self,
         redis: aioredis.Redis,
         function: FunctionVersion,
-        pool: ModelPool,
+        models: LoadedModels,
         settings: RunnerSettings,
         consumer: str,
         stopping: asyncio.Event,
     ) -> None:
         self.function = function
         self._redis = redis
-        self._pool = pool
+        self._models = models
         self._settings = settings
         self._consumer = consumer
         self._stopping = stopping
@@ -115,7 +115,7 @@ class FunctionConsumer:
         failures = 0
         while not self._stopping.is_set():
             try:
-                if self._pool.is_stuck(self.function.name):
+                if self._models.is_stuck(self.function.name):
                     # A batch that cannot be stopped holds it: leave its work to other runners.
                     await asyncio.sleep(self._settings.claim_interval_ms / 1000)
                     continue
@@ -247,16 +247,16 @@ class FunctionConsumer:
         ran_digest = ""
         with tracer.start_as_current_span(f"batch {name}", links=links) as batch_span:
             try:
-                model = await self._load(self._pool.version(name, version))
+                model = await self._load(self._models.version(name, version))
             except FunctionError as exc:
                 replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
             else:
                 ran_digest = model.function.digest
                 computed = time.perf_counter()
                 try:
-                    replies = await run_batch(self._pool, model, invocations, batch_id)
+                    replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
-                    await self._pool.release(model)
+                    await self._models.release(model)
                 COMPUTE_DURATION.labels(name).observe(time.perf_counter() - computed)
             rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
             batch_span.set_attributes(
@@ -278,21 +278,21 @@ class FunctionConsumer:
 
     async def _load(self, function: FunctionVersion) -> LoadedModel:
         """The model, loaded now if this batch is its first (a cold start, with a span of its own);
-        held until `pool.release`."""
+        held until `models.release`."""
         name = function.name
-        if (name, function.version) in self._pool.loaded:
-            return await self._pool.acquire(function)
+        if (name, function.version) in self._models.loaded:
+            return await self._models.acquire(function)
         COLD_STARTS.labels(name).inc()
         started = time.perf_counter()
         with tracer.start_as_current_span(f"load {name}", attributes={"fngate.cold_start": True}):
             try:
-                model = await self._pool.acquire(function)
+                model = await self._models.acquire(function)
             except FunctionError:
                 MODEL_LOADS.labels(name, "failed").inc()
                 raise
         MODEL_LOADS.labels(name, "loaded").inc()
         MODEL_LOAD_DURATION.labels(name).observe(time.perf_counter() - started)
-        MODELS_LOADED.set(len(self._pool.loaded))
+        MODELS_LOADED.set(len(self._models.loaded))
         return model
 
     def _observe(

@@ -18,7 +18,7 @@ from fngate.wire import Invocation, Reply, Tensors
 from runner.backends import Backend
 
 if TYPE_CHECKING:
-    from runner.pool import LoadedModel, ModelPool
+    from runner.models import LoadedModel, LoadedModels
 
 
 def shape_key(invocation: Invocation) -> tuple[tuple[int, ...], ...]:
@@ -27,11 +27,11 @@ def shape_key(invocation: Invocation) -> tuple[tuple[int, ...], ...]:
 
 
 async def run_batch(
-    pool: ModelPool, model: LoadedModel, batch: Sequence[Invocation], batch_id: str
+    models: LoadedModels, model: LoadedModel, batch: Sequence[Invocation], batch_id: str
 ) -> list[Reply]:
     """`execute` in a worker thread. A backend of the runner's own process cannot be stopped: past
     the function's execution timeout its invocations are answered model_timeout at once, and the
-    pool keeps the model open for the thread, gives it no work and reports it stuck until the
+    runner keeps the model open for the thread, gives it no work and reports it stuck until the
     thread returns. (The python backend enforces the timeout itself, by stopping its process.)"""
     manifest = model.function.manifest
     loop = asyncio.get_running_loop()
@@ -43,7 +43,7 @@ async def run_batch(
     done, _ = await asyncio.wait({work}, timeout=manifest.execution_timeout_s)
     if done:
         return work.result()
-    await pool.hold_stuck(model, work, started)
+    await models.hold_stuck(model, work, started)
     error = ModelTimeout(
         f"function '{manifest.name}': the batch ran past its execution timeout of "
         f"{manifest.execution_timeout_s * 1000:.0f} ms; this runner gives the function no more work "

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from runner.metrics import MODELS_LOADED, RSS_BYTES
-from runner.pool import ModelPool
+from runner.models import LoadedModels
 
 log = logging.getLogger(__name__)
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -43,7 +43,7 @@ def give_back_memory() -> None:
 
 
 async def watch(
-    pool: ModelPool,
+    models: LoadedModels,
     busy: Callable[[], bool],
     stopping: asyncio.Event,
     idle_shutdown_s: float,
@@ -54,11 +54,11 @@ async def watch(
     idle_since = time.monotonic()
     while not stopping.is_set():
         now = time.monotonic()
-        for key, model in list(pool.loaded.items()):
+        for key, model in list(models.loaded.items()):
             limit = model.function.manifest.scaling.idle_unload_s
             if model.in_use == 0 and now - model.last_used >= limit:
                 before = rss_bytes()
-                if await pool.unload(key, "idle-unloaded"):
+                if await models.unload(key, "idle-unloaded"):
                     await asyncio.to_thread(give_back_memory)
                     after = rss_bytes()
                     log.info(
@@ -68,9 +68,9 @@ async def watch(
                         before / 2**20,
                         after / 2**20,
                     )
-        MODELS_LOADED.set(len(pool.loaded))
+        MODELS_LOADED.set(len(models.loaded))
         RSS_BYTES.set(rss_bytes())
-        if pool.loaded or pool.loading or busy():
+        if models.loaded or models.loading or busy():
             idle_since = now
         elif idle_shutdown_s > 0 and now - idle_since >= idle_shutdown_s:
             log.info("no model loaded and no work for %.0f s: stopping", idle_shutdown_s)

@@ -19,7 +19,7 @@ from fngate.config import RunnerSettings
 from fngate.registry import ControlOp, Source, StateBoard, decode_control
 from fngate.repository import FunctionRecord
 from runner.consumer import FunctionConsumer
-from runner.pool import Key, ModelPool
+from runner.models import Key, LoadedModels
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Lifecycle:
         name: str,
         settings: RunnerSettings,
         redis: aioredis.Redis,
-        pool: ModelPool,
+        models: LoadedModels,
         board: StateBoard,
         source: Source,
         stopping: asyncio.Event,
@@ -42,7 +42,7 @@ class Lifecycle:
         self.name = name
         self.settings = settings
         self.redis = redis
-        self.pool = pool
+        self.models = models
         self.board = board
         self.source = source
         self.stopping = stopping
@@ -82,7 +82,7 @@ class Lifecycle:
         }
         gone = self.records.keys() - records.keys()
         self.records = records
-        self.pool.offer(records)
+        self.models.offer(records)
         for name in gone:
             await self._forget(name, "removed" if name not in found else "moved to another pool")
             if name in found:  # its invocations are for another pool's runners now
@@ -100,7 +100,7 @@ class Lifecycle:
         entry = self.consumers.get(record.name)
         if entry is None:
             consumer = FunctionConsumer(
-                self.redis, default, self.pool, self.settings, self.name, self.stopping
+                self.redis, default, self.models, self.settings, self.name, self.stopping
             )
             task = self.tasks.create_task(consumer.run(), name=f"consume {record.name}")
             self.consumers[record.name] = (consumer, task)
@@ -112,18 +112,18 @@ class Lifecycle:
 
     def _preload(self, record: FunctionRecord) -> None:
         """Make before break: a function loaded here gets its newly served versions loaded beside."""
-        if not any(key[0] == record.name for key in self.pool.loaded):
+        if not any(key[0] == record.name for key in self.models.loaded):
             return
         for version in record.served:
             key = (record.name, version)
-            if key not in self.pool.loaded and key not in self.preloading:
+            if key not in self.models.loaded and key not in self.preloading:
                 self.preloading.add(key)
                 self.spawn(self._preload_one(key), f"preload {key}")
 
     async def _preload_one(self, key: Key) -> None:
         try:
             with contextlib.suppress(Exception):  # the failure is recorded as the version's state
-                await self.pool.get(self.pool.version(*key))
+                await self.models.get(self.models.version(*key))
         finally:
             self.preloading.discard(key)
 
@@ -131,16 +131,16 @@ class Lifecycle:
         """Unload versions the policy stopped serving once a newer served one is loaded here and they
         have been idle for retire_after_s (gateways move traffic when they see the newer one ready)."""
         now = time.monotonic()
-        for key, model in list(self.pool.loaded.items()):
+        for key, model in list(self.models.loaded.items()):
             record = self.records.get(key[0])
             if record is None or key[1] in record.served:
                 continue
             newer = any(
-                int(version) > int(key[1]) and (key[0], version) in self.pool.loaded
+                int(version) > int(key[1]) and (key[0], version) in self.models.loaded
                 for version in record.served
             )
             if newer and model.in_use == 0 and now - model.last_used >= self.settings.retire_after_s:
-                await self.pool.unload(key, "retired")
+                await self.models.unload(key, "retired")
 
     def _stop_consuming(self, name: str) -> None:
         """What the loop read and did not answer stays pending for other runners to claim. (A removed
@@ -151,8 +151,8 @@ class Lifecycle:
             log.info("no longer consuming %s: it moved to another pool", name)
 
     async def _forget(self, name: str, reason: str) -> None:
-        for key in [key for key in self.pool.loaded if key[0] == name]:
-            await self.pool.unload(key, reason)
+        for key in [key for key in self.models.loaded if key[0] == name]:
+            await self.models.unload(key, reason)
         with contextlib.suppress(RedisError):
             await self.board.forget(name)
 
@@ -215,11 +215,11 @@ class Lifecycle:
         if op.op == "load" and record is not None:
             for version in op.versions or record.served:
                 if version in record.versions:
-                    self.spawn(self.pool.load(record.versions[version], op.id), f"load {op.function}")
+                    self.spawn(self.models.load(record.versions[version], op.id), f"load {op.function}")
         elif op.op == "unload":
-            loaded = {version for function, version in self.pool.loaded if function == op.function}
+            loaded = {version for function, version in self.models.loaded if function == op.function}
             for version in sorted(set(op.versions) | loaded):
-                await self.pool.unload((op.function, version), "unloaded")  # waits for a load under way
+                await self.models.unload((op.function, version), "unloaded")  # waits for a load under way
         elif op.op == "remove":
             await self._forget(op.function, "removed")
 

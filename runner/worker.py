@@ -20,11 +20,11 @@ from fngate.backoff import until_done
 from fngate.config import RunnerSettings
 from fngate.registry import ModelState, StateBoard, function_source
 from runner import idle
+from runner.artifacts import Artifacts
 from runner.backends.providers import Acceleration
 from runner.lifecycle import Lifecycle
-from runner.pool import ModelPool
+from runner.models import LoadedModels
 from runner.status import StatusServer, redis_ready
-from runner.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,16 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
     async def report(function: str, version: str, state: ModelState) -> None:
         try:
             await board.set(function, version, state)
-            await board.heartbeat(_idle_times(pool))  # what is loaded changed: say so now
+            await board.heartbeat(_idle_times(models))  # what is loaded changed: say so now
         except RedisError as exc:
             log.warning("could not record the state of %s version %s: %s", function, version, exc)
 
-    store = await asyncio.to_thread(
-        Store, settings.repo, _artifact_dir(settings), settings.artifact_max_bytes
+    artifacts = await asyncio.to_thread(
+        Artifacts, settings.repo, _artifact_dir(settings), settings.artifact_max_bytes
     )
-    accel = Acceleration.from_settings(settings, store.engine_store())
+    accel = Acceleration.from_settings(settings, artifacts.engine_store())
     threads = settings.intra_op_threads or min(os.cpu_count() or 1, 4)
-    pool = ModelPool(threads, store, report, settings.load_retry_s, accel)
+    models = LoadedModels(threads, artifacts, report, settings.load_retry_s, accel)
     async with redis, control:
         await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
         await board.heartbeat()
@@ -59,7 +59,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
         try:
             async with asyncio.TaskGroup() as tasks:
                 source = function_source(settings.repo, redis)
-                runner = Lifecycle(name, settings, redis, pool, board, source, stopping, tasks)
+                runner = Lifecycle(name, settings, redis, models, board, source, stopping, tasks)
                 await runner.discover()
                 runner.loops.append(tasks.create_task(runner.discover_loop(), name="discover"))
                 runner.loops.append(tasks.create_task(_heartbeat_loop(runner), name="heartbeat"))
@@ -70,7 +70,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
                 serving = tasks.create_task(status.run(), name="status")
                 runner.loops.append(
                     tasks.create_task(
-                        idle.watch(pool, lambda: runner.busy, stopping, settings.idle_shutdown_s),
+                        idle.watch(models, lambda: runner.busy, stopping, settings.idle_shutdown_s),
                         name="idle",
                     )
                 )
@@ -80,7 +80,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
                 for task in [serving, *runner.background]:
                     task.cancel()
         finally:
-            pool.close()
+            models.close()
             with contextlib.suppress(RedisError, OSError):
                 await board.close()
     log.info("runner %s stopped", name)
@@ -96,15 +96,16 @@ async def _heartbeat_loop(runner: Lifecycle) -> None:
             async with asyncio.timeout(runner.settings.heartbeat_s):
                 await runner.stopping.wait()
         try:
-            await runner.board.heartbeat(_idle_times(runner.pool))
+            await runner.board.heartbeat(_idle_times(runner.models))
         except (RedisError, OSError) as exc:
             log.warning("heartbeat failed: %s", exc)
 
 
-def _idle_times(pool: ModelPool) -> dict[str, float]:
+def _idle_times(models: LoadedModels) -> dict[str, float]:
     now = time.monotonic()
     return {
-        f"{name}/{version}": round(now - model.last_used, 1) for (name, version), model in pool.loaded.items()
+        f"{name}/{version}": round(now - model.last_used, 1)
+        for (name, version), model in models.loaded.items()
     }
 
 

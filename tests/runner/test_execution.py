@@ -14,7 +14,7 @@ from fngate.registry import READY, ModelState
 from fngate.repository import open_repository
 from fngate.wire import Invocation
 from runner.execution import check_outputs, run_batch
-from runner.pool import ModelPool
+from runner.models import LoadedModels
 from tests.runner.slow_model import build_slow_model
 
 
@@ -110,26 +110,26 @@ async def test_an_in_process_batch_past_its_timeout_is_answered_and_its_model_he
     async def report(_function: str, _version: str, state: ModelState) -> None:
         states.append(state)
 
-    pool = ModelPool(1, report=report)
-    pool.offer(records)
+    models = LoadedModels(1, report=report)
+    models.offer(records)
     function = records["slow"].versions["1"]
     key = ("slow", "1")
 
     async def run(loops: float) -> Any:
-        model = await pool.acquire(function)
+        model = await models.acquire(function)
         try:
-            return (await run_batch(pool, model, [invocation(loops)], "b"))[0]
+            return (await run_batch(models, model, [invocation(loops)], "b"))[0]
         finally:
-            await pool.release(model)
+            await models.release(model)
 
     async def settled(reason: str) -> None:
         for _ in range(600):
-            if states[-1].reason == reason and not pool.stuck:
+            if states[-1].reason == reason and not models.stuck:
                 return
             await asyncio.sleep(0.1)
         raise AssertionError(f"never {reason!r}: {states[-1]}")
 
-    await pool.get(function)  # loaded before the loop is timed
+    await models.get(function)  # loaded before the loop is timed
     started = time.perf_counter()
     assert (await run(2000)).error is None
     loops = max(200_000.0, 1.5 / ((time.perf_counter() - started) / 2000))  # 1.5 s or more: over 200 ms
@@ -137,17 +137,17 @@ async def test_an_in_process_batch_past_its_timeout_is_answered_and_its_model_he
     stuck = await run(loops)
     assert isinstance(stuck.error, ModelTimeout)
     assert "ran past its execution timeout of 200 ms" in stuck.error.message
-    assert pool.stuck == [key]
+    assert models.stuck == [key]
     assert states[-1].reason.startswith("stuck: a batch has run for")
     with pytest.raises(Unavailable, match="past its execution timeout of 200 ms"):
-        await pool.get(function)
+        await models.get(function)
     await settled("")  # the batch returned: ready again
     assert states[-1].state == READY
     np.testing.assert_array_equal((await run(3)).outputs["y"], invocation(3).inputs["x"])
 
     assert isinstance((await run(loops)).error, ModelTimeout)
-    assert await pool.unload(key)
+    assert await models.unload(key)
     assert states[-1].reason.startswith("unloading: a batch has run for")
     assert states[-1].reason.endswith("it is freed when that batch returns")
     await settled("unloaded")
-    assert key not in pool.loaded
+    assert key not in models.loaded

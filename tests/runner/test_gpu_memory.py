@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from fngate.repository import FolderRepository
 from runner import gpu
 from runner.gpu import MIB, MemoryReading, nvml_index, taken_bytes, uuid_text
-from runner.pool import ModelPool
+from runner.models import LoadedModels
 from tests.runner.gpu_support import CLASSIFIER, require_gpu
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -75,19 +75,19 @@ def test_the_driver_major_version_is_read_from_nvmls() -> None:
 
 async def test_a_loaded_model_reports_its_device_until_unloaded(tmp_path: Path) -> None:
     record = FolderRepository(CLASSIFIER.parent).get("classifier")
-    pool = ModelPool(1)
-    pool.offer({"classifier": record})
+    models = LoadedModels(1)
+    models.offer({"classifier": record})
     (version,) = record.versions
     labels = {"function": "classifier", "version": version, "device": "CPUExecutionProvider", "asked": "cpu"}
     try:
-        await pool.get(record.versions[version])
+        await models.get(record.versions[version])
         assert REGISTRY.get_sample_value("fngate_model_device", labels) == 1
         memory = {"function": "classifier", "version": version, "gpu": "0"}
         assert REGISTRY.get_sample_value("fngate_model_gpu_memory_bytes", memory) is None  # not on a GPU
-        assert await pool.unload(("classifier", version))
+        assert await models.unload(("classifier", version))
         assert REGISTRY.get_sample_value("fngate_model_device", labels) is None
     finally:
-        pool.close()
+        models.close()
 
 
 def test_without_a_gpu_nvml_says_why_and_reports_no_memory() -> None:

@@ -192,7 +192,7 @@ class Materialized:
     download_s: float
 
 
-class Store:
+class Artifacts:
     """A version's local folder: an unversioned folder as it is, a deployed one in a folder
     repository after checking its files in place, one in S3 through the artifact cache."""
 

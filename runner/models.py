@@ -17,10 +17,10 @@ from typing import Any
 from fngate.errors import FunctionError, FunctionNotFound, Unavailable
 from fngate.registry import LOADING, READY, UNAVAILABLE, ModelState
 from fngate.repository import FunctionRecord, FunctionVersion
+from runner.artifacts import Artifacts
 from runner.backends import Backend, load_backend
 from runner.backends.providers import Acceleration
 from runner.metrics import model_loaded, model_unloaded
-from runner.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +51,18 @@ async def _no_report(_function: str, _version: str, _state: ModelState) -> None:
     return None
 
 
-class ModelPool:
+class LoadedModels:
     def __init__(
         self,
         threads: int,
-        store: Store | None = None,
+        artifacts: Artifacts | None = None,
         report: Report = _no_report,
         retry_s: float = 30.0,
         accel: Acceleration | None = None,
     ) -> None:
         self._threads = threads
         self._accel = accel
-        self._store = store or Store("", Path(), 0)
+        self._artifacts = artifacts or Artifacts("", Path(), 0)
         self._report = report
         self._retry_s = retry_s
         self._known: dict[str, FunctionRecord] = {}
@@ -205,7 +205,7 @@ class ModelPool:
         await self._report(*key, ModelState(LOADING, "", _now_ms(), request))
         materialized = None
         try:
-            materialized = await asyncio.to_thread(self._store.materialize, function)
+            materialized = await asyncio.to_thread(self._artifacts.materialize, function)
             started = time.perf_counter()
             loaded = materialized.function
             backend = await asyncio.to_thread(
@@ -213,7 +213,7 @@ class ModelPool:
             )
         except Exception as exc:
             if materialized is not None:
-                self._store.release(materialized.function)
+                self._artifacts.release(materialized.function)
             detail = exc.message if isinstance(exc, FunctionError) else f"{type(exc).__name__}: {exc}"
             log.error("loading %s version %s failed: %s", *key, detail)
             error = Unavailable(f"function '{key[0]}' version {key[1]} failed to load: {detail}")
@@ -244,7 +244,7 @@ class ModelPool:
             model.backend.close()
         except Exception:
             log.exception("closing %s version %s failed", model.function.name, model.function.version)
-        self._store.release(model.function)
+        self._artifacts.release(model.function)
 
     def close(self) -> None:
         for model in self._models.values():

@@ -1,4 +1,4 @@
-"""The artifact cache and the store: files verified before use, written atomically, reused after a
+"""The artifact cache and Artifacts: files verified before use, written atomically, reused after a
 restart, evicted least recently used first; one download and one load for concurrent requests."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from fngate.manifest import FunctionManifest, load_manifest
 from fngate.registry import ModelState
 from fngate.repository import ArtifactFile, FunctionVersion, collect_files
 from fngate.s3 import S3Repository
-from runner.pool import ModelPool
-from runner.store import ArtifactCache, Store
+from runner.artifacts import ArtifactCache, Artifacts
+from runner.models import LoadedModels
 from tests.s3 import Bucket
 
 MODEL = b"class Model:\n    def __init__(self, directory):\n        pass\n"
@@ -136,15 +136,15 @@ async def test_concurrent_requests_cause_one_download_and_one_load(s3: Bucket, t
     async def report(function: str, version: str, state: ModelState) -> None:
         reports.append((function, version, state.state))
 
-    store = await asyncio.to_thread(Store, s3.repo, tmp_path / "cache", 1 << 20)
-    pool = ModelPool(1, store, report)
-    pool.offer({"echo": record})
-    first, second = await asyncio.gather(pool.get(record.versions["1"]), pool.get(record.versions["1"]))
+    artifacts = await asyncio.to_thread(Artifacts, s3.repo, tmp_path / "cache", 1 << 20)
+    models = LoadedModels(1, artifacts, report)
+    models.offer({"echo": record})
+    first, second = await asyncio.gather(models.get(record.versions["1"]), models.get(record.versions["1"]))
     assert first is second
     assert s3.server.count("GET", s3.key("echo", "1", "model.py")) == 1
     assert reports == [("echo", "1", "LOADING"), ("echo", "1", "READY")]
     assert (first.function.directory / "factor.txt").read_text() == "2"
-    pool.close()
+    models.close()
 
 
 async def test_the_s3_repository_keeps_versions_and_their_checksums(s3: Bucket, tmp_path: Path) -> None:
