@@ -13,6 +13,7 @@ step). A call after a failure connects again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import ssl
 from collections import deque
@@ -49,7 +50,7 @@ class _Protocol(asyncio.Protocol):
         self._reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
-        self._closed = closed
+        self.closed = closed
         self._outgoing: list[bytes] = []
 
     def send(self, command: bytes, future: asyncio.Future[Any]) -> None:
@@ -85,8 +86,8 @@ class _Protocol(asyncio.Protocol):
             future = self.waiting.popleft()
             if not future.done():
                 future.set_exception(error)
-        if not self._closed.done():
-            self._closed.set_result(None)
+        if not self.closed.done():
+            self.closed.set_result(None)
 
 
 class PipelinedRedis:
@@ -165,8 +166,13 @@ class PipelinedRedis:
         return protocol
 
     async def aclose(self) -> None:
-        if self._protocol is not None:
-            self._drop(self._protocol)
+        """Close the connection and wait until it is closed (its socket released)."""
+        protocol = self._protocol
+        if protocol is not None:
+            self._drop(protocol)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1):
+                    await protocol.closed
 
 
 class Script:

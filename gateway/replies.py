@@ -54,11 +54,16 @@ class ReplyRouter:
         self._waiting.pop(invocation_id, None)
 
     async def start(self) -> None:
-        """Create the stream (runners write only to reply streams that exist) and say we are alive."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.xgroup_create(self.stream, "alive", id="$", mkstream=True)
-            pipe.zadd(keys.gateways(), {self.gateway_id: time.time() + GONE_AFTER_S})
-            await pipe.execute(raise_on_error=False)
+        """Create the stream (runners write only to reply streams that exist) and say we are alive.
+        On the reply loop's own connection, which gives up at once when the loop is cancelled."""
+        outcomes: tuple[Any, ...] = await asyncio.gather(
+            self._reads.execute("XGROUP", "CREATE", self.stream, "alive", "$", "MKSTREAM"),
+            self._reads.execute("ZADD", keys.gateways(), time.time() + GONE_AFTER_S, self.gateway_id),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and "BUSYGROUP" not in str(outcome):
+                raise outcome
 
     async def run(self) -> None:
         """Read replies until cancelled; a Redis outage is waited out with backoff. Needs a
