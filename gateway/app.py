@@ -36,6 +36,7 @@ from gateway.replies import ReplyRouter
 from gateway.tracing import TracingMiddleware
 
 log = logging.getLogger(__name__)
+LOOPS_STOP_S = 2.0
 GZIP_MIN_BYTES = 64 * 1024
 
 # The invocation routes are gateway.invoke's, in front of these.
@@ -106,34 +107,37 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             log.info(
                 "gateway %s serving %d functions from %s", gateway_id, len(catalog.functions), settings.repo
             )
-            async with asyncio.TaskGroup() as tasks:
-                loops = [
-                    tasks.create_task(_guard(replies.run(), "reply loop", stopping)),
-                    tasks.create_task(_guard(replies.sweep(), "reply sweep", stopping)),
-                    tasks.create_task(_guard(activator.run(), "activator loop", stopping)),
-                    tasks.create_task(
-                        _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
+            loops = [
+                asyncio.create_task(_guard(replies.run(), "reply loop", stopping)),
+                asyncio.create_task(_guard(replies.sweep(), "reply sweep", stopping)),
+                asyncio.create_task(_guard(activator.run(), "activator loop", stopping)),
+                asyncio.create_task(
+                    _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
+                ),
+            ]
+            if settings.auth:
+                loops.append(asyncio.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
+            separate = _separate_cache(settings)
+            try:
+                dispatcher = Dispatcher(pipelined, replies, separate, activator, health)
+                yield {
+                    "services": endpoints.Services(
+                        catalog, dispatcher, settings.max_body_bytes, redis, settings.load_timeout_s
                     ),
-                ]
-                if settings.auth:
-                    loops.append(tasks.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
-                try:
-                    separate = _separate_cache(settings)
-                    dispatcher = Dispatcher(pipelined, replies, separate, activator, health)
-                    yield {
-                        "services": endpoints.Services(
-                            catalog, dispatcher, settings.max_body_bytes, redis, settings.load_timeout_s
-                        ),
-                        "deployer": deployments.Deployer(settings),
-                    }
-                    if separate is not None:
-                        await separate.aclose()
-                finally:
-                    for loop in loops:
-                        loop.cancel()
-            await replies.stop()
-            await pipelined.aclose()
-            await reply_reads.aclose()
+                    "deployer": deployments.Deployer(settings),
+                }
+            finally:
+                # The loops are asked to stop, and given a moment: one blocked in a client call that
+                # swallows its cancellation (redis-py's can) must not hold the shutdown, nor keep the
+                # connections below from closing.
+                for loop in loops:
+                    loop.cancel()
+                await asyncio.wait(loops, timeout=LOOPS_STOP_S)
+                if separate is not None:
+                    await separate.aclose()
+                await replies.stop()
+                await pipelined.aclose()
+                await reply_reads.aclose()
 
     app = Starlette(
         routes=ROUTES,

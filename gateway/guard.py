@@ -4,6 +4,7 @@ health, and the key's limits for invocations, before the app sees the request.""
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import orjson
@@ -17,6 +18,9 @@ PRINCIPAL = "fngate.principal"
 enqueue admitted it (then it holds a place until released)."""
 ADMISSION = "fngate.admission"
 ADMITTED = "fngate.admitted"
+RELEASE = "fngate.release"
+"""Scope key: what takes an admitted invocation out of its key's limits; the invocation route calls
+it before it answers, so that a client that has its answer finds its place free."""
 
 
 class AuthMiddleware:
@@ -49,6 +53,7 @@ class AuthMiddleware:
                 # Checked by the enqueue script, in the invocation's own round trip (gateway.invoke).
                 admit = self.limiter.admission(principal, function)
                 scope[ADMISSION] = admit
+                scope[RELEASE] = functools.partial(self.limiter.release, principal, function, admit)
         except AuthError as exc:
             await send_error(send, exc.status, exc.body(), exc.headers)
             return
@@ -62,7 +67,7 @@ class AuthMiddleware:
             return
         try:
             await self.app(scope, receive, send)
-        finally:
+        finally:  # the invocation route released it before answering, unless it failed first
             if scope.get(ADMITTED) and self.limiter is not None:
                 await asyncio.shield(self.limiter.release(principal, function, admit))
 

@@ -20,7 +20,7 @@ from fngate.errors import ErrorCode, FunctionError, Internal
 from fngate.repository import FunctionVersion
 from gateway.dispatch import Refused
 from gateway.endpoints import Services
-from gateway.guard import ADMISSION, ADMITTED, PRINCIPAL
+from gateway.guard import ADMISSION, ADMITTED, PRINCIPAL, RELEASE
 from gateway.http_errors import BodyTimeout, PayloadTooLarge, error_body, status_of
 from gateway.limits import refusal
 from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
@@ -136,6 +136,9 @@ class InvokeRoutes:
             content = error_body(Internal(f"internal error (request id {request_id})"))
         finally:
             REQUEST_DURATION.labels(call.name).observe(time.perf_counter() - started)
+        if scope.get(ADMITTED):  # out of the key's limits before the client has its answer
+            scope[ADMITTED] = False
+            await asyncio.shield(scope[RELEASE]())
         headers.append((b"content-length", str(len(content)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
