@@ -66,13 +66,11 @@ class Limiter:
 
     def __init__(self, in_flight_ttl_s: float) -> None:
         self._redis: aioredis.Redis | None = None
-        self._script: Any = None
         self._ttl_ms = int(in_flight_ttl_s * 1000)
 
     def bind(self, redis: aioredis.Redis) -> None:
-        """Use this client (the invocations' pool), once the lifespan has opened it."""
+        """Use this client (the invocations' connections) for releases, once the lifespan has opened it."""
         self._redis = redis
-        self._script = redis.register_script(ADMIT_SCRIPT)
 
     @property
     def ttl_ms(self) -> int:
