@@ -1,11 +1,14 @@
 """Run one batch: concatenate the invocations' rows, call the backend, check its outputs against the
-manifest, give each invocation its own rows back; and the execution timeout of backends that run in
-the runner's own process."""
+manifest, give each invocation its own rows back; the execution timeout of backends that run in the
+runner's own process; and which batches are quick enough to run on the event loop itself."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +22,8 @@ from runner.backends import Backend
 
 if TYPE_CHECKING:
     from runner.models import LoadedModel, LoadedModels
+
+log = logging.getLogger(__name__)
 
 
 def shape_key(invocation: Invocation) -> tuple[tuple[int, ...], ...]:
@@ -35,10 +40,15 @@ async def run_batch(
     thread returns. (The python backend enforces the timeout itself, by stopping its process.)"""
     manifest = model.function.manifest
     loop = asyncio.get_running_loop()
+    pace = _paces.get(model.backend)
+    if pace is not None and pace.inline:
+        replies = _run_inline(pace, model.backend, manifest, batch, batch_id)
+        if replies is not None:
+            return replies
     if getattr(model.backend, "isolated", False):
         executor = getattr(model.backend, "executor", None)
         return await loop.run_in_executor(executor, execute, model.backend, manifest, batch, batch_id)
-    work = loop.run_in_executor(None, execute, model.backend, manifest, batch, batch_id)
+    work = loop.run_in_executor(None, _timed, model.backend, manifest, batch, batch_id)
     started = time.monotonic()
     done, _ = await asyncio.wait({work}, timeout=manifest.execution_timeout_s)
     if done:
@@ -51,6 +61,131 @@ async def run_batch(
     )
     total = _total_rows(manifest, batch)
     return [_failed(invocation, error, batch_id, total) for invocation in batch]
+
+
+INLINE_BATCH_S = 0.001
+"""A batch that takes less runs on the event loop: handing it to a worker thread and back (two
+wake-ups and the GIL changing hands) costs more than the batch."""
+INLINE_AFTER = 8
+"""Consecutive batches this quick, run on a thread, before a backend's batches run inline."""
+INLINE_LIMIT_S = 0.1
+"""An inline batch still running after this is stopped (the event loop must not starve) and runs
+again on a worker thread, under the function's execution timeout."""
+
+
+class Pace:
+    """Whether a backend's batches are quick enough to run inline: a streak of quick batches on a
+    thread earns it, one slow inline batch loses it."""
+
+    __slots__ = ("quick",)
+
+    def __init__(self) -> None:
+        self.quick = 0
+
+    @property
+    def inline(self) -> bool:
+        return self.quick >= INLINE_AFTER
+
+    def observe(self, took_s: float) -> None:
+        self.quick = self.quick + 1 if took_s < INLINE_BATCH_S else 0
+
+
+_paces: weakref.WeakKeyDictionary[Backend, Pace] = weakref.WeakKeyDictionary()
+
+
+def _timed(
+    backend: Backend, manifest: FunctionManifest, batch: Sequence[Invocation], batch_id: str
+) -> list[Reply]:
+    """`execute` on a worker thread, timed for a backend that can run inline (Pace)."""
+    if not getattr(backend, "stoppable", False):
+        return execute(backend, manifest, batch, batch_id)
+    started = time.perf_counter()
+    replies = execute(backend, manifest, batch, batch_id)
+    pace = _paces.get(backend)
+    if pace is None:
+        pace = _paces.setdefault(backend, Pace())
+    pace.observe(time.perf_counter() - started)
+    return replies
+
+
+def _run_inline(
+    pace: Pace, backend: Backend, manifest: FunctionManifest, batch: Sequence[Invocation], batch_id: str
+) -> list[Reply] | None:
+    """The batch run on the event loop, under the watchdog; None when it had to be stopped (it
+    runs again on a thread, and the backend's batches go back to threads until quick again)."""
+    started = time.perf_counter()
+    with _WATCHDOG.watching(backend) as watch:
+        replies = execute(backend, manifest, batch, batch_id)
+    pace.observe(time.perf_counter() - started)
+    if not watch.stopped:
+        return replies
+    log.info(
+        "%s: a batch stopped on the event loop after %.0f ms; it runs again on a worker thread",
+        manifest.name,
+        INLINE_LIMIT_S * 1000,
+    )
+    return None
+
+
+class _Watch:
+    __slots__ = ("backend", "deadline", "stopped")
+
+    def __init__(self, backend: Backend, deadline: float) -> None:
+        self.backend = backend
+        self.deadline = deadline
+        self.stopped = False
+
+    def __enter__(self) -> _Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _WATCHDOG.lock:
+            _WATCHDOG.current = None
+
+
+class _Watchdog:
+    """One thread that stops an inline batch running past INLINE_LIMIT_S (the backend's `stop`).
+    It polls while inline batches run and sleeps on an event after a quiet second, so a batch pays
+    no thread wake-up to be watched. The lock makes a stop reach only the batch it was meant for:
+    the next batch of that backend cannot begin before the watchdog is done with this one."""
+
+    POLL_S = 0.02
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.current: _Watch | None = None
+        self._busy = threading.Event()
+        self._last = 0.0
+        self._thread: threading.Thread | None = None
+
+    def watching(self, backend: Backend) -> _Watch:
+        now = time.monotonic()
+        watch = _Watch(backend, now + INLINE_LIMIT_S)
+        with self.lock:
+            self.current = watch
+        self._last = now
+        if not self._busy.is_set():
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="inline watchdog", daemon=True)
+                self._thread.start()
+            self._busy.set()
+        return watch
+
+    def _watch(self) -> None:
+        while True:
+            self._busy.wait()
+            time.sleep(self.POLL_S)
+            now = time.monotonic()
+            with self.lock:
+                watch = self.current
+                if watch is not None and now > watch.deadline and not watch.stopped:
+                    watch.stopped = True
+                    watch.backend.stop()  # type: ignore[attr-defined]
+            if watch is None and now - self._last > 1.0:
+                self._busy.clear()
+
+
+_WATCHDOG = _Watchdog()
 
 
 def execute(

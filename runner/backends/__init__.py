@@ -5,7 +5,8 @@ called with whole batches (the inputs of several invocations concatenated on the
 from a worker thread, never concurrently for one backend, and returns every output it computes.
 A backend that runs its model in another process (python) sets `isolated = True`: it enforces the
 function's execution timeout itself, and its batches run on its own `executor`
-(runner.execution.run_batch).
+(runner.execution.run_batch). One whose `stop()` ends a running batch from another thread sets
+`stoppable = True`: its quick batches run on the event loop, under a watchdog (runner.execution.Pace).
 """
 
 from __future__ import annotations

@@ -79,6 +79,10 @@ class OnnxBackend:
             self.fallback_reason = f"{choice.reason}; {problem}" if choice.reason else problem
             self._refuse_fallback(manifest, accel, self.fallback_reason)
         self._check_names(manifest)
+        self._options = ort.RunOptions()
+        self._options.log_severity_level = 4  # a stopped batch is not onnxruntime's error to print
+        self.stoppable = self.device == CPU
+        """On the CPU a quick batch may run inline (runner.execution.Pace); a GPU's may not."""
         self.device_memory_bytes = 0
         if on_gpu:
             self._warm_up(manifest)
@@ -88,8 +92,13 @@ class OnnxBackend:
         self._announce(manifest)
 
     def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
-        results = self._session.run(outputs, inputs)
+        self._options.terminate = False
+        results = self._session.run(outputs, inputs, self._options)
         return dict(zip(outputs, results, strict=True))
+
+    def stop(self) -> None:
+        """Ends the running batch from another thread: onnxruntime checks the flag between nodes."""
+        self._options.terminate = True
 
     def close(self) -> None:
         del self._session

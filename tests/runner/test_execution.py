@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from fngate.manifest import FunctionManifest, parse_manifest
 from fngate.registry import READY, ModelState
 from fngate.repository import open_repository
 from fngate.wire import Invocation
+from runner import execution
 from runner.execution import check_outputs, run_batch
 from runner.models import LoadedModels
 from tests.runner.slow_model import build_slow_model
@@ -151,3 +153,53 @@ async def test_an_in_process_batch_past_its_timeout_is_answered_and_its_model_he
     assert states[-1].reason.endswith("it is freed when that batch returns")
     await settled("unloaded")
     assert key not in models.loaded
+
+
+async def test_quick_batches_run_inline_and_one_that_turns_slow_is_moved_off_the_event_loop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="runner.execution")
+    build_slow_model(tmp_path / "slow", execution_timeout_ms=60_000)
+    records = open_repository(str(tmp_path)).scan()
+    models = LoadedModels(1)
+    models.offer(records)
+    function = records["slow"].versions["1"]
+    model = await models.get(function)
+
+    async def run(loops: float) -> Any:
+        held = await models.acquire(function)
+        try:
+            return (await run_batch(models, held, [invocation(loops)], "b"))[0]
+        finally:
+            await models.release(held)
+
+    started = time.perf_counter()
+    assert (await run(2000)).error is None
+    loops = max(200_000.0, 1.0 / ((time.perf_counter() - started) / 2000))  # a second or more
+    for _ in range(execution.INLINE_AFTER):
+        assert (await run(1)).error is None
+    pace = execution._paces[model.backend]
+    assert pace.inline  # quick batches now skip the worker thread
+
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)
+    before = ticks
+    slow = await run(loops)
+    during = ticks - before
+    ticker.cancel()
+    # Stopped on the event loop by the watchdog and run again on a thread: the answer is whole,
+    # the loop went on meanwhile, and the backend's batches go to threads until quick again.
+    assert slow.error is None
+    np.testing.assert_array_equal(slow.outputs["y"], invocation(loops).inputs["x"])
+    assert during > 5
+    assert not pace.inline
+    assert "stopped on the event loop" in caplog.text
+    await models.unload(("slow", "1"))
