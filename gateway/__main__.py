@@ -112,6 +112,7 @@ async def serve_uvicorn(app: Any, settings: GatewaySettings, stopping: asyncio.E
         access_log=telemetry.interactive(),  # an access log for a person at a terminal
         log_config=None,
         server_header=False,
+        proxy_headers=False,  # nothing here uses the client's address: no X-Forwarded-For pass per request
         timeout_keep_alive=math.ceil(settings.header_timeout_s),  # also cuts an incomplete request head
         timeout_graceful_shutdown=10,
         backlog=2048,

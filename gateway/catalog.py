@@ -37,6 +37,8 @@ def route_weights(record: FunctionRecord, ready: set[str]) -> dict[str, int]:
 
 def choose(weights: Mapping[str, int], rng: random.Random) -> str:
     versions = list(weights)
+    if len(versions) == 1:
+        return versions[0]  # the usual case: no draw
     return rng.choices(versions, weights=[weights[version] for version in versions])[0]
 
 

@@ -149,7 +149,7 @@ class _Watchdog:
     no thread wake-up to be watched. The lock makes a stop reach only the batch it was meant for:
     the next batch of that backend cannot begin before the watchdog is done with this one."""
 
-    POLL_S = 0.02
+    POLL_S = 0.05
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
