@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any
 
 import hiredis
+from hiredis import pack_command
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -27,7 +28,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 def encode(args: tuple[Any, ...]) -> bytes:
-    """One command in RESP (what every client writes; hiredis parses what comes back)."""
+    """One command in RESP (what every client writes; hiredis parses what comes back). hiredis packs
+    str, bytes, int and float in C; a command with other buffers is packed here."""
+    try:
+        packed: bytes = pack_command(args)
+    except TypeError:
+        return _encode(args)
+    return packed
+
+
+def _encode(args: tuple[Any, ...]) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
         if isinstance(arg, bytes | bytearray | memoryview):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -83,6 +83,13 @@ class FunctionConsumer:
         self._reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
         self._writes = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
         self._outbox = Outbox(self._writes, self._stream, settings)
+        # The metrics every batch touches, looked up once.
+        name = function.name
+        self._compute_duration = COMPUTE_DURATION.labels(name)
+        self._batch_size = BATCH_SIZE.labels(name)
+        self._queue_duration = QUEUE_DURATION.labels(name)
+        self._successes = INVOCATIONS.labels(name, "success")
+        self._traced = telemetry.tracing_active()
 
     @property
     def pending(self) -> int:
@@ -240,12 +247,16 @@ class FunctionConsumer:
         invocations = [entry.invocation for entry in batch]
         name = self.function.name
         version = invocations[0].version
-        batch_id = uuid.uuid4().hex[:16]
-        parents = [telemetry.extract(invocation.traceparent) for invocation in invocations]
-        links = [Link(trace.get_current_span(parent).get_span_context()) for parent in parents if parent]
+        batch_id = os.urandom(8).hex()
         started_ns = time.time_ns()
         ran_digest = ""
-        with tracer.start_as_current_span(f"batch {name}", links=links) as batch_span:
+        parents: list[Context | None] = []
+        span: contextlib.AbstractContextManager[Span | None] = contextlib.nullcontext()  # none unless traced
+        if self._traced:
+            parents = [telemetry.extract(invocation.traceparent) for invocation in invocations]
+            links = [Link(trace.get_current_span(parent).get_span_context()) for parent in parents if parent]
+            span = tracer.start_as_current_span(f"batch {name}", links=links)
+        with span as batch_span:
             try:
                 model = await self._load(self._models.version(name, version))
             except FunctionError as exc:
@@ -257,18 +268,21 @@ class FunctionConsumer:
                     replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
                     await self._models.release(model)
-                COMPUTE_DURATION.labels(name).observe(time.perf_counter() - computed)
+                self._compute_duration.observe(time.perf_counter() - computed)
             rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
-            batch_span.set_attributes(
-                {
-                    "fngate.function": name,
-                    "fngate.version": version,
-                    "fngate.batch_id": batch_id,
-                    "fngate.batch_size": rows,
-                    "fngate.invocations": len(invocations),
-                }
-            )
-        self._observe(batch, replies, parents, batch_span, started_ns, rows)
+            if batch_span is not None:
+                batch_span.set_attributes(
+                    {
+                        "fngate.function": name,
+                        "fngate.version": version,
+                        "fngate.batch_id": batch_id,
+                        "fngate.batch_size": rows,
+                        "fngate.invocations": len(invocations),
+                    }
+                )
+        self._observe(batch, replies, started_ns, rows)
+        if batch_span is not None:
+            self._trace(batch, replies, parents, batch_span, started_ns, rows)
         await self._send(
             batch,
             replies,
@@ -295,7 +309,21 @@ class FunctionConsumer:
         MODELS_LOADED.set(len(self._models.loaded))
         return model
 
-    def _observe(
+    def _observe(self, batch: Sequence[Entry], replies: Sequence[Reply], started_ns: int, rows: int) -> None:
+        """Metrics for the batch and its invocations (spans cost even as no-ops: see _trace)."""
+        name, version = self.function.name, batch[0].invocation.version  # the version this batch ran
+        EXECUTION_COUNT.labels(name, version).inc()
+        INFERENCE_COUNT.labels(name, version).inc(rows)
+        self._batch_size.observe(rows)
+        started_ms = started_ns / 1e6
+        for entry, reply in zip(batch, replies, strict=True):
+            self._queue_duration.observe(max(0.0, started_ms - _entry_ms(entry.id)) / 1000)
+            if reply.error is None:
+                self._successes.inc()
+            else:
+                INVOCATIONS.labels(name, reply.error.code.value).inc()
+
+    def _trace(
         self,
         batch: Sequence[Entry],
         replies: Sequence[Reply],
@@ -304,20 +332,18 @@ class FunctionConsumer:
         started_ns: int,
         rows: int,
     ) -> None:
-        """Metrics for the batch, and each invocation's share of it as spans in its own trace."""
-        name, version = self.function.name, batch[0].invocation.version  # the version this batch ran
-        EXECUTION_COUNT.labels(name, version).inc()
-        INFERENCE_COUNT.labels(name, version).inc(rows)
-        BATCH_SIZE.labels(name).observe(rows)
+        """Each invocation's share of the batch as spans in its own trace: its wait in the queue and
+        its execution, linked to the batch span."""
+        if not batch_span.get_span_context().trace_flags.sampled:
+            return
+        name = self.function.name
         ended_ns = time.time_ns()
         batch_link = [Link(batch_span.get_span_context())]
         for entry, reply, parent in zip(batch, replies, parents, strict=True):
+            if parent is None:
+                continue
             invocation = entry.invocation
             queued_ns = _entry_ms(entry.id) * 1_000_000
-            QUEUE_DURATION.labels(name).observe(max(0, started_ns - queued_ns) / 1e9)
-            INVOCATIONS.labels(name, reply.error.code.value if reply.error else "success").inc()
-            if parent is None or not batch_span.get_span_context().trace_flags.sampled:
-                continue
             tracer.start_span(
                 f"queue {name}", context=parent, start_time=queued_ns, kind=SpanKind.CONSUMER
             ).end(end_time=started_ns)

@@ -43,6 +43,17 @@ async def test_a_script_is_loaded_when_redis_does_not_know_it(redis_url: str) ->
     await client.aclose()
 
 
+async def test_every_kind_of_argument_reaches_redis_as_written(redis_url: str) -> None:
+    client = PipelinedRedis(redis_url)
+    values = [b"\x00raw\r\n", "text \u00e9", 42, -7, 2.5, memoryview(b"view"), bytearray(b"array")]
+    keys = [f"arg:{index}" for index in range(len(values))]
+    for key, value in zip(keys, values, strict=True):
+        await client.execute("SET", key, value)
+    expected = [b"\x00raw\r\n", "text \u00e9".encode(), b"42", b"-7", b"2.5", b"view", b"array"]
+    assert await client.execute("MGET", *keys) == expected
+    await client.aclose()
+
+
 async def test_stream_entries(redis_url: str) -> None:
     client = PipelinedRedis(redis_url)
     await client.execute("DEL", "s")
