@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
-import uuid
 from typing import Any
 
 from opentelemetry import trace
@@ -80,7 +80,7 @@ class Dispatcher:
             entry = keys.cache_entry(manifest.name, key_hex)
             in_flight = keys.in_flight(manifest.name, key_hex) if use_cache else ""
         invocation = Invocation(
-            id=uuid.uuid4().hex,
+            id=os.urandom(16).hex(),
             function=manifest.name,
             version=function.version,
             reply_to=self._replies.stream,

@@ -83,7 +83,8 @@ class InvokeRoutes:
         self.app = app
         self._retry_after = str(retry_after_s).encode()
         self._body_timeout_s = body_timeout_s
-        self._metrics: dict[str, Any] = {}
+        self._durations: dict[str, Any] = {}
+        self._successes: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -135,7 +136,7 @@ class InvokeRoutes:
             status, headers = 500, [JSON]
             content = error_body(Internal(f"internal error (request id {request_id})"))
         finally:
-            REQUEST_DURATION.labels(call.name).observe(time.perf_counter() - started)
+            self._duration(services, call.name).observe(time.perf_counter() - started)
         if scope.get(ADMITTED):  # out of the key's limits before the client has its answer
             scope[ADMITTED] = False
             await asyncio.shield(scope[RELEASE]())
@@ -159,7 +160,11 @@ class InvokeRoutes:
         reply = await services.dispatcher.submit(
             function, parsed.inputs, parsed.outputs, parsed.timeout_ms, _use_cache(parsed, call), admission
         )
-        REQUEST_SUCCESS.labels(call.name, reply.version).inc()
+        labels = (call.name, reply.version)
+        success = self._successes.get(labels)
+        if success is None:
+            success = self._successes[labels] = REQUEST_SUCCESS.labels(*labels)
+        success.inc()
         cache_state = _cache_state(function, reply.cached)
         if call.route is V1:
             return 200, [JSON, (CACHE_HEADER, cache_state)], render_v1(reply)
@@ -167,6 +172,16 @@ class InvokeRoutes:
         headers = [(name.encode(), value.encode()) for name, value in extra.items()]
         headers.append((CACHE_HEADER, cache_state))
         return 200, headers, content
+
+    def _duration(self, services: Services, name: str) -> Any:
+        """The duration histogram of a function, looked up once; a name that is no function's is
+        counted as "" (a client cannot add series by inventing names)."""
+        child = self._durations.get(name)
+        if child is None:
+            if name not in services.catalog.functions:
+                return REQUEST_DURATION.labels("")
+            child = self._durations[name] = REQUEST_DURATION.labels(name)
+        return child
 
     def _failed(self, services: Services, name: str, code: str) -> None:
         known = name in services.catalog.functions

@@ -181,3 +181,15 @@ async def test_failures_are_counted_by_code(serve_gateway: Callable[..., Any]) -
         text = (await client.get("/metrics")).text
     assert scrape(text, "fngate_request_failure_total", function="classifier", code="invalid_argument") >= 1
     assert scrape(text, "fngate_request_failure_total", function="", code="not_found") >= 1
+
+
+async def test_names_that_are_no_function_make_no_series(serve_gateway: Callable[..., Any]) -> None:
+    """A client cannot grow the gateway's metrics (and its memory) by inventing function names."""
+    base = await serve_gateway()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for index in range(20):
+            answer = await client.post(f"/v1/functions/made-up-{index}", json={"inputs": {"input": [[1.0]]}})
+            assert answer.status_code == 404
+        text = (await client.get("/metrics")).text
+    assert "made-up-" not in text
+    assert scrape(text, "fngate_request_duration_seconds_count", function="") >= 20
