@@ -68,6 +68,9 @@ INLINE_BATCH_S = 0.001
 wake-ups and the GIL changing hands) costs more than the batch."""
 INLINE_AFTER = 8
 """Consecutive batches this quick, run on a thread, before a backend's batches run inline."""
+INLINE_SLOW_S = 0.005
+"""An inline batch that takes longer sends the backend's batches back to threads (a batch a little
+over INLINE_BATCH_S, from a busy machine, does not)."""
 INLINE_LIMIT_S = 0.1
 """An inline batch still running after this is stopped (the event loop must not starve) and runs
 again on a worker thread, under the function's execution timeout."""
@@ -75,7 +78,7 @@ again on a worker thread, under the function's execution timeout."""
 
 class Pace:
     """Whether a backend's batches are quick enough to run inline: a streak of quick batches on a
-    thread earns it, one slow inline batch loses it."""
+    thread earns it, one slow batch inline loses it."""
 
     __slots__ = ("quick",)
 
@@ -87,7 +90,11 @@ class Pace:
         return self.quick >= INLINE_AFTER
 
     def observe(self, took_s: float) -> None:
-        self.quick = self.quick + 1 if took_s < INLINE_BATCH_S else 0
+        if self.inline:
+            if took_s > INLINE_SLOW_S:
+                self.quick = 0
+        else:
+            self.quick = self.quick + 1 if took_s < INLINE_BATCH_S else 0
 
 
 _paces: weakref.WeakKeyDictionary[Backend, Pace] = weakref.WeakKeyDictionary()
