@@ -47,6 +47,38 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
     await serve(app, config, shutdown_trigger=stopping.wait)
 
 
+class _OneWrite:
+    """A connection's transport that holds a response's head until its first body bytes (or its
+    end), so that a small response leaves in one write: one system call, one TCP segment. Every
+    other call goes through; closing sends what is held first."""
+
+    __slots__ = ("_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held = b""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._held and bytes(data[:9]) == b"HTTP/1.1 " and bytes(data[9:12]) != b"100":
+            self._held = bytes(data)  # a response head (never 100 Continue: the client waits on that)
+            return
+        if self._held:
+            data, self._held = self._held + data, b""
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held:
+            data, self._held = self._held, b""
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def head_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol, with a limit on how long a request's head may take: from the
     connection (or the previous response) to the end of the headers. uvicorn has none of its own
@@ -72,7 +104,7 @@ def head_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
                 self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(_OneWrite(transport))  # type: ignore[arg-type]
             self._arm()
 
         def on_headers_complete(self) -> None:
@@ -80,6 +112,8 @@ def head_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:
+            one_write: Any = self.transport
+            one_write.flush()  # a response with no body bytes (HEAD, 204) ends here
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm()

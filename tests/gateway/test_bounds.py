@@ -211,3 +211,49 @@ async def test_a_client_that_disconnects_mid_body_is_not_an_error_log(
         assert_json_400(await client.post(INFER, content=b"{"), "not valid JSON")  # still serving
     errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
     assert not errors, [record.getMessage() for record in errors]
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[bytes, int]:
+    """A response's status line and headers, and its content-length."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return head, length
+
+
+async def test_responses_without_a_body_and_interim_ones_go_out_at_once(
+    serve_gateway: Callable[..., Any],
+) -> None:
+    """A response leaves in one write when it can; none waits for bytes that never come: a HEAD
+    answer, a 100 Continue before the client sends its body, pipelined requests on one connection."""
+    base = await serve_gateway()
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        async with asyncio.timeout(20):
+            writer.write(b"HEAD /v2/health/live HTTP/1.1\r\nhost: test\r\n\r\n")
+            head, _ = await read_head(reader)
+            assert head.startswith(b"HTTP/1.1 200"), head
+
+            body = b'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}'
+            writer.write(
+                "POST /v2/models/nope/infer HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nexpect: 100-continue\r\n\r\n".encode()
+            )
+            interim = await reader.readuntil(b"\r\n\r\n")  # the body is sent only after this
+            assert interim.startswith(b"HTTP/1.1 100"), interim
+            writer.write(body)
+            head, length = await read_head(reader)
+            assert head.startswith(b"HTTP/1.1 404"), head
+            assert b'"code":"not_found"' in await reader.readexactly(length)
+
+            writer.write(b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\n\r\n" * 3)
+            for _ in range(3):
+                head, length = await read_head(reader)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                await reader.readexactly(length)
+    finally:
+        writer.close()
