@@ -395,3 +395,257 @@ def answered_id(fields: Mapping[bytes, bytes], reply_id: str) -> str:
     """The invocation a reply entry answers: the waiter it names, or the reply's own."""
     target = fields.get(FOR)
     return target.decode() if target else reply_id
+
+
+# --- Asynchronous invocations -------------------------------------------------------------------
+# An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and
+# replies to a result stream of its own (keys.result), created here at submission with a TTL of
+# the invocation's deadline plus result_ttl_s: FINISH's XADD NOMKSTREAM delivers its reply there
+# unchanged, and any gateway reads it. The result stream's first entry holds the state `queued`, the
+# queue entry (stream `q`, id `e`) and the gateway's own record (`m`, JSON); a cancellation adds
+# `s` = `cancelled`, a callback attempt an entry `cb` (JSON). An invocation with a callback URL
+# names the callbacks stream as the one waiter on a marker of its own, so that FINISH's 'share'
+# copies its reply there, addressed `for` it, exactly as it answers coalesced invocations.
+STATE, QUEUE_STREAM, QUEUE_ENTRY, RECORD, CALLBACK = b"s", b"q", b"e", b"m", b"cb"
+QUEUED, CANCELLED = b"queued", b"cancelled"
+
+# KEYS: the level's stream, its byte counter, the result stream, the idempotency key ('' for none),
+# the callback marker's waiters list ('' for no callback), then admit()'s keys (bucket, busy,
+# share; '' for a caller without limits). ARGV: max queue size, max queue bytes (0: no limit),
+# header, body, the record, the result TTL in ms, the invocation id, the callback waiter, then
+# admit()'s six arguments. A repeated idempotency key answers the first invocation's id.
+SUBMIT_ASYNC = (
+    ADMIT_LUA
+    + """
+if KEYS[4] ~= '' then
+  local first = redis.call('GET', KEYS[4])
+  if first then return {'again', first} end
+end
+if KEYS[6] ~= '' then
+  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]),
+    tonumber(ARGV[12]), ARGV[13], tonumber(ARGV[14]))
+  if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
+end
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  return {'full', 'count'}
+elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
+  return {'full', 'bytes'}
+end
+local entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
+redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
+redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', KEYS[1], 'e', entry, 'm', ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[6])
+if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7], 'PX', ARGV[6]) end
+if KEYS[5] ~= '' then
+  redis.call('RPUSH', KEYS[5], ARGV[8])
+  redis.call('PEXPIRE', KEYS[5], ARGV[6])
+end
+return {'queued', entry}
+"""
+)
+
+# KEYS[1]: the result stream. ARGV[1]: the runner group. Its entries, and whether its queue entry
+# was delivered to a runner and not yet acknowledged (running): one round trip for a GET.
+READ_RESULT = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+if #entries == 0 then return {{}, 0} end
+local first = entries[1][2]
+local stream, entry = nil, nil
+for i = 1, #first, 2 do
+  if first[i] == 'q' then stream = first[i + 1] elseif first[i] == 'e' then entry = first[i + 1] end
+end
+local running = 0
+if stream and entry then
+  local pending = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+  if type(pending) == 'table' and #pending > 0 then running = 1 end
+end
+return {entries, running}
+"""
+
+# KEYS[1]: the result stream. ARGV[1]: the runner group. Cancels an invocation no runner has taken:
+# its queue entry is deleted (so no runner ever reads it) and `cancelled` is recorded. Answers
+# 'gone' (no such result), 'done' (it has a reply), 'cancelled' (now or before) or 'running'.
+CANCEL = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+if #entries == 0 then return 'gone' end
+local stream, entry = nil, nil
+for _, item in ipairs(entries) do
+  local fields = item[2]
+  for i = 1, #fields, 2 do
+    local name = fields[i]
+    if name == 'h' then return 'done' end
+    if name == 's' and fields[i + 1] == 'cancelled' then return 'cancelled' end
+    if name == 'q' then stream = fields[i + 1] elseif name == 'e' then entry = fields[i + 1] end
+  end
+end
+if not stream or not entry then return 'gone' end
+local pending = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+if type(pending) == 'table' and #pending > 0 then return 'running' end
+local held = redis.call('XRANGE', stream, entry, entry)
+if #held == 0 then return 'running' end
+local size = 0
+local fields = held[1][2]
+for i = 1, #fields, 2 do
+  if fields[i] == 'h' or fields[i] == 'b' then size = size + #fields[i + 1] end
+end
+redis.call('XDEL', stream, entry)
+if redis.call('XLEN', stream) == 0 then
+  redis.call('DEL', stream .. ':bytes')
+else
+  redis.call('DECRBY', stream .. ':bytes', size)
+end
+redis.call('XADD', KEYS[1], '*', 's', 'cancelled')
+return 'cancelled'
+"""
+
+
+def callback_marker(result_stream: str) -> str:
+    """The in-flight marker of an asynchronous invocation with a callback URL: its waiters list
+    names the callbacks stream, so that FINISH copies the reply there (see SUBMIT_ASYNC)."""
+    return f"{result_stream}:cb"
+
+
+def submit_async_call(
+    stream: str,
+    fields: Mapping[bytes, bytes],
+    result_stream: str,
+    record: bytes,
+    ttl_ms: int,
+    invocation_id: str,
+    max_queue_size: int,
+    max_queue_bytes: int = 0,
+    idempotency_key: str = "",
+    callbacks: str = "",
+    admission: Admission | None = None,
+) -> ScriptCall:
+    """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
+    live; `callbacks`: the callbacks stream when the invocation has a callback URL, else ''."""
+    admit = admission or NO_ADMISSION
+    waiter = Waiter(callbacks, invocation_id, 0).encode() if callbacks else ""
+    return ScriptCall(
+        keys=[
+            stream,
+            queue_bytes(stream),
+            result_stream,
+            idempotency_key,
+            waiters(callback_marker(result_stream)) if callbacks else "",
+            *admit.keys,
+        ],
+        args=[
+            max_queue_size,
+            max_queue_bytes,
+            fields[HEADER],
+            fields[BODY],
+            record,
+            max(ttl_ms, 1),
+            invocation_id,
+            waiter,
+            *admit.args,
+        ],
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Again:
+    """An earlier submission with the same idempotency key: this is its invocation."""
+
+    invocation_id: str
+
+
+SubmitOutcome = Queued | Again | Full | Limited
+
+
+def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
+    kind = raw[0]
+    if kind == b"queued":
+        return Queued()
+    if kind == b"again":
+        return Again(raw[1].decode())
+    if kind == b"full":
+        return Full(raw[1].decode())
+    if kind == b"limited":
+        return Limited(raw[1].decode(), int(raw[2]))
+    raise ValueError(f"unknown submit outcome {kind!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    """What a result stream says of its asynchronous invocation."""
+
+    record: bytes
+    """The gateway's record of the submission (JSON)."""
+    running: bool
+    reply: dict[bytes, bytes] | None = None
+    """The reply's entry fields once it came."""
+    cancelled: bool = False
+    callbacks: tuple[bytes, ...] = ()
+    """Each callback attempt's JSON, in order."""
+    last_id: bytes = b"0-0"
+    """The stream's last entry: a long-poll waits for one after it."""
+
+    @property
+    def state(self) -> str:
+        if self.reply is not None:
+            return "done"
+        if self.cancelled:
+            return "cancelled"
+        return "running" if self.running else "queued"
+
+
+def parse_result(raw: Sequence[Any]) -> Result | None:
+    """READ_RESULT's answer; None when the result stream does not exist (unknown or expired)."""
+    entries, running = raw[0], raw[1]
+    if not entries:
+        return None
+    record = b""
+    reply = None
+    cancelled = False
+    attempts = []
+    for _entry_id, flat in entries:
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        if RECORD in fields and not record:
+            record = fields[RECORD]
+        if HEADER in fields and reply is None:
+            reply = {HEADER: fields[HEADER], BODY: fields.get(BODY, b"")}
+        if fields.get(STATE) == CANCELLED:
+            cancelled = True
+        if CALLBACK in fields:
+            attempts.append(fields[CALLBACK])
+    return Result(record, bool(running), reply, cancelled, tuple(attempts), entries[-1][0])
+
+
+def cancel_outcome(raw: bytes | str) -> str:
+    """CANCEL's answer: 'gone', 'done', 'cancelled' or 'running'."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+# --- Priority levels ------------------------------------------------------------------------------
+# KEYS: a function's invocation streams, highest priority first (keys.levels). ARGV: the group, the
+# consumer, the room. Reads up to `room` new entries, from each level only the room that the levels
+# before it left. Answers {level, entries} pairs.
+READ_LEVELS = """
+local room = tonumber(ARGV[3])
+local out = {}
+for i, key in ipairs(KEYS) do
+  if room <= 0 then break end
+  local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', room, 'STREAMS', key, '>')
+  if got then
+    local entries = got[1][2]
+    room = room - #entries
+    out[#out + 1] = {i - 1, entries}
+  end
+end
+return out
+"""
+
+
+def level_entries(reply: Any, streams: Sequence[str]) -> list[tuple[int, bytes, dict[bytes, bytes] | None]]:
+    """(level, id, fields) of READ_LEVELS' answer or of a blocking XREADGROUP over `streams`;
+    fields None for an entry deleted after delivery."""
+    found = []
+    for name, entries in reply or ():
+        level = name if isinstance(name, int) else streams.index(name.decode())
+        for entry_id, flat in entries:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat is not None else None
+            found.append((level, entry_id, fields))
+    return found
