@@ -1,0 +1,402 @@
+"""Asynchronous invocations with real processes (a Redis, gateway and runner processes of this
+module's own): submit, poll, long-poll and fetch, V2 and v1 shapes, idempotent resubmission,
+cancellation, expiry, callbacks with retries and a signature, synchronous invocations served ahead
+of an asynchronous backlog, and a result served by a gateway other than the one that accepted it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis as sync_redis
+import uvicorn
+import yaml
+
+from fngate import apikeys, keys
+from fngate.process import stop_processes
+from tests.conftest import ROOT, child_env, free_socket, start_redis, wait_http
+
+SECRET = "test-callback-secret"
+IDENTITY = """import numpy as np
+
+
+class Model:
+    def __init__(self, directory):
+        pass
+
+    def infer(self, inputs):
+        return {"y": inputs["x"]}
+"""
+SLOW = """import time
+
+
+class Model:
+    def __init__(self, directory):
+        pass
+
+    def infer(self, inputs):
+        time.sleep(1.5)
+        return {"y": inputs["x"]}
+"""
+TICKET = '''import numpy as np
+
+
+class Model:
+    """Each row's answer is the number of the batch it ran in: 0 for the first."""
+
+    def __init__(self, directory):
+        self.batches = 0
+
+    def infer(self, inputs):
+        out = np.full_like(inputs["x"], self.batches, dtype=np.float32)
+        self.batches += 1
+        return {"y": out}
+'''
+ROW = {"inputs": {"x": [[1.0, 2.0]]}}
+
+
+def _function(repo: Path, name: str, model: str, **batching: Any) -> None:
+    folder = repo / name
+    folder.mkdir()
+    manifest = {
+        "name": name,
+        "model": {"backend": "python", "path": "model.py"},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
+        "batching": {"max_batch_size": 8, "max_queue_delay_us": 0, "timeout_ms": 20000, **batching},
+    }
+    (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    (folder / "model.py").write_text(model)
+
+
+class Deployment:
+    """This module's processes; `started` are stopped at its end."""
+
+    def __init__(self, redis_url: str, repo: Path, logs: Path) -> None:
+        self.redis_url = redis_url
+        self.repo = repo
+        self.logs = logs
+        self.started: list[subprocess.Popen[bytes]] = []
+        self.gateways: dict[str, subprocess.Popen[bytes]] = {}
+        client = sync_redis.Redis.from_url(redis_url)
+        self.admin, _ = apikeys.create(client, ["admin"])
+        self.user, _ = apikeys.create(client, ["invoke"])
+        self.other, _ = apikeys.create(client, ["invoke"])
+        client.close()
+        self.base = self.gateway()
+
+    def _start(self, module: str, name: str, **env: str) -> subprocess.Popen[bytes]:
+        with open(self.logs / f"{name}-{len(self.started)}.log", "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=child_env(self.redis_url, self.repo, **env),
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=[int(env["FNGATE_BIND"][5:])] if "FNGATE_BIND" in env else (),
+            )
+        self.started.append(process)
+        return process
+
+    def gateway(self) -> str:
+        sock = free_socket()
+        env = {"FNGATE_AUTH": "true", "FNGATE_CALLBACK_SECRET": SECRET}
+        process = self._start("gateway", "gateway", FNGATE_BIND=f"fd://{sock.fileno()}", **env)
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        sock.close()
+        self.gateways[base] = process
+        return base
+
+    def runner(self, *functions: str) -> subprocess.Popen[bytes]:
+        names = ",".join(f'"{name}"' for name in functions)
+        return self._start("runner", "runner", FNGATE_FUNCTIONS=f"[{names}]")
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    folder = tmp_path_factory.mktemp("async")
+    process, url = start_redis(folder)
+    repo = folder / "repo"
+    repo.mkdir()
+    shutil.copytree(ROOT / "functions" / "classifier", repo / "classifier")
+    _function(repo, "echo", IDENTITY)
+    _function(repo, "slow", SLOW)
+    _function(repo, "relay", IDENTITY)
+    _function(repo, "idle", IDENTITY)
+    _function(repo, "lapse", IDENTITY, async_timeout_s=1, result_ttl_s=1)
+    _function(repo, "ticket", TICKET, max_batch_size=4)
+    found = Deployment(url, repo, folder)
+    found.runner("classifier", "echo", "slow")
+    try:
+        yield found
+    finally:
+        stop_processes(found.started)
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+async def client(deployment: Deployment) -> AsyncIterator[httpx.AsyncClient]:
+    await wait_http(deployment.base)
+    async with httpx.AsyncClient(
+        base_url=deployment.base, timeout=60, headers=bearer(deployment.user)
+    ) as found:
+        yield found
+
+
+async def submit(
+    client: httpx.AsyncClient, path: str, body: Any = ROW, base: str = "", **headers: str
+) -> str:
+    response = await client.post(f"{base}{path}", json=body, headers={"Prefer": "respond-async", **headers})
+    assert response.status_code == 202, response.text
+    invocation_id: str = response.json()["id"]
+    assert response.headers["location"] == f"/v1/invocations/{invocation_id}"
+    return invocation_id
+
+
+async def result(client: httpx.AsyncClient, invocation_id: str, base: str = "") -> httpx.Response:
+    """The result, long-polled until it is no longer pending (bounded)."""
+    deadline = time.monotonic() + 60
+    while True:
+        response = await client.get(f"{base}/v1/invocations/{invocation_id}", params={"wait": 10})
+        if response.status_code != 202 or time.monotonic() > deadline:
+            return response
+
+
+async def test_submit_poll_and_fetch_in_both_shapes(client: httpx.AsyncClient) -> None:
+    rows = np.random.default_rng(18).standard_normal((3, 16), dtype=np.float32)
+    deadline = time.monotonic() + 60
+    while True:  # the runner's cold start may outlast the function's timeout
+        synchronous = await client.post("/v1/functions/classifier", json={"inputs": {"input": rows.tolist()}})
+        if synchronous.status_code == 200 or time.monotonic() > deadline:
+            break
+    assert synchronous.status_code == 200, synchronous.text
+    invocation_id = await submit(client, "/v1/functions/classifier", {"inputs": {"input": rows.tolist()}})
+    response = await result(client, invocation_id)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-fngate-state"] == "done"
+    np.testing.assert_allclose(
+        response.json()["outputs"]["probabilities"], synchronous.json()["outputs"]["probabilities"], rtol=1e-6
+    )
+
+    v2 = {
+        "id": "r-18",
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 16], "data": rows.ravel().tolist()}],
+    }
+    invocation_id = await submit(client, "/v2/models/classifier/infer", v2)
+    response = await result(client, invocation_id)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model_name"] == "classifier"
+    assert body["id"] == "r-18"
+    assert body["outputs"][0]["name"] == "probabilities"
+    assert body["outputs"][0]["shape"] == [3, 4]
+
+
+async def test_long_poll_waits_for_the_result(client: httpx.AsyncClient) -> None:
+    invocation_id = await submit(client, "/v1/functions/slow")
+    pending = await client.get(f"/v1/invocations/{invocation_id}")
+    assert pending.status_code == 202
+    assert pending.json()["state"] in ("queued", "running")
+    waited = await client.get(f"/v1/invocations/{invocation_id}", params={"wait": 30})
+    assert waited.status_code == 200, waited.text
+    assert waited.json()["outputs"]["y"] == [[1.0, 2.0]]
+
+
+async def test_unknown_and_foreign_ids_are_not_found(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    assert (await client.get(f"/v1/invocations/{'0' * 32}")).status_code == 404
+    assert (await client.get("/v1/invocations/not-an-id")).status_code == 404
+    invocation_id = await submit(client, "/v1/functions/echo")
+    assert (await result(client, invocation_id)).status_code == 200
+    # Another key learns nothing of it; an admin reads it.
+    foreign = await client.get(f"/v1/invocations/{invocation_id}", headers=bearer(deployment.other))
+    assert foreign.status_code == 404
+    assert "outputs" not in foreign.text
+    assert (
+        await client.delete(f"/v1/invocations/{invocation_id}", headers=bearer(deployment.other))
+    ).status_code == 404
+    admin = await client.get(f"/v1/invocations/{invocation_id}", headers=bearer(deployment.admin))
+    assert admin.status_code == 200
+    assert (
+        await client.get(f"/v1/invocations/{invocation_id}", headers={"Authorization": ""})
+    ).status_code == 401
+
+
+async def test_idempotent_resubmission_returns_the_first_invocation(client: httpx.AsyncClient) -> None:
+    first = await submit(client, "/v1/functions/echo", **{"Idempotency-Key": "order-18"})
+    again = await client.post(
+        "/v1/functions/echo", json=ROW, headers={"Prefer": "respond-async", "Idempotency-Key": "order-18"}
+    )
+    assert again.status_code == 202
+    assert again.json()["id"] == first
+    assert again.headers["x-fngate-idempotent-replay"] == "true"
+    assert await submit(client, "/v1/functions/echo", **{"Idempotency-Key": "order-19"}) != first
+    assert (await result(client, first)).status_code == 200
+
+
+async def test_cancel_before_it_starts(client: httpx.AsyncClient, deployment: Deployment) -> None:
+    invocation_id = await submit(client, "/v1/functions/idle")
+    queue = sync_redis.Redis.from_url(deployment.redis_url)
+    try:
+        assert queue.xlen(keys.invocations("idle", keys.ASYNC)) >= 1
+        cancelled = await client.delete(f"/v1/invocations/{invocation_id}")
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["state"] == "cancelled"
+        # No runner can ever read it: it left the queue.
+        assert queue.xlen(keys.invocations("idle", keys.ASYNC)) == 0
+    finally:
+        queue.close()
+    gone = await client.get(f"/v1/invocations/{invocation_id}")
+    assert gone.status_code == 410
+    assert gone.json()["state"] == "cancelled"
+    assert (await client.delete(f"/v1/invocations/{invocation_id}")).status_code == 200  # again: the same
+
+    done = await submit(client, "/v1/functions/echo")
+    assert (await result(client, done)).status_code == 200
+    late = await client.delete(f"/v1/invocations/{done}")
+    assert late.status_code == 409
+    assert late.json()["state"] == "done"
+
+
+async def test_a_result_expires(client: httpx.AsyncClient) -> None:
+    """`lapse` has no runner, async_timeout_s 1 and result_ttl_s 1: past its deadline it reads as
+    deadline_exceeded, and then it is gone."""
+    invocation_id = await submit(client, "/v1/functions/lapse")
+    assert (await client.get(f"/v1/invocations/{invocation_id}")).status_code == 202
+    deadline = time.monotonic() + 30
+    seen = []
+    while time.monotonic() < deadline:
+        response = await client.get(f"/v1/invocations/{invocation_id}")
+        if not seen or seen[-1] != response.status_code:
+            seen.append(response.status_code)
+        if response.status_code == 404:
+            break
+        await asyncio.sleep(0.2)
+    assert seen[-2:] == [504, 404], seen
+
+
+class CallbackReceiver:
+    """A plain ASGI server on loopback that fails the first `failures` POSTs with a 500."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: list[tuple[dict[str, str], bytes]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.calls.append(({k.decode(): v.decode() for k, v in scope["headers"]}, body))
+        status = 500 if len(self.calls) <= self.failures else 204
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.fixture
+async def callback_receiver() -> AsyncIterator[tuple[CallbackReceiver, str]]:
+    app = CallbackReceiver(failures=2)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:  # noqa: ASYNC110 (uvicorn offers no event)
+        await asyncio.sleep(0.01)
+    yield app, f"http://127.0.0.1:{port}/hook"
+    server.should_exit = True
+    await asyncio.wait_for(task, 10)
+    sock.close()
+
+
+async def test_callback_retried_until_accepted_and_signed(
+    client: httpx.AsyncClient, callback_receiver: tuple[CallbackReceiver, str]
+) -> None:
+    receiver, url = callback_receiver
+    invocation_id = await submit(client, "/v1/functions/echo", **{"X-Callback-Url": url})
+    deadline = time.monotonic() + 60
+    while len(receiver.calls) < 3 and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    assert len(receiver.calls) == 3
+    headers, body = receiver.calls[-1]
+    assert headers["x-fngate-invocation"] == invocation_id
+    assert headers["x-fngate-state"] == "done"
+    stamp, mac = (part.split("=", 1)[1] for part in headers["x-fngate-signature"].split(","))
+    expected = hmac.new(SECRET.encode(), f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
+    assert hmac.compare_digest(mac, expected)
+    fetched = await result(client, invocation_id)
+    assert fetched.content == body  # the callback carries what GET answers
+    # Every attempt is on the invocation.
+    deadline = time.monotonic() + 10
+    while True:
+        state = (await client.get(f"/v1/invocations/{invocation_id}", params={"view": "state"})).json()
+        attempts = state["callback"]["attempts"]
+        if len(attempts) == 3 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert [attempt["outcome"] for attempt in attempts] == ["retrying", "retrying", "delivered"]
+    assert [attempt["status"] for attempt in attempts] == [500, 500, 204]
+    assert url not in str(state)  # the state shows attempts, not where they went
+
+
+async def test_sync_served_ahead_of_an_async_backlog(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    """With 12 asynchronous and 2 synchronous invocations of `ticket` (max_batch_size 4) waiting,
+    the runner's first batch holds both synchronous ones and fills its 2 other slots from the
+    backlog; the backlog drains after."""
+    backlog = [await submit(client, "/v1/functions/ticket") for _ in range(12)]
+    synchronous = [asyncio.create_task(client.post("/v1/functions/ticket", json=ROW)) for _ in range(2)]
+    queue = sync_redis.Redis.from_url(deployment.redis_url)
+    try:
+        deadline = time.monotonic() + 20
+        while queue.xlen(keys.invocations("ticket")) < 2 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    finally:
+        queue.close()
+    deployment.runner("ticket")
+    answers = await asyncio.gather(*synchronous)
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert [answer.json()["outputs"]["y"][0][0] for answer in answers] == [0.0, 0.0]
+    tickets = []
+    for invocation_id in backlog:
+        response = await result(client, invocation_id)
+        assert response.status_code == 200, response.text
+        tickets.append(response.json()["outputs"]["y"][0][0])
+    assert tickets.count(0.0) == 2  # the slots the synchronous ones left in the first batch
+    assert max(collections.Counter(tickets).values()) <= 4
+
+
+async def test_another_gateway_serves_the_result(client: httpx.AsyncClient, deployment: Deployment) -> None:
+    """Accepted by a gateway that then dies; computed after; fetched through another."""
+    accepting = deployment.gateway()
+    await wait_http(accepting)
+    invocation_id = await submit(client, "/v1/functions/relay", base=accepting)
+    process = deployment.gateways.pop(accepting)
+    process.kill()
+    process.wait(timeout=10)
+    deployment.runner("relay")
+    response = await result(client, invocation_id)
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"]["y"] == [[1.0, 2.0]]
