@@ -129,8 +129,15 @@ def open_any(url: str) -> Repository:
 
 
 async def answer_queued(redis: aioredis.Redis, name: str) -> int:
-    """Answer every invocation queued for `name` (and those waiting on it) not_found; delete them."""
-    stream = keys.invocations(name)
+    """Answer every invocation queued for `name` (and those waiting on it) not_found, at every
+    priority level; delete them."""
+    answered = 0
+    for stream in keys.levels(name):
+        answered += await _answer_stream(redis, stream, name)
+    return answered
+
+
+async def _answer_stream(redis: aioredis.Redis, stream: str, name: str) -> int:
     finish = redis.register_script(queue.FINISH)
     error = FunctionNotFound(f"function '{name}' was removed")
     answered = 0
