@@ -9,6 +9,8 @@ import asyncio
 import collections
 import hashlib
 import hmac
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -400,3 +402,25 @@ async def test_another_gateway_serves_the_result(client: httpx.AsyncClient, depl
     response = await result(client, invocation_id)
     assert response.status_code == 200, response.text
     assert response.json()["outputs"]["y"] == [[1.0, 2.0]]
+
+
+async def test_cli_submits_and_fetches(deployment: Deployment) -> None:
+    await wait_http(deployment.base)
+
+    def fngate(*argv: str) -> subprocess.CompletedProcess[str]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
+        env["FNGATE_API_KEY"] = deployment.user
+        return subprocess.run(
+            [sys.executable, "-m", "fngate.tools.cli", *argv, "--gateway", deployment.base],
+            capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env=env,
+        )  # fmt: skip
+
+    submitted = await asyncio.to_thread(fngate, "invoke", "echo", '{"x": [[3.0, 4.0]]}', "--async")
+    assert submitted.returncode == 0, submitted.stderr
+    invocation_id = submitted.stdout.strip()
+    fetched = await asyncio.to_thread(fngate, "result", invocation_id, "--wait", "--timeout-s", "60")
+    assert fetched.returncode == 0, fetched.stderr
+    assert json.loads(fetched.stdout)["outputs"]["y"] == [[3.0, 4.0]]
+    unknown = await asyncio.to_thread(fngate, "result", "0" * 32)
+    assert unknown.returncode == 2
+    assert "404" in unknown.stderr
