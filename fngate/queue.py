@@ -556,16 +556,13 @@ SubmitOutcome = Queued | Again | Full | Limited
 
 
 def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
-    kind = raw[0]
-    if kind == b"queued":
-        return Queued()
-    if kind == b"again":
+    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a cache hit or a wait), or Again."""
+    if raw[0] == b"again":
         return Again(raw[1].decode())
-    if kind == b"full":
-        return Full(raw[1].decode())
-    if kind == b"limited":
-        return Limited(raw[1].decode(), int(raw[2]))
-    raise ValueError(f"unknown submit outcome {kind!r}")
+    outcome = parse_enqueue(raw)
+    if isinstance(outcome, Queued | Full | Limited):
+        return outcome
+    raise ValueError(f"unknown submit outcome {raw[0]!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -103,7 +103,7 @@ class AsyncInvocations:
             aioredis.BlockingConnectionPool.from_url(
                 redis_url,
                 max_connections=LONG_POLLS,
-                timeout=None,
+                timeout=BLOCK_S,  # all taken: a 503 after this long, never an unbounded wait
                 socket_connect_timeout=redis_timeout_s,
                 socket_timeout=BLOCK_S + redis_timeout_s,
             )
