@@ -405,21 +405,20 @@ class FunctionConsumer:
         least once), never lost, and the runner goes on."""
         try:
             levels = sorted({entry.level for entry in entries})
-            await asyncio.gather(
-                *(
-                    self._outboxes[level].send(
-                        [entry for entry in entries if entry.level == level],
-                        [
-                            reply
-                            for entry, reply in zip(entries, replies, strict=True)
-                            if entry.level == level
-                        ],
-                        ran_digest,
-                        stats if level == levels[0] else None,
+            if len(levels) == 1:  # the usual batch: one level, one round trip, no task
+                await self._outboxes[levels[0]].send(entries, replies, ran_digest, stats)
+            else:  # one FINISH per level's stream, written together; the statistics counted once
+                await asyncio.gather(
+                    *(
+                        self._outboxes[level].send(
+                            [entry for entry in entries if entry.level == level],
+                            _at_level(level, entries, replies),
+                            ran_digest,
+                            stats if level == levels[0] else None,
+                        )
+                        for level in levels
                     )
-                    for level in levels
                 )
-            )
         except (RedisError, OSError) as exc:
             log.warning(
                 "%s: could not write %d replies (%s); they are retried once Redis is back",
