@@ -151,10 +151,13 @@ class CallbackSender:
                 return
             except Exception:
                 log.exception("callback delivery failed unexpectedly; dropped")
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xack(keys.callbacks(), keys.CALLBACK_GROUP, entry_id)
-                pipe.xdel(keys.callbacks(), entry_id)
-                await pipe.execute()
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.xack(keys.callbacks(), keys.CALLBACK_GROUP, entry_id)
+                    pipe.xdel(keys.callbacks(), entry_id)
+                    await pipe.execute()
+            except (RedisError, OSError) as exc:  # delivered, not acknowledged: it may go again
+                log.warning("callback not acknowledged: redis unavailable (%s)", exc)
 
     async def _attempts(self, invocation_id: str) -> None:
         result_key = keys.result(invocation_id)

@@ -254,6 +254,25 @@ async def test_idempotent_resubmission_returns_the_first_invocation(client: http
     assert (await result(client, first)).status_code == 200
 
 
+async def test_submissions_count_against_the_keys_rate(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    try:
+        slow_key, _ = apikeys.create(redis, ["invoke"], rps=0.01, burst=1)
+    finally:
+        redis.close()
+    headers = {**bearer(slow_key), "Prefer": "respond-async"}
+    deadline = time.monotonic() + 10
+    while (first := await client.post("/v1/functions/echo", json=ROW, headers=headers)).status_code == 401:
+        assert time.monotonic() < deadline, "the gateway never saw the new key"
+        await asyncio.sleep(0.2)  # the gateways reload keys every auth_refresh_s
+    assert first.status_code == 202, first.text
+    refused = await client.post("/v1/functions/echo", json=ROW, headers=headers)
+    assert refused.status_code == 429
+    assert "retry-after" in refused.headers
+
+
 async def test_cancel_before_it_starts(client: httpx.AsyncClient, deployment: Deployment) -> None:
     invocation_id = await submit(client, "/v1/functions/idle")
     queue = sync_redis.Redis.from_url(deployment.redis_url)
