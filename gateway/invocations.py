@@ -53,6 +53,7 @@ LONG_POLLS = 128
 class Submission:
     """An asynchronous invocation as the gateway records it: what answering it later needs."""
 
+    id: str
     function: str
     version: str
     route: str
@@ -154,6 +155,7 @@ class AsyncInvocations:
             in_flight_key=queue.callback_marker(result) if callback_url else None,
         )
         record = Submission(
+            invocation_id,
             manifest.name,
             function.version,
             route,
@@ -267,7 +269,7 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
 
 def state_document(result: queue.Result) -> dict[str, Any]:
     submission = Submission.decode(result.record)
-    doc: dict[str, Any] = {"function": submission.function, "state": result.state}
+    doc: dict[str, Any] = {"id": submission.id, "function": submission.function, "state": result.state}
     if submission.callback_url:
         doc["callback"] = {"attempts": [orjson.loads(attempt) for attempt in result.callbacks]}
     return doc
@@ -326,7 +328,11 @@ def _idempotency_key(raw: bytes | None) -> str:
 def accepted_response(accepted: Accepted) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The 202 of a submission: where to fetch the result, and the id."""
     location = f"/v1/invocations/{accepted.invocation_id}"
-    headers = [(b"content-type", b"application/json"), (b"location", location.encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"location", location.encode()),
+        (b"preference-applied", b"respond-async"),
+    ]
     if accepted.again:
         headers.append((b"x-fngate-idempotent-replay", b"true"))
     body = {"id": accepted.invocation_id, "state": "accepted", "location": location}
@@ -358,7 +364,7 @@ async def get_invocation(request: Request) -> Response:
     service = _service(request)
     result = await service.read(request.path_params["id"], _principal(request), _wait_s(request))
     if request.query_params.get("view") == "state":
-        return json_response(state_document(result) | {"id": request.path_params["id"]})
+        return json_response(state_document(result))
     status, headers, content = service.render(result)
     if status == 202:
         headers["retry-after"] = "1"

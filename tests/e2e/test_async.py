@@ -169,6 +169,7 @@ async def submit(
     assert response.status_code == 202, response.text
     invocation_id: str = response.json()["id"]
     assert response.headers["location"] == f"/v1/invocations/{invocation_id}"
+    assert response.headers["preference-applied"] == "respond-async"
     return invocation_id
 
 
@@ -216,6 +217,7 @@ async def test_long_poll_waits_for_the_result(client: httpx.AsyncClient) -> None
     pending = await client.get(f"/v1/invocations/{invocation_id}")
     assert pending.status_code == 202
     assert pending.json()["state"] in ("queued", "running")
+    assert pending.json()["id"] == invocation_id
     waited = await client.get(f"/v1/invocations/{invocation_id}", params={"wait": 30})
     assert waited.status_code == 200, waited.text
     assert waited.json()["outputs"]["y"] == [[1.0, 2.0]]
