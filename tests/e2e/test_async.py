@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import hmac
 import json
@@ -121,9 +122,9 @@ class Deployment:
         self.gateways[base] = process
         return base
 
-    def runner(self, *functions: str) -> subprocess.Popen[bytes]:
+    def runner(self, *functions: str, **env: str) -> subprocess.Popen[bytes]:
         names = ",".join(f'"{name}"' for name in functions)
-        return self._start("runner", "runner", FNGATE_FUNCTIONS=f"[{names}]")
+        return self._start("runner", "runner", FNGATE_FUNCTIONS=f"[{names}]", **env)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +138,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     _function(repo, "slow", SLOW)
     _function(repo, "relay", IDENTITY)
     _function(repo, "idle", IDENTITY)
+    _function(repo, "held", IDENTITY)
     _function(repo, "lapse", IDENTITY, async_timeout_s=1, result_ttl_s=1)
     _function(repo, "ticket", TICKET, max_batch_size=4)
     found = Deployment(url, repo, folder)
@@ -445,3 +447,34 @@ async def test_cli_submits_and_fetches(deployment: Deployment) -> None:
     unknown = await asyncio.to_thread(fngate, "result", "0" * 32)
     assert unknown.returncode == 2
     assert "404" in unknown.stderr
+
+
+async def test_claimed_and_dead_lettered_at_the_async_level(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    """What a runner that died left unacknowledged at the asynchronous level is claimed and run by
+    another; one delivered too often is dead-lettered and fails with model_failed."""
+    survivor = await submit(client, "/v1/functions/held")
+    poisoned = await submit(client, "/v1/functions/held")
+    stream = keys.invocations("held", keys.ASYNC)
+    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    try:
+        with contextlib.suppress(sync_redis.ResponseError):  # BUSYGROUP: a runner made it
+            redis.xgroup_create(stream, keys.RUNNER_GROUP, id="0", mkstream=True)
+        # A runner that read both and died (nothing of ours runs here: a client of the group).
+        read: Any = redis.xreadgroup(keys.RUNNER_GROUP, "dead-runner", {stream: ">"}, count=10)
+        entries = [entry_id for entry_id, _ in read[0][1]]
+        assert len(entries) == 2
+        for _ in range(4):  # the second was delivered over and over (max_deliveries is 3)
+            redis.xclaim(stream, keys.RUNNER_GROUP, "dead-runner", 0, [entries[1]])
+        deployment.runner("held", FNGATE_CLAIM_IDLE_MS="200")
+        ran = await result(client, survivor)
+        assert ran.status_code == 200, ran.text
+        assert ran.json()["outputs"]["y"] == [[1.0, 2.0]]
+        failed = await result(client, poisoned)
+        assert failed.status_code == 500
+        assert failed.json()["code"] == "model_failed"
+        assert failed.headers["x-fngate-state"] == "failed"
+        assert redis.xlen(keys.dead_letters("held")) == 1
+    finally:
+        redis.close()
