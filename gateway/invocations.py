@@ -203,7 +203,7 @@ class AsyncInvocations:
         FunctionNotFound for an id that is unknown, expired or not the caller's."""
         result = await self._read_once(invocation_id, principal)
         deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
-        while result.state in ("queued", "running") and (left_s := deadline - time.monotonic()) > 0:
+        while _is_pending(result) and (left_s := deadline - time.monotonic()) > 0:
             try:
                 await self._polls.xread(
                     {keys.result(invocation_id): result.last_id},
@@ -253,7 +253,8 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
         if result.cancelled:
             body = {"error": "the invocation was cancelled", "code": "cancelled", "state": "cancelled"}
             return 410, headers | {"content-type": "application/json"}, dumps(body)
-        if submission.deadline_ms <= time.time() * 1000:  # nobody ran it in time; no runner says so
+        if not _is_pending(result):  # nobody ran it in time, and no runner came to say so
+            headers["x-fngate-state"] = "failed"
             return _failure(headers, DeadlineExceeded("the deadline passed while queued"))
         return 202, headers | {"content-type": "application/json"}, dumps(state_document(result))
     reply = Reply.decode(result.reply)
@@ -265,6 +266,13 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
     request = InferRequest({}, None, frozenset(submission.binary_outputs), submission.request_id, None)
     content, extra = render_v2(request, reply, _manifest(catalog, submission))
     return 200, headers | extra, content
+
+
+def _is_pending(result: queue.Result) -> bool:
+    """Queued or running, before its deadline: a reply may still come."""
+    if result.state not in ("queued", "running"):
+        return False
+    return Submission.decode(result.record).deadline_ms > time.time() * 1000
 
 
 def state_document(result: queue.Result) -> dict[str, Any]:
