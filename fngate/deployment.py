@@ -153,7 +153,12 @@ async def _answer_stream(redis: aioredis.Redis, stream: str, name: str) -> int:
                 continue
             reply = Reply(invocation.id, invocation.version, {}, error).encode()
             outgoing.append(
-                queue.Outgoing(reply, invocation.reply_to, in_flight=invocation.in_flight_key or "")
+                queue.Outgoing(
+                    reply,
+                    invocation.reply_to,
+                    in_flight=invocation.in_flight_key or "",
+                    reply_ttl_ms=invocation.result_ttl_s * 1000,
+                )
             )
         ids = [entry_id for entry_id, _ in entries]
         size = sum(queue.entry_bytes(fields) for _, fields in entries)

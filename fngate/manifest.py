@@ -112,8 +112,8 @@ class BatchingSpec(_Frozen):
     async_timeout_s: Annotated[int, Field(ge=1, le=7 * 86400)] = 3600
     """The deadline of an asynchronous invocation (`Prefer: respond-async`), from its submission."""
     result_ttl_s: Annotated[int, Field(ge=1, le=30 * 86400)] = 86400
-    """How long an asynchronous invocation's result is kept: its result expires this long after
-    its deadline, so every result is readable at least this long after it came."""
+    """How long an asynchronous invocation's result is kept after it is done (or failed); one still
+    pending is kept until this long after its deadline."""
     max_async_queue_size: Annotated[int, Field(ge=1)] = 10000
     """Queued asynchronous invocations past which new ones get 503 with Retry-After; they wait in
     a queue of their own, served only with the batch slots synchronous invocations leave."""

@@ -107,7 +107,7 @@ return {'queued'}
 """
 )
 
-FINISH_ITEM = 10
+FINISH_ITEM = 11
 """Arguments per reply in FINISH."""
 
 # KEYS[1]: the invocation stream, KEYS[2]: its byte counter, KEYS[3..]: reply streams.
@@ -116,9 +116,11 @@ FINISH_ITEM = 10
 # amount) to add, then n groups of
 # FINISH_ITEM (index into KEYS, header, body, cache entry or '', its TTL in s, in-flight marker or
 # '', its waiters list, what to do with the waiters: 'share' the reply, 'drop' them, or 'promote'
-# the first to run in place of this one, and for 'promote' the invocation's own header and body),
-# then the entry ids to acknowledge and delete. Replies go only to reply streams that exist
-# (NOMKSTREAM): a gateway that stopped took its stream with it. One command per batch.
+# the first to run in place of this one, and for 'promote' the invocation's own header and body,
+# and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
+# asynchronous result is kept result_ttl_s after it is done)), then the entry ids to acknowledge
+# and delete. Replies go only to reply streams that exist (NOMKSTREAM): a gateway that stopped took
+# its stream with it. One command per batch.
 FINISH = """
 local n = tonumber(ARGV[4])
 local maxlen = ARGV[2]
@@ -129,9 +131,11 @@ if ARGV[5] ~= '' then
 end
 local first = 8 + m * 2
 for i = 0, n - 1 do
-  local at = first + i * 10
+  local at = first + i * 11
   local h, b = ARGV[at + 1], ARGV[at + 2]
-  redis.call('XADD', KEYS[tonumber(ARGV[at])], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  local reply_to = KEYS[tonumber(ARGV[at])]
+  redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  if ARGV[at + 10] ~= '0' then redis.call('PEXPIRE', reply_to, ARGV[at + 10]) end
   if ARGV[at + 3] ~= '' then
     redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
     redis.call('EXPIRE', ARGV[at + 3], ARGV[at + 4])
@@ -165,7 +169,7 @@ for i = 0, n - 1 do
   end
 end
 local ids = {}
-for i = first + n * 10, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = first + n * 11, #ARGV do ids[#ids + 1] = ARGV[i] end
 if #ids > 0 then
   redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
   redis.call('XDEL', KEYS[1], unpack(ids))
@@ -327,6 +331,9 @@ class Outgoing:
     """'share' the reply with them, 'drop' them, or 'promote' one to run instead."""
     invocation: Mapping[bytes, bytes] | None = None
     """For 'promote': the invocation's own entry fields, which the promoted waiter runs with."""
+    reply_ttl_ms: int = 0
+    """Keep the reply stream this long after this reply (an asynchronous result's stream); 0 leaves
+    its TTL alone."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -365,6 +372,7 @@ def finish_call(
             out.waiters if out.waiters != "promote" or promote else "drop",
             out.invocation[HEADER] if promote and out.invocation else "",
             out.invocation[BODY] if promote and out.invocation else "",
+            out.reply_ttl_ms,
         ]
     counters: list[bytes | str | int | float] = []
     for field, amount in statistics.increments.items() if statistics else ():

@@ -45,6 +45,10 @@ BLOCK_S = 5.0
 """One XREAD of a long-poll blocks at most this long (under its connection's socket timeout)."""
 MAX_CALLBACK_URL = 2048
 MAX_IDEMPOTENCY_KEY = 256
+PENDING_MARGIN_S = 5
+"""A pending invocation's result outlives its deadline by result_ttl_s and this much: a reply that
+comes late (a batch that ran over the deadline) still finds it. Once done, the runner keeps it
+result_ttl_s from then (fngate.queue.FINISH)."""
 LONG_POLLS = 128
 """Long-polls one gateway holds at once, each on a connection of its own; more wait for one."""
 
@@ -153,6 +157,7 @@ class AsyncInvocations:
             cache_key=entry or None,
             cache_ttl_s=manifest.cache.ttl_s,
             in_flight_key=queue.callback_marker(result) if callback_url else None,
+            result_ttl_s=batching.result_ttl_s,
         )
         record = Submission(
             invocation_id,
@@ -173,7 +178,7 @@ class AsyncInvocations:
             invocation.encode(),
             result,
             record.encode(),
-            timeout_ms + batching.result_ttl_s * 1000,
+            timeout_ms + (batching.result_ttl_s + PENDING_MARGIN_S) * 1000,
             invocation_id,
             batching.max_async_queue_size,
             batching.max_queue_bytes,

@@ -81,6 +81,7 @@ class Outbox:
                     invocation.in_flight_key or "",
                     "promote" if expired else "share",
                     invocation.encode() if expired and invocation.in_flight_key else None,
+                    invocation.result_ttl_s * 1000,
                 )
             )
         if separate and self._cache is not None:

@@ -140,9 +140,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     _function(repo, "idle", IDENTITY)
     _function(repo, "held", IDENTITY)
     _function(repo, "lapse", IDENTITY, async_timeout_s=1, result_ttl_s=1)
+    _function(repo, "brief", IDENTITY, async_timeout_s=600, result_ttl_s=1)
     _function(repo, "ticket", TICKET, max_batch_size=4)
     found = Deployment(url, repo, folder)
-    found.runner("classifier", "echo", "slow")
+    found.runner("classifier", "echo", "slow", "brief")
     try:
         yield found
     finally:
@@ -316,6 +317,18 @@ async def test_a_result_expires(client: httpx.AsyncClient) -> None:
             break
         await asyncio.sleep(0.2)
     assert seen[-2:] == [504, 404], seen
+
+
+async def test_a_result_is_kept_its_ttl_after_it_is_done(client: httpx.AsyncClient) -> None:
+    """`brief` keeps results 1 s with a deadline 10 minutes away: once done, the result is gone
+    soon after, not 10 minutes later."""
+    invocation_id = await submit(client, "/v1/functions/brief")
+    assert (await result(client, invocation_id)).status_code == 200
+    deadline = time.monotonic() + 30
+    while (response := await client.get(f"/v1/invocations/{invocation_id}")).status_code == 200:
+        assert time.monotonic() < deadline, "the result outlived its result_ttl_s"
+        await asyncio.sleep(0.2)
+    assert response.status_code == 404
 
 
 class CallbackReceiver:

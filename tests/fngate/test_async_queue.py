@@ -109,3 +109,36 @@ async def test_scripts_on_redis(redis_url: str) -> None:
     assert 0 < int(await client.execute("PTTL", "r2")) <= 60_000  # results always carry a TTL
     assert int(await client.execute("PTTL", later)) == -1  # queued work never does
     await client.aclose()
+
+
+async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) -> None:
+    """A result submitted with a long TTL (its deadline) gets result_ttl_s from the moment the
+    reply is written; a reply without a TTL leaves its stream's as it was."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    submit, finish = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.FINISH)
+    later = keys.invocations("f", keys.ASYNC)
+    await client.execute("XGROUP", "CREATE", later, "runners", "0", "MKSTREAM")
+    call = queue.submit_async_call(later, FIELDS, "fngate:result:i", b"{}", 3_600_000, "i", 10)
+    assert queue.parse_submit_async(await submit(call.keys, call.args)) == queue.Queued()
+    await client.execute("XADD", "gateway-replies", "*", "h", "", "b", "")
+    entries = await client.execute("XREADGROUP", "GROUP", "runners", "c", "STREAMS", later, ">")
+    entry_id = entries[0][1][0][0]
+    assert int(await client.execute("PTTL", "fngate:result:i")) > 3_000_000
+    reply = {queue.HEADER: b"h", queue.BODY: b"b"}
+    done = queue.finish_call(
+        later,
+        "runners",
+        [
+            queue.Outgoing(reply, "fngate:result:i", reply_ttl_ms=2000),
+            queue.Outgoing(reply, "gateway-replies"),
+        ],
+        [entry_id],
+        queue.entry_bytes(FIELDS),
+        100,
+    )
+    await finish(done.keys, done.args)
+    assert 0 < int(await client.execute("PTTL", "fngate:result:i")) <= 2000
+    assert int(await client.execute("PTTL", "gateway-replies")) == -1
+    assert await client.execute("XLEN", "fngate:result:i") == 2  # the state, then the reply
+    await client.aclose()
