@@ -141,9 +141,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     _function(repo, "held", IDENTITY)
     _function(repo, "lapse", IDENTITY, async_timeout_s=1, result_ttl_s=1)
     _function(repo, "brief", IDENTITY, async_timeout_s=600, result_ttl_s=1)
+    _function(repo, "crowded", SLOW, async_timeout_s=1, max_batch_size=1)
     _function(repo, "ticket", TICKET, max_batch_size=4)
     found = Deployment(url, repo, folder)
-    found.runner("classifier", "echo", "slow", "brief")
+    found.runner("classifier", "echo", "slow", "brief", "crowded")
     try:
         yield found
     finally:
@@ -354,8 +355,9 @@ class CallbackReceiver:
 
 
 @pytest.fixture
-async def callback_receiver() -> AsyncIterator[tuple[CallbackReceiver, str]]:
-    app = CallbackReceiver(failures=2)
+async def callback_receiver(request: pytest.FixtureRequest) -> AsyncIterator[tuple[CallbackReceiver, str]]:
+    """A receiver that fails twice before it accepts (or `failures` times, by indirect parameter)."""
+    app = CallbackReceiver(failures=getattr(request, "param", 2))
     sock = free_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
@@ -373,11 +375,7 @@ async def test_callback_retried_until_accepted_and_signed(
 ) -> None:
     receiver, url = callback_receiver
     invocation_id = await submit(client, "/v1/functions/echo", **{"X-Callback-Url": url})
-    deadline = time.monotonic() + 60
-    while len(receiver.calls) < 3 and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.1)
-    assert len(receiver.calls) == 3
-    headers, body = receiver.calls[-1]
+    headers, body = (await calls(receiver, 3))[-1]
     assert headers["x-fngate-invocation"] == invocation_id
     assert headers["x-fngate-state"] == "done"
     stamp, mac = (part.split("=", 1)[1] for part in headers["x-fngate-signature"].split(","))
@@ -396,6 +394,34 @@ async def test_callback_retried_until_accepted_and_signed(
     assert [attempt["outcome"] for attempt in attempts] == ["retrying", "retrying", "delivered"]
     assert [attempt["status"] for attempt in attempts] == [500, 500, 204]
     assert url not in str(state)  # the state shows attempts, not where they went
+
+
+async def calls(receiver: CallbackReceiver, count: int) -> list[tuple[dict[str, str], bytes]]:
+    """The receiver's calls once it has `count` of them (bounded)."""
+    deadline = time.monotonic() + 60
+    while len(receiver.calls) < count and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    assert len(receiver.calls) == count
+    return receiver.calls
+
+
+@pytest.mark.parametrize("callback_receiver", [0], indirect=True)
+async def test_callback_of_an_invocation_that_expired_in_the_queue(
+    client: httpx.AsyncClient, callback_receiver: tuple[CallbackReceiver, str]
+) -> None:
+    """`crowded` runs one invocation at a time, each for 1.5 s, and gives asynchronous ones 1 s:
+    the second never runs, and its callback says so with the 504 that GET answers."""
+    receiver, url = callback_receiver
+    await submit(client, "/v1/functions/crowded")
+    invocation_id = await submit(client, "/v1/functions/crowded", **{"X-Callback-Url": url})
+    [(headers, body)] = await calls(receiver, 1)
+    assert headers["x-fngate-invocation"] == invocation_id
+    assert headers["x-fngate-state"] == "failed"
+    assert headers["x-fngate-status"] == "504"
+    assert json.loads(body)["code"] == "deadline_exceeded"
+    fetched = await result(client, invocation_id)
+    assert fetched.status_code == 504
+    assert fetched.content == body
 
 
 async def test_sync_served_ahead_of_an_async_backlog(
