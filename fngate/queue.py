@@ -420,18 +420,25 @@ QUEUED, CANCELLED = b"queued", b"cancelled"
 # KEYS: the level's stream, its byte counter, the result stream, the idempotency key ('' for none),
 # the callback marker's waiters list ('' for no callback), then admit()'s keys (bucket, busy,
 # share; '' for a caller without limits). ARGV: max queue size, max queue bytes (0: no limit),
-# header, body, the record, the result TTL in ms, the invocation id, the callback waiter, then
-# admit()'s six arguments. A repeated idempotency key answers the first invocation's id.
+# header, body, the record, the result TTL in ms, the invocation id, the callback waiter, the
+# request's digest, then admit()'s six arguments. The idempotency key holds the first invocation's
+# id and its request's digest: a repeat answers that id while its result is kept ('again'), or
+# 'conflict' when the request differs; once the result expired the key is free again. The result
+# stream is named by the invocation id at its end (keys.result), so the first one's name follows.
 SUBMIT_ASYNC = (
     ADMIT_LUA
     + """
 if KEYS[4] ~= '' then
   local first = redis.call('GET', KEYS[4])
-  if first then return {'again', first} end
+  local id, digest = string.match(first or '', '^(%S+) (%S*)$')
+  if id and redis.call('EXISTS', string.sub(KEYS[3], 1, #KEYS[3] - #ARGV[7]) .. id) == 1 then
+    if digest ~= ARGV[9] then return {'conflict', id} end
+    return {'again', id}
+  end
 end
 if KEYS[6] ~= '' then
-  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]),
-    tonumber(ARGV[12]), ARGV[13], tonumber(ARGV[14]))
+  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
+    tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15]))
   if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
 end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
@@ -443,7 +450,7 @@ local entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
 redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
 redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', KEYS[1], 'e', entry, 'm', ARGV[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
-if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7], 'PX', ARGV[6]) end
+if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
 if KEYS[5] ~= '' then
   redis.call('RPUSH', KEYS[5], ARGV[8])
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
@@ -525,9 +532,13 @@ def submit_async_call(
     idempotency_key: str = "",
     callbacks: str = "",
     admission: Admission | None = None,
+    request_digest: str = "",
 ) -> ScriptCall:
     """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
-    live; `callbacks`: the callbacks stream when the invocation has a callback URL, else ''."""
+    live; `callbacks`: the callbacks stream when the invocation has a callback URL, else '';
+    `request_digest`: what a repeat of `idempotency_key` must match (no spaces)."""
+    if not result_stream.endswith(invocation_id) or " " in request_digest:
+        raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
     admit = admission or NO_ADMISSION
     waiter = Waiter(callbacks, invocation_id, 0).encode() if callbacks else ""
     return ScriptCall(
@@ -548,6 +559,7 @@ def submit_async_call(
             max(ttl_ms, 1),
             invocation_id,
             waiter,
+            request_digest,
             *admit.args,
         ],
     )
@@ -560,13 +572,22 @@ class Again:
     invocation_id: str
 
 
-SubmitOutcome = Queued | Again | Full | Limited
+@dataclasses.dataclass(frozen=True, slots=True)
+class Conflict:
+    """The idempotency key was used by an earlier submission of another request."""
+
+    invocation_id: str
+
+
+SubmitOutcome = Queued | Again | Conflict | Full | Limited
 
 
 def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
-    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a cache hit or a wait), or Again."""
+    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a cache hit or a wait), Again or Conflict."""
     if raw[0] == b"again":
         return Again(raw[1].decode())
+    if raw[0] == b"conflict":
+        return Conflict(raw[1].decode())
     outcome = parse_enqueue(raw)
     if isinstance(outcome, Queued | Full | Limited):
         return outcome

@@ -5,6 +5,7 @@ Redis (fngate.queue, asynchronous section), so any gateway answers for any other
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -35,7 +36,7 @@ from gateway.cache import cache_key
 from gateway.catalog import Catalog
 from gateway.dispatch import Refused
 from gateway.guard import PRINCIPAL
-from gateway.http_errors import error_body, status_of
+from gateway.http_errors import IdempotencyKeyReused, error_body, status_of
 from gateway.protocol import InferRequest, render_v1, render_v2
 from gateway.rendering import dumps, json_response
 
@@ -125,9 +126,11 @@ class AsyncInvocations:
         principal: Principal,
         headers: dict[bytes, bytes],
         admission: queue.Admission | None = None,
+        body: bytes = b"",
     ) -> Accepted:
         """Queue an asynchronous invocation at level keys.ASYNC; raises Refused, Overloaded or
-        Unavailable as a synchronous one would."""
+        Unavailable as a synchronous one would, IdempotencyKeyReused for an Idempotency-Key sent
+        before with another `body` or to another function."""
         manifest = function.manifest
         batching = manifest.batching
         callback_url = _callback_url(headers.get(b"x-callback-url"))
@@ -185,6 +188,7 @@ class AsyncInvocations:
             keys.idempotency(principal.key_id, idempotency) if idempotency else "",
             keys.callbacks() if callback_url else "",
             admission,
+            request_digest(manifest.name, route, body) if idempotency else "",
         )
         try:
             outcome = queue.parse_submit_async(await self._submit(call.keys, call.args))
@@ -192,6 +196,11 @@ class AsyncInvocations:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
         if isinstance(outcome, queue.Again):
             return Accepted(outcome.invocation_id, again=True)
+        if isinstance(outcome, queue.Conflict):
+            raise IdempotencyKeyReused(
+                f"Idempotency-Key '{idempotency}' was used for another request (invocation"
+                f" '{outcome.invocation_id}'): a new request needs a new key"
+            )
         if isinstance(outcome, queue.Limited):
             raise Refused(outcome)
         if isinstance(outcome, queue.Full):
@@ -271,6 +280,16 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
     request = InferRequest({}, None, frozenset(submission.binary_outputs), submission.request_id, None)
     content, extra = render_v2(request, reply, _manifest(catalog, submission))
     return 200, headers | extra, content
+
+
+def request_digest(function: str, route: str, body: bytes) -> str:
+    """What an Idempotency-Key is bound to: the function, the route (its body's shape) and the body,
+    length-prefixed so that no two requests share a preimage."""
+    digest = hashlib.blake2b(digest_size=16, person=b"fngate-idem-v1")
+    for part in (function.encode(), route.encode(), body):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
 
 
 def _is_pending(result: queue.Result) -> bool:

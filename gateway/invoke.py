@@ -166,6 +166,7 @@ class InvokeRoutes:
                 scope.get(PRINCIPAL, OPEN),
                 dict(scope["headers"]),
                 admission,
+                body,
             )
             return accepted_response(accepted)
         reply = await services.dispatcher.submit(

@@ -259,6 +259,15 @@ async def test_idempotent_resubmission_returns_the_first_invocation(client: http
     assert await submit(client, "/v1/functions/echo", **{"Idempotency-Key": "order-19"}) != first
     assert (await result(client, first)).status_code == 200
 
+    # The same key with another body, or to another function, is a mistake the client hears of.
+    for path, body in (("/v1/functions/echo", {"inputs": {"x": [[9.0, 9.0]]}}), ("/v1/functions/brief", ROW)):
+        reused = await client.post(
+            path, json=body, headers={"Prefer": "respond-async", "Idempotency-Key": "order-18"}
+        )
+        assert reused.status_code == 422, reused.text
+        assert reused.json()["code"] == "invalid_argument"
+        assert "'order-18'" in reused.json()["error"]
+
 
 async def test_submissions_count_against_the_keys_rate(
     client: httpx.AsyncClient, deployment: Deployment

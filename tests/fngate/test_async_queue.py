@@ -26,17 +26,25 @@ def test_idempotency_keys_cannot_collide_across_api_keys() -> None:
 
 def test_submit_async_call_with_callback_and_idempotency() -> None:
     call = queue.submit_async_call(
-        "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, 100, "idem", "fngate:callbacks"
+        "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, 100, "idem", "fngate:callbacks", None, "d1"
     )
     assert call.keys == ["q", "q:bytes", "fngate:result:i", "idem", "fngate:result:i:cb:w", "", "", ""]
-    assert call.args[:8] == [10, 100, b"h" * 10, b"b" * 10, b"{}", 5000, "i", "fngate:callbacks i 0"]
+    assert call.args[:9] == [10, 100, b"h" * 10, b"b" * 10, b"{}", 5000, "i", "fngate:callbacks i 0", "d1"]
 
 
 def test_submit_async_call_plain() -> None:
-    call = queue.submit_async_call("q", FIELDS, "r", b"{}", 0, "i", 10)
+    call = queue.submit_async_call("q", FIELDS, "fngate:result:i", b"{}", 0, "i", 10)
     assert call.keys[3:5] == ["", ""]
     assert call.args[5] == 1  # never a TTL of 0
-    assert call.args[7] == ""
+    assert call.args[7:9] == ["", ""]
+
+
+@pytest.mark.parametrize(
+    ("result_stream", "digest"), [("fngate:result:other", ""), ("fngate:result:i", "a b")]
+)
+def test_submit_async_call_refuses_what_the_script_cannot_read(result_stream: str, digest: str) -> None:
+    with pytest.raises(ValueError, match="named by its invocation id"):
+        queue.submit_async_call("q", FIELDS, result_stream, b"{}", 1, "i", 10, request_digest=digest)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +52,7 @@ def test_submit_async_call_plain() -> None:
     [
         ([b"queued", b"1-0"], queue.Queued()),
         ([b"again", b"abc"], queue.Again("abc")),
+        ([b"conflict", b"abc"], queue.Conflict("abc")),
         ([b"full", b"count"], queue.Full("count")),
         ([b"limited", b"rate", 10], queue.Limited("rate", 10)),
     ],
@@ -90,9 +99,15 @@ async def test_scripts_on_redis(redis_url: str) -> None:
         call = queue.submit_async_call(later, FIELDS, f"r{index}", b"{}", 60_000, str(index), 10)
         assert queue.parse_submit_async(await submit(call.keys, call.args)) == queue.Queued()
     await client.execute("XADD", sync, "*", "h", "s", "b", "")
-    again = queue.submit_async_call(later, FIELDS, "r9", b"{}", 60_000, "9", 10, idempotency_key="k")
+    again = queue.submit_async_call(
+        later, FIELDS, "r9", b"{}", 60_000, "9", 10, idempotency_key="k", request_digest="d"
+    )
     assert queue.parse_submit_async(await submit(again.keys, again.args)) == queue.Queued()
     assert queue.parse_submit_async(await submit(again.keys, again.args)) == queue.Again("9")
+    other = queue.submit_async_call(
+        later, FIELDS, "r8", b"{}", 60_000, "8", 10, idempotency_key="k", request_digest="e"
+    )
+    assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Conflict("9")
 
     taken = queue.level_entries(await read_levels([sync, later], ["runners", "c", 2]), (sync, later))
     assert [level for level, _, _ in taken] == [0, 1]  # the synchronous one, then one slot left
@@ -108,6 +123,9 @@ async def test_scripts_on_redis(redis_url: str) -> None:
     assert len(rest) == 2
     assert 0 < int(await client.execute("PTTL", "r2")) <= 60_000  # results always carry a TTL
     assert int(await client.execute("PTTL", later)) == -1  # queued work never does
+    await client.execute("DEL", "r9")  # the first result expired: its key serves a new request
+    assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Queued()
+    assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Again("8")
     await client.aclose()
 
 
