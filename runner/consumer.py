@@ -84,6 +84,8 @@ class FunctionConsumer:
         self._writes = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
         self._outboxes = [Outbox(self._writes, stream, settings) for stream in self._streams]
         self._read_levels = Script(self._reads, queue.READ_LEVELS)
+        self._lower_levels_empty = False
+        """The last read saw nothing below the synchronous level: the next may block at once."""
         # The metrics every batch touches, looked up once.
         name = function.name
         self._compute_duration = COMPUTE_DURATION.labels(name)
@@ -152,11 +154,19 @@ class FunctionConsumer:
 
     async def _read_by_priority(self, room: int) -> None:
         """Take what waits, synchronous invocations first (queue.READ_LEVELS); with nothing waiting,
-        block on every level's stream at once until something arrives."""
-        found = queue.level_entries(
-            await self._read_levels(list(self._streams), [keys.RUNNER_GROUP, self._consumer, room]),
-            self._streams,
-        )
+        block on every level's stream at once until something arrives. While the lower levels are
+        empty (the usual case), the blocking read alone does both in one round trip: it returns at
+        once with what the synchronous level holds. Should lower-level entries arrive meanwhile, it
+        may take up to `room` of them beside the synchronous ones (they still run after them), and
+        the reads go through READ_LEVELS again until those levels are empty."""
+        found = []
+        if not self._lower_levels_empty:
+            found = queue.level_entries(
+                await self._read_levels(list(self._streams), [keys.RUNNER_GROUP, self._consumer, room]),
+                self._streams,
+            )
+            # Fewer than its room: the script read every level and each had less than it asked.
+            self._lower_levels_empty = len(found) < room
         if not found:
             block = min(self._settings.read_block_ms, self._settings.claim_interval_ms)
             response = await self._reads.execute(
@@ -165,6 +175,9 @@ class FunctionConsumer:
                 timeout_s=block / 1000 + self._settings.redis_timeout_s,
             )
             found = queue.level_entries(response, self._streams)
+            # A read that returns answers for every stream that holds entries: none below level 0
+            # means those levels were empty.
+            self._lower_levels_empty = all(level == 0 for level, _, _ in found)
         for level in range(len(self._streams)):
             await self._accept(
                 ((entry_id, fields) for at, entry_id, fields in found if at == level), level=level
