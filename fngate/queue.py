@@ -419,12 +419,16 @@ QUEUED, CANCELLED = b"queued", b"cancelled"
 
 # KEYS: the level's stream, its byte counter, the result stream, the idempotency key ('' for none),
 # the callback marker's waiters list ('' for no callback), then admit()'s keys (bucket, busy,
-# share; '' for a caller without limits). ARGV: max queue size, max queue bytes (0: no limit),
-# header, body, the record, the result TTL in ms, the invocation id, the callback waiter, the
-# request's digest, then admit()'s six arguments. The idempotency key holds the first invocation's
-# id and its request's digest: a repeat answers that id while its result is kept ('again'), or
-# 'conflict' when the request differs; once the result expired the key is free again. The result
-# stream is named by the invocation id at its end (keys.result), so the first one's name follows.
+# share; '' for a caller without limits), then the cache entry to answer from ('' for none).
+# ARGV: max queue size, max queue bytes (0: no limit), header, body, the record, the result TTL in
+# ms while pending, the invocation id, the callback waiter, the request's digest, admit()'s six
+# arguments, then the result TTL in ms once done, and a cached reply's header and body that the
+# caller found itself (a cache Redis of its own; '' for none). The idempotency key holds the first
+# invocation's id and its request's digest: a repeat answers that id while its result is kept
+# ('again'), or 'conflict' when the request differs; once the result expired the key is free again.
+# The result stream is named by the invocation id at its end (keys.result), so the first one's
+# name follows. A cached answer is the result at once ('hit'): nothing is queued, and a callback
+# gets it as from FINISH.
 SUBMIT_ASYNC = (
     ADMIT_LUA
     + """
@@ -440,6 +444,22 @@ if KEYS[6] ~= '' then
   local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
     tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15]))
   if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
+end
+local hit_h, hit_b = ARGV[17], ARGV[18]
+if hit_h == '' and KEYS[9] ~= '' then
+  local hit = redis.call('HMGET', KEYS[9], 'h', 'b')
+  hit_h, hit_b = hit[1] or '', hit[2] or ''
+end
+if hit_h ~= '' then
+  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5])
+  redis.call('XADD', KEYS[3], '*', 'h', hit_h, 'b', hit_b)
+  redis.call('PEXPIRE', KEYS[3], ARGV[16])
+  if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
+  local callbacks, id = string.match(ARGV[8], '^(%S+) (%S+)')
+  if callbacks then
+    redis.call('XADD', callbacks, 'NOMKSTREAM', '*', 'h', hit_h, 'b', hit_b, 'for', id)
+  end
+  return {'hit'}
 end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   return {'full', 'count'}
@@ -533,10 +553,15 @@ def submit_async_call(
     callbacks: str = "",
     admission: Admission | None = None,
     request_digest: str = "",
+    done_ttl_ms: int = 0,
+    lookup: str = "",
+    cached: Mapping[bytes, bytes] | None = None,
 ) -> ScriptCall:
     """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
-    live; `callbacks`: the callbacks stream when the invocation has a callback URL, else '';
-    `request_digest`: what a repeat of `idempotency_key` must match (no spaces)."""
+    live while pending, `done_ttl_ms` once done; `callbacks`: the callbacks stream when the
+    invocation has a callback URL, else ''; `request_digest`: what a repeat of `idempotency_key`
+    must match (no spaces); `lookup`: the cache entry to answer from ('' for none), or `cached`:
+    the cached reply's fields the caller already found."""
     if not result_stream.endswith(invocation_id) or " " in request_digest:
         raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
     admit = admission or NO_ADMISSION
@@ -549,6 +574,7 @@ def submit_async_call(
             idempotency_key,
             waiters(callback_marker(result_stream)) if callbacks else "",
             *admit.keys,
+            lookup,
         ],
         args=[
             max_queue_size,
@@ -561,6 +587,9 @@ def submit_async_call(
             waiter,
             request_digest,
             *admit.args,
+            max(done_ttl_ms, 1),
+            cached[HEADER] if cached else "",
+            cached.get(BODY, b"") if cached else "",
         ],
     )
 
@@ -579,15 +608,23 @@ class Conflict:
     invocation_id: str
 
 
-SubmitOutcome = Queued | Again | Conflict | Full | Limited
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """Answered from the response cache: the result is there already."""
+
+
+SubmitOutcome = Queued | Done | Again | Conflict | Full | Limited
 
 
 def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
-    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a cache hit or a wait), Again or Conflict."""
+    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a wait), Done for a cache hit, Again or
+    Conflict."""
     if raw[0] == b"again":
         return Again(raw[1].decode())
     if raw[0] == b"conflict":
         return Conflict(raw[1].decode())
+    if raw[0] == b"hit":
+        return Done()
     outcome = parse_enqueue(raw)
     if isinstance(outcome, Queued | Full | Limited):
         return outcome

@@ -132,6 +132,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
             if settings.auth:
                 loops.append(asyncio.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
             separate = _separate_cache(settings)
+            asyncs.separate_cache = separate
             try:
                 dispatcher = Dispatcher(pipelined, replies, separate, activator, health)
                 yield {

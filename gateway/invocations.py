@@ -32,11 +32,12 @@ from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply
 from gateway.activation import Activator
 from gateway.auth import ADMIN, INVOKE, OPEN, Principal
-from gateway.cache import cache_key
+from gateway.cache import SeparateCache, cache_key
 from gateway.catalog import Catalog
 from gateway.dispatch import Refused
 from gateway.guard import PRINCIPAL
 from gateway.http_errors import IdempotencyKeyReused, error_body, status_of
+from gateway.metrics import CACHE_HITS, CACHE_MISSES
 from gateway.protocol import InferRequest, render_v1, render_v2
 from gateway.rendering import dumps, json_response
 
@@ -85,6 +86,8 @@ class Accepted:
     invocation_id: str
     again: bool = False
     """A resubmission with the same Idempotency-Key: the first invocation's id."""
+    done: bool = False
+    """Answered from the response cache: its result is there already."""
 
 
 class AsyncInvocations:
@@ -103,6 +106,8 @@ class AsyncInvocations:
         self._submit = Script(scripts, queue.SUBMIT_ASYNC)
         self._read = Script(scripts, queue.READ_RESULT)
         self._cancel = Script(scripts, queue.CANCEL)
+        self.separate_cache: SeparateCache | None = None
+        """The response cache when it is a Redis of its own (else the submit script reads it)."""
         self._tracing = telemetry.tracing_active()
         # Long-polls block their connection: a pool of their own, apart from the invocations'.
         self._polls = aioredis.Redis.from_pool(
@@ -127,10 +132,12 @@ class AsyncInvocations:
         headers: dict[bytes, bytes],
         admission: queue.Admission | None = None,
         body: bytes = b"",
+        use_cache: bool = True,
     ) -> Accepted:
         """Queue an asynchronous invocation at level keys.ASYNC; raises Refused, Overloaded or
         Unavailable as a synchronous one would, IdempotencyKeyReused for an Idempotency-Key sent
-        before with another `body` or to another function."""
+        before with another `body` or to another function. A cached answer (`use_cache`, as for a
+        synchronous one) is its result at once: nothing is queued."""
         manifest = function.manifest
         batching = manifest.batching
         callback_url = _callback_url(headers.get(b"x-callback-url"))
@@ -142,11 +149,14 @@ class AsyncInvocations:
         result = keys.result(invocation_id)
         deadline_ms = int(time.time() * 1000) + timeout_ms
         entry = ""
-        if manifest.cache.enabled:  # the answer is stored for others; an async one never waits on it
+        if manifest.cache.enabled:  # answered from it, and stored for others; never waits on one
             key_hex = cache_key(
                 manifest.name, function.version, function.digest, parsed.inputs, parsed.outputs
             )
             entry = keys.cache_entry(manifest.name, key_hex)
+        cached = None
+        if entry and use_cache and self.separate_cache is not None:
+            cached = await self.separate_cache.get(entry)
         invocation = Invocation(
             id=invocation_id,
             function=manifest.name,
@@ -189,11 +199,23 @@ class AsyncInvocations:
             keys.callbacks() if callback_url else "",
             admission,
             request_digest(manifest.name, route, body) if idempotency else "",
+            batching.result_ttl_s * 1000,
+            entry if use_cache and self.separate_cache is None else "",
+            cached,
         )
         try:
             outcome = queue.parse_submit_async(await self._submit(call.keys, call.args))
         except (RedisError, OSError) as exc:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
+        if entry and use_cache and not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited):
+            (CACHE_HITS if isinstance(outcome, queue.Done) else CACHE_MISSES).labels(manifest.name).inc()
+        return await self._accepted(outcome, invocation_id, idempotency, manifest.name, pool)
+
+    async def _accepted(
+        self, outcome: queue.SubmitOutcome, invocation_id: str, idempotency: str, function: str, pool: str
+    ) -> Accepted:
+        if isinstance(outcome, queue.Done):
+            return Accepted(invocation_id, done=True)
         if isinstance(outcome, queue.Again):
             return Accepted(outcome.invocation_id, again=True)
         if isinstance(outcome, queue.Conflict):
@@ -205,9 +227,7 @@ class AsyncInvocations:
             raise Refused(outcome)
         if isinstance(outcome, queue.Full):
             limit = "max_queue_bytes" if outcome.limit == "bytes" else "max_async_queue_size"
-            raise Overloaded(
-                f"function '{manifest.name}' has too many asynchronous invocations queued ({limit})"
-            )
+            raise Overloaded(f"function '{function}' has too many asynchronous invocations queued ({limit})")
         if self._activator is not None:
             await self._activator.wake(pool)
         return Accepted(invocation_id)
@@ -367,7 +387,11 @@ def accepted_response(accepted: Accepted) -> tuple[int, list[tuple[bytes, bytes]
     ]
     if accepted.again:
         headers.append((b"x-fngate-idempotent-replay", b"true"))
-    body = {"id": accepted.invocation_id, "state": "accepted", "location": location}
+    body = {
+        "id": accepted.invocation_id,
+        "state": "done" if accepted.done else "accepted",
+        "location": location,
+    }
     return 202, headers, dumps(body)
 
 

@@ -167,6 +167,7 @@ class InvokeRoutes:
                 dict(scope["headers"]),
                 admission,
                 body,
+                _use_cache(parsed, call),
             )
             return accepted_response(accepted)
         reply = await services.dispatcher.submit(

@@ -70,7 +70,7 @@ class Model:
 ROW = {"inputs": {"x": [[1.0, 2.0]]}}
 
 
-def _function(repo: Path, name: str, model: str, **batching: Any) -> None:
+def _function(repo: Path, name: str, model: str, cache: bool = False, **batching: Any) -> None:
     folder = repo / name
     folder.mkdir()
     manifest = {
@@ -79,6 +79,7 @@ def _function(repo: Path, name: str, model: str, **batching: Any) -> None:
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
         "batching": {"max_batch_size": 8, "max_queue_delay_us": 0, "timeout_ms": 20000, **batching},
+        "cache": {"enabled": cache},
     }
     (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     (folder / "model.py").write_text(model)
@@ -142,9 +143,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     _function(repo, "lapse", IDENTITY, async_timeout_s=1, result_ttl_s=1)
     _function(repo, "brief", IDENTITY, async_timeout_s=600, result_ttl_s=1)
     _function(repo, "crowded", SLOW, async_timeout_s=1, max_batch_size=1)
+    _function(repo, "cached", IDENTITY, cache=True)
+    _function(repo, "parked", IDENTITY)
     _function(repo, "ticket", TICKET, max_batch_size=4)
     found = Deployment(url, repo, folder)
-    found.runner("classifier", "echo", "slow", "brief", "crowded")
+    found.runner("classifier", "echo", "slow", "brief", "crowded", "cached")
     try:
         yield found
     finally:
@@ -339,6 +342,44 @@ async def test_a_result_is_kept_its_ttl_after_it_is_done(client: httpx.AsyncClie
         assert time.monotonic() < deadline, "the result outlived its result_ttl_s"
         await asyncio.sleep(0.2)
     assert response.status_code == 404
+
+
+async def test_a_cached_answer_is_the_result_at_once(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    """A submission the response cache can answer is done when it is accepted, and queues
+    nothing; an asynchronous invocation's answer is cached for the next, synchronous or not."""
+    row = {"inputs": {"x": [[5.0, 6.0]]}}
+    first = await client.post("/v1/functions/cached", json=row)
+    assert first.status_code == 200, first.text
+    accepted = await client.post("/v1/functions/cached", json=row, headers={"Prefer": "respond-async"})
+    assert accepted.status_code == 202
+    assert accepted.json()["state"] == "done"
+    fetched = await client.get(f"/v1/invocations/{accepted.json()['id']}")  # no wait: it is there
+    assert fetched.status_code == 200
+    assert fetched.headers["x-fngate-state"] == "done"
+    assert fetched.json()["outputs"] == first.json()["outputs"]
+    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    try:
+        assert redis.xlen(keys.invocations("cached", keys.ASYNC)) == 0
+    finally:
+        redis.close()
+
+    other = {"inputs": {"x": [[7.0, 8.0]]}}
+    assert (await result(client, await submit(client, "/v1/functions/cached", other))).status_code == 200
+    repeated = await client.post("/v1/functions/cached", json=other)
+    assert repeated.status_code == 200
+    assert repeated.headers["x-fngate-cache"] == "hit"
+
+
+async def test_metrics_count_every_level(client: httpx.AsyncClient, deployment: Deployment) -> None:
+    """`parked` has no runner: what waits at its asynchronous level shows in the queue gauges."""
+    for _ in range(2):
+        await submit(client, "/v1/functions/parked")
+    metrics = await client.get("/metrics", headers=bearer(deployment.admin))
+    assert metrics.status_code == 200
+    assert 'fngate_queue_depth{function="parked",level="async"} 2.0' in metrics.text
+    assert 'fngate_queue_depth{function="parked",level="sync"} 0.0' in metrics.text
 
 
 class CallbackReceiver:

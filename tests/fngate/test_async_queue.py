@@ -28,7 +28,7 @@ def test_submit_async_call_with_callback_and_idempotency() -> None:
     call = queue.submit_async_call(
         "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, 100, "idem", "fngate:callbacks", None, "d1"
     )
-    assert call.keys == ["q", "q:bytes", "fngate:result:i", "idem", "fngate:result:i:cb:w", "", "", ""]
+    assert call.keys == ["q", "q:bytes", "fngate:result:i", "idem", "fngate:result:i:cb:w", "", "", "", ""]
     assert call.args[:9] == [10, 100, b"h" * 10, b"b" * 10, b"{}", 5000, "i", "fngate:callbacks i 0", "d1"]
 
 
@@ -37,6 +37,8 @@ def test_submit_async_call_plain() -> None:
     assert call.keys[3:5] == ["", ""]
     assert call.args[5] == 1  # never a TTL of 0
     assert call.args[7:9] == ["", ""]
+    assert call.keys[8] == ""  # no cache lookup
+    assert call.args[15:] == [1, "", ""]  # a done TTL of at least 1 ms, no cached answer
 
 
 @pytest.mark.parametrize(
@@ -159,4 +161,42 @@ async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) ->
     assert 0 < int(await client.execute("PTTL", "fngate:result:i")) <= 2000
     assert int(await client.execute("PTTL", "gateway-replies")) == -1
     assert await client.execute("XLEN", "fngate:result:i") == 2  # the state, then the reply
+    await client.aclose()
+
+
+async def test_submit_answers_from_the_cache_at_once(redis_url: str) -> None:
+    """A cached answer (read by the script, or found by the caller in a cache of its own) is the
+    result at once, kept its done TTL; nothing is queued, and a callback gets its copy."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    submit = Script(client, queue.SUBMIT_ASYNC)
+    later = keys.invocations("f", keys.ASYNC)
+    await client.execute("XGROUP", "CREATE", keys.callbacks(), "g", "0", "MKSTREAM")
+    await client.execute("HSET", "entry", "h", "H", "b", "B")
+    looked_up = queue.submit_async_call(
+        later, FIELDS, "fngate:result:a", b"{}", 60_000, "a", 10, done_ttl_ms=2000, lookup="entry"
+    )
+    found = queue.submit_async_call(
+        later,
+        FIELDS,
+        "fngate:result:b",
+        b"{}",
+        60_000,
+        "b",
+        10,
+        callbacks=keys.callbacks(),
+        cached={queue.HEADER: b"H2", queue.BODY: b"B2"},
+    )
+    missed = queue.submit_async_call(later, FIELDS, "fngate:result:c", b"{}", 60_000, "c", 10, lookup="none")
+    assert queue.parse_submit_async(await submit(looked_up.keys, looked_up.args)) == queue.Done()
+    assert queue.parse_submit_async(await submit(found.keys, found.args)) == queue.Done()
+    assert queue.parse_submit_async(await submit(missed.keys, missed.args)) == queue.Queued()
+    assert await client.execute("XLEN", later) == 1  # only the miss
+    read = Script(client, queue.READ_RESULT)
+    done = queue.parse_result(await read(["fngate:result:a"], ["runners"]))
+    assert done is not None
+    assert (done.state, done.reply) == ("done", {queue.HEADER: b"H", queue.BODY: b"B"})
+    assert 0 < int(await client.execute("PTTL", "fngate:result:a")) <= 2000
+    copies = await client.execute("XRANGE", keys.callbacks(), "-", "+")
+    assert [fields for _, fields in copies] == [[b"h", b"H2", b"b", b"B2", b"for", b"b"]]
     await client.aclose()
