@@ -24,11 +24,14 @@ import httpx
 import numpy as np
 import pytest
 import redis as sync_redis
+import redis.asyncio as aioredis
 import uvicorn
 import yaml
 
 from fngate import apikeys, keys
 from fngate.process import stop_processes
+from fngate.registry import function_source
+from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from tests.conftest import ROOT, child_env, free_socket, start_redis, wait_http
 
 SECRET = "test-callback-secret"
@@ -70,7 +73,9 @@ class Model:
 ROW = {"inputs": {"x": [[1.0, 2.0]]}}
 
 
-def _function(repo: Path, name: str, model: str, cache: bool = False, **batching: Any) -> None:
+def _function(
+    repo: Path, name: str, model: str, cache: bool = False, pool: str = "default", **batching: Any
+) -> None:
     folder = repo / name
     folder.mkdir()
     manifest = {
@@ -80,6 +85,7 @@ def _function(repo: Path, name: str, model: str, cache: bool = False, **batching
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
         "batching": {"max_batch_size": 8, "max_queue_delay_us": 0, "timeout_ms": 20000, **batching},
         "cache": {"enabled": cache},
+        "scaling": {"pool": pool, "min_replicas": 0},
     }
     (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     (folder / "model.py").write_text(model)
@@ -145,6 +151,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     _function(repo, "crowded", SLOW, async_timeout_s=1, max_batch_size=1)
     _function(repo, "cached", IDENTITY, cache=True)
     _function(repo, "parked", IDENTITY)
+    _function(repo, "woken", IDENTITY, pool="woken")
     _function(repo, "ticket", TICKET, max_batch_size=4)
     found = Deployment(url, repo, folder)
     found.runner("classifier", "echo", "slow", "brief", "crowded", "cached")
@@ -567,3 +574,32 @@ async def test_claimed_and_dead_lettered_at_the_async_level(
         assert redis.xlen(keys.dead_letters("held")) == 1
     finally:
         redis.close()
+
+
+async def test_a_submission_wakes_a_pool_at_zero(
+    client: httpx.AsyncClient, deployment: Deployment, tmp_path: Path
+) -> None:
+    """The local scaler of `fngate up`, for the pool `woken` alone (no runner of it yet): an
+    asynchronous submission starts one, which runs it."""
+    redis = aioredis.from_url(deployment.redis_url)
+    source = function_source(str(deployment.repo), redis)
+
+    async def pools() -> dict[str, PoolSpec]:
+        return {name: spec for name, spec in pool_specs(await source()).items() if name == "woken"}
+
+    env = child_env(deployment.redis_url, deployment.repo, FNGATE_RESCAN_S="0.5")
+    scaler = LocalScaler(redis, pools, env, 30.0, tmp_path, poll_s=0.2)
+    stopping = asyncio.Event()
+    scaling = asyncio.create_task(scaler.run(stopping))
+    try:
+        await asyncio.sleep(0.5)  # a first look at the pools: nothing to start
+        assert [count for _at, pool, count in scaler.timeline if pool == "woken"] == []
+        invocation_id = await submit(client, "/v1/functions/woken")
+        response = await result(client, invocation_id)
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"]["y"] == [[1.0, 2.0]]
+        assert [count for _at, pool, count in scaler.timeline if pool == "woken"][:1] == [1]
+    finally:
+        stopping.set()
+        await asyncio.wait_for(scaling, 60)
+        await redis.aclose()
