@@ -148,12 +148,7 @@ class AsyncInvocations:
         invocation_id = uuid.uuid4().hex
         result = keys.result(invocation_id)
         deadline_ms = int(time.time() * 1000) + timeout_ms
-        entry = ""
-        if manifest.cache.enabled:  # answered from it, and stored for others; never waits on one
-            key_hex = cache_key(
-                manifest.name, function.version, function.digest, parsed.inputs, parsed.outputs
-            )
-            entry = keys.cache_entry(manifest.name, key_hex)
+        entry = _cache_entry(function, parsed)  # answered from it, stored for others; never waited on
         cached = None
         if entry and use_cache and self.separate_cache is not None:
             cached = await self.separate_cache.get(entry)
@@ -207,8 +202,8 @@ class AsyncInvocations:
             outcome = queue.parse_submit_async(await self._submit(call.keys, call.args))
         except (RedisError, OSError) as exc:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
-        if entry and use_cache and not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited):
-            (CACHE_HITS if isinstance(outcome, queue.Done) else CACHE_MISSES).labels(manifest.name).inc()
+        if entry and use_cache:
+            _count_lookup(manifest.name, outcome)
         return await self._accepted(outcome, invocation_id, idempotency, manifest.name, pool)
 
     async def _accepted(
@@ -300,6 +295,24 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
     request = InferRequest({}, None, frozenset(submission.binary_outputs), submission.request_id, None)
     content, extra = render_v2(request, reply, _manifest(catalog, submission))
     return 200, headers | extra, content
+
+
+def _cache_entry(function: FunctionVersion, parsed: InferRequest) -> str:
+    """The response cache entry of this request ('' with the function's cache off)."""
+    manifest = function.manifest
+    if not manifest.cache.enabled:
+        return ""
+    key_hex = cache_key(manifest.name, function.version, function.digest, parsed.inputs, parsed.outputs)
+    return keys.cache_entry(manifest.name, key_hex)
+
+
+def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
+    """A cache hit or miss, as a synchronous invocation's; a submission refused before the lookup
+    counts neither."""
+    if isinstance(outcome, queue.Done):
+        CACHE_HITS.labels(function).inc()
+    elif not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited):
+        CACHE_MISSES.labels(function).inc()
 
 
 def request_digest(function: str, route: str, body: bytes) -> str:
