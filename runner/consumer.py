@@ -175,8 +175,8 @@ class FunctionConsumer:
                 timeout_s=block / 1000 + self._settings.redis_timeout_s,
             )
             found = queue.level_entries(response, self._streams)
-            # A read that returns answers for every stream that holds entries: none below level 0
-            # means those levels were empty.
+            # XREADGROUP answers for every stream that holds new entries: none from below level 0
+            # means those levels had none.
             self._lower_levels_empty = all(level == 0 for level, _, _ in found)
         for level in range(len(self._streams)):
             await self._accept(
