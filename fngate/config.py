@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "FNGATE_"
@@ -63,6 +63,9 @@ class GatewaySettings(_Settings):
     """`<key id>:<sha256 hex>` of admin keys accepted besides the keys in Redis, comma-separated
     (`fngate keys hash` prints one): from a Kubernetes Secret, a new cluster has keys (its first
     admin's, Prometheus's) before anyone writes to Redis."""
+    callback_secret: SecretStr = SecretStr("")
+    """Signs the callbacks of asynchronous invocations (HMAC-SHA256, `X-Fngate-Signature`); shared
+    with their receivers. Empty: callbacks go unsigned."""
 
 
 class RunnerSettings(_Settings):

@@ -129,8 +129,15 @@ def open_any(url: str) -> Repository:
 
 
 async def answer_queued(redis: aioredis.Redis, name: str) -> int:
-    """Answer every invocation queued for `name` (and those waiting on it) not_found; delete them."""
-    stream = keys.invocations(name)
+    """Answer every invocation queued for `name` (and those waiting on it) not_found, at every
+    priority level; delete them."""
+    answered = 0
+    for stream in keys.levels(name):
+        answered += await _answer_stream(redis, stream, name)
+    return answered
+
+
+async def _answer_stream(redis: aioredis.Redis, stream: str, name: str) -> int:
     finish = redis.register_script(queue.FINISH)
     error = FunctionNotFound(f"function '{name}' was removed")
     answered = 0
@@ -146,7 +153,12 @@ async def answer_queued(redis: aioredis.Redis, name: str) -> int:
                 continue
             reply = Reply(invocation.id, invocation.version, {}, error).encode()
             outgoing.append(
-                queue.Outgoing(reply, invocation.reply_to, in_flight=invocation.in_flight_key or "")
+                queue.Outgoing(
+                    reply,
+                    invocation.reply_to,
+                    in_flight=invocation.in_flight_key or "",
+                    reply_ttl_ms=invocation.result_ttl_s * 1000,
+                )
             )
         ids = [entry_id for entry_id, _ in entries]
         size = sum(queue.entry_bytes(fields) for _, fields in entries)

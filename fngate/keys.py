@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
+
 PREFIX = "fngate"
 RUNNER_GROUP = "runners"
 
 
-def invocations(function: str) -> str:
-    """The stream of pending invocations of one function, read by the runner group."""
-    return f"{PREFIX}:q:{function}"
+LEVELS = ("sync", "async")
+"""Priority levels, highest first: a runner fills a batch from a level only with the slots that the
+levels before it leave. A level's index is its number in invocations()."""
+SYNC, ASYNC = 0, 1
+
+
+def invocations(function: str, level: int = SYNC) -> str:
+    """The stream of pending invocations of one function at one priority level, read by the runner
+    group. Level 0 (synchronous) keeps the plain name; every other level has its number appended."""
+    if level == SYNC:
+        return f"{PREFIX}:q:{function}"
+    return f"{PREFIX}:q:{function}:{level}"
+
+
+def levels(function: str) -> tuple[str, ...]:
+    """The function's invocation streams, highest priority first."""
+    return tuple(invocations(function, level) for level in range(len(LEVELS)))
 
 
 def dead_letters(function: str) -> str:
@@ -106,3 +122,25 @@ def key_share(key_id: str, function: str) -> str:
     """Sorted set of one API key's invocations of one function, queued or running -> expiry (ms):
     the key's share of that function's queue."""
     return f"{PREFIX}:share:{key_id}:{function}"
+
+
+def result(invocation_id: str) -> str:
+    """Stream of one asynchronous invocation: its submission (state and what the gateway needs to
+    answer), then its reply, cancellation and callback attempts. Always carries a TTL."""
+    return f"{PREFIX}:result:{invocation_id}"
+
+
+def idempotency(key_id: str, idempotency_key: str) -> str:
+    """The asynchronous invocation that an API key's `Idempotency-Key` created (with a TTL). The
+    client's key is hashed: it is length-unbounded text chosen by the caller."""
+    digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
+    return f"{PREFIX}:idem:{len(key_id)}:{key_id}:{digest}"
+
+
+def callbacks() -> str:
+    """Stream of asynchronous invocations that finished and have a callback URL, read by the
+    CALLBACK_GROUP of every gateway."""
+    return f"{PREFIX}:callbacks"
+
+
+CALLBACK_GROUP = "gateways"

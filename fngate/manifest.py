@@ -109,6 +109,14 @@ class BatchingSpec(_Frozen):
     """Past this many bytes of queued invocations, new ones are refused (503); 0: no limit."""
     timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 5000
     """Each invocation's deadline (a request may ask for less)."""
+    async_timeout_s: Annotated[int, Field(ge=1, le=7 * 86400)] = 3600
+    """The deadline of an asynchronous invocation (`Prefer: respond-async`), from its submission."""
+    result_ttl_s: Annotated[int, Field(ge=1, le=30 * 86400)] = 86400
+    """How long an asynchronous invocation's result is kept after it is done (or failed); one still
+    pending is kept until this long after its deadline."""
+    max_async_queue_size: Annotated[int, Field(ge=1)] = 10000
+    """Queued asynchronous invocations past which new ones get 503 with Retry-After; they wait in
+    a queue of their own, served only with the batch slots synchronous invocations leave."""
 
     @model_validator(mode="after")
     def _preferred(self) -> BatchingSpec:

@@ -107,7 +107,7 @@ return {'queued'}
 """
 )
 
-FINISH_ITEM = 10
+FINISH_ITEM = 11
 """Arguments per reply in FINISH."""
 
 # KEYS[1]: the invocation stream, KEYS[2]: its byte counter, KEYS[3..]: reply streams.
@@ -116,9 +116,11 @@ FINISH_ITEM = 10
 # amount) to add, then n groups of
 # FINISH_ITEM (index into KEYS, header, body, cache entry or '', its TTL in s, in-flight marker or
 # '', its waiters list, what to do with the waiters: 'share' the reply, 'drop' them, or 'promote'
-# the first to run in place of this one, and for 'promote' the invocation's own header and body),
-# then the entry ids to acknowledge and delete. Replies go only to reply streams that exist
-# (NOMKSTREAM): a gateway that stopped took its stream with it. One command per batch.
+# the first to run in place of this one, and for 'promote' the invocation's own header and body,
+# and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
+# asynchronous result is kept result_ttl_s after it is done)), then the entry ids to acknowledge
+# and delete. Replies go only to reply streams that exist (NOMKSTREAM): a gateway that stopped took
+# its stream with it. One command per batch.
 FINISH = """
 local n = tonumber(ARGV[4])
 local maxlen = ARGV[2]
@@ -129,9 +131,11 @@ if ARGV[5] ~= '' then
 end
 local first = 8 + m * 2
 for i = 0, n - 1 do
-  local at = first + i * 10
+  local at = first + i * 11
   local h, b = ARGV[at + 1], ARGV[at + 2]
-  redis.call('XADD', KEYS[tonumber(ARGV[at])], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  local reply_to = KEYS[tonumber(ARGV[at])]
+  redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  if ARGV[at + 10] ~= '0' then redis.call('PEXPIRE', reply_to, ARGV[at + 10]) end
   if ARGV[at + 3] ~= '' then
     redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
     redis.call('EXPIRE', ARGV[at + 3], ARGV[at + 4])
@@ -165,7 +169,7 @@ for i = 0, n - 1 do
   end
 end
 local ids = {}
-for i = first + n * 10, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = first + n * 11, #ARGV do ids[#ids + 1] = ARGV[i] end
 if #ids > 0 then
   redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
   redis.call('XDEL', KEYS[1], unpack(ids))
@@ -327,6 +331,9 @@ class Outgoing:
     """'share' the reply with them, 'drop' them, or 'promote' one to run instead."""
     invocation: Mapping[bytes, bytes] | None = None
     """For 'promote': the invocation's own entry fields, which the promoted waiter runs with."""
+    reply_ttl_ms: int = 0
+    """Keep the reply stream this long after this reply (an asynchronous result's stream); 0 leaves
+    its TTL alone."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -365,6 +372,7 @@ def finish_call(
             out.waiters if out.waiters != "promote" or promote else "drop",
             out.invocation[HEADER] if promote and out.invocation else "",
             out.invocation[BODY] if promote and out.invocation else "",
+            out.reply_ttl_ms,
         ]
     counters: list[bytes | str | int | float] = []
     for field, amount in statistics.increments.items() if statistics else ():
@@ -395,3 +403,312 @@ def answered_id(fields: Mapping[bytes, bytes], reply_id: str) -> str:
     """The invocation a reply entry answers: the waiter it names, or the reply's own."""
     target = fields.get(FOR)
     return target.decode() if target else reply_id
+
+
+# --- Asynchronous invocations -------------------------------------------------------------------
+# An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and
+# replies to a result stream of its own (keys.result), created here at submission with a TTL of
+# the invocation's deadline plus result_ttl_s: FINISH's XADD NOMKSTREAM delivers its reply there
+# unchanged, and any gateway reads it. The result stream's first entry holds the state `queued`, the
+# queue entry (stream `q`, id `e`) and the gateway's own record (`m`, JSON); a cancellation adds
+# `s` = `cancelled`, a callback attempt an entry `cb` (JSON). An invocation with a callback URL
+# names the callbacks stream as the one waiter on a marker of its own, so that FINISH's 'share'
+# copies its reply there, addressed `for` it, exactly as it answers coalesced invocations.
+STATE, QUEUE_STREAM, QUEUE_ENTRY, RECORD, CALLBACK = b"s", b"q", b"e", b"m", b"cb"
+QUEUED, CANCELLED = b"queued", b"cancelled"
+
+# KEYS: the level's stream, its byte counter, the result stream, the idempotency key ('' for none),
+# the callback marker's waiters list ('' for no callback), then admit()'s keys (bucket, busy,
+# share; '' for a caller without limits), then the cache entry to answer from ('' for none).
+# ARGV: max queue size, max queue bytes (0: no limit), header, body, the record, the result TTL in
+# ms while pending, the invocation id, the callback waiter, the request's digest, admit()'s six
+# arguments, then the result TTL in ms once done, and a cached reply's header and body that the
+# caller found itself (a cache Redis of its own; '' for none). The idempotency key holds the first
+# invocation's id and its request's digest: a repeat answers that id while its result is kept
+# ('again'), or 'conflict' when the request differs; once the result expired the key is free again.
+# The result stream is named by the invocation id at its end (keys.result), so the first one's
+# name follows. A cached answer is the result at once ('hit'): nothing is queued, and a callback
+# gets it as from FINISH.
+SUBMIT_ASYNC = (
+    ADMIT_LUA
+    + """
+if KEYS[4] ~= '' then
+  local first = redis.call('GET', KEYS[4])
+  local id, digest = string.match(first or '', '^(%S+) (%S*)$')
+  if id and redis.call('EXISTS', string.sub(KEYS[3], 1, #KEYS[3] - #ARGV[7]) .. id) == 1 then
+    if digest ~= ARGV[9] then return {'conflict', id} end
+    return {'again', id}
+  end
+end
+if KEYS[6] ~= '' then
+  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
+    tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15]))
+  if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
+end
+local hit_h, hit_b = ARGV[17], ARGV[18]
+if hit_h == '' and KEYS[9] ~= '' then
+  local hit = redis.call('HMGET', KEYS[9], 'h', 'b')
+  hit_h, hit_b = hit[1] or '', hit[2] or ''
+end
+if hit_h ~= '' then
+  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5])
+  redis.call('XADD', KEYS[3], '*', 'h', hit_h, 'b', hit_b)
+  redis.call('PEXPIRE', KEYS[3], ARGV[16])
+  if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
+  local callbacks, id = string.match(ARGV[8], '^(%S+) (%S+)')
+  if callbacks then
+    redis.call('XADD', callbacks, 'NOMKSTREAM', '*', 'h', hit_h, 'b', hit_b, 'for', id)
+  end
+  return {'hit'}
+end
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  return {'full', 'count'}
+elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
+  return {'full', 'bytes'}
+end
+local entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
+redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
+redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', KEYS[1], 'e', entry, 'm', ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[6])
+if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
+if KEYS[5] ~= '' then
+  redis.call('RPUSH', KEYS[5], ARGV[8])
+  redis.call('PEXPIRE', KEYS[5], ARGV[6])
+end
+return {'queued', entry}
+"""
+)
+
+# KEYS[1]: the result stream. ARGV[1]: the runner group. Its entries, and whether its queue entry
+# was delivered to a runner and not yet acknowledged (running): one round trip for a GET.
+READ_RESULT = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+if #entries == 0 then return {{}, 0} end
+local first = entries[1][2]
+local stream, entry = nil, nil
+for i = 1, #first, 2 do
+  if first[i] == 'q' then stream = first[i + 1] elseif first[i] == 'e' then entry = first[i + 1] end
+end
+local running = 0
+if stream and entry then
+  local pending = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+  if type(pending) == 'table' and #pending > 0 then running = 1 end
+end
+return {entries, running}
+"""
+
+# KEYS[1]: the result stream. ARGV[1]: the runner group. Cancels an invocation no runner has taken:
+# its queue entry is deleted (so no runner ever reads it) and `cancelled` is recorded. Answers
+# 'gone' (no such result), 'done' (it has a reply), 'cancelled' (now or before) or 'running'.
+CANCEL = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+if #entries == 0 then return 'gone' end
+local stream, entry = nil, nil
+for _, item in ipairs(entries) do
+  local fields = item[2]
+  for i = 1, #fields, 2 do
+    local name = fields[i]
+    if name == 'h' then return 'done' end
+    if name == 's' and fields[i + 1] == 'cancelled' then return 'cancelled' end
+    if name == 'q' then stream = fields[i + 1] elseif name == 'e' then entry = fields[i + 1] end
+  end
+end
+if not stream or not entry then return 'gone' end
+local pending = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
+if type(pending) == 'table' and #pending > 0 then return 'running' end
+local held = redis.call('XRANGE', stream, entry, entry)
+if #held == 0 then return 'running' end
+local size = 0
+local fields = held[1][2]
+for i = 1, #fields, 2 do
+  if fields[i] == 'h' or fields[i] == 'b' then size = size + #fields[i + 1] end
+end
+redis.call('XDEL', stream, entry)
+if redis.call('XLEN', stream) == 0 then
+  redis.call('DEL', stream .. ':bytes')
+else
+  redis.call('DECRBY', stream .. ':bytes', size)
+end
+redis.call('XADD', KEYS[1], '*', 's', 'cancelled')
+return 'cancelled'
+"""
+
+
+def callback_marker(result_stream: str) -> str:
+    """The in-flight marker of an asynchronous invocation with a callback URL: its waiters list
+    names the callbacks stream, so that FINISH copies the reply there (see SUBMIT_ASYNC)."""
+    return f"{result_stream}:cb"
+
+
+def submit_async_call(
+    stream: str,
+    fields: Mapping[bytes, bytes],
+    result_stream: str,
+    record: bytes,
+    ttl_ms: int,
+    invocation_id: str,
+    max_queue_size: int,
+    max_queue_bytes: int = 0,
+    idempotency_key: str = "",
+    callbacks: str = "",
+    admission: Admission | None = None,
+    request_digest: str = "",
+    done_ttl_ms: int = 0,
+    lookup: str = "",
+    cached: Mapping[bytes, bytes] | None = None,
+) -> ScriptCall:
+    """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
+    live while pending, `done_ttl_ms` once done; `callbacks`: the callbacks stream when the
+    invocation has a callback URL, else ''; `request_digest`: what a repeat of `idempotency_key`
+    must match (no spaces); `lookup`: the cache entry to answer from ('' for none), or `cached`:
+    the cached reply's fields the caller already found."""
+    if not result_stream.endswith(invocation_id) or " " in request_digest:
+        raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
+    admit = admission or NO_ADMISSION
+    waiter = Waiter(callbacks, invocation_id, 0).encode() if callbacks else ""
+    return ScriptCall(
+        keys=[
+            stream,
+            queue_bytes(stream),
+            result_stream,
+            idempotency_key,
+            waiters(callback_marker(result_stream)) if callbacks else "",
+            *admit.keys,
+            lookup,
+        ],
+        args=[
+            max_queue_size,
+            max_queue_bytes,
+            fields[HEADER],
+            fields[BODY],
+            record,
+            max(ttl_ms, 1),
+            invocation_id,
+            waiter,
+            request_digest,
+            *admit.args,
+            max(done_ttl_ms, 1),
+            cached[HEADER] if cached else "",
+            cached.get(BODY, b"") if cached else "",
+        ],
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Again:
+    """An earlier submission with the same idempotency key: this is its invocation."""
+
+    invocation_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Conflict:
+    """The idempotency key was used by an earlier submission of another request."""
+
+    invocation_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """Answered from the response cache: the result is there already."""
+
+
+SubmitOutcome = Queued | Done | Again | Conflict | Full | Limited
+
+
+def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
+    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a wait), Done for a cache hit, Again or
+    Conflict."""
+    if raw[0] == b"again":
+        return Again(raw[1].decode())
+    if raw[0] == b"conflict":
+        return Conflict(raw[1].decode())
+    if raw[0] == b"hit":
+        return Done()
+    outcome = parse_enqueue(raw)
+    if isinstance(outcome, Queued | Full | Limited):
+        return outcome
+    raise ValueError(f"unknown submit outcome {raw[0]!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    """What a result stream says of its asynchronous invocation."""
+
+    record: bytes
+    """The gateway's record of the submission (JSON)."""
+    running: bool
+    reply: dict[bytes, bytes] | None = None
+    """The reply's entry fields once it came."""
+    cancelled: bool = False
+    callbacks: tuple[bytes, ...] = ()
+    """Each callback attempt's JSON, in order."""
+    last_id: bytes = b"0-0"
+    """The stream's last entry: a long-poll waits for one after it."""
+
+    @property
+    def state(self) -> str:
+        if self.reply is not None:
+            return "done"
+        if self.cancelled:
+            return "cancelled"
+        return "running" if self.running else "queued"
+
+
+def parse_result(raw: Sequence[Any]) -> Result | None:
+    """READ_RESULT's answer; None when the result stream does not exist (unknown or expired)."""
+    entries, running = raw[0], raw[1]
+    if not entries:
+        return None
+    record = b""
+    reply = None
+    cancelled = False
+    attempts = []
+    for _entry_id, flat in entries:
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        if RECORD in fields and not record:
+            record = fields[RECORD]
+        if HEADER in fields and reply is None:
+            reply = {HEADER: fields[HEADER], BODY: fields.get(BODY, b"")}
+        if fields.get(STATE) == CANCELLED:
+            cancelled = True
+        if CALLBACK in fields:
+            attempts.append(fields[CALLBACK])
+    return Result(record, bool(running), reply, cancelled, tuple(attempts), entries[-1][0])
+
+
+def cancel_outcome(raw: bytes | str) -> str:
+    """CANCEL's answer: 'gone', 'done', 'cancelled' or 'running'."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+# --- Priority levels ------------------------------------------------------------------------------
+# KEYS: a function's invocation streams, highest priority first (keys.levels). ARGV: the group, the
+# consumer, the room. Reads up to `room` new entries, from each level only the room that the levels
+# before it left. Answers {level, entries} pairs.
+READ_LEVELS = """
+local room = tonumber(ARGV[3])
+local out = {}
+for i, key in ipairs(KEYS) do
+  if room <= 0 then break end
+  local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', room, 'STREAMS', key, '>')
+  if got then
+    local entries = got[1][2]
+    room = room - #entries
+    out[#out + 1] = {i - 1, entries}
+  end
+end
+return out
+"""
+
+
+def level_entries(reply: Any, streams: Sequence[str]) -> list[tuple[int, bytes, dict[bytes, bytes] | None]]:
+    """(level, id, fields) of READ_LEVELS' answer or of a blocking XREADGROUP over `streams`;
+    fields None for an entry deleted after delivery."""
+    found = []
+    for name, entries in reply or ():
+        level = name if isinstance(name, int) else streams.index(name.decode())
+        for entry_id, flat in entries:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat is not None else None
+            found.append((level, entry_id, fields))
+    return found

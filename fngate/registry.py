@@ -105,11 +105,12 @@ async def create_stream(redis: aioredis.Redis, function: str) -> None:
     until the group exists, and KEDA 2.x scales no ScaledObject to zero while one of its triggers
     fails (kedacore/keda pkg/scaling/executor/scale_scaledobjects.go, `RequestScale`). Id 0, as the
     runners use: anything queued before the group existed is still delivered."""
-    try:
-        await redis.xgroup_create(keys.invocations(function), keys.RUNNER_GROUP, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
+    for stream in keys.levels(function):  # every priority level's stream
+        try:
+            await redis.xgroup_create(stream, keys.RUNNER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -40,6 +40,9 @@ class Invocation:
     cache_ttl_s: int = 0
     in_flight_key: str | None = None
     """Set when identical invocations may be waiting on this one (see fngate.keys.waiters)."""
+    result_ttl_s: int = 0
+    """An asynchronous invocation's: its result stream is kept this long after the reply (0: a
+    synchronous one, whose reply stream is the gateway's)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -64,6 +67,8 @@ class Invocation:
             "cttl": self.cache_ttl_s,
             "fk": self.in_flight_key,
         }
+        if self.result_ttl_s:  # asynchronous only: a synchronous header stays as it was
+            header["rttl"] = self.result_ttl_s
         return _encode(header, self.inputs)
 
     @classmethod
@@ -84,6 +89,7 @@ class Invocation:
             cache_key=header.get("ck"),
             cache_ttl_s=header.get("cttl", 0),
             in_flight_key=header.get("fk"),
+            result_ttl_s=header.get("rttl", 0),
         )
 
 

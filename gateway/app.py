@@ -25,11 +25,14 @@ from gateway import admin, deployments, endpoints, metrics
 from gateway.activation import Activator
 from gateway.auth import KeyTable
 from gateway.cache import CacheHealth, SeparateCache
+from gateway.callbacks import CallbackSender
 from gateway.catalog import Catalog
 from gateway.compression import GzipLargeResponses
 from gateway.dispatch import Dispatcher
 from gateway.guard import AuthMiddleware
 from gateway.http_errors import handle_function_error, handle_unknown_route
+from gateway.invocations import ROUTES as INVOCATION_ROUTES
+from gateway.invocations import AsyncInvocations
 from gateway.invoke import InvokeRoutes
 from gateway.limits import Limiter
 from gateway.replies import ReplyRouter
@@ -58,6 +61,7 @@ ROUTES = [
     Route("/metrics", metrics.metrics),
     *deployments.ROUTES,
     *admin.ROUTES,
+    *INVOCATION_ROUTES,
 ]
 
 
@@ -97,6 +101,15 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
         replies = ReplyRouter(
             reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s
         )
+        asyncs = AsyncInvocations(pipelined, settings.redis_url, settings.redis_timeout_s, catalog, activator)
+        callbacks = CallbackSender(
+            reader,
+            pipelined,
+            gateway_id,
+            catalog,
+            settings.callback_secret.get_secret_value().encode(),
+            settings.reply_block_ms,
+        )
         async with redis, reader:
             await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
             await catalog.refresh()
@@ -115,9 +128,11 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                     _guard(catalog.run(settings.catalog_refresh_s), "catalog loop", stopping)
                 ),
             ]
+            loops.append(asyncio.create_task(_guard(callbacks.run(), "callback loop", stopping)))
             if settings.auth:
                 loops.append(asyncio.create_task(_guard(key_table.run(reader), "API key loop", stopping)))
             separate = _separate_cache(settings)
+            asyncs.separate_cache = separate
             try:
                 dispatcher = Dispatcher(pipelined, replies, separate, activator, health)
                 yield {
@@ -125,6 +140,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                         catalog, dispatcher, settings.max_body_bytes, redis, settings.load_timeout_s
                     ),
                     "deployer": deployments.Deployer(settings),
+                    "invocations": asyncs,
                 }
             finally:
                 # The loops are asked to stop, and given a moment: one blocked in a client call that
@@ -136,6 +152,7 @@ def create_app(settings: GatewaySettings, stopping: asyncio.Event | None = None)
                 if separate is not None:
                     await separate.aclose()
                 await replies.stop()
+                await asyncs.aclose()
                 await pipelined.aclose()
                 await reply_reads.aclose()
 

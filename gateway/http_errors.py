@@ -28,6 +28,12 @@ class PayloadTooLarge(FunctionError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class IdempotencyKeyReused(FunctionError):
+    """An Idempotency-Key sent again with another request; answered 422 rather than 400."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
 class BodyTimeout(FunctionError):
     """The body did not arrive within body_timeout_s; answered 408 rather than 400."""
 
@@ -37,6 +43,8 @@ class BodyTimeout(FunctionError):
 def status_of(exc: FunctionError) -> int:
     if isinstance(exc, PayloadTooLarge):
         return 413
+    if isinstance(exc, IdempotencyKeyReused):
+        return 422
     if isinstance(exc, BodyTimeout):
         return 408
     return STATUS[exc.code]

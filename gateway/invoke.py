@@ -18,10 +18,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fngate.errors import ErrorCode, FunctionError, Internal
 from fngate.repository import FunctionVersion
+from gateway.auth import OPEN
 from gateway.dispatch import Refused
 from gateway.endpoints import Services
 from gateway.guard import ADMISSION, ADMITTED, PRINCIPAL, RELEASE
 from gateway.http_errors import BodyTimeout, PayloadTooLarge, error_body, status_of
+from gateway.invocations import accepted_response
 from gateway.limits import refusal
 from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
 from gateway.protocol import InferRequest, decode, decode_body, parse_v1, parse_v2, render_v1, render_v2
@@ -157,6 +159,18 @@ class InvokeRoutes:
         admission = scope.get(ADMISSION)
         if admission is not None:
             scope[ADMITTED] = True  # from here it may hold a place in its key's limits
+        if _prefers_async(scope["headers"]):
+            accepted = await scope["state"]["invocations"].submit(
+                function,
+                parsed,
+                "v1" if call.route is V1 else "v2",
+                scope.get(PRINCIPAL, OPEN),
+                dict(scope["headers"]),
+                admission,
+                body,
+                _use_cache(parsed, call),
+            )
+            return accepted_response(accepted)
         reply = await services.dispatcher.submit(
             function, parsed.inputs, parsed.outputs, parsed.timeout_ms, _use_cache(parsed, call), admission
         )
@@ -186,6 +200,11 @@ class InvokeRoutes:
     def _failed(self, services: Services, name: str, code: str) -> None:
         known = name in services.catalog.functions
         REQUEST_FAILURE.labels(name if known else "", code).inc()
+
+
+def _prefers_async(headers: list[tuple[bytes, bytes]]) -> bool:
+    """`Prefer: respond-async`: answer 202 at once and the result later (gateway.invocations)."""
+    return any(key == b"prefer" and b"respond-async" in value for key, value in headers)
 
 
 def _use_cache(parsed: InferRequest, call: Invocation) -> bool:

@@ -44,37 +44,49 @@ CACHE_MISSES = Counter(
 )
 CACHE_FAILURES = Counter("fngate_cache_failures", "Cache lookups that failed (the request went on)")
 QUEUE_DEPTH = Gauge(
-    "fngate_queue_depth", "Invocations queued or in flight", ["function"], multiprocess_mode="max"
+    "fngate_queue_depth",
+    "Invocations queued or in flight, per priority level (sync, async)",
+    ["function", "level"],
+    multiprocess_mode="max",
 )
 QUEUE_LAG = Gauge(
-    "fngate_queue_lag", "Invocations no runner has read yet", ["function"], multiprocess_mode="max"
+    "fngate_queue_lag",
+    "Invocations no runner has read yet, per priority level",
+    ["function", "level"],
+    multiprocess_mode="max",
 )
 QUEUE_PENDING = Gauge(
     "fngate_queue_pending",
-    "Invocations read by a runner, not yet answered",
-    ["function"],
+    "Invocations read by a runner, not yet answered, per priority level",
+    ["function", "level"],
     multiprocess_mode="max",
 )
 
 
 async def refresh_queue_gauges(redis: aioredis.Redis, functions: list[str]) -> None:
-    """Read each function's stream length and group state: one round trip, at scrape time."""
+    """Read the length and group state of each function's stream at every priority level: one
+    round trip, at scrape time."""
+    streams = [
+        (name, level, stream)
+        for name in functions
+        for level, stream in zip(keys.LEVELS, keys.levels(name), strict=True)
+    ]
     async with redis.pipeline(transaction=False) as pipe:
-        for name in functions:
-            pipe.xlen(keys.invocations(name))
-            pipe.xinfo_groups(keys.invocations(name))
+        for _name, _level, stream in streams:
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
         try:
             results = await pipe.execute(raise_on_error=False)
         except RedisError:
             return
-    for index, name in enumerate(functions):
+    for index, (name, level, _stream) in enumerate(streams):
         depth, groups = results[2 * index], results[2 * index + 1]
         if isinstance(depth, int):
-            QUEUE_DEPTH.labels(name).set(depth)
+            QUEUE_DEPTH.labels(name, level).set(depth)
         for group in groups if isinstance(groups, list) else ():
             if group.get("name") in (keys.RUNNER_GROUP, keys.RUNNER_GROUP.encode()):
-                QUEUE_PENDING.labels(name).set(group.get("pending") or 0)
-                QUEUE_LAG.labels(name).set(group.get("lag") or 0)
+                QUEUE_PENDING.labels(name, level).set(group.get("pending") or 0)
+                QUEUE_LAG.labels(name, level).set(group.get("lag") or 0)
 
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))

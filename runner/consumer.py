@@ -26,7 +26,7 @@ from fngate import keys, queue, telemetry
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
-from fngate.pipelined import PipelinedRedis, stream_entries
+from fngate.pipelined import PipelinedRedis, Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
@@ -72,7 +72,7 @@ class FunctionConsumer:
         self._settings = settings
         self._consumer = consumer
         self._stopping = stopping
-        self._stream = keys.invocations(function.name)
+        self._streams = keys.levels(function.name)
         self._pending: list[Entry] = []
         self._running: Sequence[Entry] = ()
         self._arrived = asyncio.Event()
@@ -82,7 +82,10 @@ class FunctionConsumer:
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
         self._reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
         self._writes = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
-        self._outbox = Outbox(self._writes, self._stream, settings)
+        self._outboxes = [Outbox(self._writes, stream, settings) for stream in self._streams]
+        self._read_levels = Script(self._reads, queue.READ_LEVELS)
+        self._lower_levels_empty = False
+        """The last read saw nothing below the synchronous level: the next may block at once."""
         # The metrics every batch touches, looked up once.
         name = function.name
         self._compute_duration = COMPUTE_DURATION.labels(name)
@@ -113,7 +116,8 @@ class FunctionConsumer:
                     reader.cancel()
                     stop.cancel()
         finally:
-            await self._outbox.aclose()
+            for outbox in self._outboxes:
+                await outbox.aclose()
             await self._reads.aclose()
             await self._writes.aclose()
 
@@ -135,13 +139,7 @@ class FunctionConsumer:
                     async with asyncio.timeout(self._settings.claim_interval_ms / 1000):
                         await self._room.wait()
                     continue
-                block = min(self._settings.read_block_ms, self._settings.claim_interval_ms)
-                response = await self._reads.execute(
-                    *("XREADGROUP", "GROUP", keys.RUNNER_GROUP, self._consumer, "COUNT", room),
-                    *("BLOCK", block, "STREAMS", self._stream, ">"),
-                    timeout_s=block / 1000 + self._settings.redis_timeout_s,
-                )
-                await self._accept(stream_entries(response))
+                await self._read_by_priority(room)
                 failures = 0
             except TimeoutError:
                 continue
@@ -153,6 +151,37 @@ class FunctionConsumer:
                     "%s: redis unavailable (%s); retrying in %.1f s", self.function.name, exc, delay_s
                 )
                 await asyncio.sleep(delay_s)
+
+    async def _read_by_priority(self, room: int) -> None:
+        """Take what waits, synchronous invocations first (queue.READ_LEVELS); with nothing waiting,
+        block on every level's stream at once until something arrives. While the lower levels are
+        empty (the usual case), the blocking read alone does both in one round trip: it returns at
+        once with what the synchronous level holds. Should lower-level entries arrive meanwhile, it
+        may take up to `room` of them beside the synchronous ones (they still run after them), and
+        the reads go through READ_LEVELS again until those levels are empty."""
+        found = []
+        if not self._lower_levels_empty:
+            found = queue.level_entries(
+                await self._read_levels(list(self._streams), [keys.RUNNER_GROUP, self._consumer, room]),
+                self._streams,
+            )
+            # Fewer than its room: the script read every level and each had less than it asked.
+            self._lower_levels_empty = len(found) < room
+        if not found:
+            block = min(self._settings.read_block_ms, self._settings.claim_interval_ms)
+            response = await self._reads.execute(
+                *("XREADGROUP", "GROUP", keys.RUNNER_GROUP, self._consumer, "COUNT", room, "BLOCK", block),
+                *("STREAMS", *self._streams, *(">" for _ in self._streams)),
+                timeout_s=block / 1000 + self._settings.redis_timeout_s,
+            )
+            found = queue.level_entries(response, self._streams)
+            # XREADGROUP answers for every stream that holds new entries: none from below level 0
+            # means those levels had none.
+            self._lower_levels_empty = all(level == 0 for level, _, _ in found)
+        for level in range(len(self._streams)):
+            await self._accept(
+                ((entry_id, fields) for at, entry_id, fields in found if at == level), level=level
+            )
 
     async def _wake_on_stop(self) -> None:
         """The batcher waits on one event: arrivals, and the stop (one waiter, not one per wait)."""
@@ -174,13 +203,17 @@ class FunctionConsumer:
                         await self._arrived.wait()
 
     async def _ensure_group(self) -> None:
-        try:
-            await self._redis.xgroup_create(self._stream, keys.RUNNER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in self._streams:
+            try:
+                await self._redis.xgroup_create(stream, keys.RUNNER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
-    async def _accept(self, entries: Iterable[tuple[bytes, Fields | None]], alone: bool = False) -> None:
+    async def _accept(
+        self, entries: Iterable[tuple[bytes, Fields | None]], alone: bool = False, level: int = 0
+    ) -> None:
+        stream = self._streams[level]
         broken = []
         for entry_id, fields in entries:
             if not fields:
@@ -193,14 +226,16 @@ class FunctionConsumer:
                 )
                 broken.append((entry_id, fields))
                 continue
-            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone))
+            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone, level))
         if broken:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for _entry_id, fields in broken:
                     pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"undecodable"})
-                pipe.xack(self._stream, keys.RUNNER_GROUP, *[entry_id for entry_id, _ in broken])
-                pipe.xdel(self._stream, *[entry_id for entry_id, _ in broken])
+                pipe.xack(stream, keys.RUNNER_GROUP, *[entry_id for entry_id, _ in broken])
+                pipe.xdel(stream, *[entry_id for entry_id, _ in broken])
                 await pipe.execute()
+        if any(entry.level for entry in self._pending):  # each level waits behind the ones above it
+            self._pending.sort(key=lambda entry: entry.level)
         self._arrived.set()
 
     async def _step(self) -> int | None:
@@ -382,7 +417,21 @@ class FunctionConsumer:
         stay unacknowledged in our pending list: claimed and answered again once it is back (at
         least once), never lost, and the runner goes on."""
         try:
-            await self._outbox.send(entries, replies, ran_digest, stats)
+            levels = sorted({entry.level for entry in entries})
+            if len(levels) == 1:  # the usual batch: one level, one round trip, no task
+                await self._outboxes[levels[0]].send(entries, replies, ran_digest, stats)
+            else:  # one FINISH per level's stream, written together; the statistics counted once
+                await asyncio.gather(
+                    *(
+                        self._outboxes[level].send(
+                            [entry for entry in entries if entry.level == level],
+                            _at_level(level, entries, replies),
+                            ran_digest,
+                            stats if level == levels[0] else None,
+                        )
+                        for level in levels
+                    )
+                )
         except (RedisError, OSError) as exc:
             log.warning(
                 "%s: could not write %d replies (%s); they are retried once Redis is back",
@@ -392,18 +441,26 @@ class FunctionConsumer:
             )
 
     async def _claim_due(self) -> None:
-        """Take over what runners that died left unacknowledged; each runs alone (Entry.alone)."""
+        """Take over what runners that died left unacknowledged, at every level; each runs alone
+        (Entry.alone)."""
         now = time.monotonic()
         if now - self._last_claim < self._settings.claim_interval_ms / 1000:
             return
         self._last_claim = now
-        held: list[bytes | str | int | memoryview] = [entry.id for entry in (*self._pending, *self._running)]
+        for level in range(len(self._streams)):
+            await self._claim_level(level)
+
+    async def _claim_level(self, level: int) -> None:
+        stream = self._streams[level]
+        held: list[bytes | str | int | memoryview] = [
+            entry.id for entry in (*self._pending, *self._running) if entry.level == level
+        ]
         if held:
             # Reset the idle time of what we hold (JUSTID: no delivery is counted), so that neither
             # we nor another runner claim an invocation that is only waiting or running long here.
-            await self._redis.xclaim(self._stream, keys.RUNNER_GROUP, self._consumer, 0, held, justid=True)
+            await self._redis.xclaim(stream, keys.RUNNER_GROUP, self._consumer, 0, held, justid=True)
         _next, claimed, _deleted = await self._redis.xautoclaim(
-            self._stream, keys.RUNNER_GROUP, self._consumer, self._settings.claim_idle_ms, "0-0", count=100
+            stream, keys.RUNNER_GROUP, self._consumer, self._settings.claim_idle_ms, "0-0", count=100
         )
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields]
         if not claimed:
@@ -412,7 +469,7 @@ class FunctionConsumer:
             "%s: claimed %d invocations another runner left unacknowledged", self.function.name, len(claimed)
         )
         counts: Any = await self._redis.xpending_range(
-            self._stream, keys.RUNNER_GROUP, claimed[0][0], claimed[-1][0], len(claimed) + 64, self._consumer
+            stream, keys.RUNNER_GROUP, claimed[0][0], claimed[-1][0], len(claimed) + 64, self._consumer
         )
         deliveries = {item["message_id"]: item["times_delivered"] for item in counts}
         poisoned = [
@@ -421,13 +478,15 @@ class FunctionConsumer:
             if deliveries.get(entry_id, 1) > self._settings.max_deliveries
         ]
         if poisoned:
-            await self._dead_letter(poisoned)
+            await self._dead_letter(poisoned, level)
         poisoned_ids = {entry_id for entry_id, _ in poisoned}
         await self._accept(
-            ((entry_id, fields) for entry_id, fields in claimed if entry_id not in poisoned_ids), alone=True
+            ((entry_id, fields) for entry_id, fields in claimed if entry_id not in poisoned_ids),
+            alone=True,
+            level=level,
         )
 
-    async def _dead_letter(self, entries: Sequence[tuple[bytes, Fields]]) -> None:
+    async def _dead_letter(self, entries: Sequence[tuple[bytes, Fields]], level: int) -> None:
         limit = self._settings.max_deliveries
         log.error(
             "%s: %d invocations were delivered more than %d times; dead-lettered",
@@ -440,12 +499,16 @@ class FunctionConsumer:
                 pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"max_deliveries"})
             await pipe.execute()
         dead = [
-            Entry(entry_id, Invocation.decode(fields), queue.entry_bytes(fields))
+            Entry(entry_id, Invocation.decode(fields), queue.entry_bytes(fields), level=level)
             for entry_id, fields in entries
         ]
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
         replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in dead]
         await self._send(dead, replies)
+
+
+def _at_level(level: int, entries: Sequence[Entry], replies: Sequence[Reply]) -> list[Reply]:
+    return [reply for entry, reply in zip(entries, replies, strict=True) if entry.level == level]
 
 
 def _entry_ms(entry_id: bytes) -> int:

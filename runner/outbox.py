@@ -31,6 +31,8 @@ class Entry:
     """What it counts against max_queue_bytes (fngate.queue.entry_bytes)."""
     alone: bool = False
     """Redelivered: runs in a batch of its own (runner.batching.Waiting)."""
+    level: int = 0
+    """The priority level whose stream it came from (fngate.keys.levels)."""
 
 
 class Outbox:
@@ -68,8 +70,9 @@ class Outbox:
                 separate.append((cache_entry, fields, invocation.cache_ttl_s))
                 cache_entry = ""
             # Identical invocations share a failure, but not a deadline: theirs may be later, so one
-            # of them runs in place of an invocation that expired.
-            expired = isinstance(reply.error, DeadlineExceeded)
+            # of them runs in place of an invocation that expired. An asynchronous invocation's one
+            # waiter is its callback, which is told of the failure like of any other answer.
+            promote = isinstance(reply.error, DeadlineExceeded) and not invocation.result_ttl_s
             outgoing.append(
                 queue.Outgoing(
                     fields,
@@ -77,8 +80,9 @@ class Outbox:
                     cache_entry,
                     invocation.cache_ttl_s,
                     invocation.in_flight_key or "",
-                    "promote" if expired else "share",
-                    invocation.encode() if expired and invocation.in_flight_key else None,
+                    "promote" if promote else "share",
+                    invocation.encode() if promote and invocation.in_flight_key else None,
+                    invocation.result_ttl_s * 1000,
                 )
             )
         if separate and self._cache is not None:

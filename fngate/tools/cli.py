@@ -132,6 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway", metavar="URL", help=f"the gateway (default: fngate up's, or {DEFAULT_GATEWAY})"
     )
     invoke.add_argument("--timeout-s", type=float, default=60.0, help="give up after this long (default 60)")
+    invoke.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="submit it asynchronously and print its id; `fngate result ID` fetches the result",
+    )
+    result = commands.add_parser(
+        "result",
+        help="fetch an asynchronous invocation's result (`fngate invoke NAME --async`)",
+        description="Print the result of an asynchronous invocation, or its state while pending.",
+    )
+    result.add_argument("id", metavar="ID", help="the invocation's id")
+    result.add_argument("--wait", action="store_true", help="wait until it is done (at most --timeout-s)")
+    result.add_argument(
+        "--gateway", metavar="URL", help=f"the gateway (default: fngate up's, or {DEFAULT_GATEWAY})"
+    )
+    result.add_argument("--timeout-s", type=float, default=300.0, help="with --wait: give up after this long")
 
     _add_repository_commands(commands)
 
@@ -150,6 +167,22 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("action", choices=["render"], help="render: print the objects as YAML")
     k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.tools.k8s --help`")
     return parser
+
+
+def _call_gateway(args: argparse.Namespace) -> int:
+    """`fngate invoke` and `fngate result`: fngate up's gateway (with its admin key) unless told."""
+    from fngate.tools.invoke import InvokeError, invoke, result
+
+    up_gateway = _from_up("gateway_url")
+    gateway = args.gateway or up_gateway or DEFAULT_GATEWAY
+    try:
+        key = _api_key(gateway == up_gateway)
+        if args.command == "result":
+            return result(gateway, args.id, args.wait, args.timeout_s, sys.stdout, key)
+        version, timeout_s = args.function_version, args.timeout_s
+        return invoke(gateway, args.name, args.data, version, timeout_s, sys.stdout, key, args.asynchronous)
+    except InvokeError as exc:
+        raise (ServiceError if exc.unreachable else UsageError)(str(exc)) from exc
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -174,17 +207,8 @@ def _run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(schema_json())
         return 0
-    if args.command == "invoke":
-        from fngate.tools.invoke import InvokeError, invoke
-
-        up_gateway = _from_up("gateway_url")
-        gateway = args.gateway or up_gateway or DEFAULT_GATEWAY
-        try:
-            key = _api_key(gateway == up_gateway)
-            version, timeout_s = args.function_version, args.timeout_s
-            return invoke(gateway, args.name, args.data, version, timeout_s, sys.stdout, key)
-        except InvokeError as exc:
-            raise (ServiceError if exc.unreachable else UsageError)(str(exc)) from exc
+    if args.command in ("invoke", "result"):
+        return _call_gateway(args)
     if args.command == "up":
         from fngate.tools.local import run_local
 

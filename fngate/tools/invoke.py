@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import sys
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +17,9 @@ import orjson
 
 from fngate.errors import FunctionError
 from fngate.tensors import datatype_of, to_bytes
+
+POLL_S = 30
+"""One long-poll of `fngate result --wait` (the gateway holds at most 60 s)."""
 
 
 class InvokeError(Exception):
@@ -33,12 +38,45 @@ def invoke(
     timeout_s: float,
     out: TextIO,
     api_key: str | None = None,
+    asynchronous: bool = False,
 ) -> int:
-    """Print the answer; raises InvokeError."""
+    """Print the answer, or with `asynchronous` the id of the invocation submitted (for
+    `fngate result`); raises InvokeError."""
     auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
     method, path, body, headers = _request(gateway, name, data, version, timeout_s, auth)
+    if asynchronous:
+        headers["prefer"] = "respond-async"
     answer = _call(method, gateway + path, body, {**headers, **auth}, timeout_s)
+    if asynchronous:
+        out.write(f"{orjson.loads(answer)['id']}\n")
+        return 0
     out.write(orjson.dumps(orjson.loads(answer), option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0
+
+
+def result(
+    gateway: str, invocation_id: str, wait: bool, timeout_s: float, out: TextIO, api_key: str | None = None
+) -> int:
+    """Print an asynchronous invocation's result; without `wait`, its state while pending (exit 0).
+    With `wait`, long-polls until it is done or `timeout_s` passes; raises InvokeError."""
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    url = f"{gateway}/v1/invocations/{urllib.parse.quote(invocation_id, safe='')}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left_s = deadline - time.monotonic()
+        wait_s = int(max(0, min(left_s, POLL_S))) if wait else 0
+        status, answer = _open("GET", f"{url}?wait={wait_s}", None, auth, wait_s + timeout_s)
+        if status != 202 or not wait or left_s <= 0:
+            break
+    if status == 202 and wait:
+        state = orjson.loads(answer).get("state")
+        raise InvokeError(f"invocation {invocation_id} still {state} after {timeout_s:g} s", unreachable=True)
+    try:
+        doc = orjson.loads(answer)
+    except orjson.JSONDecodeError:  # binary V2 outputs: as they came
+        sys.stdout.buffer.write(answer)
+        return 0
+    out.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
 
 
@@ -163,11 +201,18 @@ def _read(path: Path) -> bytes:
 
 
 def _call(method: str, url: str, body: bytes | None, headers: dict[str, str], timeout_s: float) -> bytes:
+    return _open(method, url, body, headers, timeout_s)[1]
+
+
+def _open(
+    method: str, url: str, body: bytes | None, headers: dict[str, str], timeout_s: float
+) -> tuple[int, bytes]:
+    """(status, body) of a 2xx answer; raises InvokeError for any other."""
     request = urllib.request.Request(url, data=body, headers=headers, method=method)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             answer: bytes = response.read()
-            return answer
+            return int(response.status), answer
     except urllib.error.HTTPError as exc:
         raw = exc.read()
         try:

@@ -383,16 +383,22 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
     triggers: list[Obj] = []
     for manifest in pool.functions:
         lag_target, pending_target = targets(manifest, options)
-        common = {"address": options.redis_address, "stream": keys.invocations(manifest.name)}
-        common |= {"consumerGroup": keys.RUNNER_GROUP, "databaseIndex": "0"}
-        common["enableTLS"] = "true" if options.redis_tls else "false"
-        # Lag (entries not yet delivered to the group) wakes the pool at the first one; pending
-        # entries (delivered, not yet acknowledged) keep it up while batches run.
-        lag = common | {"lagCount": str(lag_target), "activationLagCount": "0"}
-        pending = common | {"pendingEntriesCount": str(pending_target)}
-        for name, metadata in ((f"lag-{manifest.name}", lag), (f"pending-{manifest.name}", pending)):
-            trigger = {"type": "redis-streams", "name": name, "metadata": metadata}
-            triggers.append(trigger | {"authenticationRef": {"name": "fngate-redis"}})
+        for level, stream in enumerate(keys.levels(manifest.name)):  # every priority level counts
+            common = {"address": options.redis_address, "stream": stream}
+            common |= {"consumerGroup": keys.RUNNER_GROUP, "databaseIndex": "0"}
+            common["enableTLS"] = "true" if options.redis_tls else "false"
+            # Lag (entries not yet delivered to the group) wakes the pool at the first one; pending
+            # entries (delivered, not yet acknowledged) keep it up while batches run.
+            lag = common | {"lagCount": str(lag_target), "activationLagCount": "0"}
+            pending = common | {"pendingEntriesCount": str(pending_target)}
+            suffix = f"-{keys.LEVELS[level]}" if level else ""
+            for kind, metadata in (("lag", lag), ("pending", pending)):
+                trigger = {
+                    "type": "redis-streams",
+                    "name": f"{kind}-{manifest.name}{suffix}",
+                    "metadata": metadata,
+                }
+                triggers.append(trigger | {"authenticationRef": {"name": "fngate-redis"}})
     name = f"fngate-runner-{pool.name}"
     scaled = _object("keda.sh/v1alpha1", "ScaledObject", name, "runner", options, **{POOL_LABEL: pool.name})
     # No fallback: a trigger fails only when KEDA cannot read Redis, and then no runner could serve

@@ -232,11 +232,16 @@ class LocalScaler:
         return pids
 
     async def _backlog(self) -> dict[str, int]:
-        """Invocations queued or in flight, per pool."""
-        streams = [(pool, function) for pool, spec in self._specs.items() for function in spec.functions]
+        """Invocations queued or in flight, per pool, at every priority level."""
+        streams = [
+            (pool, stream)
+            for pool, spec in self._specs.items()
+            for function in spec.functions
+            for stream in keys.levels(function)
+        ]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for _pool, function in streams:
-                pipe.xlen(keys.invocations(function))
+            for _pool, stream in streams:
+                pipe.xlen(stream)
             try:
                 lengths: list[Any] = await pipe.execute()
             except RedisError:

@@ -327,7 +327,7 @@ def test_only_deployed_functions_get_pools_and_triggers() -> None:
     objects = k8s.render(functions, k8s.Options(deployed=("classify",)))
     assert [obj["metadata"]["name"] for obj in of_kind(objects, "ScaledObject")] == ["fngate-runner-default"]
     streams = {t["metadata"]["stream"] for t in of_kind(objects, "ScaledObject")[0]["spec"]["triggers"]}
-    assert streams == {keys.invocations("classify")}
+    assert streams == set(keys.levels("classify"))
     assert "fngate-runner-gpu" not in {obj["metadata"]["name"] for obj in objects}
     # Nothing deployed yet: the gateway, the accounts and the sync job only (a first apply).
     first = k8s.render(functions, k8s.Options())

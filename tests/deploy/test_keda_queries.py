@@ -144,12 +144,16 @@ def run(
     return Run(rendered, after_deploy, idle_runner, under_load, decide(rendered, client))
 
 
+IDLE = {"lag-crowd": 0, "pending-crowd": 0, "lag-crowd-async": 0, "pending-crowd-async": 0}
+"""Every trigger, the asynchronous level's included, at zero."""
+
+
 def test_keda_queries_from_deploy_through_load_to_drain(run: Run, crowd: FunctionManifest) -> None:
     spec = run.scaled_object["spec"]
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 3)
     lag_target, _ = k8s.targets(crowd, k8s.Options())
     # No trigger failed at any step (decide raises); idle means zero runners.
-    assert run.after_deploy == Decision({"lag-crowd": 0, "pending-crowd": 0}, 0)
+    assert run.after_deploy == Decision(IDLE, 0)
     assert run.idle_runner.replicas == 0
     counts = [sample.counts for sample in run.under_load]
     # Under backlog the pool asks for its maximum: the lag alone is more than two runners' worth.
@@ -157,7 +161,7 @@ def test_keda_queries_from_deploy_through_load_to_drain(run: Run, crowd: Functio
     assert any(sample.replicas == spec["maxReplicaCount"] for sample in run.under_load), counts
     assert any(count["pending-crowd"] > 0 for count in counts), counts
     # Drained: nothing waits, nothing is pending, the pool goes back to zero.
-    assert run.drained == Decision({"lag-crowd": 0, "pending-crowd": 0}, 0)
+    assert run.drained == Decision(IDLE, 0)
 
 
 def test_a_busy_runner_counts_as_one_runner(run: Run, crowd: FunctionManifest) -> None:

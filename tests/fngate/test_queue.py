@@ -67,20 +67,22 @@ def test_finish_call_numbers_each_reply_stream_once() -> None:
             queue.Outgoing(reply, "r2", "c", 60, "m", "share"),
             queue.Outgoing(reply, "r1", in_flight="m2", waiters="promote", invocation=invocation),
             queue.Outgoing(reply, "r2", in_flight="m3", waiters="promote"),  # nothing to promote with
+            queue.Outgoing(reply, "fngate:result:i", reply_ttl_ms=1000),  # an asynchronous result
         ],
-        [b"1-0", b"2-0", b"3-0", b"4-0"],
+        [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"],
         123,
         1000,
     )
-    assert call.keys == ["q", "q:bytes", "r1", "r2"]
-    assert call.args[:7] == ["runners", 1000, 123, 4, "", 0, 0]  # no statistics
+    assert call.keys == ["q", "q:bytes", "r1", "r2", "fngate:result:i"]
+    assert call.args[:7] == ["runners", 1000, 123, 5, "", 0, 0]  # no statistics
     first = 7
-    items = [call.args[first + i * queue.FINISH_ITEM : first + (i + 1) * queue.FINISH_ITEM] for i in range(4)]
-    assert items[0] == [3, b"h", b"b", "", 0, "", "", "share", "", ""]
-    assert items[1] == [4, b"h", b"b", "c", 60, "m", "m:w", "share", "", ""]
-    assert items[2] == [3, b"h", b"b", "", 0, "m2", "m2:w", "promote", b"ih", b"ib"]
+    items = [call.args[first + i * queue.FINISH_ITEM : first + (i + 1) * queue.FINISH_ITEM] for i in range(5)]
+    assert items[0] == [3, b"h", b"b", "", 0, "", "", "share", "", "", 0]
+    assert items[1] == [4, b"h", b"b", "c", 60, "m", "m:w", "share", "", "", 0]
+    assert items[2] == [3, b"h", b"b", "", 0, "m2", "m2:w", "promote", b"ih", b"ib", 0]
     assert items[3][7] == "drop"
-    assert call.args[first + 4 * queue.FINISH_ITEM :] == [b"1-0", b"2-0", b"3-0", b"4-0"]
+    assert items[4] == [5, b"h", b"b", "", 0, "", "", "share", "", "", 1000]
+    assert call.args[first + 5 * queue.FINISH_ITEM :] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
 
 
 def test_finish_call_carries_the_batch_statistics() -> None:

@@ -1,0 +1,456 @@
+"""Asynchronous invocations: submit (`Prefer: respond-async` on the invocation routes), then
+GET /v1/invocations/{id} (`?wait=` long-polls) and DELETE it before it starts. The result lives in
+Redis (fngate.queue, asynchronous section), so any gateway answers for any other."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+import uuid
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from fngate import keys, queue, telemetry
+from fngate.errors import (
+    DeadlineExceeded,
+    FunctionError,
+    FunctionNotFound,
+    InvalidArgument,
+    Overloaded,
+    Unavailable,
+)
+from fngate.manifest import FunctionManifest
+from fngate.pipelined import PipelinedRedis, Script
+from fngate.repository import FunctionVersion
+from fngate.wire import Invocation, Reply
+from gateway.activation import Activator
+from gateway.auth import ADMIN, INVOKE, OPEN, Principal
+from gateway.cache import SeparateCache, cache_key
+from gateway.catalog import Catalog
+from gateway.dispatch import Refused
+from gateway.guard import PRINCIPAL
+from gateway.http_errors import IdempotencyKeyReused, error_body, status_of
+from gateway.metrics import CACHE_HITS, CACHE_MISSES
+from gateway.protocol import InferRequest, render_v1, render_v2
+from gateway.rendering import dumps, json_response
+
+MAX_WAIT_S = 60.0
+"""The longest long-poll (`?wait=`) one request may hold."""
+BLOCK_S = 5.0
+"""One XREAD of a long-poll blocks at most this long (under its connection's socket timeout)."""
+MAX_CALLBACK_URL = 2048
+MAX_IDEMPOTENCY_KEY = 256
+PENDING_MARGIN_S = 5
+"""A pending invocation's result outlives its deadline by result_ttl_s and this much: a reply that
+comes late (a batch that ran over the deadline) still finds it. Once done, the runner keeps it
+result_ttl_s from then (fngate.queue.FINISH)."""
+LONG_POLLS = 128
+"""Long-polls one gateway holds at once, each on a connection of its own; more wait for one."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Submission:
+    """An asynchronous invocation as the gateway records it: what answering it later needs."""
+
+    id: str
+    function: str
+    version: str
+    route: str
+    """'v1' or 'v2': the shape its result is rendered in."""
+    key_id: str
+    """The API key that submitted it: the only one (besides admins) that may read it."""
+    deadline_ms: int
+    request_id: str | None = None
+    binary_outputs: tuple[str, ...] = ()
+    callback_url: str = ""
+
+    def encode(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Submission:
+        doc = orjson.loads(raw)
+        doc["binary_outputs"] = tuple(doc.get("binary_outputs", ()))
+        return cls(**doc)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Accepted:
+    invocation_id: str
+    again: bool = False
+    """A resubmission with the same Idempotency-Key: the first invocation's id."""
+    done: bool = False
+    """Answered from the response cache: its result is there already."""
+
+
+class AsyncInvocations:
+    """Submits asynchronous invocations and reads, waits on and cancels them."""
+
+    def __init__(
+        self,
+        scripts: PipelinedRedis,
+        redis_url: str,
+        redis_timeout_s: float,
+        catalog: Catalog,
+        activator: Activator | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self._activator = activator
+        self._submit = Script(scripts, queue.SUBMIT_ASYNC)
+        self._read = Script(scripts, queue.READ_RESULT)
+        self._cancel = Script(scripts, queue.CANCEL)
+        self.separate_cache: SeparateCache | None = None
+        """The response cache when it is a Redis of its own (else the submit script reads it)."""
+        self._tracing = telemetry.tracing_active()
+        # Long-polls block their connection: a pool of their own, apart from the invocations'.
+        self._polls = aioredis.Redis.from_pool(
+            aioredis.BlockingConnectionPool.from_url(
+                redis_url,
+                max_connections=LONG_POLLS,
+                timeout=BLOCK_S,  # all taken: a 503 after this long, never an unbounded wait
+                socket_connect_timeout=redis_timeout_s,
+                socket_timeout=BLOCK_S + redis_timeout_s,
+            )
+        )
+
+    async def aclose(self) -> None:
+        await self._polls.aclose()
+
+    async def submit(
+        self,
+        function: FunctionVersion,
+        parsed: InferRequest,
+        route: str,
+        principal: Principal,
+        headers: dict[bytes, bytes],
+        admission: queue.Admission | None = None,
+        body: bytes = b"",
+        use_cache: bool = True,
+    ) -> Accepted:
+        """Queue an asynchronous invocation at level keys.ASYNC; raises Refused, Overloaded or
+        Unavailable as a synchronous one would, IdempotencyKeyReused for an Idempotency-Key sent
+        before with another `body` or to another function. A cached answer (`use_cache`, as for a
+        synchronous one) is its result at once: nothing is queued."""
+        manifest = function.manifest
+        batching = manifest.batching
+        callback_url = _callback_url(headers.get(b"x-callback-url"))
+        idempotency = _idempotency_key(headers.get(b"idempotency-key"))
+        timeout_ms = batching.async_timeout_s * 1000
+        if parsed.timeout_ms is not None:
+            timeout_ms = min(timeout_ms, parsed.timeout_ms)
+        invocation_id = uuid.uuid4().hex
+        result = keys.result(invocation_id)
+        deadline_ms = int(time.time() * 1000) + timeout_ms
+        entry = _cache_entry(function, parsed)  # answered from it, stored for others; never waited on
+        cached = None
+        if entry and use_cache and self.separate_cache is not None:
+            cached = await self.separate_cache.get(entry)
+        invocation = Invocation(
+            id=invocation_id,
+            function=manifest.name,
+            version=function.version,
+            reply_to=result,
+            deadline_ms=deadline_ms,
+            inputs=parsed.inputs,
+            outputs=parsed.outputs,
+            traceparent=telemetry.inject() if self._tracing else None,
+            digest=function.digest,
+            cache_key=entry or None,
+            cache_ttl_s=manifest.cache.ttl_s,
+            in_flight_key=queue.callback_marker(result) if callback_url else None,
+            result_ttl_s=batching.result_ttl_s,
+        )
+        record = Submission(
+            invocation_id,
+            manifest.name,
+            function.version,
+            route,
+            principal.key_id,
+            deadline_ms,
+            parsed.request_id,
+            tuple(sorted(parsed.binary_outputs)),
+            callback_url,
+        )
+        pool = manifest.scaling.pool
+        if self._activator is not None:
+            self._activator.check(pool)
+        call = queue.submit_async_call(
+            keys.invocations(manifest.name, keys.ASYNC),
+            invocation.encode(),
+            result,
+            record.encode(),
+            timeout_ms + (batching.result_ttl_s + PENDING_MARGIN_S) * 1000,
+            invocation_id,
+            batching.max_async_queue_size,
+            batching.max_queue_bytes,
+            keys.idempotency(principal.key_id, idempotency) if idempotency else "",
+            keys.callbacks() if callback_url else "",
+            admission,
+            request_digest(manifest.name, route, body) if idempotency else "",
+            batching.result_ttl_s * 1000,
+            entry if use_cache and self.separate_cache is None else "",
+            cached,
+        )
+        try:
+            outcome = queue.parse_submit_async(await self._submit(call.keys, call.args))
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the queue is unavailable: {exc}") from exc
+        if entry and use_cache:
+            _count_lookup(manifest.name, outcome)
+        return await self._accepted(outcome, invocation_id, idempotency, manifest.name, pool)
+
+    async def _accepted(
+        self, outcome: queue.SubmitOutcome, invocation_id: str, idempotency: str, function: str, pool: str
+    ) -> Accepted:
+        if isinstance(outcome, queue.Done):
+            return Accepted(invocation_id, done=True)
+        if isinstance(outcome, queue.Again):
+            return Accepted(outcome.invocation_id, again=True)
+        if isinstance(outcome, queue.Conflict):
+            raise IdempotencyKeyReused(
+                f"Idempotency-Key '{idempotency}' was used for another request (invocation"
+                f" '{outcome.invocation_id}'): a new request needs a new key"
+            )
+        if isinstance(outcome, queue.Limited):
+            raise Refused(outcome)
+        if isinstance(outcome, queue.Full):
+            limit = "max_queue_bytes" if outcome.limit == "bytes" else "max_async_queue_size"
+            raise Overloaded(f"function '{function}' has too many asynchronous invocations queued ({limit})")
+        if self._activator is not None:
+            await self._activator.wake(pool)
+        return Accepted(invocation_id)
+
+    async def read(self, invocation_id: str, principal: Principal, wait_s: float = 0) -> queue.Result:
+        """The invocation's result or state; waits up to `wait_s` for it to finish. Raises
+        FunctionNotFound for an id that is unknown, expired or not the caller's."""
+        result = await self._read_once(invocation_id, principal)
+        deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
+        while _is_pending(result) and (left_s := deadline - time.monotonic()) > 0:
+            try:
+                await self._polls.xread(
+                    {keys.result(invocation_id): result.last_id},
+                    count=1,
+                    block=int(min(left_s, BLOCK_S) * 1000),
+                )
+            except (RedisError, OSError) as exc:
+                raise Unavailable(f"the queue is unavailable: {exc}") from exc
+            result = await self._read_once(invocation_id, principal)
+        return result
+
+    async def cancel(self, invocation_id: str, principal: Principal) -> str:
+        """Cancel an invocation no runner has taken: 'cancelled', or 'running' / 'done' (too late)."""
+        await self._read_once(invocation_id, principal)  # the caller's own, or not found
+        try:
+            outcome = queue.cancel_outcome(
+                await self._cancel([keys.result(invocation_id)], [keys.RUNNER_GROUP])
+            )
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the queue is unavailable: {exc}") from exc
+        if outcome == "gone":
+            raise _not_found(invocation_id)
+        return outcome
+
+    async def _read_once(self, invocation_id: str, principal: Principal) -> queue.Result:
+        if not _is_id(invocation_id):
+            raise _not_found(invocation_id)
+        try:
+            raw = await self._read([keys.result(invocation_id)], [keys.RUNNER_GROUP])
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the queue is unavailable: {exc}") from exc
+        result = queue.parse_result(raw)
+        if result is None or not _may_read(principal, Submission.decode(result.record)):
+            raise _not_found(invocation_id)
+        return result
+
+    def render(self, result: queue.Result) -> tuple[int, dict[str, str], bytes]:
+        """The answer of GET /v1/invocations/{id}: the synchronous call's status, headers and body
+        once done; 202 and the state while pending; 410 once cancelled."""
+        return render(result, self.catalog)
+
+
+def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str], bytes]:
+    submission = Submission.decode(result.record)
+    headers = {"x-fngate-state": result.state, **_callback_headers(result)}
+    if result.reply is None:
+        if result.cancelled:
+            body = {"error": "the invocation was cancelled", "code": "cancelled", "state": "cancelled"}
+            return 410, headers | {"content-type": "application/json"}, dumps(body)
+        if not _is_pending(result):  # nobody ran it in time, and no runner came to say so
+            headers["x-fngate-state"] = "failed"
+            return _failure(headers, DeadlineExceeded("the deadline passed while queued"))
+        return 202, headers | {"content-type": "application/json"}, dumps(state_document(result))
+    reply = Reply.decode(result.reply)
+    if reply.error is not None:
+        headers["x-fngate-state"] = "failed"
+        return _failure(headers, reply.error)
+    if submission.route == "v1":
+        return 200, headers | {"content-type": "application/json"}, render_v1(reply)
+    request = InferRequest({}, None, frozenset(submission.binary_outputs), submission.request_id, None)
+    content, extra = render_v2(request, reply, _manifest(catalog, submission))
+    return 200, headers | extra, content
+
+
+def _cache_entry(function: FunctionVersion, parsed: InferRequest) -> str:
+    """The response cache entry of this request ('' with the function's cache off)."""
+    manifest = function.manifest
+    if not manifest.cache.enabled:
+        return ""
+    key_hex = cache_key(manifest.name, function.version, function.digest, parsed.inputs, parsed.outputs)
+    return keys.cache_entry(manifest.name, key_hex)
+
+
+def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
+    """A cache hit or miss, as a synchronous invocation's; a submission refused before the lookup
+    counts neither."""
+    if isinstance(outcome, queue.Done):
+        CACHE_HITS.labels(function).inc()
+    elif not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited):
+        CACHE_MISSES.labels(function).inc()
+
+
+def request_digest(function: str, route: str, body: bytes) -> str:
+    """What an Idempotency-Key is bound to: the function, the route (its body's shape) and the body,
+    length-prefixed so that no two requests share a preimage."""
+    digest = hashlib.blake2b(digest_size=16, person=b"fngate-idem-v1")
+    for part in (function.encode(), route.encode(), body):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _is_pending(result: queue.Result) -> bool:
+    """Queued or running, before its deadline: a reply may still come."""
+    if result.state not in ("queued", "running"):
+        return False
+    return Submission.decode(result.record).deadline_ms > time.time() * 1000
+
+
+def state_document(result: queue.Result) -> dict[str, Any]:
+    submission = Submission.decode(result.record)
+    doc: dict[str, Any] = {"id": submission.id, "function": submission.function, "state": result.state}
+    if submission.callback_url:
+        doc["callback"] = {"attempts": [orjson.loads(attempt) for attempt in result.callbacks]}
+    return doc
+
+
+def _failure(headers: dict[str, str], error: FunctionError) -> tuple[int, dict[str, str], bytes]:
+    return status_of(error), headers | {"content-type": "application/json"}, error_body(error)
+
+
+def _callback_headers(result: queue.Result) -> dict[str, str]:
+    if not result.callbacks:
+        return {}
+    last = orjson.loads(result.callbacks[-1])
+    return {"x-fngate-callback-attempts": str(len(result.callbacks)), "x-fngate-callback": last["outcome"]}
+
+
+def _manifest(catalog: Catalog, submission: Submission) -> FunctionManifest:
+    try:
+        return catalog.get(submission.function, submission.version).manifest
+    except FunctionError:  # removed since: the newest known manifest still names the datatypes
+        return catalog.get(submission.function, None).manifest
+
+
+def _may_read(principal: Principal, submission: Submission) -> bool:
+    if ADMIN in principal.scopes:
+        return True
+    return principal.key_id == submission.key_id and principal.allows(INVOKE, submission.function)
+
+
+def _is_id(text: str) -> bool:
+    return len(text) == 32 and all(char in "0123456789abcdef" for char in text)
+
+
+def _not_found(invocation_id: str) -> FunctionNotFound:
+    return FunctionNotFound(f"no invocation '{invocation_id[:64]}' (unknown, expired, or not this key's)")
+
+
+def _callback_url(raw: bytes | None) -> str:
+    if raw is None:
+        return ""
+    url = raw.decode("latin-1").strip()
+    if len(url) > MAX_CALLBACK_URL or not url.startswith(("https://", "http://")) or " " in url:
+        raise InvalidArgument("X-Callback-Url must be an http(s) URL of at most 2048 characters")
+    return url
+
+
+def _idempotency_key(raw: bytes | None) -> str:
+    if raw is None:
+        return ""
+    value = raw.decode("latin-1").strip()
+    if not value or len(value) > MAX_IDEMPOTENCY_KEY:
+        raise InvalidArgument(f"Idempotency-Key must have 1 to {MAX_IDEMPOTENCY_KEY} characters")
+    return value
+
+
+def accepted_response(accepted: Accepted) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The 202 of a submission: where to fetch the result, and the id."""
+    location = f"/v1/invocations/{accepted.invocation_id}"
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"location", location.encode()),
+        (b"preference-applied", b"respond-async"),
+    ]
+    if accepted.again:
+        headers.append((b"x-fngate-idempotent-replay", b"true"))
+    body = {
+        "id": accepted.invocation_id,
+        "state": "done" if accepted.done else "accepted",
+        "location": location,
+    }
+    return 202, headers, dumps(body)
+
+
+def _principal(request: Request) -> Principal:
+    found: Principal = request.scope.get(PRINCIPAL, OPEN)
+    return found
+
+
+def _service(request: Request) -> AsyncInvocations:
+    found: AsyncInvocations = request.state.invocations
+    return found
+
+
+def _wait_s(request: Request) -> float:
+    raw = request.query_params.get("wait", "0")
+    try:
+        wait_s = float(raw)
+    except ValueError:
+        raise InvalidArgument(f"wait must be a number of seconds, not {raw[:32]!r}") from None
+    if not 0 <= wait_s <= MAX_WAIT_S:
+        raise InvalidArgument(f"wait must be between 0 and {MAX_WAIT_S:g} s")
+    return wait_s
+
+
+async def get_invocation(request: Request) -> Response:
+    service = _service(request)
+    result = await service.read(request.path_params["id"], _principal(request), _wait_s(request))
+    if request.query_params.get("view") == "state":
+        return json_response(state_document(result))
+    status, headers, content = service.render(result)
+    if status == 202:
+        headers["retry-after"] = "1"
+    media = headers.pop("content-type", "application/json")
+    return Response(content, status, headers, media_type=media)
+
+
+async def delete_invocation(request: Request) -> Response:
+    invocation_id = request.path_params["id"]
+    outcome = await _service(request).cancel(invocation_id, _principal(request))
+    if outcome == "cancelled":
+        return json_response({"id": invocation_id, "state": "cancelled"})
+    body = {"error": f"the invocation has already {'started' if outcome == 'running' else 'finished'}"}
+    return json_response(body | {"code": "invalid_argument", "state": outcome}, 409)
+
+
+ROUTES = [
+    Route("/v1/invocations/{id}", get_invocation, methods=["GET"]),
+    Route("/v1/invocations/{id}", delete_invocation, methods=["DELETE"]),
+]

@@ -1,0 +1,202 @@
+"""The asynchronous section of the queue protocol: key builders, argument builders and parsers
+(table tests), and its scripts on a real Redis (priority read, submit, result, cancel)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fngate import keys, queue
+from fngate.pipelined import PipelinedRedis, Script
+
+FIELDS = {queue.HEADER: b"h" * 10, queue.BODY: b"b" * 10}
+
+
+def test_levels_keep_the_synchronous_name_and_number_the_rest() -> None:
+    assert keys.invocations("f") == keys.invocations("f", keys.SYNC) == "fngate:q:f"
+    assert keys.invocations("f", keys.ASYNC) == "fngate:q:f:1"
+    assert keys.levels("f") == ("fngate:q:f", "fngate:q:f:1")
+    assert queue.queue_bytes(keys.invocations("f", keys.ASYNC)) != queue.queue_bytes(keys.invocations("f"))
+
+
+def test_idempotency_keys_cannot_collide_across_api_keys() -> None:
+    assert keys.idempotency("ab", "c:d") != keys.idempotency("ab:c", "d")
+    assert keys.idempotency("a", "x") == keys.idempotency("a", "x")
+    assert len(keys.idempotency("a", "x" * 10_000)) < 120  # the client's key is hashed
+
+
+def test_submit_async_call_with_callback_and_idempotency() -> None:
+    call = queue.submit_async_call(
+        "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, 100, "idem", "fngate:callbacks", None, "d1"
+    )
+    assert call.keys == ["q", "q:bytes", "fngate:result:i", "idem", "fngate:result:i:cb:w", "", "", "", ""]
+    assert call.args[:9] == [10, 100, b"h" * 10, b"b" * 10, b"{}", 5000, "i", "fngate:callbacks i 0", "d1"]
+
+
+def test_submit_async_call_plain() -> None:
+    call = queue.submit_async_call("q", FIELDS, "fngate:result:i", b"{}", 0, "i", 10)
+    assert call.keys[3:5] == ["", ""]
+    assert call.args[5] == 1  # never a TTL of 0
+    assert call.args[7:9] == ["", ""]
+    assert call.keys[8] == ""  # no cache lookup
+    assert call.args[15:] == [1, "", ""]  # a done TTL of at least 1 ms, no cached answer
+
+
+@pytest.mark.parametrize(
+    ("result_stream", "digest"), [("fngate:result:other", ""), ("fngate:result:i", "a b")]
+)
+def test_submit_async_call_refuses_what_the_script_cannot_read(result_stream: str, digest: str) -> None:
+    with pytest.raises(ValueError, match="named by its invocation id"):
+        queue.submit_async_call("q", FIELDS, result_stream, b"{}", 1, "i", 10, request_digest=digest)
+
+
+@pytest.mark.parametrize(
+    ("raw", "outcome"),
+    [
+        ([b"queued", b"1-0"], queue.Queued()),
+        ([b"again", b"abc"], queue.Again("abc")),
+        ([b"conflict", b"abc"], queue.Conflict("abc")),
+        ([b"full", b"count"], queue.Full("count")),
+        ([b"limited", b"rate", 10], queue.Limited("rate", 10)),
+    ],
+)
+def test_parse_submit_async(raw: list[bytes], outcome: queue.SubmitOutcome) -> None:
+    assert queue.parse_submit_async(raw) == outcome
+
+
+def test_parse_result_states() -> None:
+    first = (b"1-0", [b"s", b"queued", b"q", b"s", b"e", b"1-0", b"m", b"{}"])
+    assert queue.parse_result([[], 0]) is None
+    assert queue.parse_result([[first], 0]).state == "queued"  # type: ignore[union-attr]
+    assert queue.parse_result([[first], 1]).state == "running"  # type: ignore[union-attr]
+    cancelled = queue.parse_result([[first, (b"2-0", [b"s", b"cancelled"])], 0])
+    assert cancelled is not None
+    assert (cancelled.state, cancelled.last_id) == ("cancelled", b"2-0")
+    done = queue.parse_result([[first, (b"3-0", [b"h", b"H", b"b", b"B"]), (b"4-0", [b"cb", b"{}"])], 0])
+    assert done is not None
+    assert done.state == "done"
+    assert done.reply == {queue.HEADER: b"H", queue.BODY: b"B"}
+    assert done.callbacks == (b"{}",)
+
+
+def test_level_entries_of_the_script_and_of_a_blocking_read() -> None:
+    streams = ("q", "q:1")
+    scripted = [[0, [(b"1-0", [b"h", b"x"])]], [1, [(b"2-0", None)]]]
+    assert queue.level_entries(scripted, streams) == [(0, b"1-0", {b"h": b"x"}), (1, b"2-0", None)]
+    blocking = [[b"q:1", [(b"3-0", [b"h", b"y"])]]]
+    assert queue.level_entries(blocking, streams) == [(1, b"3-0", {b"h": b"y"})]
+    assert queue.level_entries(None, streams) == []
+
+
+async def test_scripts_on_redis(redis_url: str) -> None:
+    """A runner's read fills its room from the synchronous level first; a queued asynchronous
+    invocation cancels (and leaves its queue), one a runner holds does not."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    submit, read_levels = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.READ_LEVELS)
+    read, cancel = Script(client, queue.READ_RESULT), Script(client, queue.CANCEL)
+    sync, later = keys.levels("f")
+    for stream in (sync, later):
+        await client.execute("XGROUP", "CREATE", stream, "runners", "0", "MKSTREAM")
+    for index in range(3):
+        call = queue.submit_async_call(later, FIELDS, f"r{index}", b"{}", 60_000, str(index), 10)
+        assert queue.parse_submit_async(await submit(call.keys, call.args)) == queue.Queued()
+    await client.execute("XADD", sync, "*", "h", "s", "b", "")
+    again = queue.submit_async_call(
+        later, FIELDS, "r9", b"{}", 60_000, "9", 10, idempotency_key="k", request_digest="d"
+    )
+    assert queue.parse_submit_async(await submit(again.keys, again.args)) == queue.Queued()
+    assert queue.parse_submit_async(await submit(again.keys, again.args)) == queue.Again("9")
+    other = queue.submit_async_call(
+        later, FIELDS, "r8", b"{}", 60_000, "8", 10, idempotency_key="k", request_digest="e"
+    )
+    assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Conflict("9")
+
+    taken = queue.level_entries(await read_levels([sync, later], ["runners", "c", 2]), (sync, later))
+    assert [level for level, _, _ in taken] == [0, 1]  # the synchronous one, then one slot left
+    assert queue.cancel_outcome(await cancel(["r0"], ["runners"])) == "running"
+    result = queue.parse_result(await read(["r0"], ["runners"]))
+    assert result is not None
+    assert result.state == "running"
+    assert queue.cancel_outcome(await cancel(["r1"], ["runners"])) == "cancelled"
+    assert queue.cancel_outcome(await cancel(["r1"], ["runners"])) == "cancelled"
+    assert queue.cancel_outcome(await cancel(["nothing"], ["runners"])) == "gone"
+    assert await client.execute("XLEN", later) == 3  # r0 (held), r2 and r9; r1 left
+    rest = queue.level_entries(await read_levels([sync, later], ["runners", "c", 10]), (sync, later))
+    assert len(rest) == 2
+    assert 0 < int(await client.execute("PTTL", "r2")) <= 60_000  # results always carry a TTL
+    assert int(await client.execute("PTTL", later)) == -1  # queued work never does
+    await client.execute("DEL", "r9")  # the first result expired: its key serves a new request
+    assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Queued()
+    assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Again("8")
+    await client.aclose()
+
+
+async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) -> None:
+    """A result submitted with a long TTL (its deadline) gets result_ttl_s from the moment the
+    reply is written; a reply without a TTL leaves its stream's as it was."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    submit, finish = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.FINISH)
+    later = keys.invocations("f", keys.ASYNC)
+    await client.execute("XGROUP", "CREATE", later, "runners", "0", "MKSTREAM")
+    call = queue.submit_async_call(later, FIELDS, "fngate:result:i", b"{}", 3_600_000, "i", 10)
+    assert queue.parse_submit_async(await submit(call.keys, call.args)) == queue.Queued()
+    await client.execute("XADD", "gateway-replies", "*", "h", "", "b", "")
+    entries = await client.execute("XREADGROUP", "GROUP", "runners", "c", "STREAMS", later, ">")
+    entry_id = entries[0][1][0][0]
+    assert int(await client.execute("PTTL", "fngate:result:i")) > 3_000_000
+    reply = {queue.HEADER: b"h", queue.BODY: b"b"}
+    done = queue.finish_call(
+        later,
+        "runners",
+        [
+            queue.Outgoing(reply, "fngate:result:i", reply_ttl_ms=2000),
+            queue.Outgoing(reply, "gateway-replies"),
+        ],
+        [entry_id],
+        queue.entry_bytes(FIELDS),
+        100,
+    )
+    await finish(done.keys, done.args)
+    assert 0 < int(await client.execute("PTTL", "fngate:result:i")) <= 2000
+    assert int(await client.execute("PTTL", "gateway-replies")) == -1
+    assert await client.execute("XLEN", "fngate:result:i") == 2  # the state, then the reply
+    await client.aclose()
+
+
+async def test_submit_answers_from_the_cache_at_once(redis_url: str) -> None:
+    """A cached answer (read by the script, or found by the caller in a cache of its own) is the
+    result at once, kept its done TTL; nothing is queued, and a callback gets its copy."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    submit = Script(client, queue.SUBMIT_ASYNC)
+    later = keys.invocations("f", keys.ASYNC)
+    await client.execute("XGROUP", "CREATE", keys.callbacks(), "g", "0", "MKSTREAM")
+    await client.execute("HSET", "entry", "h", "H", "b", "B")
+    looked_up = queue.submit_async_call(
+        later, FIELDS, "fngate:result:a", b"{}", 60_000, "a", 10, done_ttl_ms=2000, lookup="entry"
+    )
+    found = queue.submit_async_call(
+        later,
+        FIELDS,
+        "fngate:result:b",
+        b"{}",
+        60_000,
+        "b",
+        10,
+        callbacks=keys.callbacks(),
+        cached={queue.HEADER: b"H2", queue.BODY: b"B2"},
+    )
+    missed = queue.submit_async_call(later, FIELDS, "fngate:result:c", b"{}", 60_000, "c", 10, lookup="none")
+    assert queue.parse_submit_async(await submit(looked_up.keys, looked_up.args)) == queue.Done()
+    assert queue.parse_submit_async(await submit(found.keys, found.args)) == queue.Done()
+    assert queue.parse_submit_async(await submit(missed.keys, missed.args)) == queue.Queued()
+    assert await client.execute("XLEN", later) == 1  # only the miss
+    read = Script(client, queue.READ_RESULT)
+    done = queue.parse_result(await read(["fngate:result:a"], ["runners"]))
+    assert done is not None
+    assert (done.state, done.reply) == ("done", {queue.HEADER: b"H", queue.BODY: b"B"})
+    assert 0 < int(await client.execute("PTTL", "fngate:result:a")) <= 2000
+    copies = await client.execute("XRANGE", keys.callbacks(), "-", "+")
+    assert [fields for _, fields in copies] == [[b"h", b"H2", b"b", b"B2", b"for", b"b"]]
+    await client.aclose()
