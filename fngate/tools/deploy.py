@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from fngate.deployment import deploy_files, policy_check, withdraw
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
+from fngate.pipeline import deploy_problems, order
 from fngate.registry import (
     ControlOp,
     Registry,
@@ -100,7 +101,7 @@ def deploy(
     remote = is_remote(repository.url)
     try:
         files = deploy_files(path, manifest)
-        problems = policy_check(repository, manifest)
+        problems = policy_check(repository, manifest) + pipeline_check(repository, manifest)
         if problems:
             for problem in problems:
                 print(f"{path}: {problem}", file=err)
@@ -144,6 +145,13 @@ def deploy(
             return 1
     _print_deployed(version, record, repository.url, gateway, out)
     return 0
+
+
+def pipeline_check(repository: Repository, manifest: FunctionManifest) -> list[str]:
+    """A pipeline's graph, and its steps against the functions deployed now (each must exist)."""
+    if manifest.pipeline is None:
+        return []
+    return [f"{where}: {problem}" for where, problem in deploy_problems(manifest, repository.scan())]
 
 
 def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: TextIO) -> int:
@@ -300,12 +308,30 @@ def list_functions(repository: Repository, redis_url: str, sync: bool, out: Text
                 )
             )
     _print_table(rows, out)
+    pipelines = _pipeline_rows(records)
+    if len(pipelines) > 1:
+        print(file=out)
+        _print_table(pipelines, out)
     if runners:
         print(file=out)
         _print_table(_runner_rows(runners), out)
     for line in drift:
         print(f"fngate ls: {line}", file=err)
     return 0
+
+
+def _pipeline_rows(records: dict[str, FunctionRecord]) -> list[tuple[str, ...]]:
+    """Each served version of a pipeline with its steps, in the order they run."""
+    rows: list[tuple[str, ...]] = [("PIPELINE", "VERSION", "STEPS")]
+    for name, record in sorted(records.items()):
+        for number in record.served:
+            spec = record.versions[number].manifest.pipeline
+            if spec is not None:
+                steps = " -> ".join(
+                    f"{spec.steps[index].name} ({spec.steps[index].function})" for index in order(spec)
+                )
+                rows.append((name, number, steps))
+    return rows
 
 
 def _runner_rows(runners: list[Any]) -> list[tuple[str, ...]]:
