@@ -193,7 +193,8 @@ class FunctionConsumer:
                 )
                 broken.append((entry_id, fields))
                 continue
-            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone))
+            step = fields.get(queue.STEP, b"")  # a pipeline step (runner.pipeline)
+            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone, step))
         if broken:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for _entry_id, fields in broken:

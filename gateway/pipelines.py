@@ -1,0 +1,130 @@
+"""Invoking a pipeline: every step's version resolved at once by the normal routing (pins honoured,
+canaries applied), the steps checked against each other, the first steps queued with the plan on
+their functions' streams, and the one reply (the last step's, or the first error) awaited."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping
+
+from opentelemetry import trace
+
+from fngate import keys, queue, telemetry
+from fngate.errors import Unavailable
+from fngate.manifest import FunctionManifest
+from fngate.pipeline import Problem, StepContext, carried_for, edge_problems, make_plan, step_inputs
+from fngate.repository import FunctionVersion
+from fngate.wire import Invocation, Reply, Tensors
+from gateway.cache import cache_key
+from gateway.catalog import Catalog
+from gateway.dispatch import Dispatcher, Step
+
+tracer = trace.get_tracer("fngate.gateway")
+CHECKED_MAX = 256
+_checked: dict[tuple[str, ...], list[Problem]] = {}
+"""Problems by the digests of a pipeline version and its steps' versions: checked once each."""
+
+
+async def submit(
+    catalog: Catalog,
+    dispatcher: Dispatcher,
+    function: FunctionVersion,
+    inputs: Tensors,
+    outputs: tuple[str, ...] | None,
+    timeout_ms: int | None,
+    use_cache: bool = True,
+    admission: queue.Admission | None = None,
+) -> Reply:
+    """Answer one invocation of a pipeline; raises the FunctionError it failed with (a step's error
+    names the step: "step 'score' (mlp v2): ...")."""
+    manifest = function.manifest
+    resolved = resolve(catalog, function)
+    plan = make_plan(manifest, function.version, {name: _described(item) for name, item in resolved.items()})
+    limit_ms = manifest.batching.timeout_ms
+    timeout_ms = limit_ms if timeout_ms is None else min(timeout_ms, limit_ms)
+    deadline_ms = int(time.time() * 1000) + timeout_ms
+    entry = ""
+    if manifest.cache.enabled:
+        entry = keys.cache_entry(
+            manifest.name, cache_key(manifest.name, function.version, function.digest, inputs, outputs)
+        )
+    invocation_id = uuid.uuid4().hex
+    stream = dispatcher.reply_stream
+    available = {f"request.{name}": array for name, array in inputs.items()}
+    with tracer.start_as_current_span(
+        f"pipeline {manifest.name}",
+        attributes={"fngate.function": manifest.name, "fngate.version": function.version},
+    ):
+        traceparent = telemetry.inject() if telemetry.tracing_active() else None
+        calls = []
+        for position, node in enumerate(plan.first()):
+            step = plan.steps[node]
+            invocation = Invocation(
+                id=invocation_id,
+                function=step.function,
+                version=step.version,
+                reply_to=stream,
+                deadline_ms=deadline_ms,
+                inputs=step_inputs(plan, node, available),
+                traceparent=traceparent,
+                digest=step.digest,
+            )
+            context = StepContext(
+                invocation_id,
+                stream,
+                deadline_ms,
+                plan,
+                node,
+                carried_for(plan, node, available),
+                traceparent,
+                entry,
+                manifest.cache.ttl_s,
+            )
+            call = queue.enqueue_call(
+                keys.invocations(step.function),
+                invocation.encode(),
+                queue.Waiter(stream, invocation_id, deadline_ms),
+                timeout_ms,
+                step.max_queue_size,
+                step.max_queue_bytes,
+                lookup=entry if use_cache and position == 0 else "",
+                admission=admission if position == 0 else None,
+                step=context.encode(),
+            )
+            calls.append(Step(step.function, call, resolved[step.name].manifest.batching))
+        pools = {item.manifest.scaling.pool for item in resolved.values()}
+        reply = await dispatcher.submit_steps(invocation_id, calls, sorted(pools), timeout_ms, manifest.name)
+    if outputs is not None:
+        reply = dataclasses.replace(reply, outputs={name: reply.outputs[name] for name in outputs})
+    return reply
+
+
+def resolve(catalog: Catalog, function: FunctionVersion) -> dict[str, FunctionVersion]:
+    """Each step's version by step name, drawn now by its function's routing (or pinned), checked
+    once against the pipeline's other steps; raises Unavailable naming the step that no longer fits."""
+    spec = function.manifest.pipeline
+    assert spec is not None
+    resolved = {step.name: catalog.get(step.function_name, step.pinned) for step in spec.steps}
+    key = (
+        function.digest,
+        function.version,
+        *(f"{item.name}@{item.version}:{item.digest}" for item in resolved.values()),
+    )
+    problems = _checked.get(key)
+    if problems is None:
+        manifests: Mapping[str, FunctionManifest | None] = {
+            name: item.manifest for name, item in resolved.items()
+        }
+        problems = edge_problems(function.manifest, manifests)
+        if len(_checked) >= CHECKED_MAX:
+            _checked.clear()
+        _checked[key] = problems
+    if problems:
+        raise Unavailable(f"pipeline '{function.name}': {problems[0][1]}")
+    return resolved
+
+
+def _described(item: FunctionVersion) -> tuple[FunctionManifest, str, str]:
+    return item.manifest, item.version, item.digest
