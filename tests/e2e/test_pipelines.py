@@ -117,6 +117,12 @@ def make_repository(folder: Path, scoring_pool: str = "default") -> Path:
             {"merged": "join.out", "normalized": "norm.normalized"},
         ),
     )
+    scored = [norm, step("score", "classifier", input="norm.normalized")]
+    cache = {"enabled": True, "ttl_s": 60}
+    write(
+        folder,
+        pipeline("cached", probabilities, scored, {"probabilities": "score.probabilities"}, cache=cache),
+    )
     write(
         folder,
         pipeline(
@@ -217,6 +223,17 @@ async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(stac
         "merge",
     ]
     assert config["ensemble_scheduling"]["step"][0]["output_map"] == {"normalized": "normalized"}
+
+
+async def test_a_pipeline_with_its_cache_on_answers_a_repeat_from_the_cache(stack: httpx.AsyncClient) -> None:
+    first = await call(stack, "cached", ROWS)
+    assert first.status_code == 200, first.text
+    assert (first.headers["x-fngate-cache"], first.json()["cached"]) == ("miss", False)
+    again = await call(stack, "cached", ROWS)
+    assert (again.headers["x-fngate-cache"], again.json()["cached"]) == ("hit", True)
+    assert again.json()["outputs"] == first.json()["outputs"]
+    stats = (await stack.get("/v2/models/classifier/stats")).json()["model_stats"][0]
+    assert stats["execution_count"] == 1  # the repeat ran no step
 
 
 async def test_a_failing_middle_step_is_named_and_later_steps_do_not_run(stack: httpx.AsyncClient) -> None:

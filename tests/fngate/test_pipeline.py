@@ -27,7 +27,7 @@ from fngate.pipeline import (
     step_inputs,
 )
 from fngate.repository import FolderRepository
-from fngate.tools.deploy import deploy
+from fngate.tools.deploy import deploy, list_functions
 from fngate.tools.validation import check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -354,3 +354,14 @@ def test_validate_checks_a_pipeline_against_the_functions_beside_it(tmp_path: Pa
         f"{path}: pipeline.outputs.probabilities: the pipeline: score.probabilities has shape [-1, 4], "
         "'probabilities' takes [-1, 16]"
     ]
+
+
+def test_ls_shows_pipelines_with_their_steps_in_order(tmp_path: Path) -> None:
+    (tmp_path / "diamond").mkdir()
+    (tmp_path / "diamond" / "function.yaml").write_text(yaml.safe_dump(DIAMOND))
+    out, err = io.StringIO(), io.StringIO()
+    assert list_functions(FolderRepository(tmp_path), "redis://127.0.0.1:1", False, out, err) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[lines.index("PIPELINE  VERSION  STEPS") + 1] == (
+        "diamond   1        norm (normalize) -> left (mlp) -> right (double) -> join (merge)"
+    )
