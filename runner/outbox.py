@@ -61,7 +61,9 @@ class Outbox:
         replies go out even if this task is being cancelled."""
         outgoing: list[queue.Outgoing] = []
         separate: list[tuple[str, Fields, int]] = []
-        steps = [(entry.step, reply) for entry, reply in zip(entries, replies, strict=True) if entry.step]
+        steps = [
+            (entry.id, entry.step, reply) for entry, reply in zip(entries, replies, strict=True) if entry.step
+        ]
         if steps:  # the next steps are queued before these entries are acknowledged
             outgoing += await asyncio.shield(self._steps.finish(steps))
         for entry, reply in zip(entries, replies, strict=True):

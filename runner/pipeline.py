@@ -11,9 +11,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter
 
-from fngate import keys, queue
+from fngate import keys, queue, telemetry
 from fngate.errors import FunctionError, Overloaded
 from fngate.pipeline import (
     StepContext,
@@ -27,6 +29,7 @@ from fngate.pipelined import PipelinedRedis, Script
 from fngate.wire import Invocation, Reply
 
 Available = Mapping[str, np.ndarray[Any, Any]]
+tracer = trace.get_tracer("fngate.runner")
 PIPELINE_STEPS = Counter(
     "fngate_pipeline_steps", "Pipeline steps a runner finished, by outcome", ["pipeline", "step", "outcome"]
 )
@@ -39,12 +42,16 @@ class Steps:
         self._forward = Script(redis, queue.FORWARD)
         self._join = Script(redis, queue.JOIN)
 
-    async def finish(self, finished: Sequence[tuple[bytes, Reply]]) -> list[queue.Outgoing]:
-        """Queue what follows each (step context, reply) pair, before its entry is acknowledged
-        (at least once: a runner that dies here leaves the entry to be claimed and run again, and
-        the gateway answers the first final reply only). Returns the pipelines' replies to send."""
+    async def finish(self, finished: Sequence[tuple[bytes, bytes, Reply]]) -> list[queue.Outgoing]:
+        """Queue what follows each (entry id, step context, reply), before its entry is
+        acknowledged (at least once: a runner that dies here leaves the entry to be claimed and run
+        again, and the gateway answers the first final reply only). Returns the pipelines' replies
+        to send."""
+        contexts = [StepContext.decode(raw) for _entry_id, raw, _reply in finished]
+        for (entry_id, _raw, reply), context in zip(finished, contexts, strict=True):
+            _trace(context, reply, int(entry_id.split(b"-", 1)[0]))
         done = await asyncio.gather(
-            *(self._finish_one(StepContext.decode(raw), reply) for raw, reply in finished)
+            *(self._finish_one(context, item[2]) for context, item in zip(contexts, finished, strict=True))
         )
         return [item for item in done if item is not None]
 
@@ -107,6 +114,30 @@ class Steps:
         for part in parts.values():
             merged.update(decode_tensors(part)[1])
         return merged
+
+
+def _trace(context: StepContext, reply: Reply, queued_ms: int) -> None:
+    """The step's span in its pipeline's trace, from its queueing to now (the queue and execute
+    spans of its function sit beside it, under the same parent)."""
+    parent = telemetry.extract(context.traceparent)
+    if parent is None:
+        return
+    step = context.step
+    span = tracer.start_span(
+        f"step {step.name}",
+        context=parent,
+        start_time=queued_ms * 1_000_000,
+        attributes={
+            "fngate.pipeline": context.plan.pipeline,
+            "fngate.step": step.name,
+            "fngate.function": step.function,
+            "fngate.version": step.version,
+            "fngate.batch_id": reply.batch_id,
+        },
+    )
+    if reply.error is not None:
+        span.set_status(Status(StatusCode.ERROR, reply.error.message))
+    span.end()
 
 
 def named(context: StepContext, error: FunctionError) -> FunctionError:

@@ -21,9 +21,11 @@ from prometheus_client import REGISTRY
 from fngate import keys
 from fngate.registry import function_source
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
-from tests.conftest import child_env
+from tests.conftest import child_env, wait_http
+from tests.e2e.test_observability import Receiver, receiver
 
 ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["receiver"]  # the OTLP receiver fixture of the observability tests
 ROWS = np.arange(3 * 16, dtype=np.float32).reshape(3, 16) - 20
 
 MODEL = """import time
@@ -344,3 +346,39 @@ async def test_a_pipeline_wakes_the_pools_of_its_steps_from_zero(
     )
     started = {name for _at, name, count in local.timeline if count > 0}
     assert {"default", "scoring"} <= started
+
+
+async def test_one_trace_with_a_span_per_step_under_the_request(
+    gateway_process: Callable[..., str],
+    runner_process: Callable[..., Any],
+    receiver: tuple[Receiver, str],
+    pipelines_repo: Path,
+    redis: aioredis.Redis,
+) -> None:
+    spans, endpoint = receiver
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "FNGATE_REPO": str(pipelines_repo),
+    }
+    base = gateway_process(**env)
+    await wait_http(base)
+    runner_process(**env)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        response = await call(client, "scored", ROWS)
+    assert response.status_code == 200, response.text
+    for _ in range(100):
+        if spans.named("step score") and spans.named("POST"):
+            break
+        await asyncio.sleep(0.1)
+    (server,) = [
+        span for span in spans.named("POST /v1/functions/{name}") if span["service"] == "fngate-gateway"
+    ]
+    (request,) = spans.named("pipeline scored")
+    assert (request["trace"], request["parent"]) == (server["trace"], server["id"])
+    for name, function in (("norm", "normalize"), ("score", "classifier")):
+        (step_span,) = spans.named(f"step {name}")
+        assert (step_span["trace"], step_span["parent"]) == (request["trace"], request["id"])
+        assert step_span["attributes"]["fngate.function"].string_value == function
+        (execute,) = spans.named(f"execute {function}")
+        assert (execute["trace"], execute["parent"]) == (request["trace"], request["id"])
