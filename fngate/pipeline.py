@@ -300,6 +300,9 @@ class PlanStep:
     """The function's inputs by name: their references."""
     max_queue_size: int
     max_queue_bytes: int
+    cache_ttl_s: int = 0
+    """The function's cache TTL when its cache is on, else 0: the step's answer is looked up and
+    stored under the key a direct call of the function uses."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -357,6 +360,7 @@ class Plan:
                     dict(step.inputs),
                     step.max_queue_size,
                     step.max_queue_bytes,
+                    step.cache_ttl_s,
                 ]
                 for step in self.steps
             ],
@@ -364,7 +368,7 @@ class Plan:
 
     @classmethod
     def decode(cls, doc: Mapping[str, Any]) -> Plan:
-        steps = tuple(PlanStep(a, b, c, d, e, f, g) for a, b, c, d, e, f, g in doc["steps"])
+        steps = tuple(PlanStep(*item) for item in doc["steps"])
         return cls(doc["name"], doc["ver"], steps, doc["out"])
 
 
@@ -388,6 +392,7 @@ def make_plan(
                 dict(step.inputs),
                 function.batching.max_queue_size,
                 function.batching.max_queue_bytes,
+                function.cache.ttl_s if function.cache.enabled else 0,
             )
         )
     return Plan(manifest.name, version, tuple(steps), dict(spec.outputs))

@@ -17,7 +17,7 @@ from fngate.errors import DeadlineExceeded
 from fngate.pipelined import PipelinedRedis, Script
 from fngate.wire import Fields, Invocation, Reply
 from runner.metrics import CACHE_STORE_FAILURES
-from runner.pipeline import Steps
+from runner.pipeline import Finished, Steps
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ class Outbox:
         self._stream = stream
         self._reply_maxlen = settings.reply_maxlen
         self._finish = Script(redis, queue.FINISH)
-        self._steps = Steps(redis)
         separate = settings.cache_url and settings.cache_url != settings.redis_url
         self._cache = aioredis.from_url(settings.cache_url, socket_timeout=1) if separate else None
+        self._steps = Steps(redis, caching=self._cache is None)  # pipeline steps (runner.pipeline)
 
     async def aclose(self) -> None:
         if self._cache is not None:
@@ -62,10 +62,12 @@ class Outbox:
         outgoing: list[queue.Outgoing] = []
         separate: list[tuple[str, Fields, int]] = []
         steps = [
-            (entry.id, entry.step, reply) for entry, reply in zip(entries, replies, strict=True) if entry.step
+            Finished(entry.id, entry.step, entry.invocation, reply)
+            for entry, reply in zip(entries, replies, strict=True)
+            if entry.step
         ]
         if steps:  # the next steps are queued before these entries are acknowledged
-            outgoing += await asyncio.shield(self._steps.finish(steps))
+            outgoing += await asyncio.shield(self._steps.finish(steps, ran_digest))
         for entry, reply in zip(entries, replies, strict=True):
             if entry.step:
                 continue

@@ -16,6 +16,7 @@ from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter
 
 from fngate import keys, queue, telemetry
+from fngate.cache_key import cache_key
 from fngate.errors import FunctionError, Overloaded
 from fngate.pipeline import (
     StepContext,
@@ -26,7 +27,7 @@ from fngate.pipeline import (
     step_inputs,
 )
 from fngate.pipelined import PipelinedRedis, Script
-from fngate.wire import Invocation, Reply
+from fngate.wire import Invocation, Reply, Tensors
 
 Available = Mapping[str, np.ndarray[Any, Any]]
 tracer = trace.get_tracer("fngate.runner")
@@ -35,49 +36,83 @@ PIPELINE_STEPS = Counter(
 )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finished:
+    """A pipeline step's entry and its reply."""
+
+    entry_id: bytes
+    step: bytes
+    """Its context (fngate.queue.STEP)."""
+    invocation: Invocation
+    reply: Reply
+
+
 class Steps:
     """The forwarding of one runner's finished steps, on the outbox's connection."""
 
-    def __init__(self, redis: PipelinedRedis) -> None:
+    def __init__(self, redis: PipelinedRedis, caching: bool = True) -> None:
+        self._redis = redis
+        self._caching = caching
+        """Steps whose function has its cache on are looked up and stored (in the queue's Redis)."""
         self._forward = Script(redis, queue.FORWARD)
         self._join = Script(redis, queue.JOIN)
 
-    async def finish(self, finished: Sequence[tuple[bytes, bytes, Reply]]) -> list[queue.Outgoing]:
-        """Queue what follows each (entry id, step context, reply), before its entry is
-        acknowledged (at least once: a runner that dies here leaves the entry to be claimed and run
-        again, and the gateway answers the first final reply only). Returns the pipelines' replies
-        to send."""
-        contexts = [StepContext.decode(raw) for _entry_id, raw, _reply in finished]
-        for (entry_id, _raw, reply), context in zip(finished, contexts, strict=True):
-            _trace(context, reply, int(entry_id.split(b"-", 1)[0]))
+    async def finish(self, finished: Sequence[Finished], ran_digest: str = "") -> list[queue.Outgoing]:
+        """Queue what follows each finished step, before its entry is acknowledged (at least once:
+        a runner that dies here leaves the entry to be claimed and run again, and the gateway
+        answers the first final reply only). Returns the pipelines' replies to send."""
+        contexts = [StepContext.decode(item.step) for item in finished]
+        for item, context in zip(finished, contexts, strict=True):
+            _trace(context, item.reply, int(item.entry_id.split(b"-", 1)[0]))
+        stores = [
+            self._store(context, item)
+            for item, context in zip(finished, contexts, strict=True)
+            if self._caching
+            and context.step.cache_ttl_s
+            and item.reply.error is None
+            # only answers of the files the gateway resolved (during a rollout a runner may differ)
+            and item.invocation.digest == ran_digest
+        ]
         done = await asyncio.gather(
-            *(self._finish_one(context, item[2]) for context, item in zip(contexts, finished, strict=True))
+            *stores,
+            *(
+                self._finish_one(context, item.reply)
+                for item, context in zip(finished, contexts, strict=True)
+            ),
         )
-        return [item for item in done if item is not None]
+        return [outgoing for replies in done[len(stores) :] for outgoing in replies or ()]
 
-    async def _finish_one(self, context: StepContext, reply: Reply) -> queue.Outgoing | None:
+    async def _finish_one(self, context: StepContext, reply: Reply) -> list[queue.Outgoing]:
         plan, step = context.plan, context.step
         PIPELINE_STEPS.labels(
             plan.pipeline, step.name, reply.error.code.value if reply.error else "success"
         ).inc()
         if reply.error is not None:
-            return _answer(
-                context, Reply(context.invocation_id, plan.version, {}, named(context, reply.error))
-            )
+            return [
+                _answer(context, Reply(context.invocation_id, plan.version, {}, named(context, reply.error)))
+            ]
         available = {**context.carried, **outputs_of(step.name, reply.outputs)}
         entries: list[tuple[int, queue.Forward]] = []
-        final: Reply | None = None
+        answers: list[queue.Outgoing] = []
         for successor in plan.successors(context.node):
             ready = await self._meet(context, successor, available)
             if ready is None:
                 continue  # another predecessor still runs; the last one to finish goes on
+            inputs = step_inputs(plan, successor, ready)
             if successor == plan.end:
-                outputs = step_inputs(plan, successor, ready)
                 final = Reply(
-                    context.invocation_id, plan.version, outputs, None, reply.batch_id, reply.batch_size
+                    context.invocation_id, plan.version, inputs, None, reply.batch_id, reply.batch_size
                 )
+                answers.append(_answer(context, final, cached=True))
+                continue
+            following = dataclasses.replace(
+                context, node=successor, carried=carried_for(plan, successor, ready)
+            )
+            cached = await self._lookup(following, inputs)
+            if cached is not None:  # answered from the cache: the step is done already
+                answers += await self._finish_one(following, cached)
             else:
-                entries.append((successor, _entry(context, successor, ready)))
+                entries.append((successor, _entry(following, inputs)))
         if entries:
             refused = queue.parse_forward(
                 await self._forward(*_call(queue.forward_call([e for _, e in entries])))
@@ -89,8 +124,28 @@ class Steps:
                     f"step '{target.name}' ({target.function} v{target.version}): function "
                     f"'{target.function}' has too many invocations queued ({limit}); retry later"
                 )
-                return _answer(context, Reply(context.invocation_id, plan.version, {}, error))
-        return _answer(context, final, cached=True) if final is not None else None
+                answers.append(_answer(context, Reply(context.invocation_id, plan.version, {}, error)))
+        return answers
+
+    async def _lookup(self, context: StepContext, inputs: Tensors) -> Reply | None:
+        """The cached answer of a step whose function has its cache on, as a direct call with the
+        same inputs would find it."""
+        step = context.step
+        if not (self._caching and step.cache_ttl_s):
+            return None
+        found: Any = await self._redis.execute("HMGET", _cache_entry(context, inputs), "h", "b")
+        if not found or found[0] is None:
+            return None
+        return Reply.decode({queue.HEADER: found[0], queue.BODY: found[1] or b""})
+
+    async def _store(self, context: StepContext, item: Finished) -> None:
+        """A step's answer under the key a direct call of its function uses."""
+        entry = _cache_entry(context, item.invocation.inputs)
+        fields = dataclasses.replace(item.reply, id=item.invocation.id).encode()
+        await asyncio.gather(
+            self._redis.execute("HSET", entry, "h", fields[queue.HEADER], "b", fields[queue.BODY]),
+            self._redis.execute("EXPIRE", entry, context.step.cache_ttl_s),
+        )
 
     async def _meet(self, context: StepContext, node: int, available: Available) -> Available | None:
         """What `node` reads once every predecessor has finished (at once when this is its only
@@ -148,26 +203,31 @@ def named(context: StepContext, error: FunctionError) -> FunctionError:
     )
 
 
-def _entry(context: StepContext, node: int, available: Available) -> queue.Forward:
-    step = context.plan.steps[node]
+def _entry(context: StepContext, inputs: Tensors) -> queue.Forward:
+    """The queue entry of the step `context` is at, with its inputs."""
+    step = context.step
     invocation = Invocation(
         id=context.invocation_id,  # any reply a step gets outside its pipeline still answers the pipeline
         function=step.function,
         version=step.version,
         reply_to=context.reply_to,
         deadline_ms=context.deadline_ms,
-        inputs=step_inputs(context.plan, node, available),
+        inputs=inputs,
         traceparent=context.traceparent,
         digest=step.digest,
     )
-    following = dataclasses.replace(context, node=node, carried=carried_for(context.plan, node, available))
     return queue.Forward(
         keys.invocations(step.function),
         invocation.encode(),
-        following.encode(),
+        context.encode(),
         step.max_queue_size,
         step.max_queue_bytes,
     )
+
+
+def _cache_entry(context: StepContext, inputs: Tensors) -> str:
+    step = context.step
+    return keys.cache_entry(step.function, cache_key(step.function, step.version, step.digest, inputs, None))
 
 
 def _answer(context: StepContext, reply: Reply, cached: bool = False) -> queue.Outgoing:

@@ -90,6 +90,8 @@ def make_repository(folder: Path, scoring_pool: str = "default") -> Path:
     classifier["batching"]["timeout_ms"] = 20000
     classifier["scaling"] = {"pool": scoring_pool}
     write(folder, classifier)
+    shutil.copytree(folder / "classifier", folder / "memo-classifier")
+    write(folder, {**classifier, "name": "memo-classifier", "cache": {"enabled": True, "ttl_s": 60}})
     python_function(folder, "double", [tensor("x", 16)], [tensor("y", 16)])
     python_function(folder, "merge", [tensor("a", 4), tensor("b", 16)], [tensor("out", 20)])
     python_function(folder, "reject", [tensor("x", 16)], [tensor("y", 16)])
@@ -124,6 +126,15 @@ def make_repository(folder: Path, scoring_pool: str = "default") -> Path:
     write(
         folder,
         pipeline("cached", probabilities, scored, {"probabilities": "score.probabilities"}, cache=cache),
+    )
+    write(
+        folder,
+        pipeline(
+            "memo",
+            [*probabilities, tensor("normalized", 16)],
+            [norm, step("score", "memo-classifier", input="norm.normalized")],
+            {"probabilities": "score.probabilities", "normalized": "norm.normalized"},
+        ),
     )
     write(
         folder,
@@ -236,6 +247,22 @@ async def test_a_pipeline_with_its_cache_on_answers_a_repeat_from_the_cache(stac
     assert again.json()["outputs"] == first.json()["outputs"]
     stats = (await stack.get("/v2/models/classifier/stats")).json()["model_stats"][0]
     assert stats["execution_count"] == 1  # the repeat ran no step
+
+
+async def test_a_step_whose_function_has_its_cache_on_shares_it_with_direct_calls(
+    stack: httpx.AsyncClient,
+) -> None:
+    first = await call(stack, "memo", ROWS)
+    assert first.status_code == 200, first.text
+    again = await call(stack, "memo", ROWS)
+    assert again.status_code == 200, again.text
+    assert again.json()["outputs"] == first.json()["outputs"]
+    stats = (await stack.get("/v2/models/memo-classifier/stats")).json()["model_stats"][0]
+    assert stats["execution_count"] == 1  # the second `score` was answered from the cache
+    normalized_rows = np.array(first.json()["outputs"]["normalized"], dtype=np.float32)
+    direct = await call(stack, "memo-classifier", normalized_rows)
+    assert direct.headers["x-fngate-cache"] == "hit"
+    assert direct.json()["outputs"]["probabilities"] == first.json()["outputs"]["probabilities"]
 
 
 async def test_a_failing_middle_step_is_named_and_later_steps_do_not_run(stack: httpx.AsyncClient) -> None:
