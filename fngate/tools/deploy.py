@@ -36,6 +36,7 @@ from fngate.repository import (
     FunctionVersion,
     Repository,
     is_remote,
+    make_record,
 )
 
 LARGE_BYTES = 8 * 1024 * 1024
@@ -147,11 +148,55 @@ def deploy(
     return 0
 
 
-def pipeline_check(repository: Repository, manifest: FunctionManifest) -> list[str]:
-    """A pipeline's graph, and its steps against the functions deployed now (each must exist)."""
+def pipeline_check(
+    repository: Repository, manifest: FunctionManifest, upcoming: Sequence[FunctionManifest] = ()
+) -> list[str]:
+    """A pipeline's graph, and its steps against the functions deployed now (each must exist) or
+    about to be, as the next version of their function (`upcoming`: deployed in the same command)."""
     if manifest.pipeline is None:
         return []
-    return [f"{where}: {problem}" for where, problem in deploy_problems(manifest, repository.scan())]
+    records = repository.scan()
+    for other in upcoming:
+        stored = list(records[other.name].versions.values()) if other.name in records else []
+        records[other.name] = make_record(
+            [*stored, FunctionVersion(other, repository.next_version(other.name), Path())]
+        )
+    return [f"{where}: {problem}" for where, problem in deploy_problems(manifest, records)]
+
+
+def deploy_all(
+    paths: Sequence[Path],
+    repository: Repository,
+    redis_url: str,
+    gateway: str | None,
+    out: TextIO,
+    err: TextIO,
+    record_it: bool = True,
+) -> int:
+    """`fngate deploy FILE...`: functions first, then pipelines, whose steps may call functions of
+    the same command. Every manifest and every pipeline is checked before anything is uploaded."""
+    manifests: dict[Path, FunctionManifest] = {}
+    failed = False
+    for path in paths:
+        try:
+            manifests[path] = load_manifest(path)
+        except ManifestError as exc:
+            failed = True
+            for line in exc.lines():
+                print(line, file=err)
+    functions = [manifest for manifest in manifests.values() if manifest.pipeline is None]
+    for path, manifest in manifests.items():
+        for problem in pipeline_check(repository, manifest, functions):
+            failed = True
+            print(f"{path}: {problem}", file=err)
+    if failed:
+        print("fngate deploy: nothing was uploaded", file=err)
+        return 2
+    for path in sorted(paths, key=lambda path: manifests[path].pipeline is not None):
+        code = deploy(path, repository, redis_url, gateway, out, err, record_it)
+        if code:
+            return code
+    return 0
 
 
 def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: TextIO) -> int:

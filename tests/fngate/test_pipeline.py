@@ -27,7 +27,7 @@ from fngate.pipeline import (
     step_inputs,
 )
 from fngate.repository import FolderRepository
-from fngate.tools.deploy import deploy, list_functions
+from fngate.tools.deploy import deploy, deploy_all, list_functions
 from fngate.tools.validation import check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -365,3 +365,30 @@ def test_ls_shows_pipelines_with_their_steps_in_order(tmp_path: Path) -> None:
     assert lines[lines.index("PIPELINE  VERSION  STEPS") + 1] == (
         "diamond   1        norm (normalize) -> left (mlp) -> right (double) -> join (merge)"
     )
+
+
+def test_one_deploy_command_deploys_a_pipeline_with_its_functions(tmp_path: Path) -> None:
+    (tmp_path / "repo").mkdir()
+    repository = FolderRepository(tmp_path / "repo")
+    for name in ("normalize", "classifier"):
+        shutil.copytree(ROOT / "functions" / name, tmp_path / name)
+    (tmp_path / "scored").mkdir()
+    doc = pipeline(
+        TWO_STEPS,
+        steps=[
+            {"name": "norm", "function": "normalize", "inputs": {"input": "request.input"}},
+            {"name": "score", "function": "classifier", "inputs": {"input": "norm.normalized"}},
+        ],
+    )
+    (tmp_path / "scored" / "function.yaml").write_text(yaml.safe_dump(doc))
+    paths = [tmp_path / name / "function.yaml" for name in ("scored", "normalize")]
+    out, err = io.StringIO(), io.StringIO()
+    # The classifier is neither deployed nor given: nothing at all is uploaded.
+    assert deploy_all(paths, repository, "redis://127.0.0.1:1", None, out, err) == 2
+    assert "step 'score': function 'classifier' is not deployed" in err.getvalue()
+    assert repository.scan() == {}
+    paths.append(tmp_path / "classifier" / "function.yaml")
+    assert deploy_all(paths, repository, "redis://127.0.0.1:1", None, out, err) == 0
+    assert sorted(repository.scan()) == ["classifier", "normalize", "scored"]
+    deployed = [line.split()[1] for line in out.getvalue().splitlines() if line.startswith("deployed ")]
+    assert deployed == ["normalize", "classifier", "scored"]  # functions first, in the order given
