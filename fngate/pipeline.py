@@ -184,6 +184,15 @@ def edge_problems(
                 )
             )
             continue
+        if manifest.batched and function.batching.max_batch_size < manifest.batching.max_batch_size:
+            problems.append(
+                (
+                    f"{where}.function",
+                    f"step '{step.name}': {step.function} takes at most {function.batching.max_batch_size} "
+                    f"rows, the pipeline up to {manifest.batching.max_batch_size} (lower its "
+                    "batching.max_batch_size)",
+                )
+            )
         wanted = [item.name for item in function.inputs]
         missing = [name for name in wanted if name not in step.inputs]
         if missing:
@@ -213,31 +222,34 @@ def edge_problems(
 
 def deploy_problems(manifest: FunctionManifest, records: Mapping[str, FunctionRecord]) -> list[Problem]:
     """A pipeline against the functions deployed (`records`, by name): its graph, and every edge
-    against the version each step would call now (its pinned one, else the newest served)."""
+    against each version a step may call now (its pinned one, else every version with traffic: a
+    canary must fit too)."""
     problems = graph_problems(manifest)
     if problems or manifest.pipeline is None:
         return problems
-    functions: dict[str, FunctionManifest | None] = {}
+    choices: list[dict[str, FunctionManifest | None]] = [{}]
     for index, step in enumerate(manifest.pipeline.steps):
         record = records.get(step.function_name)
         if record is None:
-            functions[step.name] = None
+            choices[0][step.name] = None
             continue
-        version = record.default if step.pinned is None else record.versions.get(step.pinned)
-        if step.pinned is not None and step.pinned not in record.served:
+        pinned = step.pinned
+        if pinned is not None and pinned not in record.served:
             served = ", ".join(record.served) or "none"
+            where = f"pipeline.steps[{index}].function"
             problems.append(
-                (
-                    f"pipeline.steps[{index}].function",
-                    f"step '{step.name}': {step.function_name} does not serve version {step.pinned} "
-                    f"(serving {served})",
-                )
+                (where, f"step '{step.name}': {step.function_name} serves no version {pinned} ({served})")
             )
-            version = None
-            functions[step.name] = record.default.manifest if record.default is not None else None
-            continue
-        functions[step.name] = version.manifest if version is not None else None
-    return problems + edge_problems(manifest, functions)
+            pinned = None
+        versions = [pinned] if pinned is not None else list(record.traffic) or list(record.served[-1:])
+        for position, version in enumerate(versions):
+            if position == len(choices):
+                choices.append(dict(choices[0]))
+            choices[position][step.name] = record.versions[version].manifest
+    for functions in choices:
+        full = {**choices[0], **functions}
+        problems += [problem for problem in edge_problems(manifest, full) if problem not in problems]
+    return problems
 
 
 def _edge(

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from opentelemetry import trace
 
 from fngate import keys, queue, telemetry
-from fngate.errors import Unavailable
+from fngate.errors import FunctionError, Unavailable
 from fngate.manifest import FunctionManifest
 from fngate.pipeline import Problem, StepContext, carried_for, edge_problems, make_plan, step_inputs
 from fngate.repository import FunctionVersion
@@ -106,7 +106,14 @@ def resolve(catalog: Catalog, function: FunctionVersion) -> dict[str, FunctionVe
     once against the pipeline's other steps; raises Unavailable naming the step that no longer fits."""
     spec = function.manifest.pipeline
     assert spec is not None
-    resolved = {step.name: catalog.get(step.function_name, step.pinned) for step in spec.steps}
+    resolved = {}
+    for step in spec.steps:
+        try:
+            resolved[step.name] = catalog.get(step.function_name, step.pinned)
+        except FunctionError as exc:  # same class (status), naming the step
+            raise FunctionError.from_code(
+                exc.code.value, f"pipeline '{function.name}': step '{step.name}': {exc.message}"
+            ) from None
     key = (
         function.digest,
         function.version,

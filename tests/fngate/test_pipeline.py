@@ -26,7 +26,7 @@ from fngate.pipeline import (
     shapes_agree,
     step_inputs,
 )
-from fngate.repository import FolderRepository
+from fngate.repository import FolderRepository, FunctionVersion, make_record
 from fngate.tools.deploy import deploy, deploy_all, list_functions
 from fngate.tools.validation import check
 
@@ -273,6 +273,13 @@ def test_edge_problems_check_names_datatypes_and_shapes_along_each_edge() -> Non
         "the pipeline: step 'score' has no output 'probabilities' (its outputs: p)" in text
         for text in problems
     )
+    small = {
+        **steps_of(manifest),
+        "score": MLP.model_copy(update={"batching": MLP.batching.model_copy(update={"max_batch_size": 8})}),
+    }
+    assert [text for _where, text in edge_problems(manifest, small)] == [
+        "step 'score': mlp@2 takes at most 8 rows, the pipeline up to 32 (lower its batching.max_batch_size)"
+    ]
     missing = edge_problems(manifest, {"norm": NORMALIZE, "score": None})
     assert missing == [("pipeline.steps[1].function", "step 'score': function 'mlp@2' is not deployed")]
 
@@ -392,3 +399,49 @@ def test_one_deploy_command_deploys_a_pipeline_with_its_functions(tmp_path: Path
     assert sorted(repository.scan()) == ["classifier", "normalize", "scored"]
     deployed = [line.split()[1] for line in out.getvalue().splitlines() if line.startswith("deployed ")]
     assert deployed == ["normalize", "classifier", "scored"]  # functions first, in the order given
+
+
+def test_deploy_checks_every_version_a_step_may_be_routed_to() -> None:
+    canary = parse_manifest(
+        {
+            **MLP.model_dump(mode="json"),
+            "inputs": [{"name": "input", "datatype": "FP16", "shape": [-1, 16]}],
+            "versions": {"policy": "latest", "latest": 2, "traffic": {1: 90, 2: 10}},
+        },
+        "mlp",
+    )
+    records = {
+        "normalize": make_record([FunctionVersion(NORMALIZE, "1", Path())]),
+        "mlp": make_record([FunctionVersion(MLP, "1", Path()), FunctionVersion(canary, "2", Path())]),
+    }
+    unpinned = parse_manifest(
+        pipeline(
+            TWO_STEPS,
+            steps=[
+                TWO_STEPS["pipeline"]["steps"][0],
+                {**TWO_STEPS["pipeline"]["steps"][1], "function": "mlp"},
+            ],
+        ),
+        "f",
+    )
+    assert [text for _where, text in deploy_problems(unpinned, records)] == [
+        "step 'score': norm.normalized is FP32, 'input' takes FP16"  # the canary's input
+    ]
+    pinned_to_three = parse_manifest(
+        pipeline(
+            TWO_STEPS,
+            steps=[
+                TWO_STEPS["pipeline"]["steps"][0],
+                {**TWO_STEPS["pipeline"]["steps"][1], "function": "mlp@3"},
+            ],
+        ),
+        "f",
+    )
+    assert "step 'score': mlp serves no version 3 (1, 2)" in [
+        text for _where, text in deploy_problems(pinned_to_three, records)
+    ]
+    pinned_to_one = parse_manifest(TWO_STEPS, "f").model_copy()
+    assert (
+        deploy_problems(pinned_to_one, records)[0][1]
+        == "step 'score': norm.normalized is FP32, 'input' takes FP16"
+    )
