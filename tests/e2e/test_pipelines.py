@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -20,8 +21,11 @@ from prometheus_client import REGISTRY
 
 from fngate import keys
 from fngate.registry import function_source
+from fngate.repository import FolderRepository
+from fngate.tools.deploy import deploy
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from tests.conftest import child_env, wait_http
+from tests.e2e.deployments import ROW, invoke, scale_function
 from tests.e2e.test_observability import Receiver, receiver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -409,3 +413,40 @@ async def test_one_trace_with_a_span_per_step_under_the_request(
         assert step_span["attributes"]["fngate.function"].string_value == function
         (execute,) = spans.named(f"execute {function}")
         assert (execute["trace"], execute["parent"]) == (request["trace"], request["id"])
+
+
+async def test_a_pinned_step_runs_its_version_and_an_unpinned_one_follows_routing(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis_url: str,
+    redis: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "repo").mkdir()
+    repository = FolderRepository(tmp_path / "repo")
+    x = {"name": "x", "datatype": "FP32", "shape": [-1, 2]}
+    y = {"name": "y", "datatype": "FP32", "shape": [-1, 2]}
+    paths = [scale_function(tmp_path / f"v{factor}", "scale", factor, {"policy": "all"}) for factor in (2, 3)]
+    for name, function in (("pinned", "scale@1"), ("routed", "scale")):
+        doc = {
+            "name": name,
+            "inputs": [x],
+            "outputs": [y],
+            "batching": {"max_batch_size": 16},  # as many rows as its step takes
+            "pipeline": {"steps": [step("s", function, x="request.x")], "outputs": {"y": "s.y"}},
+        }
+        write(tmp_path / "pipelines", doc)
+        paths.append(tmp_path / "pipelines" / name / "function.yaml")
+    out, err = io.StringIO(), io.StringIO()
+    for path in paths:  # one at a time: both versions of `scale`
+        assert await asyncio.to_thread(deploy, path, repository, redis_url, None, out, err) == 0, (
+            err.getvalue()
+        )
+    base = await serve_gateway(repo=str(tmp_path / "repo"))
+    await inprocess_runner(repo=str(tmp_path / "repo"))
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        pinned = await invoke(client, "/v1/functions/pinned")
+        routed = await invoke(client, "/v1/functions/routed")
+    assert pinned.status_code == 200, pinned.text
+    assert pinned.json()["outputs"]["y"] == [[value * 2 for value in ROW]]
+    assert routed.json()["outputs"]["y"] == [[value * 3 for value in ROW]]  # the newest served: 100 %
