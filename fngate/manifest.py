@@ -350,11 +350,18 @@ def parse_manifest(data: Any, source: str) -> FunctionManifest:
     if not isinstance(data, dict):
         raise ManifestError(source, [("", "a manifest is a mapping of keys to values")])
     try:
-        return FunctionManifest.model_validate(data)
+        manifest = FunctionManifest.model_validate(data)
     except ValidationError as exc:
         raise ManifestError(
             source, [(_field_path(err["loc"]), _message(err)) for err in exc.errors()]
         ) from exc
+    if manifest.pipeline is not None:
+        from fngate.pipeline import graph_problems  # the graph's module builds on this one
+
+        problems = graph_problems(manifest)
+        if problems:  # a pipeline whose steps do not make a graph is no manifest at all
+            raise ManifestError(source, problems)
+    return manifest
 
 
 SCHEMA_ID = "https://fngate.dev/function.schema.json"

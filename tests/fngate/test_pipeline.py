@@ -202,9 +202,12 @@ def test_the_schema_refuses_malformed_steps(steps: list[dict[str, Any]], where: 
     ],
 )
 def test_graph_problems_name_the_step(change: dict[str, Any], message: str) -> None:
-    manifest = parse_manifest(pipeline(TWO_STEPS, **change), "f")
+    manifest = FunctionManifest.model_validate(pipeline(TWO_STEPS, **change))  # the schema alone
     problems = graph_problems(manifest)
     assert any(message in text for _where, text in problems), problems
+    with pytest.raises(ManifestError) as caught:  # what reading a manifest reports
+        parse_manifest(pipeline(TWO_STEPS, **change), "f")
+    assert caught.value.problems == problems
 
 
 def test_a_cycle_is_refused_naming_its_steps() -> None:
@@ -215,7 +218,7 @@ def test_a_cycle_is_refused_naming_its_steps() -> None:
             {"name": "score", "function": "mlp", "inputs": {"input": "norm.normalized"}},
         ],
     )
-    manifest = parse_manifest(cyclic, "f")
+    manifest = FunctionManifest.model_validate(cyclic)
     assert manifest.pipeline is not None
     assert find_cycle(manifest.pipeline) == ["norm", "score", "norm"]
     assert graph_problems(manifest) == [
@@ -444,4 +447,20 @@ def test_deploy_checks_every_version_a_step_may_be_routed_to() -> None:
     assert (
         deploy_problems(pinned_to_one, records)[0][1]
         == "step 'score': norm.normalized is FP32, 'input' takes FP16"
+    )
+
+
+def test_validate_refuses_a_cycle_naming_its_steps(tmp_path: Path) -> None:
+    cyclic = pipeline(
+        TWO_STEPS,
+        steps=[
+            {"name": "norm", "function": "normalize", "inputs": {"input": "score.probabilities"}},
+            {"name": "score", "function": "mlp", "inputs": {"input": "norm.normalized"}},
+        ],
+    )
+    path = tmp_path / "function.yaml"
+    path.write_text(yaml.safe_dump(cyclic))
+    assert check(path) == (
+        [f"{path}: pipeline.steps: step 'norm' depends on itself: 'norm' -> 'score' -> 'norm'"],
+        "",
     )
