@@ -200,7 +200,13 @@ async def call(
     return await client.post(f"/v1/functions/{name}", json={"inputs": {"input": rows.tolist()}, **extra})
 
 
+def steps_done(step_name: str) -> float:
+    labels = {"pipeline": "scored", "step": step_name, "outcome": "success"}
+    return REGISTRY.get_sample_value("fngate_pipeline_steps_total", labels) or 0.0
+
+
 async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(stack: httpx.AsyncClient) -> None:
+    counted = [steps_done(name) for name in ("norm", "score")]
     scored = await call(stack, "scored", ROWS)
     assert scored.status_code == 200, scored.text
     expected = classified(normalized(ROWS))
@@ -208,6 +214,7 @@ async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(stac
         np.array(scored.json()["outputs"]["probabilities"]), expected, rtol=1e-5, atol=1e-6
     )
     assert scored.json()["version"] == "1"
+    assert [steps_done(name) for name in ("norm", "score")] == [before + 1 for before in counted]
 
     diamond = await call(stack, "diamond", ROWS)
     assert diamond.status_code == 200, diamond.text
