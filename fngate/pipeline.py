@@ -319,12 +319,37 @@ class PlanStep:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """Steps in topological order; node len(steps) stands for the pipeline's outputs."""
+    """Steps in topological order; node len(steps) stands for the pipeline's outputs. Every step
+    decodes it again, so its graph is worked out once, when it is made."""
 
     pipeline: str
     version: str
     steps: tuple[PlanStep, ...]
     outputs: Mapping[str, str]
+    _before: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _after: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _needed: tuple[frozenset[str], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    text: str = dataclasses.field(init=False, repr=False, compare=False)
+    """Its JSON, which step contexts carry (and runners decode once: `Plan.decode_text`)."""
+
+    def __post_init__(self) -> None:
+        names = {step.name: index for index, step in enumerate(self.steps)}
+        before: list[tuple[int, ...]] = []
+        for node in range(self.end + 1):
+            sources = (names.get(Reference.parse(text).source) for text in self.references(node))
+            before.append(tuple(dict.fromkeys(source for source in sources if source is not None)))
+        after = [
+            tuple(other for other in range(self.end + 1) if node in before[other])
+            for node in range(self.end + 1)
+        ]
+        needed: list[frozenset[str]] = [frozenset()] * (self.end + 1)
+        for node in reversed(range(self.end + 1)):  # topological order: what follows is done first
+            later = (needed[successor] for successor in after[node])
+            needed[node] = frozenset(self.references(node)).union(*later)
+        object.__setattr__(self, "_before", tuple(before))
+        object.__setattr__(self, "_after", tuple(after))
+        object.__setattr__(self, "_needed", tuple(needed))
+        object.__setattr__(self, "text", orjson.dumps(self.encode()).decode())
 
     @property
     def end(self) -> int:
@@ -336,27 +361,18 @@ class Plan:
         return list((self.outputs if node == self.end else self.steps[node].inputs).values())
 
     def predecessors(self, node: int) -> list[int]:
-        names = {step.name: index for index, step in enumerate(self.steps)}
-        found: list[int] = []
-        for text in self.references(node):
-            source = names.get(Reference.parse(text).source)
-            if source is not None and source not in found:
-                found.append(source)
-        return found
+        return list(self._before[node])
 
     def successors(self, node: int) -> list[int]:
-        return [other for other in range(self.end + 1) if node in self.predecessors(other)]
+        return list(self._after[node])
 
     def first(self) -> list[int]:
         """The steps that read only the request."""
-        return [index for index in range(self.end) if not self.predecessors(index)]
+        return [index for index in range(self.end) if not self._before[index]]
 
-    def needed(self, node: int) -> set[str]:
+    def needed(self, node: int) -> frozenset[str]:
         """References read by `node` or anything after it (what must travel with it)."""
-        wanted = set(self.references(node))
-        for successor in self.successors(node):
-            wanted |= self.needed(successor)
-        return wanted
+        return self._needed[node]
 
     def encode(self) -> dict[str, Any]:
         return {
@@ -382,6 +398,21 @@ class Plan:
     def decode(cls, doc: Mapping[str, Any]) -> Plan:
         steps = tuple(PlanStep(*item) for item in doc["steps"])
         return cls(doc["name"], doc["ver"], steps, doc["out"])
+
+    @classmethod
+    def decode_text(cls, text: str) -> Plan:
+        """A plan from its JSON; the same plan comes with every step of every invocation until
+        a version changes, so each is worked out once."""
+        plan = _decoded.get(text)
+        if plan is None:
+            if len(_decoded) >= DECODED_MAX:
+                _decoded.clear()
+            plan = _decoded[text] = cls.decode(orjson.loads(text))
+        return plan
+
+
+DECODED_MAX = 1024
+_decoded: dict[str, Plan] = {}
 
 
 def make_plan(
@@ -437,7 +468,7 @@ class StepContext:
             "id": self.invocation_id,
             "reply": self.reply_to,
             "by": self.deadline_ms,
-            "plan": self.plan.encode(),
+            "plan": self.plan.text,
             "node": self.node,
             "tp": self.traceparent,
             "ck": self.cache_key,
@@ -452,7 +483,7 @@ class StepContext:
             header["id"],
             header["reply"],
             header["by"],
-            Plan.decode(header["plan"]),
+            Plan.decode_text(header["plan"]),
             header["node"],
             carried,
             header.get("tp"),

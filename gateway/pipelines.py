@@ -15,6 +15,7 @@ from fngate import keys, queue, telemetry
 from fngate.errors import FunctionError, Unavailable
 from fngate.manifest import FunctionManifest
 from fngate.pipeline import (
+    Plan,
     Problem,
     StepContext,
     carried_for,
@@ -29,9 +30,9 @@ from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher, Step
 
 tracer = trace.get_tracer("fngate.gateway")
-CHECKED_MAX = 256
-_checked: dict[tuple[str, ...], list[Problem]] = {}
-"""Problems by the digests of a pipeline version and its steps' versions: checked once each."""
+PLANNED_MAX = 256
+_planned: dict[tuple[str, ...], tuple[list[Problem], Plan | None]] = {}
+"""Problems, or the plan, by a pipeline version and its steps' versions: each worked out once."""
 
 
 async def submit(
@@ -47,8 +48,7 @@ async def submit(
     """Answer one invocation of a pipeline; raises the FunctionError it failed with (a step's error
     names the step: "step 'score' (mlp v2): ...")."""
     manifest = function.manifest
-    resolved = resolve(catalog, function)
-    plan = make_plan(manifest, function.version, {name: _described(item) for name, item in resolved.items()})
+    resolved, plan = resolve(catalog, function)
     limit_ms = manifest.batching.timeout_ms
     timeout_ms = limit_ms if timeout_ms is None else min(timeout_ms, limit_ms)
     deadline_ms = int(time.time() * 1000) + timeout_ms
@@ -108,9 +108,10 @@ async def submit(
     return reply
 
 
-def resolve(catalog: Catalog, function: FunctionVersion) -> dict[str, FunctionVersion]:
-    """Each step's version by step name, drawn now by its function's routing (or pinned), checked
-    once against the pipeline's other steps; raises Unavailable naming the step that no longer fits."""
+def resolve(catalog: Catalog, function: FunctionVersion) -> tuple[dict[str, FunctionVersion], Plan]:
+    """Each step's version by step name, drawn now by its function's routing (or pinned), and the
+    plan; checked (and planned) once per combination of versions. Raises Unavailable naming the
+    step that no longer fits."""
     spec = function.manifest.pipeline
     assert spec is not None
     resolved = {}
@@ -122,23 +123,23 @@ def resolve(catalog: Catalog, function: FunctionVersion) -> dict[str, FunctionVe
                 exc.code.value, f"pipeline '{function.name}': step '{step.name}': {exc.message}"
             ) from None
     key = (
-        function.digest,
+        function.name,
         function.version,
+        function.digest,
         *(f"{item.name}@{item.version}:{item.digest}" for item in resolved.values()),
     )
-    problems = _checked.get(key)
-    if problems is None:
+    known = _planned.get(key)
+    if known is None:
         manifests: Mapping[str, FunctionManifest | None] = {
             name: item.manifest for name, item in resolved.items()
         }
         problems = edge_problems(function.manifest, manifests)
-        if len(_checked) >= CHECKED_MAX:
-            _checked.clear()
-        _checked[key] = problems
-    if problems:
+        described = {name: (item.manifest, item.version, item.digest) for name, item in resolved.items()}
+        known = (problems, None if problems else make_plan(function.manifest, function.version, described))
+        if len(_planned) >= PLANNED_MAX:
+            _planned.clear()
+        _planned[key] = known
+    problems, plan = known
+    if plan is None:
         raise Unavailable(f"pipeline '{function.name}': {problems[0][1]}")
-    return resolved
-
-
-def _described(item: FunctionVersion) -> tuple[FunctionManifest, str, str]:
-    return item.manifest, item.version, item.digest
+    return resolved, plan

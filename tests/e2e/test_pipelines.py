@@ -48,7 +48,7 @@ MODELS = {
     "double": "return {'y': inputs['x'] * 2}",
     "merge": "return {'out': np.concatenate([inputs['a'], inputs['b']], axis=1)}",
     "reject": "raise ValueError('no rows accepted here')",
-    "slow": "time.sleep(0.8)\n        return {'y': inputs['x']}",
+    "slow": "time.sleep(float(inputs['x'][0, 0]))\n        return {'y': inputs['x']}",  # x[0, 0] seconds
 }
 
 
@@ -302,10 +302,13 @@ def expired(function: str) -> float:
 async def test_a_step_that_would_start_after_the_deadline_is_not_run(
     stack: httpx.AsyncClient, redis: aioredis.Redis
 ) -> None:
+    warm = await stack.post("/v1/functions/slow", json={"inputs": {"x": [[0.0] * 16]}})  # loaded now
+    assert warm.status_code == 200, warm.text
     before = expired("classifier")
-    response = await call(stack, "sluggish", ROWS[:1], timeout_ms=300)
+    response = await call(stack, "sluggish", np.full((1, 16), 1.5, dtype=np.float32), timeout_ms=500)
     assert response.status_code == 504, response.text
-    # `wait` finishes after the deadline and queues `score`, which the runner answers without running.
+    # `wait` (1.5 s) finishes after the deadline and queues `score`, which the runner answers
+    # without running it.
     for _ in range(100):
         if expired("classifier") > before and await redis.xlen(keys.invocations("classifier")) == 0:
             break
@@ -327,10 +330,11 @@ async def test_pipeline_steps_share_batches_with_direct_calls(
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         piped = [asyncio.create_task(call(client, "scored", ROWS[i : i + 1])) for i in range(3)]
         direct = [asyncio.create_task(call(client, "classifier", ROWS[i : i + 1])) for i in range(3)]
-        for _ in range(200):
+        for _ in range(300):
             if await redis.xlen(keys.invocations("classifier")) == 6:
                 break
             await asyncio.sleep(0.05)
+        assert await redis.xlen(keys.invocations("classifier")) == 6  # 3 direct, 3 after `norm`
         await inprocess_runner(repo=str(pipelines_repo), functions=("classifier",))
         piped_replies = await asyncio.gather(*piped)
         direct_replies = await asyncio.gather(*direct)
