@@ -205,7 +205,9 @@ def steps_done(step_name: str) -> float:
     return REGISTRY.get_sample_value("fngate_pipeline_steps_total", labels) or 0.0
 
 
-async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(stack: httpx.AsyncClient) -> None:
+async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(
+    stack: httpx.AsyncClient, redis: aioredis.Redis
+) -> None:
     counted = [steps_done(name) for name in ("norm", "score")]
     scored = await call(stack, "scored", ROWS)
     assert scored.status_code == 200, scored.text
@@ -215,6 +217,7 @@ async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(stac
     )
     assert scored.json()["version"] == "1"
     assert [steps_done(name) for name in ("norm", "score")] == [before + 1 for before in counted]
+    assert not await redis.exists(keys.invocations("scored"))  # no runner reads a pipeline's own stream
 
     diamond = await call(stack, "diamond", ROWS)
     assert diamond.status_code == 200, diamond.text
