@@ -441,7 +441,12 @@ class FunctionConsumer:
                 pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"max_deliveries"})
             await pipe.execute()
         dead = [
-            Entry(entry_id, Invocation.decode(fields), queue.entry_bytes(fields))
+            Entry(
+                entry_id,
+                Invocation.decode(fields),
+                queue.entry_bytes(fields),
+                step=fields.get(queue.STEP, b""),
+            )
             for entry_id, fields in entries
         ]
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
