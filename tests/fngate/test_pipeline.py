@@ -26,7 +26,15 @@ from fngate.pipeline import (
     shapes_agree,
     step_inputs,
 )
-from fngate.repository import FolderRepository, FunctionVersion, make_record
+from fngate.repository import (
+    ArtifactFile,
+    FolderRepository,
+    FunctionVersion,
+    decode_version,
+    digest_of,
+    encode_version,
+    make_record,
+)
 from fngate.tools.deploy import deploy, deploy_all, list_functions
 from fngate.tools.validation import check
 
@@ -464,3 +472,12 @@ def test_validate_refuses_a_cycle_naming_its_steps(tmp_path: Path) -> None:
         [f"{path}: pipeline.steps: step 'norm' depends on itself: 'norm' -> 'score' -> 'norm'"],
         "",
     )
+
+
+def test_a_pipeline_version_round_trips_through_its_index() -> None:
+    """What the registry and an S3 repository keep: a pipeline has no model file among its files."""
+    manifest = parse_manifest(TWO_STEPS, "f")
+    files = (ArtifactFile("function.yaml", "a" * 64, 10),)
+    version = FunctionVersion(manifest, "1", Path(), digest_of(files), files)
+    back = decode_version(encode_version(version), Path(), "index")
+    assert back == version
