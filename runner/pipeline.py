@@ -31,6 +31,8 @@ from fngate.wire import Invocation, Reply, Tensors
 
 Available = Mapping[str, np.ndarray[Any, Any]]
 tracer = trace.get_tracer("fngate.runner")
+LIMITS = {"count": "max_queue_size", "bytes": "max_queue_bytes"}
+"""The manifest setting behind each refusal of FORWARD."""
 PIPELINE_STEPS = Counter(
     "fngate_pipeline_steps", "Pipeline steps a runner finished, by outcome", ["pipeline", "step", "outcome"]
 )
@@ -122,7 +124,7 @@ class Steps:
                 target = plan.steps[entries[index][0]]
                 error = Overloaded(
                     f"step '{target.name}' ({target.function} v{target.version}): function "
-                    f"'{target.function}' has too many invocations queued ({limit}); retry later"
+                    f"'{target.function}' has too many invocations queued ({LIMITS[limit]}); retry later"
                 )
                 answers.append(_answer(context, Reply(context.invocation_id, plan.version, {}, error)))
         return answers

@@ -96,6 +96,10 @@ def make_repository(folder: Path, scoring_pool: str = "default") -> Path:
     write(folder, classifier)
     shutil.copytree(folder / "classifier", folder / "memo-classifier")
     write(folder, {**classifier, "name": "memo-classifier", "cache": {"enabled": True, "ttl_s": 60}})
+    shutil.copytree(folder / "classifier", folder / "narrow")
+    write(
+        folder, {**classifier, "name": "narrow", "batching": {**classifier["batching"], "max_queue_size": 1}}
+    )
     python_function(folder, "double", [tensor("x", 16)], [tensor("y", 16)])
     python_function(folder, "merge", [tensor("a", 4), tensor("b", 16)], [tensor("out", 20)])
     python_function(folder, "reject", [tensor("x", 16)], [tensor("y", 16)])
@@ -138,6 +142,15 @@ def make_repository(folder: Path, scoring_pool: str = "default") -> Path:
             [*probabilities, tensor("normalized", 16)],
             [norm, step("score", "memo-classifier", input="norm.normalized")],
             {"probabilities": "score.probabilities", "normalized": "norm.normalized"},
+        ),
+    )
+    write(
+        folder,
+        pipeline(
+            "crowded",
+            probabilities,
+            [norm, step("score", "narrow", input="norm.normalized")],
+            {"probabilities": "score.probabilities"},
         ),
     )
     write(
@@ -464,3 +477,28 @@ async def test_a_pinned_step_runs_its_version_and_an_unpinned_one_follows_routin
     assert pinned.status_code == 200, pinned.text
     assert pinned.json()["outputs"]["y"] == [[value * 2 for value in ROW]]
     assert routed.json()["outputs"]["y"] == [[value * 3 for value in ROW]]  # the newest served: 100 %
+
+
+async def test_a_full_queue_of_a_later_step_is_a_503_naming_the_step(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    pipelines_repo: Path,
+    redis: aioredis.Redis,
+) -> None:
+    base = await serve_gateway(repo=str(pipelines_repo))
+    await inprocess_runner(repo=str(pipelines_repo), functions=("normalize",))  # nobody serves `narrow`
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        waiting = asyncio.create_task(call(client, "narrow", ROWS[:1], timeout_ms=2000))
+        for _ in range(100):
+            if await redis.xlen(keys.invocations("narrow")) == 1:  # its one place is taken
+                break
+            await asyncio.sleep(0.05)
+        response = await call(client, "crowded", ROWS[:1])
+        assert (await waiting).status_code == 504
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"]
+    assert response.json()["code"] == "overloaded"
+    assert response.json()["error"] == (
+        "step 'score' (narrow v1): function 'narrow' has too many invocations queued (max_queue_size); "
+        "retry later"
+    )
