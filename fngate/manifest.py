@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fngate.pipeline import REQUEST, STEP_REFERENCE, graph_problems
+
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
 
@@ -169,11 +171,6 @@ class VersionsSpec(_Frozen):
     """With policy specific: the version numbers."""
     traffic: dict[str, Annotated[int, Field(ge=0, le=100)]] = Field(default_factory=dict)
     """Weights by version, e.g. {1: 90, 2: 10}; they add up to 100."""
-
-
-STEP_REFERENCE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)\.(.+)$")
-"""`request.<input>` or `<step>.<output>`: what a pipeline step's input or a pipeline's output is."""
-REQUEST = "request"
 
 
 class StepSpec(_Frozen):
@@ -356,8 +353,6 @@ def parse_manifest(data: Any, source: str) -> FunctionManifest:
             source, [(_field_path(err["loc"]), _message(err)) for err in exc.errors()]
         ) from exc
     if manifest.pipeline is not None:
-        from fngate.pipeline import graph_problems  # the graph's module builds on this one
-
         problems = graph_problems(manifest)
         if problems:  # a pipeline whose steps do not make a graph is no manifest at all
             raise ManifestError(source, problems)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fngate.manifest import REQUEST, FunctionManifest, TensorSpec
-from fngate.pipeline import order
+from fngate.manifest import FunctionManifest, TensorSpec
+from fngate.pipeline import REQUEST, order
 
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": ""}
 """Triton's platform per backend; a Python backend model has none."""

@@ -14,15 +14,8 @@ from opentelemetry import trace
 from fngate import keys, queue, telemetry
 from fngate.errors import FunctionError, Unavailable
 from fngate.manifest import FunctionManifest
-from fngate.pipeline import (
-    Plan,
-    Problem,
-    StepContext,
-    carried_for,
-    edge_problems,
-    make_plan,
-    step_inputs,
-)
+from fngate.pipeline import Problem, edge_problems
+from fngate.plan import Plan, StepContext, carried_for, make_plan, step_inputs
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply, Tensors
 from gateway.cache import cache_key

@@ -18,7 +18,8 @@ from prometheus_client import Counter
 from fngate import keys, queue, telemetry
 from fngate.cache_key import cache_key
 from fngate.errors import FunctionError, Overloaded
-from fngate.pipeline import (
+from fngate.pipelined import PipelinedRedis, Script
+from fngate.plan import (
     StepContext,
     carried_for,
     decode_tensors,
@@ -26,7 +27,6 @@ from fngate.pipeline import (
     outputs_of,
     step_inputs,
 )
-from fngate.pipelined import PipelinedRedis, Script
 from fngate.wire import Invocation, Reply, Tensors
 
 Available = Mapping[str, np.ndarray[Any, Any]]

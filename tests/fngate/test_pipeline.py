@@ -14,18 +14,14 @@ import yaml
 
 from fngate.manifest import FunctionManifest, ManifestError, parse_manifest
 from fngate.pipeline import (
-    Plan,
-    StepContext,
-    carried_for,
     deploy_problems,
     edge_problems,
     find_cycle,
     graph_problems,
-    make_plan,
     order,
     shapes_agree,
-    step_inputs,
 )
+from fngate.plan import Plan, StepContext, carried_for, make_plan, step_inputs
 from fngate.repository import (
     ArtifactFile,
     FolderRepository,
