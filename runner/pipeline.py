@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from prometheus_client import Counter
 
 from fngate import keys, queue, telemetry
 from fngate.cache_key import cache_key
-from fngate.errors import FunctionError, Overloaded
+from fngate.errors import FunctionError, Internal, Overloaded
 from fngate.pipelined import PipelinedRedis, Script
 from fngate.plan import (
     StepContext,
@@ -29,6 +30,7 @@ from fngate.plan import (
 )
 from fngate.wire import Invocation, Reply, Tensors
 
+log = logging.getLogger(__name__)
 Available = Mapping[str, np.ndarray[Any, Any]]
 tracer = trace.get_tracer("fngate.runner")
 LIMITS = {"count": "max_queue_size", "bytes": "max_queue_bytes"}
@@ -63,12 +65,14 @@ class Steps:
         """Queue what follows each finished step, before its entry is acknowledged (at least once:
         a runner that dies here leaves the entry to be claimed and run again, and the gateway
         answers the first final reply only). Returns the pipelines' replies to send."""
-        contexts = [StepContext.decode(item.step) for item in finished]
-        for item, context in zip(finished, contexts, strict=True):
+        decoded = [(item, _context(item)) for item in finished]
+        broken = [item for item, context in decoded if context is None]
+        pairs = [(item, context) for item, context in decoded if context is not None]
+        for item, context in pairs:
             _trace(context, item.reply, int(item.entry_id.split(b"-", 1)[0]))
         stores = [
             self._store(context, item)
-            for item, context in zip(finished, contexts, strict=True)
+            for item, context in pairs
             if self._caching
             and context.step.cache_ttl_s
             and item.reply.error is None
@@ -77,12 +81,16 @@ class Steps:
         ]
         done = await asyncio.gather(
             *stores,
-            *(
-                self._finish_one(context, item.reply)
-                for item, context in zip(finished, contexts, strict=True)
-            ),
+            *(self._finish_one(context, item.reply) for item, context in pairs),
         )
-        return [outgoing for replies in done[len(stores) :] for outgoing in replies or ()]
+        answers = [outgoing for replies in done[len(stores) :] for outgoing in replies or ()]
+        for item in broken:  # its pipeline cannot go on: its gateway hears so at once
+            error = Internal(
+                f"function '{item.invocation.function}': a pipeline step's context does not decode"
+            )
+            reply = Reply(item.invocation.id, item.invocation.version, {}, error)
+            answers.append(queue.Outgoing(reply.encode(), item.invocation.reply_to))
+        return answers
 
     async def _finish_one(self, context: StepContext, reply: Reply) -> list[queue.Outgoing]:
         plan, step = context.plan, context.step
@@ -171,6 +179,19 @@ class Steps:
         for part in parts.values():
             merged.update(decode_tensors(part)[1])
         return merged
+
+
+def _context(item: Finished) -> StepContext | None:
+    try:
+        return StepContext.decode(item.step)
+    except (KeyError, ValueError, TypeError, IndexError, FunctionError) as exc:
+        log.error(
+            "%s: entry %s has a step context that does not decode (%s)",
+            item.invocation.function,
+            item.entry_id,
+            exc,
+        )
+        return None
 
 
 def _trace(context: StepContext, reply: Reply, queued_ms: int) -> None:
