@@ -5,8 +5,8 @@ their functions' streams, and the one reply (the last step's, or the first error
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-import uuid
 from collections.abc import Mapping
 
 from opentelemetry import trace
@@ -50,7 +50,7 @@ async def submit(
         entry = keys.cache_entry(
             manifest.name, cache_key(manifest.name, function.version, function.digest, inputs, outputs)
         )
-    invocation_id = uuid.uuid4().hex
+    invocation_id = os.urandom(16).hex()
     stream = dispatcher.reply_stream
     available = {f"request.{name}": array for name, array in inputs.items()}
     with tracer.start_as_current_span(
