@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from fngate import keys, queue
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
+from fngate.pipeline import deploy_problems
 from fngate.registry import ControlOp, Registry, send_control, set_unloaded
 from fngate.repository import (
     MANIFEST_FILE,
@@ -43,6 +44,8 @@ def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactF
     files.insert(
         0, (ArtifactFile(MANIFEST_FILE, hash_file(manifest_file), manifest_file.stat().st_size), path)
     )
+    if manifest.pipeline is not None:
+        return files[:1]  # a pipeline is its manifest alone
     if not any(item.path == manifest.model.path for item, _ in files):
         raise InvalidArgument(f"{manifest_file.parent / manifest.model.path} does not exist (model.path)")
     return files
@@ -89,6 +92,9 @@ async def publish(
         raise InvalidArgument(f"the manifest names '{manifest.name}', not '{name}'")
     files = deploy_files(path, manifest)
     problems = await asyncio.to_thread(policy_check, repository, manifest)
+    if manifest.pipeline is not None:  # its steps against the functions deployed now
+        records = await asyncio.to_thread(repository.scan)
+        problems += [f"{where}: {problem}" for where, problem in deploy_problems(manifest, records)]
     if problems:
         raise InvalidArgument("; ".join(problems))
     version = await asyncio.to_thread(repository.add_version, manifest, files, lambda count: None)
@@ -109,7 +115,9 @@ def describe(record: FunctionRecord) -> dict[str, Any]:
             {
                 "version": number,
                 "digest": version.digest,
-                "backend": version.manifest.model.backend,
+                "backend": version.manifest.model.backend
+                if version.manifest.pipeline is None
+                else "pipeline",
                 "files": [
                     {"path": item.path, "sha256": item.sha256, "size": item.size} for item in version.files
                 ],

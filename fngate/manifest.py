@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fngate.pipeline import REQUEST, STEP_REFERENCE, graph_problems
+
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
 
@@ -179,14 +181,99 @@ class VersionsSpec(_Frozen):
     """Weights by version, e.g. {1: 90, 2: 10}; they add up to 100."""
 
 
+class StepSpec(_Frozen):
+    """One step of a pipeline: a deployed function and where each of its inputs comes from."""
+
+    name: Annotated[str, Field(max_length=63)]
+    """The step's name (a DNS-1123 label), which later steps use in their references."""
+    function: str
+    """The function it calls: `mlp` follows that function's routing (canaries apply), `mlp@2` pins it."""
+    inputs: dict[str, str] = Field(min_length=1)
+    """The function's inputs by name, each `request.<input>` or `<step>.<output>`."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not DNS_LABEL.match(value):
+            raise ValueError(f"{value!r} is not a DNS-1123 label (lower-case letters, digits and '-')")
+        if value == REQUEST:
+            raise ValueError(f"'{REQUEST}' names the pipeline's own inputs; give the step another name")
+        return value
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, value: str) -> str:
+        name, _, version = value.partition("@")
+        if not DNS_LABEL.match(name) or (version and not re.match(r"^[1-9][0-9]{0,8}$", version)):
+            raise ValueError(f"{value!r} is not a function (`name`) or a pinned version (`name@2`)")
+        return value
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, reference in value.items():
+            if not STEP_REFERENCE.match(reference):
+                raise ValueError(f"input {name}: {reference!r} is not `request.<input>` or `<step>.<output>`")
+        return value
+
+    @property
+    def function_name(self) -> str:
+        return self.function.partition("@")[0]
+
+    @property
+    def pinned(self) -> str | None:
+        """The version named after '@', if any."""
+        return self.function.partition("@")[2] or None
+
+
+class PipelineSpec(_Frozen):
+    """Functions composed into one: each step is batched with that function's other invocations."""
+
+    steps: tuple[StepSpec, ...] = Field(min_length=1)
+    """The steps; their order does not matter (references make the graph, a DAG)."""
+    outputs: dict[str, str] = Field(min_length=1)
+    """The pipeline's outputs by name, each `<step>.<output>` (or `request.<input>`)."""
+
+    @field_validator("outputs")
+    @classmethod
+    def _outputs(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, reference in value.items():
+            if not STEP_REFERENCE.match(reference):
+                raise ValueError(f"{name}: {reference!r} is not `<step>.<output>` or `request.<input>`")
+        return value
+
+    @model_validator(mode="after")
+    def _steps(self) -> PipelineSpec:
+        names = [step.name for step in self.steps]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"steps: duplicate names {duplicates}")
+        return self
+
+
 class FunctionManifest(_Frozen):
-    """A function: its model, tensors, batching, cache, scaling and versions."""
+    """A function: its model (or the pipeline of functions it is), tensors, batching, cache, scaling
+    and versions."""
+
+    # `model` is stored as model_spec (pydantic's own names start with model_); YAML, JSON and the
+    # schema say `model`.
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
 
     name: Annotated[str, Field(max_length=63)]
     """The function's name: a DNS-1123 label (lower-case letters, digits, '-')."""
     description: str = ""
     """Free text."""
-    model: ModelSpec
+    model_spec: ModelSpec | None = Field(default=None, alias="model")
+    """The model and where it runs (a function has either `model` or `pipeline`)."""
+    pipeline: PipelineSpec | None = None
+    """Other functions composed into this one (a function has either `model` or `pipeline`)."""
     inputs: tuple[TensorSpec, ...] = Field(min_length=1)
     outputs: tuple[TensorSpec, ...] = Field(min_length=1)
     batching: BatchingSpec = BatchingSpec()
@@ -200,6 +287,16 @@ class FunctionManifest(_Frozen):
         if not DNS_LABEL.match(value):
             raise ValueError(f"{value!r} is not a DNS-1123 label (lower-case letters, digits and '-')")
         return value
+
+    @model_validator(mode="after")
+    def _model_or_pipeline(self) -> FunctionManifest:
+        if self.model_spec is None and self.pipeline is None:
+            raise ValueError(
+                "model (a function's model) or pipeline (steps calling other functions) is required"
+            )
+        if self.model_spec is not None and self.pipeline is not None:
+            raise ValueError("a function has either a model or a pipeline, not both")
+        return self
 
     @model_validator(mode="after")
     def _tensors(self) -> FunctionManifest:
@@ -218,12 +315,20 @@ class FunctionManifest(_Frozen):
         return self
 
     @property
+    def model(self) -> ModelSpec:
+        """The model of a function that has one; a pipeline has none (check `pipeline` first)."""
+        if self.model_spec is None:
+            raise AttributeError(f"function '{self.name}' is a pipeline: it has no model")
+        return self.model_spec
+
+    @property
     def batched(self) -> bool:
         return self.batching.max_batch_size > 0
 
     @property
     def execution_timeout_s(self) -> float:
-        return (self.model.execution_timeout_ms or self.batching.timeout_ms) / 1000
+        timeout_ms = self.model_spec.execution_timeout_ms if self.model_spec is not None else None
+        return (timeout_ms or self.batching.timeout_ms) / 1000
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)
@@ -250,11 +355,16 @@ def parse_manifest(data: Any, source: str) -> FunctionManifest:
     if not isinstance(data, dict):
         raise ManifestError(source, [("", "a manifest is a mapping of keys to values")])
     try:
-        return FunctionManifest.model_validate(data)
+        manifest = FunctionManifest.model_validate(data)
     except ValidationError as exc:
         raise ManifestError(
             source, [(_field_path(err["loc"]), _message(err)) for err in exc.errors()]
         ) from exc
+    if manifest.pipeline is not None:
+        problems = graph_problems(manifest)
+        if problems:  # a pipeline whose steps do not make a graph is no manifest at all
+            raise ManifestError(source, problems)
+    return manifest
 
 
 SCHEMA_ID = "https://fngate.dev/function.schema.json"
@@ -297,15 +407,18 @@ def _keys_at(loc: tuple[int | str, ...]) -> list[str]:
     for part in loc:
         if isinstance(part, int):
             continue
-        field = (
-            model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
-        )
-        if field is None:
+        fields = _fields_of(model)
+        if part not in fields:
             return []
-        model = _model_of(field.annotation)
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return list(model.model_fields)
-    return []
+        model = _model_of(fields[part].annotation)
+    return list(_fields_of(model))
+
+
+def _fields_of(model: Any) -> dict[str, Any]:
+    """A model's fields by the name YAML uses (the alias, where there is one)."""
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return {}
+    return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
 def _model_of(annotation: Any) -> Any:

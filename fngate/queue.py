@@ -17,6 +17,8 @@ BODY = b"b"
 """An entry's tensors, back to back (fngate.wire)."""
 FOR = b"for"
 """On a reply: the id of the invocation it answers when that is not the reply's own (a waiter)."""
+STEP = b"p"
+"""On an invocation entry that is a pipeline step: its context (fngate.pipeline.StepContext)."""
 AS, TO, BY = b"as", b"to", b"by"
 """On an invocation entry: a waiter promoted to run in place of an identical invocation that expired
 runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
@@ -100,6 +102,11 @@ if full then
     redis.call('ZREM', KEYS[8], ARGV[11])
   end
   return {'full', full}
+end
+if ARGV[13] then  -- a pipeline step (STEP)
+  redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4], 'p', ARGV[13])
+  redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4] + #ARGV[13])
+  return {'queued'}
 end
 redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
 redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
@@ -241,10 +248,12 @@ def enqueue_call(
     lookup: str = "",
     in_flight: str = "",
     admission: Admission | None = None,
+    step: bytes | None = None,
 ) -> ScriptCall:
     """ENQUEUE's arguments. `lookup`: the cache entry to answer from ('' for none); `in_flight`: the
     marker that makes identical invocations wait on this one ('' for no coalescing); `admission`:
-    the caller's limits, checked first in the same round trip (None: a caller without limits)."""
+    the caller's limits, checked first in the same round trip (None: a caller without limits);
+    `step`: a pipeline step's context (STEP), None for an invocation of its own."""
     admit = admission or NO_ADMISSION
     return ScriptCall(
         keys=[
@@ -263,6 +272,7 @@ def enqueue_call(
             waiter.encode(),
             max(ttl_ms, 1),
             *admit.args,
+            *((step,) if step is not None else ()),
         ],
     )
 
@@ -396,7 +406,7 @@ def finish_call(
 
 def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
     """What an entry counts against max_queue_bytes."""
-    return len(fields.get(HEADER, b"")) + len(fields.get(BODY, b""))
+    return len(fields.get(HEADER, b"")) + len(fields.get(BODY, b"")) + len(fields.get(STEP, b""))
 
 
 def answered_id(fields: Mapping[bytes, bytes], reply_id: str) -> str:
@@ -712,3 +722,86 @@ def level_entries(reply: Any, streams: Sequence[str]) -> list[tuple[int, bytes, 
             fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat is not None else None
             found.append((level, entry_id, fields))
     return found
+
+
+# Pipelines: a finished step's result goes to the next steps' streams instead of a gateway.
+
+# KEYS: the streams of the entries to add, then their byte counters (same order). ARGV: n, then n
+# groups of (max queue size, max queue bytes (0: no limit), header, body, step context). All or
+# nothing: {'queued'}, or {'full', index (0-based), 'count'|'bytes'} and nothing is added.
+FORWARD = """
+local n = tonumber(ARGV[1])
+for i = 0, n - 1 do
+  local at = 2 + i * 5
+  if redis.call('XLEN', KEYS[i + 1]) >= tonumber(ARGV[at]) then return {'full', i, 'count'} end
+  local limit = tonumber(ARGV[at + 1])
+  if limit > 0 and tonumber(redis.call('GET', KEYS[n + i + 1]) or '0') >= limit then
+    return {'full', i, 'bytes'}
+  end
+end
+for i = 0, n - 1 do
+  local at = 2 + i * 5
+  redis.call('XADD', KEYS[i + 1], '*', 'h', ARGV[at + 2], 'b', ARGV[at + 3], 'p', ARGV[at + 4])
+  redis.call('INCRBY', KEYS[n + i + 1], #ARGV[at + 2] + #ARGV[at + 3] + #ARGV[at + 4])
+end
+return {'queued'}
+"""
+
+# KEYS[1]: a join of one pipeline invocation (joins()). ARGV: this predecessor's name, what it
+# contributes, how many predecessors the join has, the TTL in ms (to the deadline). Returns every
+# contribution once the last one arrives (and forgets them), else nothing.
+JOIN = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then
+  local all = redis.call('HGETALL', KEYS[1])
+  redis.call('DEL', KEYS[1])
+  return all
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {}
+"""
+
+
+def joins(invocation_id: str, node: int) -> str:
+    """Where the predecessors of a pipeline step (or of its outputs) leave their results."""
+    return f"fngate:j:{invocation_id}:{node}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forward:
+    """One entry FORWARD adds: a pipeline step's invocation and its context."""
+
+    stream: str
+    fields: Mapping[bytes, bytes]
+    step: bytes
+    max_queue_size: int
+    max_queue_bytes: int
+
+
+def forward_call(entries: Sequence[Forward]) -> ScriptCall:
+    args: list[bytes | str | int | float] = [len(entries)]
+    for item in entries:
+        args += [item.max_queue_size, item.max_queue_bytes, item.fields[HEADER], item.fields[BODY], item.step]
+    return ScriptCall(
+        keys=[*(item.stream for item in entries), *(queue_bytes(item.stream) for item in entries)], args=args
+    )
+
+
+def parse_forward(raw: Sequence[Any]) -> tuple[int, str] | None:
+    """None when queued, else (index of the entry refused, 'count' or 'bytes')."""
+    if raw[0] == b"queued":
+        return None
+    return int(raw[1]), raw[2].decode()
+
+
+def join_call(
+    invocation_id: str, node: int, source: str, contribution: bytes, count: int, ttl_ms: int
+) -> ScriptCall:
+    return ScriptCall(keys=[joins(invocation_id, node)], args=[source, contribution, count, max(ttl_ms, 1)])
+
+
+def parse_join(raw: Sequence[Any]) -> dict[str, bytes] | None:
+    """Every contribution by predecessor once complete, else None."""
+    if not raw:
+        return None
+    return {raw[index].decode(): raw[index + 1] for index in range(0, len(raw), 2)}

@@ -211,7 +211,7 @@ def decode_version(doc: Any, directory: Path, source: str) -> FunctionVersion:
         if not SHA256.match(sha256) or not isinstance(size, int) or size < 0:
             raise ValueError(f"{source}: a file entry needs a sha256 and a size: {item}")
         files.append(ArtifactFile(safe_path(str(item.get("path", ""))), sha256, size))
-    if not any(item.path == manifest.model.path for item in files):
+    if manifest.model_spec is not None and not any(item.path == manifest.model.path for item in files):
         raise ValueError(f"{source}: the model file {manifest.model.path!r} is not among its files")
     return FunctionVersion(manifest, version, directory, digest_of(files), tuple(files))
 

@@ -6,44 +6,19 @@ round trip); see gateway.dispatch.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 
-import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate.tensors import datatype_of, to_bytes
-from fngate.wire import Fields, Tensors
+from fngate.cache_key import cache_key
+from fngate.wire import Fields
 from gateway.metrics import CACHE_FAILURES
 
+__all__ = ["CacheHealth", "SeparateCache", "cache_key"]  # cache_key lives in fngate: runners use it too
 log = logging.getLogger(__name__)
 COMPLAIN_EVERY_S = 30.0
-
-
-def cache_key(
-    function: str, version: str, digest: str, inputs: Tensors, outputs: tuple[str, ...] | None
-) -> str:
-    """BLAKE2b-256 over everything that decides the answer: function, version, the version's
-    artifact digest, each input (sorted by name) with its datatype, shape and bytes, and the
-    requested outputs. Fields are length-prefixed, so no two different requests share a preimage."""
-    digest_of = hashlib.blake2b(digest_size=32, person=b"fngate-cache-v1")
-
-    def part(data: bytes) -> None:
-        digest_of.update(len(data).to_bytes(8, "little"))
-        digest_of.update(data)
-
-    for text in (function, version, digest):
-        part(text.encode())
-    for name in sorted(inputs):
-        array = inputs[name]
-        part(name.encode())
-        part(datatype_of(array).encode())
-        part(np.asarray(array.shape, dtype="<i8").tobytes())
-        part(to_bytes(array))
-    part(b"\x00".join(name.encode() for name in sorted(outputs)) if outputs is not None else b"\xff*")
-    return digest_of.hexdigest()
 
 
 class CacheHealth:

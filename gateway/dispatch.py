@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -136,6 +137,52 @@ class Dispatcher:
             raise reply.error
         return reply
 
+    # Pipelines (gateway.pipelines): the first steps' entries for one invocation, one reply.
+
+    @property
+    def reply_stream(self) -> str:
+        return self._replies.stream
+
+    async def submit_steps(
+        self, invocation_id: str, calls: Sequence[Step], pools: Iterable[str], timeout_ms: int, name: str
+    ) -> Reply:
+        """Queue a pipeline's first steps (the first call may look up the cache and check the
+        caller's limits), wake the pools of all its steps, and await the reply that answers
+        `invocation_id`; raises as `submit` does."""
+        if not self._replies.healthy or (self._health is not None and not self._health.available):
+            raise Unavailable("the queue is unavailable: Redis cannot be reached")
+        activator, woken = self._activator, tuple(pools)
+        if activator is not None:
+            for pool in woken:
+                activator.check(pool)
+        future = self._replies.expect(invocation_id)
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                first, *rest = calls
+                outcomes = [await self._submit(first.call, first.function)]
+                if not isinstance(outcomes[0], queue.Hit | queue.Limited):
+                    outcomes += await asyncio.gather(
+                        *(self._submit(step.call, step.function) for step in rest)
+                    )
+                for step, outcome in zip(calls, outcomes, strict=False):
+                    if isinstance(outcome, queue.Hit):
+                        return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
+                    if isinstance(outcome, queue.Full):
+                        raise Overloaded(_full_message(step.function, outcome, step.batching))
+                    if isinstance(outcome, queue.Limited):
+                        raise Refused(outcome)
+                if activator is not None:
+                    for pool in woken:
+                        await activator.wake(pool)
+                reply = await future
+        except TimeoutError:
+            raise DeadlineExceeded(f"pipeline '{name}' did not answer within {timeout_ms} ms") from None
+        finally:
+            self._replies.forget(invocation_id)
+        if reply.error is not None:
+            raise reply.error
+        return reply
+
     async def _submit(self, call: queue.ScriptCall, name: str) -> queue.EnqueueOutcome:
         try:
             if not self._tracing:
@@ -144,6 +191,16 @@ class Dispatcher:
                 return queue.parse_enqueue(await self._enqueue(call.keys, call.args))
         except (RedisError, OSError) as exc:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One pipeline step's ENQUEUE, for Dispatcher.submit_steps."""
+
+    function: str
+    call: queue.ScriptCall
+    batching: Any
+    """The function's BatchingSpec, for the message when its queue is full."""
 
 
 def _full_message(name: str, outcome: queue.Full, batching: Any) -> str:

@@ -18,7 +18,7 @@ from fngate.repository import FunctionVersion
 from fngate.statistics import model_stats
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
-from gateway.model_config import PLATFORMS, model_config
+from gateway.model_config import backend_of, model_config, platform_of
 from gateway.rendering import json_response
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -78,7 +78,7 @@ async def model_metadata(request: Request) -> Response:
         {
             "name": manifest.name,
             "versions": versions,
-            "platform": PLATFORMS[manifest.model.backend] or "python",
+            "platform": platform_of(manifest),
             "inputs": [_tensor_metadata(spec) for spec in manifest.inputs],
             "outputs": [_tensor_metadata(spec) for spec in manifest.outputs],
         }
@@ -143,7 +143,7 @@ async def list_functions(request: Request) -> Response:
     return json_response(
         {
             "functions": [
-                {"name": name, "version": entry.version, "backend": entry.manifest.model.backend}
+                {"name": name, "version": entry.version, "backend": backend_of(entry.manifest)}
                 for name, entry in sorted(catalog.functions.items())
             ]
         }

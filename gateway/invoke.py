@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fngate.errors import ErrorCode, FunctionError, Internal
 from fngate.repository import FunctionVersion
+from gateway import pipelines
 from gateway.auth import OPEN
 from gateway.dispatch import Refused
 from gateway.endpoints import Services
@@ -159,7 +160,7 @@ class InvokeRoutes:
         admission = scope.get(ADMISSION)
         if admission is not None:
             scope[ADMITTED] = True  # from here it may hold a place in its key's limits
-        if _prefers_async(scope["headers"]):
+        if _prefers_async(scope["headers"]) and manifest.pipeline is None:
             accepted = await scope["state"]["invocations"].submit(
                 function,
                 parsed,
@@ -171,9 +172,26 @@ class InvokeRoutes:
                 _use_cache(parsed, call),
             )
             return accepted_response(accepted)
-        reply = await services.dispatcher.submit(
-            function, parsed.inputs, parsed.outputs, parsed.timeout_ms, _use_cache(parsed, call), admission
-        )
+        if manifest.pipeline is not None:  # steps on other functions' streams (gateway.pipelines)
+            reply = await pipelines.submit(
+                services.catalog,
+                services.dispatcher,
+                function,
+                parsed.inputs,
+                parsed.outputs,
+                parsed.timeout_ms,
+                _use_cache(parsed, call),
+                admission,
+            )
+        else:
+            reply = await services.dispatcher.submit(
+                function,
+                parsed.inputs,
+                parsed.outputs,
+                parsed.timeout_ms,
+                _use_cache(parsed, call),
+                admission,
+            )
         labels = (call.name, reply.version)
         success = self._successes.get(labels)
         if success is None:

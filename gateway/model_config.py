@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fngate.manifest import FunctionManifest, TensorSpec
+from fngate.pipeline import REQUEST, order
 
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": ""}
 """Triton's platform per backend; a Python backend model has none."""
@@ -16,8 +17,21 @@ def data_type(datatype: str) -> str:
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
+def platform_of(manifest: FunctionManifest) -> str:
+    """What model metadata reports: Triton's platform, "python", or "ensemble" for a pipeline."""
+    if manifest.pipeline is not None:
+        return "ensemble"
+    return PLATFORMS[manifest.model.backend] or "python"
+
+
+def backend_of(manifest: FunctionManifest) -> str:
+    return manifest.model.backend if manifest.pipeline is None else "pipeline"
+
+
 def model_config(manifest: FunctionManifest) -> dict[str, Any]:
     """The configuration of one version. With batching on, dims leave out the batch dimension."""
+    if manifest.pipeline is not None:
+        return ensemble_config(manifest)
     batching = manifest.batching
     accelerator = manifest.model.accelerator
     on_gpu = accelerator != "cpu" or manifest.model.backend == "tensorrt"
@@ -81,3 +95,45 @@ def _version_policy(manifest: FunctionManifest) -> dict[str, Any]:
     if versions.policy == "specific":
         return {"specific": {"versions": [int(version) for version in versions.specific]}}
     return {"latest": {"num_versions": versions.latest}}
+
+
+def ensemble_config(manifest: FunctionManifest) -> dict[str, Any]:
+    """A pipeline as Triton describes an ensemble: its own inputs and outputs, and the steps in the
+    order they run, each mapping its function's tensors to the ensemble's (`input_map`: the
+    function's input -> the ensemble tensor it reads; `output_map`: its output -> the tensor it
+    makes). Tensors between steps are named `<step>.<output>`; a pinned step names its version."""
+    spec = manifest.pipeline
+    assert spec is not None
+    named = {reference: name for name, reference in reversed(spec.outputs.items())}
+
+    def tensor(reference: str) -> str:
+        source, _, name = reference.partition(".")
+        return name if source == REQUEST else named.get(reference, reference)
+
+    read = {reference for step in spec.steps for reference in step.inputs.values()} | set(
+        spec.outputs.values()
+    )
+    steps = []
+    for index in order(spec):
+        step = spec.steps[index]
+        outputs = sorted(
+            {reference.partition(".")[2] for reference in read if reference.partition(".")[0] == step.name}
+        )
+        steps.append(
+            {
+                "model_name": step.function_name,
+                "model_version": int(step.pinned) if step.pinned else -1,
+                "input_map": {name: tensor(reference) for name, reference in step.inputs.items()},
+                "output_map": {name: tensor(f"{step.name}.{name}") for name in outputs},
+            }
+        )
+    return {
+        "name": manifest.name,
+        "platform": "ensemble",
+        "version_policy": _version_policy(manifest),
+        "max_batch_size": manifest.batching.max_batch_size,
+        "input": [_tensor(item, manifest.batched) for item in manifest.inputs],
+        "output": [_tensor(item, manifest.batched) for item in manifest.outputs],
+        "ensemble_scheduling": {"step": steps},
+        "response_cache": {"enable": manifest.cache.enabled},
+    }

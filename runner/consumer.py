@@ -226,7 +226,8 @@ class FunctionConsumer:
                 )
                 broken.append((entry_id, fields))
                 continue
-            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone, level))
+            step = fields.get(queue.STEP, b"")  # a pipeline step (runner.pipeline)
+            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone, level, step))
         if broken:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for _entry_id, fields in broken:
@@ -499,7 +500,13 @@ class FunctionConsumer:
                 pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"max_deliveries"})
             await pipe.execute()
         dead = [
-            Entry(entry_id, Invocation.decode(fields), queue.entry_bytes(fields), level=level)
+            Entry(
+                entry_id,
+                Invocation.decode(fields),
+                queue.entry_bytes(fields),
+                level=level,
+                step=fields.get(queue.STEP, b""),
+            )
             for entry_id, fields in entries
         ]
         error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")

@@ -95,7 +95,7 @@ class Lifecycle:
     def _consume(self, record: FunctionRecord) -> None:
         """A consume loop per function; its `function` (batching policy) is the newest served version."""
         default = record.default
-        if default is None:
+        if default is None or default.manifest.pipeline is not None:  # its steps use their functions' streams
             return
         entry = self.consumers.get(record.name)
         if entry is None:

@@ -17,6 +17,7 @@ from fngate.errors import DeadlineExceeded
 from fngate.pipelined import PipelinedRedis, Script
 from fngate.wire import Fields, Invocation, Reply
 from runner.metrics import CACHE_STORE_FAILURES
+from runner.pipeline import Finished, Steps
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class Entry:
     """Redelivered: runs in a batch of its own (runner.batching.Waiting)."""
     level: int = 0
     """The priority level whose stream it came from (fngate.keys.levels)."""
+    step: bytes = b""
+    """A pipeline step's context (fngate.queue.STEP); b"" for an invocation of its own."""
 
 
 class Outbox:
@@ -42,6 +45,7 @@ class Outbox:
         self._finish = Script(redis, queue.FINISH)
         separate = settings.cache_url and settings.cache_url != settings.redis_url
         self._cache = aioredis.from_url(settings.cache_url, socket_timeout=1) if separate else None
+        self._steps = Steps(redis, caching=self._cache is None)  # pipeline steps (runner.pipeline)
 
     async def aclose(self) -> None:
         if self._cache is not None:
@@ -57,9 +61,18 @@ class Outbox:
         """Write every reply, store cacheable answers, answer invocations that waited on these, and
         acknowledge (and delete) the entries, in one round trip. Shielded: once a batch ran, its
         replies go out even if this task is being cancelled."""
-        outgoing = []
+        outgoing: list[queue.Outgoing] = []
         separate: list[tuple[str, Fields, int]] = []
+        steps = [
+            Finished(entry.id, entry.step, entry.invocation, reply)
+            for entry, reply in zip(entries, replies, strict=True)
+            if entry.step
+        ]
+        if steps:  # the next steps are queued before these entries are acknowledged
+            outgoing += await asyncio.shield(self._steps.finish(steps, ran_digest))
         for entry, reply in zip(entries, replies, strict=True):
+            if entry.step:
+                continue
             invocation = entry.invocation
             fields = reply.encode()
             # Only an answer of the very files the gateway keyed on may be cached: during a

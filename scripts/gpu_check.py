@@ -615,7 +615,7 @@ def native_backend(work: Path, result: dict[str, Any]) -> Any:
     build_plan(manifest, folder / "model.onnx", folder / "model.plan", fp16=True)
     result["build_s"] = round(time.perf_counter() - started, 3)
     native = manifest.model_copy(
-        update={"model": manifest.model.model_copy(update={"backend": "tensorrt", "path": "model.plan"})}
+        update={"model_spec": manifest.model.model_copy(update={"backend": "tensorrt", "path": "model.plan"})}
     )
     return TensorRTBackend(native, folder)
 

@@ -239,8 +239,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def _add_repository_commands(commands: Any) -> None:
     """deploy, ls, rm: a function's versions in a repository (a folder or S3)."""
-    deploy = commands.add_parser("deploy", help="upload a function as its next version to a repository")
-    deploy.add_argument("file", type=Path, metavar="FILE", help="the function's manifest (function.yaml)")
+    deploy = commands.add_parser("deploy", help="upload functions as their next versions to a repository")
+    deploy.add_argument(
+        "files",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="manifests (function.yaml); pipelines go last, and their steps may call functions given here",
+    )
     _repository_flags(deploy)
     deploy.add_argument(
         "--gateway",
@@ -329,13 +335,12 @@ def _repository_command(args: argparse.Namespace) -> int:
             raise UsageError(f"repository folder {url} does not exist")
         repository = open_repository(url)
     if args.command == "deploy":
-        if not args.file.is_file():
-            raise UsageError(
-                f"{args.file} does not exist" if not args.file.exists() else f"{args.file} is not a file"
-            )
+        for file in args.files:
+            if not file.is_file():
+                raise UsageError(f"{file} does not exist" if not file.exists() else f"{file} is not a file")
         gateway = _deploy_gateway(args.gateway, url)
-        return deploy.deploy(
-            args.file, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it
+        return deploy.deploy_all(
+            args.files, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it
         )
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
@@ -482,7 +487,20 @@ def _deploy_through(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return deploy.deploy_through(args.file, args.gateway, api_key, sys.stdout, sys.stderr)
+    for file in sorted(args.files, key=_is_pipeline):  # functions first: a pipeline's steps must exist
+        code = deploy.deploy_through(file, args.gateway, api_key, sys.stdout, sys.stderr)
+        if code:
+            return code
+    return 0
+
+
+def _is_pipeline(path: Path) -> bool:
+    from fngate.manifest import ManifestError, load_manifest
+
+    try:
+        return load_manifest(path).pipeline is not None
+    except ManifestError:
+        return False  # deploy_through reports it
 
 
 def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:

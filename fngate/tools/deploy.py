@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from fngate.deployment import deploy_files, policy_check, withdraw
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
+from fngate.pipeline import deploy_problems, order
 from fngate.registry import (
     ControlOp,
     Registry,
@@ -35,6 +36,7 @@ from fngate.repository import (
     FunctionVersion,
     Repository,
     is_remote,
+    make_record,
 )
 
 LARGE_BYTES = 8 * 1024 * 1024
@@ -100,7 +102,7 @@ def deploy(
     remote = is_remote(repository.url)
     try:
         files = deploy_files(path, manifest)
-        problems = policy_check(repository, manifest)
+        problems = policy_check(repository, manifest) + pipeline_check(repository, manifest)
         if problems:
             for problem in problems:
                 print(f"{path}: {problem}", file=err)
@@ -143,6 +145,57 @@ def deploy(
             )
             return 1
     _print_deployed(version, record, repository.url, gateway, out)
+    return 0
+
+
+def pipeline_check(
+    repository: Repository, manifest: FunctionManifest, upcoming: Sequence[FunctionManifest] = ()
+) -> list[str]:
+    """A pipeline's graph, and its steps against the functions deployed now (each must exist) or
+    about to be, as the next version of their function (`upcoming`: deployed in the same command)."""
+    if manifest.pipeline is None:
+        return []
+    records = repository.scan()
+    for other in upcoming:
+        stored = list(records[other.name].versions.values()) if other.name in records else []
+        records[other.name] = make_record(
+            [*stored, FunctionVersion(other, repository.next_version(other.name), Path())]
+        )
+    return [f"{where}: {problem}" for where, problem in deploy_problems(manifest, records)]
+
+
+def deploy_all(
+    paths: Sequence[Path],
+    repository: Repository,
+    redis_url: str,
+    gateway: str | None,
+    out: TextIO,
+    err: TextIO,
+    record_it: bool = True,
+) -> int:
+    """`fngate deploy FILE...`: functions first, then pipelines, whose steps may call functions of
+    the same command. Every manifest and every pipeline is checked before anything is uploaded."""
+    manifests: dict[Path, FunctionManifest] = {}
+    failed = False
+    for path in paths:
+        try:
+            manifests[path] = load_manifest(path)
+        except ManifestError as exc:
+            failed = True
+            for line in exc.lines():
+                print(line, file=err)
+    functions = [manifest for manifest in manifests.values() if manifest.pipeline is None]
+    for path, manifest in manifests.items():
+        for problem in pipeline_check(repository, manifest, functions):
+            failed = True
+            print(f"{path}: {problem}", file=err)
+    if failed:
+        print("fngate deploy: nothing was uploaded", file=err)
+        return 2
+    for path in sorted(paths, key=lambda path: manifests[path].pipeline is not None):
+        code = deploy(path, repository, redis_url, gateway, out, err, record_it)
+        if code:
+            return code
     return 0
 
 
@@ -300,12 +353,30 @@ def list_functions(repository: Repository, redis_url: str, sync: bool, out: Text
                 )
             )
     _print_table(rows, out)
+    pipelines = _pipeline_rows(records)
+    if len(pipelines) > 1:
+        print(file=out)
+        _print_table(pipelines, out)
     if runners:
         print(file=out)
         _print_table(_runner_rows(runners), out)
     for line in drift:
         print(f"fngate ls: {line}", file=err)
     return 0
+
+
+def _pipeline_rows(records: dict[str, FunctionRecord]) -> list[tuple[str, ...]]:
+    """Each served version of a pipeline with its steps, in the order they run."""
+    rows: list[tuple[str, ...]] = [("PIPELINE", "VERSION", "STEPS")]
+    for name, record in sorted(records.items()):
+        for number in record.served:
+            spec = record.versions[number].manifest.pipeline
+            if spec is not None:
+                steps = " -> ".join(
+                    f"{spec.steps[index].name} ({spec.steps[index].function})" for index in order(spec)
+                )
+                rows.append((name, number, steps))
+    return rows
 
 
 def _runner_rows(runners: list[Any]) -> list[tuple[str, ...]]:

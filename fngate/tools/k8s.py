@@ -137,7 +137,8 @@ class Pool:
 
 
 def needs_gpu(manifest: FunctionManifest) -> bool:
-    return manifest.model.backend == "tensorrt" or manifest.model.accelerator in ("cuda", "tensorrt")
+    model = manifest.model_spec  # None for a pipeline: its steps run in their own pools
+    return model is not None and (model.backend == "tensorrt" or model.accelerator in ("cuda", "tensorrt"))
 
 
 def pools(manifests: Sequence[FunctionManifest], deployed: Sequence[str]) -> list[Pool]:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fngate.manifest import FunctionManifest, ManifestError, TensorSpec, load_manifest
+from fngate.pipeline import Problem, edge_problems
+from fngate.repository import MANIFEST_FILE
 
 # onnx.TensorProto element types by number (the protocol buffer's stable enum values).
 ONNX_DATATYPES = {
@@ -41,7 +43,12 @@ def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
                 print(line, file=err)
         else:
             manifest = load_manifest(path)
-            print(f"{path}: ok ({manifest.name}, {manifest.model.backend})", file=out)
+            kind = (
+                manifest.model.backend
+                if manifest.pipeline is None
+                else f"pipeline of {len(manifest.pipeline.steps)} steps"
+            )
+            print(f"{path}: ok ({manifest.name}, {kind})", file=out)
     for note in sorted(notes):
         print(f"fngate validate: note: {note}", file=err)
     return 2 if failed else 0
@@ -54,6 +61,9 @@ def check(path: Path) -> tuple[list[str], str]:
     except ManifestError as exc:
         return list(exc.lines()), ""
     problems = [f"{path}: {problem}" for problem in policy_problems(manifest)]
+    if manifest.pipeline is not None:
+        graph, note = pipeline_problems(path, manifest)
+        return problems + [f"{path}: {where}: {problem}" for where, problem in graph], note
     model = path.parent / manifest.model.path
     if not model.is_file():
         problems.append(f"{path}: model.path: {model} does not exist")
@@ -67,6 +77,31 @@ def check(path: Path) -> tuple[list[str], str]:
             found = []
         problems += [f"{path}: {problem}" for problem in found]
     return problems, note
+
+
+def pipeline_problems(path: Path, manifest: FunctionManifest) -> tuple[list[Problem], str]:
+    """The pipeline's graph, and each step against the function it calls when that function's
+    manifest is in a folder beside the pipeline's (as in functions/); a note names those not found."""
+    if manifest.pipeline is None:  # (its graph was checked when it was read)
+        return [], ""
+    beside: dict[str, FunctionManifest] = {}
+    for candidate in sorted(path.resolve().parent.parent.glob(f"*/{MANIFEST_FILE}")):
+        try:
+            found = load_manifest(candidate)
+        except ManifestError:
+            continue
+        beside.setdefault(found.name, found)
+    functions = {step.name: beside.get(step.function_name) for step in manifest.pipeline.steps}
+    missing = sorted({step.function_name for step in manifest.pipeline.steps if functions[step.name] is None})
+    checked = {name: function for name, function in functions.items() if function is not None}
+    edges = [item for item in edge_problems(manifest, checked) if not item[1].endswith("is not deployed")]
+    note = ""
+    if missing:
+        note = (
+            f"{path}: functions {', '.join(missing)} are not in folders beside it, so their steps were "
+            "not checked (deploy checks them against the repository)"
+        )
+    return edges, note
 
 
 def policy_problems(manifest: FunctionManifest) -> list[str]:
