@@ -1,6 +1,6 @@
-"""Asynchronous invocations: submit (`Prefer: respond-async` on the invocation routes), then
-GET /v1/invocations/{id} (`?wait=` long-polls) and DELETE it before it starts. The result lives in
-Redis (fngate.queue, asynchronous section), so any gateway answers for any other."""
+"""Asynchronous invocations of functions and pipelines: submit (`Prefer: respond-async` on the
+invocation routes), then GET /v1/invocations/{id} (`?wait=` long-polls) and DELETE it before it
+starts. The result lives in Redis (fngate.queue, asynchronous section), so any gateway answers."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class Submission:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Queued:
+class Entries:
     """What a submission queues: its entries (a function's own, or a pipeline's first steps), what
     each is in an error's words, and the runner pools to wake (every step's, for a pipeline)."""
 
@@ -207,7 +207,7 @@ class AsyncInvocations:
             own = queue.Forward(
                 stream, invocation.encode(), b"", batching.max_async_queue_size, batching.max_queue_bytes
             )
-            queued = Queued([own], [f"function '{manifest.name}'"], [manifest.scaling.pool])
+            queued = Entries([own], [f"function '{manifest.name}'"], [manifest.scaling.pool])
         if self._activator is not None:
             for pool in queued.pools:
                 self._activator.check(pool)
@@ -246,7 +246,7 @@ class AsyncInvocations:
         record: Submission,
         traceparent: str | None,
         cache_entry: str,
-    ) -> Queued:
+    ) -> Entries:
         """A pipeline's first steps at level keys.ASYNC, replying to its result stream (the last
         step's answer, or the first error naming its step, kept result_ttl_s; its callback told).
         Every step's version is drawn now, as for a synchronous invocation."""
@@ -268,14 +268,14 @@ class AsyncInvocations:
             queue.callback_marker(result) if record.callback_url else "",
         )
         steps = first_steps(context, parsed.inputs)
-        return Queued(
+        return Entries(
             [step_entry(step_context, inputs) for step_context, inputs in steps],
             [_step_name(step_context.step) for step_context, _ in steps],
             sorted({item.manifest.scaling.pool for item in resolved.values()}),
         )
 
     async def _accepted(
-        self, outcome: queue.SubmitOutcome, invocation_id: str, idempotency: str, queued: Queued
+        self, outcome: queue.SubmitOutcome, invocation_id: str, idempotency: str, queued: Entries
     ) -> Accepted:
         if isinstance(outcome, queue.Done):
             return Accepted(invocation_id, done=True)
