@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import orjson
 
+from fngate import keys, queue
 from fngate.manifest import FunctionManifest
 from fngate.pipeline import Reference, order
 from fngate.tensors import datatype_of, from_bytes, to_bytes
+from fngate.wire import Invocation
 
 Tensors = dict[str, np.ndarray[Any, Any]]
 
@@ -31,6 +33,13 @@ class PlanStep:
     cache_ttl_s: int = 0
     """The function's cache TTL when its cache is on, else 0: the step's answer is looked up and
     stored under the key a direct call of the function uses."""
+    max_async_queue_size: int = 10000
+    """The limit of the function's asynchronous level (keys.ASYNC), where an asynchronous
+    pipeline's steps wait."""
+
+    def queue_limit(self, level: int) -> int:
+        """The most entries its function's stream of `level` may hold."""
+        return self.max_queue_size if level == keys.SYNC else self.max_async_queue_size
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,6 +114,7 @@ class Plan:
                     step.max_queue_size,
                     step.max_queue_bytes,
                     step.cache_ttl_s,
+                    step.max_async_queue_size,
                 ]
                 for step in self.steps
             ],
@@ -152,6 +162,7 @@ def make_plan(
                 function.batching.max_queue_size,
                 function.batching.max_queue_bytes,
                 function.cache.ttl_s if function.cache.enabled else 0,
+                function.batching.max_async_queue_size,
             )
         )
     return Plan(manifest.name, version, tuple(steps), dict(spec.outputs))
@@ -174,6 +185,13 @@ class StepContext:
     cache_key: str = ""
     """Where the pipeline's answer is cached ('' for nowhere), for cache_ttl_s."""
     cache_ttl_s: int = 0
+    level: int = keys.SYNC
+    """The priority level its steps wait at: keys.ASYNC for an asynchronous invocation."""
+    result_ttl_s: int = 0
+    """How long the reply stream is kept once answered (an asynchronous result); 0 leaves it be."""
+    callback: str = ""
+    """The in-flight marker whose waiter is the callbacks stream (fngate.queue.callback_marker),
+    '' for an invocation without a callback URL."""
 
     @property
     def step(self) -> PlanStep:
@@ -189,6 +207,9 @@ class StepContext:
             "tp": self.traceparent,
             "ck": self.cache_key,
             "cttl": self.cache_ttl_s,
+            "lv": self.level,
+            "rttl": self.result_ttl_s,
+            "cb": self.callback,
         }
         return encode_tensors(header, self.carried)
 
@@ -205,6 +226,9 @@ class StepContext:
             header.get("tp"),
             header.get("ck", ""),
             header.get("cttl", 0),
+            header.get("lv", keys.SYNC),
+            header.get("rttl", 0),
+            header.get("cb", ""),
         )
 
 
@@ -247,3 +271,48 @@ def carried_for(plan: Plan, node: int, available: Mapping[str, np.ndarray[Any, A
 def outputs_of(step: str, outputs: Mapping[str, np.ndarray[Any, Any]]) -> Tensors:
     """A finished step's outputs under their references."""
     return {f"{step}.{name}": array for name, array in outputs.items()}
+
+
+def first_steps(
+    context: StepContext, inputs: Mapping[str, np.ndarray[Any, Any]]
+) -> list[tuple[StepContext, Tensors]]:
+    """The steps that read only the request (`inputs`), each as its context (`context` with the
+    step's node and the tensors its successors read) and its own inputs."""
+    plan = context.plan
+    available = {f"request.{name}": array for name, array in inputs.items()}
+    return [
+        (
+            dataclasses.replace(context, node=node, carried=carried_for(plan, node, available)),
+            step_inputs(plan, node, available),
+        )
+        for node in plan.first()
+    ]
+
+
+def step_invocation(context: StepContext, inputs: Tensors) -> Invocation:
+    """The invocation of the step `context` is at, with its inputs. It carries the pipeline's id
+    and reply stream: any reply a step gets outside its pipeline still answers the pipeline."""
+    step = context.step
+    return Invocation(
+        id=context.invocation_id,
+        function=step.function,
+        version=step.version,
+        reply_to=context.reply_to,
+        deadline_ms=context.deadline_ms,
+        inputs=inputs,
+        traceparent=context.traceparent,
+        digest=step.digest,
+    )
+
+
+def step_entry(context: StepContext, inputs: Tensors) -> queue.Forward:
+    """The queue entry of the step `context` is at: on its function's stream of the pipeline's
+    priority level (an asynchronous pipeline's steps wait behind synchronous invocations)."""
+    step = context.step
+    return queue.Forward(
+        keys.invocations(step.function, context.level),
+        step_invocation(context, inputs).encode(),
+        context.encode(),
+        step.queue_limit(context.level),
+        step.max_queue_bytes,
+    )

@@ -297,6 +297,8 @@ class Hit:
 class Full:
     limit: str
     """'count' (max_queue_size) or 'bytes' (max_queue_bytes)."""
+    index: int = 0
+    """Which of the entries was refused (an asynchronous pipeline's first steps, in order)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -319,7 +321,7 @@ def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
     if kind == b"hit":
         return Hit({HEADER: raw[1], BODY: raw[2] or b""})
     if kind == b"full":
-        return Full(raw[1].decode())
+        return Full(raw[1].decode(), int(raw[2]) if len(raw) > 2 else 0)
     if kind == b"limited":
         return Limited(raw[1].decode(), int(raw[2]))
     raise ValueError(f"unknown enqueue outcome {kind!r}")
@@ -439,6 +441,12 @@ QUEUED, CANCELLED = b"queued", b"cancelled"
 # The result stream is named by the invocation id at its end (keys.result), so the first one's
 # name follows. A cached answer is the result at once ('hit'): nothing is queued, and a callback
 # gets it as from FINISH.
+# An asynchronous pipeline (fngate.plan) queues its first steps: ARGV[19] is the first entry's step
+# context (STEP; '' or absent for a function's own invocation), and each further first step adds
+# its stream and byte counter to KEYS after the ninth (all streams, then all counters) and a group
+# of FORWARD's five arguments to ARGV after the nineteenth. All are queued or none ({'full', limit,
+# index of the entry refused}); the result stream's first entry names them all, space-separated
+# (`q`, `e`), for READ_RESULT and CANCEL.
 SUBMIT_ASYNC = (
     ADMIT_LUA
     + """
@@ -472,13 +480,36 @@ if hit_h ~= '' then
   return {'hit'}
 end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
-  return {'full', 'count'}
+  return {'full', 'count', 0}
 elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
-  return {'full', 'bytes'}
+  return {'full', 'bytes', 0}
 end
-local entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
-redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
-redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', KEYS[1], 'e', entry, 'm', ARGV[5])
+local more = (#KEYS - 9) / 2
+for i = 1, more do
+  local at = 20 + (i - 1) * 5
+  if redis.call('XLEN', KEYS[9 + i]) >= tonumber(ARGV[at]) then return {'full', 'count', i} end
+  local limit = tonumber(ARGV[at + 1])
+  if limit > 0 and tonumber(redis.call('GET', KEYS[9 + more + i]) or '0') >= limit then
+    return {'full', 'bytes', i}
+  end
+end
+local entry
+local step = ARGV[19] or ''
+if step ~= '' then
+  entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4], 'p', step)
+else
+  entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
+end
+redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4] + #step)
+local streams, entries = KEYS[1], entry
+for i = 1, more do
+  local at = 20 + (i - 1) * 5
+  local h, b, p = ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
+  streams = streams .. ' ' .. KEYS[9 + i]
+  entries = entries .. ' ' .. redis.call('XADD', KEYS[9 + i], '*', 'h', h, 'b', b, 'p', p)
+  redis.call('INCRBY', KEYS[9 + more + i], #h + #b + #p)
+end
+redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
 if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
 if KEYS[5] ~= '' then
@@ -489,59 +520,92 @@ return {'queued', entry}
 """
 )
 
-# KEYS[1]: the result stream. ARGV[1]: the runner group. Its entries, and whether its queue entry
-# was delivered to a runner and not yet acknowledged (running): one round trip for a GET.
-READ_RESULT = """
+# Both scripts below read the queue entries that the result stream's first entry names (`q`, `e`;
+# several, space-separated, for a pipeline's first steps) and ask whether a runner holds them.
+QUEUED_ENTRIES_LUA = """
+local function queued_entries(result)
+  local first = redis.call('XRANGE', result, '-', '+', 'COUNT', 1)
+  local found = {}
+  if #first == 0 then return found end
+  local fields = first[1][2]
+  local streams, ids = '', ''
+  for i = 1, #fields, 2 do
+    if fields[i] == 'q' then streams = fields[i + 1] elseif fields[i] == 'e' then ids = fields[i + 1] end
+  end
+  for stream in string.gmatch(streams, '%S+') do found[#found + 1] = {stream} end
+  local i = 1
+  for id in string.gmatch(ids, '%S+') do
+    if found[i] then found[i][2] = id end
+    i = i + 1
+  end
+  return found
+end
+
+local function is_taken(stream, id, group)
+  local pending = redis.pcall('XPENDING', stream, group, id, id, 1)
+  if type(pending) == 'table' and #pending > 0 then return true end
+  return #redis.call('XRANGE', stream, id, id) == 0
+end
+"""
+"""is_taken: a runner holds the entry, or it left its stream (a pipeline step that finished: the
+next steps' entries carry the invocation on; a function's entry leaves with its reply)."""
+
+# KEYS[1]: the result stream. ARGV[1]: the runner group. Its entries, and whether a runner took
+# one of its queue entries (running): one round trip for a GET.
+READ_RESULT = (
+    QUEUED_ENTRIES_LUA
+    + """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+')
 if #entries == 0 then return {{}, 0} end
-local first = entries[1][2]
-local stream, entry = nil, nil
-for i = 1, #first, 2 do
-  if first[i] == 'q' then stream = first[i + 1] elseif first[i] == 'e' then entry = first[i + 1] end
-end
 local running = 0
-if stream and entry then
-  local pending = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
-  if type(pending) == 'table' and #pending > 0 then running = 1 end
+for _, item in ipairs(queued_entries(KEYS[1])) do
+  if item[2] and is_taken(item[1], item[2], ARGV[1]) then running = 1 end
 end
 return {entries, running}
 """
+)
 
 # KEYS[1]: the result stream. ARGV[1]: the runner group. Cancels an invocation no runner has taken:
 # its queue entry is deleted (so no runner ever reads it) and `cancelled` is recorded. Answers
 # 'gone' (no such result), 'done' (it has a reply), 'cancelled' (now or before) or 'running'.
-CANCEL = """
+# A pipeline is cancelled only while none of its first steps was taken: then all their entries go.
+CANCEL = (
+    QUEUED_ENTRIES_LUA
+    + """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+')
 if #entries == 0 then return 'gone' end
-local stream, entry = nil, nil
 for _, item in ipairs(entries) do
   local fields = item[2]
   for i = 1, #fields, 2 do
     local name = fields[i]
     if name == 'h' then return 'done' end
     if name == 's' and fields[i + 1] == 'cancelled' then return 'cancelled' end
-    if name == 'q' then stream = fields[i + 1] elseif name == 'e' then entry = fields[i + 1] end
   end
 end
-if not stream or not entry then return 'gone' end
-local pending = redis.pcall('XPENDING', stream, ARGV[1], entry, entry, 1)
-if type(pending) == 'table' and #pending > 0 then return 'running' end
-local held = redis.call('XRANGE', stream, entry, entry)
-if #held == 0 then return 'running' end
-local size = 0
-local fields = held[1][2]
-for i = 1, #fields, 2 do
-  if fields[i] == 'h' or fields[i] == 'b' then size = size + #fields[i + 1] end
+local queued = queued_entries(KEYS[1])
+if #queued == 0 then return 'gone' end
+for _, item in ipairs(queued) do
+  if not item[2] then return 'gone' end
+  if is_taken(item[1], item[2], ARGV[1]) then return 'running' end
 end
-redis.call('XDEL', stream, entry)
-if redis.call('XLEN', stream) == 0 then
-  redis.call('DEL', stream .. ':bytes')
-else
-  redis.call('DECRBY', stream .. ':bytes', size)
+for _, item in ipairs(queued) do
+  local stream, entry = item[1], item[2]
+  local size = 0
+  local fields = redis.call('XRANGE', stream, entry, entry)[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'h' or fields[i] == 'b' or fields[i] == 'p' then size = size + #fields[i + 1] end
+  end
+  redis.call('XDEL', stream, entry)
+  if redis.call('XLEN', stream) == 0 then
+    redis.call('DEL', stream .. ':bytes')
+  else
+    redis.call('DECRBY', stream .. ':bytes', size)
+  end
 end
 redis.call('XADD', KEYS[1], '*', 's', 'cancelled')
 return 'cancelled'
 """
+)
 
 
 def callback_marker(result_stream: str) -> str:
@@ -566,12 +630,15 @@ def submit_async_call(
     done_ttl_ms: int = 0,
     lookup: str = "",
     cached: Mapping[bytes, bytes] | None = None,
+    step: bytes = b"",
+    more: Sequence[Forward] = (),
 ) -> ScriptCall:
     """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
     live while pending, `done_ttl_ms` once done; `callbacks`: the callbacks stream when the
     invocation has a callback URL, else ''; `request_digest`: what a repeat of `idempotency_key`
     must match (no spaces); `lookup`: the cache entry to answer from ('' for none), or `cached`:
-    the cached reply's fields the caller already found."""
+    the cached reply's fields the caller already found. For a pipeline, `step` is the first
+    entry's step context and `more` the entries of its other first steps."""
     if not result_stream.endswith(invocation_id) or " " in request_digest:
         raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
     admit = admission or NO_ADMISSION
@@ -585,6 +652,8 @@ def submit_async_call(
             waiters(callback_marker(result_stream)) if callbacks else "",
             *admit.keys,
             lookup,
+            *(item.stream for item in more),
+            *(queue_bytes(item.stream) for item in more),
         ],
         args=[
             max_queue_size,
@@ -600,6 +669,8 @@ def submit_async_call(
             max(done_ttl_ms, 1),
             cached[HEADER] if cached else "",
             cached.get(BODY, b"") if cached else "",
+            *((step,) if step or more else ()),
+            *_forward_args(more),
         ],
     )
 
@@ -779,12 +850,18 @@ class Forward:
 
 
 def forward_call(entries: Sequence[Forward]) -> ScriptCall:
-    args: list[bytes | str | int | float] = [len(entries)]
+    return ScriptCall(
+        keys=[*(item.stream for item in entries), *(queue_bytes(item.stream) for item in entries)],
+        args=[len(entries), *_forward_args(entries)],
+    )
+
+
+def _forward_args(entries: Sequence[Forward]) -> list[bytes | str | int | float]:
+    """Five arguments per entry, as FORWARD and SUBMIT_ASYNC read them."""
+    args: list[bytes | str | int | float] = []
     for item in entries:
         args += [item.max_queue_size, item.max_queue_bytes, item.fields[HEADER], item.fields[BODY], item.step]
-    return ScriptCall(
-        keys=[*(item.stream for item in entries), *(queue_bytes(item.stream) for item in entries)], args=args
-    )
+    return args
 
 
 def parse_forward(raw: Sequence[Any]) -> tuple[int, str] | None:

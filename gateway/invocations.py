@@ -1,6 +1,6 @@
-"""Asynchronous invocations: submit (`Prefer: respond-async` on the invocation routes), then
-GET /v1/invocations/{id} (`?wait=` long-polls) and DELETE it before it starts. The result lives in
-Redis (fngate.queue, asynchronous section), so any gateway answers for any other."""
+"""Asynchronous invocations of functions and pipelines: submit (`Prefer: respond-async` on the
+invocation routes), then GET /v1/invocations/{id} (`?wait=` long-polls) and DELETE it before it
+starts. The result lives in Redis (fngate.queue, asynchronous section), so any gateway answers."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ from fngate.errors import (
 )
 from fngate.manifest import FunctionManifest
 from fngate.pipelined import PipelinedRedis, Script
+from fngate.plan import PlanStep, StepContext, first_steps, step_entry
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply
+from gateway import pipelines
 from gateway.activation import Activator
 from gateway.auth import ADMIN, INVOKE, OPEN, Principal
 from gateway.cache import SeparateCache, cache_key
@@ -70,6 +72,8 @@ class Submission:
     request_id: str | None = None
     binary_outputs: tuple[str, ...] = ()
     callback_url: str = ""
+    outputs: tuple[str, ...] | None = None
+    """The outputs asked for, when its reply holds them all (a pipeline's); None: as it comes."""
 
     def encode(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -78,7 +82,19 @@ class Submission:
     def decode(cls, raw: bytes) -> Submission:
         doc = orjson.loads(raw)
         doc["binary_outputs"] = tuple(doc.get("binary_outputs", ()))
+        if doc.get("outputs") is not None:
+            doc["outputs"] = tuple(doc["outputs"])
         return cls(**doc)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entries:
+    """What a submission queues: its entries (a function's own, or a pipeline's first steps), what
+    each is in an error's words, and the runner pools to wake (every step's, for a pipeline)."""
+
+    entries: list[queue.Forward]
+    names: list[str]
+    pools: list[str]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,7 +150,8 @@ class AsyncInvocations:
         body: bytes = b"",
         use_cache: bool = True,
     ) -> Accepted:
-        """Queue an asynchronous invocation at level keys.ASYNC; raises Refused, Overloaded or
+        """Queue an asynchronous invocation at level keys.ASYNC (a pipeline's first steps, whose
+        successors the runners queue at that level too); raises Refused, Overloaded or
         Unavailable as a synchronous one would, IdempotencyKeyReused for an Idempotency-Key sent
         before with another `body` or to another function. A cached answer (`use_cache`, as for a
         synchronous one) is its result at once: nothing is queued."""
@@ -149,24 +166,13 @@ class AsyncInvocations:
         result = keys.result(invocation_id)
         deadline_ms = int(time.time() * 1000) + timeout_ms
         entry = _cache_entry(function, parsed)  # answered from it, stored for others; never waited on
+        pipeline = manifest.pipeline is not None
+        # A pipeline's answer is cached by its last step, in the queue's Redis (runner.pipeline).
+        separate = None if pipeline else self.separate_cache
         cached = None
-        if entry and use_cache and self.separate_cache is not None:
-            cached = await self.separate_cache.get(entry)
-        invocation = Invocation(
-            id=invocation_id,
-            function=manifest.name,
-            version=function.version,
-            reply_to=result,
-            deadline_ms=deadline_ms,
-            inputs=parsed.inputs,
-            outputs=parsed.outputs,
-            traceparent=telemetry.inject() if self._tracing else None,
-            digest=function.digest,
-            cache_key=entry or None,
-            cache_ttl_s=manifest.cache.ttl_s,
-            in_flight_key=queue.callback_marker(result) if callback_url else None,
-            result_ttl_s=batching.result_ttl_s,
-        )
+        if entry and use_cache and separate is not None:
+            cached = await separate.get(entry)
+        traceparent = telemetry.inject() if self._tracing else None
         record = Submission(
             invocation_id,
             manifest.name,
@@ -177,26 +183,53 @@ class AsyncInvocations:
             parsed.request_id,
             tuple(sorted(parsed.binary_outputs)),
             callback_url,
+            parsed.outputs if pipeline else None,
         )
-        pool = manifest.scaling.pool
+        if pipeline:
+            queued = self._first_steps(function, parsed, record, traceparent, entry)
+        else:
+            invocation = Invocation(
+                id=invocation_id,
+                function=manifest.name,
+                version=function.version,
+                reply_to=result,
+                deadline_ms=deadline_ms,
+                inputs=parsed.inputs,
+                outputs=parsed.outputs,
+                traceparent=traceparent,
+                digest=function.digest,
+                cache_key=entry or None,
+                cache_ttl_s=manifest.cache.ttl_s,
+                in_flight_key=queue.callback_marker(result) if callback_url else None,
+                result_ttl_s=batching.result_ttl_s,
+            )
+            stream = keys.invocations(manifest.name, keys.ASYNC)
+            own = queue.Forward(
+                stream, invocation.encode(), b"", batching.max_async_queue_size, batching.max_queue_bytes
+            )
+            queued = Entries([own], [f"function '{manifest.name}'"], [manifest.scaling.pool])
         if self._activator is not None:
-            self._activator.check(pool)
+            for pool in queued.pools:
+                self._activator.check(pool)
+        first, *more = queued.entries
         call = queue.submit_async_call(
-            keys.invocations(manifest.name, keys.ASYNC),
-            invocation.encode(),
+            first.stream,
+            first.fields,
             result,
             record.encode(),
             timeout_ms + (batching.result_ttl_s + PENDING_MARGIN_S) * 1000,
             invocation_id,
-            batching.max_async_queue_size,
-            batching.max_queue_bytes,
+            first.max_queue_size,
+            first.max_queue_bytes,
             keys.idempotency(principal.key_id, idempotency) if idempotency else "",
             keys.callbacks() if callback_url else "",
             admission,
             request_digest(manifest.name, route, body) if idempotency else "",
             batching.result_ttl_s * 1000,
-            entry if use_cache and self.separate_cache is None else "",
+            entry if use_cache and separate is None else "",
             cached,
+            first.step,
+            more,
         )
         try:
             outcome = queue.parse_submit_async(await self._submit(call.keys, call.args))
@@ -204,10 +237,45 @@ class AsyncInvocations:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
         if entry and use_cache:
             _count_lookup(manifest.name, outcome)
-        return await self._accepted(outcome, invocation_id, idempotency, manifest.name, pool)
+        return await self._accepted(outcome, invocation_id, idempotency, queued)
+
+    def _first_steps(
+        self,
+        function: FunctionVersion,
+        parsed: InferRequest,
+        record: Submission,
+        traceparent: str | None,
+        cache_entry: str,
+    ) -> Entries:
+        """A pipeline's first steps at level keys.ASYNC, replying to its result stream (the last
+        step's answer, or the first error naming its step, kept result_ttl_s; its callback told).
+        Every step's version is drawn now, as for a synchronous invocation."""
+        manifest = function.manifest
+        resolved, plan = pipelines.resolve(self.catalog, function)
+        result = keys.result(record.id)
+        context = StepContext(
+            record.id,
+            result,
+            record.deadline_ms,
+            plan,
+            0,
+            {},
+            traceparent,
+            cache_entry,
+            manifest.cache.ttl_s,
+            keys.ASYNC,
+            manifest.batching.result_ttl_s,
+            queue.callback_marker(result) if record.callback_url else "",
+        )
+        steps = first_steps(context, parsed.inputs)
+        return Entries(
+            [step_entry(step_context, inputs) for step_context, inputs in steps],
+            [_step_name(step_context.step) for step_context, _ in steps],
+            sorted({item.manifest.scaling.pool for item in resolved.values()}),
+        )
 
     async def _accepted(
-        self, outcome: queue.SubmitOutcome, invocation_id: str, idempotency: str, function: str, pool: str
+        self, outcome: queue.SubmitOutcome, invocation_id: str, idempotency: str, queued: Entries
     ) -> Accepted:
         if isinstance(outcome, queue.Done):
             return Accepted(invocation_id, done=True)
@@ -222,9 +290,12 @@ class AsyncInvocations:
             raise Refused(outcome)
         if isinstance(outcome, queue.Full):
             limit = "max_queue_bytes" if outcome.limit == "bytes" else "max_async_queue_size"
-            raise Overloaded(f"function '{function}' has too many asynchronous invocations queued ({limit})")
+            raise Overloaded(
+                f"{queued.names[outcome.index]} has too many asynchronous invocations queued ({limit})"
+            )
         if self._activator is not None:
-            await self._activator.wake(pool)
+            for pool in queued.pools:
+                await self._activator.wake(pool)
         return Accepted(invocation_id)
 
     async def read(self, invocation_id: str, principal: Principal, wait_s: float = 0) -> queue.Result:
@@ -290,11 +361,17 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
     if reply.error is not None:
         headers["x-fngate-state"] = "failed"
         return _failure(headers, reply.error)
+    if submission.outputs is not None:
+        reply = dataclasses.replace(reply, outputs={name: reply.outputs[name] for name in submission.outputs})
     if submission.route == "v1":
         return 200, headers | {"content-type": "application/json"}, render_v1(reply)
     request = InferRequest({}, None, frozenset(submission.binary_outputs), submission.request_id, None)
     content, extra = render_v2(request, reply, _manifest(catalog, submission))
     return 200, headers | extra, content
+
+
+def _step_name(step: PlanStep) -> str:
+    return f"step '{step.name}' ({step.function} v{step.version}): function '{step.function}'"
 
 
 def _cache_entry(function: FunctionVersion, parsed: InferRequest) -> str:

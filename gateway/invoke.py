@@ -160,7 +160,7 @@ class InvokeRoutes:
         admission = scope.get(ADMISSION)
         if admission is not None:
             scope[ADMITTED] = True  # from here it may hold a place in its key's limits
-        if _prefers_async(scope["headers"]) and manifest.pipeline is None:
+        if _prefers_async(scope["headers"]):  # functions and pipelines alike
             accepted = await scope["state"]["invocations"].submit(
                 function,
                 parsed,

@@ -15,9 +15,9 @@ from fngate import keys, queue, telemetry
 from fngate.errors import FunctionError, Unavailable
 from fngate.manifest import FunctionManifest
 from fngate.pipeline import Problem, edge_problems
-from fngate.plan import Plan, StepContext, carried_for, make_plan, step_inputs
+from fngate.plan import Plan, StepContext, first_steps, make_plan, step_invocation
 from fngate.repository import FunctionVersion
-from fngate.wire import Invocation, Reply, Tensors
+from fngate.wire import Reply, Tensors
 from gateway.cache import cache_key
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher, Step
@@ -52,46 +52,27 @@ async def submit(
         )
     invocation_id = os.urandom(16).hex()
     stream = dispatcher.reply_stream
-    available = {f"request.{name}": array for name, array in inputs.items()}
     with tracer.start_as_current_span(
         f"pipeline {manifest.name}",
         attributes={"fngate.function": manifest.name, "fngate.version": function.version},
     ):
         traceparent = telemetry.inject() if telemetry.tracing_active() else None
+        context = StepContext(
+            invocation_id, stream, deadline_ms, plan, 0, {}, traceparent, entry, manifest.cache.ttl_s
+        )
         calls = []
-        for position, node in enumerate(plan.first()):
-            step = plan.steps[node]
-            invocation = Invocation(
-                id=invocation_id,
-                function=step.function,
-                version=step.version,
-                reply_to=stream,
-                deadline_ms=deadline_ms,
-                inputs=step_inputs(plan, node, available),
-                traceparent=traceparent,
-                digest=step.digest,
-            )
-            context = StepContext(
-                invocation_id,
-                stream,
-                deadline_ms,
-                plan,
-                node,
-                carried_for(plan, node, available),
-                traceparent,
-                entry,
-                manifest.cache.ttl_s,
-            )
+        for position, (step_context, step_inputs) in enumerate(first_steps(context, inputs)):
+            step = step_context.step
             call = queue.enqueue_call(
                 keys.invocations(step.function),
-                invocation.encode(),
+                step_invocation(step_context, step_inputs).encode(),
                 queue.Waiter(stream, invocation_id, deadline_ms),
                 timeout_ms,
                 step.max_queue_size,
                 step.max_queue_bytes,
                 lookup=entry if use_cache and position == 0 else "",
                 admission=admission if position == 0 else None,
-                step=context.encode(),
+                step=step_context.encode(),
             )
             calls.append(Step(step.function, call, resolved[step.name].manifest.batching))
         pools = {item.manifest.scaling.pool for item in resolved.values()}

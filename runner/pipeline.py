@@ -26,6 +26,7 @@ from fngate.plan import (
     decode_tensors,
     encode_tensors,
     outputs_of,
+    step_entry,
     step_inputs,
 )
 from fngate.wire import Invocation, Reply, Tensors
@@ -122,7 +123,7 @@ class Steps:
             if cached is not None:  # answered from the cache: the step is done already
                 answers += await self._finish_one(following, cached)
             else:
-                entries.append((successor, _entry(following, inputs)))
+                entries.append((successor, step_entry(following, inputs)))
         if entries:
             refused = queue.parse_forward(
                 await self._forward(*_call(queue.forward_call([e for _, e in entries])))
@@ -130,9 +131,10 @@ class Steps:
             if refused is not None:
                 index, limit = refused
                 target = plan.steps[entries[index][0]]
+                setting = _limit(limit, context.level)
                 error = Overloaded(
                     f"step '{target.name}' ({target.function} v{target.version}): function "
-                    f"'{target.function}' has too many invocations queued ({LIMITS[limit]}); retry later"
+                    f"'{target.function}' has too many invocations queued ({setting}); retry later"
                 )
                 answers.append(_answer(context, Reply(context.invocation_id, plan.version, {}, error)))
         return answers
@@ -226,26 +228,9 @@ def named(context: StepContext, error: FunctionError) -> FunctionError:
     )
 
 
-def _entry(context: StepContext, inputs: Tensors) -> queue.Forward:
-    """The queue entry of the step `context` is at, with its inputs."""
-    step = context.step
-    invocation = Invocation(
-        id=context.invocation_id,  # any reply a step gets outside its pipeline still answers the pipeline
-        function=step.function,
-        version=step.version,
-        reply_to=context.reply_to,
-        deadline_ms=context.deadline_ms,
-        inputs=inputs,
-        traceparent=context.traceparent,
-        digest=step.digest,
-    )
-    return queue.Forward(
-        keys.invocations(step.function),
-        invocation.encode(),
-        context.encode(),
-        step.max_queue_size,
-        step.max_queue_bytes,
-    )
+def _limit(refused: str, level: int) -> str:
+    """The manifest setting behind a refusal of FORWARD at `level`."""
+    return "max_async_queue_size" if refused == "count" and level != keys.SYNC else LIMITS[refused]
 
 
 def _cache_entry(context: StepContext, inputs: Tensors) -> str:
@@ -254,12 +239,16 @@ def _cache_entry(context: StepContext, inputs: Tensors) -> str:
 
 
 def _answer(context: StepContext, reply: Reply, cached: bool = False) -> queue.Outgoing:
-    """The pipeline's reply to its gateway; a success is stored in the response cache when asked."""
+    """The pipeline's reply to its gateway, or to its result stream when asynchronous (kept
+    result_ttl_s from now, and shared with the callbacks stream when it has a callback); a success
+    is stored in the response cache when asked."""
     return queue.Outgoing(
         reply.encode(),
         context.reply_to,
         context.cache_key if cached else "",
         context.cache_ttl_s,
+        context.callback,
+        reply_ttl_ms=context.result_ttl_s * 1000,
     )
 
 

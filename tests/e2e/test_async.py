@@ -1,7 +1,9 @@
 """Asynchronous invocations with real processes (a Redis, gateway and runner processes of this
 module's own): submit, poll, long-poll and fetch, V2 and v1 shapes, idempotent resubmission,
 cancellation, expiry, callbacks with retries and a signature, synchronous invocations served ahead
-of an asynchronous backlog, and a result served by a gateway other than the one that accepted it."""
+of an asynchronous backlog, a result served by a gateway other than the one that accepted it, and
+pipelines submitted, cancelled and failing (a step's error, the deadline between steps) like
+functions."""
 
 from __future__ import annotations
 
@@ -70,6 +72,13 @@ class Model:
         self.batches += 1
         return {"y": out}
 '''
+REJECT = """class Model:
+    def __init__(self, directory):
+        pass
+
+    def infer(self, inputs):
+        raise ValueError("no rows accepted here")
+"""
 ROW = {"inputs": {"x": [[1.0, 2.0]]}}
 
 
@@ -89,6 +98,26 @@ def _function(
     }
     (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     (folder / "model.py").write_text(model)
+
+
+def _pipeline(repo: Path, name: str, steps: dict[str, str], outputs: dict[str, str], **batching: Any) -> None:
+    """A pipeline over this module's functions: `steps` maps each step to "function input-source"."""
+    (repo / name).mkdir()
+    tensor = {"datatype": "FP32", "shape": [-1, 2]}
+    manifest = {
+        "name": name,
+        "inputs": [{"name": "x", **tensor}],
+        "outputs": [{"name": output, **tensor} for output in outputs],
+        "batching": {"max_batch_size": 8, "timeout_ms": 20000, **batching},
+        "pipeline": {
+            "steps": [
+                {"name": step, "function": spec.split()[0], "inputs": {"x": spec.split()[1]}}
+                for step, spec in steps.items()
+            ],
+            "outputs": outputs,
+        },
+    }
+    (repo / name / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
 
 
 class Deployment:
@@ -153,8 +182,22 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     _function(repo, "parked", IDENTITY)
     _function(repo, "woken", IDENTITY, pool="woken")
     _function(repo, "ticket", TICKET, max_batch_size=4)
+    _function(repo, "refuse", REJECT)
+    _function(repo, "dormant", IDENTITY)
+    _function(repo, "resting", IDENTITY)
+    _pipeline(repo, "chain", {"first": "echo request.x", "second": "echo first.y"}, {"y": "second.y"})
+    _pipeline(
+        repo,
+        "waiting",
+        {"one": "dormant request.x", "two": "resting request.x"},
+        {"y": "one.y", "z": "two.y"},
+    )
+    _pipeline(repo, "doomed", {"first": "echo request.x", "check": "refuse first.y"}, {"y": "check.y"})
+    _pipeline(
+        repo, "overdue", {"wait": "slow request.x", "then": "echo wait.y"}, {"y": "then.y"}, async_timeout_s=1
+    )
     found = Deployment(url, repo, folder)
-    found.runner("classifier", "echo", "slow", "brief", "crowded", "cached")
+    found.runner("classifier", "echo", "slow", "brief", "crowded", "cached", "refuse")
     try:
         yield found
     finally:
@@ -603,3 +646,88 @@ async def test_a_submission_wakes_a_pool_at_zero(
         stopping.set()
         await asyncio.wait_for(scaling, 60)
         await redis.aclose()
+
+
+@pytest.mark.parametrize("callback_receiver", [0], indirect=True)
+async def test_a_pipeline_answers_asynchronously_like_a_function(
+    client: httpx.AsyncClient, callback_receiver: tuple[CallbackReceiver, str]
+) -> None:
+    """`chain` (echo, then echo again): 202 and a Location, the result in both shapes, a callback
+    carrying what GET answers, and an Idempotency-Key that answers the first invocation again."""
+    receiver, url = callback_receiver
+    body = {"inputs": {"x": [[5.0, 6.0]]}}
+    headers = {"X-Callback-Url": url, "Idempotency-Key": "chain-1"}
+    invocation_id = await submit(client, "/v1/functions/chain", body, **headers)
+    again = await client.post(
+        "/v1/functions/chain", json=body, headers={"Prefer": "respond-async", **headers}
+    )
+    assert again.status_code == 202 and again.json()["id"] == invocation_id
+    assert again.headers["x-fngate-idempotent-replay"] == "true"
+    response = await result(client, invocation_id)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-fngate-state"] == "done"
+    assert response.json()["outputs"]["y"] == [[5.0, 6.0]]
+    [(callback_headers, callback_body)] = await calls(receiver, 1)
+    assert callback_headers["x-fngate-invocation"] == invocation_id
+    assert callback_headers["x-fngate-state"] == "done"
+    assert callback_body == response.content
+
+    v2 = {"id": "p-18", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [7, 8]}]}
+    response = await result(client, await submit(client, "/v2/models/chain/infer", v2))
+    assert response.status_code == 200, response.text
+    doc = response.json()
+    assert (doc["model_name"], doc["id"]) == ("chain", "p-18")
+    assert doc["outputs"][0]["name"] == "y" and doc["outputs"][0]["data"] == [7.0, 8.0]
+
+
+async def test_a_pipeline_cancelled_before_its_first_steps_start(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    """`waiting` starts with two steps whose functions have no runner: both wait at the
+    asynchronous level (synchronous traffic of those functions goes first), and a cancellation
+    takes both out of their queues."""
+    invocation_id = await submit(client, "/v1/functions/waiting")
+    streams = [keys.invocations(name, keys.ASYNC) for name in ("dormant", "resting")]
+    queue = sync_redis.Redis.from_url(deployment.redis_url)
+    try:
+        assert [queue.xlen(stream) for stream in streams] == [1, 1]
+        assert queue.xlen(keys.invocations("dormant")) == 0  # nothing at the synchronous level
+        pending = await client.get(f"/v1/invocations/{invocation_id}")
+        assert pending.status_code == 202 and pending.json()["state"] == "queued"
+        cancelled = await client.delete(f"/v1/invocations/{invocation_id}")
+        assert cancelled.status_code == 200, cancelled.text
+        assert [queue.xlen(stream) for stream in streams] == [0, 0]
+    finally:
+        queue.close()
+    gone = await client.get(f"/v1/invocations/{invocation_id}")
+    assert gone.status_code == 410
+
+
+@pytest.mark.parametrize("callback_receiver", [0], indirect=True)
+async def test_a_pipelines_failing_step_and_its_deadline_reach_the_callback(
+    client: httpx.AsyncClient, callback_receiver: tuple[CallbackReceiver, str]
+) -> None:
+    """`doomed` fails at its second step; `overdue` has async_timeout_s 1 and its first step takes
+    1.5 s, so its second would start after the deadline and is not run. Each callback carries the
+    error naming the step, as GET answers it."""
+    receiver, url = callback_receiver
+    warm = await client.post("/v1/functions/slow", json=ROW)  # loaded now: `wait` starts at once
+    assert warm.status_code == 200, warm.text
+    doomed = await submit(client, "/v1/functions/doomed", **{"X-Callback-Url": url})
+    overdue = await submit(client, "/v1/functions/overdue", **{"X-Callback-Url": url})
+    delivered = {
+        headers["x-fngate-invocation"]: (headers, body) for headers, body in await calls(receiver, 2)
+    }
+    expected = {
+        doomed: ("500", "model_failed", "check", "refuse"),
+        overdue: ("504", "deadline_exceeded", "then", "echo"),
+    }
+    for invocation_id, (status, code, step, function) in expected.items():
+        headers, body = delivered[invocation_id]
+        assert (headers["x-fngate-state"], headers["x-fngate-status"]) == ("failed", status)
+        error = json.loads(body)
+        assert error["code"] == code
+        assert error["error"].startswith(f"step '{step}' ({function} v1): "), error
+        fetched = await result(client, invocation_id)
+        assert str(fetched.status_code) == status
+        assert fetched.content == body

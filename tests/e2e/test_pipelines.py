@@ -502,22 +502,3 @@ async def test_a_full_queue_of_a_later_step_is_a_503_naming_the_step(
         "step 'score' (narrow v1): function 'narrow' has too many invocations queued (max_queue_size); "
         "retry later"
     )
-
-
-async def test_a_pipeline_asked_to_answer_asynchronously_answers_at_once(stack: httpx.AsyncClient) -> None:
-    """Asynchronous pipelines do not exist yet: the preference is not applied (RFC 7240 lets a
-    server ignore it), and the pipeline answers as a synchronous call does, never a 202 whose
-    result no runner would ever write."""
-    answer = await stack.post(
-        "/v1/functions/scored",
-        json={"inputs": {"input": ROWS.tolist()}},
-        headers={"prefer": "respond-async"},
-    )
-    assert answer.status_code == 200, answer.text
-    np.testing.assert_allclose(
-        np.array(answer.json()["outputs"]["probabilities"]),
-        classified(normalized(ROWS)),
-        rtol=1e-5,
-        atol=1e-6,
-    )
-    assert "preference-applied" not in answer.headers

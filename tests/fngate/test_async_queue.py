@@ -200,3 +200,73 @@ async def test_submit_answers_from_the_cache_at_once(redis_url: str) -> None:
     copies = await client.execute("XRANGE", keys.callbacks(), "-", "+")
     assert [fields for _, fields in copies] == [[b"h", b"H2", b"b", b"B2", b"for", b"b"]]
     await client.aclose()
+
+
+def test_submit_async_call_of_a_pipelines_first_steps() -> None:
+    """The first entry carries its step context; each further first step adds its stream, its
+    byte counter and FORWARD's five arguments."""
+    other = queue.Forward("q2", FIELDS, b"ctx2", 3, 0)
+    call = queue.submit_async_call(
+        "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, step=b"ctx", more=[other]
+    )
+    assert call.keys[9:] == ["q2", "q2:bytes"]
+    assert call.args[18:] == [b"ctx", 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
+    plain = queue.submit_async_call("q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10)
+    assert len(plain.keys) == 9 and len(plain.args) == 18  # a function's own: as before
+
+
+async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_url: str) -> None:
+    """Two first steps on two streams: both queued or neither (the full one named by its index),
+    `running` once a runner took one or one left its stream, cancelled only while none was taken,
+    and then both leave their queues, their byte counts with them."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    submit, read = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.READ_RESULT)
+    cancel = Script(client, queue.CANCEL)
+    one, two = keys.invocations("one", keys.ASYNC), keys.invocations("two", keys.ASYNC)
+    for stream in (one, two):
+        await client.execute("XGROUP", "CREATE", stream, "runners", "0", "MKSTREAM")
+
+    def first_steps(invocation_id: str, room: int = 10) -> queue.ScriptCall:
+        return queue.submit_async_call(
+            one,
+            FIELDS,
+            f"r:{invocation_id}",
+            b"{}",
+            60_000,
+            invocation_id,
+            10,
+            step=b"ctx1",
+            more=[queue.Forward(two, FIELDS, b"ctx2", room, 0)],
+        )
+
+    full = first_steps("a", room=0)
+    assert queue.parse_submit_async(await submit(full.keys, full.args)) == queue.Full("count", 1)
+    assert [await client.execute("XLEN", stream) for stream in (one, two)] == [0, 0]
+    for invocation_id in ("b", "c", "d"):
+        call = first_steps(invocation_id)
+        assert queue.parse_submit_async(await submit(call.keys, call.args)) == queue.Queued()
+    assert [await client.execute("XLEN", stream) for stream in (one, two)] == [3, 3]
+    stepped = await client.execute("XRANGE", one, "-", "+", "COUNT", 1)
+    assert dict(zip(stepped[0][1][::2], stepped[0][1][1::2], strict=True))[queue.STEP] == b"ctx1"
+    pending = queue.parse_result(await read(["r:b"], ["runners"]))
+    assert pending is not None and pending.state == "queued"
+
+    taken = await client.execute("XREADGROUP", "GROUP", "runners", "x", "COUNT", 1, "STREAMS", two, ">")
+    assert taken[0][1][0][1] is not None  # `b`'s second step, held by a runner
+    running = queue.parse_result(await read(["r:b"], ["runners"]))
+    assert running is not None and running.state == "running"
+    assert queue.cancel_outcome(await cancel(["r:b"], ["runners"])) == "running"
+    first = await client.execute("XRANGE", one, "-", "+", "COUNT", 2)
+    await client.execute("XDEL", one, first[1][0])  # `c`'s first step finished: its pipeline went on
+    moved_on = queue.parse_result(await read(["r:c"], ["runners"]))
+    assert moved_on is not None and moved_on.state == "running"
+    assert queue.cancel_outcome(await cancel(["r:c"], ["runners"])) == "running"
+
+    before = [int(await client.execute("GET", queue.queue_bytes(stream))) for stream in (one, two)]
+    assert queue.cancel_outcome(await cancel(["r:d"], ["runners"])) == "cancelled"
+    after = [int(await client.execute("GET", queue.queue_bytes(stream))) for stream in (one, two)]
+    size = queue.entry_bytes({**FIELDS, queue.STEP: b"ctx1"})
+    assert [b - a for b, a in zip(before, after, strict=True)] == [size, size]
+    assert [await client.execute("XLEN", stream) for stream in (one, two)] == [1, 2]
+    await client.aclose()

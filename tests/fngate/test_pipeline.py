@@ -3,6 +3,7 @@ that name the step), the plan and context carried on the queue, and what deploy 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
+from fngate import keys
 from fngate.manifest import FunctionManifest, ManifestError, parse_manifest
 from fngate.pipeline import (
     deploy_problems,
@@ -21,7 +23,7 @@ from fngate.pipeline import (
     order,
     shapes_agree,
 )
-from fngate.plan import Plan, StepContext, carried_for, make_plan, step_inputs
+from fngate.plan import Plan, StepContext, carried_for, first_steps, make_plan, step_entry, step_inputs
 from fngate.repository import (
     ArtifactFile,
     FolderRepository,
@@ -33,6 +35,7 @@ from fngate.repository import (
 )
 from fngate.tools.deploy import deploy, deploy_all, list_functions
 from fngate.tools.validation import check
+from fngate.wire import Invocation
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -477,3 +480,54 @@ def test_a_pipeline_version_round_trips_through_its_index() -> None:
     version = FunctionVersion(manifest, "1", Path(), digest_of(files), files)
     back = decode_version(encode_version(version), Path(), "index")
     assert back == version
+
+
+def test_an_asynchronous_pipelines_first_steps_wait_at_the_asynchronous_level() -> None:
+    """Two steps read the request: both are first, each queued on its function's asynchronous
+    stream under that level's limit, replying to the result stream and carrying what the runner
+    needs to keep the result and tell the callback."""
+    fork = {
+        **DIAMOND,
+        "outputs": DIAMOND["outputs"][:1],
+        "pipeline": {
+            "steps": [
+                {"name": "join", "function": "merge", "inputs": {"a": "left.probabilities", "b": "right.y"}},
+                {"name": "left", "function": "mlp", "inputs": {"input": "request.input"}},
+                {"name": "right", "function": "double", "inputs": {"x": "request.input"}},
+            ],
+            "outputs": {"merged": "join.out"},
+        },
+    }
+    limited = MLP.batching.model_copy(update={"max_queue_size": 5, "max_async_queue_size": 7})
+    functions = {**FUNCTIONS, "mlp": MLP.model_copy(update={"batching": limited})}
+    resolved = {
+        step: (functions[name], "1", "")
+        for step, name in (("left", "mlp"), ("right", "double"), ("join", "merge"))
+    }
+    plan = make_plan(parse_manifest(fork, "f"), "2", resolved)
+    result = keys.result("id1")
+    context = StepContext("id1", result, 123, plan, 0, {}, None, "", 0, keys.ASYNC, 60, f"{result}:cb")
+    rows = np.ones((2, 16), dtype=np.float32)
+    steps = first_steps(context, {"input": rows})
+    assert [(step.step.name, list(inputs)) for step, inputs in steps] == [
+        ("left", ["input"]),
+        ("right", ["x"]),
+    ]
+    entries = [step_entry(step, inputs) for step, inputs in steps]
+    assert [entry.stream for entry in entries] == [
+        keys.invocations("mlp", keys.ASYNC),
+        keys.invocations("double", keys.ASYNC),
+    ]
+    assert entries[0].max_queue_size == 7
+    invocation = Invocation.decode(entries[1].fields)
+    assert (invocation.id, invocation.function, invocation.reply_to) == ("id1", "double", result)
+    back = StepContext.decode(entries[0].step)
+    assert (back.node, back.level, back.result_ttl_s, back.callback) == (0, keys.ASYNC, 60, f"{result}:cb")
+    assert list(back.carried) == []  # `join` reads only the steps' outputs
+
+    synchronous = step_entry(*first_steps(dataclasses.replace(context, level=keys.SYNC), {"input": rows})[0])
+    assert (synchronous.stream, synchronous.max_queue_size) == (keys.invocations("mlp"), 5)
+    # A plan encoded before the asynchronous limit was carried still decodes.
+    older = plan.encode()
+    older["steps"] = [item[:8] for item in older["steps"]]
+    assert Plan.decode(older).steps[0].max_queue_size == 5

@@ -1,13 +1,17 @@
 """A finished pipeline step on a real Redis: a join queues the step after it once, when its last
-predecessor finishes; a step context that does not decode answers its gateway at once."""
+predecessor finishes; a step context that does not decode answers its gateway at once; an
+asynchronous pipeline's steps stay at its level and its answer keeps its result."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import redis.asyncio as aioredis
 
 from fngate import keys, queue
 from fngate.config import RunnerSettings
+from fngate.errors import ModelFailed
 from fngate.manifest import parse_manifest
 from fngate.pipelined import PipelinedRedis
 from fngate.plan import StepContext, make_plan
@@ -72,4 +76,35 @@ async def test_a_step_context_that_does_not_decode_answers_the_gateway(
     error = Reply.decode(answer).error
     assert error is not None and error.code.value == "internal"
     assert await redis.xlen(stream) == 0  # acknowledged and deleted
+    await client.aclose()
+
+
+async def test_an_asynchronous_pipelines_steps_stay_at_its_level_and_its_answer_keeps_the_result(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    """After `norm`, `left` and `right` wait on their functions' asynchronous streams; a step's
+    error answers the result stream, kept result_ttl_s, with the callback marker FINISH shares it by."""
+    names = {"norm": "normalize", "left": "mlp", "right": "double", "join": "merge"}
+    plan = make_plan(
+        parse_manifest(DIAMOND, "d"), "1", {step: (FUNCTIONS[name], "1", "") for step, name in names.items()}
+    )
+    result = keys.result("p3")
+    callback = queue.callback_marker(result)
+    norm = StepContext("p3", result, 2**62, plan, 0, {}, None, "", 0, keys.ASYNC, 60, callback)
+    client = PipelinedRedis(redis_url)
+    steps = Steps(client)
+    normalized = np.full((1, 16), 0.25, np.float32)
+    assert await steps.finish([finished(norm, {"normalized": normalized})]) == []
+    assert [await redis.xlen(keys.invocations(name, keys.ASYNC)) for name in ("mlp", "double")] == [1, 1]
+    assert [await redis.xlen(keys.invocations(name)) for name in ("mlp", "double")] == [0, 0]
+    ((_entry_id, fields),) = await redis.xrange(keys.invocations("mlp", keys.ASYNC))
+    assert StepContext.decode(fields[queue.STEP]).level == keys.ASYNC
+
+    left = StepContext.decode(fields[queue.STEP])
+    failed = finished(left, {})
+    failed = dataclasses.replace(failed, reply=Reply("p3", "1", {}, ModelFailed("no")))
+    (answer,) = await steps.finish([failed])
+    assert (answer.reply_to, answer.in_flight, answer.reply_ttl_ms) == (result, callback, 60_000)
+    error = Reply.decode(answer.reply).error
+    assert error is not None and error.message == "step 'left' (mlp v1): no"
     await client.aclose()
