@@ -1,0 +1,413 @@
+"""Invocations on a function's stream: entry field names, the waiter format, the enqueue and finish
+scripts, and pure builders of their arguments and parsers of their outcomes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+HEADER = b"h"
+"""An entry's JSON header (fngate.wire)."""
+BODY = b"b"
+"""An entry's tensors, back to back (fngate.wire)."""
+FOR = b"for"
+"""On a reply: the id of the invocation it answers when that is not the reply's own (a waiter)."""
+STEP = b"p"
+"""On an invocation entry that is a pipeline step: its context (fngate.pipeline.StepContext)."""
+AS, TO, BY = b"as", b"to", b"by"
+"""On an invocation entry: a waiter promoted to run in place of an identical invocation that expired
+runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
+
+# admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
+#   -> {'ok'} | {'busy'|'share'|'rate', retry_after_ms}
+# A token bucket (`burst` tokens, `rps` per second, Redis time) and two sorted sets of the key's
+# invocations with their expiry: all of them (`busy`, at most `cap`) and those of one function
+# (`share`, at most `share_cap`). A dead gateway's members lapse at their expiry. Limits of 0 are
+# off; a refused invocation takes neither a token nor a place.
+ADMIT_LUA = """
+local function admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local sets = {{busy, cap, 'busy'}, {share, share_cap, 'share'}}
+  for _, set in ipairs(sets) do
+    if set[2] > 0 then
+      redis.call('ZREMRANGEBYSCORE', set[1], '-inf', now)
+      if redis.call('ZCARD', set[1]) >= set[2] then
+        local first = redis.call('ZRANGE', set[1], 0, 0, 'WITHSCORES')
+        return {set[3], math.max(1, math.min(1000, tonumber(first[2]) - now))}
+      end
+    end
+  end
+  if rps > 0 then
+    local state = redis.call('HMGET', bucket, 't', 'ms')
+    local tokens = tonumber(state[1]) or burst
+    local last = tonumber(state[2]) or now
+    tokens = math.min(burst, tokens + math.max(0, now - last) * rps / 1000)
+    if tokens < 1 then
+      return {'rate', math.ceil((1 - tokens) * 1000 / rps)}
+    end
+    redis.call('HSET', bucket, 't', tostring(tokens - 1), 'ms', now)
+    redis.call('PEXPIRE', bucket, math.ceil(burst * 1000 / rps) + 1000)
+  end
+  for _, set in ipairs(sets) do
+    if set[2] > 0 then
+      redis.call('ZADD', set[1], now + ttl_ms, member)
+      redis.call('PEXPIRE', set[1], ttl_ms)
+    end
+  end
+  return {'ok'}
+end
+"""
+
+# One round trip for the whole decision. KEYS: the stream, its byte counter, the cache entry ('' to
+# skip the lookup), the in-flight marker and its waiters list ('' for no coalescing), then the
+# caller's admission keys (bucket, busy, share; '' for a caller without limits). ARGV: max queue
+# size, max queue bytes (0: no limit), header, body, this invocation as a waiter, marker TTL in ms,
+# then admit()'s rps, burst, cap, share_cap, member and ttl_ms. Entries leave the stream when a
+# runner acknowledges them, so XLEN counts queued or in flight.
+ENQUEUE = (
+    ADMIT_LUA
+    + """
+if KEYS[6] ~= '' then
+  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
+    tonumber(ARGV[10]), ARGV[11], tonumber(ARGV[12]))
+  if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
+end
+if KEYS[3] ~= '' then
+  local hit = redis.call('HMGET', KEYS[3], 'h', 'b')
+  if hit[1] then return {'hit', hit[1], hit[2]} end
+end
+if KEYS[4] ~= '' then
+  if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[6]) then
+    redis.call('RPUSH', KEYS[5], ARGV[5])
+    redis.call('PEXPIRE', KEYS[5], ARGV[6])
+    return {'wait'}
+  end
+end
+local full = nil
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  full = 'count'
+elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
+  full = 'bytes'
+end
+if full then
+  if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
+  if KEYS[6] ~= '' then  -- refused: it holds no place in the caller's limits
+    redis.call('ZREM', KEYS[7], ARGV[11])
+    redis.call('ZREM', KEYS[8], ARGV[11])
+  end
+  return {'full', full}
+end
+if ARGV[13] then  -- a pipeline step (STEP)
+  redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4], 'p', ARGV[13])
+  redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4] + #ARGV[13])
+  return {'queued'}
+end
+redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
+redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
+return {'queued'}
+"""
+)
+
+FINISH_ITEM = 11
+"""Arguments per reply in FINISH."""
+
+# KEYS[1]: the invocation stream, KEYS[2]: its byte counter, KEYS[3..]: reply streams.
+# ARGV: group, reply maxlen, bytes acknowledged, the number of replies n, the statistics hash ('' for
+# none), the time of the batch's end in ms for it, the number m of its counters, m pairs (field,
+# amount) to add, then n groups of
+# FINISH_ITEM (index into KEYS, header, body, cache entry or '', its TTL in s, in-flight marker or
+# '', its waiters list, what to do with the waiters: 'share' the reply, 'drop' them, or 'promote'
+# the first to run in place of this one, and for 'promote' the invocation's own header and body,
+# and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
+# asynchronous result is kept result_ttl_s after it is done)), then the entry ids to acknowledge
+# and delete. Replies go only to reply streams that exist (NOMKSTREAM): a gateway that stopped took
+# its stream with it. One command per batch.
+FINISH = """
+local n = tonumber(ARGV[4])
+local maxlen = ARGV[2]
+local m = tonumber(ARGV[7])
+if ARGV[5] ~= '' then
+  for j = 0, m - 1 do redis.call('HINCRBY', ARGV[5], ARGV[8 + j * 2], ARGV[9 + j * 2]) end
+  redis.call('HSET', ARGV[5], 'last_inference', ARGV[6])
+end
+local first = 8 + m * 2
+for i = 0, n - 1 do
+  local at = first + i * 11
+  local h, b = ARGV[at + 1], ARGV[at + 2]
+  local reply_to = KEYS[tonumber(ARGV[at])]
+  redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  if ARGV[at + 10] ~= '0' then redis.call('PEXPIRE', reply_to, ARGV[at + 10]) end
+  if ARGV[at + 3] ~= '' then
+    redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
+    redis.call('EXPIRE', ARGV[at + 3], ARGV[at + 4])
+  end
+  local marker, waiters, mode = ARGV[at + 5], ARGV[at + 6], ARGV[at + 7]
+  if marker ~= '' then
+    local promoted = false
+    if mode == 'share' then
+      for _, waiter in ipairs(redis.call('LRANGE', waiters, 0, -1)) do
+        local stream, id = string.match(waiter, '^(%S+) (%S+)')
+        redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b, 'for', id)
+      end
+    elseif mode == 'promote' then
+      local now = redis.call('TIME')
+      local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+      local waiter = redis.call('LPOP', waiters)
+      while waiter do
+        local stream, id, by = string.match(waiter, '^(%S+) (%S+) (%d+)$')
+        if by and tonumber(by) > now_ms then
+          local ih, ib = ARGV[at + 8], ARGV[at + 9]
+          redis.call('XADD', KEYS[1], '*', 'h', ih, 'b', ib, 'as', id, 'to', stream, 'by', by)
+          redis.call('INCRBY', KEYS[2], #ih + #ib)
+          redis.call('PEXPIRE', marker, tonumber(by) - now_ms)
+          promoted = true
+          break
+        end
+        waiter = redis.call('LPOP', waiters)
+      end
+    end
+    if not promoted then redis.call('DEL', marker, waiters) end
+  end
+end
+local ids = {}
+for i = first + n * 11, #ARGV do ids[#ids + 1] = ARGV[i] end
+if #ids > 0 then
+  redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
+  redis.call('XDEL', KEYS[1], unpack(ids))
+  if redis.call('XLEN', KEYS[1]) == 0 then
+    redis.call('DEL', KEYS[2])
+  else
+    redis.call('DECRBY', KEYS[2], ARGV[3])
+  end
+end
+return n
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """The KEYS and ARGV of one script call."""
+
+    keys: list[str]
+    args: list[bytes | str | int | float]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Waiter:
+    """An invocation waiting on an identical one in flight: where its answer goes, and until when."""
+
+    stream: str
+    id: str
+    deadline_ms: int
+
+    def encode(self) -> str:
+        return f"{self.stream} {self.id} {self.deadline_ms}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Waiter:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        stream, invocation_id, deadline = text.split(" ")
+        return cls(stream, invocation_id, int(deadline))
+
+
+def waiters(in_flight_key: str) -> str:
+    """The list of Waiters of an in-flight invocation."""
+    return f"{in_flight_key}:w"
+
+
+def queue_bytes(stream: str) -> str:
+    """The byte counter of an invocation stream: what its entries hold, for max_queue_bytes."""
+    return f"{stream}:bytes"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admission:
+    """admit()'s KEYS (bucket, busy, share) and ARGV (rps, burst, cap, share_cap, member, ttl_ms)
+    for a caller with limits (gateway.limits builds it)."""
+
+    keys: tuple[str, str, str]
+    args: tuple[float, int, int, int, str, int]
+
+
+NO_ADMISSION = Admission(("", "", ""), (0, 0, 0, 0, "", 0))
+
+
+def enqueue_call(
+    stream: str,
+    fields: Mapping[bytes, bytes],
+    waiter: Waiter,
+    ttl_ms: int,
+    max_queue_size: int,
+    max_queue_bytes: int = 0,
+    lookup: str = "",
+    in_flight: str = "",
+    admission: Admission | None = None,
+    step: bytes | None = None,
+) -> ScriptCall:
+    """ENQUEUE's arguments. `lookup`: the cache entry to answer from ('' for none); `in_flight`: the
+    marker that makes identical invocations wait on this one ('' for no coalescing); `admission`:
+    the caller's limits, checked first in the same round trip (None: a caller without limits);
+    `step`: a pipeline step's context (STEP), None for an invocation of its own."""
+    admit = admission or NO_ADMISSION
+    return ScriptCall(
+        keys=[
+            stream,
+            queue_bytes(stream),
+            lookup,
+            in_flight,
+            waiters(in_flight) if in_flight else "",
+            *admit.keys,
+        ],
+        args=[
+            max_queue_size,
+            max_queue_bytes,
+            fields[HEADER],
+            fields[BODY],
+            waiter.encode(),
+            max(ttl_ms, 1),
+            *admit.args,
+            *((step,) if step is not None else ()),
+        ],
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Queued:
+    """On the stream; the reply will come to the reply stream."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Waiting:
+    """An identical invocation is in flight: its reply will come, addressed `for` this one."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hit:
+    fields: dict[bytes, bytes]
+    """The cached reply's entry fields."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Full:
+    limit: str
+    """'count' (max_queue_size) or 'bytes' (max_queue_bytes)."""
+    index: int = 0
+    """Which of the entries was refused (an asynchronous pipeline's first steps, in order)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limited:
+    """Refused by the caller's limits before anything else: 'rate', 'busy' (in flight) or 'share'."""
+
+    limit: str
+    retry_after_ms: int
+
+
+EnqueueOutcome = Queued | Waiting | Hit | Full | Limited
+
+
+def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
+    kind = raw[0]
+    if kind == b"queued":
+        return Queued()
+    if kind == b"wait":
+        return Waiting()
+    if kind == b"hit":
+        return Hit({HEADER: raw[1], BODY: raw[2] or b""})
+    if kind == b"full":
+        return Full(raw[1].decode(), int(raw[2]) if len(raw) > 2 else 0)
+    if kind == b"limited":
+        return Limited(raw[1].decode(), int(raw[2]))
+    raise ValueError(f"unknown enqueue outcome {kind!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One reply of a batch and what to do around it."""
+
+    reply: Mapping[bytes, bytes]
+    """The reply's entry fields."""
+    reply_to: str
+    cache_entry: str = ""
+    """Store the reply there ('' not to)."""
+    cache_ttl_s: int = 0
+    in_flight: str = ""
+    """The invocation's in-flight marker, if identical invocations may wait on it."""
+    waiters: str = "share"
+    """'share' the reply with them, 'drop' them, or 'promote' one to run instead."""
+    invocation: Mapping[bytes, bytes] | None = None
+    """For 'promote': the invocation's own entry fields, which the promoted waiter runs with."""
+    reply_ttl_ms: int = 0
+    """Keep the reply stream this long after this reply (an asynchronous result's stream); 0 leaves
+    its TTL alone."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Statistics:
+    """A batch's share of its function version's statistics (fngate.statistics)."""
+
+    key: str
+    increments: Mapping[str, int]
+    ended_ms: int
+
+
+def finish_call(
+    stream: str,
+    group: str,
+    replies: Sequence[Outgoing],
+    entry_ids: Sequence[bytes],
+    entry_bytes: int,
+    reply_maxlen: int,
+    statistics: Statistics | None = None,
+) -> ScriptCall:
+    """FINISH's arguments: write `replies`, acknowledge and delete `entry_ids` (which held
+    `entry_bytes` of the stream's byte count), and add the batch to its `statistics`."""
+    reply_keys: dict[str, int] = {}
+    items: list[bytes | str | int | float] = []
+    for out in replies:
+        index = reply_keys.setdefault(out.reply_to, len(reply_keys) + 3)
+        promote = out.waiters == "promote" and out.invocation is not None
+        items += [
+            index,
+            out.reply[HEADER],
+            out.reply[BODY],
+            out.cache_entry,
+            out.cache_ttl_s,
+            out.in_flight,
+            waiters(out.in_flight) if out.in_flight else "",
+            out.waiters if out.waiters != "promote" or promote else "drop",
+            out.invocation[HEADER] if promote and out.invocation else "",
+            out.invocation[BODY] if promote and out.invocation else "",
+            out.reply_ttl_ms,
+        ]
+    counters: list[bytes | str | int | float] = []
+    for field, amount in statistics.increments.items() if statistics else ():
+        counters += [field, amount]
+    return ScriptCall(
+        keys=[stream, queue_bytes(stream), *reply_keys],
+        args=[
+            group,
+            reply_maxlen,
+            entry_bytes,
+            len(replies),
+            statistics.key if statistics else "",
+            statistics.ended_ms if statistics else 0,
+            len(counters) // 2,
+            *counters,
+            *items,
+            *entry_ids,
+        ],
+    )
+
+
+def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
+    """What an entry counts against max_queue_bytes."""
+    return len(fields.get(HEADER, b"")) + len(fields.get(BODY, b"")) + len(fields.get(STEP, b""))
+
+
+def answered_id(fields: Mapping[bytes, bytes], reply_id: str) -> str:
+    """The invocation a reply entry answers: the waiter it names, or the reply's own."""
+    target = fields.get(FOR)
+    return target.decode() if target else reply_id

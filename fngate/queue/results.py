@@ -1,0 +1,369 @@
+"""Asynchronous invocations: submission, the result stream any gateway reads, and cancellation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fngate.queue.invocations import (
+    ADMIT_LUA,
+    BODY,
+    HEADER,
+    NO_ADMISSION,
+    Admission,
+    Full,
+    Limited,
+    Queued,
+    ScriptCall,
+    Waiter,
+    parse_enqueue,
+    queue_bytes,
+    waiters,
+)
+from fngate.queue.steps import Forward, forward_args
+
+# --- Asynchronous invocations -------------------------------------------------------------------
+# An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and
+# replies to a result stream of its own (keys.result), created here at submission with a TTL of
+# the invocation's deadline plus result_ttl_s: FINISH's XADD NOMKSTREAM delivers its reply there
+# unchanged, and any gateway reads it. The result stream's first entry holds the state `queued`, the
+# queue entry (stream `q`, id `e`) and the gateway's own record (`m`, JSON); a cancellation adds
+# `s` = `cancelled`, a callback attempt an entry `cb` (JSON). An invocation with a callback URL
+# names the callbacks stream as the one waiter on a marker of its own, so that FINISH's 'share'
+# copies its reply there, addressed `for` it, exactly as it answers coalesced invocations.
+STATE, QUEUE_STREAM, QUEUE_ENTRY, RECORD, CALLBACK = b"s", b"q", b"e", b"m", b"cb"
+QUEUED, CANCELLED = b"queued", b"cancelled"
+
+# KEYS: the level's stream, its byte counter, the result stream, the idempotency key ('' for none),
+# the callback marker's waiters list ('' for no callback), then admit()'s keys (bucket, busy,
+# share; '' for a caller without limits), then the cache entry to answer from ('' for none).
+# ARGV: max queue size, max queue bytes (0: no limit), header, body, the record, the result TTL in
+# ms while pending, the invocation id, the callback waiter, the request's digest, admit()'s six
+# arguments, then the result TTL in ms once done, and a cached reply's header and body that the
+# caller found itself (a cache Redis of its own; '' for none). The idempotency key holds the first
+# invocation's id and its request's digest: a repeat answers that id while its result is kept
+# ('again'), or 'conflict' when the request differs; once the result expired the key is free again.
+# The result stream is named by the invocation id at its end (keys.result), so the first one's
+# name follows. A cached answer is the result at once ('hit'): nothing is queued, and a callback
+# gets it as from FINISH.
+# An asynchronous pipeline (fngate.plan) queues its first steps: ARGV[19] is the first entry's step
+# context (STEP; '' or absent for a function's own invocation), and each further first step adds
+# its stream and byte counter to KEYS after the ninth (all streams, then all counters) and a group
+# of FORWARD's five arguments to ARGV after the nineteenth. All are queued or none ({'full', limit,
+# index of the entry refused}); the result stream's first entry names them all, space-separated
+# (`q`, `e`), for READ_RESULT and CANCEL.
+SUBMIT_ASYNC = (
+    ADMIT_LUA
+    + """
+if KEYS[4] ~= '' then
+  local first = redis.call('GET', KEYS[4])
+  local id, digest = string.match(first or '', '^(%S+) (%S*)$')
+  if id and redis.call('EXISTS', string.sub(KEYS[3], 1, #KEYS[3] - #ARGV[7]) .. id) == 1 then
+    if digest ~= ARGV[9] then return {'conflict', id} end
+    return {'again', id}
+  end
+end
+if KEYS[6] ~= '' then
+  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
+    tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15]))
+  if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
+end
+local hit_h, hit_b = ARGV[17], ARGV[18]
+if hit_h == '' and KEYS[9] ~= '' then
+  local hit = redis.call('HMGET', KEYS[9], 'h', 'b')
+  hit_h, hit_b = hit[1] or '', hit[2] or ''
+end
+if hit_h ~= '' then
+  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5])
+  redis.call('XADD', KEYS[3], '*', 'h', hit_h, 'b', hit_b)
+  redis.call('PEXPIRE', KEYS[3], ARGV[16])
+  if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
+  local callbacks, id = string.match(ARGV[8], '^(%S+) (%S+)')
+  if callbacks then
+    redis.call('XADD', callbacks, 'NOMKSTREAM', '*', 'h', hit_h, 'b', hit_b, 'for', id)
+  end
+  return {'hit'}
+end
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  return {'full', 'count', 0}
+elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
+  return {'full', 'bytes', 0}
+end
+local more = (#KEYS - 9) / 2
+for i = 1, more do
+  local at = 20 + (i - 1) * 5
+  if redis.call('XLEN', KEYS[9 + i]) >= tonumber(ARGV[at]) then return {'full', 'count', i} end
+  local limit = tonumber(ARGV[at + 1])
+  if limit > 0 and tonumber(redis.call('GET', KEYS[9 + more + i]) or '0') >= limit then
+    return {'full', 'bytes', i}
+  end
+end
+local entry
+local step = ARGV[19] or ''
+if step ~= '' then
+  entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4], 'p', step)
+else
+  entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
+end
+redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4] + #step)
+local streams, entries = KEYS[1], entry
+for i = 1, more do
+  local at = 20 + (i - 1) * 5
+  local h, b, p = ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
+  streams = streams .. ' ' .. KEYS[9 + i]
+  entries = entries .. ' ' .. redis.call('XADD', KEYS[9 + i], '*', 'h', h, 'b', b, 'p', p)
+  redis.call('INCRBY', KEYS[9 + more + i], #h + #b + #p)
+end
+redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[6])
+if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
+if KEYS[5] ~= '' then
+  redis.call('RPUSH', KEYS[5], ARGV[8])
+  redis.call('PEXPIRE', KEYS[5], ARGV[6])
+end
+return {'queued', entry}
+"""
+)
+
+# Both scripts below read the queue entries that the result stream's first entry names (`q`, `e`;
+# several, space-separated, for a pipeline's first steps) and ask whether a runner holds them.
+QUEUED_ENTRIES_LUA = """
+local function queued_entries(result)
+  local first = redis.call('XRANGE', result, '-', '+', 'COUNT', 1)
+  local found = {}
+  if #first == 0 then return found end
+  local fields = first[1][2]
+  local streams, ids = '', ''
+  for i = 1, #fields, 2 do
+    if fields[i] == 'q' then streams = fields[i + 1] elseif fields[i] == 'e' then ids = fields[i + 1] end
+  end
+  for stream in string.gmatch(streams, '%S+') do found[#found + 1] = {stream} end
+  local i = 1
+  for id in string.gmatch(ids, '%S+') do
+    if found[i] then found[i][2] = id end
+    i = i + 1
+  end
+  return found
+end
+
+local function is_taken(stream, id, group)
+  local pending = redis.pcall('XPENDING', stream, group, id, id, 1)
+  if type(pending) == 'table' and #pending > 0 then return true end
+  return #redis.call('XRANGE', stream, id, id) == 0
+end
+"""
+"""is_taken: a runner holds the entry, or it left its stream (a pipeline step that finished: the
+next steps' entries carry the invocation on; a function's entry leaves with its reply)."""
+
+# KEYS[1]: the result stream. ARGV[1]: the runner group. Its entries, and whether a runner took
+# one of its queue entries (running): one round trip for a GET.
+READ_RESULT = (
+    QUEUED_ENTRIES_LUA
+    + """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+if #entries == 0 then return {{}, 0} end
+local running = 0
+for _, item in ipairs(queued_entries(KEYS[1])) do
+  if item[2] and is_taken(item[1], item[2], ARGV[1]) then running = 1 end
+end
+return {entries, running}
+"""
+)
+
+# KEYS[1]: the result stream. ARGV[1]: the runner group. Cancels an invocation no runner has taken:
+# its queue entry is deleted (so no runner ever reads it) and `cancelled` is recorded. Answers
+# 'gone' (no such result), 'done' (it has a reply), 'cancelled' (now or before) or 'running'.
+# A pipeline is cancelled only while none of its first steps was taken: then all their entries go.
+CANCEL = (
+    QUEUED_ENTRIES_LUA
+    + """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+if #entries == 0 then return 'gone' end
+for _, item in ipairs(entries) do
+  local fields = item[2]
+  for i = 1, #fields, 2 do
+    local name = fields[i]
+    if name == 'h' then return 'done' end
+    if name == 's' and fields[i + 1] == 'cancelled' then return 'cancelled' end
+  end
+end
+local queued = queued_entries(KEYS[1])
+if #queued == 0 then return 'gone' end
+for _, item in ipairs(queued) do
+  if not item[2] then return 'gone' end
+  if is_taken(item[1], item[2], ARGV[1]) then return 'running' end
+end
+for _, item in ipairs(queued) do
+  local stream, entry = item[1], item[2]
+  local size = 0
+  local fields = redis.call('XRANGE', stream, entry, entry)[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'h' or fields[i] == 'b' or fields[i] == 'p' then size = size + #fields[i + 1] end
+  end
+  redis.call('XDEL', stream, entry)
+  if redis.call('XLEN', stream) == 0 then
+    redis.call('DEL', stream .. ':bytes')
+  else
+    redis.call('DECRBY', stream .. ':bytes', size)
+  end
+end
+redis.call('XADD', KEYS[1], '*', 's', 'cancelled')
+return 'cancelled'
+"""
+)
+
+
+def callback_marker(result_stream: str) -> str:
+    """The in-flight marker of an asynchronous invocation with a callback URL: its waiters list
+    names the callbacks stream, so that FINISH copies the reply there (see SUBMIT_ASYNC)."""
+    return f"{result_stream}:cb"
+
+
+def submit_async_call(
+    stream: str,
+    fields: Mapping[bytes, bytes],
+    result_stream: str,
+    record: bytes,
+    ttl_ms: int,
+    invocation_id: str,
+    max_queue_size: int,
+    max_queue_bytes: int = 0,
+    idempotency_key: str = "",
+    callbacks: str = "",
+    admission: Admission | None = None,
+    request_digest: str = "",
+    done_ttl_ms: int = 0,
+    lookup: str = "",
+    cached: Mapping[bytes, bytes] | None = None,
+    step: bytes = b"",
+    more: Sequence[Forward] = (),
+) -> ScriptCall:
+    """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
+    live while pending, `done_ttl_ms` once done; `callbacks`: the callbacks stream when the
+    invocation has a callback URL, else ''; `request_digest`: what a repeat of `idempotency_key`
+    must match (no spaces); `lookup`: the cache entry to answer from ('' for none), or `cached`:
+    the cached reply's fields the caller already found. For a pipeline, `step` is the first
+    entry's step context and `more` the entries of its other first steps."""
+    if not result_stream.endswith(invocation_id) or " " in request_digest:
+        raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
+    admit = admission or NO_ADMISSION
+    waiter = Waiter(callbacks, invocation_id, 0).encode() if callbacks else ""
+    return ScriptCall(
+        keys=[
+            stream,
+            queue_bytes(stream),
+            result_stream,
+            idempotency_key,
+            waiters(callback_marker(result_stream)) if callbacks else "",
+            *admit.keys,
+            lookup,
+            *(item.stream for item in more),
+            *(queue_bytes(item.stream) for item in more),
+        ],
+        args=[
+            max_queue_size,
+            max_queue_bytes,
+            fields[HEADER],
+            fields[BODY],
+            record,
+            max(ttl_ms, 1),
+            invocation_id,
+            waiter,
+            request_digest,
+            *admit.args,
+            max(done_ttl_ms, 1),
+            cached[HEADER] if cached else "",
+            cached.get(BODY, b"") if cached else "",
+            *((step,) if step or more else ()),
+            *forward_args(more),
+        ],
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Again:
+    """An earlier submission with the same idempotency key: this is its invocation."""
+
+    invocation_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Conflict:
+    """The idempotency key was used by an earlier submission of another request."""
+
+    invocation_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """Answered from the response cache: the result is there already."""
+
+
+SubmitOutcome = Queued | Done | Again | Conflict | Full | Limited
+
+
+def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
+    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a wait), Done for a cache hit, Again or
+    Conflict."""
+    if raw[0] == b"again":
+        return Again(raw[1].decode())
+    if raw[0] == b"conflict":
+        return Conflict(raw[1].decode())
+    if raw[0] == b"hit":
+        return Done()
+    outcome = parse_enqueue(raw)
+    if isinstance(outcome, Queued | Full | Limited):
+        return outcome
+    raise ValueError(f"unknown submit outcome {raw[0]!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    """What a result stream says of its asynchronous invocation."""
+
+    record: bytes
+    """The gateway's record of the submission (JSON)."""
+    running: bool
+    reply: dict[bytes, bytes] | None = None
+    """The reply's entry fields once it came."""
+    cancelled: bool = False
+    callbacks: tuple[bytes, ...] = ()
+    """Each callback attempt's JSON, in order."""
+    last_id: bytes = b"0-0"
+    """The stream's last entry: a long-poll waits for one after it."""
+
+    @property
+    def state(self) -> str:
+        if self.reply is not None:
+            return "done"
+        if self.cancelled:
+            return "cancelled"
+        return "running" if self.running else "queued"
+
+
+def parse_result(raw: Sequence[Any]) -> Result | None:
+    """READ_RESULT's answer; None when the result stream does not exist (unknown or expired)."""
+    entries, running = raw[0], raw[1]
+    if not entries:
+        return None
+    record = b""
+    reply = None
+    cancelled = False
+    attempts = []
+    for _entry_id, flat in entries:
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        if RECORD in fields and not record:
+            record = fields[RECORD]
+        if HEADER in fields and reply is None:
+            reply = {HEADER: fields[HEADER], BODY: fields.get(BODY, b"")}
+        if fields.get(STATE) == CANCELLED:
+            cancelled = True
+        if CALLBACK in fields:
+            attempts.append(fields[CALLBACK])
+    return Result(record, bool(running), reply, cancelled, tuple(attempts), entries[-1][0])
+
+
+def cancel_outcome(raw: bytes | str) -> str:
+    """CANCEL's answer: 'gone', 'done', 'cancelled' or 'running'."""
+    return raw.decode() if isinstance(raw, bytes) else raw
