@@ -114,8 +114,10 @@ class Dispatcher:
             admission=admission,
         )
         future = self._replies.expect(invocation.id)
+        # The loading rule: a version no live runner has ready may first wait for its load.
+        wait_ms = timeout_ms + (self._activator.load_wait_ms(function) if self._activator is not None else 0)
         try:
-            async with asyncio.timeout(timeout_ms / 1000):
+            async with asyncio.timeout(wait_ms / 1000):
                 outcome = await self._submit(call, manifest.name)
                 if isinstance(outcome, queue.Hit):
                     return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
@@ -127,9 +129,7 @@ class Dispatcher:
                     await self._activator.wake(pool)
                 reply = await future
         except TimeoutError:
-            raise DeadlineExceeded(
-                f"function '{manifest.name}' did not answer within {timeout_ms} ms"
-            ) from None
+            raise DeadlineExceeded(_late_message(manifest.name, timeout_ms, wait_ms)) from None
         finally:
             self._replies.forget(invocation.id)
         if reply.error is not None:
@@ -153,3 +153,12 @@ def _full_message(name: str, outcome: queue.Full, batching: Any) -> str:
             "(max_queue_bytes); retry later"
         )
     return f"function '{name}' has {batching.max_queue_size} invocations queued (max_queue_size); retry later"
+
+
+def _late_message(name: str, timeout_ms: int, wait_ms: int) -> str:
+    if wait_ms == timeout_ms:
+        return f"function '{name}' did not answer within {timeout_ms} ms"
+    return (
+        f"function '{name}' did not answer within {timeout_ms} ms after its model's load, "
+        f"which may take up to {wait_ms - timeout_ms} ms (load_timeout_s)"
+    )

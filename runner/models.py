@@ -37,6 +37,8 @@ class LoadedModel:
     load_s: float
     last_used: float
     download_s: float = 0.0
+    ready_ms: int = 0
+    """Wall clock (ms) when the load completed: invocations queued before it waited for the load."""
     in_use: int = 0
     unloaded: bool = False
     stuck_since: float | None = None
@@ -88,6 +90,20 @@ class LoadedModels:
     def loading(self) -> bool:
         """A load is under way (a runner that is loading is never idle)."""
         return any(lock.locked() for lock in self._locks.values())
+
+    def deadline_ms(self, name: str, version: str, deadline_ms: int, queued_ms: int, now_ms: int) -> int:
+        """An invocation's deadline under the loading rule (`load_deadline_ms`), with this runner's
+        load of its version: done at its `ready_ms`, or not yet (then it is still to wait for)."""
+        model = self._models.get((name, version))
+        if model is not None and queued_ms >= model.ready_ms:
+            return deadline_ms  # warm: the common case, decided without looking further
+        record = self._known.get(name)
+        function = record.versions.get(version) if record is not None else None
+        if function is None:
+            return deadline_ms
+        ready_ms = model.ready_ms if model is not None else None
+        load_timeout_ms = int(function.manifest.model.load_timeout_s * 1000)
+        return load_deadline_ms(deadline_ms, queued_ms, ready_ms, now_ms, load_timeout_ms)
 
     def offer(self, records: Mapping[str, FunctionRecord]) -> None:
         """The functions and versions this runner may load (every stored version of each)."""
@@ -209,7 +225,12 @@ class LoadedModels:
             started = time.perf_counter()
             loaded = materialized.function
             backend = await asyncio.to_thread(
-                load_backend, loaded.manifest, loaded.directory, self._threads, self._accel
+                load_backend,
+                loaded.manifest,
+                loaded.directory,
+                self._threads,
+                self._accel,
+                materialized.model_bytes,
             )
         except Exception as exc:
             if materialized is not None:
@@ -221,7 +242,12 @@ class LoadedModels:
             await self._report(*key, ModelState(UNAVAILABLE, f"load-failed: {detail}", _now_ms(), request))
             raise error from exc
         model = LoadedModel(
-            loaded, backend, time.perf_counter() - started, time.monotonic(), materialized.download_s
+            loaded,
+            backend,
+            time.perf_counter() - started,
+            time.monotonic(),
+            materialized.download_s,
+            _now_ms(),
         )
         self._models[key] = model
         model_loaded(*key, loaded.manifest.model.accelerator, backend, self._gpu_index)
@@ -251,6 +277,18 @@ class LoadedModels:
             if model.stuck_since is None:  # a thread still runs in a stuck one: closing it would crash
                 self._close(model)
         self._models.clear()
+
+
+def load_deadline_ms(
+    deadline_ms: int, queued_ms: int, ready_ms: int | None, now_ms: int, load_timeout_ms: int
+) -> int:
+    """The loading rule: an invocation queued at `queued_ms` before its model was ready (at
+    `ready_ms`; None while it is still to load, that is until `now_ms` at least) does not spend its
+    deadline on that wait: the deadline moves by the time waited, at most `load_timeout_ms`."""
+    waited_ms = (now_ms if ready_ms is None else ready_ms) - queued_ms
+    if waited_ms <= 0:
+        return deadline_ms
+    return deadline_ms + min(waited_ms, load_timeout_ms)
 
 
 def _ready(model: LoadedModel, request: str) -> ModelState:

@@ -1,0 +1,30 @@
+"""The loading rule's deadline (runner.models.load_deadline_ms): time an invocation spent waiting
+for its model's load does not count against its deadline, up to the model's load_timeout_s."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.models import load_deadline_ms
+
+DEADLINE_MS = 10_000
+"""An invocation queued at 9000 ms with a timeout of 1000 ms."""
+QUEUED_MS = 9_000
+LOAD_TIMEOUT_MS = 5_000
+
+
+@pytest.mark.parametrize(
+    ("ready_ms", "now_ms", "expected_ms", "case"),
+    [
+        (8_000, 20_000, DEADLINE_MS, "queued after the load: its own deadline"),
+        (9_000, 20_000, DEADLINE_MS, "queued as the load completed: its own deadline"),
+        (12_000, 12_500, 13_000, "queued during a 3 s wait for the load: the deadline moves 3 s"),
+        (30_000, 30_500, 15_000, "a wait longer than load_timeout_s: the deadline moves by that much"),
+        (None, 11_000, 12_000, "still to load: the wait so far does not count"),
+        (None, 40_000, 15_000, "still to load long past load_timeout_s: expired at the bound"),
+    ],
+)
+def test_the_wait_for_the_load_does_not_count_up_to_load_timeout(
+    ready_ms: int | None, now_ms: int, expected_ms: int, case: str
+) -> None:
+    assert load_deadline_ms(DEADLINE_MS, QUEUED_MS, ready_ms, now_ms, LOAD_TIMEOUT_MS) == expected_ms, case
