@@ -114,10 +114,9 @@ class Dispatcher:
             admission=admission,
         )
         future = self._replies.expect(invocation.id)
-        # The loading rule: a version no live runner has ready may first wait for its load.
-        wait_ms = timeout_ms + (self._activator.load_wait_ms(function) if self._activator is not None else 0)
+        queued = False
         try:
-            async with asyncio.timeout(wait_ms / 1000):
+            async with asyncio.timeout(timeout_ms / 1000):
                 outcome = await self._submit(call, manifest.name)
                 if isinstance(outcome, queue.Hit):
                     return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
@@ -125,11 +124,22 @@ class Dispatcher:
                     raise Overloaded(_full_message(manifest.name, outcome, manifest.batching))
                 if isinstance(outcome, queue.Limited):
                     raise Refused(outcome)
+                queued = True
                 if self._activator is not None:
                     await self._activator.wake(pool)
                 reply = await future
         except TimeoutError:
-            raise DeadlineExceeded(_late_message(manifest.name, timeout_ms, wait_ms)) from None
+            # The loading rule: past the deadline, a queued invocation waits on while its model loads.
+            since_ms = invocation.deadline_ms - timeout_ms
+            if not (
+                queued and self._activator is not None and self._activator.is_loading(function, since_ms)
+            ):
+                raise DeadlineExceeded(
+                    f"function '{manifest.name}' did not answer within {timeout_ms} ms"
+                ) from None
+            # The timeout cancelled `future`; expect again (no reply came between: nothing awaited).
+            renewed = self._replies.expect(invocation.id)
+            reply = await self._activator.await_load(function, renewed, since_ms, timeout_ms)
         finally:
             self._replies.forget(invocation.id)
         if reply.error is not None:
@@ -153,12 +163,3 @@ def _full_message(name: str, outcome: queue.Full, batching: Any) -> str:
             "(max_queue_bytes); retry later"
         )
     return f"function '{name}' has {batching.max_queue_size} invocations queued (max_queue_size); retry later"
-
-
-def _late_message(name: str, timeout_ms: int, wait_ms: int) -> str:
-    if wait_ms == timeout_ms:
-        return f"function '{name}' did not answer within {timeout_ms} ms"
-    return (
-        f"function '{name}' did not answer within {timeout_ms} ms after its model's load, "
-        f"which may take up to {wait_ms - timeout_ms} ms (load_timeout_s)"
-    )
