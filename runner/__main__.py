@@ -1,4 +1,5 @@
-"""settings -> asyncio.run(main(settings, stopping)); SIGTERM and SIGINT set `stopping`."""
+"""settings -> asyncio.run(main(settings, stopping)); SIGTERM and SIGINT set `stopping`. With
+`--standby`, a runner started ahead of need: its imports done, it waits for its settings."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import time
 IMPORTS_STARTED = time.perf_counter()
 
 import asyncio  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
@@ -27,7 +30,20 @@ async def run(settings: RunnerSettings) -> None:
     await worker_main(settings, stopping)
 
 
+def await_assignment() -> bool:
+    """A standby runner's wait: one line on stdin, a JSON object of FNGATE_* variables that complete
+    its environment (its pool above all), from the scaler that hands it to a pool. End of input
+    (the scaler stopped or needs it no more): False."""
+    line = sys.stdin.readline()
+    if not line.strip():
+        return False
+    os.environ.update({str(key): str(value) for key, value in json.loads(line).items()})
+    return True
+
+
 def main(settings: RunnerSettings | None = None) -> int:
+    if sys.argv[1:] == ["--standby"] and not await_assignment():
+        return 0
     unknown = unknown_variables()
     if unknown:
         print(f"runner: unknown settings variables: {', '.join(unknown)}", file=sys.stderr)

@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="uvicorn",
         help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
     )
+    up.add_argument(
+        "--standby-runner",
+        action="store_true",
+        help="keep one runner process started ahead of need for the next pool that wakes: its cold "
+        "start skips the runner's start-up (costs an idle runner's memory: about 65 MB RSS)",
+    )
     up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     _add_auth_flags(up)
@@ -231,6 +237,12 @@ def _add_repository_commands(commands: Any) -> None:
         action="store_false",
         help="S3 only: upload without recording; `fngate ls --sync` records it where Redis is reachable",
     )
+    deploy.add_argument(
+        "--warm",
+        action="store_true",
+        help="then have a runner of its pool load the new version (starting one if none runs) and wait "
+        "for it: its first invocation finds it loaded",
+    )
 
     ls = commands.add_parser("ls", help="list functions, versions, traffic and load state")
     _repository_flags(ls)
@@ -311,7 +323,7 @@ def _repository_command(args: argparse.Namespace) -> int:
             )
         gateway = _deploy_gateway(args.gateway, url)
         return deploy.deploy(
-            args.file, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it
+            args.file, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it, args.warm
         )
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)

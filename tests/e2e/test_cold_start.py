@@ -5,12 +5,21 @@ invocation of a function whose load outlasts its timeout_ms is answered under de
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+import redis.asyncio as aioredis
 
-from tests.e2e.test_scale_to_zero import scaler
+from fngate import keys
+from fngate.registry import function_source
+from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
+from tests.conftest import child_env
+from tests.e2e.deployments import cli, scale_function
+from tests.e2e.test_scale_to_zero import scaler, wait_until
 
 __all__ = ["scaler"]
 
@@ -38,3 +47,67 @@ async def test_invocations_that_arrive_while_the_model_loads_are_answered(
         assert late.status_code == 504, late.text
         assert late.json()["code"] == "deadline_exceeded"
         assert "load_timeout_s" in late.json()["error"]
+
+
+@pytest.fixture
+async def standby_scaler(
+    redis_url: str, repo: Path, tmp_path: Path, redis: aioredis.Redis
+) -> AsyncIterator[LocalScaler]:
+    """The local scaler of `fngate up --standby-runner`, in this event loop."""
+    client = aioredis.from_url(redis_url)
+    source = function_source(str(repo), client)
+
+    async def pools() -> dict[str, PoolSpec]:
+        return pool_specs(await source())
+
+    env = child_env(redis_url, repo, FNGATE_RESCAN_S="0.5")
+    local = LocalScaler(client, pools, env, 30.0, tmp_path, poll_s=0.2, standby=True)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(local.run(stopping))
+    yield local
+    stopping.set()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(task, 60)
+    await client.aclose()
+
+
+async def runner_pids(redis: aioredis.Redis) -> set[int]:
+    """Runners with a live heartbeat (their names end in -{pid}-{suffix})."""
+    names = await redis.zrange(keys.runners(), 0, -1)
+    return {int(name.decode().rsplit("-", 2)[-2]) for name in names}
+
+
+async def test_a_standby_runner_serves_the_next_pool_that_wakes_and_is_replaced(
+    serve_gateway: Callable[..., Any], standby_scaler: LocalScaler, redis: aioredis.Redis
+) -> None:
+    base = await serve_gateway()
+
+    async def standing_by() -> bool:
+        return standby_scaler.standby_pid is not None
+
+    await wait_until(standing_by, 30, "the standby runner to start")
+    standby = standby_scaler.standby_pid
+    assert standby not in await runner_pids(redis)  # no pool, no heartbeat: it waits
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        response = await client.post("/v1/functions/brief", json={"inputs": {"input": [[0.5] * 16]}})
+        assert response.status_code == 200, response.text
+    assert standby in await runner_pids(redis)  # it serves the pool that woke
+
+    async def replaced() -> bool:
+        return standby_scaler.standby_pid not in (None, standby)
+
+    await wait_until(replaced, 30, "the next standby runner to start")
+
+
+async def test_deploy_warm_has_a_runner_load_the_new_version(
+    redis_url: str, runner_process: Callable[..., Any], tmp_path: Path
+) -> None:
+    repository = tmp_path / "repository"
+    runner_process(FNGATE_REPO=str(repository), FNGATE_RESCAN_S="30")
+    manifest = scale_function(tmp_path / "scale", "scale", 2.0)
+    deployed = await cli("deploy", str(manifest), "--repo", str(repository), "--redis", redis_url, "--warm")
+    assert deployed.returncode == 0, deployed.stderr
+    assert "scale version 1 is loaded" in deployed.stdout
+    listed = await cli("ls", "--repo", str(repository), "--redis", redis_url)
+    assert listed.returncode == 0, listed.stderr
+    assert "READY" in next(line for line in listed.stdout.splitlines() if line.startswith("scale "))
