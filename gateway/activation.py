@@ -23,6 +23,8 @@ from fngate.repository import FunctionVersion
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RELOADED = {"not-loaded", "idle-unloaded", "retired"}
+"""States of a version that a runner loads again for its next invocation (not stuck or failed)."""
 REFRESH_TIMEOUT_S = 1.0
 """A refresh that takes longer counts as a failure: a Redis that is paused answers nothing at all."""
 
@@ -50,14 +52,15 @@ class Activator:
 
     def is_loading(self, function: FunctionVersion, since_ms: int) -> bool:
         """The version's model is on its way for an invocation queued at `since_ms` (wall clock): a
-        live runner of its pool loads it, or has not taken it up since, or none is live yet and a
-        scaler heard the pool's wake (within load_timeout_s, and no start of it failed since)."""
+        live runner of its pool loads it, or will when it takes the invocation up (it never had it,
+        or unloaded it idle before), or none is live yet and a scaler heard the pool's wake (within
+        load_timeout_s, and no start of it failed since)."""
         state = self._states.get((function.name, function.version))
         if state is not None and state.state in (READY, LOADING):
             return state.state == LOADING
         pool = function.manifest.scaling.pool
-        if pool in self._live_pools:
-            return state is None or state.at_ms < since_ms
+        if pool in self._live_pools:  # it loads the version when it takes the invocation up
+            return state is None or (state.reason in RELOADED and state.at_ms < since_ms)
         if self._failures.get(pool):
             return False
         heard = self._heard.get(pool, float("-inf"))

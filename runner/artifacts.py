@@ -384,6 +384,16 @@ class Artifacts:
             dataclasses.replace(function, directory=placed.view), placed.download_s, placed.data
         )
 
+    def prefetch(self, function: FunctionVersion) -> bool:
+        """Put the version's files in the artifact cache without loading it (an S3 repository only:
+        a folder's files are local already). Whether anything was downloaded."""
+        if self._remote is None or self.cache is None:
+            return False
+        remote = self._remote
+        placed = self.cache.materialize(function, lambda item, target: remote.fetch(function, item, target))
+        self.cache.release(function)
+        return placed.download_s > 0
+
     def _check_in_place(self, function: FunctionVersion) -> None:
         for item in function.files:
             path = function.directory / item.path

@@ -54,6 +54,8 @@ class Lifecycle:
         self.background: set[asyncio.Task[Any]] = set()
         """Loads asked for by a load request or a new version; cancelled, not awaited, at shutdown."""
         self.preloading: set[Key] = set()
+        self.discovered = False
+        """A first discovery pass is done: versions seen after it were deployed while we ran."""
 
     @property
     def busy(self) -> bool:
@@ -81,6 +83,7 @@ class Lifecycle:
             if (name in wanted if wanted else _pool_of(record) == settings.pool)
         }
         gone = self.records.keys() - records.keys()
+        known = {(name, version) for name, record in self.records.items() for version in record.versions}
         self.records = records
         self.models.offer(records)
         for name in gone:
@@ -90,6 +93,9 @@ class Lifecycle:
         for record in records.values():
             self._consume(record)
             self._preload(record)
+            if self.discovered:
+                self._prefetch(record, known)
+        self.discovered = True
         await self._retire()
 
     def _consume(self, record: FunctionRecord) -> None:
@@ -119,6 +125,16 @@ class Lifecycle:
             if key not in self.models.loaded and key not in self.preloading:
                 self.preloading.add(key)
                 self.spawn(self._preload_one(key), f"preload {key}")
+
+    def _prefetch(self, record: FunctionRecord, known: set[Key]) -> None:
+        """A version deployed while we run, of a function not loaded here, is fetched into the
+        artifact cache now, so that its first invocation finds its files on disk."""
+        default = record.default
+        if default is None or (record.name, default.version) in known:
+            return
+        if any(key[0] == record.name for key in self.models.loaded):
+            return  # _preload loads it beside the loaded one
+        self.spawn(self.models.prefetch(default), f"prefetch {record.name}")
 
     async def _preload_one(self, key: Key) -> None:
         try:

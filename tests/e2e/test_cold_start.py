@@ -1,11 +1,13 @@
-"""The loading rule (docs/cold-start.md): invocations that arrive while their model loads wait for
-the load, up to the model's load_timeout_s, before their own deadline starts; so the first
-invocation of a function whose load outlasts its timeout_ms is answered under default settings."""
+"""Cold starts (docs/cold-start.md): the loading rule (invocations that arrive while their model
+loads wait for the load, up to its load_timeout_s, before their own deadline starts, so the first
+invocation of a function whose load outlasts its timeout_ms is answered under default settings), a
+standby runner, `fngate deploy --warm`, and runners that prefetch a version deployed while they run."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,9 @@ from fngate import keys
 from fngate.registry import function_source
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from tests.conftest import child_env
-from tests.e2e.deployments import cli, scale_function
+from tests.e2e.deployments import cli, runner_env, scale_function
 from tests.e2e.test_scale_to_zero import scaler, wait_until
+from tests.s3 import Bucket
 
 __all__ = ["scaler"]
 
@@ -111,3 +114,25 @@ async def test_deploy_warm_has_a_runner_load_the_new_version(
     listed = await cli("ls", "--repo", str(repository), "--redis", redis_url)
     assert listed.returncode == 0, listed.stderr
     assert "READY" in next(line for line in listed.stdout.splitlines() if line.startswith("scale "))
+
+
+async def test_a_runner_prefetches_a_version_deployed_while_it_runs(
+    s3: Bucket, redis_url: str, redis: aioredis.Redis, runner_process: Callable[..., Any], tmp_path: Path
+) -> None:
+    artifacts = tmp_path / "artifacts"
+    runner_process(**runner_env(s3.repo, artifacts, s3.env))
+
+    async def serving() -> bool:
+        return bool(await runner_pids(redis))
+
+    await wait_until(serving, 30, "the runner to start")
+    manifest = scale_function(tmp_path / "scale", "scale", 3.0)
+    deployed = await cli("deploy", str(manifest), "--repo", s3.repo, "--redis", redis_url)
+    assert deployed.returncode == 0, deployed.stderr
+    factor = hashlib.sha256(b"3.0\n").hexdigest()
+
+    async def fetched() -> bool:
+        return (artifacts / "blobs" / factor).is_file()
+
+    await wait_until(fetched, 30, "the new version's files in the runner's artifact cache")
+    assert s3.server.count("GET", s3.key("scale", "1", "factor.txt")) == 1  # before any invocation
