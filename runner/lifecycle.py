@@ -23,6 +23,8 @@ from runner.models import Key, LoadedModels
 
 log = logging.getLogger(__name__)
 
+PREFETCH_MIN_BYTES = 8 * 1024 * 1024
+"""Smaller versions download in a few round trips: fetched when first invoked, not ahead."""
 REPLAY_MS = 600_000
 """Load requests this recent are carried out by a runner that starts after them."""
 
@@ -128,9 +130,12 @@ class Lifecycle:
 
     def _prefetch(self, record: FunctionRecord, known: set[Key]) -> None:
         """A version deployed while we run, of a function not loaded here, is fetched into the
-        artifact cache now, so that its first invocation finds its files on disk."""
+        artifact cache now, so that its first invocation finds its files on disk: when it is large
+        enough (PREFETCH_MIN_BYTES) for its download to be a noticeable part of a cold start."""
         default = record.default
         if default is None or (record.name, default.version) in known:
+            return
+        if sum(item.size for item in default.files) < PREFETCH_MIN_BYTES:
             return
         if any(key[0] == record.name for key in self.models.loaded):
             return  # _preload loads it beside the loaded one

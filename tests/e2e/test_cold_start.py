@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import redis.asyncio as aioredis
 from fngate import keys
 from fngate.registry import function_source
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
+from runner.lifecycle import PREFETCH_MIN_BYTES
 from tests.conftest import child_env
 from tests.e2e.deployments import cli, runner_env, scale_function
 from tests.e2e.test_scale_to_zero import scaler, wait_until
@@ -127,12 +129,13 @@ async def test_a_runner_prefetches_a_version_deployed_while_it_runs(
 
     await wait_until(serving, 30, "the runner to start")
     manifest = scale_function(tmp_path / "scale", "scale", 3.0)
+    weights = os.urandom(PREFETCH_MIN_BYTES)  # large enough to be worth fetching ahead
+    (manifest.parent / "weights.bin").write_bytes(weights)
     deployed = await cli("deploy", str(manifest), "--repo", s3.repo, "--redis", redis_url)
     assert deployed.returncode == 0, deployed.stderr
-    factor = hashlib.sha256(b"3.0\n").hexdigest()
 
     async def fetched() -> bool:
-        return (artifacts / "blobs" / factor).is_file()
+        return (artifacts / "blobs" / hashlib.sha256(weights).hexdigest()).is_file()
 
     await wait_until(fetched, 30, "the new version's files in the runner's artifact cache")
     assert s3.server.count("GET", s3.key("scale", "1", "factor.txt")) == 1  # before any invocation
