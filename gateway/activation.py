@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RELOADED = {"not-loaded", "idle-unloaded", "retired"}
 """States of a version that a runner loads again for its next invocation (not stuck or failed)."""
+TAKE_UP_S = 3.0
+"""A runner that has just become live takes up the invocations queued for it, and reports the load
+it begins, within this long."""
 REFRESH_TIMEOUT_S = 1.0
 """A refresh that takes longer counts as a failure: a Redis that is paused answers nothing at all."""
 
@@ -35,6 +38,8 @@ class Activator:
         self._refresh_s = refresh_s
         self.health = health or Health("redis")
         self._live_pools: set[str] = set()
+        self._live_since: dict[str, float] = {}
+        """When each live pool was first seen live (time.monotonic())."""
         self._states: dict[tuple[str, str], ModelState] = {}
         """Per (function, version) on live runners: READY if any has it, else LOADING if any loads
         it, else the latest state."""
@@ -60,7 +65,9 @@ class Activator:
             return state.state == LOADING
         pool = function.manifest.scaling.pool
         if pool in self._live_pools:  # it loads the version when it takes the invocation up
-            return state is None or (state.reason in RELOADED and state.at_ms < since_ms)
+            if state is None:  # nothing reported: a runner just started, or Redis lost the states
+                return time.monotonic() - self._live_since.get(pool, 0.0) < TAKE_UP_S
+            return state.reason in RELOADED and state.at_ms < since_ms
         if self._failures.get(pool):
             return False
         heard = self._heard.get(pool, float("-inf"))
@@ -133,6 +140,8 @@ class Activator:
             pipe.hgetall(keys.start_failures())
             results: list[Any] = await pipe.execute()
         self._live_pools = {fields[b"_pool"].decode() for fields in results[:-1] if fields.get(b"_pool")}
+        now = time.monotonic()
+        self._live_since = {pool: self._live_since.get(pool, now) for pool in self._live_pools}
         states: dict[tuple[str, str], ModelState] = {}
         for fields in results[:-1]:
             for field, raw in fields.items():
