@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RELOADED = {"not-loaded", "idle-unloaded", "retired"}
 """States of a version that a runner loads again for its next invocation (not stuck or failed)."""
+START_S = 15.0
+"""A scaler that heard a pool's wake has a runner of it live within this long, or is not starting one."""
 TAKE_UP_S = 3.0
 """A runner that has just become live takes up the invocations queued for it, and reports the load
 it begins, within this long."""
@@ -59,7 +61,7 @@ class Activator:
         """The version's model is on its way for an invocation queued at `since_ms` (wall clock): a
         live runner of its pool loads it, or will when it takes the invocation up (it never had it,
         or unloaded it idle before), or none is live yet and a scaler heard the pool's wake (within
-        load_timeout_s, and no start of it failed since)."""
+        START_S, and no start of it failed since)."""
         state = self._states.get((function.name, function.version))
         if state is not None and state.state in (READY, LOADING):
             return state.state == LOADING
@@ -71,7 +73,19 @@ class Activator:
         if self._failures.get(pool):
             return False
         heard = self._heard.get(pool, float("-inf"))
-        return time.monotonic() - heard < function.manifest.model.load_timeout_s
+        return time.monotonic() - heard < min(START_S, function.manifest.model.load_timeout_s)
+
+    async def on_the_way(self, function: FunctionVersion, since_ms: int) -> bool:
+        """`is_loading`, at an invocation's deadline; a pool with no runner whose wake no scaler has
+        heard yet (it may have subscribed since, or started one from the backlog) is woken again."""
+        if self.is_loading(function, since_ms):
+            return True
+        pool = function.manifest.scaling.pool
+        if pool in self._live_pools or self._failures.get(pool):
+            return False
+        self._woken.pop(pool, None)
+        await self.wake(pool)
+        return self.is_loading(function, since_ms)
 
     async def await_load(
         self, function: FunctionVersion, answer: asyncio.Future[T], since_ms: int, timeout_ms: int

@@ -130,15 +130,17 @@ class Dispatcher:
                 reply = await future
         except TimeoutError:
             # The loading rule: past the deadline, a queued invocation waits on while its model loads.
+            # The timeout cancelled `future`: expect again before anything else is awaited.
+            renewed = self._replies.expect(invocation.id)
             since_ms = invocation.deadline_ms - timeout_ms
             if not (
-                queued and self._activator is not None and self._activator.is_loading(function, since_ms)
+                queued
+                and self._activator is not None
+                and await self._activator.on_the_way(function, since_ms)
             ):
                 raise DeadlineExceeded(
                     f"function '{manifest.name}' did not answer within {timeout_ms} ms"
                 ) from None
-            # The timeout cancelled `future`; expect again (no reply came between: nothing awaited).
-            renewed = self._replies.expect(invocation.id)
             reply = await self._activator.await_load(function, renewed, since_ms, timeout_ms)
         finally:
             self._replies.forget(invocation.id)
