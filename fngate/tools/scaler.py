@@ -78,6 +78,7 @@ class LocalScaler:
         self._standby: subprocess.Popen[bytes] | None = None
         """A runner started ahead of need, waiting on its stdin for the pool it is to serve."""
         self._spawned = 0
+        self._standby_not_before = 0.0
         self._started: list[Started] = []
         self._last_start: dict[str, float] = {}
         self._specs: dict[str, PoolSpec] = {}
@@ -158,7 +159,14 @@ class LocalScaler:
         """Start the next standby runner once no runner is starting (not to slow a cold start)."""
         if not self._keep_standby or any(not item.seen for item in self._started):
             return
-        if self._standby is None or self._standby.poll() is not None:
+        standby = self._standby
+        if standby is not None and standby.poll() is None:
+            return
+        now = time.monotonic()
+        if standby is not None and standby.returncode != 0:  # it died waiting: not again at once
+            log.error("the standby runner %d died (code %s)", standby.pid, standby.returncode)
+            self._standby, self._standby_not_before = None, now + MAX_CRASH_BACKOFF_S
+        if now >= self._standby_not_before:
             self._standby = self._spawn(["--standby"], self._env, "standby")
 
     def _live(self, pool: str) -> int:
