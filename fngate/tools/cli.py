@@ -241,7 +241,7 @@ def _add_repository_commands(commands: Any) -> None:
         "--warm",
         action="store_true",
         help="then have a runner of its pool load the new version (starting one if none runs) and wait "
-        "for it: its first invocation finds it loaded",
+        "for it: its first invocation finds it loaded (with --gateway: an admin key)",
     )
 
     ls = commands.add_parser("ls", help="list functions, versions, traffic and load state")
@@ -470,7 +470,7 @@ def _deploy_through(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return deploy.deploy_through(args.file, args.gateway, api_key, sys.stdout, sys.stderr)
+    return deploy.deploy_through(args.file, args.gateway, api_key, sys.stdout, sys.stderr, args.warm)
 
 
 def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:

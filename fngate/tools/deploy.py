@@ -207,9 +207,12 @@ async def _warm(redis_url: str, version: FunctionVersion, out: TextIO) -> str:
     return f"was not loaded within {timeout_s:.0f} s (is a runner of pool '{pool}' running?)"
 
 
-def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: TextIO) -> int:
+def deploy_through(
+    path: Path, gateway: str, api_key: str, out: TextIO, err: TextIO, warm: bool = False
+) -> int:
     """`fngate deploy --gateway URL`: the manifest and its folder, as a tar.gz, to the gateway's
-    deploy API with an API key of the `deploy` scope; the gateway stores it and tells the runners."""
+    deploy API with an API key of the `deploy` scope; the gateway stores it and tells the runners.
+    With `warm`, then the gateway's model-control load (an `admin` key), which waits for it."""
     try:
         manifest = load_manifest(path)
         files = deploy_files(path, manifest)
@@ -261,6 +264,27 @@ def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: Tex
         f'-H "Authorization: Bearer $FNGATE_API_KEY" -d {data}',
         file=out,
     )
+    return _warm_through(base, manifest, api_key, out, err) if warm else 0
+
+
+def _warm_through(base: str, manifest: FunctionManifest, api_key: str, out: TextIO, err: TextIO) -> int:
+    request = urllib.request.Request(
+        f"{base}/v2/repository/models/{manifest.name}/load",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
+    )
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=manifest.model.load_timeout_s + RUNNER_START_S):
+            pass
+    except urllib.error.HTTPError as exc:
+        print(f"fngate deploy --warm: the gateway answered {exc.code}: {_api_error(exc.read())}", file=err)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"fngate deploy --warm: the gateway at {base} did not answer the load ({exc})", file=err)
+        return 1
+    print(f"{manifest.name} is loaded ({time.monotonic() - started:.1f} s)", file=out)
     return 0
 
 

@@ -15,13 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis as sync_redis
 import redis.asyncio as aioredis
 
-from fngate import keys
+from fngate import apikeys, keys
 from fngate.registry import function_source
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from runner.lifecycle import PREFETCH_MIN_BYTES
-from tests.conftest import child_env
+from tests.conftest import child_env, wait_http
 from tests.e2e.deployments import cli, runner_env, scale_function
 from tests.e2e.test_scale_to_zero import scaler, wait_until
 from tests.s3 import Bucket
@@ -105,7 +106,11 @@ async def test_a_standby_runner_serves_the_next_pool_that_wakes_and_is_replaced(
 
 
 async def test_deploy_warm_has_a_runner_load_the_new_version(
-    redis_url: str, runner_process: Callable[..., Any], tmp_path: Path
+    redis_url: str,
+    redis: aioredis.Redis,
+    runner_process: Callable[..., Any],
+    gateway_process: Callable[..., str],
+    tmp_path: Path,
 ) -> None:
     repository = tmp_path / "repository"
     runner_process(FNGATE_REPO=str(repository), FNGATE_RESCAN_S="30")
@@ -116,6 +121,16 @@ async def test_deploy_warm_has_a_runner_load_the_new_version(
     listed = await cli("ls", "--repo", str(repository), "--redis", redis_url)
     assert listed.returncode == 0, listed.stderr
     assert "READY" in next(line for line in listed.stdout.splitlines() if line.startswith("scale "))
+
+    # Through a gateway's API: the load is model control, for an admin key.
+    base = gateway_process(FNGATE_REPO=str(repository), FNGATE_AUTH="true", FNGATE_AUTH_REFRESH_S="0.2")
+    await wait_http(base)
+    with sync_redis.Redis.from_url(redis_url) as client:
+        key, _ = apikeys.create(client, ["deploy", "admin"])
+    env = {"FNGATE_API_KEY": key}
+    again = await cli("deploy", str(manifest), "--gateway", base, "--warm", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "scale is loaded" in again.stdout
 
 
 async def test_a_runner_prefetches_a_version_deployed_while_it_runs(
