@@ -242,15 +242,10 @@ def deploy_through(
                 "Authorization": f"Bearer {api_key}",
             },
         )
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                doc = orjson.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            print(f"fngate deploy: the gateway answered {exc.code}: {_api_error(exc.read())}", file=err)
+        answer = _call_gateway(request, 600, "fngate deploy", base, err)
+        if answer is None:
             return 1
-        except (urllib.error.URLError, OSError) as exc:
-            print(f"fngate deploy: the gateway at {base} is unreachable ({exc})", file=err)
-            return 1
+        doc = orjson.loads(answer)
     traffic = ", ".join(f"version {v}: {w}%" for v, w in doc["traffic"].items())
     print(
         f"deployed {manifest.name} version {doc['deployed']} through {base}\n"
@@ -275,17 +270,26 @@ def _warm_through(base: str, manifest: FunctionManifest, api_key: str, out: Text
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
     )
     started = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=manifest.model.load_timeout_s + RUNNER_START_S):
-            pass
-    except urllib.error.HTTPError as exc:
-        print(f"fngate deploy --warm: the gateway answered {exc.code}: {_api_error(exc.read())}", file=err)
-        return 1
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"fngate deploy --warm: the gateway at {base} did not answer the load ({exc})", file=err)
+    timeout_s = manifest.model.load_timeout_s + RUNNER_START_S
+    if _call_gateway(request, timeout_s, "fngate deploy --warm", base, err) is None:
         return 1
     print(f"{manifest.name} is loaded ({time.monotonic() - started:.1f} s)", file=out)
     return 0
+
+
+def _call_gateway(
+    request: urllib.request.Request, timeout_s: float, command: str, base: str, err: TextIO
+) -> bytes | None:
+    """The gateway's answer to `request`, or None once why there is none is printed."""
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body: bytes = response.read()
+            return body
+    except urllib.error.HTTPError as exc:
+        print(f"{command}: the gateway answered {exc.code}: {_api_error(exc.read())}", file=err)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{command}: the gateway at {base} is unreachable ({exc})", file=err)
+    return None
 
 
 def _api_error(body: bytes) -> str:
