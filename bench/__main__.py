@@ -495,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure-s", type=float, default=4.0)
     parser.add_argument("--cold-starts", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="short windows, for a smoke run")
+    parser.add_argument(
+        "--large-model",
+        action="store_true",
+        help="S4 also cold-starts a 268 MB model from S3 (moto's server), empty cache and on disk, "
+        "against limits measured in the same run (needs about 1.5 GB of memory and a minute or two)",
+    )
     parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T")
     parser.add_argument(
         "--triton",
@@ -533,6 +539,18 @@ def main(argv: list[str] | None = None) -> int:
                 bench.cache(deployed)
             if wanted("S4"):
                 bench.cold_start(deployed)
+                if args.large_model:
+                    from bench.coldstart import large_cold_starts
+
+                    large_cold_starts(
+                        deployed.redis_url,
+                        Path(folder) / "large",
+                        args.cold_starts,
+                        bench.record,
+                        cold_start_phases,
+                        wait_for_no_runner,
+                        wait_live,
+                    )
             if wanted("S5"):
                 deployed.stop_runners()
                 deployed.start_runner()

@@ -52,7 +52,13 @@ TARGETS: list[tuple[str, dict[str, Any], str, str, float]] = [
         "<=",
         0.5,
     ),
-    ("cold start, request to answer (ms)", {"scenario": "S4"}, "spawn_to_answer_ms", "<=", 1500),
+    (
+        "cold start, request to answer (ms)",
+        {"scenario": "S4", "function": "tiny"},
+        "spawn_to_answer_ms",
+        "<=",
+        1500,
+    ),
 ]
 
 
@@ -84,6 +90,7 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
             continue
         met = value <= target if sign == "<=" else value >= target
         lines.append(f"| {what} | {value:.2f} | {sign} {target} | {'yes' if met else 'no'} |")
+    lines += _large_cold_starts(rows)
     lines += ["", "## Every point", ""]
     columns = [
         "scenario",
@@ -104,7 +111,11 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         "cpu_us_runner",
         "cpu_us_redis",
         "cpu_us_loadgen",
+        "runner",
+        "status",
         "spawn_to_answer_ms",
+        "limit_ms",
+        "baseline_ms",
         "woken_at_ms",
         "imports_ms",
         "runner_up_at_ms",
@@ -129,6 +140,35 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
     ]
     (out / "results.md").write_text("\n".join(lines))
     _plot(out / "throughput.png", rows)
+
+
+def _large_cold_starts(rows: list[Row]) -> list[str]:
+    """S4 with --large-model: each cold start against its limit, measured in the same run."""
+    large = [row for row in rows if row.get("scenario") == "S4" and row.get("function") == "large"]
+    if not large:
+        return []
+    lines = [
+        "",
+        "## Cold starts of a large model (268 MB, from S3), against limits measured in the same run",
+        "",
+        "| runner | artifact cache | attempt | status | request to answer (ms) | limit (ms) | base (ms) "
+        "| met |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |",
+    ]
+    for row in large:
+        met = row["status"] == 200 and row["spawn_to_answer_ms"] <= row["limit_ms"]
+        lines.append(
+            f"| {row.get('runner', '')} | {row['cache']} | {row['attempt']} | {row['status']} | "
+            f"{row['spawn_to_answer_ms']:.0f} | {row['limit_ms']:.0f} | {row['baseline_ms']:.0f} | "
+            f"{'yes' if met else 'no'} |"
+        )
+    lines += [
+        "",
+        "Limits: empty cache, the plain boto3 download_file of the model + 400 ms; on disk, onnxruntime's "
+        "InferenceSession of the local file + 250 ms (both measured alone, before the cold starts). "
+        "Runner: started on demand by the scaler, or the standby runner of `fngate up --standby-runner`.",
+    ]
+    return lines
 
 
 def _cell(value: Any) -> str:

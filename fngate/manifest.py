@@ -78,6 +78,9 @@ class ModelSpec(_Frozen):
     """Longest a batch may run; None: the batching timeout (no invocation waits longer anyway)."""
     memory_limit_mb: Annotated[int, Field(ge=1)] | None = None
     """python backend: the function's process is restarted, between batches, once its RSS is over this."""
+    load_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    """Longest an invocation waits for its model to load (runner start and download included)
+    before its own deadline starts to run (docs/cold-start.md)."""
 
     @field_validator("path")
     @classmethod

@@ -4,7 +4,11 @@ gateways, the CLI and runners of folder repositories never pay for it."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
+import hashlib
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,8 +39,10 @@ log = logging.getLogger(__name__)
 
 MISSING = {"NoSuchKey", "404", "NotFound"}
 CLAIM_ATTEMPTS = 20
-SMALL_BYTES = 8 * 1024 * 1024
-"""Up to this size a file is fetched with one GET (the transfer manager adds a HEAD)."""
+PART_BYTES = 8 * 1024 * 1024
+"""Up to this size a file is read with one GET; a larger one in ranged GETs of this size."""
+READ_THREADS = 8
+"""Ranged GETs in flight for one file (botocore's connection pool holds 10)."""
 
 
 @contextlib.contextmanager
@@ -64,13 +70,14 @@ class S3Repository:
     """The repository layout of fngate/repository.py under s3://bucket/prefix/. Endpoint, region and
     credentials come from the standard AWS settings (AWS_ENDPOINT_URL_S3 included)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, part_bytes: int = PART_BYTES) -> None:
         bucket, _, prefix = url.removeprefix("s3://").partition("/")
         if not url.startswith("s3://") or not bucket:
             raise ValueError(f"{url!r} is not an S3 URL (s3://bucket/prefix)")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.part_bytes = part_bytes
         # Imported here: a runner of a folder repository does not pay for boto3 at its cold start.
         import boto3  # type: ignore[import-untyped]
         from botocore.config import Config  # type: ignore[import-untyped]
@@ -129,17 +136,53 @@ class S3Repository:
                 batch = [{"Key": key} for key in keys[start : start + 1000]]
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
 
-    def fetch(self, function: FunctionVersion, item: ArtifactFile, target: Path) -> None:
-        """One GET for a small file; ranged GETs in parallel (boto3's transfer manager) for a large one."""
+    def fetch(self, function: FunctionVersion, item: ArtifactFile, target: Path) -> str:
+        """Write the file to `target`; returns the sha256 of what was written, computed as the bytes
+        arrive (one pass: nothing reads the file again to check it)."""
+        digest = hashlib.sha256()
+        with target.open("wb") as sink:
+            for part in self._parts(function, item):
+                digest.update(part)
+                sink.write(part)
+        return digest.hexdigest()
+
+    def read(self, function: FunctionVersion, item: ArtifactFile) -> tuple[bytes, str]:
+        """The file's bytes, in memory, and their sha256 computed as they arrive."""
+        digest = hashlib.sha256()
+        parts = []
+        for part in self._parts(function, item):
+            digest.update(part)  # hashlib releases the GIL: the GETs go on meanwhile
+            parts.append(part)
+        return b"".join(parts), digest.hexdigest()
+
+    def _parts(self, function: FunctionVersion, item: ArtifactFile) -> Iterator[bytes]:
+        """The file's bytes in order: one GET for a small file, ranged GETs in parallel (a window of
+        2 * READ_THREADS parts ahead of the reader, so memory stays bounded) for a large one."""
         key = self._key(function.name, function.version, item.path)
         with s3_errors(self._url(function.name, function.version, item.path)):
-            if item.size > SMALL_BYTES:
-                self.client.download_file(self.bucket, key, str(target))
+            if item.size <= self.part_bytes:
+                yield from self.client.get_object(Bucket=self.bucket, Key=key)["Body"].iter_chunks(CHUNK)
                 return
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-            with target.open("wb") as sink:
-                for chunk in body.iter_chunks(CHUNK):
-                    sink.write(chunk)
+
+            def get(start: int) -> bytes:
+                last = min(start + self.part_bytes, item.size) - 1
+                response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{last}")
+                data: bytes = response["Body"].read()
+                return data
+
+            starts = iter(range(0, item.size, self.part_bytes))
+            pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="s3-read")
+            try:
+                ahead = itertools.islice(starts, 2 * READ_THREADS)
+                window = collections.deque(pool.submit(get, start) for start in ahead)
+                while window:
+                    part = window.popleft().result()
+                    following = next(starts, None)
+                    if following is not None:
+                        window.append(pool.submit(get, following))
+                    yield part
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _read(self, name: str) -> FunctionRecord | None:
         versions = []

@@ -1,24 +1,35 @@
 """Scale from zero: know which runner pools have a live runner, and wake a pool that has none the
 moment work arrives for it, instead of waiting for a scaler's poll.
 
-The invocation itself waits in the queue as usual, bounded by its deadline; a pool whose runner
-could not start fails fast with 503 and Retry-After."""
+The invocation itself waits in the queue until its deadline, and past it, under the loading rule
+(docs/cold-start.md), while its model loads (`await_load`). A pool whose runner could not start
+fails fast with 503 and Retry-After."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
 from fngate.backoff import Backoff, Health
-from fngate.errors import Unavailable
+from fngate.errors import DeadlineExceeded, Unavailable
+from fngate.registry import LOADING, READY, ModelState
+from fngate.repository import FunctionVersion
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+RELOADED = {"not-loaded", "idle-unloaded", "retired"}
+"""States of a version that a runner loads again for its next invocation (not stuck or failed)."""
+START_S = 15.0
+"""A scaler that heard a pool's wake has a runner of it live within this long, or is not starting one."""
+TAKE_UP_S = 3.0
+"""A runner that has just become live takes up the invocations queued for it, and reports the load
+it begins, within this long."""
 REFRESH_TIMEOUT_S = 1.0
 """A refresh that takes longer counts as a failure: a Redis that is paused answers nothing at all."""
 
@@ -29,8 +40,15 @@ class Activator:
         self._refresh_s = refresh_s
         self.health = health or Health("redis")
         self._live_pools: set[str] = set()
+        self._live_since: dict[str, float] = {}
+        """When each live pool was first seen live (time.monotonic())."""
+        self._states: dict[tuple[str, str], ModelState] = {}
+        """Per (function, version) on live runners: READY if any has it, else LOADING if any loads
+        it, else the latest state."""
         self._failures: dict[str, str] = {}
         self._woken: dict[str, float] = {}
+        self._heard: dict[str, float] = {}
+        """When a wake of the pool last reached a scaler (time.monotonic())."""
 
     def check(self, pool: str) -> None:
         """Before an invocation is queued: a pool with no runner whose last start failed is 503."""
@@ -38,6 +56,65 @@ class Activator:
         if failure and pool not in self._live_pools:
             self._woken.pop(pool, None)
             raise Unavailable(f"no runner could start for pool '{pool}' ({failure}); retrying the start")
+
+    def is_loading(self, function: FunctionVersion, since_ms: int) -> bool:
+        """The version's model is on its way for an invocation queued at `since_ms` (wall clock): a
+        live runner of its pool loads it, or will when it takes the invocation up (it never had it,
+        or unloaded it idle before), or none is live yet and a scaler heard the pool's wake (within
+        START_S, and no start of it failed since)."""
+        state = self._states.get((function.name, function.version))
+        if state is not None and state.state in (READY, LOADING):
+            return state.state == LOADING
+        pool = function.manifest.scaling.pool
+        if pool in self._live_pools:  # it loads the version when it takes the invocation up
+            if state is None:  # nothing reported: a runner just started, or Redis lost the states
+                return time.monotonic() - self._live_since.get(pool, 0.0) < TAKE_UP_S
+            return state.reason in RELOADED and state.at_ms < since_ms
+        if self._failures.get(pool):
+            return False
+        heard = self._heard.get(pool, float("-inf"))
+        return time.monotonic() - heard < min(START_S, function.manifest.model.load_timeout_s)
+
+    async def on_the_way(self, function: FunctionVersion, since_ms: int) -> bool:
+        """`is_loading`, at an invocation's deadline; a pool with no runner whose wake no scaler has
+        heard yet (it may have subscribed since, or started one from the backlog) is woken again."""
+        if self.is_loading(function, since_ms):
+            return True
+        pool = function.manifest.scaling.pool
+        if pool in self._live_pools or self._failures.get(pool):
+            return False
+        self._woken.pop(pool, None)
+        await self.wake(pool)
+        return self.is_loading(function, since_ms)
+
+    async def await_load(
+        self, function: FunctionVersion, answer: asyncio.Future[T], since_ms: int, timeout_ms: int
+    ) -> T:
+        """The loading rule, past an invocation's deadline while its model loads: wait for `answer`
+        until `timeout_ms` after the model is ready, at most load_timeout_s for the load. Raises
+        DeadlineExceeded when the wait ends without it."""
+        name, limit_s = function.name, function.manifest.model.load_timeout_s
+        started = time.monotonic()
+        ready_at: float | None = None
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=self._refresh_s)
+            if done:
+                return answer.result()
+            now = time.monotonic()
+            state = self._states.get((function.name, function.version))
+            if ready_at is None and state is not None and state.state == READY:
+                ready_at = now
+            if ready_at is not None and now - ready_at >= timeout_ms / 1000:
+                raise DeadlineExceeded(f"function '{name}' did not answer within {timeout_ms} ms of its load")
+            if ready_at is None and now - started >= limit_s:
+                raise DeadlineExceeded(
+                    f"function '{name}' did not load within its load_timeout_s ({limit_s:g} s) and "
+                    f"{timeout_ms} ms"
+                )
+            if ready_at is None and not self.is_loading(function, since_ms):
+                failure = self._failures.get(function.manifest.scaling.pool)
+                cause = f"no runner could start ({failure})" if failure else "its model stopped loading"
+                raise DeadlineExceeded(f"function '{name}' did not answer within {timeout_ms} ms: {cause}")
 
     async def wake(self, pool: str) -> None:
         """After an invocation is queued: wake the pool if nothing serves it."""
@@ -48,7 +125,8 @@ class Activator:
             return  # asked already; the scaler starts one runner however many ask
         self._woken[pool] = now
         try:
-            await self._redis.publish(keys.wake_channel(), pool)
+            if await self._redis.publish(keys.wake_channel(), pool):
+                self._heard[pool] = now  # a scaler listens: a runner is on its way
         except RedisError as exc:
             log.warning("could not wake pool %s: %s", pool, exc)
 
@@ -72,8 +150,25 @@ class Activator:
         runners: Any = await self._redis.zrangebyscore(keys.runners(), int(time.time() * 1000), "+inf")
         async with self._redis.pipeline(transaction=False) as pipe:
             for name in runners:
-                pipe.hget(keys.runner_models(name.decode()), "_pool")
+                pipe.hgetall(keys.runner_models(name.decode()))
             pipe.hgetall(keys.start_failures())
             results: list[Any] = await pipe.execute()
-        self._live_pools = {pool.decode() for pool in results[:-1] if pool}
+        self._live_pools = {fields[b"_pool"].decode() for fields in results[:-1] if fields.get(b"_pool")}
+        now = time.monotonic()
+        self._live_since = {pool: self._live_since.get(pool, now) for pool in self._live_pools}
+        states: dict[tuple[str, str], ModelState] = {}
+        for fields in results[:-1]:
+            for field, raw in fields.items():
+                if field.startswith(b"_") or b"/" not in field:
+                    continue
+                function, version = field.decode().rsplit("/", 1)
+                state, known = ModelState.decode(raw), states.get((function, version))
+                if known is None or _rank(state) > _rank(known):
+                    states[(function, version)] = state
+        self._states = states
         self._failures = {pool.decode(): reason.decode() for pool, reason in results[-1].items()}
+
+
+def _rank(state: ModelState) -> tuple[int, int]:
+    """READY over LOADING over the rest; the latest among equals."""
+    return ({READY: 2, LOADING: 1}.get(state.state, 0), state.at_ms)

@@ -115,6 +115,7 @@ class Dispatcher:
             admission=admission,
         )
         future = self._replies.expect(invocation.id)
+        queued = False
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 outcome = await self._submit(call, manifest.name)
@@ -124,13 +125,24 @@ class Dispatcher:
                     raise Overloaded(_full_message(manifest.name, outcome, manifest.batching))
                 if isinstance(outcome, queue.Limited):
                     raise Refused(outcome)
+                queued = True
                 if self._activator is not None:
                     await self._activator.wake(pool)
                 reply = await future
         except TimeoutError:
-            raise DeadlineExceeded(
-                f"function '{manifest.name}' did not answer within {timeout_ms} ms"
-            ) from None
+            # The loading rule: past the deadline, a queued invocation waits on while its model loads.
+            # The timeout cancelled `future`: expect again before anything else is awaited.
+            renewed = self._replies.expect(invocation.id)
+            since_ms = invocation.deadline_ms - timeout_ms
+            if not (
+                queued
+                and self._activator is not None
+                and await self._activator.on_the_way(function, since_ms)
+            ):
+                raise DeadlineExceeded(
+                    f"function '{manifest.name}' did not answer within {timeout_ms} ms"
+                ) from None
+            reply = await self._activator.await_load(function, renewed, since_ms, timeout_ms)
         finally:
             self._replies.forget(invocation.id)
         if reply.error is not None:

@@ -1,13 +1,17 @@
-"""settings -> asyncio.run(main(settings, stopping)); SIGTERM and SIGINT set `stopping`."""
+"""settings -> asyncio.run(main(settings, stopping)); SIGTERM and SIGINT set `stopping`. With
+`--standby`, a runner started ahead of need: its imports done, it waits for its settings."""
 
 from __future__ import annotations
 
 import time
 
 IMPORTS_STARTED = time.perf_counter()
+STARTED_MS = int(time.time() * 1000)
 
 import asyncio  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
@@ -19,15 +23,31 @@ from runner.worker import main as worker_main  # noqa: E402
 IMPORTS_S = time.perf_counter() - IMPORTS_STARTED
 
 
-async def run(settings: RunnerSettings) -> None:
+async def run(settings: RunnerSettings, started_ms: int | None = None) -> None:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    await worker_main(settings, stopping)
+    await worker_main(settings, stopping, started_ms)
+
+
+def await_assignment() -> bool:
+    """A standby runner's wait: one line on stdin, a JSON object of FNGATE_* variables that complete
+    its environment (its pool above all), from the scaler that hands it to a pool. End of input
+    (the scaler stopped or needs it no more): False."""
+    line = sys.stdin.readline()
+    if not line.strip():
+        return False
+    os.environ.update({str(key): str(value) for key, value in json.loads(line).items()})
+    return True
 
 
 def main(settings: RunnerSettings | None = None) -> int:
+    started_ms = STARTED_MS
+    if sys.argv[1:] == ["--standby"]:
+        if not await_assignment():
+            return 0
+        started_ms = int(time.time() * 1000)  # a standby starts for its pool when it is assigned
     unknown = unknown_variables()
     if unknown:
         print(f"runner: unknown settings variables: {', '.join(unknown)}", file=sys.stderr)
@@ -36,7 +56,7 @@ def main(settings: RunnerSettings | None = None) -> int:
     telemetry.configure("runner", settings.log_level)
     # A cold start pays for these; keep them lean (backends import their runtime only when used).
     logging.getLogger("runner").info("imports took %.3f s", IMPORTS_S)
-    run_forever(run(settings))
+    run_forever(run(settings, started_ms))
     return 0
 
 

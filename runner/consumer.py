@@ -246,7 +246,14 @@ class FunctionConsumer:
         step = next_step(
             [
                 Waiting(
-                    entry.invocation.deadline_ms,
+                    # The loading rule: time spent waiting for the model's load does not count.
+                    self._models.deadline_ms(
+                        manifest.name,
+                        entry.invocation.version,
+                        entry.invocation.deadline_ms,
+                        _entry_ms(entry.id),
+                        now_ms,
+                    ),
                     _entry_ms(entry.id),
                     (entry.invocation.version, shape_key(entry.invocation)),
                     entry.invocation.rows,

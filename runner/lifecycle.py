@@ -23,6 +23,8 @@ from runner.models import Key, LoadedModels
 
 log = logging.getLogger(__name__)
 
+PREFETCH_MIN_BYTES = 8 * 1024 * 1024
+"""Smaller versions download in a few round trips: fetched when first invoked, not ahead."""
 REPLAY_MS = 600_000
 """Load requests this recent are carried out by a runner that starts after them."""
 
@@ -54,6 +56,8 @@ class Lifecycle:
         self.background: set[asyncio.Task[Any]] = set()
         """Loads asked for by a load request or a new version; cancelled, not awaited, at shutdown."""
         self.preloading: set[Key] = set()
+        self.discovered = False
+        """A first discovery pass is done: versions seen after it were deployed while we ran."""
 
     @property
     def busy(self) -> bool:
@@ -81,6 +85,7 @@ class Lifecycle:
             if (name in wanted if wanted else _pool_of(record) == settings.pool)
         }
         gone = self.records.keys() - records.keys()
+        known = {(name, version) for name, record in self.records.items() for version in record.versions}
         self.records = records
         self.models.offer(records)
         for name in gone:
@@ -90,6 +95,9 @@ class Lifecycle:
         for record in records.values():
             self._consume(record)
             self._preload(record)
+            if self.discovered:
+                self._prefetch(record, known)
+        self.discovered = True
         await self._retire()
 
     def _consume(self, record: FunctionRecord) -> None:
@@ -119,6 +127,19 @@ class Lifecycle:
             if key not in self.models.loaded and key not in self.preloading:
                 self.preloading.add(key)
                 self.spawn(self._preload_one(key), f"preload {key}")
+
+    def _prefetch(self, record: FunctionRecord, known: set[Key]) -> None:
+        """A version deployed while we run, of a function not loaded here, is fetched into the
+        artifact cache now, so that its first invocation finds its files on disk: when it is large
+        enough (PREFETCH_MIN_BYTES) for its download to be a noticeable part of a cold start."""
+        default = record.default
+        if default is None or (record.name, default.version) in known:
+            return
+        if sum(item.size for item in default.files) < PREFETCH_MIN_BYTES:
+            return
+        if any(key[0] == record.name for key in self.models.loaded):
+            return  # _preload loads it beside the loaded one
+        self.spawn(self.models.prefetch(default), f"prefetch {record.name}")
 
     async def _preload_one(self, key: Key) -> None:
         try:

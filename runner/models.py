@@ -37,6 +37,9 @@ class LoadedModel:
     load_s: float
     last_used: float
     download_s: float = 0.0
+    load_started_ms: int = 0
+    ready_ms: int = 0
+    """Wall clock (ms) when the load began and completed: invocations queued before it waited."""
     in_use: int = 0
     unloaded: bool = False
     stuck_since: float | None = None
@@ -59,8 +62,12 @@ class LoadedModels:
         report: Report = _no_report,
         retry_s: float = 30.0,
         accel: Acceleration | None = None,
+        started_ms: int | None = None,
     ) -> None:
+        """`started_ms`: when this runner started (wall clock; by default now), for the loading rule."""
         self._threads = threads
+        self._started_ms = _now_ms() if started_ms is None else started_ms
+        self._loading_since: dict[Key, int] = {}
         self._accel = accel
         self._artifacts = artifacts or Artifacts("", Path(), 0)
         self._report = report
@@ -88,6 +95,27 @@ class LoadedModels:
     def loading(self) -> bool:
         """A load is under way (a runner that is loading is never idle)."""
         return any(lock.locked() for lock in self._locks.values())
+
+    def deadline_ms(self, name: str, version: str, deadline_ms: int, queued_ms: int, now_ms: int) -> int:
+        """An invocation's deadline under the loading rule (`load_deadline_ms`), with this runner's
+        load of its version: done at its `ready_ms`, or not yet (then it is still to wait for)."""
+        key = (name, version)
+        model = self._models.get(key)
+        if model is not None and queued_ms >= model.ready_ms:
+            return deadline_ms  # warm: the common case, decided without looking further
+        record = self._known.get(name)
+        function = record.versions.get(version) if record is not None else None
+        if function is None:
+            return deadline_ms
+        if queued_ms < self._started_ms:
+            began_ms = self._started_ms  # queued before this runner started: its start was the wait
+        elif model is not None:
+            began_ms = model.load_started_ms
+        else:
+            began_ms = self._loading_since.get(key, now_ms)
+        ready_ms = model.ready_ms if model is not None else None
+        load_timeout_ms = int(function.manifest.model.load_timeout_s * 1000)
+        return load_deadline_ms(deadline_ms, queued_ms, began_ms, ready_ms, now_ms, load_timeout_ms)
 
     def offer(self, records: Mapping[str, FunctionRecord]) -> None:
         """The functions and versions this runner may load (every stored version of each)."""
@@ -121,6 +149,15 @@ class LoadedModels:
             raise Unavailable(f"function '{key[0]}' version {key[1]}: {_stuck_reason(model)}")
         model.last_used = time.monotonic()
         return model
+
+    async def prefetch(self, function: FunctionVersion) -> None:
+        """Fetch a version's files into the artifact cache ahead of its first invocation; a failure
+        is logged (the load will say it again)."""
+        try:
+            if await asyncio.to_thread(self._artifacts.prefetch, function):
+                log.info("prefetched %s version %s", function.name, function.version)
+        except (FunctionError, OSError) as exc:
+            log.warning("prefetching %s version %s failed: %s", function.name, function.version, exc)
 
     async def acquire(self, function: FunctionVersion) -> LoadedModel:
         """`get`, and keep the model open (though it may be unloaded meanwhile) until `release`."""
@@ -204,12 +241,18 @@ class LoadedModels:
         key = (function.name, function.version)
         await self._report(*key, ModelState(LOADING, "", _now_ms(), request))
         materialized = None
+        load_started_ms = self._loading_since[key] = _now_ms()
         try:
             materialized = await asyncio.to_thread(self._artifacts.materialize, function)
             started = time.perf_counter()
             loaded = materialized.function
             backend = await asyncio.to_thread(
-                load_backend, loaded.manifest, loaded.directory, self._threads, self._accel
+                load_backend,
+                loaded.manifest,
+                loaded.directory,
+                self._threads,
+                self._accel,
+                materialized.model_bytes,
             )
         except Exception as exc:
             if materialized is not None:
@@ -220,8 +263,16 @@ class LoadedModels:
             self._failures[key] = (time.monotonic(), error)
             await self._report(*key, ModelState(UNAVAILABLE, f"load-failed: {detail}", _now_ms(), request))
             raise error from exc
+        finally:
+            self._loading_since.pop(key, None)
         model = LoadedModel(
-            loaded, backend, time.perf_counter() - started, time.monotonic(), materialized.download_s
+            loaded,
+            backend,
+            time.perf_counter() - started,
+            time.monotonic(),
+            materialized.download_s,
+            load_started_ms,
+            _now_ms(),
         )
         self._models[key] = model
         model_loaded(*key, loaded.manifest.model.accelerator, backend, self._gpu_index)
@@ -251,6 +302,20 @@ class LoadedModels:
             if model.stuck_since is None:  # a thread still runs in a stuck one: closing it would crash
                 self._close(model)
         self._models.clear()
+
+
+def load_deadline_ms(
+    deadline_ms: int, queued_ms: int, began_ms: int, ready_ms: int | None, now_ms: int, load_timeout_ms: int
+) -> int:
+    """The loading rule: an invocation queued at `queued_ms` before its model was ready (at
+    `ready_ms`; None while it is still to load, that is until `now_ms` at least) does not spend its
+    deadline on that wait: the deadline moves by the time waited, at most `load_timeout_ms`. Only
+    if the wait began (`began_ms`: the runner's start, or the load's) before the deadline passed:
+    an invocation already past it was answered 504 and stays unrun."""
+    waited_ms = (now_ms if ready_ms is None else ready_ms) - queued_ms
+    if waited_ms <= 0 or began_ms >= deadline_ms:
+        return deadline_ms
+    return deadline_ms + min(waited_ms, load_timeout_ms)
 
 
 def _ready(model: LoadedModel, request: str) -> ModelState:

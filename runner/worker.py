@@ -33,7 +33,7 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
+async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: int | None = None) -> None:
     name = consumer_name()
     redis = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
     control = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
@@ -51,7 +51,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event) -> None:
     )
     accel = Acceleration.from_settings(settings, artifacts.engine_store())
     threads = settings.intra_op_threads or min(os.cpu_count() or 1, 4)
-    models = LoadedModels(threads, artifacts, report, settings.load_retry_s, accel)
+    models = LoadedModels(threads, artifacts, report, settings.load_retry_s, accel, started_ms)
     async with redis, control:
         await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
         await board.heartbeat()

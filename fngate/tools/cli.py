@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="uvicorn",
         help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
     )
+    up.add_argument(
+        "--standby-runner",
+        action="store_true",
+        help="keep one runner process started ahead of need for the next pool that wakes: its cold "
+        "start skips the runner's start-up (costs an idle runner's memory: about 65 MB RSS)",
+    )
     up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     _add_auth_flags(up)
@@ -261,6 +267,12 @@ def _add_repository_commands(commands: Any) -> None:
         action="store_false",
         help="S3 only: upload without recording; `fngate ls --sync` records it where Redis is reachable",
     )
+    deploy.add_argument(
+        "--warm",
+        action="store_true",
+        help="then have a runner of its pool load the new version (starting one if none runs) and wait "
+        "for it: its first invocation finds it loaded (with --gateway: an admin key)",
+    )
 
     ls = commands.add_parser("ls", help="list functions, versions, traffic and load state")
     _repository_flags(ls)
@@ -340,7 +352,7 @@ def _repository_command(args: argparse.Namespace) -> int:
                 raise UsageError(f"{file} does not exist" if not file.exists() else f"{file} is not a file")
         gateway = _deploy_gateway(args.gateway, url)
         return deploy.deploy_all(
-            args.files, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it
+            args.files, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it, args.warm
         )
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
@@ -488,7 +500,7 @@ def _deploy_through(args: argparse.Namespace) -> int:
         )
         return 2
     for file in sorted(args.files, key=_is_pipeline):  # functions first: a pipeline's steps must exist
-        code = deploy.deploy_through(file, args.gateway, api_key, sys.stdout, sys.stderr)
+        code = deploy.deploy_through(file, args.gateway, api_key, sys.stdout, sys.stderr, args.warm)
         if code:
             return code
     return 0

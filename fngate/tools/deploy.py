@@ -19,11 +19,14 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from fngate import keys
 from fngate.deployment import deploy_files, policy_check, withdraw
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import deploy_problems, order
 from fngate.registry import (
+    READY,
+    UNAVAILABLE,
     ControlOp,
     Registry,
     create_stream,
@@ -43,6 +46,14 @@ LARGE_BYTES = 8 * 1024 * 1024
 """Uploads from this size on get a progress bar (on a terminal)."""
 EXAMPLE_ELEMENTS = 64
 REPLY_MAXLEN = 100_000
+DOWNLOAD_BYTES_PER_S = 50e6
+"""A cautious repository throughput for the load estimate (what moto's S3 stand-in gave on loopback;
+S3 in the same region gives more)."""
+LOAD_BYTES_PER_S = 300e6
+"""onnxruntime's session creation, measured: 268 MB in 0.64-0.75 s on one core."""
+RUNNER_START_S = 2.0
+"""A runner process's start before it loads anything (imports, Redis, discovery)."""
+WARM_POLL_S = 0.2
 
 
 class ProgressBar:
@@ -87,11 +98,13 @@ def deploy(
     out: TextIO,
     err: TextIO,
     record_it: bool = True,
+    warm: bool = False,
 ) -> int:
     """Validate, upload as the next version, record it, print how to call it (unless `gateway` is
-    None). Nothing is uploaded for a manifest, a version policy or a registry that fails its check.
-    Without `record_it` an S3 repository is only written: the registry (private to the cluster)
-    learns the version from a later `fngate ls --sync` that can reach it."""
+    None); with `warm`, have a runner of its pool load it and wait for that. Nothing is uploaded for
+    a manifest, a version policy or a registry that fails its check. Without `record_it` an S3
+    repository is only written: the registry (private to the cluster) learns the version from a
+    later `fngate ls --sync` that can reach it."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
@@ -111,6 +124,9 @@ def deploy(
         if remote and record_it:
             asyncio.run(_ping(redis_url))
         total = sum(item.size for item, _ in files)
+        warning = load_warning(manifest, total)
+        if warning:
+            print(f"{path}: warning: {warning}", file=err)
         print(f"{manifest.name}: uploading {len(files)} files ({_size(total)}) to {repository.url}", file=out)
         bar = ProgressBar(total, err, f"{manifest.name}: uploading")
         try:
@@ -145,6 +161,21 @@ def deploy(
             )
             return 1
     _print_deployed(version, record, repository.url, gateway, out)
+    if not warm:
+        return 0
+    if manifest.pipeline is not None:
+        print(
+            f"{manifest.name} is a pipeline: --warm loads nothing (deploy its steps' functions with it)",
+            file=out,
+        )
+        return 0
+    try:
+        failure = asyncio.run(_warm(redis_url, version, out))
+    except (RedisError, OSError) as exc:
+        failure = f"the registry at {redis_url} is unreachable ({exc})"
+    if failure:
+        print(f"fngate deploy --warm: {version.name} version {version.version} {failure}", file=err)
+        return 1
     return 0
 
 
@@ -172,6 +203,7 @@ def deploy_all(
     out: TextIO,
     err: TextIO,
     record_it: bool = True,
+    warm: bool = False,
 ) -> int:
     """`fngate deploy FILE...`: functions first, then pipelines, whose steps may call functions of
     the same command. Every manifest and every pipeline is checked before anything is uploaded."""
@@ -193,15 +225,56 @@ def deploy_all(
         print("fngate deploy: nothing was uploaded", file=err)
         return 2
     for path in sorted(paths, key=lambda path: manifests[path].pipeline is not None):
-        code = deploy(path, repository, redis_url, gateway, out, err, record_it)
+        code = deploy(path, repository, redis_url, gateway, out, err, record_it, warm)
         if code:
             return code
     return 0
 
 
-def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: TextIO) -> int:
+def load_warning(manifest: FunctionManifest, total_bytes: int) -> str:
+    """Why the first load of a version of this size may outlast its limits ("" when it likely fits):
+    the estimate is cautious (DOWNLOAD_BYTES_PER_S, LOAD_BYTES_PER_S, RUNNER_START_S)."""
+    if manifest.pipeline is not None:
+        return ""  # no model of its own: its steps' functions load theirs
+    estimate_s = RUNNER_START_S + total_bytes / DOWNLOAD_BYTES_PER_S + total_bytes / LOAD_BYTES_PER_S
+    limit_s = manifest.model.load_timeout_s
+    if estimate_s <= limit_s / 2:
+        return ""
+    return (
+        f"{_size(total_bytes)} of files may take about {estimate_s:.0f} s to fetch and load on a cold "
+        f"start, against model.load_timeout_s of {limit_s:g} s (the longest an invocation waits for "
+        "a load); raise it, keep a runner warm (scaling.min_replicas: 1), or deploy with --warm"
+    )
+
+
+async def _warm(redis_url: str, version: FunctionVersion, out: TextIO) -> str:
+    """Ask the pool's runners to load the version (waking the pool when none runs) and wait until
+    one has it ready: "" then, else what went wrong."""
+    name, number = version.name, version.version
+    pool = version.manifest.scaling.pool
+    timeout_s = version.manifest.model.load_timeout_s + RUNNER_START_S
+    started = time.monotonic()
+    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+        request_id = await send_control(redis, ControlOp("load", name, (number,)))
+        if not any(view.pool == pool for view in await read_runners(redis)):
+            await redis.publish(keys.wake_channel(), pool)  # a runner that starts replays the load
+        while time.monotonic() - started < timeout_s:
+            state = summarize(await read_runners(redis), name, number)
+            if state.state == READY:
+                print(f"{name} version {number} is loaded ({time.monotonic() - started:.1f} s)", file=out)
+                return ""
+            if state.state == UNAVAILABLE and state.request == request_id:
+                return f"failed to load: {state.reason}"
+            await asyncio.sleep(WARM_POLL_S)
+    return f"was not loaded within {timeout_s:.0f} s (is a runner of pool '{pool}' running?)"
+
+
+def deploy_through(
+    path: Path, gateway: str, api_key: str, out: TextIO, err: TextIO, warm: bool = False
+) -> int:
     """`fngate deploy --gateway URL`: the manifest and its folder, as a tar.gz, to the gateway's
-    deploy API with an API key of the `deploy` scope; the gateway stores it and tells the runners."""
+    deploy API with an API key of the `deploy` scope; the gateway stores it and tells the runners.
+    With `warm`, then the gateway's model-control load (an `admin` key), which waits for it."""
     try:
         manifest = load_manifest(path)
         files = deploy_files(path, manifest)
@@ -231,15 +304,10 @@ def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: Tex
                 "Authorization": f"Bearer {api_key}",
             },
         )
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                doc = orjson.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            print(f"fngate deploy: the gateway answered {exc.code}: {_api_error(exc.read())}", file=err)
+        answer = _call_gateway(request, 600, "fngate deploy", base, err)
+        if answer is None:
             return 1
-        except (urllib.error.URLError, OSError) as exc:
-            print(f"fngate deploy: the gateway at {base} is unreachable ({exc})", file=err)
-            return 1
+        doc = orjson.loads(answer)
     traffic = ", ".join(f"version {v}: {w}%" for v, w in doc["traffic"].items())
     print(
         f"deployed {manifest.name} version {doc['deployed']} through {base}\n"
@@ -253,7 +321,37 @@ def deploy_through(path: Path, gateway: str, api_key: str, out: TextIO, err: Tex
         f'-H "Authorization: Bearer $FNGATE_API_KEY" -d {data}',
         file=out,
     )
+    return _warm_through(base, manifest, api_key, out, err) if warm and manifest.pipeline is None else 0
+
+
+def _warm_through(base: str, manifest: FunctionManifest, api_key: str, out: TextIO, err: TextIO) -> int:
+    request = urllib.request.Request(
+        f"{base}/v2/repository/models/{manifest.name}/load",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
+    )
+    started = time.monotonic()
+    timeout_s = manifest.model.load_timeout_s + RUNNER_START_S
+    if _call_gateway(request, timeout_s, "fngate deploy --warm", base, err) is None:
+        return 1
+    print(f"{manifest.name} is loaded ({time.monotonic() - started:.1f} s)", file=out)
     return 0
+
+
+def _call_gateway(
+    request: urllib.request.Request, timeout_s: float, command: str, base: str, err: TextIO
+) -> bytes | None:
+    """The gateway's answer to `request`, or None once why there is none is printed."""
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body: bytes = response.read()
+            return body
+    except urllib.error.HTTPError as exc:
+        print(f"{command}: the gateway answered {exc.code}: {_api_error(exc.read())}", file=err)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{command}: the gateway at {base} is unreachable ({exc})", file=err)
+    return None
 
 
 def _api_error(body: bytes) -> str:

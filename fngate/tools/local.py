@@ -254,7 +254,13 @@ async def _serve(
     async def pools() -> dict[str, PoolSpec]:
         return pool_specs(await source())
 
-    scaler = LocalScaler(client, pools, env, idle_shutdown_s=args.idle_shutdown_s)
+    scaler = LocalScaler(
+        client,
+        pools,
+        env,
+        idle_shutdown_s=args.idle_shutdown_s,
+        standby=getattr(args, "standby_runner", False),
+    )
     gateway_down = asyncio.Event()
 
     async def gateway_first() -> None:

@@ -3,13 +3,15 @@
 It starts a runner the moment a gateway announces work for a pool with none (the wake channel),
 adds runners while a pool's backlog grows (up to max_replicas), keeps min_replicas warm, and
 records a runner that could not start so gateways can answer 503 at once. Runners stop on their
-own when idle (FNGATE_IDLE_SHUTDOWN_S); the scaler only reaps them."""
+own when idle (FNGATE_IDLE_SHUTDOWN_S); the scaler only reaps them. With `standby`, one runner
+process is kept started ahead of need (imports done, no pool, no model) for the next pool to wake."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import subprocess
 import sys
@@ -63,6 +65,7 @@ class LocalScaler:
         logs: Path | None = None,
         poll_s: float = 0.5,
         cooldown_s: float = 1.0,
+        standby: bool = False,
     ) -> None:
         self._redis = redis
         self._pools = pools
@@ -71,6 +74,11 @@ class LocalScaler:
         self._logs = logs
         self._poll_s = poll_s
         self._cooldown_s = cooldown_s
+        self._keep_standby = standby
+        self._standby: subprocess.Popen[bytes] | None = None
+        """A runner started ahead of need, waiting on its stdin for the pool it is to serve."""
+        self._spawned = 0
+        self._standby_not_before = 0.0
         self._started: list[Started] = []
         self._last_start: dict[str, float] = {}
         self._specs: dict[str, PoolSpec] = {}
@@ -81,6 +89,12 @@ class LocalScaler:
         self.health = Health("redis")
         self.timeline: list[tuple[float, str, int]] = []
         """(time, pool, live runners) at each change, for the scale-up/scale-down story."""
+
+    @property
+    def standby_pid(self) -> int | None:
+        """The process id of the standby runner while one waits for a pool."""
+        standby = self._standby
+        return standby.pid if standby is not None and standby.poll() is None else None
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Scale until `stopping` is set; then stop every runner (they drain). While Redis fails or
@@ -139,6 +153,21 @@ class LocalScaler:
                 to_start(spec, self._live(pool), starting, backlog.get(pool, 0), since, self._cooldown_s)
             ):
                 self._start(pool)
+        self._replenish_standby()
+
+    def _replenish_standby(self) -> None:
+        """Start the next standby runner once no runner is starting (not to slow a cold start)."""
+        if not self._keep_standby or any(not item.seen for item in self._started):
+            return
+        standby = self._standby
+        if standby is not None and standby.poll() is None:
+            return
+        now = time.monotonic()
+        if standby is not None and standby.returncode != 0:  # it died waiting: not again at once
+            log.error("the standby runner %d died (code %s)", standby.pid, standby.returncode)
+            self._standby, self._standby_not_before = None, now + MAX_CRASH_BACKOFF_S
+        if now >= self._standby_not_before:
+            self._standby = self._spawn(["--standby"], self._env, "standby")
 
     def _live(self, pool: str) -> int:
         """Runners of the pool that are starting or serving: one that was seen and has dropped its
@@ -159,28 +188,46 @@ class LocalScaler:
             spec is not None
             and sum(1 for i in self._started if i.pool == pool and i.warm) < spec.min_replicas
         )
-        env = {
-            **self._env,
+        assigned = {
             "FNGATE_POOL": pool,
             "FNGATE_STATUS_PORT": "0",
             "FNGATE_IDLE_SHUTDOWN_S": "0" if warm else str(self._idle_shutdown_s),
         }
+        process = self._take_standby(assigned) or self._spawn([], {**self._env, **assigned}, pool)
+        now = time.monotonic()
+        self._started.append(Started(process, pool, now, warm))
+        self._last_start[pool] = now
+        self._note(pool)
+
+    def _spawn(self, args: list[str], env: dict[str, str], label: str) -> subprocess.Popen[bytes]:
         output: Any = None  # without a log folder, runners write where `fngate up` writes
         if self._logs is not None:
-            output = open(self._logs / f"runner-{pool}-{len(self._started)}.log", "ab")  # noqa: SIM115
+            output = open(self._logs / f"runner-{label}-{self._spawned}.log", "ab")  # noqa: SIM115
+        self._spawned += 1
         process = subprocess.Popen(
-            [sys.executable, "-m", "runner"],
+            [sys.executable, "-m", "runner", *args],
             env=env,
+            stdin=subprocess.PIPE if args else None,
             stdout=output,
             stderr=subprocess.STDOUT if output is not None else None,
             start_new_session=True,
         )
         if output is not None:
             output.close()
-        now = time.monotonic()
-        self._started.append(Started(process, pool, now, warm))
-        self._last_start[pool] = now
-        self._note(pool)
+        return process
+
+    def _take_standby(self, assigned: dict[str, str]) -> subprocess.Popen[bytes] | None:
+        """The standby runner, told its settings, if one is alive."""
+        standby, self._standby = self._standby, None
+        if standby is None or standby.poll() is not None or standby.stdin is None:
+            return None
+        try:
+            standby.stdin.write(json.dumps(assigned).encode() + b"\n")
+            standby.stdin.close()
+        except OSError:  # it died meanwhile
+            return None
+        log.info("pool %s: the standby runner %d serves it", assigned["FNGATE_POOL"], standby.pid)
+        return standby
 
     async def _reap(self, heartbeats: set[int]) -> None:
         """Forget runners that exited; one that died before its first heartbeat failed to start."""
@@ -252,7 +299,11 @@ class LocalScaler:
         return backlog
 
     def stop_all(self, timeout_s: float = 35) -> None:
-        stop_processes([item.process for item in self._started], timeout_s)
+        standby, self._standby = self._standby, None
+        if standby is not None and standby.stdin is not None:
+            with contextlib.suppress(OSError):
+                standby.stdin.close()  # end of input: it exits
+        stop_processes([item.process for item in self._started] + ([standby] if standby else []), timeout_s)
         self._started.clear()
 
 

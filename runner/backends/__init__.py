@@ -31,23 +31,28 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-Loader = Callable[[FunctionManifest, Path, int, "Acceleration | None"], Backend]
+Loader = Callable[[FunctionManifest, Path, int, "Acceleration | None", bytes | None], Backend]
+"""(manifest, directory, threads, acceleration, the model file's verified bytes when in memory)"""
 
 
-def _onnx(manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None) -> Backend:
+def _onnx(
+    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
+) -> Backend:
     from runner.backends.onnx import OnnxBackend
 
-    return OnnxBackend(manifest, directory, threads, accel)
+    return OnnxBackend(manifest, directory, threads, accel, data)
 
 
-def _python(manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None) -> Backend:
+def _python(
+    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
+) -> Backend:
     from runner.backends.python import PythonBackend
 
     return PythonBackend(manifest, directory)
 
 
 def _tensorrt(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None
+    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
 ) -> Backend:
     from runner.backends.tensorrt import TensorRTBackend
 
@@ -58,13 +63,18 @@ LOADERS: dict[str, Loader] = {"onnxruntime": _onnx, "python": _python, "tensorrt
 
 
 def load_backend(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None = None
+    manifest: FunctionManifest,
+    directory: Path,
+    threads: int,
+    accel: Acceleration | None = None,
+    model_bytes: bytes | None = None,
 ) -> Backend:
-    """Load the model of `manifest` from `directory`. Blocking: run it in a thread."""
+    """Load the model of `manifest` from `directory` (its model file from `model_bytes` instead,
+    when given and the backend can: those bytes were verified). Blocking: run it in a thread."""
     try:
         loader = LOADERS[manifest.model.backend]
     except KeyError:
         raise NotImplementedError(
             f"backend '{manifest.model.backend}' is not available in this runner"
         ) from None
-    return loader(manifest, directory, threads, accel)
+    return loader(manifest, directory, threads, accel, model_bytes)

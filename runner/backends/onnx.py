@@ -48,7 +48,10 @@ class OnnxBackend:
         directory: Path,
         threads: int,
         acceleration: Acceleration | None = None,
+        model_bytes: bytes | None = None,
     ) -> None:
+        """`model_bytes`: the model file's contents, already verified, to build the session from
+        (not with TensorRT, whose engine cache is keyed by the file)."""
         accel = acceleration or Acceleration()
         ort = _onnxruntime()
         asked = manifest.model.accelerator
@@ -58,6 +61,7 @@ class OnnxBackend:
         cache = None
         if choice.providers[0] == TENSORRT:
             cache = _engine_cache(manifest, path, accel, ort.__version__)
+        source: Path | bytes = model_bytes if model_bytes is not None and cache is None else path
         folder = cache.folder if cache is not None else accel.engine_dir
         providers = [(name, options(name, manifest, folder, accel.device_index)) for name in choice.providers]
         on_gpu = choice.providers[0] != CPU
@@ -65,12 +69,12 @@ class OnnxBackend:
         with cache.locked() if cache is not None else contextlib.nullcontext():
             if cache is not None:
                 cache.prepare()
-            self._session, problem = create_session(ort, path, threads, providers)
+            self._session, problem = create_session(ort, source, threads, providers)
             if problem is not None and cache is not None and cache.event in ("local", "downloaded"):
                 # Engines that TensorRT refuses (a damaged file, another driver) make the provider
                 # fail: build afresh once, and let the rebuilt engines replace the stored ones.
                 cache.discard(problem)
-                self._session, problem = create_session(ort, path, threads, providers)
+                self._session, problem = create_session(ort, source, threads, providers)
             if cache is not None and problem is None:
                 cache.save()
         self.device: str = self._session.get_providers()[0]
@@ -154,7 +158,7 @@ def _onnxruntime() -> Any:
 
 
 def create_session(
-    ort: Any, path: Path, threads: int, providers: list[tuple[str, dict[str, str]]]
+    ort: Any, model: Path | bytes, threads: int, providers: list[tuple[str, dict[str, str]]]
 ) -> tuple[Any, str | None]:
     """A session of the model on `providers`, and how it differs from what was asked for (None when
     it does not). onnxruntime's own fallback is off: it would retry on its fallback providers with
@@ -176,7 +180,10 @@ def create_session(
             # enable_fallback=0 is read by onnxruntime 1.32 and later; older ones ignore it, and
             # the comparison below catches their fallback.
             session = ort.InferenceSession(
-                str(path), sess_options=session_options, providers=chain, enable_fallback=0
+                model if isinstance(model, bytes) else str(model),
+                sess_options=session_options,
+                providers=chain,
+                enable_fallback=0,
             )
         except Exception as exc:  # onnxruntime's Fail, RuntimeError, ...: the provider did not start
             if len(chain) == 1:

@@ -1,4 +1,5 @@
-"""What `fngate deploy` prints: the example request body, and the progress of a large upload."""
+"""What `fngate deploy` prints: the example request body, the progress of a large upload, and a
+warning when a model is large enough for its load to outlast its limits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import orjson
 
 from fngate.manifest import FunctionManifest, load_manifest
-from fngate.tools.deploy import LARGE_BYTES, ProgressBar, example_body
+from fngate.tools.deploy import LARGE_BYTES, ProgressBar, example_body, load_warning
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -53,3 +54,15 @@ def test_small_uploads_and_logs_get_no_progress_bar() -> None:
         bar(total)
         bar.close()
         assert stream.getvalue() == ""
+
+
+def test_a_model_whose_load_may_outlast_load_timeout_s_is_warned_about() -> None:
+    manifest = load_manifest(ROOT / "functions" / "classifier" / "function.yaml")
+    assert load_warning(manifest, 3000) == ""  # a few KB
+    assert load_warning(manifest, 268_000_000) == ""  # the issue's model: seconds, under 120 s
+    warning = load_warning(manifest, 20_000_000_000)
+    assert "model.load_timeout_s of 120 s" in warning and "18.6 GiB" in warning
+    patient = manifest.model_copy(
+        update={"model": manifest.model.model_copy(update={"load_timeout_s": 3600})}
+    )
+    assert load_warning(patient, 20_000_000_000) == ""

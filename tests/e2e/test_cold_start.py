@@ -1,0 +1,156 @@
+"""Cold starts (docs/cold-start.md): the loading rule (invocations that arrive while their model
+loads wait for the load, up to its load_timeout_s, before their own deadline starts, so the first
+invocation of a function whose load outlasts its timeout_ms is answered under default settings), a
+standby runner, `fngate deploy --warm`, and runners that prefetch a version deployed while they run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis as sync_redis
+import redis.asyncio as aioredis
+
+from fngate import apikeys, keys
+from fngate.registry import function_source
+from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
+from runner.lifecycle import PREFETCH_MIN_BYTES
+from tests.conftest import child_env, wait_http
+from tests.e2e.deployments import cli, runner_env, scale_function
+from tests.e2e.test_scale_to_zero import scaler, wait_until
+from tests.s3 import Bucket
+
+__all__ = ["scaler"]
+
+ROW = [1.0, 2.0, 3.0, 4.0]
+
+
+async def test_invocations_that_arrive_while_the_model_loads_are_answered(
+    serve_gateway: Callable[..., Any], scaler: Callable[..., Any]
+) -> None:
+    base = await serve_gateway()
+    await scaler()
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        # No runner yet: the pool wakes, the runner starts and the model loads for 3 s, three
+        # times the function's timeout_ms; every invocation queued meanwhile is answered.
+        first = await asyncio.gather(
+            *(client.post("/v1/functions/slowload", json={"inputs": {"x": [ROW]}}) for _ in range(3))
+        )
+        for response in first:
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"]["y"] == [[2.0, 4.0, 6.0, 8.0]]
+
+        # The wait is bounded: with load_timeout_s (0.5 s) shorter than the load, the deadline
+        # starts at the bound and passes before the model is ready.
+        late = await client.post("/v1/functions/impatient", json={"inputs": {"x": [ROW]}})
+        assert late.status_code == 504, late.text
+        assert late.json()["code"] == "deadline_exceeded"
+        assert "load_timeout_s" in late.json()["error"]
+
+
+@pytest.fixture
+async def standby_scaler(
+    redis_url: str, repo: Path, tmp_path: Path, redis: aioredis.Redis
+) -> AsyncIterator[LocalScaler]:
+    """The local scaler of `fngate up --standby-runner`, in this event loop."""
+    client = aioredis.from_url(redis_url)
+    source = function_source(str(repo), client)
+
+    async def pools() -> dict[str, PoolSpec]:
+        return pool_specs(await source())
+
+    env = child_env(redis_url, repo, FNGATE_RESCAN_S="0.5")
+    local = LocalScaler(client, pools, env, 30.0, tmp_path, poll_s=0.2, standby=True)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(local.run(stopping))
+    yield local
+    stopping.set()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(task, 60)
+    await client.aclose()
+
+
+async def runner_pids(redis: aioredis.Redis) -> set[int]:
+    """Runners with a live heartbeat (their names end in -{pid}-{suffix})."""
+    names = await redis.zrange(keys.runners(), 0, -1)
+    return {int(name.decode().rsplit("-", 2)[-2]) for name in names}
+
+
+async def test_a_standby_runner_serves_the_next_pool_that_wakes_and_is_replaced(
+    serve_gateway: Callable[..., Any], standby_scaler: LocalScaler, redis: aioredis.Redis
+) -> None:
+    base = await serve_gateway()
+
+    async def standing_by() -> bool:
+        return standby_scaler.standby_pid is not None
+
+    await wait_until(standing_by, 30, "the standby runner to start")
+    standby = standby_scaler.standby_pid
+    assert standby not in await runner_pids(redis)  # no pool, no heartbeat: it waits
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        response = await client.post("/v1/functions/brief", json={"inputs": {"input": [[0.5] * 16]}})
+        assert response.status_code == 200, response.text
+    assert standby in await runner_pids(redis)  # it serves the pool that woke
+
+    async def replaced() -> bool:
+        return standby_scaler.standby_pid not in (None, standby)
+
+    await wait_until(replaced, 30, "the next standby runner to start")
+
+
+async def test_deploy_warm_has_a_runner_load_the_new_version(
+    redis_url: str,
+    redis: aioredis.Redis,
+    runner_process: Callable[..., Any],
+    gateway_process: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    repository = tmp_path / "repository"
+    runner_process(FNGATE_REPO=str(repository), FNGATE_RESCAN_S="30")
+    manifest = scale_function(tmp_path / "scale", "scale", 2.0)
+    deployed = await cli("deploy", str(manifest), "--repo", str(repository), "--redis", redis_url, "--warm")
+    assert deployed.returncode == 0, deployed.stderr
+    assert "scale version 1 is loaded" in deployed.stdout
+    listed = await cli("ls", "--repo", str(repository), "--redis", redis_url)
+    assert listed.returncode == 0, listed.stderr
+    assert "READY" in next(line for line in listed.stdout.splitlines() if line.startswith("scale "))
+
+    # Through a gateway's API: the load is model control, for an admin key.
+    base = gateway_process(FNGATE_REPO=str(repository), FNGATE_AUTH="true", FNGATE_AUTH_REFRESH_S="0.2")
+    await wait_http(base)
+    with sync_redis.Redis.from_url(redis_url) as client:
+        key, _ = apikeys.create(client, ["deploy", "admin"])
+    env = {"FNGATE_API_KEY": key}
+    again = await cli("deploy", str(manifest), "--gateway", base, "--warm", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "scale is loaded" in again.stdout
+
+
+async def test_a_runner_prefetches_a_version_deployed_while_it_runs(
+    s3: Bucket, redis_url: str, redis: aioredis.Redis, runner_process: Callable[..., Any], tmp_path: Path
+) -> None:
+    artifacts = tmp_path / "artifacts"
+    runner_process(**runner_env(s3.repo, artifacts, s3.env))
+
+    async def serving() -> bool:
+        return bool(await runner_pids(redis))
+
+    await wait_until(serving, 30, "the runner to start")
+    manifest = scale_function(tmp_path / "scale", "scale", 3.0)
+    weights = os.urandom(PREFETCH_MIN_BYTES)  # large enough to be worth fetching ahead
+    (manifest.parent / "weights.bin").write_bytes(weights)
+    deployed = await cli("deploy", str(manifest), "--repo", s3.repo, "--redis", redis_url)
+    assert deployed.returncode == 0, deployed.stderr
+
+    async def fetched() -> bool:
+        return (artifacts / "blobs" / hashlib.sha256(weights).hexdigest()).is_file()
+
+    await wait_until(fetched, 30, "the new version's files in the runner's artifact cache")
+    assert s3.server.count("GET", s3.key("scale", "1", "factor.txt")) == 1  # before any invocation

@@ -1,0 +1,1 @@
+../slowload/model.py
