@@ -63,6 +63,6 @@ def test_a_model_whose_load_may_outlast_load_timeout_s_is_warned_about() -> None
     warning = load_warning(manifest, 20_000_000_000)
     assert "model.load_timeout_s of 120 s" in warning and "18.6 GiB" in warning
     patient = manifest.model_copy(
-        update={"model": manifest.model.model_copy(update={"load_timeout_s": 3600})}
+        update={"model_spec": manifest.model.model_copy(update={"load_timeout_s": 3600})}
     )
     assert load_warning(patient, 20_000_000_000) == ""
