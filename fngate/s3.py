@@ -70,6 +70,15 @@ class S3Repository:
     """The repository layout of fngate/repository.py under s3://bucket/prefix/. Endpoint, region and
     credentials come from the standard AWS settings (AWS_ENDPOINT_URL_S3 included)."""
 
+    @staticmethod
+    def warm_up() -> None:
+        """Import boto3 and load its S3 service model into boto3's default session (about half a
+        second): a runner started ahead of need does it while it waits, so that opening the
+        repository for its pool then costs a client, not the imports."""
+        import boto3  # type: ignore[import-untyped]
+
+        boto3.client("s3")
+
     def __init__(self, url: str, part_bytes: int = PART_BYTES) -> None:
         bucket, _, prefix = url.removeprefix("s3://").partition("/")
         if not url.startswith("s3://") or not bucket:
@@ -79,7 +88,7 @@ class S3Repository:
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.part_bytes = part_bytes
         # Imported here: a runner of a folder repository does not pay for boto3 at its cold start.
-        import boto3  # type: ignore[import-untyped]
+        import boto3
         from botocore.config import Config  # type: ignore[import-untyped]
 
         config = Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=60)

@@ -45,6 +45,10 @@ def await_assignment() -> bool:
 def main(settings: RunnerSettings | None = None) -> int:
     started_ms = STARTED_MS
     if sys.argv[1:] == ["--standby"]:
+        if os.environ.get("FNGATE_REPO", "").startswith("s3://"):
+            from fngate.s3 import S3Repository
+
+            S3Repository.warm_up()  # the repository is the same whatever pool comes
         if not await_assignment():
             return 0
         started_ms = int(time.time() * 1000)  # a standby starts for its pool when it is assigned

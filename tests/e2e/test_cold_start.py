@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from fngate import apikeys, keys
 from fngate.registry import function_source
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from runner.lifecycle import PREFETCH_MIN_BYTES
-from tests.conftest import child_env, wait_http
+from tests.conftest import ROOT, child_env, wait_http
 from tests.e2e.deployments import cli, runner_env, scale_function
 from tests.e2e.test_scale_to_zero import scaler, wait_until
 from tests.s3 import Bucket
@@ -154,3 +156,28 @@ async def test_a_runner_prefetches_a_version_deployed_while_it_runs(
 
     await wait_until(fetched, 30, "the new version's files in the runner's artifact cache")
     assert s3.server.count("GET", s3.key("scale", "1", "factor.txt")) == 1  # before any invocation
+
+
+def test_a_standby_runner_of_an_s3_repository_prepares_boto3_and_waits_for_its_pool(
+    s3: Bucket, redis_url: str, repo: Path
+) -> None:
+    """A standby runner loads boto3's S3 model while it waits (the repository is the same for any
+    pool), and still waits for its assignment: without one it leaves cleanly."""
+    env = child_env(redis_url, repo, **s3.env, FNGATE_REPO=s3.repo, PYTHONPROFILEIMPORTTIME="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "runner", "--standby"],
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        # -X importtime's lines (on stderr) show what it imported before it reads its stdin.
+        _, errors = process.communicate(b"", timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, errors.decode()[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in errors.decode().splitlines() if "|" in line}
+    assert "botocore.client" in imported and "boto3" in imported
