@@ -172,26 +172,18 @@ class InvokeRoutes:
                 _use_cache(parsed, call),
             )
             return accepted_response(accepted)
+        args = (
+            function,
+            parsed.inputs,
+            parsed.outputs,
+            parsed.timeout_ms,
+            _use_cache(parsed, call),
+            admission,
+        )
         if manifest.pipeline is not None:  # steps on other functions' streams (gateway.pipelines)
-            reply = await pipelines.submit(
-                services.catalog,
-                services.dispatcher,
-                function,
-                parsed.inputs,
-                parsed.outputs,
-                parsed.timeout_ms,
-                _use_cache(parsed, call),
-                admission,
-            )
+            reply = await pipelines.submit(services.catalog, services.dispatcher, *args)
         else:
-            reply = await services.dispatcher.submit(
-                function,
-                parsed.inputs,
-                parsed.outputs,
-                parsed.timeout_ms,
-                _use_cache(parsed, call),
-                admission,
-            )
+            reply = await services.dispatcher.submit(*args)
         labels = (call.name, reply.version)
         success = self._successes.get(labels)
         if success is None:
