@@ -38,35 +38,39 @@ def increments(outcome: BatchOutcome) -> dict[str, int]:
     time; a failed one adds only to `fail`. fngate does not time input preparation and output apart
     from the backend call: compute_input and compute_output are counted with 0 ns."""
     compute_ns = max(0, outcome.ended_ns - outcome.started_ns)
-    out: dict[str, int] = {}
-
-    def add(field: str, amount: int) -> None:
-        if amount:
-            out[field] = out.get(field, 0) + amount
-
-    succeeded_rows = 0
-    for enqueued_ms, rows, failed in zip(outcome.enqueued_ms, outcome.rows, outcome.failed, strict=True):
+    failed = failed_ns = succeeded = succeeded_ns = queued_ns = succeeded_rows = 0
+    for enqueued_ms, rows, failure in zip(outcome.enqueued_ms, outcome.rows, outcome.failed, strict=True):
         enqueued_ns = enqueued_ms * 1_000_000
         total_ns = max(0, outcome.ended_ns - enqueued_ns)
-        if failed:
-            add("fail_count", 1)
-            add("fail_ns", total_ns)
+        if failure:
+            failed += 1
+            failed_ns += total_ns
             continue
+        succeeded += 1
+        succeeded_ns += total_ns
+        queued_ns += max(0, outcome.started_ns - enqueued_ns)
         succeeded_rows += rows
-        add("success_count", 1)
-        add("success_ns", total_ns)
-        add("queue_count", 1)
-        add("queue_ns", max(0, outcome.started_ns - enqueued_ns))
-        add("compute_input_count", 1)
-        add("compute_infer_count", 1)
-        add("compute_infer_ns", compute_ns)
-        add("compute_output_count", 1)
+    amounts = [
+        ("fail_count", failed),
+        ("fail_ns", failed_ns),
+        ("success_count", succeeded),
+        ("success_ns", succeeded_ns),
+        ("queue_count", succeeded),
+        ("queue_ns", queued_ns),
+        ("compute_input_count", succeeded),
+        ("compute_infer_count", succeeded),
+        ("compute_infer_ns", compute_ns * succeeded),
+        ("compute_output_count", succeeded),
+    ]
     if succeeded_rows:
-        add("inference_count", succeeded_rows)
-        add("execution_count", 1)
-        add(f"{BATCH_PREFIX}{sum(outcome.rows)}_count", 1)
-        add(f"{BATCH_PREFIX}{sum(outcome.rows)}_ns", compute_ns)
-    return out
+        batch_rows = sum(outcome.rows)
+        amounts += [
+            ("inference_count", succeeded_rows),
+            ("execution_count", 1),
+            (f"{BATCH_PREFIX}{batch_rows}_count", 1),
+            (f"{BATCH_PREFIX}{batch_rows}_ns", compute_ns),
+        ]
+    return {field: amount for field, amount in amounts if amount}
 
 
 def model_stats(name: str, version: str, raw: Mapping[bytes, bytes]) -> dict[str, Any]:
