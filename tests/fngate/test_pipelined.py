@@ -96,6 +96,17 @@ async def test_a_paused_redis_times_out_and_recovers(extra_redis: Start) -> None
     await client.aclose()
 
 
+async def test_a_cancelled_caller_is_cancelled_and_later_replies_stay_in_step(redis_url: str) -> None:
+    client = PipelinedRedis(redis_url, timeout_s=5)
+    waiting = asyncio.create_task(client.execute("BLPOP", "nothing-here", 0.3, timeout_s=5))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):  # not a timeout: the caller was cancelled
+        await waiting
+    assert await client.execute("PING") == b"PONG"  # the BLPOP's late reply goes to nobody
+    await client.aclose()
+
+
 async def test_queue_bytes_bound_and_release(redis_url: str) -> None:
     """fngate.queue's scripts on a real Redis: max_queue_bytes refuses past the limit, FINISH gives
     the bytes back, and a reply to a gateway whose stream is gone is dropped, not kept."""
