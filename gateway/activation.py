@@ -28,8 +28,8 @@ RELOADED = {"not-loaded", "idle-unloaded", "retired"}
 START_S = 15.0
 """A scaler that heard a pool's wake has a runner of it live within this long, or is not starting one."""
 TAKE_UP_S = 3.0
-"""A runner that has just become live takes up the invocations queued for it, and reports the load
-it begins, within this long."""
+"""A runner that serves a function takes up an invocation queued for it, and reports the load it
+begins, within this long: after it has just become live, or after the invocation was queued."""
 REFRESH_TIMEOUT_S = 1.0
 """A refresh that takes longer counts as a failure: a Redis that is paused answers nothing at all."""
 
@@ -69,7 +69,11 @@ class Activator:
         if pool in self._live_pools:  # it loads the version when it takes the invocation up
             if state is None:  # nothing reported: a runner just started, or Redis lost the states
                 return time.monotonic() - self._live_since.get(pool, 0.0) < TAKE_UP_S
-            return state.reason in RELOADED and state.at_ms < since_ms
+            # A runner reported it unloaded before the invocation came: it loads the version when it
+            # takes the invocation up, and says so (LOADING) at once. One that has not within
+            # TAKE_UP_S is not going to (it serves other functions, or it has just died).
+            waited_ms = time.time() * 1000 - since_ms
+            return state.reason in RELOADED and state.at_ms < since_ms and waited_ms < TAKE_UP_S * 1000
         if self._failures.get(pool):
             return False
         heard = self._heard.get(pool, float("-inf"))
