@@ -19,6 +19,29 @@ AS, TO, BY = b"as", b"to", b"by"
 """On an invocation entry: a waiter promoted to run in place of an identical invocation that expired
 runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
 
+# full(stream, counter, max_size, max_bytes) -> nil | 'count' | 'bytes': whether a stream is at its
+# max_queue_size or (max_bytes > 0) its byte counter at max_queue_bytes.
+# push(stream, counter, header, body, step) -> the entry id: the entry added (with its pipeline step
+# context when `step` is not '') and its bytes counted. Every script that queues work uses both.
+PUSH_LUA = """
+local function full(stream, counter, max_size, max_bytes)
+  if redis.call('XLEN', stream) >= tonumber(max_size) then return 'count' end
+  local limit = tonumber(max_bytes)
+  if limit > 0 and tonumber(redis.call('GET', counter) or '0') >= limit then return 'bytes' end
+  return nil
+end
+local function push(stream, counter, h, b, step)
+  local id
+  if step and step ~= '' then
+    id = redis.call('XADD', stream, '*', 'h', h, 'b', b, 'p', step)
+  else
+    id = redis.call('XADD', stream, '*', 'h', h, 'b', b)
+  end
+  redis.call('INCRBY', counter, #h + #b + #(step or ''))
+  return id
+end
+"""
+
 # admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
 #   -> {'ok'} | {'busy'|'share'|'rate', retry_after_ms}
 # A token bucket (`burst` tokens, `rps` per second, Redis time) and two sorted sets of the key's
@@ -68,6 +91,7 @@ end
 # runner acknowledges them, so XLEN counts queued or in flight.
 ENQUEUE = (
     ADMIT_LUA
+    + PUSH_LUA
     + """
 if KEYS[6] ~= '' then
   local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
@@ -85,27 +109,16 @@ if KEYS[4] ~= '' then
     return {'wait'}
   end
 end
-local full = nil
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
-  full = 'count'
-elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
-  full = 'bytes'
-end
-if full then
+local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+if limit then
   if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
   if KEYS[6] ~= '' then  -- refused: it holds no place in the caller's limits
     redis.call('ZREM', KEYS[7], ARGV[11])
     redis.call('ZREM', KEYS[8], ARGV[11])
   end
-  return {'full', full}
+  return {'full', limit}
 end
-if ARGV[13] then  -- a pipeline step (STEP)
-  redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4], 'p', ARGV[13])
-  redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4] + #ARGV[13])
-  return {'queued'}
-end
-redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
-redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4])
+push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
 return {'queued'}
 """
 )

@@ -11,6 +11,7 @@ from fngate.queue.invocations import (
     BODY,
     HEADER,
     NO_ADMISSION,
+    PUSH_LUA,
     Admission,
     Full,
     Limited,
@@ -55,6 +56,7 @@ QUEUED, CANCELLED = b"queued", b"cancelled"
 # (`q`, `e`), for READ_RESULT and CANCEL.
 SUBMIT_ASYNC = (
     ADMIT_LUA
+    + PUSH_LUA
     + """
 if KEYS[4] ~= '' then
   local first = redis.call('GET', KEYS[4])
@@ -85,35 +87,20 @@ if hit_h ~= '' then
   end
   return {'hit'}
 end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
-  return {'full', 'count', 0}
-elseif tonumber(ARGV[2]) > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tonumber(ARGV[2]) then
-  return {'full', 'bytes', 0}
-end
+local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+if limit then return {'full', limit, 0} end
 local more = (#KEYS - 9) / 2
 for i = 1, more do
   local at = 20 + (i - 1) * 5
-  if redis.call('XLEN', KEYS[9 + i]) >= tonumber(ARGV[at]) then return {'full', 'count', i} end
-  local limit = tonumber(ARGV[at + 1])
-  if limit > 0 and tonumber(redis.call('GET', KEYS[9 + more + i]) or '0') >= limit then
-    return {'full', 'bytes', i}
-  end
+  limit = full(KEYS[9 + i], KEYS[9 + more + i], ARGV[at], ARGV[at + 1])
+  if limit then return {'full', limit, i} end
 end
-local entry
-local step = ARGV[19] or ''
-if step ~= '' then
-  entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4], 'p', step)
-else
-  entry = redis.call('XADD', KEYS[1], '*', 'h', ARGV[3], 'b', ARGV[4])
-end
-redis.call('INCRBY', KEYS[2], #ARGV[3] + #ARGV[4] + #step)
+local entry = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[19])
 local streams, entries = KEYS[1], entry
 for i = 1, more do
   local at = 20 + (i - 1) * 5
-  local h, b, p = ARGV[at + 2], ARGV[at + 3], ARGV[at + 4]
   streams = streams .. ' ' .. KEYS[9 + i]
-  entries = entries .. ' ' .. redis.call('XADD', KEYS[9 + i], '*', 'h', h, 'b', b, 'p', p)
-  redis.call('INCRBY', KEYS[9 + more + i], #h + #b + #p)
+  entries = entries .. ' ' .. push(KEYS[9 + i], KEYS[9 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
 end
 redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[6])

@@ -7,30 +7,29 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fngate.queue.invocations import BODY, HEADER, ScriptCall, queue_bytes
+from fngate.queue.invocations import BODY, HEADER, PUSH_LUA, ScriptCall, queue_bytes
 
 # Pipelines: a finished step's result goes to the next steps' streams instead of a gateway.
 
 # KEYS: the streams of the entries to add, then their byte counters (same order). ARGV: n, then n
 # groups of (max queue size, max queue bytes (0: no limit), header, body, step context). All or
 # nothing: {'queued'}, or {'full', index (0-based), 'count'|'bytes'} and nothing is added.
-FORWARD = """
+FORWARD = (
+    PUSH_LUA
+    + """
 local n = tonumber(ARGV[1])
 for i = 0, n - 1 do
   local at = 2 + i * 5
-  if redis.call('XLEN', KEYS[i + 1]) >= tonumber(ARGV[at]) then return {'full', i, 'count'} end
-  local limit = tonumber(ARGV[at + 1])
-  if limit > 0 and tonumber(redis.call('GET', KEYS[n + i + 1]) or '0') >= limit then
-    return {'full', i, 'bytes'}
-  end
+  local limit = full(KEYS[i + 1], KEYS[n + i + 1], ARGV[at], ARGV[at + 1])
+  if limit then return {'full', i, limit} end
 end
 for i = 0, n - 1 do
   local at = 2 + i * 5
-  redis.call('XADD', KEYS[i + 1], '*', 'h', ARGV[at + 2], 'b', ARGV[at + 3], 'p', ARGV[at + 4])
-  redis.call('INCRBY', KEYS[n + i + 1], #ARGV[at + 2] + #ARGV[at + 3] + #ARGV[at + 4])
+  push(KEYS[i + 1], KEYS[n + i + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
 end
 return {'queued'}
 """
+)
 
 # KEYS[1]: a join of one pipeline invocation (joins()). ARGV: this predecessor's name, what it
 # contributes, how many predecessors the join has, the TTL in ms (to the deadline). Returns every
