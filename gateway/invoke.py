@@ -60,6 +60,22 @@ class Invocation:
     header_length: bytes | None = None
     no_cache: bool = False
     encoding: str | None = None
+    respond_async: bool = False
+    """`Prefer: respond-async`: answer 202 at once and the result later (gateway.invocations)."""
+
+    def read_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """What the invoke path reads of the request's headers, in one pass."""
+        for key, value in headers:
+            if key == b"content-length":
+                self.content_length = int(value) if value.isdigit() else None
+            elif key == b"inference-header-content-length":
+                self.header_length = value
+            elif key == b"cache-control":
+                self.no_cache = b"no-cache" in value
+            elif key == b"content-encoding":
+                self.encoding = value.decode("latin-1")
+            elif key == b"prefer":
+                self.respond_async = self.respond_async or b"respond-async" in value
 
 
 def match(path: str) -> Invocation | None:
@@ -98,15 +114,7 @@ class InvokeRoutes:
         services: Services = scope["state"]["services"]
         started = time.perf_counter()
         try:
-            for key, value in scope["headers"]:
-                if key == b"content-length":
-                    call.content_length = int(value) if value.isdigit() else None
-                elif key == b"inference-header-content-length":
-                    call.header_length = value
-                elif key == b"cache-control":
-                    call.no_cache = b"no-cache" in value
-                elif key == b"content-encoding":
-                    call.encoding = value.decode("latin-1")
+            call.read_headers(scope["headers"])
             body = await read_body(
                 receive, services.max_body_bytes, call.content_length, self._body_timeout_s
             )
@@ -160,7 +168,7 @@ class InvokeRoutes:
         admission = scope.get(ADMISSION)
         if admission is not None:
             scope[ADMITTED] = True  # from here it may hold a place in its key's limits
-        if _prefers_async(scope["headers"]):  # functions and pipelines alike
+        if call.respond_async:  # functions and pipelines alike
             accepted = await scope["state"]["invocations"].submit(
                 function,
                 parsed,
@@ -210,11 +218,6 @@ class InvokeRoutes:
     def _failed(self, services: Services, name: str, code: str) -> None:
         known = name in services.catalog.functions
         REQUEST_FAILURE.labels(name if known else "", code).inc()
-
-
-def _prefers_async(headers: list[tuple[bytes, bytes]]) -> bool:
-    """`Prefer: respond-async`: answer 202 at once and the result later (gateway.invocations)."""
-    return any(key == b"prefer" and b"respond-async" in value for key, value in headers)
 
 
 def _use_cache(parsed: InferRequest, call: Invocation) -> bool:
