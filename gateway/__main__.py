@@ -59,8 +59,13 @@ class _OneWrite:
         self._held = b""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not self._held and bytes(data[:9]) == b"HTTP/1.1 " and bytes(data[9:12]) != b"100":
-            self._held = bytes(data)  # a response head (never 100 Continue: the client waits on that)
+        if (
+            not self._held
+            and isinstance(data, bytes)  # uvicorn writes bytes; a head is never anything else
+            and data.startswith(b"HTTP/1.1 ")
+            and not data.startswith(b"HTTP/1.1 100")  # 100 Continue: the client waits on that
+        ):
+            self._held = data  # a response head
             return
         if self._held:
             data, self._held = self._held + data, b""
