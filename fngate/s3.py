@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 MISSING = {"NoSuchKey", "404", "NotFound"}
 CLAIM_ATTEMPTS = 20
 PART_BYTES = 8 * 1024 * 1024
-"""Up to this size a file is read with one GET; a larger one in ranged GETs of this size."""
+"""Up to this size a file is read with one GET; a larger one in ranged GETs of this size when it
+goes to disk (memory stays bounded), of a READ_THREADS-th of the file when it is read into memory."""
+MAX_PART_BYTES = 64 * 1024 * 1024
 READ_THREADS = 8
 """Ranged GETs in flight for one file (botocore's connection pool holds 10)."""
 
@@ -150,36 +152,41 @@ class S3Repository:
         arrive (one pass: nothing reads the file again to check it)."""
         digest = hashlib.sha256()
         with target.open("wb") as sink:
-            for part in self._parts(function, item):
+            for part in self._parts(function, item, self.part_bytes):
                 digest.update(part)
                 sink.write(part)
         return digest.hexdigest()
 
     def read(self, function: FunctionVersion, item: ArtifactFile) -> tuple[bytes, str]:
-        """The file's bytes, in memory, and their sha256 computed as they arrive."""
+        """The file's bytes, in memory, and their sha256 computed as they arrive. The whole file is
+        held anyway, so it comes in READ_THREADS ranged GETs, all in flight at once (up to
+        MAX_PART_BYTES each): as many connections as parts of PART_BYTES would use, a fraction of
+        the requests (each costs S3 a first-byte latency and a request charge)."""
         digest = hashlib.sha256()
         parts = []
-        for part in self._parts(function, item):
+        part_bytes = max(self.part_bytes, min(-(-item.size // READ_THREADS), MAX_PART_BYTES))
+        for part in self._parts(function, item, part_bytes):
             digest.update(part)  # hashlib releases the GIL: the GETs go on meanwhile
             parts.append(part)
         return b"".join(parts), digest.hexdigest()
 
-    def _parts(self, function: FunctionVersion, item: ArtifactFile) -> Iterator[bytes]:
-        """The file's bytes in order: one GET for a small file, ranged GETs in parallel (a window of
-        2 * READ_THREADS parts ahead of the reader, so memory stays bounded) for a large one."""
+    def _parts(self, function: FunctionVersion, item: ArtifactFile, part_bytes: int) -> Iterator[bytes]:
+        """The file's bytes in order: one GET for a file of up to `part_bytes`, ranged GETs of
+        `part_bytes` in parallel (a window of 2 * READ_THREADS parts ahead of the reader, so memory
+        stays bounded) for a larger one."""
         key = self._key(function.name, function.version, item.path)
         with s3_errors(self._url(function.name, function.version, item.path)):
-            if item.size <= self.part_bytes:
+            if item.size <= part_bytes:
                 yield from self.client.get_object(Bucket=self.bucket, Key=key)["Body"].iter_chunks(CHUNK)
                 return
 
             def get(start: int) -> bytes:
-                last = min(start + self.part_bytes, item.size) - 1
+                last = min(start + part_bytes, item.size) - 1
                 response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{last}")
                 data: bytes = response["Body"].read()
                 return data
 
-            starts = iter(range(0, item.size, self.part_bytes))
+            starts = iter(range(0, item.size, part_bytes))
             pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="s3-read")
             try:
                 ahead = itertools.islice(starts, 2 * READ_THREADS)
