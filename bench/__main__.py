@@ -363,7 +363,7 @@ class Bench:
     def cold_start(self, deployed: Deployment) -> None:
         """`fngate up` on this Redis with no runner: each request wakes the scaler, which starts a
         runner, which loads the model; phases come from the log lines of scaler and runner."""
-        print("S4 cold start: fngate up with zero runners -> first answer (tiny)", flush=True)
+        print("S4 cold start: fngate up, zero runners -> first answer (tiny, runner on demand)", flush=True)
         deployed.stop_runners()
         log = self.logs / "fngate-up.log"
         sock = socket.create_server(("127.0.0.1", 0))
@@ -385,6 +385,7 @@ class Bench:
             "--log-level",
             "INFO",
             "--no-auth",
+            "--no-standby-runner",  # the runner's own start is part of this figure
         ]
         with open(log, "wb") as output:
             up = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)

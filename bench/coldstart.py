@@ -28,8 +28,8 @@ Row = dict[str, Any]
 EMPTY_CACHE_MARGIN_S = 0.4
 ON_DISK_MARGIN_S = 0.25
 STANDBY_START_S = 5.0
-"""With --standby-runner, the wait before each cold start: the scaler starts the next standby once
-the last runner is seen, and it needs its imports done to save them."""
+"""With the standby runner, the wait before each cold start: the scaler starts the next standby once
+no runner starts or loads a model, and it needs its imports done to save them."""
 BODY = {"inputs": {"input": [[0.0] * WIDTH]}}
 AWS = {
     "AWS_ACCESS_KEY_ID": "bench",
@@ -131,7 +131,7 @@ def fngate_up(
     port = free_port()
     command = [sys.executable, "-m", "fngate.tools.cli", "up", "--redis", redis_url, "--repo", repo]
     command += ["--port", str(port), "--idle-shutdown-s", "1", "--log-level", "INFO", "--no-auth"]
-    command += ["--standby-runner"] if standby else []
+    command += ["--standby-runner"] if standby else ["--no-standby-runner"]
     with open(log, "wb") as output:
         up = subprocess.Popen(command, env=env, stdout=output, stderr=output)
     try:

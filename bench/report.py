@@ -166,7 +166,7 @@ def _large_cold_starts(rows: list[Row]) -> list[str]:
         "",
         "Limits: empty cache, the plain boto3 download_file of the model + 400 ms; on disk, onnxruntime's "
         "InferenceSession of the local file + 250 ms (both measured alone, before the cold starts). "
-        "Runner: started on demand by the scaler, or the standby runner of `fngate up --standby-runner`.",
+        "Runner: started on demand by the scaler, or the standby runner that `fngate up` keeps by default.",
     ]
     return lines
 

@@ -9,6 +9,7 @@ IMPORTS_STARTED = time.perf_counter()
 STARTED_MS = int(time.time() * 1000)
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
@@ -31,15 +32,17 @@ async def run(settings: RunnerSettings, started_ms: int | None = None) -> None:
     await worker_main(settings, stopping, started_ms)
 
 
-def await_assignment() -> bool:
+def await_assignment() -> int | None:
     """A standby runner's wait: one line on stdin, a JSON object of FNGATE_* variables that complete
-    its environment (its pool above all), from the scaler that hands it to a pool. End of input
-    (the scaler stopped or needs it no more): False."""
+    its environment (its pool above all), and `assigned_ms`, when the scaler handed it the pool,
+    from the scaler. End of input (the scaler stopped or needs it no more): None."""
     line = sys.stdin.readline()
     if not line.strip():
-        return False
-    os.environ.update({str(key): str(value) for key, value in json.loads(line).items()})
-    return True
+        return None
+    assignment = json.loads(line)
+    assigned_ms = int(assignment.pop("assigned_ms", time.time() * 1000))
+    os.environ.update({str(key): str(value) for key, value in assignment.items()})
+    return assigned_ms
 
 
 def main(settings: RunnerSettings | None = None) -> int:
@@ -49,9 +52,13 @@ def main(settings: RunnerSettings | None = None) -> int:
             from fngate.s3 import S3Repository
 
             S3Repository.warm_up()  # the repository is the same whatever pool comes
-        if not await_assignment():
+        with contextlib.suppress(ImportError):  # the usual backend's runtime, not to import at load
+            import onnxruntime  # noqa: F401
+        assigned_ms = await_assignment()
+        if assigned_ms is None:
             return 0
-        started_ms = int(time.time() * 1000)  # a standby starts for its pool when it is assigned
+        # A standby starts for its pool when it is handed it (maybe before its imports are done).
+        started_ms = max(STARTED_MS, assigned_ms)
     unknown = unknown_variables()
     if unknown:
         print(f"runner: unknown settings variables: {', '.join(unknown)}", file=sys.stderr)

@@ -85,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--standby-runner",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="keep one runner process started ahead of need for the next pool that wakes: its cold "
-        "start skips the runner's start-up (costs an idle runner's memory: about 65 MB RSS)",
+        "start skips the runner's start-up, about a second (default on; costs an idle runner's "
+        "memory: about 85 MB RSS)",
     )
     up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")

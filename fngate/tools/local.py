@@ -259,7 +259,7 @@ async def _serve(
         pools,
         env,
         idle_shutdown_s=args.idle_shutdown_s,
-        standby=getattr(args, "standby_runner", False),
+        standby=getattr(args, "standby_runner", True),
     )
     gateway_down = asyncio.Event()
 

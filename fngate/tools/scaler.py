@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from fngate import keys
 from fngate.backoff import Backoff, Health, backoff_s
 from fngate.process import stop_processes
+from fngate.registry import LOADING, read_runners
 
 log = logging.getLogger("fngate.tools.scaler")
 TICK_TIMEOUT_S = 5.0
@@ -34,6 +35,9 @@ CRASH_BACKOFF_S = 0.5
 MAX_CRASH_BACKOFF_S = 30.0
 STABLE_S = 30.0
 """A runner that lived this long before it died resets its pool's backoff."""
+STANDBY_SETTLE_S = 2.0
+"""After a standby runner is handed a pool, its replacement waits this long at least (and then
+while any runner loads a model): the replacement's imports would take CPU from that cold start."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +157,11 @@ class LocalScaler:
                 to_start(spec, self._live(pool), starting, backlog.get(pool, 0), since, self._cooldown_s)
             ):
                 self._start(pool)
-        self._replenish_standby()
+        await self._replenish_standby()
 
-    def _replenish_standby(self) -> None:
-        """Start the next standby runner once no runner is starting (not to slow a cold start)."""
+    async def _replenish_standby(self) -> None:
+        """Start the next standby runner once no runner is starting or loading a model (its
+        imports would slow that cold start down: a large model's load is CPU-bound)."""
         if not self._keep_standby or any(not item.seen for item in self._started):
             return
         standby = self._standby
@@ -166,8 +171,13 @@ class LocalScaler:
         if standby is not None and standby.returncode != 0:  # it died waiting: not again at once
             log.error("the standby runner %d died (code %s)", standby.pid, standby.returncode)
             self._standby, self._standby_not_before = None, now + MAX_CRASH_BACKOFF_S
-        if now >= self._standby_not_before:
+        if now >= self._standby_not_before and not await self._loading():
             self._standby = self._spawn(["--standby"], self._env, "standby")
+
+    async def _loading(self) -> bool:
+        """Whether a live runner reports a model LOADING."""
+        runners = await read_runners(self._redis)
+        return any(state.state == LOADING for view in runners for state in view.models.values())
 
     def _live(self, pool: str) -> int:
         """Runners of the pool that are starting or serving: one that was seen and has dropped its
@@ -222,11 +232,13 @@ class LocalScaler:
         if standby is None or standby.poll() is not None or standby.stdin is None:
             return None
         try:
-            standby.stdin.write(json.dumps(assigned).encode() + b"\n")
+            handed = {**assigned, "assigned_ms": int(time.time() * 1000)}
+            standby.stdin.write(json.dumps(handed).encode() + b"\n")
             standby.stdin.close()
         except OSError:  # it died meanwhile
             return None
         log.info("pool %s: the standby runner %d serves it", assigned["FNGATE_POOL"], standby.pid)
+        self._standby_not_before = time.monotonic() + STANDBY_SETTLE_S
         return standby
 
     async def _reap(self, heartbeats: set[int]) -> None:

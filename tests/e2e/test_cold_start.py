@@ -21,7 +21,7 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 from fngate import apikeys, keys
-from fngate.registry import function_source
+from fngate.registry import LOADING, function_source, read_runners
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from runner.lifecycle import PREFETCH_MIN_BYTES
 from tests.conftest import ROOT, child_env, wait_http
@@ -105,6 +105,32 @@ async def test_a_standby_runner_serves_the_next_pool_that_wakes_and_is_replaced(
         return standby_scaler.standby_pid not in (None, standby)
 
     await wait_until(replaced, 30, "the next standby runner to start")
+
+
+async def test_no_standby_runner_starts_while_a_model_loads(
+    serve_gateway: Callable[..., Any], standby_scaler: LocalScaler, redis: aioredis.Redis
+) -> None:
+    """The next standby's imports would take CPU from the cold start it follows: it waits until no
+    runner reports a model LOADING."""
+    base = await serve_gateway()
+
+    async def standing_by() -> bool:
+        return standby_scaler.standby_pid is not None
+
+    await wait_until(standing_by, 30, "the standby runner to start")
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        call = asyncio.create_task(client.post("/v1/functions/slowload", json={"inputs": {"x": [ROW]}}))
+        seen_loading = 0
+        while not call.done():  # the model loads for 3 s on the runner that was the standby
+            views = await read_runners(redis)
+            if any(state.state == LOADING for view in views for state in view.models.values()):
+                seen_loading += 1
+                assert standby_scaler.standby_pid is None, "a standby started during the load"
+            await asyncio.sleep(0.1)
+        response = await call
+        assert response.status_code == 200, response.text
+    assert seen_loading >= 5
+    await wait_until(standing_by, 30, "the next standby runner, after the load")
 
 
 async def test_deploy_warm_has_a_runner_load_the_new_version(

@@ -94,6 +94,7 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
             "--idle-shutdown-s",
             "30",
             "--no-auth",
+            "--no-standby-runner",  # these tests count and kill the runners that serve
         ]
         clean = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
         with open(log, "wb") as out:
