@@ -359,12 +359,15 @@ class FunctionConsumer:
         INFERENCE_COUNT.labels(name, version).inc(rows)
         self._batch_size.observe(rows)
         started_ms = started_ns / 1e6
+        succeeded = 0
         for entry, reply in zip(batch, replies, strict=True):
             self._queue_duration.observe(max(0.0, started_ms - _entry_ms(entry.id)) / 1000)
             if reply.error is None:
-                self._successes.inc()
+                succeeded += 1
             else:
                 INVOCATIONS.labels(name, reply.error.code.value).inc()
+        if succeeded:
+            self._successes.inc(succeeded)
 
     def _trace(
         self,
