@@ -54,6 +54,8 @@ def main(settings: RunnerSettings | None = None) -> int:
             S3Repository.warm_up()  # the repository is the same whatever pool comes
         with contextlib.suppress(ImportError):  # the usual backend's runtime, not to import at load
             import onnxruntime  # noqa: F401
+        with contextlib.suppress(Exception):  # pydantic imports more on its first read (0.13 s)
+            RunnerSettings()
         assigned_ms = await_assignment()
         if assigned_ms is None:
             return 0
