@@ -61,6 +61,12 @@ def test_every_command_and_flag_has_help() -> None:
     assert all(choice.help for choice in commands._choices_actions)
 
 
+def test_up_keeps_a_standby_runner_unless_told_not_to() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["up"]).standby_runner is True
+    assert parser.parse_args(["up", "--no-standby-runner"]).standby_runner is False
+
+
 def test_user_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, err = run(capsys, "ls", "--repo", str(tmp_path / "missing"))
     assert (code, out) == (2, "")
