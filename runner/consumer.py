@@ -1,9 +1,8 @@
 """The consume loop of one function: read its stream as a member of the runner group, form
 batches by the batching policy, execute them, write replies and acknowledge in one round trip.
 
-Entries are acknowledged (and deleted) only after their reply is written. Entries another runner
-left unacknowledged for claim_idle_ms are claimed; one delivered more than max_deliveries times
-is answered with an error and moved to the dead-letter stream.
+Entries are acknowledged (and deleted) only after their reply is written. What other runners left
+unacknowledged is claimed by runner.reclaim; metrics and spans of the batches are runner.observe's.
 """
 
 from __future__ import annotations
@@ -14,41 +13,27 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import redis.asyncio as aioredis
-from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from redis.exceptions import RedisError, ResponseError
 
-from fngate import keys, queue, telemetry
+from fngate import keys, queue
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
-from fngate.errors import DeadlineExceeded, FunctionError, ModelFailed
+from fngate.errors import DeadlineExceeded, FunctionError
 from fngate.pipelined import PipelinedRedis, Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
 from runner.batching import Waiting, next_step
 from runner.execution import run_batch, shape_key
-from runner.metrics import (
-    BATCH_SIZE,
-    COLD_STARTS,
-    COMPUTE_DURATION,
-    EXECUTION_COUNT,
-    INFERENCE_COUNT,
-    INVOCATIONS,
-    MODEL_LOAD_DURATION,
-    MODEL_LOADS,
-    MODELS_LOADED,
-    QUEUE_DURATION,
-)
-from runner.models import LoadedModel, LoadedModels
+from runner.metrics import INVOCATIONS
+from runner.models import LoadedModels
+from runner.observe import BatchObserver, entry_ms
 from runner.outbox import Entry, Outbox
+from runner.reclaim import Reclaimer
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("fngate.runner")
 
 
 class FunctionConsumer:
@@ -78,7 +63,6 @@ class FunctionConsumer:
         self._arrived = asyncio.Event()
         self._room = asyncio.Event()
         self._contended = False
-        self._last_claim = 0.0
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
         self._reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
         self._writes = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
@@ -86,13 +70,10 @@ class FunctionConsumer:
         self._read_levels = Script(self._reads, queue.READ_LEVELS)
         self._lower_levels_empty = False
         """The last read saw nothing below the synchronous level: the next may block at once."""
-        # The metrics every batch touches, looked up once.
-        name = function.name
-        self._compute_duration = COMPUTE_DURATION.labels(name)
-        self._batch_size = BATCH_SIZE.labels(name)
-        self._queue_duration = QUEUE_DURATION.labels(name)
-        self._successes = INVOCATIONS.labels(name, "success")
-        self._traced = telemetry.tracing_active()
+        self._observer = BatchObserver(function.name)
+        self._reclaim = Reclaimer(
+            redis, function.name, self._streams, consumer, settings, self._accept, self._send
+        )
 
     @property
     def pending(self) -> int:
@@ -130,9 +111,9 @@ class FunctionConsumer:
                     # A batch that cannot be stopped holds it: leave its work to other runners.
                     await asyncio.sleep(self._settings.claim_interval_ms / 1000)
                     continue
-                if failures or not self._last_claim:
+                if failures or not self._reclaim.last_claim:
                     await self._ensure_group()
-                await self._claim_due()
+                await self._reclaim.due(self._held)
                 room = self._read_ahead - len(self._pending)
                 if room <= 0:
                     self._room.clear()
@@ -202,6 +183,10 @@ class FunctionConsumer:
                     async with asyncio.timeout(wait_us / 1e6):
                         await self._arrived.wait()
 
+    def _held(self, level: int) -> list[bytes]:
+        """The ids of the entries at `level` that this consumer has read and not yet answered."""
+        return [entry.id for entry in (*self._pending, *self._running) if entry.level == level]
+
     async def _ensure_group(self) -> None:
         for stream in self._streams:
             try:
@@ -251,10 +236,10 @@ class FunctionConsumer:
                         manifest.name,
                         entry.invocation.version,
                         entry.invocation.deadline_ms,
-                        _entry_ms(entry.id),
+                        entry_ms(entry.id),
                         now_ms,
                     ),
-                    _entry_ms(entry.id),
+                    entry_ms(entry.id),
                     (entry.invocation.version, shape_key(entry.invocation)),
                     entry.invocation.rows,
                     entry.alone,
@@ -293,15 +278,10 @@ class FunctionConsumer:
         batch_id = os.urandom(8).hex()
         started_ns = time.time_ns()
         ran_digest = ""
-        parents: list[Context | None] = []
-        span: contextlib.AbstractContextManager[Span | None] = contextlib.nullcontext()  # none unless traced
-        if self._traced:
-            parents = [telemetry.extract(invocation.traceparent) for invocation in invocations]
-            links = [Link(trace.get_current_span(parent).get_span_context()) for parent in parents if parent]
-            span = tracer.start_as_current_span(f"batch {name}", links=links)
+        parents, span = self._observer.batch_span(invocations)
         with span as batch_span:
             try:
-                model = await self._load(self._models.version(name, version))
+                model = await self._observer.load(self._models, self._models.version(name, version))
             except FunctionError as exc:
                 replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
             else:
@@ -311,7 +291,7 @@ class FunctionConsumer:
                     replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
                     await self._models.release(model)
-                self._compute_duration.observe(time.perf_counter() - computed)
+                self._observer.compute_duration.observe(time.perf_counter() - computed)
             rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
             if batch_span is not None:
                 batch_span.set_attributes(
@@ -323,92 +303,15 @@ class FunctionConsumer:
                         "fngate.invocations": len(invocations),
                     }
                 )
-        self._observe(batch, replies, started_ns, rows)
+        self._observer.observe(batch, replies, started_ns, rows)
         if batch_span is not None:
-            self._trace(batch, replies, parents, batch_span, started_ns, rows)
+            self._observer.trace(batch, replies, parents, batch_span, started_ns, rows)
         await self._send(
             batch,
             replies,
             ran_digest,
             statistics.of_batch(self.function, version, batch, replies, started_ns),
         )
-
-    async def _load(self, function: FunctionVersion) -> LoadedModel:
-        """The model, loaded now if this batch is its first (a cold start, with a span of its own);
-        held until `models.release`."""
-        name = function.name
-        if (name, function.version) in self._models.loaded:
-            return await self._models.acquire(function)
-        COLD_STARTS.labels(name).inc()
-        started = time.perf_counter()
-        with tracer.start_as_current_span(f"load {name}", attributes={"fngate.cold_start": True}):
-            try:
-                model = await self._models.acquire(function)
-            except FunctionError:
-                MODEL_LOADS.labels(name, "failed").inc()
-                raise
-        MODEL_LOADS.labels(name, "loaded").inc()
-        MODEL_LOAD_DURATION.labels(name).observe(time.perf_counter() - started)
-        MODELS_LOADED.set(len(self._models.loaded))
-        return model
-
-    def _observe(self, batch: Sequence[Entry], replies: Sequence[Reply], started_ns: int, rows: int) -> None:
-        """Metrics for the batch and its invocations (spans cost even as no-ops: see _trace)."""
-        name, version = self.function.name, batch[0].invocation.version  # the version this batch ran
-        EXECUTION_COUNT.labels(name, version).inc()
-        INFERENCE_COUNT.labels(name, version).inc(rows)
-        self._batch_size.observe(rows)
-        started_ms = started_ns / 1e6
-        succeeded = 0
-        for entry, reply in zip(batch, replies, strict=True):
-            self._queue_duration.observe(max(0.0, started_ms - _entry_ms(entry.id)) / 1000)
-            if reply.error is None:
-                succeeded += 1
-            else:
-                INVOCATIONS.labels(name, reply.error.code.value).inc()
-        if succeeded:
-            self._successes.inc(succeeded)
-
-    def _trace(
-        self,
-        batch: Sequence[Entry],
-        replies: Sequence[Reply],
-        parents: Sequence[Context | None],
-        batch_span: Span,
-        started_ns: int,
-        rows: int,
-    ) -> None:
-        """Each invocation's share of the batch as spans in its own trace: its wait in the queue and
-        its execution, linked to the batch span."""
-        if not batch_span.get_span_context().trace_flags.sampled:
-            return
-        name = self.function.name
-        ended_ns = time.time_ns()
-        batch_link = [Link(batch_span.get_span_context())]
-        for entry, reply, parent in zip(batch, replies, parents, strict=True):
-            if parent is None:
-                continue
-            invocation = entry.invocation
-            queued_ns = _entry_ms(entry.id) * 1_000_000
-            tracer.start_span(
-                f"queue {name}", context=parent, start_time=queued_ns, kind=SpanKind.CONSUMER
-            ).end(end_time=started_ns)
-            span = tracer.start_span(
-                f"execute {name}",
-                context=parent,
-                start_time=started_ns,
-                links=batch_link,
-                attributes={
-                    "fngate.function": name,
-                    "fngate.version": invocation.version,
-                    "fngate.batch_id": reply.batch_id,
-                    "fngate.batch_size": rows,
-                    "fngate.rows": invocation.rows,
-                },
-            )
-            if reply.error is not None:
-                span.set_status(Status(StatusCode.ERROR, reply.error.message))
-            span.end(end_time=ended_ns)
 
     async def _expire(self, entries: Sequence[Entry]) -> None:
         INVOCATIONS.labels(self.function.name, DeadlineExceeded.code.value).inc(len(entries))
@@ -451,82 +354,6 @@ class FunctionConsumer:
                 exc,
             )
 
-    async def _claim_due(self) -> None:
-        """Take over what runners that died left unacknowledged, at every level; each runs alone
-        (Entry.alone)."""
-        now = time.monotonic()
-        if now - self._last_claim < self._settings.claim_interval_ms / 1000:
-            return
-        self._last_claim = now
-        for level in range(len(self._streams)):
-            await self._claim_level(level)
-
-    async def _claim_level(self, level: int) -> None:
-        stream = self._streams[level]
-        held: list[bytes | str | int | memoryview] = [
-            entry.id for entry in (*self._pending, *self._running) if entry.level == level
-        ]
-        if held:
-            # Reset the idle time of what we hold (JUSTID: no delivery is counted), so that neither
-            # we nor another runner claim an invocation that is only waiting or running long here.
-            await self._redis.xclaim(stream, keys.RUNNER_GROUP, self._consumer, 0, held, justid=True)
-        _next, claimed, _deleted = await self._redis.xautoclaim(
-            stream, keys.RUNNER_GROUP, self._consumer, self._settings.claim_idle_ms, "0-0", count=100
-        )
-        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields]
-        if not claimed:
-            return
-        log.warning(
-            "%s: claimed %d invocations another runner left unacknowledged", self.function.name, len(claimed)
-        )
-        counts: Any = await self._redis.xpending_range(
-            stream, keys.RUNNER_GROUP, claimed[0][0], claimed[-1][0], len(claimed) + 64, self._consumer
-        )
-        deliveries = {item["message_id"]: item["times_delivered"] for item in counts}
-        poisoned = [
-            (entry_id, fields)
-            for entry_id, fields in claimed
-            if deliveries.get(entry_id, 1) > self._settings.max_deliveries
-        ]
-        if poisoned:
-            await self._dead_letter(poisoned, level)
-        poisoned_ids = {entry_id for entry_id, _ in poisoned}
-        await self._accept(
-            ((entry_id, fields) for entry_id, fields in claimed if entry_id not in poisoned_ids),
-            alone=True,
-            level=level,
-        )
-
-    async def _dead_letter(self, entries: Sequence[tuple[bytes, Fields]], level: int) -> None:
-        limit = self._settings.max_deliveries
-        log.error(
-            "%s: %d invocations were delivered more than %d times; dead-lettered",
-            self.function.name,
-            len(entries),
-            limit,
-        )
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for _entry_id, fields in entries:
-                pipe.xadd(keys.dead_letters(self.function.name), {**fields, b"reason": b"max_deliveries"})
-            await pipe.execute()
-        dead = [
-            Entry(
-                entry_id,
-                Invocation.decode(fields),
-                queue.entry_bytes(fields),
-                level=level,
-                step=fields.get(queue.STEP, b""),
-            )
-            for entry_id, fields in entries
-        ]
-        error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
-        replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in dead]
-        await self._send(dead, replies)
-
 
 def _at_level(level: int, entries: Sequence[Entry], replies: Sequence[Reply]) -> list[Reply]:
     return [reply for entry, reply in zip(entries, replies, strict=True) if entry.level == level]
-
-
-def _entry_ms(entry_id: bytes) -> int:
-    return int(entry_id.split(b"-", 1)[0])
