@@ -31,11 +31,11 @@ from gateway.compression import GzipLargeResponses
 from gateway.dispatch import Dispatcher
 from gateway.guard import AuthMiddleware
 from gateway.http_errors import handle_function_error, handle_unknown_route
-from gateway.invocations import ROUTES as INVOCATION_ROUTES
 from gateway.invocations import AsyncInvocations
 from gateway.invoke import InvokeRoutes
 from gateway.limits import Limiter
 from gateway.replies import ReplyRouter
+from gateway.results import ROUTES as INVOCATION_ROUTES
 from gateway.tracing import TracingMiddleware
 
 log = logging.getLogger(__name__)

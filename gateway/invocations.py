@@ -1,6 +1,7 @@
 """Asynchronous invocations of functions and pipelines: submit (`Prefer: respond-async` on the
-invocation routes), then GET /v1/invocations/{id} (`?wait=` long-polls) and DELETE it before it
-starts. The result lives in Redis (fngate.queue, asynchronous section), so any gateway answers."""
+invocation routes), then read (GET /v1/invocations/{id}, `?wait=` long-polls) and cancel (DELETE)
+it before it starts; gateway.results renders them. The result lives in Redis (fngate.queue,
+asynchronous section), so any gateway answers."""
 
 from __future__ import annotations
 
@@ -8,40 +9,31 @@ import dataclasses
 import hashlib
 import time
 import uuid
-from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from fngate import keys, queue, telemetry
 from fngate.errors import (
-    DeadlineExceeded,
-    FunctionError,
     FunctionNotFound,
     InvalidArgument,
     Overloaded,
     Unavailable,
 )
-from fngate.manifest import FunctionManifest
 from fngate.pipelined import PipelinedRedis, Script
 from fngate.plan import PlanStep, StepContext, first_steps, step_entry
 from fngate.repository import FunctionVersion
-from fngate.wire import Invocation, Reply
+from fngate.wire import Invocation
 from gateway import pipelines
 from gateway.activation import Activator
-from gateway.auth import ADMIN, INVOKE, OPEN, Principal
+from gateway.auth import ADMIN, INVOKE, Principal
 from gateway.cache import SeparateCache, cache_key
 from gateway.catalog import Catalog
 from gateway.dispatch import Refused
-from gateway.guard import PRINCIPAL
-from gateway.http_errors import IdempotencyKeyReused, error_body, status_of
+from gateway.http_errors import IdempotencyKeyReused
 from gateway.metrics import CACHE_HITS, CACHE_MISSES
-from gateway.protocol import InferRequest, render_v1, render_v2
-from gateway.rendering import dumps, json_response
+from gateway.protocol import InferRequest
 
 MAX_WAIT_S = 60.0
 """The longest long-poll (`?wait=`) one request may hold."""
@@ -303,7 +295,7 @@ class AsyncInvocations:
         FunctionNotFound for an id that is unknown, expired or not the caller's."""
         result = await self._read_once(invocation_id, principal)
         deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
-        while _is_pending(result) and (left_s := deadline - time.monotonic()) > 0:
+        while is_pending(result) and (left_s := deadline - time.monotonic()) > 0:
             try:
                 await self._polls.xread(
                     {keys.result(invocation_id): result.last_id},
@@ -340,35 +332,6 @@ class AsyncInvocations:
             raise _not_found(invocation_id)
         return result
 
-    def render(self, result: queue.Result) -> tuple[int, dict[str, str], bytes]:
-        """The answer of GET /v1/invocations/{id}: the synchronous call's status, headers and body
-        once done; 202 and the state while pending; 410 once cancelled."""
-        return render(result, self.catalog)
-
-
-def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str], bytes]:
-    submission = Submission.decode(result.record)
-    headers = {"x-fngate-state": result.state, **_callback_headers(result)}
-    if result.reply is None:
-        if result.cancelled:
-            body = {"error": "the invocation was cancelled", "code": "cancelled", "state": "cancelled"}
-            return 410, headers | {"content-type": "application/json"}, dumps(body)
-        if not _is_pending(result):  # nobody ran it in time, and no runner came to say so
-            headers["x-fngate-state"] = "failed"
-            return _failure(headers, DeadlineExceeded("the deadline passed while queued"))
-        return 202, headers | {"content-type": "application/json"}, dumps(state_document(result))
-    reply = Reply.decode(result.reply)
-    if reply.error is not None:
-        headers["x-fngate-state"] = "failed"
-        return _failure(headers, reply.error)
-    if submission.outputs is not None:
-        reply = dataclasses.replace(reply, outputs={name: reply.outputs[name] for name in submission.outputs})
-    if submission.route == "v1":
-        return 200, headers | {"content-type": "application/json"}, render_v1(reply)
-    request = InferRequest({}, None, frozenset(submission.binary_outputs), submission.request_id, None)
-    content, extra = render_v2(request, reply, _manifest(catalog, submission))
-    return 200, headers | extra, content
-
 
 def _step_name(step: PlanStep) -> str:
     return f"step '{step.name}' ({step.function} v{step.version}): function '{step.function}'"
@@ -402,37 +365,11 @@ def request_digest(function: str, route: str, body: bytes) -> str:
     return digest.hexdigest()
 
 
-def _is_pending(result: queue.Result) -> bool:
+def is_pending(result: queue.Result) -> bool:
     """Queued or running, before its deadline: a reply may still come."""
     if result.state not in ("queued", "running"):
         return False
     return Submission.decode(result.record).deadline_ms > time.time() * 1000
-
-
-def state_document(result: queue.Result) -> dict[str, Any]:
-    submission = Submission.decode(result.record)
-    doc: dict[str, Any] = {"id": submission.id, "function": submission.function, "state": result.state}
-    if submission.callback_url:
-        doc["callback"] = {"attempts": [orjson.loads(attempt) for attempt in result.callbacks]}
-    return doc
-
-
-def _failure(headers: dict[str, str], error: FunctionError) -> tuple[int, dict[str, str], bytes]:
-    return status_of(error), headers | {"content-type": "application/json"}, error_body(error)
-
-
-def _callback_headers(result: queue.Result) -> dict[str, str]:
-    if not result.callbacks:
-        return {}
-    last = orjson.loads(result.callbacks[-1])
-    return {"x-fngate-callback-attempts": str(len(result.callbacks)), "x-fngate-callback": last["outcome"]}
-
-
-def _manifest(catalog: Catalog, submission: Submission) -> FunctionManifest:
-    try:
-        return catalog.get(submission.function, submission.version).manifest
-    except FunctionError:  # removed since: the newest known manifest still names the datatypes
-        return catalog.get(submission.function, None).manifest
 
 
 def _may_read(principal: Principal, submission: Submission) -> bool:
@@ -465,69 +402,3 @@ def _idempotency_key(raw: bytes | None) -> str:
     if not value or len(value) > MAX_IDEMPOTENCY_KEY:
         raise InvalidArgument(f"Idempotency-Key must have 1 to {MAX_IDEMPOTENCY_KEY} characters")
     return value
-
-
-def accepted_response(accepted: Accepted) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """The 202 of a submission: where to fetch the result, and the id."""
-    location = f"/v1/invocations/{accepted.invocation_id}"
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"location", location.encode()),
-        (b"preference-applied", b"respond-async"),
-    ]
-    if accepted.again:
-        headers.append((b"x-fngate-idempotent-replay", b"true"))
-    body = {
-        "id": accepted.invocation_id,
-        "state": "done" if accepted.done else "accepted",
-        "location": location,
-    }
-    return 202, headers, dumps(body)
-
-
-def _principal(request: Request) -> Principal:
-    found: Principal = request.scope.get(PRINCIPAL, OPEN)
-    return found
-
-
-def _service(request: Request) -> AsyncInvocations:
-    found: AsyncInvocations = request.state.invocations
-    return found
-
-
-def _wait_s(request: Request) -> float:
-    raw = request.query_params.get("wait", "0")
-    try:
-        wait_s = float(raw)
-    except ValueError:
-        raise InvalidArgument(f"wait must be a number of seconds, not {raw[:32]!r}") from None
-    if not 0 <= wait_s <= MAX_WAIT_S:
-        raise InvalidArgument(f"wait must be between 0 and {MAX_WAIT_S:g} s")
-    return wait_s
-
-
-async def get_invocation(request: Request) -> Response:
-    service = _service(request)
-    result = await service.read(request.path_params["id"], _principal(request), _wait_s(request))
-    if request.query_params.get("view") == "state":
-        return json_response(state_document(result))
-    status, headers, content = service.render(result)
-    if status == 202:
-        headers["retry-after"] = "1"
-    media = headers.pop("content-type", "application/json")
-    return Response(content, status, headers, media_type=media)
-
-
-async def delete_invocation(request: Request) -> Response:
-    invocation_id = request.path_params["id"]
-    outcome = await _service(request).cancel(invocation_id, _principal(request))
-    if outcome == "cancelled":
-        return json_response({"id": invocation_id, "state": "cancelled"})
-    body = {"error": f"the invocation has already {'started' if outcome == 'running' else 'finished'}"}
-    return json_response(body | {"code": "invalid_argument", "state": outcome}, 409)
-
-
-ROUTES = [
-    Route("/v1/invocations/{id}", get_invocation, methods=["GET"]),
-    Route("/v1/invocations/{id}", delete_invocation, methods=["DELETE"]),
-]

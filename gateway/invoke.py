@@ -24,10 +24,10 @@ from gateway.dispatch import Refused
 from gateway.endpoints import Services
 from gateway.guard import ADMISSION, ADMITTED, PRINCIPAL, RELEASE
 from gateway.http_errors import BodyTimeout, PayloadTooLarge, error_body, status_of
-from gateway.invocations import accepted_response
 from gateway.limits import refusal
 from gateway.metrics import CACHE_HITS, CACHE_MISSES, REQUEST_DURATION, REQUEST_FAILURE, REQUEST_SUCCESS
 from gateway.protocol import InferRequest, decode, decode_body, parse_v1, parse_v2, render_v1, render_v2
+from gateway.results import accepted_response
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ import pytest
 from fngate import queue
 from fngate.wire import Reply
 from gateway.catalog import Catalog
-from gateway.invocations import Submission, render, request_digest
+from gateway.invocations import Submission, request_digest
+from gateway.results import render
 
 
 @pytest.mark.parametrize(
