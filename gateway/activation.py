@@ -49,6 +49,7 @@ class Activator:
         self._woken: dict[str, float] = {}
         self._heard: dict[str, float] = {}
         """When a wake of the pool last reached a scaler (time.monotonic())."""
+        self._waking: set[asyncio.Task[None]] = set()
 
     def check(self, pool: str) -> None:
         """Before an invocation is queued: a pool with no runner whose last start failed is 503."""
@@ -87,8 +88,8 @@ class Activator:
         pool = function.manifest.scaling.pool
         if pool in self._live_pools or self._failures.get(pool):
             return False
-        self._woken.pop(pool, None)
-        await self.wake(pool)
+        self._woken[pool] = now = time.monotonic()
+        await self._publish_wake(pool, now)  # past the deadline: this wait is the caller's own
         return self.is_loading(function, since_ms)
 
     async def await_load(
@@ -120,17 +121,25 @@ class Activator:
                 cause = f"no runner could start ({failure})" if failure else "its model stopped loading"
                 raise DeadlineExceeded(f"function '{name}' did not answer within {timeout_ms} ms: {cause}")
 
-    async def wake(self, pool: str) -> None:
-        """After an invocation is queued: wake the pool if nothing serves it."""
+    def wake(self, pool: str) -> None:
+        """After an invocation is queued: wake the pool if nothing serves it. The PUBLISH runs in
+        the background: the invocation does not wait for it, and no redis-py call runs inside an
+        invocation's deadline (a cancellation that reaches redis-py during a command can be lost,
+        and the deadline with it)."""
         if pool in self._live_pools:
             return
         now = time.monotonic()
         if now - self._woken.get(pool, float("-inf")) < self._refresh_s:
             return  # asked already; the scaler starts one runner however many ask
         self._woken[pool] = now
+        task = asyncio.get_running_loop().create_task(self._publish_wake(pool, now))
+        self._waking.add(task)
+        task.add_done_callback(self._waking.discard)
+
+    async def _publish_wake(self, pool: str, at: float) -> None:
         try:
             if await self._redis.publish(keys.wake_channel(), pool):
-                self._heard[pool] = now  # a scaler listens: a runner is on its way
+                self._heard[pool] = at  # a scaler listens: a runner is on its way
         except RedisError as exc:
             log.warning("could not wake pool %s: %s", pool, exc)
 

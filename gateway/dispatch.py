@@ -127,7 +127,7 @@ class Dispatcher:
                     raise Refused(outcome)
                 queued = True
                 if self._activator is not None:
-                    await self._activator.wake(pool)
+                    self._activator.wake(pool)
                 reply = await future
         except TimeoutError:
             # The loading rule: past the deadline, a queued invocation waits on while its model loads.
@@ -185,7 +185,7 @@ class Dispatcher:
                         raise Refused(outcome)
                 if activator is not None:
                     for pool in woken:
-                        await activator.wake(pool)
+                        activator.wake(pool)
                 reply = await future
         except TimeoutError:
             raise DeadlineExceeded(f"pipeline '{name}' did not answer within {timeout_ms} ms") from None

@@ -287,7 +287,7 @@ class AsyncInvocations:
             )
         if self._activator is not None:
             for pool in queued.pools:
-                await self._activator.wake(pool)
+                self._activator.wake(pool)
         return Accepted(invocation_id)
 
     async def read(self, invocation_id: str, principal: Principal, wait_s: float = 0) -> queue.Result:

@@ -17,6 +17,7 @@ from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
 from fngate.pipelined import PipelinedRedis
 from fngate.repository import FunctionVersion, open_repository
 from fngate.wire import Invocation, Reply
+from gateway.activation import Activator
 from gateway.dispatch import Dispatcher
 from gateway.replies import ReplyRouter
 from tests.conftest import ROOT
@@ -36,7 +37,7 @@ def classifier(**batching: int) -> FunctionVersion:
 
 @contextlib.asynccontextmanager
 async def dispatching(
-    redis_url: str, health: Health | None = None
+    redis_url: str, health: Health | None = None, activator: Activator | None = None
 ) -> AsyncIterator[tuple[Dispatcher, ReplyRouter]]:
     client = aioredis.from_url(redis_url)
     reads, writes = PipelinedRedis(redis_url), PipelinedRedis(redis_url)
@@ -44,7 +45,7 @@ async def dispatching(
     await replies.start()
     loop = asyncio.create_task(replies.run())
     try:
-        yield Dispatcher(writes, replies, health=health), replies
+        yield Dispatcher(writes, replies, activator=activator, health=health), replies
     finally:
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -99,6 +100,24 @@ async def test_no_answer_is_a_deadline_exceeded_at_the_deadline(
     async with dispatching(redis_url) as (dispatcher, _):
         with pytest.raises(DeadlineExceeded, match="200 ms"):
             await dispatcher.submit(classifier(), {"input": ROW}, None, 200)
+
+
+async def test_a_deadline_that_passes_while_the_pool_is_woken_is_kept(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    """Each of these invocations wakes its pool (no runner, nobody listening) and has a deadline of
+    a few ms, which passes while the enqueue, the wake or the wait for the reply is under way:
+    every one is answered 504 then, none waits on past it."""
+    client = aioredis.from_url(redis_url)
+    activator = Activator(client, refresh_s=0.0)  # every invocation publishes its pool's wake
+    try:
+        async with dispatching(redis_url, activator=activator) as (dispatcher, _):
+            for attempt in range(60):
+                submitted = dispatcher.submit(classifier(), {"input": ROW}, None, 1 + attempt % 4)
+                with pytest.raises(DeadlineExceeded):
+                    await asyncio.wait_for(submitted, 5)
+    finally:
+        await client.aclose()
 
 
 async def test_a_redis_known_down_is_unavailable_at_once(redis_url: str, redis: aioredis.Redis) -> None:
