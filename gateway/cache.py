@@ -1,4 +1,5 @@
-"""The response cache: cache_key() (pure), and lookups in a cache Redis of its own that fail open.
+"""The response cache: cache_key() and request_key() (pure), and lookups in a cache Redis of its
+own that fail open.
 
 When the cache shares the queue's Redis, the lookup is part of the enqueue script instead (one
 round trip); see gateway.dispatch.
@@ -13,12 +14,23 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate.cache_key import cache_key
-from fngate.wire import Fields
+from fngate.repository import FunctionVersion
+from fngate.wire import Fields, Tensors
 from gateway.metrics import CACHE_FAILURES
 
-__all__ = ["CacheHealth", "SeparateCache", "cache_key"]  # cache_key lives in fngate: runners use it too
+# cache_key lives in fngate: runners use it too.
+__all__ = ["CacheHealth", "SeparateCache", "cache_key", "request_key"]
 log = logging.getLogger(__name__)
 COMPLAIN_EVERY_S = 30.0
+
+
+def request_key(function: FunctionVersion, inputs: Tensors, outputs: tuple[str, ...] | None) -> str:
+    """The cache key of a request to this version ('' while its cache is off): synchronous,
+    asynchronous and pipeline invocations key alike."""
+    manifest = function.manifest
+    if not manifest.cache.enabled:
+        return ""
+    return cache_key(manifest.name, function.version, function.digest, inputs, outputs)
 
 
 class CacheHealth:

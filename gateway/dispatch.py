@@ -25,7 +25,7 @@ from fngate.pipelined import PipelinedRedis, Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation, Reply, Tensors
 from gateway.activation import Activator
-from gateway.cache import SeparateCache, cache_key
+from gateway.cache import SeparateCache, request_key
 from gateway.replies import ReplyRouter
 
 tracer = trace.get_tracer("fngate.gateway")
@@ -70,14 +70,12 @@ class Dispatcher:
         With the function's cache on, a cached answer is returned at once and an identical
         invocation in flight is waited on; use_cache=False skips both but still stores the answer."""
         manifest = function.manifest
-        if not self._replies.healthy or (self._health is not None and not self._health.available):
-            # Known down (the reply, activator or catalog loop saw it): answer now, not at a timeout.
-            raise Unavailable("the queue is unavailable: Redis cannot be reached")
+        self._check_available()
         limit_ms = manifest.batching.timeout_ms
         timeout_ms = limit_ms if timeout_ms is None else min(timeout_ms, limit_ms)
         entry = in_flight = ""
-        if manifest.cache.enabled:
-            key_hex = cache_key(manifest.name, function.version, function.digest, inputs, outputs)
+        key_hex = request_key(function, inputs, outputs)
+        if key_hex:
             entry = keys.cache_entry(manifest.name, key_hex)
             in_flight = keys.in_flight(manifest.name, key_hex) if use_cache else ""
         invocation = Invocation(
@@ -118,13 +116,9 @@ class Dispatcher:
         queued = False
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                outcome = await self._submit(call, manifest.name)
-                if isinstance(outcome, queue.Hit):
-                    return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
-                if isinstance(outcome, queue.Full):
-                    raise Overloaded(_full_message(manifest.name, outcome, manifest.batching))
-                if isinstance(outcome, queue.Limited):
-                    raise Refused(outcome)
+                cached = _settle(await self._submit(call, manifest.name), manifest.name, manifest.batching)
+                if cached is not None:
+                    return cached
                 queued = True
                 if self._activator is not None:
                     self._activator.wake(pool)
@@ -161,8 +155,7 @@ class Dispatcher:
         """Queue a pipeline's first steps (the first call may look up the cache and check the
         caller's limits), wake the pools of all its steps, and await the reply that answers
         `invocation_id`; raises as `submit` does."""
-        if not self._replies.healthy or (self._health is not None and not self._health.available):
-            raise Unavailable("the queue is unavailable: Redis cannot be reached")
+        self._check_available()
         activator, woken = self._activator, tuple(pools)
         if activator is not None:
             for pool in woken:
@@ -177,12 +170,9 @@ class Dispatcher:
                         *(self._submit(step.call, step.function) for step in rest)
                     )
                 for step, outcome in zip(calls, outcomes, strict=False):
-                    if isinstance(outcome, queue.Hit):
-                        return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
-                    if isinstance(outcome, queue.Full):
-                        raise Overloaded(_full_message(step.function, outcome, step.batching))
-                    if isinstance(outcome, queue.Limited):
-                        raise Refused(outcome)
+                    cached = _settle(outcome, step.function, step.batching)
+                    if cached is not None:
+                        return cached
                 if activator is not None:
                     for pool in woken:
                         activator.wake(pool)
@@ -194,6 +184,12 @@ class Dispatcher:
         if reply.error is not None:
             raise reply.error
         return reply
+
+    def _check_available(self) -> None:
+        """Redis known down (the reply, activator or catalog loop saw it): answer now, not at a
+        timeout."""
+        if not self._replies.healthy or (self._health is not None and not self._health.available):
+            raise Unavailable("the queue is unavailable: Redis cannot be reached")
 
     async def _submit(self, call: queue.ScriptCall, name: str) -> queue.EnqueueOutcome:
         try:
@@ -213,6 +209,18 @@ class Step:
     call: queue.ScriptCall
     batching: Any
     """The function's BatchingSpec, for the message when its queue is full."""
+
+
+def _settle(outcome: queue.EnqueueOutcome, name: str, batching: Any) -> Reply | None:
+    """What an enqueue's outcome means for its invocation: the cached reply of a hit, None once
+    queued (or waiting on an identical one); a full queue or a caller over its limits raises."""
+    if isinstance(outcome, queue.Hit):
+        return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
+    if isinstance(outcome, queue.Full):
+        raise Overloaded(_full_message(name, outcome, batching))
+    if isinstance(outcome, queue.Limited):
+        raise Refused(outcome)
+    return None
 
 
 def _full_message(name: str, outcome: queue.Full, batching: Any) -> str:

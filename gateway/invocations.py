@@ -28,7 +28,7 @@ from fngate.wire import Invocation
 from gateway import pipelines
 from gateway.activation import Activator
 from gateway.auth import ADMIN, INVOKE, Principal
-from gateway.cache import SeparateCache, cache_key
+from gateway.cache import SeparateCache, request_key
 from gateway.catalog import Catalog
 from gateway.dispatch import Refused
 from gateway.http_errors import IdempotencyKeyReused
@@ -339,11 +339,8 @@ def _step_name(step: PlanStep) -> str:
 
 def _cache_entry(function: FunctionVersion, parsed: InferRequest) -> str:
     """The response cache entry of this request ('' with the function's cache off)."""
-    manifest = function.manifest
-    if not manifest.cache.enabled:
-        return ""
-    key_hex = cache_key(manifest.name, function.version, function.digest, parsed.inputs, parsed.outputs)
-    return keys.cache_entry(manifest.name, key_hex)
+    key_hex = request_key(function, parsed.inputs, parsed.outputs)
+    return keys.cache_entry(function.manifest.name, key_hex) if key_hex else ""
 
 
 def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:

@@ -18,7 +18,7 @@ from fngate.pipeline import Problem, edge_problems
 from fngate.plan import Plan, StepContext, first_steps, make_plan, step_invocation
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply, Tensors
-from gateway.cache import cache_key
+from gateway.cache import request_key
 from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher, Step
 
@@ -45,11 +45,8 @@ async def submit(
     limit_ms = manifest.batching.timeout_ms
     timeout_ms = limit_ms if timeout_ms is None else min(timeout_ms, limit_ms)
     deadline_ms = int(time.time() * 1000) + timeout_ms
-    entry = ""
-    if manifest.cache.enabled:
-        entry = keys.cache_entry(
-            manifest.name, cache_key(manifest.name, function.version, function.digest, inputs, outputs)
-        )
+    key_hex = request_key(function, inputs, outputs)
+    entry = keys.cache_entry(manifest.name, key_hex) if key_hex else ""
     invocation_id = os.urandom(16).hex()
     stream = dispatcher.reply_stream
     with tracer.start_as_current_span(
