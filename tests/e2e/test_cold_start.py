@@ -6,12 +6,11 @@ standby runner, `fngate deploy --warm`, and runners that prefetch a version depl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 from fngate import apikeys, keys
-from fngate.registry import LOADING, function_source, read_runners
-from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.registry import LOADING, read_runners
+from fngate.tools.scaler import LocalScaler
 from runner.lifecycle import PREFETCH_MIN_BYTES
 from tests.conftest import ROOT, child_env, wait_http
 from tests.e2e.deployments import cli, runner_env, scale_function
@@ -58,25 +57,10 @@ async def test_invocations_that_arrive_while_the_model_loads_are_answered(
 
 
 @pytest.fixture
-async def standby_scaler(
-    redis_url: str, repo: Path, tmp_path: Path, redis: aioredis.Redis
-) -> AsyncIterator[LocalScaler]:
-    """The local scaler of `fngate up --standby-runner`, in this event loop."""
-    client = aioredis.from_url(redis_url)
-    source = function_source(str(repo), client)
-
-    async def pools() -> dict[str, PoolSpec]:
-        return pool_specs(await source())
-
-    env = child_env(redis_url, repo, FNGATE_RESCAN_S="0.5")
-    local = LocalScaler(client, pools, env, 30.0, tmp_path, poll_s=0.2, standby=True)
-    stopping = asyncio.Event()
-    task = asyncio.create_task(local.run(stopping))
-    yield local
-    stopping.set()
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(task, 60)
-    await client.aclose()
+async def standby_scaler(scaler: Callable[..., Any]) -> LocalScaler:
+    """The local scaler of `fngate up`, with its standby runner, in this event loop."""
+    found: LocalScaler = await scaler(idle_shutdown_s=30.0, standby=True)
+    return found
 
 
 async def runner_pids(redis: aioredis.Redis) -> set[int]:

@@ -4,7 +4,6 @@ direct calls, a failing middle step, the deadline between steps, and steps' pool
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import shutil
 from collections.abc import AsyncIterator, Callable
@@ -20,16 +19,16 @@ import yaml
 from prometheus_client import REGISTRY
 
 from fngate import keys
-from fngate.registry import function_source
 from fngate.repository import FolderRepository
 from fngate.tools.deploy import deploy
-from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
-from tests.conftest import child_env, wait_http
+from fngate.tools.scaler import LocalScaler
+from tests.conftest import wait_http
 from tests.e2e.deployments import ROW, invoke, scale_function
 from tests.e2e.test_observability import Receiver, receiver
+from tests.e2e.test_scale_to_zero import scaler
 
 ROOT = Path(__file__).resolve().parents[2]
-__all__ = ["receiver"]  # the OTLP receiver fixture of the observability tests
+__all__ = ["receiver", "scaler"]  # fixtures of the observability and scale-to-zero tests
 ROWS = np.arange(3 * 16, dtype=np.float32).reshape(3, 16) - 20
 
 MODEL = """import time
@@ -361,38 +360,12 @@ async def test_pipeline_steps_share_batches_with_direct_calls(
     assert piped_replies[0].json()["batch"]["size"] == 6
 
 
-@pytest.fixture
-async def scaler(redis_url: str, tmp_path: Path, redis: aioredis.Redis) -> AsyncIterator[Callable[..., Any]]:
-    """Factory: the local scaler of `fngate up` over a repository, starting real runner processes."""
-    running: list[tuple[asyncio.Event, asyncio.Task[None], aioredis.Redis]] = []
-
-    async def start(repo: Path) -> LocalScaler:
-        client = aioredis.from_url(redis_url)
-        source = function_source(str(repo), client)
-
-        async def pools() -> dict[str, PoolSpec]:
-            return pool_specs(await source())
-
-        env = child_env(redis_url, repo, FNGATE_RESCAN_S="0.5")
-        found = LocalScaler(client, pools, env, 30.0, tmp_path, poll_s=0.2)
-        stopping = asyncio.Event()
-        running.append((stopping, asyncio.create_task(found.run(stopping)), client))
-        return found
-
-    yield start
-    for stopping, task, client in running:
-        stopping.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 60)
-        await client.aclose()
-
-
 async def test_a_pipeline_wakes_the_pools_of_its_steps_from_zero(
     serve_gateway: Callable[..., Any], scaler: Callable[..., Any], tmp_path: Path
 ) -> None:
     repo = make_repository(tmp_path / "repo", scoring_pool="scoring")
     base = await serve_gateway(repo=str(repo))
-    local: LocalScaler = await scaler(repo)
+    local: LocalScaler = await scaler(idle_shutdown_s=30.0, repository=repo)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         response = await call(client, "scored", ROWS)
     assert response.status_code == 200, response.text

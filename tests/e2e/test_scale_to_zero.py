@@ -28,9 +28,13 @@ async def scaler(
     (on a Redis flushed by the `redis` fixture: no heartbeat or start failure of another test)."""
     running: list[tuple[asyncio.Event, asyncio.Task[None], aioredis.Redis]] = []
 
-    async def start(idle_shutdown_s: float = 1.0, **env: str) -> LocalScaler:
+    async def start(
+        idle_shutdown_s: float = 1.0, repository: Path | None = None, standby: bool = False, **env: str
+    ) -> LocalScaler:
+        """`repository`: another than the suite's; `standby`: as `fngate up` keeps one."""
+        served = repository or repo
         client = aioredis.from_url(redis_url)
-        source = function_source(str(repo), client)
+        source = function_source(str(served), client)
 
         async def pools() -> dict[str, PoolSpec]:
             return pool_specs(await source())
@@ -38,10 +42,11 @@ async def scaler(
         found = LocalScaler(
             client,
             pools,
-            child_env(redis_url, repo, FNGATE_RESCAN_S="0.5", **env),
+            child_env(redis_url, served, FNGATE_RESCAN_S="0.5", **env),
             idle_shutdown_s,
             tmp_path,
             poll_s=0.2,
+            standby=standby,
         )
         stopping = asyncio.Event()
         running.append((stopping, asyncio.create_task(found.run(stopping)), client))
