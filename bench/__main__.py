@@ -28,8 +28,8 @@ import orjson
 import redis
 
 import fngate
-from bench import inprocess, loadgen
-from bench.deployment import Deployment, cpu_seconds, deployment, tree_cpu_seconds
+from bench import grpc_peer, inprocess, loadgen
+from bench.deployment import Deployment, cpu_seconds, deployment, free_port, tree_cpu_seconds
 from bench.models import build_repository
 from fngate import keys
 
@@ -260,9 +260,10 @@ class Bench:
                 server.wait()
         del deployed
 
-    def peer(self, deployed: Deployment, serve_sh: Path) -> None:
+    def peer(self, deployed: Deployment, serve_sh: Path, http: bool = True, grpc: bool = True) -> None:
         """fngate beside the real Triton server on the same models and load, point by point (each
-        fngate point right before the same Triton point, so that drift hits both alike)."""
+        fngate point right before the same Triton point, so that drift hits both alike): over HTTP
+        with this bench's load generator (T), over gRPC with perf_analyzer (G)."""
         print(f"T  fngate against Triton ({serve_sh})", flush=True)
         models = self.logs / "triton-models"
         models.mkdir(parents=True, exist_ok=True)
@@ -270,25 +271,34 @@ class Bench:
             onnx.save(
                 renamed_output(onnx.load(self.repo / name / "model.onnx"), output), models / f"{name}.onnx"
             )
-        sock = socket.create_server(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        sock.close()
+        port, grpc_port = free_port(), free_port()
         with open(self.logs / "triton.log", "wb") as log:
             triton = subprocess.Popen(
-                ["bash", str(serve_sh), str(models), str(port), "batch"], stdout=log, stderr=subprocess.STDOUT
+                ["bash", str(serve_sh), str(models), str(port), "batch", str(grpc_port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         try:
             triton_url = f"http://127.0.0.1:{port}"
             for name in ("tiny", "wide"):
                 wait_live(triton_url, path=f"/v2/models/{name}/ready", timeout_s=900)
-            points = [("tiny", 16, "output", 1), ("tiny", 16, "output", 16)]
-            points += [("wide", 512, "probabilities", c) for c in (1, 16, 64)]
-            for name, features, triton_output, concurrency in points:
-                ours = self.drive(deployed, "T", name, name, features, concurrency, False)
-                theirs = self.drive_peer(triton, port, name, features, triton_output, concurrency)
-                ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
-                ours["triton_ratio"] = ratio
-                print(f"   {name} c={concurrency}: fngate/Triton throughput x{ratio:.2f}", flush=True)
+            if http:
+                points = [("tiny", 16, "output", 1), ("tiny", 16, "output", 16)]
+                points += [("wide", 512, "probabilities", c) for c in (1, 16, 64)]
+                for name, features, triton_output, concurrency in points:
+                    ours = self.drive(deployed, "T", name, name, features, concurrency, False)
+                    theirs = self.drive_peer(triton, port, name, features, triton_output, concurrency)
+                    ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
+                    ours["triton_ratio"] = ratio
+                    print(f"   {name} c={concurrency}: fngate/Triton throughput x{ratio:.2f}", flush=True)
+            if grpc:
+                grpc_peer.run(
+                    deployed.grpc_address,
+                    f"127.0.0.1:{grpc_port}",
+                    self.args.measure_s,
+                    self.logs,
+                    self.record,
+                )
         finally:
             triton.terminate()
             triton.wait(timeout=60)
@@ -380,6 +390,8 @@ class Bench:
             str(self.repo),
             "--port",
             str(port),
+            "--grpc-port",
+            "0",
             "--idle-shutdown-s",
             "1",
             "--log-level",
@@ -502,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         help="S4 also cold-starts a 268 MB model from S3 (moto's server), empty cache and on disk, "
         "against limits measured in the same run (needs about 1.5 GB of memory and a minute or two)",
     )
-    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T")
+    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G")
     parser.add_argument(
         "--triton",
         type=Path,
@@ -530,8 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         with deployment(repo, Path(folder) / "logs") as deployed:
             deployed.start_gateway()
             deployed.start_runner()
-            if args.triton and wanted("T"):
-                bench.peer(deployed, args.triton.resolve())
+            if args.triton and (wanted("T") or wanted("G")):
+                bench.peer(deployed, args.triton.resolve(), http=wanted("T"), grpc=wanted("G"))
+            elif wanted("G"):
+                grpc_peer.run(deployed.grpc_address, None, args.measure_s, bench.logs, bench.record)
             if wanted("S0"):
                 bench.http_floor(deployed)
             if wanted("S1") or wanted("S2"):

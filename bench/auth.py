@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from fngate import apikeys
+from fngate.errors import FunctionError
 from gateway import auth
 
 
@@ -25,7 +26,7 @@ def refused(table: auth.KeyTable, header: str) -> Callable[[], object]:
     def call() -> object:
         try:
             return table.authorize(header, "invoke", "classifier")
-        except auth.AuthError as exc:
+        except FunctionError as exc:
             return exc
 
     return call

@@ -133,7 +133,8 @@ def fngate_up(
     log = logs / f"fngate-up-large{'-standby' if standby else ''}.log"
     port = free_port()
     command = [sys.executable, "-m", "fngate.tools.cli", "up", "--redis", redis_url, "--repo", repo]
-    command += ["--port", str(port), "--idle-shutdown-s", "1", "--log-level", "INFO", "--no-auth"]
+    command += ["--port", str(port), "--grpc-port", "0", "--idle-shutdown-s", "1"]
+    command += ["--log-level", "INFO", "--no-auth"]
     command += ["--standby-runner"] if standby else ["--no-standby-runner"]
     with open(log, "wb") as output:
         up = subprocess.Popen(command, env=env, stdout=output, stderr=output)

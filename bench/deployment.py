@@ -64,6 +64,8 @@ class Deployment:
     logs: Path
     gateways: list[tuple[subprocess.Popen[bytes], str]] = dataclasses.field(default_factory=list)
     runners: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    grpc_address: str = ""
+    """The gRPC port of the first gateway (its workers share it)."""
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
@@ -78,11 +80,15 @@ class Deployment:
         sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
         port = sock.getsockname()[1]
         url = f"http://127.0.0.1:{port}"
+        grpc_port = free_port()
+        grpc = {"FNGATE_GRPC_PORT": str(grpc_port), "FNGATE_GRPC_REUSE_PORT": "true"}
+        if not self.grpc_address:
+            self.grpc_address = f"127.0.0.1:{grpc_port}"
         for _ in range(workers or min(os.cpu_count() or 1, 4)):
             with open(self.logs / f"gateway-{len(self.gateways)}.log", "wb") as log:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "gateway"],
-                    env=self.env(FNGATE_BIND=f"fd://{sock.fileno()}", **extra),
+                    env=self.env(FNGATE_BIND=f"fd://{sock.fileno()}", **grpc, **extra),
                     pass_fds=[sock.fileno()],
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -134,6 +140,12 @@ def deployment(repo: Path, logs: Path) -> Iterator[Deployment]:
             yield deployed
         finally:
             deployed.stop()
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port: int = sock.getsockname()[1]
+    return port
 
 
 def _wait_live(url: str, timeout_s: float = 30) -> None:

@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from fngate.config import GatewaySettings
 from fngate.process import run_forever
-from gateway.__main__ import SERVERS
+from gateway.http.server import SERVERS
 
 BODY = b'{"outputs": []}'
 

@@ -35,6 +35,13 @@ class GatewaySettings(_Settings):
     workers: Annotated[int, Field(ge=1)] = 1
     server: Literal["uvicorn", "hypercorn"] = "uvicorn"
     """The HTTP server: uvicorn (httptools, uvloop; the fastest on the benchmark) or Hypercorn (HTTP/2)."""
+    grpc_port: Annotated[int, Field(ge=0, le=65535)] = 8001
+    """The Open Inference Protocol over gRPC (GRPCInferenceService) on `host`, as Triton's 8001; 0:
+    no gRPC front end."""
+    grpc_reuse_port: bool = False
+    """Bind the gRPC port with SO_REUSEPORT: set for the worker processes of `workers` > 1, which
+    share it (the kernel spreads connections over them). Off otherwise, so that a second gateway
+    on the same port fails to start instead of sharing it."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """The whole request body must arrive within this; past it, 408 and the connection is closed."""

@@ -8,7 +8,13 @@ FunctionError (base; carries an ErrorCode)
 ├── DeadlineExceeded   deadline_exceeded  the invocation's deadline passed
 ├── ModelFailed        model_failed       the backend raised, its process died, or its outputs are wrong
 ├── ModelTimeout       model_timeout      a batch ran past the function's execution timeout
-└── Internal           internal           a bug
+├── Internal           internal           a bug
+├── Unauthenticated    unauthenticated    no API key, or one that is unknown or revoked
+├── PermissionDenied   permission_denied  the key lacks the scope the call needs
+└── RateLimited        rate_limited       the key is over one of its limits (retry_after_s)
+
+Front ends map codes to their own statuses, each in one table: gateway.http.errors (HTTP),
+gateway.grpc.status (gRPC).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ class ErrorCode(enum.StrEnum):
     MODEL_FAILED = "model_failed"
     MODEL_TIMEOUT = "model_timeout"
     INTERNAL = "internal"
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
+    RATE_LIMITED = "rate_limited"
 
 
 class FunctionError(Exception):
@@ -73,6 +82,24 @@ class Internal(FunctionError):
     code = ErrorCode.INTERNAL
 
 
+class Unauthenticated(FunctionError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class PermissionDenied(FunctionError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class RateLimited(FunctionError):
+    """Refused by the caller's limits; `retry_after_s`: when a retry may succeed."""
+
+    code = ErrorCode.RATE_LIMITED
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 _BY_CODE: dict[str, type[FunctionError]] = {
     cls.code.value: cls
     for cls in (
@@ -84,5 +111,8 @@ _BY_CODE: dict[str, type[FunctionError]] = {
         ModelFailed,
         ModelTimeout,
         Internal,
+        Unauthenticated,
+        PermissionDenied,
+        RateLimited,
     )
 }

@@ -60,16 +60,38 @@ class _Protocol(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()  # made by a connection on this loop, used on it alone
         self._reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
+        self._deadlines: deque[float] = deque()
+        """loop.time() by which each waiting command must be answered."""
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._timed_out = False
         self.transport: asyncio.Transport | None = None
         self.closed = closed
         self._outgoing: list[bytes] = []
 
-    def send(self, command: bytes, future: asyncio.Future[Any]) -> None:
-        """Queue a command; what is queued in one event-loop turn goes out in one write."""
+    def send(self, command: bytes, future: asyncio.Future[Any], timeout_s: float) -> None:
+        """Queue a command; what is queued in one event-loop turn goes out in one write. Replies
+        come in order, so one timer watches the oldest command: a connection whose oldest command
+        is not answered in time is dropped, and every command on it fails."""
+        deadline = self.loop.time() + timeout_s
         self.waiting.append(future)
+        self._deadlines.append(deadline)
+        if self._watchdog is None:
+            self._watchdog = self.loop.call_at(deadline, self._watch)
         if not self._outgoing:
             self.loop.call_soon(self._flush)
         self._outgoing.append(command)
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        if not self._deadlines:
+            return
+        oldest = self._deadlines[0]
+        if oldest <= self.loop.time():
+            self._timed_out = True
+            if self.transport is not None:
+                self.transport.abort()  # connection_lost fails what waits
+            return
+        self._watchdog = self.loop.call_at(oldest, self._watch)
 
     def _flush(self) -> None:
         data, self._outgoing = b"".join(self._outgoing), []
@@ -83,6 +105,7 @@ class _Protocol(asyncio.Protocol):
         self._reader.feed(data)
         while (reply := self._reader.gets()) is not False:
             future = self.waiting.popleft()
+            self._deadlines.popleft()
             if future.done():  # its caller gave up waiting
                 continue
             if isinstance(reply, hiredis.ReplyError):
@@ -92,19 +115,21 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        error: Exception
+        if self._timed_out:
+            error = RedisTimeoutError("Redis did not answer in time")
+        else:
+            error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}")
         while self.waiting:
             future = self.waiting.popleft()
             if not future.done():
                 future.set_exception(error)
+        self._deadlines.clear()
         if not self.closed.done():
             self.closed.set_result(None)
-
-
-def _expire(future: asyncio.Future[Any], expired: list[bool]) -> None:
-    if not future.done():
-        expired.append(True)
-        future.cancel()
 
 
 class PipelinedRedis:
@@ -118,22 +143,19 @@ class PipelinedRedis:
         """Send one command and return its reply. `timeout_s`: for blocking commands, longer than
         their BLOCK; the default otherwise."""
         protocol = await self._connected()
-        loop = protocol.loop
-        future: asyncio.Future[Any] = loop.create_future()
-        protocol.send(encode(args), future)
-        # A timer on the loop, not asyncio.timeout(): the same bound for a fraction of the cost, on
-        # the path of every command.
-        expired: list[bool] = []
-        timer = loop.call_later(timeout_s or self._timeout_s, _expire, future, expired)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if not expired:
-                raise  # the caller was cancelled
-            self._drop(protocol)
-            raise RedisTimeoutError(f"Redis did not answer {args[0]!r} in time") from None
-        finally:
-            timer.cancel()
+        future: asyncio.Future[Any] = protocol.loop.create_future()
+        protocol.send(encode(args), future, timeout_s or self._timeout_s)
+        return await future
+
+    def send(self, *args: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+        """`execute` without a coroutine: the future of the reply (connecting first, in a task, when
+        no connection is open). For callers that settle in a done callback rather than await."""
+        protocol = self._protocol
+        if protocol is None or protocol.transport is None:
+            return asyncio.ensure_future(self.execute(*args, timeout_s=timeout_s))
+        future: asyncio.Future[Any] = protocol.loop.create_future()
+        protocol.send(encode(args), future, timeout_s or self._timeout_s)
+        return future
 
     def _drop(self, protocol: _Protocol) -> None:
         if protocol.transport is not None:
@@ -185,9 +207,8 @@ class PipelinedRedis:
             hello.append(("SELECT", options["db"]))
         for command in hello:
             future: asyncio.Future[Any] = loop.create_future()
-            protocol.send(encode(command), future)
-            async with asyncio.timeout(self._timeout_s):
-                await future
+            protocol.send(encode(command), future, self._timeout_s)
+            await future
         return protocol
 
     async def aclose(self) -> None:
@@ -214,6 +235,12 @@ class Script:
         except NoScriptError:
             await self._redis.execute("SCRIPT", "LOAD", self._source)
             return await self._redis.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def send(self, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """The EVALSHA's reply as a future, for callers that settle in a done callback. A
+        NoScriptError there means Redis has not loaded the script yet: calling the script (the
+        coroutine) loads it."""
+        return self._redis.send("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:

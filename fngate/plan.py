@@ -41,6 +41,11 @@ class PlanStep:
         """The most entries its function's stream of `level` may hold."""
         return self.max_queue_size if level == keys.SYNC else self.max_async_queue_size
 
+    @property
+    def described(self) -> str:
+        """The step as errors name it."""
+        return f"step '{self.name}' ({self.function} v{self.version}): function '{self.function}'"
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:

@@ -78,10 +78,11 @@ def shutdown() -> None:
         stop()
 
 
-def inject() -> str | None:
-    """The W3C traceparent of the current span, for a message that crosses the queue."""
+def inject(context: Context | None = None) -> str | None:
+    """The W3C traceparent of the current span (or of `context`'s), for a message that crosses the
+    queue."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=context)
     return carrier.get("traceparent")
 
 

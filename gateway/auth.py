@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from fnmatch import translate
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import apikeys, keys
+from fngate.errors import PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -29,41 +29,6 @@ BEARER = "bearer "
 KEY_HEAD = f"{apikeys.KEY_PREFIX}_"
 ID_END = len(KEY_HEAD) + 12
 MAX_BACKOFF_S = 10.0
-
-
-class AuthError(Exception):
-    """Refused before any work: rendered as {"error", "code"} with `status` and `headers`. The
-    message never contains the key."""
-
-    status = 401
-    code = "unauthenticated"
-
-    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.headers = headers or {}
-
-    def body(self) -> bytes:
-        return orjson.dumps({"error": self.message, "code": self.code})
-
-
-class Unauthenticated(AuthError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, {"WWW-Authenticate": 'Bearer realm="fngate"'})
-
-
-class Forbidden(AuthError):
-    status = 403
-    code = "permission_denied"
-
-
-class RateLimited(AuthError):
-    status = 429
-    code = "rate_limited"
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message, {"Retry-After": str(retry_after_s)})
-        self.retry_after_s = retry_after_s
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,7 +98,7 @@ class KeyTable:
 
     def authorize(self, header: str | None, scope: str, function: str | None = None) -> Principal:
         """The caller named by an `Authorization` header value, if it may use `scope` (on
-        `function`); raises Unauthenticated (no or unknown key) or Forbidden (scope missing)."""
+        `function`); raises Unauthenticated (no or unknown key) or PermissionDenied (scope missing)."""
         if not self.enabled:
             return OPEN
         if not header or header[:7].lower() != BEARER:
@@ -147,7 +112,7 @@ class KeyTable:
             raise Unauthenticated("the API key is not valid (unknown or revoked)")
         if not principal.allows(scope, function):
             wanted = f"{scope}:{function}" if scope == INVOKE and function else scope
-            raise Forbidden(f"the API key {principal.key_id} lacks the scope {wanted}")
+            raise PermissionDenied(f"the API key {principal.key_id} lacks the scope {wanted}")
         return principal
 
     async def refresh(self, redis: aioredis.Redis) -> bool:

@@ -1,43 +1,61 @@
-"""Append an invocation to its function's stream and await its reply before the deadline; answer
-from the response cache, or wait on an identical invocation already in flight, when it can.
+"""The one submission path: a Call's entries (gateway.submission) sent in one script call, its
+outcome settled by one table, its pools woken once, and (synchronous) its reply awaited.
 
-The enqueue scripts of all invocations that arrive in one event-loop turn go to Redis in one write
-(fngate.pipelined): under load one round trip carries many invocations.
+A synchronous call's answer is a future: the enqueue's outcome and the reply settle it from done
+callbacks, and its deadline is a timer, so that a front end pays one await per invocation (or
+none: it may add a done callback). The enqueue scripts of all invocations that arrive in one
+event-loop turn go to Redis in one write (fngate.pipelined).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
+import logging
 import time
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
-from redis.exceptions import RedisError
+from opentelemetry.trace import Span, SpanKind
+from redis.exceptions import NoScriptError, RedisError
 
-from fngate import keys, queue, telemetry
+from fngate import queue, telemetry
 from fngate.backoff import Health
-from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
+from fngate.errors import DeadlineExceeded, FunctionError, Internal, Overloaded, Unavailable
 from fngate.pipelined import PipelinedRedis, Script
+from fngate.plan import Plan
 from fngate.repository import FunctionVersion
-from fngate.wire import Invocation, Reply, Tensors
+from fngate.wire import Reply
+from gateway import metrics, pipelines, submission
 from gateway.activation import Activator
-from gateway.cache import SeparateCache, request_key
+from gateway.cache import SeparateCache
+from gateway.call import Call
+from gateway.catalog import Catalog
+from gateway.invocations import Accepted, IdempotencyKeyReused, Submission
+from gateway.limits import Limiter, refusal
 from gateway.replies import ReplyRouter
+from gateway.submission import Entries
 
+log = logging.getLogger(__name__)
 tracer = trace.get_tracer("fngate.gateway")
 REDIS = {"db.system.name": "redis"}
 
 
-class Refused(Exception):
-    """The caller's limits refused the invocation (in the enqueue's own round trip)."""
-
-    def __init__(self, outcome: queue.Limited) -> None:
-        super().__init__(outcome.limit)
-        self.outcome = outcome
+def settle(outcome: queue.EnqueueOutcome | queue.SubmitOutcome, entries: Entries, call: Call) -> Reply | None:
+    """The outcome table, the same for every front end: the cached reply of a hit; None once
+    queued (or waiting on an identical invocation, or done at once from the cache for an
+    asynchronous call); a full queue raises Overloaded naming the entry refused, a caller over its
+    limits RateLimited."""
+    if isinstance(outcome, queue.Hit):
+        return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
+    if isinstance(outcome, queue.Full):
+        raise Overloaded(
+            queue.full_message(entries.names[outcome.index], outcome.limit, call.later is not None)
+        )
+    if isinstance(outcome, queue.Limited):
+        name = call.function.manifest.name
+        raise refusal(call.principal, name, outcome.limit, outcome.retry_after_ms)
+    return None
 
 
 class Dispatcher:
@@ -45,145 +63,169 @@ class Dispatcher:
         self,
         redis: PipelinedRedis,
         replies: ReplyRouter,
+        catalog: Catalog,
+        limiter: Limiter | None = None,
         cache: SeparateCache | None = None,
         activator: Activator | None = None,
         health: Health | None = None,
     ) -> None:
         self._replies = replies
+        self._catalog = catalog
+        self._limiter = limiter
         self._health = health
         self._activator = activator
         self._enqueue = Script(redis, queue.ENQUEUE)
-        self._separate_cache = cache
+        self._submit_async = Script(redis, queue.SUBMIT_ASYNC)
+        self.separate_cache = cache
         self._tracing = telemetry.tracing_active()
-
-    async def submit(
-        self,
-        function: FunctionVersion,
-        inputs: Tensors,
-        outputs: tuple[str, ...] | None,
-        timeout_ms: int | None,
-        use_cache: bool = True,
-        admission: queue.Admission | None = None,
-    ) -> Reply:
-        """Answer one invocation; raises the FunctionError it failed with.
-
-        With the function's cache on, a cached answer is returned at once and an identical
-        invocation in flight is waited on; use_cache=False skips both but still stores the answer."""
-        manifest = function.manifest
-        self._check_available()
-        limit_ms = manifest.batching.timeout_ms
-        timeout_ms = limit_ms if timeout_ms is None else min(timeout_ms, limit_ms)
-        entry = in_flight = ""
-        key_hex = request_key(function, inputs, outputs)
-        if key_hex:
-            entry = keys.cache_entry(manifest.name, key_hex)
-            in_flight = keys.in_flight(manifest.name, key_hex) if use_cache else ""
-        invocation = Invocation(
-            id=os.urandom(16).hex(),
-            function=manifest.name,
-            version=function.version,
-            reply_to=self._replies.stream,
-            deadline_ms=int(time.time() * 1000) + timeout_ms,
-            inputs=inputs,
-            outputs=outputs,
-            traceparent=telemetry.inject() if self._tracing else None,
-            digest=function.digest,
-            cache_key=entry or None,
-            cache_ttl_s=manifest.cache.ttl_s,
-            in_flight_key=in_flight or None,
-        )
-        if entry and use_cache and self._separate_cache is not None:
-            with tracer.start_as_current_span("cache lookup", kind=SpanKind.CLIENT, attributes=REDIS) as span:
-                hit = await self._separate_cache.get(entry)
-                span.set_attribute("fngate.cache_hit", hit is not None)
-            if hit is not None:
-                return dataclasses.replace(Reply.decode(hit), cached=True)
-        pool = manifest.scaling.pool
-        if self._activator is not None:
-            self._activator.check(pool)
-        call = queue.enqueue_call(
-            keys.invocations(manifest.name),
-            invocation.encode(),
-            queue.Waiter(self._replies.stream, invocation.id, invocation.deadline_ms),
-            timeout_ms,
-            manifest.batching.max_queue_size,
-            manifest.batching.max_queue_bytes,
-            lookup=entry if use_cache and self._separate_cache is None else "",
-            in_flight=in_flight,
-            admission=admission,
-        )
-        future = self._replies.expect(invocation.id)
-        queued = False
-        try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                cached = _settle(await self._submit(call, manifest.name), manifest.name, manifest.batching)
-                if cached is not None:
-                    return cached
-                queued = True
-                if self._activator is not None:
-                    self._activator.wake(pool)
-                reply = await future
-        except TimeoutError:
-            # The loading rule: past the deadline, a queued invocation waits on while its model loads.
-            # The timeout cancelled `future`: expect again before anything else is awaited.
-            renewed = self._replies.expect(invocation.id)
-            since_ms = invocation.deadline_ms - timeout_ms
-            if not (
-                queued
-                and self._activator is not None
-                and await self._activator.on_the_way(function, since_ms)
-            ):
-                raise DeadlineExceeded(
-                    f"function '{manifest.name}' did not answer within {timeout_ms} ms"
-                ) from None
-            reply = await self._activator.await_load(function, renewed, since_ms, timeout_ms)
-        finally:
-            self._replies.forget(invocation.id)
-        if reply.error is not None:
-            raise reply.error
-        return reply
-
-    # Pipelines (gateway.pipelines): the first steps' entries for one invocation, one reply.
+        self._loading: set[asyncio.Task[None]] = set()
+        """Invocations past their deadline under the loading rule, and lookups in a separate cache."""
 
     @property
     def reply_stream(self) -> str:
         return self._replies.stream
 
-    async def submit_steps(
-        self, invocation_id: str, calls: Sequence[Step], pools: Iterable[str], timeout_ms: int, name: str
-    ) -> Reply:
-        """Queue a pipeline's first steps (the first call may look up the cache and check the
-        caller's limits), wake the pools of all its steps, and await the reply that answers
-        `invocation_id`; raises as `submit` does."""
-        self._check_available()
-        activator, woken = self._activator, tuple(pools)
-        if activator is not None:
-            for pool in woken:
-                activator.check(pool)
-        future = self._replies.expect(invocation_id)
+    def invoke(self, call: Call) -> asyncio.Future[Reply]:
+        """A synchronous call's answer: resolves with its Reply, or fails with the FunctionError it
+        ended with (refused, its deadline passed, or the function answered an error). With the
+        function's cache on, a cached answer comes at once and an identical invocation in flight is
+        waited on; call.use_cache=False skips both but still stores the answer."""
+        answer: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                first, *rest = calls
-                outcomes = [await self._submit(first.call, first.function)]
-                if not isinstance(outcomes[0], queue.Hit | queue.Limited):
-                    outcomes += await asyncio.gather(
-                        *(self._submit(step.call, step.function) for step in rest)
-                    )
-                for step, outcome in zip(calls, outcomes, strict=False):
-                    cached = _settle(outcome, step.function, step.batching)
-                    if cached is not None:
-                        return cached
-                if activator is not None:
-                    for pool in woken:
-                        activator.wake(pool)
-                reply = await future
-        except TimeoutError:
-            raise DeadlineExceeded(f"pipeline '{name}' did not answer within {timeout_ms} ms") from None
-        finally:
-            self._replies.forget(invocation_id)
-        if reply.error is not None:
-            raise reply.error
-        return reply
+            self._check_available()
+            plan, steps = self._plan(call)
+            admission = self._admission(call)
+            lookup_in_queue = self.separate_cache is None or plan is not None
+            entries = submission.synchronous(
+                call, self._replies.stream, _now_ms(), admission, lookup_in_queue, plan, steps
+            )
+            self._check_pools(entries)
+        except FunctionError as exc:
+            call.admission = None  # nothing was sent: no place was taken
+            if call.span is not None:
+                call.span.end()
+            metrics.failed(call.function.name, exc.code.value)
+            answer.set_exception(exc)
+            return answer
+        flight = _Flight(self, call, entries, answer, plan is not None)
+        if not lookup_in_queue and entries.cache_entry and call.use_cache:
+            self._background(flight.look_up(self.separate_cache))  # type: ignore[arg-type]
+        else:
+            flight.send()
+        return answer
+
+    async def submit(self, call: Call) -> Accepted:
+        """Queue an asynchronous call at level keys.ASYNC; raises what a synchronous one would be
+        refused with, and IdempotencyKeyReused for an Idempotency-Key sent before with another
+        request. A cached answer is its result at once: nothing is queued."""
+        later = call.later
+        assert later is not None
+        try:
+            self._check_available()
+            plan, steps = self._plan(call)
+            admission = self._admission(call)
+            manifest = call.function.manifest
+            invocation_id = submission.new_id()
+            deadline_ms = _now_ms() + submission.timeout_of(call)
+            record = Submission(
+                invocation_id,
+                manifest.name,
+                call.function.version,
+                later.shape,
+                call.principal.key_id,
+                deadline_ms,
+                call.request_id,
+                later.binary_outputs,
+                later.callback_url,
+                call.outputs if plan is not None else None,
+            )
+            entry, _ = submission.cache_keys(call)
+            lookup_in_queue = self.separate_cache is None or plan is not None
+            cached = None
+            if entry and call.use_cache and not lookup_in_queue:
+                cached = await self.separate_cache.get(entry)  # type: ignore[union-attr]
+            entries = submission.asynchronous(
+                call,
+                record.encode(),
+                invocation_id,
+                deadline_ms,
+                admission,
+                later.idempotency_key,
+                cached,
+                lookup_in_queue,
+                plan,
+                steps,
+            )
+            self._check_pools(entries)
+            try:
+                raw = await self._submit_async(entries.script.keys, entries.script.args)
+            except (RedisError, OSError) as exc:
+                raise Unavailable(f"the queue is unavailable: {exc}") from exc
+            outcome = queue.parse_submit_async(raw)
+            if entries.cache_entry and call.use_cache:
+                _count_lookup(manifest.name, outcome)
+            accepted = self._accepted(outcome, entries, call)
+        except FunctionError as exc:
+            metrics.failed(call.function.name, exc.code.value)
+            raise
+        finally:  # the 202 is its answer: it holds no place in the key's limits after it
+            self._release(call)
+            if call.span is not None:
+                call.span.end()
+        return accepted
+
+    def _accepted(self, outcome: queue.SubmitOutcome, entries: Entries, call: Call) -> Accepted:
+        if isinstance(outcome, queue.Done):
+            return Accepted(entries.id, done=True)
+        if isinstance(outcome, queue.Again):
+            return Accepted(outcome.invocation_id, again=True)
+        if isinstance(outcome, queue.Conflict):
+            key = call.later.idempotency_key if call.later else ""
+            raise IdempotencyKeyReused(
+                f"Idempotency-Key '{key}' was used for another request (invocation"
+                f" '{outcome.invocation_id}'): a new request needs a new key"
+            )
+        settle(outcome, entries, call)
+        self.wake(entries)
+        return Accepted(entries.id)
+
+    def wake(self, entries: Entries) -> None:
+        """Queued: wake each of its pools that has no runner."""
+        if self._activator is not None:
+            for pool in entries.pools:
+                self._activator.wake(pool)
+
+    def _plan(self, call: Call) -> tuple[Plan | None, dict[str, FunctionVersion] | None]:
+        """A pipeline's plan and resolved steps (None for a function). Traced, its steps' spans
+        are children of a span of the pipeline's own, which ends with the call."""
+        if call.function.manifest.pipeline is None:
+            return None, None
+        steps, plan = pipelines.resolve(self._catalog, call.function)
+        if self._tracing:
+            span = tracer.start_span(
+                f"pipeline {call.function.name}",
+                context=telemetry.extract(call.traceparent),
+                attributes={"fngate.function": call.function.name, "fngate.version": call.function.version},
+            )
+            call.traceparent = telemetry.inject(trace.set_span_in_context(span))
+            call.span = span
+        return plan, steps
+
+    def _admission(self, call: Call) -> queue.Admission | None:
+        """The call's place in its key's limits, checked by the script that queues it."""
+        limiter = self._limiter
+        if limiter is None or not call.principal.limited:
+            return None
+        call.admission = limiter.admission(call.principal, call.function.manifest.name)
+        return call.admission
+
+    def _release(self, call: Call) -> None:
+        """Out of the key's limits (in flight, queued) before the caller has its answer, on the
+        enqueue's own connection: a next invocation of the caller's, sent once it has its answer,
+        comes after this in Redis and finds its place free."""
+        admission, call.admission = call.admission, None
+        if admission is not None and self._limiter is not None:
+            self._limiter.release(call.principal, call.function.manifest.name, admission)
 
     def _check_available(self) -> None:
         """Redis known down (the reply, activator or catalog loop saw it): answer now, not at a
@@ -191,42 +233,188 @@ class Dispatcher:
         if not self._replies.healthy or (self._health is not None and not self._health.available):
             raise Unavailable("the queue is unavailable: Redis cannot be reached")
 
-    async def _submit(self, call: queue.ScriptCall, name: str) -> queue.EnqueueOutcome:
+    def _check_pools(self, entries: Entries) -> None:
+        if self._activator is not None:
+            for pool in entries.pools:
+                self._activator.check(pool)
+
+    def _background(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._loading.add(task)
+        task.add_done_callback(self._loading.discard)
+
+
+class _Flight:
+    """One synchronous invocation between its enqueue and its answer."""
+
+    __slots__ = ("_span", "answer", "call", "dispatcher", "entries", "pipeline", "queued", "timer")
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        call: Call,
+        entries: Entries,
+        answer: asyncio.Future[Reply],
+        pipeline: bool,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.call = call
+        self.entries = entries
+        self.answer = answer
+        self.pipeline = pipeline
+        self.queued = False
+        self._span: Span | None = None
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(entries.timeout_ms / 1000, self._deadline)
+        dispatcher._replies.expect(entries.id, self._replied)
+        answer.add_done_callback(self._done)
+
+    def send(self) -> None:
+        dispatcher = self.dispatcher
+        if dispatcher._tracing:
+            name = self.call.function.manifest.name
+            self._span = tracer.start_span(
+                f"enqueue {name}",
+                context=telemetry.extract(self.call.traceparent),
+                kind=SpanKind.PRODUCER,
+                attributes=REDIS,
+            )
+        script = self.entries.script
+        dispatcher._enqueue.send(script.keys, script.args).add_done_callback(self._enqueued)
+
+    async def look_up(self, cache: SeparateCache) -> None:
+        """The answer from a cache Redis of the cache's own, else the enqueue."""
+        with tracer.start_as_current_span(
+            "cache lookup",
+            context=telemetry.extract(self.call.traceparent),
+            kind=SpanKind.CLIENT,
+            attributes=REDIS,
+        ) as span:
+            hit = await cache.get(self.entries.cache_entry)
+            span.set_attribute("fngate.cache_hit", hit is not None)
+        if self.answer.done():
+            return
+        if hit is not None:
+            self._succeed(dataclasses.replace(Reply.decode(hit), cached=True))
+        else:
+            self.send()
+
+    def _enqueued(self, future: asyncio.Future[Any]) -> None:
+        if self._span is not None:
+            self._span.end()
+        if future.cancelled():
+            return
+        error = future.exception()
+        if isinstance(error, NoScriptError):  # a new or restarted Redis: load the script
+            self.dispatcher._background(self._enqueue_loading())
+            return
+        if error is not None:
+            self._enqueue_failed(error)
+            return
+        self._outcome(future.result())
+
+    async def _enqueue_loading(self) -> None:
+        script = self.entries.script
         try:
-            if not self._tracing:
-                return queue.parse_enqueue(await self._enqueue(call.keys, call.args))
-            with tracer.start_as_current_span(f"enqueue {name}", kind=SpanKind.PRODUCER, attributes=REDIS):
-                return queue.parse_enqueue(await self._enqueue(call.keys, call.args))
-        except (RedisError, OSError) as exc:
-            raise Unavailable(f"the queue is unavailable: {exc}") from exc
+            raw = await self.dispatcher._enqueue(script.keys, script.args)
+        except Exception as exc:
+            self._enqueue_failed(exc)
+            return
+        self._outcome(raw)
+
+    def _enqueue_failed(self, error: BaseException) -> None:
+        if isinstance(error, RedisError | OSError):
+            self._fail(Unavailable(f"the queue is unavailable: {error}"))
+        else:
+            log.error("the enqueue of %s failed unexpectedly", self.entries.id, exc_info=error)
+            self._fail(Internal("the enqueue failed unexpectedly"))
+
+    def _outcome(self, raw: Any) -> None:
+        if self.answer.done():  # the deadline passed first
+            return
+        try:
+            cached = settle(queue.parse_enqueue(raw), self.entries, self.call)
+        except FunctionError as exc:
+            self._fail(exc)
+            return
+        if cached is not None:
+            self._succeed(cached)
+            return
+        self.queued = True
+        self.dispatcher.wake(self.entries)
+
+    def _replied(self, reply: Reply) -> None:
+        if reply.error is not None:
+            self._fail(reply.error)
+        else:
+            self._succeed(reply)
+
+    def _deadline(self) -> None:
+        if self.answer.done():
+            return
+        if self.queued and self.dispatcher._activator is not None:
+            # The loading rule: past the deadline, a queued invocation waits on while its model loads.
+            self.dispatcher._background(self._loading_rule(self.dispatcher._activator))
+            return
+        self._fail(self._too_late())
+
+    async def _loading_rule(self, activator: Activator) -> None:
+        function, entries = self.call.function, self.entries
+        since_ms = entries.deadline_ms - entries.timeout_ms
+        try:
+            if not await activator.on_the_way(function, since_ms):
+                raise self._too_late()
+            await activator.await_load(function, self.answer, since_ms, entries.timeout_ms)
+        except FunctionError as exc:
+            self._fail(exc)
+
+    def _too_late(self) -> DeadlineExceeded:
+        kind = "pipeline" if self.pipeline else "function"
+        name = self.call.function.manifest.name
+        return DeadlineExceeded(f"{kind} '{name}' did not answer within {self.entries.timeout_ms} ms")
+
+    def _succeed(self, reply: Reply) -> None:
+        if self.answer.done():
+            return
+        outputs = self.call.outputs
+        if self.pipeline and outputs is not None:
+            reply = dataclasses.replace(reply, outputs={name: reply.outputs[name] for name in outputs})
+        self.answer.set_result(reply)
+
+    def _fail(self, error: FunctionError) -> None:
+        if not self.answer.done():
+            self.answer.set_exception(error)
+
+    def _done(self, answer: asyncio.Future[Reply]) -> None:
+        """Whatever ended it (an answer, a refusal, the deadline, a caller that went away)."""
+        self.timer.cancel()
+        dispatcher, call = self.dispatcher, self.call
+        dispatcher._replies.forget(self.entries.id)
+        dispatcher._release(call)
+        if call.span is not None:
+            call.span.end()
+        name = call.function.manifest.name
+        if answer.cancelled():
+            return
+        error = answer.exception()
+        if error is None:
+            reply = answer.result()
+            metrics.answered(name, reply.version, call.started)
+            if call.function.manifest.cache.enabled:
+                metrics.looked_up(name, reply.cached)
+        else:
+            metrics.failed(name, error.code.value if isinstance(error, FunctionError) else "internal")
+            metrics.took(name, call.started)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Step:
-    """One pipeline step's ENQUEUE, for Dispatcher.submit_steps."""
-
-    function: str
-    call: queue.ScriptCall
-    batching: Any
-    """The function's BatchingSpec, for the message when its queue is full."""
-
-
-def _settle(outcome: queue.EnqueueOutcome, name: str, batching: Any) -> Reply | None:
-    """What an enqueue's outcome means for its invocation: the cached reply of a hit, None once
-    queued (or waiting on an identical one); a full queue or a caller over its limits raises."""
-    if isinstance(outcome, queue.Hit):
-        return dataclasses.replace(Reply.decode(outcome.fields), cached=True)
-    if isinstance(outcome, queue.Full):
-        raise Overloaded(_full_message(name, outcome, batching))
-    if isinstance(outcome, queue.Limited):
-        raise Refused(outcome)
-    return None
+def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
+    """A cache hit or miss, as a synchronous invocation's; a submission refused before the lookup
+    counts neither."""
+    if isinstance(outcome, queue.Done):
+        metrics.looked_up(function, True)
+    elif not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited):
+        metrics.looked_up(function, False)
 
 
-def _full_message(name: str, outcome: queue.Full, batching: Any) -> str:
-    if outcome.limit == "bytes":
-        return (
-            f"function '{name}' has {batching.max_queue_bytes} bytes of invocations queued "
-            "(max_queue_bytes); retry later"
-        )
-    return f"function '{name}' has {batching.max_queue_size} invocations queued (max_queue_size); retry later"
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -4,16 +4,16 @@ that the enqueue script can include; here it also runs as a script of its own.""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from fngate import keys, queue
+from fngate.errors import RateLimited
+from fngate.pipelined import PipelinedRedis
 from fngate.queue import ADMIT_LUA
-from gateway.auth import Principal, RateLimited
+from gateway.auth import Principal
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,10 @@ class Limiter:
     """Makes each limited invocation's admission (which the enqueue script checks first, in the same
     round trip) and takes the invocation out of the key's sets when it is over."""
 
-    def __init__(self, in_flight_ttl_s: float) -> None:
-        self._redis: aioredis.Redis | None = None
-        self._ttl_ms = int(in_flight_ttl_s * 1000)
-
-    def bind(self, redis: aioredis.Redis) -> None:
-        """Use this client (the invocations' connections) for releases, once the lifespan has opened it."""
+    def __init__(self, in_flight_ttl_s: float, redis: PipelinedRedis) -> None:
         self._redis = redis
+        """The enqueue's connection: a release goes to Redis ahead of the caller's next enqueue."""
+        self._ttl_ms = int(in_flight_ttl_s * 1000)
 
     @property
     def ttl_ms(self) -> int:
@@ -81,14 +78,15 @@ class Limiter:
         """A new invocation's admission, checked by the enqueue script in its own round trip."""
         return admission(principal, function, uuid.uuid4().hex, self._ttl_ms)
 
-    async def release(self, principal: Principal, function: str, admit: queue.Admission) -> None:
-        if self._redis is None or not (principal.max_in_flight or principal.max_queued):
+    def release(self, principal: Principal, function: str, admit: queue.Admission) -> None:
+        """Sent, not awaited: commands on one connection run in order."""
+        if not (principal.max_in_flight or principal.max_queued):
             return
         ident, member = principal.key_id, admit.args[4]
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(keys.key_in_flight(ident), member)
-                pipe.zrem(keys.key_share(ident, function), member)
-                await pipe.execute()
-        except RedisError as exc:  # the member lapses at its expiry
-            log.warning("could not release an invocation of key %s: %s", ident, exc)
+        for key in (keys.key_in_flight(ident), keys.key_share(ident, function)):
+            self._redis.send("ZREM", key, member).add_done_callback(_released)
+
+
+def _released(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:  # the member lapses at its expiry
+        log.warning("could not release an invocation from its key's limits: %s", future.exception())

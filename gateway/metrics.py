@@ -1,14 +1,15 @@
-"""The gateway's Prometheus metrics, in the spirit of Triton's nv_inference_* families. With
-several gateway processes (PROMETHEUS_MULTIPROC_DIR set), /metrics aggregates all of them."""
+"""The gateway's Prometheus metrics, in the spirit of Triton's nv_inference_* families, and the
+calls that count an invocation's outcome (the core's, whatever the front end). With several gateway
+processes (PROMETHEUS_MULTIPROC_DIR set), an exposition aggregates all of them."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -17,14 +18,9 @@ from prometheus_client import (
     multiprocess,
 )
 from redis.exceptions import RedisError
-from starlette.requests import Request
-from starlette.responses import Response
 
 from fngate import keys
 from fngate.telemetry import LATENCY_BUCKETS
-
-if TYPE_CHECKING:
-    from gateway.endpoints import Services
 
 REQUEST_SUCCESS = Counter(
     "fngate_request_success", "Invocations answered successfully", ["function", "version"]
@@ -101,7 +97,32 @@ def exposition() -> bytes:
     return generate_latest()
 
 
-async def metrics(request: Request) -> Response:
-    services: Services = request.state.services
-    await refresh_queue_gauges(services.redis, sorted(services.catalog.functions))
-    return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
+_durations: dict[str, Any] = {}
+_successes: dict[tuple[str, str], Any] = {}
+
+
+def answered(function: str, version: str, started: float) -> None:
+    """An invocation answered successfully; `started` is time.perf_counter() when it arrived."""
+    labels = (function, version)
+    success = _successes.get(labels)
+    if success is None:
+        success = _successes[labels] = REQUEST_SUCCESS.labels(*labels)
+    success.inc()
+    took(function, started)
+
+
+def failed(function: str, code: str) -> None:
+    """An invocation answered with an error. `function` is '' for a name that is no function's (a
+    client cannot add series by inventing names)."""
+    REQUEST_FAILURE.labels(function, code).inc()
+
+
+def took(function: str, started: float) -> None:
+    child = _durations.get(function)
+    if child is None:
+        child = _durations[function] = REQUEST_DURATION.labels(function)
+    child.observe(time.perf_counter() - started)
+
+
+def looked_up(function: str, hit: bool) -> None:
+    (CACHE_HITS if hit else CACHE_MISSES).labels(function).inc()

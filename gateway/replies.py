@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -41,14 +42,14 @@ class ReplyRouter:
         self.gateway_id = gateway_id
         self.stream = keys.replies(gateway_id)
         self._block_ms = block_ms
-        self._waiting: dict[str, asyncio.Future[Reply]] = {}
+        self._waiting: dict[str, Callable[[Reply], None]] = {}
+        """What each invocation waiting for its reply is told, by invocation id."""
         self.healthy = True
         """False while Redis cannot be read: invocations are refused at once meanwhile."""
 
-    def expect(self, invocation_id: str) -> asyncio.Future[Reply]:
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._waiting[invocation_id] = future
-        return future
+    def expect(self, invocation_id: str, receive: Callable[[Reply], None]) -> None:
+        """`receive(reply)` once the reply of `invocation_id` comes (and not after `forget`)."""
+        self._waiting[invocation_id] = receive
 
     def forget(self, invocation_id: str) -> None:
         self._waiting.pop(invocation_id, None)
@@ -129,9 +130,9 @@ class ReplyRouter:
         except Exception:
             log.exception("dropping a reply that does not decode")
             return
-        future = self._waiting.pop(queue.answered_id(fields, reply.id), None)
-        if future is not None and not future.done():
-            future.set_result(reply)
+        receive = self._waiting.pop(queue.answered_id(fields, reply.id), None)
+        if receive is not None:
+            receive(reply)
 
 
 def _after(entry_id: bytes) -> str:

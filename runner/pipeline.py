@@ -34,8 +34,6 @@ from fngate.wire import Invocation, Reply, Tensors
 log = logging.getLogger(__name__)
 Available = Mapping[str, np.ndarray[Any, Any]]
 tracer = trace.get_tracer("fngate.runner")
-LIMITS = {"count": "max_queue_size", "bytes": "max_queue_bytes"}
-"""The manifest setting behind each refusal of FORWARD."""
 PIPELINE_STEPS = Counter(
     "fngate_pipeline_steps", "Pipeline steps a runner finished, by outcome", ["pipeline", "step", "outcome"]
 )
@@ -131,11 +129,7 @@ class Steps:
             if refused is not None:
                 index, limit = refused
                 target = plan.steps[entries[index][0]]
-                setting = _limit(limit, context.level)
-                error = Overloaded(
-                    f"step '{target.name}' ({target.function} v{target.version}): function "
-                    f"'{target.function}' has too many invocations queued ({setting}); retry later"
-                )
+                error = Overloaded(queue.full_message(target.described, limit, context.level != keys.SYNC))
                 answers.append(_answer(context, Reply(context.invocation_id, plan.version, {}, error)))
         return answers
 
@@ -226,11 +220,6 @@ def named(context: StepContext, error: FunctionError) -> FunctionError:
     return FunctionError.from_code(
         error.code.value, f"step '{step.name}' ({step.function} v{step.version}): {error.message}"
     )
-
-
-def _limit(refused: str, level: int) -> str:
-    """The manifest setting behind a refusal of FORWARD at `level`."""
-    return "max_async_queue_size" if refused == "count" and level != keys.SYNC else LIMITS[refused]
 
 
 def _cache_entry(context: StepContext, inputs: Tensors) -> str:

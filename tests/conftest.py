@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
 from fngate.tools import local
-from gateway.__main__ import SERVERS
 from gateway.app import create_app
+from gateway.http.server import SERVERS
 from runner.worker import main as runner_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +91,13 @@ def free_socket() -> socket.socket:
     return sock
 
 
+def free_port() -> int:
+    """A port free on loopback now (for servers that bind their own, such as gRPC's)."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port: int = sock.getsockname()[1]
+    return port
+
+
 @pytest.fixture
 async def serve_gateway(redis_url: str, repo: Path) -> AsyncIterator[Callable[..., Any]]:
     """Factory: serve the real gateway app in this process on a socket bound to port 0."""
@@ -102,7 +109,8 @@ async def serve_gateway(redis_url: str, repo: Path) -> AsyncIterator[Callable[..
         # Detached: the server owns the descriptor from here on and closes it. The server is the
         # settings' (FNGATE_SERVER=hypercorn runs the whole suite on Hypercorn).
         # Auth off unless a test asks for it: the tests about auth are tests/*/test_auth*.py.
-        fields = {"redis_url": redis_url, "repo": str(repo), "auth": False, **overrides}
+        # No gRPC unless asked for (grpc_port=free_port()): 8001 may be the user's own fngate up.
+        fields = {"redis_url": redis_url, "repo": str(repo), "auth": False, "grpc_port": 0, **overrides}
         fields["bind"] = f"fd://{sock.detach()}"
         settings = GatewaySettings(**fields)
         stopping = asyncio.Event()
@@ -153,7 +161,11 @@ def child_env(redis_url: str, repo: Path, **extra: str) -> dict[str, str]:
         if not key.startswith("FNGATE_") or key == "FNGATE_SERVER"  # the server the suite runs on
     }
     env.update(
-        FNGATE_REDIS_URL=redis_url, FNGATE_REPO=str(repo), FNGATE_LOG_LEVEL="INFO", FNGATE_STATUS_PORT="0"
+        FNGATE_REDIS_URL=redis_url,
+        FNGATE_REPO=str(repo),
+        FNGATE_LOG_LEVEL="INFO",
+        FNGATE_STATUS_PORT="0",
+        FNGATE_GRPC_PORT="0",
     )
     env.update(extra)
     return env

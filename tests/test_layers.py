@@ -121,3 +121,34 @@ def test_gateway_runner_and_the_core_never_import_the_tooling() -> None:
         and any(name.startswith("fngate.tools") for name in module_imports(path))
     ]
     assert offenders == []
+
+
+FRONT_ENDS = {"gateway.http": {"starlette", "uvicorn", "hypercorn", "httptools"}, "gateway.grpc": {"grpc"}}
+COMPOSITION_ROOTS = {"gateway/app.py", "gateway/__main__.py"}
+
+
+def test_the_gateways_core_knows_no_protocol() -> None:
+    """The core (gateway/ outside its front ends) imports neither front end nor what they are built
+    on: routes, headers, statuses and protobuf messages stay in gateway/http and gateway/grpc. Only
+    the composition roots wire them together."""
+    offenders = []
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where in COMPOSITION_ROOTS or where.startswith(("gateway/http/", "gateway/grpc/")):
+            continue
+        imported = module_imports(path) | imported_packages(path, top_level_only=False)
+        forbidden = set(FRONT_ENDS) | set().union(*FRONT_ENDS.values())
+        bad = sorted(name for name in imported if name in forbidden or name.startswith(tuple(FRONT_ENDS)))
+        if bad:
+            offenders.append(f"{where}: {bad}")
+    assert offenders == []
+
+
+def test_the_front_ends_do_not_import_each_other() -> None:
+    offenders = [
+        str(path.relative_to(ROOT))
+        for front, other in (("http", "gateway.grpc"), ("grpc", "gateway.http"))
+        for path in sorted((ROOT / "gateway" / front).rglob("*.py"))
+        if any(name.startswith(other) for name in module_imports(path))
+    ]
+    assert offenders == []

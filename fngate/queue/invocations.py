@@ -87,8 +87,13 @@ end
 # skip the lookup), the in-flight marker and its waiters list ('' for no coalescing), then the
 # caller's admission keys (bucket, busy, share; '' for a caller without limits). ARGV: max queue
 # size, max queue bytes (0: no limit), header, body, this invocation as a waiter, marker TTL in ms,
-# then admit()'s rps, burst, cap, share_cap, member and ttl_ms. Entries leave the stream when a
-# runner acknowledges them, so XLEN counts queued or in flight.
+# then admit()'s rps, burst, cap, share_cap, member and ttl_ms, then a pipeline step's context
+# (STEP; absent or '' for an invocation of its own). Entries leave the stream when a runner
+# acknowledges them, so XLEN counts queued or in flight.
+# A pipeline queues its first steps together: each further first step adds its stream and byte
+# counter to KEYS after the eighth (all streams, then all counters) and a group of FORWARD's five
+# arguments to ARGV after the thirteenth. All are queued or none ({'full', limit, index of the
+# entry refused}).
 ENQUEUE = (
     ADMIT_LUA
     + PUSH_LUA
@@ -109,16 +114,27 @@ if KEYS[4] ~= '' then
     return {'wait'}
   end
 end
-local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
-if limit then
+local function refuse(limit, index)
   if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
   if KEYS[6] ~= '' then  -- refused: it holds no place in the caller's limits
     redis.call('ZREM', KEYS[7], ARGV[11])
     redis.call('ZREM', KEYS[8], ARGV[11])
   end
-  return {'full', limit}
+  return {'full', limit, index}
+end
+local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+if limit then return refuse(limit, 0) end
+local more = (#KEYS - 8) / 2
+for i = 1, more do
+  local at = 14 + (i - 1) * 5
+  limit = full(KEYS[8 + i], KEYS[8 + more + i], ARGV[at], ARGV[at + 1])
+  if limit then return refuse(limit, i) end
 end
 push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
+for i = 1, more do
+  local at = 14 + (i - 1) * 5
+  push(KEYS[8 + i], KEYS[8 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
+end
 return {'queued'}
 """
 )
@@ -247,6 +263,25 @@ class Admission:
 NO_ADMISSION = Admission(("", "", ""), (0, 0, 0, 0, "", 0))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forward:
+    """One entry FORWARD adds: a pipeline step's invocation and its context."""
+
+    stream: str
+    fields: Mapping[bytes, bytes]
+    step: bytes
+    max_queue_size: int
+    max_queue_bytes: int
+
+
+def forward_args(entries: Sequence[Forward]) -> list[bytes | str | int | float]:
+    """Five arguments per entry, as FORWARD and SUBMIT_ASYNC read them."""
+    args: list[bytes | str | int | float] = []
+    for item in entries:
+        args += [item.max_queue_size, item.max_queue_bytes, item.fields[HEADER], item.fields[BODY], item.step]
+    return args
+
+
 def enqueue_call(
     stream: str,
     fields: Mapping[bytes, bytes],
@@ -258,11 +293,13 @@ def enqueue_call(
     in_flight: str = "",
     admission: Admission | None = None,
     step: bytes | None = None,
+    more: Sequence[Forward] = (),
 ) -> ScriptCall:
     """ENQUEUE's arguments. `lookup`: the cache entry to answer from ('' for none); `in_flight`: the
     marker that makes identical invocations wait on this one ('' for no coalescing); `admission`:
     the caller's limits, checked first in the same round trip (None: a caller without limits);
-    `step`: a pipeline step's context (STEP), None for an invocation of its own."""
+    `step`: a pipeline step's context (STEP), None for an invocation of its own; `more`: a
+    pipeline's other first steps, queued with this one or not at all."""
     admit = admission or NO_ADMISSION
     return ScriptCall(
         keys=[
@@ -272,6 +309,8 @@ def enqueue_call(
             in_flight,
             waiters(in_flight) if in_flight else "",
             *admit.keys,
+            *(item.stream for item in more),
+            *(queue_bytes(item.stream) for item in more),
         ],
         args=[
             max_queue_size,
@@ -281,7 +320,8 @@ def enqueue_call(
             waiter.encode(),
             max(ttl_ms, 1),
             *admit.args,
-            *((step,) if step is not None else ()),
+            *((step or b"",) if step is not None or more else ()),
+            *forward_args(more),
         ],
     )
 
@@ -319,6 +359,16 @@ class Limited:
 
 
 EnqueueOutcome = Queued | Waiting | Hit | Full | Limited
+
+
+def full_message(what: str, limit: str, asynchronous: bool = False) -> str:
+    """The refusal of an entry by a full queue: `what` names the entry's function (or pipeline
+    step), `limit` is Full.limit, `asynchronous` for a stream of level keys.ASYNC."""
+    if limit == "bytes":
+        setting = "max_queue_bytes"
+    else:
+        setting = "max_async_queue_size" if asynchronous else "max_queue_size"
+    return f"{what} has too many invocations queued ({setting}); retry later"
 
 
 def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:

@@ -13,16 +13,17 @@ from fngate.queue.invocations import (
     NO_ADMISSION,
     PUSH_LUA,
     Admission,
+    Forward,
     Full,
     Limited,
     Queued,
     ScriptCall,
     Waiter,
+    forward_args,
     parse_enqueue,
     queue_bytes,
     waiters,
 )
-from fngate.queue.steps import Forward, forward_args
 
 # --- Asynchronous invocations -------------------------------------------------------------------
 # An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from fngate.queue.invocations import BODY, HEADER, PUSH_LUA, ScriptCall, queue_bytes
+from fngate.queue.invocations import PUSH_LUA, Forward, ScriptCall, forward_args, queue_bytes
 
 # Pipelines: a finished step's result goes to the next steps' streams instead of a gateway.
 
@@ -51,30 +50,11 @@ def joins(invocation_id: str, node: int) -> str:
     return f"fngate:j:{invocation_id}:{node}"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Forward:
-    """One entry FORWARD adds: a pipeline step's invocation and its context."""
-
-    stream: str
-    fields: Mapping[bytes, bytes]
-    step: bytes
-    max_queue_size: int
-    max_queue_bytes: int
-
-
 def forward_call(entries: Sequence[Forward]) -> ScriptCall:
     return ScriptCall(
         keys=[*(item.stream for item in entries), *(queue_bytes(item.stream) for item in entries)],
         args=[len(entries), *forward_args(entries)],
     )
-
-
-def forward_args(entries: Sequence[Forward]) -> list[bytes | str | int | float]:
-    """Five arguments per entry, as FORWARD and SUBMIT_ASYNC read them."""
-    args: list[bytes | str | int | float] = []
-    for item in entries:
-        args += [item.max_queue_size, item.max_queue_bytes, item.fields[HEADER], item.fields[BODY], item.step]
-    return args
 
 
 def parse_forward(raw: Sequence[Any]) -> tuple[int, str] | None:

@@ -62,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REPO,
         help="repository: a folder or s3://bucket/prefix (default: ./functions)",
     )
-    up.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
-    up.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
+    _add_listen_flags(up)
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
     up.add_argument(
         "--idle-shutdown-s",
@@ -102,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--redis", metavar="URL", help="the queue Redis (FNGATE_REDIS_URL)")
     gateway.add_argument("--host", help="address to listen on (FNGATE_HOST)")
     gateway.add_argument("--port", type=int, help="port to listen on (FNGATE_PORT)")
+    gateway.add_argument(
+        "--grpc-port", type=int, help="gRPC port, 0 for none (FNGATE_GRPC_PORT; default 8001, as Triton's)"
+    )
     gateway.add_argument("--workers", type=int, help="processes sharing the port (FNGATE_WORKERS)")
     gateway.add_argument(
         "--server", choices=["uvicorn", "hypercorn"], help="the HTTP server (default uvicorn)"
@@ -226,15 +228,23 @@ def _run(args: argparse.Namespace) -> int:
         from gateway.__main__ import main as gateway_main
 
         overrides = _overrides(
-            args, redis_url="redis", repo="repo", host="host", port="port", workers="workers", server="server"
+            args,
+            redis_url="redis",
+            repo="repo",
+            host="host",
+            port="port",
+            grpc_port="grpc_port",
+            workers="workers",
+            server="server",
         )
         settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
         if not settings.bind:
             from fngate.tools.local import port_problem
 
-            busy = port_problem(settings.host, settings.port)
-            if busy:
-                raise UsageError(busy)
+            for port, flag in ((settings.port, "--port"), (settings.grpc_port, "--grpc-port")):
+                busy = port_problem(settings.host, port, flag)
+                if busy:
+                    raise UsageError(busy)
         return gateway_main(settings)
     if args.command == "runner":
         from fngate.config import RunnerSettings
@@ -399,6 +409,18 @@ def _same_repo(served: str, repo: str) -> bool:
 
 # `fngate keys` and `fngate deploy --gateway`: API keys in the registry Redis, deploys by API key;
 # `fngate up --no-auth`, `--state-dir`.
+def _add_listen_flags(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
+    up.add_argument(
+        "--grpc-port",
+        type=int,
+        default=8001,
+        help="the gateway's gRPC port, the Open Inference Protocol's GRPCInferenceService as Triton's "
+        "(default: 8001; 0: no gRPC)",
+    )
+
+
 def _add_auth_flags(up: argparse.ArgumentParser) -> None:
     up.add_argument(
         "--no-auth", action="store_true", help="serve without API keys (only with a loopback --host)"

@@ -179,10 +179,11 @@ def run_local(args: argparse.Namespace) -> int:
     if not is_remote(repo) and not Path(repo).is_dir():
         print(f"fngate up: repository folder {repo} does not exist", file=sys.stderr)
         return 2
-    busy = port_problem(args.host, args.port)
-    if busy:
-        print(f"fngate up: {busy}", file=sys.stderr)
-        return 2
+    for port, flag in ((args.port, "--port"), (args.grpc_port, "--grpc-port")):
+        busy = port_problem(args.host, port, flag)
+        if busy:
+            print(f"fngate up: {busy}", file=sys.stderr)
+            return 2
     telemetry.configure("up", args.log_level)
     try:
         with contextlib.ExitStack() as stack:
@@ -219,12 +220,13 @@ def _run(args: argparse.Namespace, state: UpState, redis_server: Supervised | No
         **env,
         "FNGATE_HOST": args.host,
         "FNGATE_PORT": str(args.port),
+        "FNGATE_GRPC_PORT": str(args.grpc_port),
         "FNGATE_WORKERS": str(args.gateway_workers),
         "FNGATE_SERVER": args.server,
     }
     gateway = Supervised("the gateway", lambda: _spawn("gateway", gateway_env))
     try:
-        _banner(state, api_key)
+        _banner(state, api_key, args.grpc_port)
         asyncio.run(_serve(gateway, redis_server, env, args))
         return 0
     finally:
@@ -276,7 +278,7 @@ async def _serve(
             tasks.create_task(redis_server.watch(stopping))
 
 
-def port_problem(host: str, port: int) -> str:
+def port_problem(host: str, port: int, flag: str = "--port") -> str:
     """Why the gateway could not bind host:port, checked before anything starts ('' if it can)."""
     if port == 0:
         return ""
@@ -284,7 +286,7 @@ def port_problem(host: str, port: int) -> str:
         socket.create_server((host, port)).close()
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        return f"cannot listen on {host}:{port} ({reason}); is another fngate running? pass --port N"
+        return f"cannot listen on {host}:{port} ({reason}); is another fngate running? pass {flag} N"
     return ""
 
 
@@ -341,12 +343,15 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _banner(state: UpState, api_key: str | None) -> None:
+def _banner(state: UpState, api_key: str | None, grpc_port: int = 0) -> None:
     base = state.gateway_url
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
     key_line = f"  admin API key: {api_key} (FNGATE_API_KEY for fngate deploy --gateway)\n" if api_key else ""
+    host = base.removeprefix("http://").rpartition(":")[0]
+    grpc_line = f"  gRPC (Open Inference Protocol, as Triton's): {host}:{grpc_port}\n" if grpc_port else ""
     print(
         f"fngate up: gateway {base}, repository {state.repo}, redis {state.redis_url}\n"
+        f"{grpc_line}"
         f"{key_line}"
         "  runners start on the first invocation of their pool and stop when idle\n"
         f"  curl -s{auth} {base}/v1/functions",

@@ -16,7 +16,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from fngate.process import stop_processes
-from tests.conftest import ROOT, free_socket, wait_http
+from tests.conftest import ROOT, free_port, wait_http
 
 BANNER_TIMEOUT_S = 60
 
@@ -26,7 +26,8 @@ def start_up(
 ) -> subprocess.Popen[bytes]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
     command = [sys.executable, "-m", "fngate.tools.cli", "up", "--redis", redis_url, "--repo", str(repo)]
-    command += ["--port", str(port), "--state-dir", str(state), "--gateway-workers", "1", *extra]
+    command += ["--port", str(port), "--grpc-port", "0", "--state-dir", str(state)]
+    command += ["--gateway-workers", "1", *extra]
     with log.open("wb") as output:
         return subprocess.Popen(command, env=env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
 
@@ -43,13 +44,6 @@ async def banner(log: Path, up: subprocess.Popen[bytes]) -> str:
 
 def read_key(path: Path) -> tuple[str, int]:
     return path.read_text().strip(), path.stat().st_mode
-
-
-def free_port() -> int:
-    sock = free_socket()
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 async def test_fngate_up_prints_a_kept_admin_key_and_curl_lines_that_work(

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
-from tests.conftest import ROOT, start_redis, wait_http
+from tests.conftest import ROOT, free_port, start_redis, wait_http
 
 PROBE = "/v2/models/probe/infer"
 CROWD = "/v2/models/crowd/infer"
@@ -69,13 +68,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 @pytest.fixture
 def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Factory: `fngate up` as a subprocess, with its state folder in tmp_path; stopped with SIGTERM."""
@@ -86,6 +78,7 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
         state = tmp_path / "state"
         log = tmp_path / f"up-{len(started)}.log"
         command = [sys.executable, "-m", "fngate.tools.cli", "up", "--repo", str(repo), "--port", str(port)]
+        command += ["--grpc-port", "0"]
         command += [
             "--state-dir",
             str(state),
@@ -333,7 +326,7 @@ async def test_one_fngate_up_per_state_folder(fngate_up: Callable[..., Any], rep
     state = Path(up.redis_url.removeprefix("unix://")).parent.parent
     second = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fngate.tools.cli", "up", "--repo", str(repo), "--port", str(free_port()),
-        "--state-dir", str(state), "--no-auth", cwd=ROOT, stderr=asyncio.subprocess.PIPE,
+        "--grpc-port", "0", "--state-dir", str(state), "--no-auth", cwd=ROOT, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, err = await asyncio.wait_for(second.communicate(), 60)
     assert second.returncode == 1

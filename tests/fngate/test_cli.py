@@ -106,7 +106,8 @@ def test_an_unreachable_redis_is_one_line(capsys: pytest.CaptureFixture[str]) ->
 def test_up_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        code, _, err = run(capsys, "up", "--port", str(port), "--repo", str(ROOT / "functions"))
+        command = ("up", "--port", str(port), "--grpc-port", "0", "--repo", str(ROOT / "functions"))
+        code, _, err = run(capsys, *command)
     assert code == 2
     assert err.startswith(f"fngate up: cannot listen on 127.0.0.1:{port}")
     assert err.count("\n") == 1

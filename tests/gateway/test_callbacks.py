@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from gateway.callbacks import MAX_ATTEMPTS, retry_delay_s, signature
+from gateway.http.callbacks import MAX_ATTEMPTS, retry_delay_s, signature
 
 
 def test_signature_is_hmac_sha256_over_timestamp_and_body() -> None:

@@ -8,8 +8,8 @@ import zlib
 import pytest
 
 from fngate.errors import InvalidArgument
-from gateway.http_errors import PayloadTooLarge
-from gateway.protocol import decode_body
+from gateway.http.errors import PayloadTooLarge
+from gateway.http.protocol import decode_body
 
 BODY = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}' * 20
 

@@ -18,6 +18,8 @@ from fngate.pipelined import PipelinedRedis
 from fngate.repository import FunctionVersion, open_repository
 from fngate.wire import Invocation, Reply
 from gateway.activation import Activator
+from gateway.call import Call
+from gateway.catalog import Catalog
 from gateway.dispatch import Dispatcher
 from gateway.replies import ReplyRouter
 from tests.conftest import ROOT
@@ -35,6 +37,10 @@ def classifier(**batching: int) -> FunctionVersion:
     return dataclasses.replace(version, manifest=manifest)
 
 
+def call(function: FunctionVersion, timeout_ms: int) -> Call:
+    return Call(function, {"input": ROW}, timeout_ms=timeout_ms)
+
+
 @contextlib.asynccontextmanager
 async def dispatching(
     redis_url: str, health: Health | None = None, activator: Activator | None = None
@@ -45,7 +51,8 @@ async def dispatching(
     await replies.start()
     loop = asyncio.create_task(replies.run())
     try:
-        yield Dispatcher(writes, replies, activator=activator, health=health), replies
+        catalog = Catalog(lambda: asyncio.sleep(0, {}))
+        yield Dispatcher(writes, replies, catalog, activator=activator, health=health), replies
     finally:
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -60,7 +67,7 @@ async def test_an_invocation_waits_on_the_queue_and_gets_the_reply_written_to_it
     redis_url: str, redis: aioredis.Redis
 ) -> None:
     async with dispatching(redis_url) as (dispatcher, replies):
-        answer = asyncio.create_task(dispatcher.submit(classifier(), {"input": ROW}, None, 5000))
+        answer = dispatcher.invoke(call(classifier(), 5000))
         stream = keys.invocations("classifier")
         for _ in range(50):
             entries = await redis.xrange(stream)
@@ -84,11 +91,11 @@ async def test_a_full_queue_is_overloaded_and_nothing_is_queued(
     async with dispatching(redis_url) as (dispatcher, _):
         function = classifier(max_queue_size=2)
         waiting = [
-            asyncio.create_task(dispatcher.submit(function, {"input": ROW}, None, 2000)) for _ in range(2)
+            dispatcher.invoke(call(function, 2000)) for _ in range(2)
         ]
         await asyncio.sleep(0.2)
         with pytest.raises(Overloaded, match="max_queue_size"):
-            await dispatcher.submit(function, {"input": ROW}, None, 2000)
+            await dispatcher.invoke(call(function, 2000))
         assert await redis.xlen(keys.invocations("classifier")) == 2
         for task in waiting:
             task.cancel()
@@ -99,7 +106,7 @@ async def test_no_answer_is_a_deadline_exceeded_at_the_deadline(
 ) -> None:
     async with dispatching(redis_url) as (dispatcher, _):
         with pytest.raises(DeadlineExceeded, match="200 ms"):
-            await dispatcher.submit(classifier(), {"input": ROW}, None, 200)
+            await dispatcher.invoke(call(classifier(), 200))
 
 
 async def test_a_deadline_that_passes_while_the_pool_is_woken_is_kept(
@@ -113,7 +120,7 @@ async def test_a_deadline_that_passes_while_the_pool_is_woken_is_kept(
     try:
         async with dispatching(redis_url, activator=activator) as (dispatcher, _):
             for attempt in range(60):
-                submitted = dispatcher.submit(classifier(), {"input": ROW}, None, 1 + attempt % 4)
+                submitted = dispatcher.invoke(call(classifier(), 1 + attempt % 4))
                 with pytest.raises(DeadlineExceeded):
                     await asyncio.wait_for(submitted, 5)
     finally:
@@ -125,7 +132,7 @@ async def test_a_redis_known_down_is_unavailable_at_once(redis_url: str, redis: 
     health.failed("a test", ConnectionError("gone"))
     async with dispatching(redis_url, health) as (dispatcher, _):
         with pytest.raises(Unavailable, match="Redis cannot be reached"):
-            await dispatcher.submit(classifier(), {"input": ROW}, None, 5000)
+            await dispatcher.invoke(call(classifier(), 5000))
         assert await redis.xlen(keys.invocations("classifier")) == 0
 
 

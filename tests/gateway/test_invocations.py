@@ -13,8 +13,8 @@ import pytest
 from fngate import queue
 from fngate.wire import Reply
 from gateway.catalog import Catalog
+from gateway.http.results import render
 from gateway.invocations import Submission, request_digest
-from gateway.results import render
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests import perf_analyzer
+from bench import perf_analyzer
+from tests.conftest import free_port
+from tests.gateway.test_auth import create_key
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,32 @@ async def test_perf_analyzer_json_and_binary(
         assert levels == wanted, output[-3000:]
         # Server-side figures come from the statistics extension, summed by the runner.
         assert re.search(r"Server:\s+Inference count: [1-9]", output), output[-3000:]
+
+
+@pytest.mark.timeout(300)
+async def test_perf_analyzer_over_grpc_with_a_key(
+    perf_command: list[str],
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """`-i grpc` with the key in a header (-H), binary tensors only, as Triton users run it."""
+    key, _ = create_key(redis_url, "invoke:classifier")
+    port = free_port()
+    await serve_gateway(grpc_port=port, auth=True)
+    await inprocess_runner()
+    output = await run(
+        [
+            *perf_command,
+            "-m", "classifier", "-u", f"127.0.0.1:{port}", "-i", "grpc",
+            "-H", f"authorization: Bearer {key}",
+            "--measurement-mode", "count_windows", "--measurement-request-count", "10",
+            "--stability-percentage", "999", "--max-trials", "3", "--concurrency-range", "1:8:7",
+        ],
+        tmp_path,
+        "grpc",
+    )  # fmt: skip
+    levels = [int(level) for level in re.findall(r"Concurrency: (\d+), throughput", output)]
+    assert levels == [1, 8], output[-3000:]
+    assert re.search(r"Server:\s+Inference count: [1-9]", output), output[-3000:]

@@ -18,9 +18,10 @@ from fngate import deployment
 from fngate.config import GatewaySettings
 from fngate.errors import InvalidArgument
 from fngate.repository import MANIFEST_FILE, Repository, check_name
-from gateway.endpoints import services
-from gateway.http_errors import PayloadTooLarge
-from gateway.rendering import json_response
+from gateway.http.errors import PayloadTooLarge
+from gateway.http.guard import PRINCIPAL
+from gateway.http.rendering import json_response
+from gateway.state import services
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Deployer:
 
 
 def deployer(request: Request) -> Deployer:
-    found: Deployer = request.state.deployer
+    found: Deployer = services(request).deployer
     return found
 
 
@@ -114,7 +115,7 @@ def _unpack(archive: Path, folder: Path) -> None:
 
 
 def _key_id(request: Request) -> str:
-    principal = request.scope.get("fngate.principal")
+    principal = request.scope.get(PRINCIPAL)
     return getattr(principal, "key_id", "") or "-"
 
 

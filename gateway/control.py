@@ -1,6 +1,5 @@
-"""Administrative HTTP routes: the Open Inference Protocol model repository extension (index, load,
-unload). Kept apart from the data plane, in a route list of their own, so that they can sit behind
-their own auth scope."""
+"""Model control, whatever the front end: the Open Inference Protocol's model repository extension
+(the index, load and unload), carried out through Redis by every runner of a function's pool."""
 
 from __future__ import annotations
 
@@ -9,27 +8,18 @@ import time
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from fngate import keys
 from fngate.errors import Unavailable
 from fngate.registry import READY, UNAVAILABLE, ControlOp, id_order, send_control, set_unloaded
 from fngate.repository import FunctionRecord
 from gateway.catalog import Catalog
-from gateway.endpoints import services
-from gateway.protocol import load_json
-from gateway.rendering import json_response
 
 POLL_S = 0.1
 
 
-async def repository_index(request: Request) -> Response:
+async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[dict[str, str]]:
     """Every function version that is served or loaded somewhere, with its state and reason."""
-    body = load_json(await request.body(), empty={})
-    ready_only = bool(body.get("ready", False))
-    catalog = services(request).catalog
     await _refresh_states(catalog)
     loaded = {key for view in catalog.runners for key in view.models}
     entries = []
@@ -41,43 +31,41 @@ async def repository_index(request: Request) -> Response:
                 entries.append(
                     {"name": name, "version": version, "state": state.state, "reason": state.reason}
                 )
-    return json_response(entries)
+    return entries
 
 
-async def load_model(request: Request) -> Response:
-    """Ask every runner of the function's pool to load its served versions now; answer when one
-    runner has each ready, or with the reason a load failed."""
-    catalog = services(request).catalog
-    record = catalog.record(request.path_params["name"])
+async def load(catalog: Catalog, name: str, timeout_s: float) -> None:
+    """Ask every runner of the function's pool to load its served versions now; return when one
+    runner has each ready within `timeout_s`, or raise Unavailable with the reason a load failed."""
+    record = catalog.record(name)
     await _mark_unloaded(catalog, record.name, False)
     request_id = await _send(catalog, ControlOp("load", record.name, record.served))
     await _wake(catalog, record)
-    deadline = time.monotonic() + services(request).load_timeout_s
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         await _refresh_states(catalog)
         failure = _load_outcome(catalog, record, request_id)
         if failure is None:
-            return json_response({})
+            return
         if failure:
             raise Unavailable(f"function '{record.name}': {failure}")
         await asyncio.sleep(POLL_S)
-    waited = f"{services(request).load_timeout_s:.0f} s"
+    waited = f"{timeout_s:.0f} s"
     raise Unavailable(f"function '{record.name}' did not load within {waited}{_no_runner(catalog, record)}")
 
 
-async def unload_model(request: Request) -> Response:
-    """Ask every runner to unload every version of the function; answer once each live runner has
-    done so. Until a load, the function is not ready and its invocations get 503 (on every
-    gateway: the mark is in Redis before the control entry that makes them refresh)."""
-    catalog = services(request).catalog
-    record = catalog.record(request.path_params["name"])
+async def unload(catalog: Catalog, name: str, timeout_s: float) -> None:
+    """Ask every runner to unload every version of the function; return once each live runner has
+    done so (within `timeout_s`). Until a load, the function is not ready and its invocations get
+    503 (on every gateway: the mark is in Redis before the control entry that makes them refresh)."""
+    record = catalog.record(name)
     await _mark_unloaded(catalog, record.name, True)
     request_id = await _send(catalog, ControlOp("unload", record.name, tuple(record.versions)))
-    deadline = time.monotonic() + services(request).load_timeout_s
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         await _refresh_states(catalog)
         if all(id_order(view.control) >= id_order(request_id) for view in catalog.runners):
-            return json_response({})
+            return
         await asyncio.sleep(POLL_S)
     late = [view.name for view in catalog.runners if id_order(view.control) < id_order(request_id)]
     raise Unavailable(f"function '{record.name}': runners {late} did not confirm the unload in time")
@@ -139,10 +127,3 @@ def _redis(catalog: Catalog) -> aioredis.Redis:
     if catalog.redis is None:
         raise Unavailable("model control needs the queue's Redis")
     return catalog.redis
-
-
-ROUTES: list[Route] = [
-    Route("/v2/repository/index", repository_index, methods=["POST"]),
-    Route("/v2/repository/models/{name}/load", load_model, methods=["POST"]),
-    Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),
-]

@@ -1,31 +1,29 @@
-"""Open Inference Protocol and serverless bodies <-> validated tensors, and replies <-> responses.
+"""Open Inference Protocol (V2 REST) and serverless (/v1) bodies <-> validated tensors, and replies
+<-> responses.
 
-Everything a client can get wrong is caught here, before anything is queued: names, datatypes,
-ranks, dimensions, data lengths, batch rows, malformed JSON and binary framing.
+Everything a client can get wrong in a body is caught here or in gateway.validation, before
+anything is queued: names, datatypes, ranks, dimensions, data lengths, batch rows, malformed JSON
+and binary framing.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import orjson
 
-from fngate.errors import FunctionError, InvalidArgument
-from fngate.manifest import FunctionManifest, TensorSpec
+from fngate.errors import InvalidArgument
+from fngate.manifest import FunctionManifest
 from fngate.tensors import from_bytes, from_json, to_bytes, to_json_data
 from fngate.wire import Reply, Tensors
-from gateway.http_errors import PayloadTooLarge
+from gateway.http.errors import PayloadTooLarge
+from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
 
 HEADER_LENGTH = "inference-header-content-length"
-OFF_LOOP_BYTES = 256 * 1024
-"""Bodies this large or larger are parsed in a worker thread."""
-log = logging.getLogger(__name__)
 
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
@@ -38,22 +36,6 @@ class InferRequest:
     request_id: str | None
     timeout_ms: int | None
     use_cache: bool = True
-
-
-async def decode(parse: Callable[..., InferRequest], body: bytes, *args: Any) -> InferRequest:
-    """`parse(body, *args)`: on the event loop for small bodies, in a worker thread for large ones,
-    so that the event loop serves other clients meanwhile (as far as the GIL lets it: orjson holds
-    it while it parses). A failure nobody foresaw while parsing is still the body's fault: a 400
-    (logged as a warning with its traceback), never a 500."""
-    try:
-        if len(body) < OFF_LOOP_BYTES:
-            return parse(body, *args)
-        return await asyncio.to_thread(parse, body, *args)
-    except FunctionError:
-        raise
-    except Exception as exc:  # RecursionError, MemoryError, numpy's ValueError...
-        log.warning("a body of %d bytes failed to parse unexpectedly", len(body), exc_info=True)
-        raise InvalidArgument(f"the body could not be parsed ({type(exc).__name__})") from exc
 
 
 def decode_body(body: bytes, encoding: str | None, limit_bytes: int) -> bytes:
@@ -115,7 +97,7 @@ def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest)
         header = whole[:json_size]
     doc = load_json(header)
     inputs = _v2_inputs(doc, binary, manifest)
-    _check_complete(manifest, inputs)
+    check_complete(manifest, inputs)
     outputs, binary_outputs = _requested_outputs(doc, manifest)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
@@ -133,16 +115,11 @@ def _v2_inputs(doc: Mapping[str, Any], view: memoryview, manifest: FunctionManif
     for index, item in enumerate(raw_inputs):
         if not isinstance(item, dict):
             raise InvalidArgument(f"inputs[{index}] must be an object")
-        spec = _input_spec(manifest, item.get("name"), f"inputs[{index}].name")
+        spec = input_spec(manifest, item.get("name"), f"inputs[{index}].name")
         name = spec.name
-        if name in inputs:
-            raise InvalidArgument(f"input '{name}' is given twice")
-        datatype = item.get("datatype")
-        if datatype != spec.datatype:
-            raise InvalidArgument(
-                f"input '{name}': datatype {datatype!r} but the function takes {spec.datatype}"
-            )
-        shape = _check_shape(spec, item.get("shape"), manifest)
+        check_new(inputs, spec)
+        datatype = check_datatype(spec, item.get("datatype"))
+        shape = check_shape(spec, item.get("shape"), manifest)
         params = _params(item, f"input '{name}'")
         size = params.get("binary_data_size")
         if size is not None:
@@ -173,17 +150,17 @@ def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
         raise InvalidArgument("'inputs' must be an object mapping input names to nested lists")
     inputs: Tensors = {}
     for name, data in raw_inputs.items():
-        spec = _input_spec(manifest, name, "inputs")
+        spec = input_spec(manifest, name, "inputs")
         shape = _nested_shape(data, f"input '{name}'")
-        _check_shape(spec, shape, manifest)
+        check_shape(spec, shape, manifest)
         inputs[name] = from_json(spec.datatype, shape, data, f"input '{name}'")
-    _check_complete(manifest, inputs)
+    check_complete(manifest, inputs)
     outputs = doc.get("outputs")
     if outputs is not None:
         if not isinstance(outputs, list) or not all(isinstance(name, str) for name in outputs):
             raise InvalidArgument("'outputs' must be a list of output names")
         for name in outputs:
-            _output_spec(manifest, name)
+            output_spec(manifest, name)
         outputs = tuple(outputs)
     return InferRequest(inputs, outputs, frozenset(), None, _timeout(doc), _use_cache(doc))
 
@@ -254,59 +231,6 @@ def _params(item: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     return params
 
 
-def _input_spec(manifest: FunctionManifest, name: Any, where: str) -> TensorSpec:
-    if not isinstance(name, str):
-        raise InvalidArgument(f"{where}: an input name must be a string")
-    spec = manifest.input(name)
-    if spec is None:
-        known = [spec.name for spec in manifest.inputs]
-        raise InvalidArgument(f"unknown input '{name}': function '{manifest.name}' takes {known}")
-    return spec
-
-
-def _output_spec(manifest: FunctionManifest, name: Any) -> TensorSpec:
-    spec = manifest.output(name) if isinstance(name, str) else None
-    if spec is None:
-        known = [spec.name for spec in manifest.outputs]
-        raise InvalidArgument(f"unknown output {name!r}: function '{manifest.name}' has {known}")
-    return spec
-
-
-def _check_shape(spec: TensorSpec, shape: Any, manifest: FunctionManifest) -> tuple[int, ...]:
-    where = f"input '{spec.name}'"
-    if not isinstance(shape, list | tuple) or not all(
-        isinstance(dim, int) and not isinstance(dim, bool) for dim in shape
-    ):
-        raise InvalidArgument(f"{where}: 'shape' must be a list of integers")
-    if len(shape) != len(spec.shape):
-        raise InvalidArgument(
-            f"{where}: shape {list(shape)} has rank {len(shape)} but the function takes "
-            f"rank {len(spec.shape)} {list(spec.shape)}"
-        )
-    for axis, (dim, expected) in enumerate(zip(shape, spec.shape, strict=True)):
-        if dim < 1:
-            raise InvalidArgument(f"{where}: dimension {axis} is {dim}; dimensions must be at least 1")
-        if expected not in (-1, dim):
-            raise InvalidArgument(
-                f"{where}: dimension {axis} is {dim} but the function takes {expected} "
-                f"(shape {list(spec.shape)})"
-            )
-    limit = manifest.batching.max_batch_size
-    if manifest.batched and shape[0] > limit:
-        raise InvalidArgument(f"{where}: {shape[0]} rows is over the function's max_batch_size {limit}")
-    return tuple(shape)
-
-
-def _check_complete(manifest: FunctionManifest, inputs: Tensors) -> None:
-    missing = [spec.name for spec in manifest.inputs if spec.name not in inputs]
-    if missing:
-        raise InvalidArgument(f"missing inputs {missing} for function '{manifest.name}'")
-    if manifest.batched:
-        rows = {name: array.shape[0] for name, array in inputs.items()}
-        if len(set(rows.values())) > 1:
-            raise InvalidArgument(f"inputs disagree on the batch dimension: {rows}")
-
-
 def _requested_outputs(
     doc: Mapping[str, Any], manifest: FunctionManifest
 ) -> tuple[tuple[str, ...] | None, frozenset[str]]:
@@ -323,7 +247,7 @@ def _requested_outputs(
     for index, item in enumerate(raw):
         if not isinstance(item, dict):
             raise InvalidArgument(f"outputs[{index}] must be an object")
-        spec = _output_spec(manifest, item.get("name"))
+        spec = output_spec(manifest, item.get("name"))
         wanted.append(spec.name)
         if _params(item, f"output '{spec.name}'").get("binary_data", binary_all):
             binary.add(spec.name)

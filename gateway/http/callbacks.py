@@ -21,8 +21,8 @@ from fngate import keys, queue
 from fngate.backoff import backoff_s
 from fngate.pipelined import PipelinedRedis, Script
 from gateway.catalog import Catalog
+from gateway.http.results import render
 from gateway.invocations import Submission
-from gateway.results import render
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""ErrorCode -> HTTP status and JSON body: one table, one handler."""
+"""ErrorCode -> HTTP status, headers and JSON body: one table, one handler."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fngate.errors import ErrorCode, FunctionError
-from gateway.rendering import dumps
+from fngate.errors import ErrorCode, FunctionError, RateLimited
+from gateway.http.rendering import dumps
+from gateway.invocations import IdempotencyKeyReused
 
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -18,18 +19,17 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.MODEL_FAILED: 500,
     ErrorCode.MODEL_TIMEOUT: 504,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.RATE_LIMITED: 429,
 }
 RETRY = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE}
+"""Answered with the gateway's Retry-After (a rate limit's own comes with it)."""
+CHALLENGE = ("WWW-Authenticate", 'Bearer realm="fngate"')
 
 
 class PayloadTooLarge(FunctionError):
     """The body is over max_body_bytes; answered 413 rather than 400."""
-
-    code = ErrorCode.INVALID_ARGUMENT
-
-
-class IdempotencyKeyReused(FunctionError):
-    """An Idempotency-Key sent again with another request; answered 422 rather than 400."""
 
     code = ErrorCode.INVALID_ARGUMENT
 
@@ -50,29 +50,42 @@ def status_of(exc: FunctionError) -> int:
     return STATUS[exc.code]
 
 
+def headers_of(exc: FunctionError, retry_after_s: int) -> dict[str, str]:
+    """The headers that go with an error's status: when to retry, how to authenticate, and that a
+    body which may still be arriving ends the connection."""
+    if isinstance(exc, RateLimited):
+        return {"Retry-After": str(exc.retry_after_s)}
+    if exc.code in RETRY:
+        return {"Retry-After": str(retry_after_s)}
+    if exc.code == ErrorCode.UNAUTHENTICATED:
+        return dict([CHALLENGE])
+    if isinstance(exc, BodyTimeout):
+        return {"Connection": "close"}
+    return {}
+
+
 def error_body(exc: FunctionError) -> bytes:
     return dumps({"error": exc.message, "code": exc.code.value})
 
 
 def error_response(exc: FunctionError, retry_after_s: int = 1) -> Response:
-    status = status_of(exc)
-    headers = {"Retry-After": str(retry_after_s)} if exc.code in RETRY else None
-    return Response(error_body(exc), status, headers, media_type="application/json")
+    headers = headers_of(exc, retry_after_s)
+    return Response(error_body(exc), status_of(exc), headers or None, media_type="application/json")
 
 
 async def handle_function_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, FunctionError)
-    return error_response(exc, request.app.state.retry_after_s)
+    return error_response(exc, request.state.services.settings.retry_after_s)
 
 
 async def handle_unknown_route(request: Request, exc: Exception) -> Response:
     """Starlette's own 404 (no such route) and 405 (no such method), in the same JSON body."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path}"
+        message = f"{request.method} is not allowed on {request.url.path[:256]}"
         code = ErrorCode.INVALID_ARGUMENT
     else:
-        message = f"no route {request.method} {request.url.path}"
+        message = f"no route {request.method} {request.url.path[:256]}"
         code = ErrorCode.NOT_FOUND
     body = dumps({"error": message, "code": code.value})
     return Response(body, exc.status_code, exc.headers, media_type="application/json")

@@ -18,11 +18,12 @@ from fngate.manifest import FunctionManifest
 from fngate.wire import Reply
 from gateway.auth import OPEN, Principal
 from gateway.catalog import Catalog
-from gateway.guard import PRINCIPAL
-from gateway.http_errors import error_body, status_of
+from gateway.http.errors import error_body, status_of
+from gateway.http.guard import PRINCIPAL
+from gateway.http.protocol import InferRequest, render_v1, render_v2
+from gateway.http.rendering import dumps, json_response
 from gateway.invocations import MAX_WAIT_S, Accepted, AsyncInvocations, Submission, is_pending
-from gateway.protocol import InferRequest, render_v1, render_v2
-from gateway.rendering import dumps, json_response
+from gateway.state import services
 
 
 def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str], bytes]:
@@ -101,8 +102,7 @@ def _principal(request: Request) -> Principal:
 
 
 def _service(request: Request) -> AsyncInvocations:
-    found: AsyncInvocations = request.state.invocations
-    return found
+    return services(request).invocations
 
 
 def _wait_s(request: Request) -> float:

@@ -1,0 +1,78 @@
+"""Scenario G: the Open Inference Protocol over gRPC, driven by Triton's own perf_analyzer (`-i
+grpc`, binary tensors, closed loop at a fixed concurrency), against fngate's gRPC port and, with
+--triton, against the real Triton's gRPC port in the same run, point by point. fngate's HTTP path
+at the same points comes from scenario T or S1; this one reports gRPC and its ratios."""
+
+from __future__ import annotations
+
+import csv
+import io
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import perf_analyzer
+
+Row = dict[str, Any]
+POINTS = [("tiny", c) for c in (1, 16, 64)] + [("wide", c) for c in (1, 16, 64)]
+
+
+def measure(
+    command: list[str], address: str, model: str, concurrency: int, measure_s: float, logs: Path, label: str
+) -> Row:
+    """One perf_analyzer point: throughput and the client's latency percentiles (ms)."""
+    report = logs / f"perf-{label}-{model}-c{concurrency}.csv"
+    run = [
+        *command,
+        "-m", model, "-u", address, "-i", "grpc",
+        "--concurrency-range", str(concurrency),
+        "--measurement-interval", str(int(measure_s * 1000)),
+        "--stability-percentage", "999", "--max-trials", "3",
+        "--percentile", "99",
+        "-f", str(report),
+    ]  # fmt: skip
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, check=False)
+    (logs / f"perf-{label}-{model}-c{concurrency}.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not report.is_file():
+        return {"errors": 1, "error_sample": (done.stdout + done.stderr).strip()[-200:]}
+    (line,) = list(csv.DictReader(io.StringIO(report.read_text())))
+    return {
+        "req_per_s": float(line["Inferences/Second"]),
+        "p50_ms": float(line["p50 latency"]) / 1000,
+        "p90_ms": float(line["p90 latency"]) / 1000,
+        "p99_ms": float(line["p99 latency"]) / 1000,
+        "errors": 0,
+    }
+
+
+def run(
+    fngate_address: str,
+    triton_address: str | None,
+    measure_s: float,
+    logs: Path,
+    record: Callable[[Row], None],
+) -> None:
+    command, why = perf_analyzer.provide()
+    if not command:
+        print(f"G  skipped: {why}", flush=True)
+        return
+    print(f"G  gRPC with perf_analyzer: fngate {fngate_address}, Triton {triton_address or '-'}", flush=True)
+    for model, concurrency in POINTS:
+        ours: Row = {"scenario": "G", "function": model, "body": "grpc", "concurrency": concurrency}
+        ours.update(measure(command, fngate_address, model, concurrency, measure_s, logs, "fngate"))
+        if triton_address is not None:
+            theirs: Row = {
+                "scenario": "G",
+                "function": f"{model}@triton",
+                "body": "grpc",
+                "concurrency": concurrency,
+            }
+            theirs.update(measure(command, triton_address, model, concurrency, measure_s, logs, "triton"))
+            ratio = ours.get("req_per_s", 0.0) / max(theirs.get("req_per_s", 0.0), 1e-9)
+            ours["triton_ratio"] = ratio
+            record(ours)
+            record(theirs)
+            print(f"   {model} c={concurrency} over gRPC: fngate/Triton throughput x{ratio:.2f}", flush=True)
+        else:
+            record(ours)

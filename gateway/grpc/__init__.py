@@ -1,0 +1,2 @@
+"""The Open Inference Protocol over gRPC (GRPCInferenceService), beside gateway.http: it
+translates to the same core."""

@@ -1,0 +1,34 @@
+"""Services: what the gateway's lifespan opened, typed, for every front end (an HTTP request finds
+it as `request.state.services`, the gRPC servicer holds it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from fngate.config import GatewaySettings
+from gateway.auth import KeyTable
+from gateway.catalog import Catalog
+from gateway.dispatch import Dispatcher
+from gateway.invocations import AsyncInvocations
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Services:
+    settings: GatewaySettings
+    catalog: Catalog
+    dispatcher: Dispatcher
+    invocations: AsyncInvocations
+    keys: KeyTable
+    redis: aioredis.Redis
+    """redis-py's client of the queue's Redis, for what is not on the hot path."""
+    deployer: Any = None
+    """The deploy API's repository (gateway.http.deployments.Deployer)."""
+
+
+def services(request: Any) -> Services:
+    """The services of an HTTP request (anything with `.state.services`)."""
+    found: Services = request.state.services
+    return found

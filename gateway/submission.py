@@ -1,0 +1,232 @@
+"""Pure: a Call -> the queue entries that carry it, as data. Synchronous or asynchronous, a
+function or a pipeline: one script call queues all of a call's first entries or none (the caller's
+limits and the response cache checked first, in the same round trip), and `Entries` says what the
+core needs to settle its outcome (gateway.dispatch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from fngate import keys, queue
+from fngate.plan import Plan, StepContext, first_steps, step_entry, step_invocation
+from fngate.repository import FunctionVersion
+from fngate.wire import Invocation
+from gateway.cache import request_key
+from gateway.call import Call
+
+PENDING_MARGIN_S = 5
+"""A pending asynchronous invocation's result outlives its deadline by result_ttl_s and this much:
+a reply that comes late (a batch that ran over the deadline) still finds it. Once done, the runner
+keeps it result_ttl_s from then (fngate.queue.FINISH)."""
+
+
+def new_id() -> str:
+    """An invocation's id: 128 random bits, as 32 hexadecimal digits."""
+    return os.urandom(16).hex()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entries:
+    """What one call queues, and what settling its outcome needs."""
+
+    id: str
+    script: queue.ScriptCall
+    """ENQUEUE's (synchronous) or SUBMIT_ASYNC's (asynchronous) keys and arguments."""
+    deadline_ms: int
+    timeout_ms: int
+    names: tuple[str, ...]
+    """Each entry as a refusal names it ("function 'x'", or a pipeline step), in the script's
+    order: a refusal's outcome names its index."""
+    pools: tuple[str, ...]
+    """The runner pools to wake once queued (every step's, for a pipeline)."""
+    cache_entry: str = ""
+    """The response cache entry of the call ('' while the function's cache is off)."""
+
+
+def timeout_of(call: Call) -> int:
+    """The call's timeout in ms: what the caller asked for, capped by the function's (for an
+    asynchronous call, its async_timeout_s)."""
+    batching = call.function.manifest.batching
+    limit_ms = batching.async_timeout_s * 1000 if call.later is not None else batching.timeout_ms
+    return limit_ms if call.timeout_ms is None else min(call.timeout_ms, limit_ms)
+
+
+def cache_keys(call: Call) -> tuple[str, str]:
+    """The call's response cache entry, and the in-flight marker that identical calls wait on
+    (both '' while the function's cache is off)."""
+    key_hex = request_key(call.function, call.inputs, call.outputs)
+    if not key_hex:
+        return "", ""
+    name = call.function.manifest.name
+    return keys.cache_entry(name, key_hex), keys.in_flight(name, key_hex)
+
+
+def synchronous(
+    call: Call,
+    reply_to: str,
+    now_ms: int,
+    admission: queue.Admission | None,
+    lookup_in_queue: bool,
+    plan: Plan | None = None,
+    steps: dict[str, FunctionVersion] | None = None,
+) -> Entries:
+    """A synchronous call's ENQUEUE: the function's own entry, or a pipeline's first steps (`plan`,
+    with each step's resolved version in `steps`). `lookup_in_queue`: the response cache shares the
+    queue's Redis, or this is a pipeline (whose answer its last step caches there), so the script
+    answers from it; else the dispatcher looked it up already."""
+    manifest = call.function.manifest
+    invocation_id = new_id()
+    timeout_ms = timeout_of(call)
+    deadline_ms = now_ms + timeout_ms
+    entry, marker = cache_keys(call)
+    waiter = queue.Waiter(reply_to, invocation_id, deadline_ms)
+    lookup = entry if call.use_cache and lookup_in_queue else ""
+    if plan is None:
+        in_flight = marker if call.use_cache else ""
+        invocation = Invocation(
+            id=invocation_id,
+            function=manifest.name,
+            version=call.function.version,
+            reply_to=reply_to,
+            deadline_ms=deadline_ms,
+            inputs=call.inputs,
+            outputs=call.outputs,
+            traceparent=call.traceparent,
+            digest=call.function.digest,
+            cache_key=entry or None,
+            cache_ttl_s=manifest.cache.ttl_s,
+            in_flight_key=in_flight or None,
+        )
+        script = queue.enqueue_call(
+            keys.invocations(manifest.name),
+            invocation.encode(),
+            waiter,
+            timeout_ms,
+            manifest.batching.max_queue_size,
+            manifest.batching.max_queue_bytes,
+            lookup=lookup,
+            in_flight=in_flight,
+            admission=admission,
+        )
+        names: tuple[str, ...] = (f"function '{manifest.name}'",)
+        return Entries(invocation_id, script, deadline_ms, timeout_ms, names, (manifest.scaling.pool,), entry)
+    assert steps is not None
+    context = StepContext(
+        invocation_id, reply_to, deadline_ms, plan, 0, {}, call.traceparent, entry, manifest.cache.ttl_s
+    )
+    firsts = first_steps(context, call.inputs)
+    (head_context, head_inputs), rest = firsts[0], firsts[1:]
+    head = head_context.step
+    script = queue.enqueue_call(
+        keys.invocations(head.function),
+        step_invocation(head_context, head_inputs).encode(),
+        waiter,
+        timeout_ms,
+        head.max_queue_size,
+        head.max_queue_bytes,
+        lookup=lookup,
+        admission=admission,
+        step=head_context.encode(),
+        more=[step_entry(step_context, inputs) for step_context, inputs in rest],
+    )
+    names = tuple(step_context.step.described for step_context, _ in firsts)
+    return Entries(invocation_id, script, deadline_ms, timeout_ms, names, _pools(steps), entry)
+
+
+def asynchronous(
+    call: Call,
+    record: bytes,
+    invocation_id: str,
+    deadline_ms: int,
+    admission: queue.Admission | None,
+    idempotency: str,
+    cached: dict[bytes, bytes] | None,
+    lookup_in_queue: bool,
+    plan: Plan | None = None,
+    steps: dict[str, FunctionVersion] | None = None,
+) -> Entries:
+    """An asynchronous call's SUBMIT_ASYNC, at level keys.ASYNC and replying to its result stream:
+    the function's own entry or a pipeline's first steps (whose successors the runners queue at that
+    level too). `record`: the gateway's record of it (gateway.invocations.Submission); `idempotency`:
+    its Idempotency-Key ('' for none); `cached`: a reply the dispatcher found in a cache Redis of its
+    own; `lookup_in_queue` as for `synchronous`."""
+    later = call.later
+    assert later is not None
+    manifest = call.function.manifest
+    batching = manifest.batching
+    timeout_ms = timeout_of(call)
+    result = keys.result(invocation_id)
+    # Answered from the cache and stored there for others, never waited on; a pipeline's answer is
+    # cached by its last step, in the queue's Redis (runner.pipeline).
+    entry, _ = cache_keys(call)
+    marker = queue.callback_marker(result) if later.callback_url else ""
+    if plan is None:
+        invocation = Invocation(
+            id=invocation_id,
+            function=manifest.name,
+            version=call.function.version,
+            reply_to=result,
+            deadline_ms=deadline_ms,
+            inputs=call.inputs,
+            outputs=call.outputs,
+            traceparent=call.traceparent,
+            digest=call.function.digest,
+            cache_key=entry or None,
+            cache_ttl_s=manifest.cache.ttl_s,
+            in_flight_key=marker or None,
+            result_ttl_s=batching.result_ttl_s,
+        )
+        stream = keys.invocations(manifest.name, keys.ASYNC)
+        entries = [
+            queue.Forward(
+                stream, invocation.encode(), b"", batching.max_async_queue_size, batching.max_queue_bytes
+            )
+        ]
+        names: tuple[str, ...] = (f"function '{manifest.name}'",)
+        pools: tuple[str, ...] = (manifest.scaling.pool,)
+    else:
+        assert steps is not None
+        context = StepContext(
+            invocation_id,
+            result,
+            deadline_ms,
+            plan,
+            0,
+            {},
+            call.traceparent,
+            entry,
+            manifest.cache.ttl_s,
+            keys.ASYNC,
+            batching.result_ttl_s,
+            marker,
+        )
+        firsts = first_steps(context, call.inputs)
+        entries = [step_entry(step_context, inputs) for step_context, inputs in firsts]
+        names = tuple(step_context.step.described for step_context, _ in firsts)
+        pools = _pools(steps)
+    first, *more = entries
+    script = queue.submit_async_call(
+        first.stream,
+        first.fields,
+        result,
+        record,
+        timeout_ms + (batching.result_ttl_s + PENDING_MARGIN_S) * 1000,
+        invocation_id,
+        first.max_queue_size,
+        first.max_queue_bytes,
+        keys.idempotency(call.principal.key_id, idempotency) if idempotency else "",
+        keys.callbacks() if later.callback_url else "",
+        admission,
+        later.request_digest if idempotency else "",
+        batching.result_ttl_s * 1000,
+        entry if call.use_cache and lookup_in_queue else "",
+        cached,
+        first.step,
+        more,
+    )
+    return Entries(invocation_id, script, deadline_ms, timeout_ms, names, pools, entry)
+
+
+def _pools(steps: dict[str, FunctionVersion]) -> tuple[str, ...]:
+    return tuple(sorted({item.manifest.scaling.pool for item in steps.values()}))

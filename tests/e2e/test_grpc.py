@@ -1,0 +1,258 @@
+"""The Open Inference Protocol over gRPC: tritonclient's gRPC clients (sync, callbacks, streams,
+asyncio) against a real gateway and runner, with the same keys, scopes, limits, deadlines and
+input checks as over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.grpc.aio as triton_aio
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from fngate import apikeys, keys
+from fngate.wire import Invocation
+from tests.conftest import free_port
+from tests.gateway.test_auth import create_key
+
+BATCH = np.random.default_rng(3).standard_normal((3, 16), dtype=np.float32)
+
+
+def reference(repo: Path, batch: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(
+        str(repo / "classifier" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    result: np.ndarray = session.run(["probabilities"], {"input": batch})[0]
+    return result
+
+
+def tensor(batch: np.ndarray, name: str = "input", datatype: str = "FP32") -> triton.InferInput:
+    item = triton.InferInput(name, list(batch.shape), datatype)
+    item.set_data_from_numpy(batch)
+    return item
+
+
+def the_guides_client(url: str, repo: Path) -> None:
+    """What Triton's client examples do: metadata, configuration, infer with a client timeout and a
+    request id, 100 async_infer calls with a callback, a stream, statistics."""
+    client = triton.InferenceServerClient(url)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("classifier")
+        assert client.get_server_metadata().name == "fngate"
+        metadata = client.get_model_metadata("classifier", as_json=True)
+        assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": ["-1", "16"]}]
+        config = client.get_model_config("classifier", as_json=True)["config"]
+        assert config["name"] == "classifier" and int(config["max_batch_size"]) >= 1
+
+        wanted = reference(repo, BATCH)
+        result = client.infer(
+            "classifier",
+            [tensor(BATCH)],
+            outputs=[triton.InferRequestedOutput("probabilities")],
+            request_id="req-7",
+            client_timeout=10,
+            headers={"x-trace-me": "no"},
+        )
+        assert result.get_response().id == "req-7"
+        assert result.get_response().model_version == "1"
+        np.testing.assert_allclose(result.as_numpy("probabilities"), wanted, rtol=1e-5)
+
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        for index in range(100):
+            client.async_infer(
+                "classifier",
+                [tensor(BATCH[index % 3 : index % 3 + 1])],
+                callback=lambda result, error: answers.put((result, error)),
+                request_id=str(index),
+            )
+        seen = set()
+        for _ in range(100):
+            result, error = answers.get(timeout=30)
+            assert error is None, error
+            index = int(result.get_response().id)
+            np.testing.assert_allclose(
+                result.as_numpy("probabilities"), wanted[index % 3 : index % 3 + 1], rtol=1e-5
+            )
+            seen.add(index)
+        assert seen == set(range(100))
+
+        streamed: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: streamed.put((result, error)))
+        for index in range(10):
+            client.async_stream_infer("classifier", [tensor(BATCH)], request_id=f"s{index}")
+        client.async_stream_infer("classifier", [tensor(BATCH[:, :3])], request_id="bad")
+        ids, errors = set(), []
+        for _ in range(11):
+            result, error = streamed.get(timeout=30)
+            if error is not None:
+                errors.append(str(error))
+            else:
+                ids.add(result.get_response().id)
+                np.testing.assert_allclose(result.as_numpy("probabilities"), wanted, rtol=1e-5)
+        client.stop_stream()
+        assert ids == {f"s{index}" for index in range(10)}
+        assert len(errors) == 1 and "dimension 1 is 3" in errors[0]
+
+        stats = client.get_inference_statistics("classifier", as_json=True)["model_stats"]
+        assert stats[0]["name"] == "classifier" and int(stats[0]["inference_count"]) >= 111
+        index = client.get_model_repository_index(as_json=True)["models"]
+        assert {"name": "classifier", "version": "1"}.items() <= index[0].items() or any(
+            entry["name"] == "classifier" for entry in index
+        )
+    finally:
+        client.close()
+
+
+async def test_tritonclients_grpc_clients_work_unchanged(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], repo: Path
+) -> None:
+    port = free_port()
+    await serve_gateway(grpc_port=port)
+    await inprocess_runner()
+    await asyncio.to_thread(the_guides_client, f"127.0.0.1:{port}", repo)
+
+    client = triton_aio.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        results = await asyncio.gather(*(client.infer("classifier", [tensor(BATCH)]) for _ in range(8)))
+        for result in results:
+            np.testing.assert_allclose(result.as_numpy("probabilities"), reference(repo, BATCH), rtol=1e-5)
+        with pytest.raises(InferenceServerException, match="not deployed") as raised:
+            await client.infer("nope", [tensor(BATCH)])
+        assert raised.value.status() == "StatusCode.NOT_FOUND"
+    finally:
+        await client.close()
+
+
+def raw_call(port: int, request: service_pb2.ModelInferRequest, **kwargs: Any) -> grpc.RpcError:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request, timeout=10, **kwargs)
+    error: grpc.RpcError = raised.value
+    return error
+
+
+def request_of(*inputs: tuple[str, str, list[int]], raw: list[bytes] | None = None) -> Any:
+    request = service_pb2.ModelInferRequest(model_name="classifier")
+    for name, datatype, shape in inputs:
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+    request.raw_input_contents.extend(raw or [])
+    return request
+
+
+def typed_answer(port: int) -> np.ndarray:
+    """Typed contents (fp32_contents) instead of raw buffers."""
+    request = request_of(("input", "FP32", [3, 16]))
+    request.inputs[0].contents.fp32_contents.extend(BATCH.ravel().tolist())
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=10)
+    return np.frombuffer(response.raw_output_contents[0], np.float32).reshape(3, 4)
+
+
+def bad_inputs(port: int) -> list[tuple[str, grpc.StatusCode, str]]:
+    row = BATCH[:1].tobytes()
+    cases = [
+        (request_of(("nope", "FP32", [1, 16]), raw=[row]), "unknown input 'nope'"),
+        (request_of(("input", "INT32", [1, 16]), raw=[row]), "datatype 'INT32'"),
+        (request_of(("input", "FP32", [1, 15]), raw=[row]), "dimension 1 is 15"),
+        (request_of(("input", "FP32", [2, 16]), raw=[row]), "64 bytes of data but shape [2, 16]"),
+        (request_of(("input", "FP32", [1, 16]), raw=[row, row]), "2 raw_input_contents for 1 inputs"),
+        (request_of(("input", "FP32", [1, 16])), "0 elements in fp32_contents"),
+    ]
+    found = []
+    for request, expected in cases:
+        error = raw_call(port, request)
+        found.append((expected, error.code(), error.details() or ""))
+    return found
+
+
+async def test_typed_contents_work_and_bad_input_is_invalid_argument(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], repo: Path
+) -> None:
+    port = free_port()
+    await serve_gateway(grpc_port=port, max_body_bytes=64 * 1024)
+    await inprocess_runner()
+    np.testing.assert_allclose(await asyncio.to_thread(typed_answer, port), reference(repo, BATCH), rtol=1e-5)
+    for expected, code, details in await asyncio.to_thread(bad_inputs, port):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (expected, details)
+        assert expected in details
+    too_big = request_of(("input", "FP32", [1, 16]), raw=[b"\0" * (128 * 1024)])
+    error = await asyncio.to_thread(raw_call, port, too_big)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # grpc's own limit: max_body_bytes
+
+
+def guarded(port: int, keys: dict[str, str]) -> dict[str, Any]:
+    """What each key gets over gRPC; the key travels as `authorization` metadata."""
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+    found: dict[str, Any] = {"live": client.is_server_live()}  # health needs no key
+    for who, key in keys.items():
+        headers = {"authorization": f"Bearer {key}"} if key else None
+        try:
+            client.infer("classifier", [tensor(BATCH)], headers=headers)
+            found[who] = "ok"
+        except InferenceServerException as exc:
+            found[who] = (exc.status(), exc.message())
+    try:
+        client.get_model_metadata("classifier", headers={"authorization": f"Bearer {keys['other']}"})
+        found["other-metadata"] = "ok"
+    except InferenceServerException as exc:
+        found["other-metadata"] = exc.status()
+    client.close()
+    return found
+
+
+async def test_keys_scopes_and_limits_hold_over_grpc(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis_url: str
+) -> None:
+    port = free_port()
+    invoker, _ = create_key(redis_url, "invoke:classifier")
+    other, _ = create_key(redis_url, "invoke:normalize")
+    limited, _ = create_key(redis_url, "invoke:classifier", rps=0.01, burst=1)
+    await serve_gateway(grpc_port=port, auth=True)
+    await inprocess_runner()
+    found = await asyncio.to_thread(
+        guarded, port, {"none": "", "invoker": invoker, "other": other, "limited": limited, "again": limited}
+    )
+    assert found["live"] is True
+    assert found["none"][0] == "StatusCode.UNAUTHENTICATED"
+    assert found["invoker"] == "ok"
+    assert found["other"] == (
+        "StatusCode.PERMISSION_DENIED",
+        f"the API key {apikeys.key_id(other)} lacks the scope invoke:classifier",
+    )
+    assert found["other-metadata"] == "StatusCode.PERMISSION_DENIED"
+    assert found["limited"] == "ok"
+    assert found["again"][0] == "StatusCode.RESOURCE_EXHAUSTED" and "over its rate" in found["again"][1]
+
+
+def too_late(port: int) -> str:
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        client.infer("classifier", [tensor(BATCH)], client_timeout=0.5)
+    except InferenceServerException as exc:
+        return str(exc.status())
+    finally:
+        client.close()
+    raise AssertionError("answered with no runner")
+
+
+async def test_the_rpc_deadline_is_the_invocations(serve_gateway: Callable[..., Any], redis: Any) -> None:
+    """With no runner the call times out; the queued entry shows the server took the RPC's
+    deadline (0.5 s) rather than the function's timeout_ms (5 s)."""
+    port = free_port()
+    await serve_gateway(grpc_port=port)
+    sent_ms = time.time() * 1000
+    assert await asyncio.to_thread(too_late, port) == "StatusCode.DEADLINE_EXCEEDED"
+    ((_, fields),) = await redis.xrange(keys.invocations("classifier"))
+    assert Invocation.decode(fields).deadline_ms - sent_ms < 2000
