@@ -101,6 +101,7 @@ class KeyTable:
         `function`); raises Unauthenticated (no or unknown key) or PermissionDenied (scope missing)."""
         if not self.enabled:
             return OPEN
+        header = header.lstrip() if header else header  # gRPC metadata keeps the space after `name:`
         if not header or header[:7].lower() != BEARER:
             raise Unauthenticated("this endpoint needs an API key: send 'Authorization: Bearer <key>'")
         key = header[7:].strip()
@@ -170,7 +171,9 @@ def required_scope(method: str, path: str) -> tuple[str, str | None] | None:
             return INVOKE, found[1]
     if path in OPEN_PATHS:
         return None
-    if path in ("/v2", "/v2/", "/v1/functions", "/v2/repository/index"):
+    if path in ("/v2", "/v2/"):  # the server's name, version and extensions: any valid key
+        return ANY, None
+    if path in ("/v1/functions", "/v2/repository/index"):
         return READ, None
     found = _MODEL.fullmatch(path)
     if found:

@@ -169,7 +169,9 @@ class Dispatcher:
             metrics.failed(call.function.name, exc.code.value)
             raise
         finally:  # the 202 is its answer: it holds no place in the key's limits after it
-            self._release(call)
+            released = self._release(call)
+            if released is not None:
+                await asyncio.wait([released])
             if call.span is not None:
                 call.span.end()
         return accepted
@@ -219,13 +221,14 @@ class Dispatcher:
         call.admission = limiter.admission(call.principal, call.function.manifest.name)
         return call.admission
 
-    def _release(self, call: Call) -> None:
-        """Out of the key's limits (in flight, queued) before the caller has its answer, on the
-        enqueue's own connection: a next invocation of the caller's, sent once it has its answer,
-        comes after this in Redis and finds its place free."""
+    def _release(self, call: Call) -> asyncio.Future[Any] | None:
+        """Out of the key's limits (in flight, queued); the future of Redis's answer, which the
+        caller's answer waits for: a next invocation of the caller's, sent once it has its answer
+        through any gateway, finds its place free."""
         admission, call.admission = call.admission, None
-        if admission is not None and self._limiter is not None:
-            self._limiter.release(call.principal, call.function.manifest.name, admission)
+        if admission is None or self._limiter is None:
+            return None
+        return self._limiter.release(call.principal, call.function.manifest.name, admission)
 
     def _check_available(self) -> None:
         """Redis known down (the reply, activator or catalog loop saw it): answer now, not at a
@@ -379,18 +382,35 @@ class _Flight:
         outputs = self.call.outputs
         if self.pipeline and outputs is not None:
             reply = dataclasses.replace(reply, outputs={name: reply.outputs[name] for name in outputs})
-        self.answer.set_result(reply)
+        self._settle(reply, None)
 
     def _fail(self, error: FunctionError) -> None:
         if not self.answer.done():
+            self._settle(None, error)
+
+    def _settle(self, reply: Reply | None, error: FunctionError | None) -> None:
+        """The answer, once the call is out of its key's limits."""
+        self.timer.cancel()
+        released = self.dispatcher._release(self.call)
+        if released is None:
+            self._answer(reply, error)
+        else:
+            released.add_done_callback(lambda _: self._answer(reply, error))
+
+    def _answer(self, reply: Reply | None, error: FunctionError | None) -> None:
+        if self.answer.done():
+            return
+        if error is not None:
             self.answer.set_exception(error)
+        else:
+            self.answer.set_result(reply)  # type: ignore[arg-type]
 
     def _done(self, answer: asyncio.Future[Reply]) -> None:
         """Whatever ended it (an answer, a refusal, the deadline, a caller that went away)."""
         self.timer.cancel()
         dispatcher, call = self.dispatcher, self.call
         dispatcher._replies.forget(self.entries.id)
-        dispatcher._release(call)
+        dispatcher._release(call)  # a caller that went away: its place is freed all the same
         if call.span is not None:
             call.span.end()
         name = call.function.manifest.name

@@ -78,15 +78,21 @@ class Limiter:
         """A new invocation's admission, checked by the enqueue script in its own round trip."""
         return admission(principal, function, uuid.uuid4().hex, self._ttl_ms)
 
-    def release(self, principal: Principal, function: str, admit: queue.Admission) -> None:
-        """Sent, not awaited: commands on one connection run in order."""
+    def release(
+        self, principal: Principal, function: str, admit: queue.Admission
+    ) -> asyncio.Future[Any] | None:
+        """Take the invocation out of the key's sets; the future of Redis's answer (None when the
+        key's limits hold no place: a rate alone). A failure is logged, and the place lapses at
+        its expiry."""
         if not (principal.max_in_flight or principal.max_queued):
-            return
+            return None
         ident, member = principal.key_id, admit.args[4]
-        for key in (keys.key_in_flight(ident), keys.key_share(ident, function)):
-            self._redis.send("ZREM", key, member).add_done_callback(_released)
+        self._redis.send("ZREM", keys.key_in_flight(ident), member).add_done_callback(_released)
+        done = self._redis.send("ZREM", keys.key_share(ident, function), member)
+        done.add_done_callback(_released)
+        return done  # replies come in order: once this one is in, both are
 
 
 def _released(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:  # the member lapses at its expiry
+    if not future.cancelled() and future.exception() is not None:
         log.warning("could not release an invocation from its key's limits: %s", future.exception())

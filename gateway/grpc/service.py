@@ -51,7 +51,7 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
     # Metadata: the `read` scope, or `invoke` of the function asked about.
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
-        async with self._answering(context, READ, None):
+        async with self._answering(context, ANY, None):  # as GET /v2: any valid key
             document = metadata.server()
         return service_pb2.ServerMetadataResponse(**document)
 
