@@ -1,5 +1,6 @@
-"""Serving the HTTP app: uvicorn (the default, on its httptools protocol with a limit on how long a
-request head may take) or Hypercorn, until `stopping` is set."""
+"""Serving the HTTP app: uvicorn (the default: its httptools protocol with a limit on how long a
+request head may take, and the lean invoke path of gateway.http.lean) or Hypercorn (every request
+through the ASGI app), until `stopping` is set."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import math
 import socket
+import time
 from typing import Any
 
 from fngate import telemetry
@@ -66,15 +68,44 @@ class _OneWrite:
         return getattr(self._transport, name)
 
 
-def head_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol, with a limit on how long a request's head may take: from the
     connection (or the previous response) to the end of the headers. uvicorn has none of its own
     (any byte resets its keep-alive timer), so a client sending a header a byte at a time would
-    hold its connection for ever."""
+    hold its connection for ever. With `lean`, the invocation routes are answered by
+    gateway.http.lean instead of an ASGI task (uvicorn's pipelining, flow control and shutdown
+    stay as they are)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from gateway.http.invoke import match
+    from gateway.http.lean import Exchange
 
     class HeadTimeoutProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            scope = cycle.scope
+            request = match(scope["method"], scope["path"]) if lean and app is self.app else None
+            services = scope["state"].get("services") if request is not None else None
+            if request is None or services is None:
+                super()._start_asgi_task(cycle, app)
+                return
+            scope["route"] = request.route
+            exchange = Exchange(self, cycle, request, services, time.perf_counter())
+            cycle.lean = exchange
+            exchange.start()
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            exchange = getattr(self.cycle, "lean", None)
+            if exchange is not None and not self.cycle.response_complete:
+                exchange.body_grew()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            exchange = getattr(self.cycle, "lean", None)
+            if exchange is not None:
+                exchange.body_complete()
 
         def _arm(self) -> None:
             self._disarm()
@@ -128,7 +159,8 @@ async def serve_uvicorn(app: Any, settings: GatewaySettings, stopping: asyncio.E
         app,
         **where,
         loop="none",  # already on uvloop (fngate.process.run_forever)
-        http=head_timeout_protocol(settings.header_timeout_s),
+        # The lean path bypasses the ASGI layers: with tracing on, every request goes through them.
+        http=head_timeout_protocol(settings.header_timeout_s, lean=not telemetry.tracing_active()),
         lifespan="on",
         access_log=telemetry.interactive(),  # an access log for a person at a terminal
         log_config=None,

@@ -257,3 +257,37 @@ async def test_responses_without_a_body_and_interim_ones_go_out_at_once(
                 await reader.readexactly(length)
     finally:
         writer.close()
+
+
+async def test_pipelined_invocations_are_answered_in_order(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any]
+) -> None:
+    """HTTP/1.1 pipelining: invocations written back to back on one connection, with an answer
+    that fails among them, are each answered, in the order sent."""
+    base = await serve_gateway()
+    await inprocess_runner()
+    host, port = base.removeprefix("http://").split(":")
+    rows = [[float(index + column) for column in range(16)] for index in range(4)]
+    bodies = [orjson.dumps({"inputs": {"input": [row]}}) for row in rows]
+    bodies.insert(2, b"{")
+    head = "POST /v1/functions/classifier HTTP/1.1\r\nhost: test\r\ncontent-length: {}\r\n\r\n"
+    data = b"".join(head.format(len(body)).encode() + body for body in bodies)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        async with asyncio.timeout(30):
+            writer.write(data)
+            answers = []
+            for _ in bodies:
+                head, length = await read_head(reader)
+                answers.append((head.split(b" ")[1], orjson.loads(await reader.readexactly(length))))
+    finally:
+        writer.close()
+    assert [status for status, _ in answers] == [b"200", b"200", b"400", b"200", b"200"]
+    for (_, answer), row in zip(answers[:2] + answers[3:], rows, strict=True):
+        alone = await post_one(base, row)
+        assert answer["outputs"] == alone["outputs"]
+
+
+async def post_one(base: str, row: list[float]) -> Any:
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        return (await client.post("/v1/functions/classifier", json={"inputs": {"input": [row]}})).json()
