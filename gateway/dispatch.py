@@ -75,7 +75,10 @@ class Dispatcher:
         self._health = health
         self._activator = activator
         self._enqueue = Script(redis, queue.ENQUEUE)
+        self._enqueue_many = Script(redis, queue.ENQUEUE_MANY)
         self._submit_async = Script(redis, queue.SUBMIT_ASYNC)
+        self._turn: list[_Flight] = []
+        """The invocations of this event-loop turn, enqueued together at its end."""
         self.separate_cache = cache
         self._tracing = telemetry.tracing_active()
         self._loading: set[asyncio.Task[None]] = set()
@@ -241,6 +244,50 @@ class Dispatcher:
             for pool in entries.pools:
                 self._activator.check(pool)
 
+    def _enqueue_soon(self, flight: _Flight) -> None:
+        if not self._turn:
+            asyncio.get_running_loop().call_soon(self._enqueue_turn)
+        self._turn.append(flight)
+
+    def _enqueue_turn(self) -> None:
+        """One script call for the turn's invocations: ENQUEUE for one, ENQUEUE_MANY for more (in
+        Redis a script call costs about as much as the invocation it decides)."""
+        flights, self._turn = self._turn, []
+        if len(flights) == 1:
+            (flight,) = flights
+            script = flight.entries.script
+            self._enqueue.send(script.keys, script.args).add_done_callback(flight.enqueued)
+            return
+        call = queue.enqueue_many_call([flight.entries.script for flight in flights])
+        self._enqueue_many.send(call.keys, call.args).add_done_callback(
+            lambda future: self._enqueued_many(flights, call, future)
+        )
+
+    def _enqueued_many(
+        self, flights: list[_Flight], call: queue.ScriptCall, future: asyncio.Future[Any]
+    ) -> None:
+        if future.cancelled():
+            return
+        error = future.exception()
+        if isinstance(error, NoScriptError):  # a new or restarted Redis: load the script
+            self._background(self._enqueue_many_loading(flights, call))
+        elif error is not None:
+            for flight in flights:
+                flight.enqueue_failed(error)
+        else:
+            for flight, raw in zip(flights, future.result(), strict=True):
+                flight.outcome(raw)
+
+    async def _enqueue_many_loading(self, flights: list[_Flight], call: queue.ScriptCall) -> None:
+        try:
+            outcomes = await self._enqueue_many(call.keys, call.args)
+        except Exception as exc:
+            for flight in flights:
+                flight.enqueue_failed(exc)
+            return
+        for flight, raw in zip(flights, outcomes, strict=True):
+            flight.outcome(raw)
+
     def _background(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._loading.add(task)
@@ -282,8 +329,7 @@ class _Flight:
                 kind=SpanKind.PRODUCER,
                 attributes=REDIS,
             )
-        script = self.entries.script
-        dispatcher._enqueue.send(script.keys, script.args).add_done_callback(self._enqueued)
+        dispatcher._enqueue_soon(self)
 
     async def look_up(self, cache: SeparateCache) -> None:
         """The answer from a cache Redis of the cache's own, else the enqueue."""
@@ -302,37 +348,39 @@ class _Flight:
         else:
             self.send()
 
-    def _enqueued(self, future: asyncio.Future[Any]) -> None:
-        if self._span is not None:
-            self._span.end()
+    def enqueued(self, future: asyncio.Future[Any]) -> None:
+        """The ENQUEUE of this invocation alone."""
         if future.cancelled():
             return
         error = future.exception()
         if isinstance(error, NoScriptError):  # a new or restarted Redis: load the script
             self.dispatcher._background(self._enqueue_loading())
-            return
-        if error is not None:
-            self._enqueue_failed(error)
-            return
-        self._outcome(future.result())
+        elif error is not None:
+            self.enqueue_failed(error)
+        else:
+            self.outcome(future.result())
 
     async def _enqueue_loading(self) -> None:
         script = self.entries.script
         try:
             raw = await self.dispatcher._enqueue(script.keys, script.args)
         except Exception as exc:
-            self._enqueue_failed(exc)
+            self.enqueue_failed(exc)
             return
-        self._outcome(raw)
+        self.outcome(raw)
 
-    def _enqueue_failed(self, error: BaseException) -> None:
+    def enqueue_failed(self, error: BaseException) -> None:
+        if self._span is not None:
+            self._span.end()
         if isinstance(error, RedisError | OSError):
             self._fail(Unavailable(f"the queue is unavailable: {error}"))
         else:
             log.error("the enqueue of %s failed unexpectedly", self.entries.id, exc_info=error)
             self._fail(Internal("the enqueue failed unexpectedly"))
 
-    def _outcome(self, raw: Any) -> None:
+    def outcome(self, raw: Any) -> None:
+        if self._span is not None:
+            self._span.end()
         if self.answer.done():  # the deadline passed first
             return
         try:

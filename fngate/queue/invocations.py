@@ -94,50 +94,88 @@ end
 # counter to KEYS after the eighth (all streams, then all counters) and a group of FORWARD's five
 # arguments to ARGV after the thirteenth. All are queued or none ({'full', limit, index of the
 # entry refused}).
-ENQUEUE = (
+ENQUEUE_LUA = (
     ADMIT_LUA
     + PUSH_LUA
     + """
-if KEYS[6] ~= '' then
-  local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
-    tonumber(ARGV[10]), ARGV[11], tonumber(ARGV[12]))
-  if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
-end
-if KEYS[3] ~= '' then
-  local hit = redis.call('HMGET', KEYS[3], 'h', 'b')
-  if hit[1] then return {'hit', hit[1], hit[2]} end
-end
-if KEYS[4] ~= '' then
-  if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[6]) then
-    redis.call('RPUSH', KEYS[5], ARGV[5])
-    redis.call('PEXPIRE', KEYS[5], ARGV[6])
-    return {'wait'}
+local function enqueue(KEYS, ARGV)
+  if KEYS[6] ~= '' then
+    local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
+      tonumber(ARGV[10]), ARGV[11], tonumber(ARGV[12]))
+    if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
   end
-end
-local function refuse(limit, index)
-  if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
-  if KEYS[6] ~= '' then  -- refused: it holds no place in the caller's limits
-    redis.call('ZREM', KEYS[7], ARGV[11])
-    redis.call('ZREM', KEYS[8], ARGV[11])
+  if KEYS[3] ~= '' then
+    local hit = redis.call('HMGET', KEYS[3], 'h', 'b')
+    if hit[1] then return {'hit', hit[1], hit[2]} end
   end
-  return {'full', limit, index}
+  if KEYS[4] ~= '' then
+    if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[6]) then
+      redis.call('RPUSH', KEYS[5], ARGV[5])
+      redis.call('PEXPIRE', KEYS[5], ARGV[6])
+      return {'wait'}
+    end
+  end
+  local function refuse(limit, index)
+    if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
+    if KEYS[6] ~= '' then  -- refused: it holds no place in the caller's limits
+      redis.call('ZREM', KEYS[7], ARGV[11])
+      redis.call('ZREM', KEYS[8], ARGV[11])
+    end
+    return {'full', limit, index}
+  end
+  local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+  if limit then return refuse(limit, 0) end
+  local more = (#KEYS - 8) / 2
+  for i = 1, more do
+    local at = 14 + (i - 1) * 5
+    limit = full(KEYS[8 + i], KEYS[8 + more + i], ARGV[at], ARGV[at + 1])
+    if limit then return refuse(limit, i) end
+  end
+  push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
+  for i = 1, more do
+    local at = 14 + (i - 1) * 5
+    push(KEYS[8 + i], KEYS[8 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
+  end
+  return {'queued'}
 end
-local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
-if limit then return refuse(limit, 0) end
-local more = (#KEYS - 8) / 2
-for i = 1, more do
-  local at = 14 + (i - 1) * 5
-  limit = full(KEYS[8 + i], KEYS[8 + more + i], ARGV[at], ARGV[at + 1])
-  if limit then return refuse(limit, i) end
-end
-push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
-for i = 1, more do
-  local at = 14 + (i - 1) * 5
-  push(KEYS[8 + i], KEYS[8 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
-end
-return {'queued'}
 """
 )
+ENQUEUE = ENQUEUE_LUA + "return enqueue(KEYS, ARGV)\n"
+
+# Several invocations in one call (every ENQUEUE of one event-loop turn): ARGV[1] is their number n,
+# then n pairs (its number of KEYS, its number of ARGV), then each one's ARGV in order; KEYS holds
+# each one's KEYS in order. Each is decided as ENQUEUE decides it, in order; the answer is the list
+# of their outcomes.
+ENQUEUE_MANY = (
+    ENQUEUE_LUA
+    + """
+local n = tonumber(ARGV[1])
+local outcomes = {}
+local at_key, at_arg = 1, 2 + 2 * n
+for i = 1, n do
+  local nk, na = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local k, a = {}, {}
+  for j = 1, nk do k[j] = KEYS[at_key + j - 1] end
+  for j = 1, na do a[j] = ARGV[at_arg + j - 1] end
+  outcomes[i] = enqueue(k, a)
+  at_key, at_arg = at_key + nk, at_arg + na
+end
+return outcomes
+"""
+)
+
+
+def enqueue_many_call(calls: Sequence[ScriptCall]) -> ScriptCall:
+    """ENQUEUE_MANY's arguments for these ENQUEUE calls; its answer is their outcomes in order."""
+    counts: list[bytes | str | int | float] = []
+    args: list[bytes | str | int | float] = []
+    keys: list[str] = []
+    for call in calls:
+        counts += [len(call.keys), len(call.args)]
+        keys += call.keys
+        args += call.args
+    return ScriptCall(keys, [len(calls), *counts, *args])
+
 
 FINISH_ITEM = 11
 """Arguments per reply in FINISH."""

@@ -90,9 +90,7 @@ async def test_a_full_queue_is_overloaded_and_nothing_is_queued(
 ) -> None:
     async with dispatching(redis_url) as (dispatcher, _):
         function = classifier(max_queue_size=2)
-        waiting = [
-            dispatcher.invoke(call(function, 2000)) for _ in range(2)
-        ]
+        waiting = [dispatcher.invoke(call(function, 2000)) for _ in range(2)]
         await asyncio.sleep(0.2)
         with pytest.raises(Overloaded, match="max_queue_size"):
             await dispatcher.invoke(call(function, 2000))
