@@ -32,6 +32,7 @@ from runner.backends.providers import (
     choose,
     options,
     probe,
+    refuse_fallback,
     session_problem,
 )
 from runner.metrics import ACCELERATOR_FALLBACKS
@@ -56,7 +57,7 @@ class OnnxBackend:
         ort = _onnxruntime()
         asked = manifest.model.accelerator
         choice = Choice((CPU,)) if asked == "cpu" else choose(asked, probe(accel.device_index))
-        self._refuse_fallback(manifest, accel, choice.reason)
+        refuse_fallback(manifest, accel, choice.reason)
         path = directory / manifest.model.path
         cache = None
         if choice.providers[0] == TENSORRT:
@@ -81,7 +82,7 @@ class OnnxBackend:
         self.fallback_reason: str | None = choice.reason
         if problem is not None:
             self.fallback_reason = f"{choice.reason}; {problem}" if choice.reason else problem
-            self._refuse_fallback(manifest, accel, self.fallback_reason)
+            refuse_fallback(manifest, accel, self.fallback_reason)
         self._check_names(manifest)
         self._options = ort.RunOptions()
         self._options.log_severity_level = 4  # a stopped batch is not onnxruntime's error to print
@@ -106,13 +107,6 @@ class OnnxBackend:
 
     def close(self) -> None:
         del self._session
-
-    def _refuse_fallback(self, manifest: FunctionManifest, accel: Acceleration, reason: str | None) -> None:
-        if reason is not None and accel.require:
-            raise Unavailable(
-                f"{manifest.name} asks for accelerator {manifest.model.accelerator} and this runner "
-                f"requires it (FNGATE_REQUIRE_ACCELERATOR), but {reason}"
-            )
 
     def _check_names(self, manifest: FunctionManifest) -> None:
         model_inputs = {item.name for item in self._session.get_inputs()}

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fngate.config import RunnerSettings
+from fngate.errors import Unavailable
 from fngate.manifest import FunctionManifest
 from runner import gpu
 from runner.backends.engine_cache import EngineStore
@@ -55,6 +56,16 @@ class Acceleration:
             store,
             settings.require_accelerator,
             settings.gpu_device,
+        )
+
+
+def refuse_fallback(manifest: FunctionManifest, accel: Acceleration, reason: str | None) -> None:
+    """Unavailable when the model cannot run where its manifest asks (`reason`) and this runner
+    requires the accelerator (FNGATE_REQUIRE_ACCELERATOR)."""
+    if reason is not None and accel.require:
+        raise Unavailable(
+            f"{manifest.name} asks for accelerator {manifest.model.accelerator} and this runner "
+            f"requires it (FNGATE_REQUIRE_ACCELERATOR), but {reason}"
         )
 
 
@@ -222,7 +233,7 @@ def tensorrt_library() -> tuple[str, str]:
         try:
             library = ctypes.CDLL(name)
         except OSError as exc:
-            return "", f"{name}: {exc}; install fngate[gpu] (tensorrt-cu13 10.x)"
+            return "", f"{name}: {exc}; install fngate[gpu,tensorrt] (tensorrt-cu13 10.x)"
         loaded = loaded or library
     assert loaded is not None
     return library_version(int(loaded.getInferLibVersion())), ""

@@ -280,7 +280,7 @@ def _imports() -> tuple[Any, Any]:
     except ImportError as exc:
         raise Unavailable(
             f"the tensorrt backend needs TensorRT's Python package, which this runner lacks ({exc}); "
-            "install fngate[gpu]"
+            "install fngate[gpu,tensorrt]"
         ) from exc
     try:
         from cuda.bindings import runtime as cudart  # type: ignore[import-not-found,unused-ignore]

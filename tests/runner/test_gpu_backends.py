@@ -217,7 +217,7 @@ def test_library_version_reads_tensorrts_number() -> None:
     assert library_version(8601) == "8.6.1"
 
 
-def test_manifest_takes_accelerator_and_precision_for_onnxruntime_and_tensorrt_only() -> None:
+def test_manifest_takes_precision_for_onnxruntime_and_cuda_but_not_tensorrt_for_python() -> None:
     base = {
         "name": "m",
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
@@ -229,8 +229,11 @@ def test_manifest_takes_accelerator_and_precision_for_onnxruntime_and_tensorrt_o
         parse_manifest({**base, "model": {"backend": "tensorrt", "path": "m.plan"}}, "f").model.backend
         == "tensorrt"
     )
-    with pytest.raises(ManifestError, match="accelerator applies to the onnxruntime and tensorrt"):
-        parse_manifest({**base, "model": {"backend": "python", "path": "m.py", "accelerator": "cuda"}}, "f")
+    python = {"backend": "python", "path": "m.py"}
+    cuda = parse_manifest({**base, "model": {**python, "accelerator": "cuda"}}, "f")
+    assert cuda.model.accelerator == "cuda"
+    with pytest.raises(ManifestError, match="a python function takes cpu or cuda"):
+        parse_manifest({**base, "model": {**python, "accelerator": "tensorrt"}}, "f")
     with pytest.raises(ManifestError, match=r"model\.precision"):
         parse_manifest({**base, "model": {**fp16, "precision": "int8"}}, "f")
 
@@ -305,7 +308,7 @@ tensorrt_missing = pytest.mark.skipif(
 def test_an_engine_without_tensorrt_installed_is_unavailable_with_the_reason(tmp_path: Path) -> None:
     manifest, folder = classifier(tmp_path, backend="tensorrt", path="model.plan")
     (folder / "model.plan").write_bytes(b"not an engine")
-    with pytest.raises(Unavailable, match=r"needs TensorRT's Python package.*install fngate\[gpu\]"):
+    with pytest.raises(Unavailable, match=r"needs TensorRT's Python package.*install fngate\[gpu,tensorrt\]"):
         load_backend(manifest, folder, 1)
 
 
