@@ -18,7 +18,7 @@ from fngate.errors import Unavailable
 from fngate.manifest import FunctionManifest
 from runner import gpu
 from runner.backends.engine_cache import EngineStore
-from runner.backends.libraries import preload, wheel_roots
+from runner.backends.libraries import cuda_runtime_libraries, preload, wheel_roots
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +208,14 @@ def probe(device_index: int) -> Environment:
     if isinstance(device, gpu.Device):
         capi = Path(ort.__file__).parent / "capi"
         roots = [capi, *wheel_roots()]
+        runtime = cuda_runtime_libraries(getattr(ort, "cuda_version", "") or "")
         for provider in (CUDA, TENSORRT):
             library = capi / PROVIDER_LIBRARIES[provider]
             if provider in available and library.is_file():
-                problems[provider] = "; ".join(preload(library, roots).failed)
+                loaded = preload(library, roots, runtime if provider == CUDA else ())
+                problems[provider] = "; ".join(loaded.failed)
+                for absent in loaded.absent:
+                    log.warning("the CUDA provider's models that need %s fail: it cannot be loaded", absent)
     version, problem = ("", "") if TENSORRT not in available else tensorrt_library()
     return Environment(
         available,

@@ -35,7 +35,7 @@ from fngate.manifest import FunctionManifest
 from runner import gpu, sandbox
 from runner.backends import Tensors
 from runner.backends.providers import Acceleration, refuse_fallback
-from runner.metrics import FUNCTION_RESTARTS
+from runner.metrics import FUNCTION_RESTARTS, PYTHON_GPU
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PythonBackend:
         """Where a function that asked for cuda runs, as its Model says, and the GPU memory its
         process holds once the Model is constructed (NVML, by the process's id)."""
         if child.device.startswith("cuda"):
-            self.device = "python:cuda"
+            self.device = PYTHON_GPU
         else:
             self.fallback_reason = child.reason or f"its Model runs on {child.device!r}, not on the GPU"
         refuse_fallback(self._manifest, accel, self.fallback_reason)

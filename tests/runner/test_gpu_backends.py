@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from fngate.config import RunnerSettings
-from fngate.errors import InvalidArgument, Unavailable
+from fngate.errors import InvalidArgument, ModelFailed, Unavailable
 from fngate.manifest import (
     BatchingSpec,
     FunctionManifest,
@@ -50,6 +50,7 @@ from runner.backends.tensorrt import (
     explain,
     numpy_dtype,
     process_logger,
+    release,
 )
 from tests.runner.gpu_support import classifier, require_gpu, rows
 
@@ -467,6 +468,26 @@ def test_one_tensorrt_logger_serves_the_process_and_each_load_reads_its_own_erro
         logger.log(Severity.ERROR, f"error {number}")
     kept = logger.errors_since(first)
     assert len(kept) == KEPT_ERRORS and kept[-1] == f"error {KEPT_ERRORS + 4}"
+
+
+def test_closing_an_engine_selects_its_gpu_and_frees_everything_after_a_failure() -> None:
+    calls: list[tuple[str, object]] = []
+
+    def call(function: str, argument: object) -> None:
+        calls.append((function, argument))
+        if (function, argument) in (("cudaFree", 0x200), ("cudaStreamDestroy", "stream")):
+            raise ModelFailed(f"m: {function} failed: an illegal memory access was encountered")
+
+    failure = release(call, 3, [0x100, 0x200, 0x300], "stream")
+    assert calls == [
+        ("cudaSetDevice", 3),  # first: another thread may have made another GPU current
+        ("cudaFree", 0x100),
+        ("cudaFree", 0x200),
+        ("cudaFree", 0x300),  # still freed after the failure before it
+        ("cudaStreamDestroy", "stream"),
+    ]
+    assert failure is not None and "cudaFree failed" in failure.message
+    assert release(lambda *_: None, 0, [], None) is None
 
 
 # ---------------------------------------------------------------- on a GPU
