@@ -7,11 +7,13 @@ from __future__ import annotations
 import enum
 import importlib.util
 import logging
+import time
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from prometheus_client import REGISTRY
 
 from fngate.config import RunnerSettings
@@ -22,6 +24,7 @@ from fngate.manifest import (
     ManifestError,
     ModelSpec,
     TensorSpec,
+    load_manifest,
     parse_manifest,
 )
 from runner import gpu
@@ -52,7 +55,7 @@ from runner.backends.tensorrt import (
     process_logger,
     release,
 )
-from tests.runner.gpu_support import classifier, require_gpu, rows
+from tests.runner.gpu_support import classifier, require_gpu, require_tensorrt, rows
 
 H200 = gpu.Device(0, "NVIDIA H200", "GPU-1", "9.0", 141 * 1024**3, 0)
 NO_GPU = gpu.NoDevice("NVML did not start: driver not loaded")
@@ -499,8 +502,39 @@ def test_gpu_is_described_by_nvml() -> None:
     assert device.total_bytes > device.used_bytes > 0
     assert device.compute_capability.count(".") == 1
     assert gpu.read_memory(0) is not None
+    assert probe(0).cuda_problem == ""
+
+
+@pytest.mark.gpu
+def test_tensorrts_libraries_load_beside_the_gpu() -> None:
+    require_tensorrt()
     environment = probe(0)
-    assert (environment.cuda_problem, environment.tensorrt_problem) == ("", "")
+    assert environment.tensorrt_problem == ""
+    assert environment.tensorrt_version.startswith("10.")
+
+
+@pytest.mark.gpu
+def test_an_engine_built_on_first_use_is_stored(tmp_path: Path) -> None:
+    """Inputs without a profile (a variable dimension besides the batch): TensorRT builds the
+    engine for the first shapes it sees, and the runner stores what it built."""
+    require_tensorrt()
+    _manifest, folder = classifier(tmp_path, accelerator="tensorrt")
+    data = yaml.safe_load((folder / "function.yaml").read_text())
+    data["inputs"][0]["shape"] = [-1, -1]
+    (folder / "function.yaml").write_text(yaml.safe_dump(data))
+    manifest = load_manifest(folder / "function.yaml")
+    assert profile(manifest)[0] is None
+    store = FolderEngineStore(tmp_path / "repo")
+    backend = OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod", store, require=True))
+    try:
+        backend.run(rows(3), ["probabilities"])
+        for _ in range(100):
+            if list((tmp_path / "repo").rglob("*.tar")):
+                break
+            time.sleep(0.1)
+        assert list((tmp_path / "repo").rglob("*.tar"))
+    finally:
+        backend.close()
 
 
 @pytest.mark.gpu
@@ -526,7 +560,7 @@ def test_cuda_provider_runs_the_model_like_the_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 def test_tensorrt_fp16_builds_once_and_another_pod_reuses_the_engine(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = classifier(tmp_path, accelerator="tensorrt", precision="fp16")
     store = FolderEngineStore(tmp_path / "repo")
     first = OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod-a", store, require=True))
@@ -559,7 +593,7 @@ def test_tensorrt_fp16_builds_once_and_another_pod_reuses_the_engine(tmp_path: P
 
 @pytest.mark.gpu
 def test_a_stored_engine_tensorrt_refuses_is_deleted_rebuilt_and_replaced(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = classifier(tmp_path, accelerator="tensorrt", precision="fp16")
     store = FolderEngineStore(tmp_path / "repo")
     OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod-a", store, require=True)).close()
@@ -592,7 +626,7 @@ def plan_function(tmp_path: Path, max_rows: int, manifest_rows: int) -> tuple[Fu
 
 @pytest.mark.gpu
 def test_native_tensorrt_engine_serves_any_batch_of_its_profile(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = plan_function(tmp_path, 32, 32)
     backend = load_backend(manifest, folder, 1)
     reference = OnnxBackend(*classifier(tmp_path / "cpu"), 1)
@@ -614,7 +648,7 @@ def test_native_tensorrt_engine_serves_any_batch_of_its_profile(tmp_path: Path) 
 
 @pytest.mark.gpu
 def test_native_engine_with_too_small_a_profile_is_unavailable(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = plan_function(tmp_path, 8, 32)
     with pytest.raises(Unavailable, match="takes 1 to 8 rows of 'input', but max_batch_size is 32"):
         load_backend(manifest, folder, 1)
@@ -622,7 +656,7 @@ def test_native_engine_with_too_small_a_profile_is_unavailable(tmp_path: Path) -
 
 @pytest.mark.gpu
 def test_a_damaged_engine_is_unavailable_not_a_crash(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = plan_function(tmp_path, 32, 32)
     plan = bytearray((folder / "model.plan").read_bytes())
     plan[:16] = bytes(16)
