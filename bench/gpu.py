@@ -1,6 +1,8 @@
 """The measurements of a GPU device run (scripts/gpu_check.py runs each in a process of its own and
 keeps the JSON line it prints last), each usable alone:
 
+    python -m bench.gpu environment --work DIR   versions, the GPU, onnxruntime's CUDA build, what
+        its providers link, what the runner preloads and where each CUDA library was found
     python -m bench.gpu python-function --work DIR [--seconds S]   functions/gpu-mlp through the
         runner (its own process, the idle unload) against the same code called directly
     python -m bench.gpu providers --work DIR [--seconds S]   the wide MLP and a convolution model on
@@ -8,7 +10,7 @@ keeps the JSON line it prints last), each usable alone:
     python -m bench.gpu tensorrt-fallback --work DIR   accelerator: tensorrt without TensorRT
     python -m bench.gpu up --work DIR [--seconds S]   functions/gpu-mlp through `fngate up` (needs
         redis-server), bench/loadgen.py at 1, 16 and 64 connections
-    python -m bench.gpu config NAME --work DIR   one TensorRT timing of the wide model
+    python -m bench.gpu config NAME --work DIR   one TensorRT timing of the wide model (bench/gpu_tensorrt.py)
     python -m bench.gpu cold --work DIR --engines DIR --store DIR   one TensorRT cold start
 
 Each exits 0 when what it measured ran where it was to (a GPU), else 1, its figures printed either way.
@@ -19,9 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.metadata
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,11 +46,7 @@ GPU_FUNCTION = ROOT / "functions" / "gpu-mlp"
 FEATURES = 512
 FUNCTION_BATCHES = (1, 4, 16, 64, 256, 1024)
 PROVIDER_BATCHES = (1, 32, 256, 1024)
-TENSORRT_BATCHES = (1, 32)
 CONCURRENCIES = (1, 16, 64)
-CONFIGS = {  # name: accelerator, precision, the device it must run on
-    "tensorrt-fp16": ("tensorrt", "fp16", "TensorrtExecutionProvider"),
-}
 UNLOAD_WAIT_S = 10.0
 Tensors = dict[str, np.ndarray[Any, Any]]
 
@@ -88,6 +88,109 @@ def memory(pid: int | None = None) -> dict[str, Any] | None:
         "device_used_mib": reading.device_used_bytes // gpu.MIB,
         "process_mib": None if own is None else own // gpu.MIB,
     }
+
+
+# ---------------------------------------------------------------- environment
+
+
+CUDA_LIBRARIES = (
+    "libcudart.so.13",
+    "libcublas.so.13",
+    "libcublasLt.so.13",
+    "libcufft.so.12",
+    "libcurand.so.10",
+    "libnvrtc.so.13",
+    "libcudnn.so.9",
+    "libnvinfer.so.10",
+)
+"""What onnxruntime-gpu 1.31's providers link or open (its preload_dlls list for CUDA 13, and
+TensorRT's), looked for in the wheels whether or not onnxruntime-gpu is installed."""
+
+
+def installed(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """What this machine offers fngate, as the runner sees it, line by line; returns the summary."""
+    from runner.backends.libraries import (
+        cuda_runtime_libraries,
+        needed_libraries,
+        preload,
+        wheel_libraries,
+        wheel_roots,
+    )
+    from runner.backends.providers import CUDA, PROVIDER_LIBRARIES, probe
+
+    versions = {
+        name: installed(name)
+        for name in (
+            "onnxruntime",
+            "onnxruntime-gpu",
+            "tensorrt-cu13",
+            "cuda-bindings",
+            "nvidia-ml-py",
+            "torch",
+        )
+    }
+    versions["cupy"] = next(
+        (installed(name) for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy") if installed(name)), None
+    )
+    for name, version in versions.items():
+        print(f"{name}: {version or 'not installed'}")
+    print(f"python: {sys.version.split()[0]} ({sys.executable})")
+    print(f"CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
+    found_device = gpu.find_device(0)
+    print(f"gpu (CUDA index 0): {found_device}")
+    print(f"memory: {gpu.read_memory(0)}")
+    import onnxruntime as ort
+
+    cuda_version = getattr(ort, "cuda_version", "") or ""
+    print(f"onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
+    print(f"onnxruntime's CUDA build: {cuda_version or 'none (a CPU build)'}")
+    print(f"onnxruntime's build: {ort.get_build_info()}")
+    print(f"onnxruntime's providers: {ort.get_available_providers()}")
+    capi = Path(ort.__file__).parent / "capi"
+    roots = [capi, *wheel_roots()]
+    for provider, file_name in PROVIDER_LIBRARIES.items():
+        library = capi / file_name
+        if not library.is_file():
+            print(f"{provider}: {file_name} is not in this onnxruntime")
+            continue
+        print(f"{provider}: {library} links {list(needed_libraries(library))}")
+        if shutil.which("readelf"):
+            shown = subprocess.run(
+                ["readelf", "-d", str(library)], capture_output=True, text=True, timeout=30, check=False
+            )
+            print(
+                "\n".join(
+                    f"  readelf: {line.strip()}" for line in shown.stdout.splitlines() if "NEEDED" in line
+                )
+            )
+        loaded = preload(library, roots, cuda_runtime_libraries(cuda_version) if provider == CUDA else ())
+        for path in loaded.loaded:
+            print(f"  loaded {path}")
+        for failure in (*loaded.failed, *loaded.absent):
+            print(f"  FAILED {failure}")
+    found = wheel_libraries(wheel_roots())
+    for name in CUDA_LIBRARIES:
+        print(f"{name}: {found.get(name, 'not in any NVIDIA wheel folder on sys.path')}")
+    view = probe(0)
+    print(f"runner's view: {view}")
+    libraries = {name: str(found[name]) if name in found else None for name in CUDA_LIBRARIES}
+    said = {
+        "versions": versions,
+        "device": str(found_device),
+        "onnxruntime_cuda": cuda_version,
+        "providers": list(view.available),
+        "cuda_problem": view.cuda_problem,
+        "tensorrt_problem": view.tensorrt_problem,
+        "libraries": libraries,
+    }
+    return said
 
 
 # ---------------------------------------------------------------- the GPU Python function
@@ -310,114 +413,6 @@ def up(work: Path, seconds: float) -> dict[str, Any]:
     return result
 
 
-# ---------------------------------------------------------------- TensorRT (needs tensorrt)
-
-
-def wide_function(work: Path, accelerator: str = "cpu", precision: str = "fp32") -> tuple[Any, Path]:
-    """The benchmark's wide MLP as a function folder with this accelerator (built once per folder)."""
-    folder = work / f"wide-{accelerator}-{precision}"
-    if not (folder / "wide" / "function.yaml").is_file():
-        write_function(folder, "wide", wide(), FEATURES, max_batch_size=32, preferred_batch_sizes=[32])
-        path = folder / "wide" / "function.yaml"
-        data = yaml.safe_load(path.read_text())
-        data["model"].update(accelerator=accelerator, precision=precision)
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return load_manifest(folder / "wide" / "function.yaml"), folder / "wide"
-
-
-def max_difference(backend: Any, work: Path) -> float:
-    from runner.backends.onnx import OnnxBackend
-
-    manifest, folder = wide_function(work)
-    reference = OnnxBackend(manifest, folder, 4)
-    batch = {"input": np.random.default_rng(7).standard_normal((32, FEATURES), dtype=np.float32)}
-    try:
-        expected = reference.run(batch, ["output"])["output"]
-    finally:
-        reference.close()
-    return round(float(np.max(np.abs(backend.run(batch, ["output"])["output"] - expected))), 5)
-
-
-def time_config(work: Path, name: str, seconds: float) -> dict[str, Any]:
-    """One TensorRT configuration, loaded and timed in this process."""
-    result: dict[str, Any] = {"name": name}
-    try:
-        started = time.perf_counter()
-        if name == "tensorrt-native-fp16":
-            backend = native_backend(work, result)
-        else:
-            from runner.backends.onnx import OnnxBackend
-            from runner.backends.providers import Acceleration
-
-            accelerator, precision, wanted = CONFIGS[name]
-            manifest, folder = wide_function(work, accelerator, precision)
-            acceleration = Acceleration(engine_dir=work / "engines" / name, require=True)
-            result["wanted"] = wanted
-            backend = OnnxBackend(manifest, folder, min(os.cpu_count() or 1, 16), acceleration)
-        result |= {"load_s": round(time.perf_counter() - started, 3), "device": backend.device}
-        result["device_memory_bytes"] = backend.device_memory_bytes
-        result["fallback_reason"] = getattr(backend, "fallback_reason", None)
-        try:
-            result["batches"] = {
-                str(rows): timing(
-                    lambda batch: backend.run(batch, ["output"]), random_batches((FEATURES,), rows), seconds
-                )
-                for rows in TENSORRT_BATCHES
-            }
-            result["max_abs_diff_vs_cpu"] = max_difference(backend, work)
-        finally:
-            backend.close()
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    return result
-
-
-def native_backend(work: Path, result: dict[str, Any]) -> Any:
-    """The same model as a native fp16 .plan through the tensorrt backend (built here first)."""
-    from runner.backends.tensorrt import TensorRTBackend, build_plan
-
-    manifest, folder = wide_function(work, "cpu", "fp32")
-    result["wanted"] = "TensorRT"
-    started = time.perf_counter()
-    build_plan(manifest, folder / "model.onnx", folder / "model.plan", fp16=True)
-    result["build_s"] = round(time.perf_counter() - started, 3)
-    native = manifest.model_copy(
-        update={"model_spec": manifest.model.model_copy(update={"backend": "tensorrt", "path": "model.plan"})}
-    )
-    return TensorRTBackend(native, folder)
-
-
-def cold(work: Path, engines: Path, store: Path) -> dict[str, Any]:
-    """One cold start in this new process: the TensorRT fp16 function, its engine cache in `store`."""
-    from prometheus_client import REGISTRY
-
-    from runner.backends.engine_cache import FolderEngineStore
-    from runner.backends.onnx import OnnxBackend
-    from runner.backends.providers import Acceleration
-
-    manifest, folder = wide_function(work, "tensorrt", "fp16")
-    started = time.perf_counter()
-    try:
-        accel = Acceleration(engines, FolderEngineStore(store), require=True)
-        backend = OnnxBackend(manifest, folder, 1, accel)
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    backend.run({"input": np.zeros((1, FEATURES), dtype=np.float32)}, ["output"])
-    load_s = round(time.perf_counter() - started, 3)
-    events = {
-        event: REGISTRY.get_sample_value(
-            "fngate_engine_cache_events_total", {"function": "wide", "event": event}
-        )
-        for event in ("local", "downloaded", "miss", "mismatch", "stale", "uploaded", "upload_failed")
-    }
-    backend.close()
-    return {
-        "load_and_first_answer_s": load_s,
-        "device": backend.device,
-        "events": {k: v for k, v in events.items() if v},
-    }
-
-
 # ---------------------------------------------------------------- the command line
 
 
@@ -425,6 +420,8 @@ def on_gpu(name: str, result: dict[str, Any]) -> bool:
     """Whether a measurement ran where it was to: on the GPU."""
     if "error" in result:
         return False
+    if name == "environment":
+        return True
     if name == "python-function":
         return bool(result.get("device") == "python:cuda" and result.get("process_ended_after_s") is not None)
     if name == "providers":
@@ -449,12 +446,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("python-function", "providers", "tensorrt-fallback", "up", "config", "cold"):
+    for name in ("environment", "python-function", "providers", "tensorrt-fallback", "up", "config", "cold"):
         command = commands.add_parser(name)
         command.add_argument("--work", type=Path, required=True)
         command.add_argument("--seconds", type=float, default=1.0)
         if name == "config":
-            command.add_argument("name", choices=[*CONFIGS, "tensorrt-native-fp16"])
+            command.add_argument("name", choices=["tensorrt-fp16", "tensorrt-native-fp16"])
         if name == "cold":
             command.add_argument("--engines", type=Path, required=True)
             command.add_argument("--store", type=Path, required=True)
@@ -462,7 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     work: Path = arguments.work
     work.mkdir(parents=True, exist_ok=True)
     try:
-        if arguments.command == "python-function":
+        if arguments.command == "environment":
+            result = environment()
+        elif arguments.command == "python-function":
             result = python_function(work, arguments.seconds)
         elif arguments.command == "providers":
             result = providers(work, arguments.seconds)
@@ -471,8 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif arguments.command == "up":
             result = up(work, arguments.seconds)
         elif arguments.command == "config":
+            from bench.gpu_tensorrt import time_config
+
             result = time_config(work, arguments.name, arguments.seconds)
         else:
+            from bench.gpu_tensorrt import cold
+
             result = cold(work, arguments.engines, arguments.store)
     except Exception as exc:  # a measurement that breaks says how, as its result
         result = {"error": f"{type(exc).__name__}: {exc}"}

@@ -10,21 +10,19 @@ On the GPU machine, every call the same command (each call carrying what `pack` 
         all have, puts onnxruntime-gpu together, checks it, and runs `all` with it
     python3 scripts/gpu_check.py all --out DIR [--wheels DIR] [--budget-s S]   every step below
     python3 scripts/gpu_check.py check          what the machine has, one line per missing piece
-    python3 scripts/gpu_check.py environment    versions, the GPU, onnxruntime's CUDA build, the
-                                                libraries its providers link and where they were found
 
 `all` runs each step in a process of its own under a limit: the smaller of the step's own and
 what is left of the whole budget (a step that cannot get MIN_STEP_S is skipped, as is one that
 needs what `check` found missing). Results are written after every step (results.json,
-summary.md, log.txt in DIR), so a step that overruns or crashes loses only itself. This file
-imports only the standard library: it runs before anything is known to be installed.
+summary.md, log.txt in DIR), so a step that overruns or crashes loses only itself. The steps'
+measurements are bench/gpu.py's. This file and bench/parts.py import only the standard library:
+they run before anything is known to be installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -40,20 +38,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.parts import calls, lost, reassemble, received, split  # noqa: E402 - ROOT is on the path now
+
 PACK = ROOT / ".gpu"
 """What `pack` makes and the calls carry (ignored by git: each part must travel once)."""
-CUDA_LIBRARIES = (
-    "libcudart.so.13",
-    "libcublas.so.13",
-    "libcublasLt.so.13",
-    "libcufft.so.12",
-    "libcurand.so.10",
-    "libnvrtc.so.13",
-    "libcudnn.so.9",
-    "libnvinfer.so.10",
-)
-"""What onnxruntime-gpu 1.31's providers link or open (its preload_dlls list for CUDA 13, and
-TensorRT's), looked for in the wheels whether or not onnxruntime-gpu is installed."""
 PLATFORMS = (
     *(f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)),
     "manylinux2014_x86_64",
@@ -287,7 +276,7 @@ def plan(
     pytest += ["--durations=10", "-o", "timeout=90", *GPU_TESTS]
     steps += [
         Step("what the machine has", [*me, "check"], 60),
-        Step("environment", [*me, "environment"], 45, needs="fngate"),
+        Step("environment", [*measure, "environment", *timed], 45, needs="fngate"),
     ]
     cold = [
         [*timed, "--engines", str(scratch / f"engines-{index}"), "--store", str(scratch / "store")]
@@ -541,14 +530,6 @@ def download_wheels(
     return 0
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as source:
-        while chunk := source.read(2**20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def tree_bytes() -> int:
     """What every call carries besides its payload: the working tree as git lists it."""
     listed = subprocess.run(
@@ -557,56 +538,6 @@ def tree_bytes() -> int:
     ).stdout  # fmt: skip
     paths = [ROOT / name for name in listed.decode().split("\0") if name]
     return sum(path.stat().st_size for path in paths if path.is_file())
-
-
-def split(wheel: Path, folder: Path, first_bytes: int, part_bytes: int) -> dict[str, Any]:
-    """Cut `wheel` into parts in `folder`: the first of at most `first_bytes` (it travels beside
-    the other wheels), the rest of at most `part_bytes`; returns the record reassembly checks."""
-    parts = []
-    with wheel.open("rb") as source:
-        limit = first_bytes
-        while chunk := source.read(limit):
-            part = folder / f"part-{len(parts) + 1}"
-            part.write_bytes(chunk)
-            parts.append(
-                {"name": part.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()}
-            )
-            limit = part_bytes
-    return {"wheel": wheel.name, "bytes": wheel.stat().st_size, "sha256": sha256(wheel), "parts": parts}
-
-
-def received(folder: Path, record: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(the parts here, whole and unchanged; those still to come)."""
-    here, missing = [], []
-    for part in record["parts"]:
-        path = folder / part["name"]
-        whole = path.is_file() and path.stat().st_size == part["bytes"] and sha256(path) == part["sha256"]
-        (here if whole else missing).append(part["name"])
-    return here, missing
-
-
-def reassemble(folder: Path, record: dict[str, Any], target: Path) -> Path:
-    """The wheel put together from its parts into `target`, checked against its sha256."""
-    wheel = target / record["wheel"]
-    with wheel.open("wb") as sink:
-        for part in record["parts"]:
-            with (folder / part["name"]).open("rb") as source:
-                shutil.copyfileobj(source, sink, 2**22)
-    found = sha256(wheel)
-    if found != record["sha256"]:
-        wheel.unlink()
-        raise SystemExit(f"gpu_check: {record['wheel']} put together is {found}, not {record['sha256']}")
-    return wheel
-
-
-def calls(record: dict[str, Any] | None, has_wheels: bool, has_redis: bool) -> list[list[str]]:
-    """The `carry` of each call in order: the small things and the first part with the first call,
-    each later part alone, so that no part is named by two calls."""
-    first = [".gpu/parts.json"] if record else []
-    first += [".gpu/wheels"] if has_wheels else []
-    first += [".gpu/redis"] if has_redis else []
-    parts = [f".gpu/{part['name']}" for part in record["parts"]] if record else []
-    return [[*first, *parts[:1]], *([".gpu/parts.json", part] for part in parts[1:])]
 
 
 def pack(onnxruntime_wheel: Path | None, with_redis: bool, have: str, part_bytes: int = CALL_BYTES) -> int:
@@ -661,14 +592,6 @@ def copy_redis(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.iterdir())
 
 
-def lost(record: dict[str, Any], here: Sequence[str], wheels_here: int) -> bool:
-    """Whether something an earlier call carried is missing: a part before one that is here (each
-    call carries the next part), or some of the wheels `pack` counted (the first call's)."""
-    order = [part["name"] for part in record["parts"]]
-    latest = max((order.index(name) for name in here), default=-1)
-    return any(name not in here for name in order[:latest]) or wheels_here < record.get("wheels", 0)
-
-
 def device(out: Path, budget_s: float, scratch: Path, seconds: float, pack: Path = PACK) -> int:
     """One call on the GPU machine: note which parts have come (received.txt in `out`); once all
     have, put onnxruntime-gpu together and run `all` with every wheel. Exit 3 when parts are
@@ -689,7 +612,11 @@ def device(out: Path, budget_s: float, scratch: Path, seconds: float, pack: Path
                 return 3
             return 0
         empty_scratch(scratch)
-        wheels.append(reassemble(pack, record, scratch))
+        try:
+            wheels.append(reassemble(pack, record, scratch))
+        except ValueError as exc:
+            print(f"gpu_check: {exc}: start again from call 1", file=sys.stderr)
+            return 3
         scratch = scratch / "run"
     return run_all(out, wheels, budget_s, scratch, seconds, pack)
 
@@ -713,7 +640,6 @@ def main() -> int:
         else:
             command.add_argument("--pack", type=Path, default=PACK, help="what the calls carried (.gpu)")
     commands.add_parser("check")
-    commands.add_parser("environment")
     packing = commands.add_parser("pack")
     packing.add_argument("--onnxruntime-wheel", type=Path, help="this file rather than one downloaded")
     packing.add_argument("--redis", action="store_true", help="also redis-server, for the fngate up step")
@@ -737,8 +663,6 @@ def main() -> int:
         return device(arguments.out, arguments.budget_s, arguments.scratch, arguments.seconds, arguments.pack)
     if arguments.command == "check":
         return check()
-    if arguments.command == "environment":
-        return environment()
     if arguments.command == "pack":
         return pack(arguments.onnxruntime_wheel, arguments.redis, arguments.have)
     arguments.dest.mkdir(parents=True, exist_ok=True)
@@ -746,94 +670,6 @@ def main() -> int:
     return download_wheels(
         arguments.dest, arguments.python_version, have, arguments.gpu, arguments.pip_arguments
     )
-
-
-# ---------------------------------------------------------------- environment
-
-
-def environment() -> int:
-    """What this machine offers fngate, as the runner sees it; the last line is a JSON summary."""
-    sys.path.insert(0, str(ROOT))
-    from runner import gpu
-    from runner.backends.libraries import (
-        cuda_runtime_libraries,
-        needed_libraries,
-        preload,
-        wheel_libraries,
-        wheel_roots,
-    )
-    from runner.backends.providers import CUDA, PROVIDER_LIBRARIES, probe
-
-    versions = {
-        name: installed(name)
-        for name in (
-            "onnxruntime",
-            "onnxruntime-gpu",
-            "tensorrt-cu13",
-            "cuda-bindings",
-            "nvidia-ml-py",
-            "torch",
-        )
-    }
-    versions["cupy"] = next(
-        (installed(name) for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy") if installed(name)), None
-    )
-    for name, version in versions.items():
-        print(f"{name}: {version or 'not installed'}")
-    print(f"python: {sys.version.split()[0]} ({sys.executable})")
-    print(f"CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
-    found_device = gpu.find_device(0)
-    print(f"gpu (CUDA index 0): {found_device}")
-    print(f"memory: {gpu.read_memory(0)}")
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        print(f"onnxruntime: cannot be imported ({exc})")
-        return 1
-    cuda_version = getattr(ort, "cuda_version", "") or ""
-    print(f"onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
-    print(f"onnxruntime's CUDA build: {cuda_version or 'none (a CPU build)'}")
-    print(f"onnxruntime's build: {ort.get_build_info()}")
-    print(f"onnxruntime's providers: {ort.get_available_providers()}")
-    capi = Path(ort.__file__).parent / "capi"
-    roots = [capi, *wheel_roots()]
-    for provider, file_name in PROVIDER_LIBRARIES.items():
-        library = capi / file_name
-        if not library.is_file():
-            print(f"{provider}: {file_name} is not in this onnxruntime")
-            continue
-        print(f"{provider}: {library} links {list(needed_libraries(library))}")
-        if shutil.which("readelf"):
-            shown = subprocess.run(
-                ["readelf", "-d", str(library)], capture_output=True, text=True, timeout=30, check=False
-            )
-            print(
-                "\n".join(
-                    f"  readelf: {line.strip()}" for line in shown.stdout.splitlines() if "NEEDED" in line
-                )
-            )
-        loaded = preload(library, roots, cuda_runtime_libraries(cuda_version) if provider == CUDA else ())
-        for path in loaded.loaded:
-            print(f"  loaded {path}")
-        for failure in (*loaded.failed, *loaded.absent):
-            print(f"  FAILED {failure}")
-    found = wheel_libraries(wheel_roots())
-    for name in CUDA_LIBRARIES:
-        print(f"{name}: {found.get(name, 'not in any NVIDIA wheel folder on sys.path')}")
-    view = probe(0)
-    print(f"runner's view: {view}")
-    libraries = {name: str(found[name]) if name in found else None for name in CUDA_LIBRARIES}
-    said = {
-        "versions": versions,
-        "device": str(found_device),
-        "onnxruntime_cuda": cuda_version,
-        "providers": list(view.available),
-        "cuda_problem": view.cuda_problem,
-        "tensorrt_problem": view.tensorrt_problem,
-        "libraries": libraries,
-    }
-    print(json.dumps(said))
-    return 0
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def test_a_wheel_in_parts_is_put_together_and_checked(tmp_path: Path) -> None:
     assert check.reassemble(parts, record, target).read_bytes() == wheel.read_bytes()
     (parts / "part-3").write_bytes(os.urandom(4000))  # damaged in transit: the same size
     assert check.received(parts, record) == (["part-1", "part-2", "part-4"], ["part-3"])
-    with pytest.raises(SystemExit, match="put together is"):
+    with pytest.raises(ValueError, match="put together is"):
         check.reassemble(parts, record, target)
 
 
