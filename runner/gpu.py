@@ -84,8 +84,11 @@ def nvml_index(
     wanted = [uuid.lower() for uuid in nvml_uuids]
     gpus = [index for index, uuid in enumerate(wanted) if not uuid.startswith("mig-")]
     if cuda_uuid is not None:
-        if cuda_uuid.lower() in wanted:
-            return wanted.index(cuda_uuid.lower())
+        # The driver API gives a MIG instance's UUID as bare bytes (written GPU-... here), NVML
+        # writes the same bytes MIG-...: the digits decide.
+        digits = [_digits(uuid) for uuid in wanted]
+        if _digits(cuda_uuid) in digits:
+            return digits.index(_digits(cuda_uuid))
         return f"CUDA's GPU {cuda_index} ({cuda_uuid}) is not among the GPUs NVML sees"
     if visible is None:
         return (
@@ -108,6 +111,12 @@ def nvml_index(
     if len(matches) == 1:
         return matches[0]
     return f"CUDA_VISIBLE_DEVICES entry {entries[cuda_index]!r} names no single GPU that NVML sees"
+
+
+def _digits(uuid: str) -> str:
+    """A device UUID without its GPU- or MIG- prefix, lower case."""
+    lowered = uuid.lower()
+    return lowered.split("-", 1)[1] if lowered.startswith(("gpu-", "mig-")) else lowered
 
 
 def child_visible_devices(device: Device | NoDevice, cuda_index: int, visible: str | None) -> str:

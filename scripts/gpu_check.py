@@ -52,11 +52,12 @@ PLATFORMS = (
 """Every tag a wheel for Linux x86-64 and glibc 2.28 or later may carry: pip takes only those named."""
 DEVICE_HAS = (
     "numpy torch cupy-cuda13x fastrlock cuda-bindings cuda-pathfinder nvidia-ml-py onnx onnxruntime "
-    "protobuf ml-dtypes flatbuffers coloredlogs humanfriendly packaging sympy mpmath pytest iniconfig "
-    "pluggy pygments typing-extensions filelock networkx jinja2 markupsafe fsspec setuptools"
+    "protobuf ml-dtypes flatbuffers coloredlogs humanfriendly packaging sympy mpmath typing-extensions "
+    "filelock networkx jinja2 markupsafe fsspec setuptools"
 )
 """What the GPU machine's image holds (Python 3.12, torch with CUDA 13, CuPy, cuda-bindings,
-nvidia-ml-py, onnx, the CPU onnxruntime, pytest, and what they depend on): `wheels` leaves them out."""
+nvidia-ml-py, onnx, the CPU onnxruntime, and what they depend on): `wheels` leaves them out. Its
+pytest is not counted: pytest-asyncio wants pytest 8.4 or later, so pytest travels too (2 MiB)."""
 ONNXRUNTIME_GPU = "onnxruntime-gpu==1.31.1"
 CALL_BYTES = 60 * 2**20
 """What one call may carry, working tree included (64 MiB, less a margin)."""

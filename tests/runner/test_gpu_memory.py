@@ -115,6 +115,7 @@ def test_a_cuda_index_is_mapped_to_nvmls_by_uuid(
     ("cuda_index", "cuda_uuid", "visible", "expected"),
     [
         (0, MIG, None, 1),  # CUDA's UUID of a MIG instance is its MIG UUID
+        (0, "GPU-" + MIG.split("-", 1)[1], None, 1),  # as uuid_text writes the driver API's bytes
         (0, None, "1", 2),  # an index counts whole GPUs: NVML's second GPU comes after A's instance
         (1, None, None, 2),
         (0, None, MIG[:12], 1),  # CUDA_VISIBLE_DEVICES=MIG-<uuid>
