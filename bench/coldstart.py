@@ -126,13 +126,21 @@ def large_cold_starts(
 
 @contextlib.contextmanager
 def fngate_up(
-    redis_url: str, repo: str, standby: bool, env: dict[str, str], logs: Path, wait_live: Callable[..., None]
+    redis_url: str | None,
+    repo: str,
+    standby: bool,
+    env: dict[str, str],
+    logs: Path,
+    wait_live: Callable[..., None],
+    name: str = "large",
 ) -> Iterator[tuple[str, Path]]:
-    """`fngate up` on the bench's Redis and the S3 repository; yields its URL and its log."""
+    """`fngate up` on this Redis (None: its own private one) and repository; yields its URL and
+    its log."""
     logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"fngate-up-large{'-standby' if standby else ''}.log"
+    log = logs / f"fngate-up-{name}{'-standby' if standby else ''}.log"
     port = free_port()
-    command = [sys.executable, "-m", "fngate.tools.cli", "up", "--redis", redis_url, "--repo", repo]
+    command = [sys.executable, "-m", "fngate.tools.cli", "up", "--repo", repo]
+    command += ["--redis", redis_url] if redis_url is not None else []
     command += ["--port", str(port), "--grpc-port", "0", "--idle-shutdown-s", "1"]
     command += ["--log-level", "INFO", "--no-auth"]
     command += ["--standby-runner"] if standby else ["--no-standby-runner"]

@@ -59,6 +59,49 @@ def wide() -> onnx.ModelProto:
     return _model(graph)
 
 
+CONV_INPUT = (3, 32, 32)
+CONV_CLASSES = 10
+
+
+def conv() -> onnx.ModelProto:
+    """Two 3x3 convolutions (16 channels, ReLU) over images [-1, 3, 32, 32], pooled, then a
+    layer to 10 scores: what makes onnxruntime's CUDA provider use cuDNN."""
+    rng = np.random.default_rng(32)
+    channels = CONV_INPUT[0]
+
+    def weight(name: str, *shape: int) -> onnx.TensorProto:
+        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+        array = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+        return numpy_helper.from_array(array, name)
+
+    initializers = [
+        weight("k0", 16, channels, 3, 3),
+        numpy_helper.from_array(np.zeros(16, dtype=np.float32), "c0"),
+        weight("k1", 16, 16, 3, 3),
+        numpy_helper.from_array(np.zeros(16, dtype=np.float32), "c1"),
+        weight("fc", 16, CONV_CLASSES),
+        numpy_helper.from_array(np.zeros(CONV_CLASSES, dtype=np.float32), "fb"),
+    ]
+    pads = [1, 1, 1, 1]
+    nodes = [
+        helper.make_node("Conv", ["input", "k0", "c0"], ["v0"], kernel_shape=[3, 3], pads=pads),
+        helper.make_node("Relu", ["v0"], ["r0"]),
+        helper.make_node("Conv", ["r0", "k1", "c1"], ["v1"], kernel_shape=[3, 3], pads=pads),
+        helper.make_node("Relu", ["v1"], ["r1"]),
+        helper.make_node("GlobalAveragePool", ["r1"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "fc", "fb"], ["output"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", *CONV_INPUT])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", CONV_CLASSES])],
+        initializers,
+    )
+    return _model(graph)
+
+
 def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="fngate-bench"
@@ -69,16 +112,25 @@ def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
 
 
 def write_function(
-    repo: Path, name: str, model: onnx.ModelProto, features: int, cache: bool = False, **batching: Any
+    repo: Path,
+    name: str,
+    model: onnx.ModelProto,
+    features: int,
+    cache: bool = False,
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    **batching: Any,
 ) -> Path:
+    """The model's function folder: one FP32 `input` and `output` of `features` columns each, or
+    of `shapes` (input's, output's, after the batch dimension)."""
     folder = repo / name
     folder.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(folder / "model.onnx"))
+    takes, gives = shapes or ((features,), (features,))
     manifest = {
         "name": name,
         "model": {"backend": "onnxruntime", "path": "model.onnx"},
-        "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, features]}],
-        "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, features]}],
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, *takes]}],
+        "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, *gives]}],
         "batching": {"max_queue_size": 10000, "timeout_ms": 30000, **batching},
         "cache": {"enabled": cache, "ttl_s": 600},
         "scaling": {"idle_unload_s": 2},

@@ -71,7 +71,8 @@ class ModelSpec(_Frozen):
     path: str
     """The model file, relative to the manifest, inside its folder."""
     accelerator: Literal["cpu", "cuda", "tensorrt"] = "cpu"
-    """onnxruntime's execution provider."""
+    """onnxruntime's execution provider; for a python function, cuda gives its process the
+    runner's GPU (docs/gpu.md)."""
     precision: Literal["fp32", "fp16"] = "fp32"
     """fp16 lets TensorRT build half-precision engines."""
     execution_timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] | None = None
@@ -92,8 +93,11 @@ class ModelSpec(_Frozen):
 
     @model_validator(mode="after")
     def _accelerator(self) -> ModelSpec:
-        if self.backend == "python" and self.accelerator != "cpu":
-            raise ValueError("accelerator applies to the onnxruntime and tensorrt backends only")
+        if self.backend == "python" and self.accelerator == "tensorrt":
+            raise ValueError(
+                "accelerator tensorrt applies to the onnxruntime and tensorrt backends only; a python "
+                "function takes cpu or cuda"
+            )
         if self.backend != "python" and self.memory_limit_mb is not None:
             raise ValueError("memory_limit_mb applies to the python backend only (its own process)")
         return self

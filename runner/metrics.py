@@ -69,6 +69,8 @@ MODEL_GPU_MEMORY = Gauge(
 )
 CPU_DEVICES = ("CPUExecutionProvider", "python")
 """What a model that runs on no GPU reports as its device."""
+PYTHON_GPU = "python:cuda"
+"""The device of a python function whose own process runs on the runner's GPU."""
 
 
 class GpuMemory(Collector):

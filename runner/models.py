@@ -17,10 +17,11 @@ from typing import Any
 from fngate.errors import FunctionError, FunctionNotFound, Unavailable
 from fngate.registry import LOADING, READY, UNAVAILABLE, ModelState
 from fngate.repository import FunctionRecord, FunctionVersion
+from runner import gpu
 from runner.artifacts import Artifacts
 from runner.backends import Backend, load_backend
 from runner.backends.providers import Acceleration
-from runner.metrics import model_loaded, model_unloaded
+from runner.metrics import CPU_DEVICES, PYTHON_GPU, model_loaded, model_unloaded
 
 log = logging.getLogger(__name__)
 
@@ -291,11 +292,24 @@ class LoadedModels:
         return self._accel.device_index if self._accel is not None else 0
 
     def _close(self, model: LoadedModel) -> None:
+        """Close the backend; one that ran in this process on a GPU has what it gave back logged
+        (NVML, this process's memory before and after)."""
+        in_process_gpu = getattr(model.backend, "device", "python") not in (*CPU_DEVICES, PYTHON_GPU)
+        before = gpu.read_memory(self._gpu_index) if in_process_gpu else None
         try:
             model.backend.close()
         except Exception:
             log.exception("closing %s version %s failed", model.function.name, model.function.version)
         self._artifacts.release(model.function)
+        after = gpu.read_memory(self._gpu_index) if before is not None else None
+        if before is not None and after is not None:
+            log.info(
+                "closed %s version %s: %.0f MiB of GPU memory given back (this process: %s MiB)",
+                model.function.name,
+                model.function.version,
+                gpu.freed_bytes(before, after) / gpu.MIB,
+                "unknown" if after.process_bytes is None else f"{after.process_bytes / gpu.MIB:.0f}",
+            )
 
     def close(self) -> None:
         for model in self._models.values():

@@ -244,7 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         send(replies, {"error": f"{type(exc).__name__}: {exc}", "code": ErrorCode.INVALID_ARGUMENT.value})
         return 1
-    send(replies, {"ready": True})
+    reason = getattr(model, "fallback_reason", None)
+    device = str(getattr(model, "device", "cpu"))
+    send(replies, {"ready": True, "device": device, "reason": None if reason is None else str(reason)})
     serve(model, args.function, requests, replies)
     close = getattr(model, "close", None)
     if callable(close):

@@ -1,19 +1,22 @@
-"""Device checks of the GPU work (docs/gpu.md), run by scripts/gpu_check.sh from the repository root:
+"""Device checks of the GPU work (docs/gpu.md), from the repository root. On a machine with network:
 
-    python scripts/gpu_check.py all --out DIR [--wheels DIR] [--budget-s S]   every step below, in order
-    python scripts/gpu_check.py check          what the machine has, one line per missing piece
-    python scripts/gpu_check.py environment    versions, the GPU, onnxruntime's CUDA build, the
-                                               libraries its GPU providers link and where they were found
-    python scripts/gpu_check.py config NAME --work DIR     one timing of the wide benchmark model
-    python scripts/gpu_check.py cold --work DIR --engines DIR --store DIR    one cold start
-    python scripts/gpu_check.py wheels DIR [--have "NAME ..."] [--gpu]       (with network) the wheels
-                                               of what a GPU machine lacks, for its Python
+    python scripts/gpu_check.py pack [--onnxruntime-wheel PATH] [--redis]   the folder .gpu/ for a GPU
+        machine without network: the wheels of what it lacks, onnxruntime-gpu in parts, the calls
+    python scripts/gpu_check.py wheels DIR [--have "NAME ..."] [--gpu]       those wheels alone
+
+On the GPU machine, every call the same command (each call carrying what `pack` says):
+
+    python3 scripts/gpu_check.py device --out DIR [--budget-s S]   keeps the parts that came; once
+        all have, puts onnxruntime-gpu together, checks it, and runs `all` with it
+    python3 scripts/gpu_check.py all --out DIR [--wheels DIR] [--budget-s S]   every step below
+    python3 scripts/gpu_check.py check          what the machine has, one line per missing piece
 
 `all` runs each step in a process of its own under a limit: the smaller of the step's own and
-what is left of the whole budget (a step that cannot get MIN_STEP_S is skipped). Results are
-written after every step (results.json, summary.md, log.txt in DIR), so a step that overruns or
-crashes loses only itself. This file imports only the standard library at the top: `all` and
-`check` run before anything is known to be installed.
+what is left of the whole budget (a step that cannot get MIN_STEP_S is skipped, as is one that
+needs what `check` found missing). Results are written after every step (results.json,
+summary.md, log.txt in DIR), so a step that overruns or crashes loses only itself. The steps'
+measurements are bench/gpu.py's. This file and bench/parts.py import only the standard library:
+they run before anything is known to be installed.
 """
 
 from __future__ import annotations
@@ -35,42 +38,56 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-FEATURES = 512
-BATCHES = (1, 32)
-CONFIGS = {  # name: accelerator, precision, the device it must run on
-    "cpu": ("cpu", "fp32", "CPUExecutionProvider"),
-    "cuda": ("cuda", "fp32", "CUDAExecutionProvider"),
-    "tensorrt-fp16": ("tensorrt", "fp16", "TensorrtExecutionProvider"),
-}
-CUDA_LIBRARIES = (
-    "libcudart.so.13",
-    "libcublas.so.13",
-    "libcublasLt.so.13",
-    "libcufft.so.12",
-    "libcurand.so.10",
-    "libnvrtc.so.13",
-    "libcudnn.so.9",
-    "libnvinfer.so.10",
-)
-"""What onnxruntime-gpu 1.31's providers link, as onnxruntime's own preload_dlls names them for
-CUDA 13 (and TensorRT's), looked for in the wheels whether or not onnxruntime-gpu is installed."""
+sys.path.insert(0, str(ROOT))
+from bench.parts import calls, lost, reassemble, received, split  # noqa: E402 - ROOT is on the path now
+
+PACK = ROOT / ".gpu"
+"""What `pack` makes and the calls carry (ignored by git: each part must travel once)."""
 PLATFORMS = (
-    "manylinux_2_28_x86_64",
-    "manylinux_2_27_x86_64",
-    "manylinux_2_17_x86_64",
+    *(f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)),
     "manylinux2014_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux1_x86_64",
 )
+"""Every tag a wheel for Linux x86-64 and glibc 2.28 or later may carry: pip takes only those named."""
+DEVICE_HAS = (
+    "numpy torch cupy-cuda13x fastrlock cuda-bindings cuda-pathfinder nvidia-ml-py onnx onnxruntime "
+    "protobuf ml-dtypes flatbuffers coloredlogs humanfriendly packaging sympy mpmath typing-extensions "
+    "filelock networkx jinja2 markupsafe fsspec setuptools"
+)
+"""What the GPU machine's image holds (Python 3.12, torch with CUDA 13, CuPy, cuda-bindings,
+nvidia-ml-py, onnx, the CPU onnxruntime, and what they depend on): `wheels` leaves them out. Its
+pytest is not counted: pytest-asyncio wants pytest 8.4 or later, so pytest travels too (2 MiB)."""
+ONNXRUNTIME_GPU = "onnxruntime-gpu==1.31.1"
+CALL_BYTES = 60 * 2**20
+"""What one call may carry, working tree included (64 MiB, less a margin)."""
 MIN_STEP_S = 5.0
 RESERVE_S = 10.0
 """Kept back from every step's limit for writing results and the summary."""
 GRACE_S = 3.0
 """After its limit a step's processes get SIGTERM, and SIGKILL this much later."""
-TOOLS = ("pytest", "pytest-asyncio", "pytest-timeout", "onnx")
+TOOLS = ("pytest", "pytest-asyncio", "pytest-timeout", "onnx", "httpx")
 GPU_PIECES = (  # what, the module that tells, what it is for
     ("onnxruntime-gpu 1.31 (CUDA 13 build)", "onnxruntime-gpu", "the CUDA and TensorRT providers"),
     ("TensorRT 10 for CUDA 13 (tensorrt-cu13)", "tensorrt", "the TensorRT provider and .plan engines"),
     ("cuda-python (cuda-bindings 13)", "cuda.bindings", ".plan engines and the CUDA device's UUID"),
     ("NVML's bindings (nvidia-ml-py)", "pynvml", "finding the GPU and its memory"),
+    ("CuPy", "cupy", "the GPU Python function (functions/gpu-mlp)"),
+)
+GPU_MODULES = (
+    "runner.gpu",
+    "runner.backends.libraries",
+    "runner.backends.providers",
+    "runner.backends.engine_cache",
+    "runner.backends.onnx",
+    "runner.backends.tensorrt",
+    "runner.backends.python",
+    "bench.gpu",
+)
+GPU_TESTS = (
+    "tests/runner/test_gpu_backends.py",
+    "tests/runner/test_gpu_memory.py",
+    "tests/runner/test_gpu_python.py",
 )
 
 
@@ -115,8 +132,9 @@ def run_steps(
     for step in steps:
         left = deadline - time.monotonic() - reserve_s
         limit = min(step.limit_s, left)
-        if step.needs and step.needs in missing:
-            outcomes.append(Outcome(step.name, f"SKIPPED (needs {step.needs})", 0.0))
+        lacking = next((name for name in ("fngate", step.needs) if step.needs and name in missing), None)
+        if lacking is not None:  # a step that needs anything needs fngate too
+            outcomes.append(Outcome(step.name, f"SKIPPED (needs {lacking})", 0.0))
         elif left < min_step_s:
             outcomes.append(Outcome(step.name, f"SKIPPED (no time left: {max(left, 0):.0f} s)", 0.0))
         else:
@@ -129,10 +147,10 @@ def run_steps(
 def run_step(step: Step, limit_s: float, log: Path, environment: dict[str, str] | None) -> Outcome:
     """One step in a new process group (so that its children end with it), output to `log`."""
     print(f"== {step.name} (at most {limit_s:.0f} s): {' '.join(step.command)}", flush=True)
-    with log.open("a") as sink:
-        sink.write(f"\n== {step.name} (at most {limit_s:.0f} s): {' '.join(step.command)}\n")
+    with log.open("ab") as sink:
+        sink.write(f"\n== {step.name} (at most {limit_s:.0f} s): {' '.join(step.command)}\n".encode())
         sink.flush()
-        start = sink.tell()
+        start = sink.tell()  # a byte offset: what the step writes is read back as bytes
         started = time.monotonic()
         try:
             process = subprocess.Popen(
@@ -145,7 +163,7 @@ def run_step(step: Step, limit_s: float, log: Path, environment: dict[str, str] 
                 start_new_session=True,
             )
         except OSError as exc:
-            sink.write(f"could not start: {exc}\n")
+            sink.write(f"could not start: {exc}\n".encode())
             return Outcome(step.name, f"FAIL ({exc})", 0.0)
         try:
             code = process.wait(timeout=limit_s)
@@ -154,7 +172,7 @@ def run_step(step: Step, limit_s: float, log: Path, environment: dict[str, str] 
             _end(process)
             status = f"TIMEOUT (after {limit_s:.0f} s)"
         took_s = round(time.monotonic() - started, 1)
-    said = log.read_text(errors="replace")[start:]
+    said = log.read_bytes()[start:].decode(errors="replace")
     print(said[-4000:], end="" if said.endswith("\n") else "\n", flush=True)
     return Outcome(step.name, status, took_s, last_json(said))
 
@@ -195,132 +213,90 @@ def summary(outcomes: Sequence[Outcome]) -> str:
         "|---|---|---|",
     ]
     lines += [f"| {o.name} | {o.status} | {o.took_s} |" for o in outcomes]
-    by_name = {o.name: o for o in outcomes}
-    gpu = by_name.get("a GPU is visible (nvidia-smi)")
-    missing = by_name.get("what the machine has")
-    for label, outcome in (("GPU", gpu), ("missing", missing)):
-        if outcome is not None and isinstance(outcome.result, dict | list):
-            lines += ["", f"{label}: `{json.dumps(outcome.result)}`"]
-    timings = [o.result for o in outcomes if o.name.startswith("timing ") and isinstance(o.result, dict)]
-    if timings:
-        lines += [
-            "",
-            "| configuration | device | load s | batch 1 p50 ms | batch 32 p50 ms | batch 32 rows/s "
-            "| max abs diff vs CPU | GPU memory MiB |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for item in timings:
-            if "batches" not in item:
-                lines.append(f"| {item.get('name')} | not run: {item.get('error', '')} | | | | | | |")
-                continue
-            one, many = item["batches"]["1"], item["batches"]["32"]
-            lines.append(
-                f"| {item['name']} | {item['device']} | {item['load_s']} | {one['p50_ms']} | "
-                f"{many['p50_ms']} | {many['rows_per_s']} | {item.get('max_abs_diff_vs_cpu', '')} | "
-                f"{item.get('device_memory_bytes', 0) // 2**20} |"
-            )
-    colds = [(o.name, o.took_s, o.result) for o in outcomes if o.name.startswith("cold start")]
-    if colds:
-        lines += [
-            "",
-            "| cold start (new process, TensorRT fp16) | wall s | load + first answer s | engine cache |",
-        ]
-        lines += ["|---|---|---|---|"]
-        for name, took_s, said in colds:
-            found = said if isinstance(said, dict) else {}
-            first_s = found.get("load_and_first_answer_s", found.get("error", ""))
-            events = found.get("events", "")
-            lines.append(f"| {name} | {took_s} | {first_s} | {events} |")
+    for outcome in outcomes:
+        found = dict(outcome.result) if isinstance(outcome.result, dict) else outcome.result
+        if not isinstance(found, dict | list):
+            continue
+        lines += ["", f"## {outcome.name}", ""]
+        if isinstance(found, dict) and isinstance(found.get("batches"), dict):
+            lines += batch_table(found["batches"])
+            found = {key: value for key, value in found.items() if key != "batches"}
+        if isinstance(found, dict):
+            for model in ("wide", "conv"):
+                if isinstance(found.get(model), dict) and isinstance(found[model].get("batches"), dict):
+                    lines += [f"{model}:", "", *batch_table(found[model]["batches"]), ""]
+                    found[model] = {key: value for key, value in found[model].items() if key != "batches"}
+        lines.append(f"`{json.dumps(found)}`")
     return "\n".join(lines) + "\n"
 
 
-def plan(out: Path, wheels: Path | None, scratch: Path) -> tuple[list[Step], dict[str, str]]:
-    """Every step of a device run and the environment they run in (the wheels' folder first)."""
+def batch_table(batches: dict[str, Any]) -> list[str]:
+    """Rows per second and p50 by batch size, one column pair for each way it was called."""
+    ways = sorted({way for item in batches.values() if isinstance(item, dict) for way in item})
+    if not ways or not all(isinstance(item.get(way), dict) for item in batches.values() for way in ways):
+        ways = [""]  # one way only: the figures are the item itself
+    header = " | ".join(
+        f"{way + ' ' if way else ''}rows/s | {way + ' ' if way else ''}p50 ms" for way in ways
+    )
+    lines = [f"| batch | {header} |", "|---" * (1 + 2 * len(ways)) + "|"]
+    for size, item in batches.items():
+        cells = [item.get(way, {}) if way else item for way in ways]
+        lines.append(
+            f"| {size} | " + " | ".join(f"{c.get('rows_per_s')} | {c.get('p50_ms')}" for c in cells) + " |"
+        )
+    return lines
+
+
+def plan(
+    out: Path, wheels: Sequence[Path], scratch: Path, seconds: float, pack: Path = PACK
+) -> tuple[list[Step], dict[str, str]]:
+    """Every step of a device run and the environment they run in (the wheels' folder first, and
+    a carried redis-server on the PATH)."""
     python = sys.executable
     site = scratch / "site"
     environment = dict(os.environ, PYTHONUNBUFFERED="1", REQUIRE_GPU="1")
     environment["PYTHONPATH"] = os.pathsep.join(
         [str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
+    redis = pack / "redis"
+    if (redis / "redis-server").is_file():
+        environment["PATH"] = os.pathsep.join([str(redis), environment.get("PATH", "")])
+        environment["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(redis), environment.get("LD_LIBRARY_PATH")])
+        )
     work = scratch / "work"
+    measure = [python, "-m", "bench.gpu"]
+    timed = ["--work", str(work), "--seconds", str(seconds)]
+    steps = [Step("a GPU is visible (nvidia-smi)", [python, "-c", NVIDIA_SMI], 20)]
+    if wheels:
+        install = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+        install += ["--disable-pip-version-check", "--upgrade", "--target", str(site)]
+        steps.append(Step(f"install the wheels ({len(wheels)})", [*install, *map(str, wheels)], 120))
     me = [python, str(Path(__file__).resolve())]
-    steps = [
-        Step(
-            "a GPU is visible (nvidia-smi)",
-            [python, "-c", NVIDIA_SMI],
-            20,
-        )
-    ]
-    if wheels is not None:
-        steps.append(
-            Step(
-                f"install the wheels in {wheels}",
-                [
-                    python,
-                    "-m",
-                    "pip",
-                    "install",
-                    "-q",
-                    "--no-index",
-                    "--no-deps",
-                    "--no-compile",
-                    "--disable-pip-version-check",
-                    "--upgrade",
-                    "--target",
-                    str(site),
-                    *sorted(str(path) for path in wheels.glob("*.whl")),
-                ],
-                300,
-            )
-        )
+    pytest = [python, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-m", "gpu", "-v", "-rA"]
+    pytest += ["--durations=10", "-o", "timeout=90", *GPU_TESTS]
     steps += [
-        Step("what the machine has", [*me, "check"], 30),
-        Step("environment", [*me, "environment"], 60, needs="fngate"),
-        Step(
-            "pytest -m gpu",
-            [
-                python,
-                "-m",
-                "pytest",
-                "--noconftest",
-                "-p",
-                "no:cacheprovider",
-                "-m",
-                "gpu",
-                "-q",
-                "-rA",
-                "-o",
-                "timeout=90",
-                "tests/runner/test_gpu_backends.py",
-                "tests/runner/test_gpu_memory.py",
-            ],
-            180,
-            needs="fngate",
-        ),
+        Step("what the machine has", [*me, "check"], 60),
+        Step("environment", [*measure, "environment", *timed], 45, needs="fngate"),
+    ]
+    cold = [
+        [*timed, "--engines", str(scratch / f"engines-{index}"), "--store", str(scratch / "store")]
+        for index in range(2)
+    ]
+    measured = [  # name, bench.gpu's arguments, limit s, what it needs besides fngate
+        ("GPU Python function through the runner", ["python-function", *timed], 75, "fngate"),
+        ("CUDA provider against a bare session.run", ["providers", *timed], 90, "onnxruntime-gpu"),
+        ("accelerator tensorrt without TensorRT", ["tensorrt-fallback", *timed], 30, "onnxruntime-gpu"),
+        ("pytest -m gpu", None, 150, "fngate"),
+        ("GPU Python function through fngate up", ["up", *timed], 60, "redis-server"),
+        ("timing tensorrt-fp16", ["config", "tensorrt-fp16", *timed], 60, "tensorrt"),
+        ("timing tensorrt-native-fp16", ["config", "tensorrt-native-fp16", *timed], 60, "tensorrt"),
+        ("cold start without a stored engine", ["cold", *cold[0]], 120, "tensorrt"),
+        ("cold start with the stored engine", ["cold", *cold[1]], 60, "tensorrt"),
     ]
     steps += [
-        Step(f"timing {name}", [*me, "config", name, "--work", str(work)], 60, needs="fngate")
-        for name in (*CONFIGS, "tensorrt-native-fp16")
-    ]
-    steps += [
-        Step(
-            f"cold start {label}",
-            [
-                *me,
-                "cold",
-                "--work",
-                str(work),
-                "--engines",
-                str(scratch / f"cold-engines-{index}"),
-                "--store",
-                str(scratch / "cold-store"),
-            ],
-            limit_s,
-            needs="fngate",
-        )
-        for index, (label, limit_s) in enumerate(
-            (("without a stored engine", 120), ("with the stored engine", 60))
-        )
+        Step(name, pytest if arguments is None else [*measure, *arguments], limit_s, needs)
+        for name, arguments, limit_s, needs in measured
     ]
     return steps, environment
 
@@ -329,20 +305,36 @@ NVIDIA_SMI = """
 import json, shutil, subprocess, sys
 if not shutil.which("nvidia-smi"):
     sys.exit("missing: nvidia-smi (NVIDIA's driver): no GPU to check")
-query = "name,driver_version,memory.total,compute_cap,uuid"
+query = "name,driver_version,memory.total,compute_cap,uuid,mig.mode.current"
 done = subprocess.run(["nvidia-smi", "--query-gpu=" + query, "--format=csv,noheader"],
                       capture_output=True, text=True, timeout=15)
 rows = [line.split(", ") for line in done.stdout.splitlines() if line.strip()]
 if done.returncode or not rows:
     sys.exit("nvidia-smi sees no GPU: " + (done.stderr or done.stdout).strip())
+listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15).stdout
+print(listed, flush=True)
 print(json.dumps([dict(zip(query.split(","), row)) for row in rows]))
 """
 
 
-def run_all(out: Path, wheels: Path | None, budget_s: float, scratch: Path) -> int:
+def empty_scratch(scratch: Path) -> None:
+    """Start every run from nothing: what an earlier run built or installed is removed. Only a
+    folder this script made (it holds its marker) or an empty one is emptied."""
+    marker = scratch / ".fngate-gpu-check"
+    if scratch.is_dir() and any(scratch.iterdir()) and not marker.is_file():
+        raise SystemExit(f"gpu_check: {scratch} is not a scratch folder of this script; name another one")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    marker.touch()
+
+
+def run_all(
+    out: Path, wheels: Sequence[Path], budget_s: float, scratch: Path, seconds: float = 1.0, pack: Path = PACK
+) -> int:
     """Exit status: 0 when every step passed, 2 when no GPU is visible, else 1."""
+    empty_scratch(scratch)
     (out / "log.txt").unlink(missing_ok=True)
-    steps, environment = plan(out, wheels, scratch)
+    steps, environment = plan(out, wheels, scratch, seconds, pack)
     deadline = time.monotonic() + budget_s
     outcomes = run_steps(steps[:1], out, budget_s, environment)
     if outcomes[0].status != "PASS":
@@ -352,6 +344,10 @@ def run_all(out: Path, wheels: Path | None, budget_s: float, scratch: Path) -> i
     outcomes = run_steps(setup, out, deadline - time.monotonic(), environment, earlier=outcomes)
     found = next((o.result for o in outcomes if o.name == "what the machine has"), None)
     missing = ["fngate"] if not isinstance(found, dict) or found.get("fngate_missing") else []
+    if isinstance(found, dict):
+        missing += list(found.get("gpu_missing", ()))
+    if not shutil.which("redis-server", path=environment.get("PATH")):
+        missing.append("redis-server")
     rest = [step for step in steps[1:] if step.needs]
     outcomes = run_steps(
         rest, out, deadline - time.monotonic(), environment, missing=missing, earlier=outcomes
@@ -383,17 +379,56 @@ def requirement_name(requirement: str) -> str:
     return requirement.strip()
 
 
-def check() -> int:
-    """One line per piece: `ok:` or `missing:`, then a JSON line the summary keeps. Exit 1 when
-    fngate itself cannot run (its dependencies or the test tools are missing)."""
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wanted_requirements() -> list[str]:
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    fngate_missing = []
-    for requirement in [*project["dependencies"], *TOOLS]:
-        name = requirement_name(requirement)
-        if "sys_platform" in requirement and sys.platform == "win32":
+    return [*project["dependencies"], *TOOLS]
+
+
+def closure(names: Sequence[str]) -> set[str]:
+    """The installed distributions these names need, directly or through one another (normalized)."""
+    seen: set[str] = set()
+    todo = [normalized(name) for name in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
             continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [normalized(requirement_name(item)) for item in requires if "extra ==" not in item]
+    return seen
+
+
+def pip_problems(said: str, concerned: set[str]) -> tuple[list[str], list[str]]:
+    """pip check's problems ("x 1.0 requires y, which is not installed." / "x 1.0 has requirement
+    y>=2, but you have y 1.5."): those about a distribution in `concerned` (as the one that
+    requires or the one required), and the others: the machine's, not fngate's."""
+    mine, others = [], []
+    for line in said.splitlines():
+        words = line.split()
+        if len(words) >= 5 and words[2] in ("requires", "has"):
+            required = requirement_name(words[4 if words[2] == "has" else 3].rstrip(","))
+            about_fngate = normalized(words[0]) in concerned or normalized(required) in concerned
+            (mine if about_fngate else others).append(line.strip())
+    return mine, others
+
+
+def check() -> int:
+    """One line per piece: `ok:` or `missing:`, then a JSON line the summary keeps. Exit 1 when
+    fngate itself cannot run (its dependencies or the test tools are missing, or pip check finds
+    their requirements unmet, or a GPU module does not import)."""
+    fngate_missing = []
+    requirements = wanted_requirements()
+    for requirement in requirements:
+        name = requirement_name(requirement)
         version = installed(name)
         if version is None:
             fngate_missing.append(name)
@@ -416,12 +451,53 @@ def check() -> int:
             gpu_missing.append(module)
         else:
             print(f"ok: {what}: {version}")
-    print(json.dumps({"fngate_missing": fngate_missing, "gpu_missing": gpu_missing}))
-    return 1 if fngate_missing else 0
+    broken = [] if fngate_missing else import_problems()
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "check", "--disable-pip-version-check"],
+        capture_output=True, text=True, timeout=45, check=False,
+    )  # fmt: skip
+    unmet, others = pip_problems(done.stdout, closure([requirement_name(item) for item in requirements]))
+    for line in unmet:
+        print(f"missing: pip check: {line}")
+    print(f"ok: pip check: {len(unmet)} problems for fngate, {len(others)} for other packages")
+    said = {
+        "fngate_missing": fngate_missing,
+        "gpu_missing": gpu_missing,
+        "pip_check": unmet,
+        "imports": broken,
+    }
+    print(json.dumps(said))
+    return 1 if fngate_missing or unmet or broken else 0
 
 
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+IMPORTS = """
+import importlib, json, sys
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module(module)
+        print(json.dumps([module, None]))
+    except Exception as exc:
+        print(json.dumps([module, f"{type(exc).__name__}: {exc}"]))
+"""
+
+
+def import_problems() -> list[str]:
+    """Import fngate's GPU modules in a fresh interpreter (as the steps do), one line each."""
+    command = [sys.executable, "-c", IMPORTS, *GPU_MODULES]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    said = dict(json.loads(line) for line in done.stdout.splitlines() if line.startswith("["))
+    problems = []
+    for module in GPU_MODULES:
+        problem = said.get(module, f"the import stopped its interpreter: {done.stderr.strip()[-300:]}")
+        if problem is None:
+            print(f"ok: import {module}")
+        else:
+            print(f"missing: import {module}: {problem}")
+            problems.append(f"{module}: {problem}")
+    return problems
+
+
+# ---------------------------------------------------------------- wheels, parts and the device's calls
 
 
 def download_wheels(
@@ -433,7 +509,7 @@ def download_wheels(
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = [*project["dependencies"], *TOOLS, *(project["optional-dependencies"]["gpu"] if gpu else [])]
+    wanted = [*wanted_requirements(), *(project["optional-dependencies"]["gpu"] if gpu else [])]
     platforms = [argument for platform in PLATFORMS for argument in ("--platform", platform)]
     command = [
         sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(dest),
@@ -455,205 +531,95 @@ def download_wheels(
     return 0
 
 
-# ---------------------------------------------------------------- environment
+def tree_bytes() -> int:
+    """What every call carries besides its payload: the working tree as git lists it."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    paths = [ROOT / name for name in listed.decode().split("\0") if name]
+    return sum(path.stat().st_size for path in paths if path.is_file())
 
 
-def environment() -> int:
-    """What this machine offers fngate, as the runner sees it."""
-    sys.path.insert(0, str(ROOT))
-    from runner import gpu
-    from runner.backends.libraries import needed_libraries, preload, wheel_libraries, wheel_roots
-    from runner.backends.providers import PROVIDER_LIBRARIES, probe
-
-    for name in (
-        "onnxruntime",
-        "onnxruntime-gpu",
-        "tensorrt-cu13",
-        "tensorrt",
-        "cuda-bindings",
-        "nvidia-ml-py",
-    ):
-        print(f"{name}: {installed(name) or 'not installed'}")
-    print(f"python: {sys.version.split()[0]} ({sys.executable})")
-    print(f"CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
-    print(f"gpu (CUDA index 0): {gpu.find_device(0)}")
-    print(f"memory: {gpu.read_memory(0)}")
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        print(f"onnxruntime: cannot be imported ({exc})")
+def pack(onnxruntime_wheel: Path | None, with_redis: bool, have: str, part_bytes: int = CALL_BYTES) -> int:
+    """Make .gpu/ for the device (wheels, redis-server, onnxruntime-gpu in parts) and write
+    .gpu/calls.json: what each call carries, the same command each time."""
+    shutil.rmtree(PACK, ignore_errors=True)
+    (PACK / "wheels").mkdir(parents=True)
+    if download_wheels(PACK / "wheels", "3.12", set(have.split()), False, []):
         return 1
-    print(f"onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
-    print(f"onnxruntime's CUDA build: {getattr(ort, 'cuda_version', '') or 'none (a CPU build)'}")
-    print(f"onnxruntime's build: {ort.get_build_info()}")
-    print(f"onnxruntime's providers: {ort.get_available_providers()}")
-    capi = Path(ort.__file__).parent / "capi"
-    roots = [capi, *wheel_roots()]
-    for provider, file_name in PROVIDER_LIBRARIES.items():
-        library = capi / file_name
-        if not library.is_file():
-            print(f"{provider}: {file_name} is not in this onnxruntime")
-            continue
-        print(f"{provider}: {library} links {list(needed_libraries(library))}")
-        if shutil.which("readelf"):
-            shown = subprocess.run(
-                ["readelf", "-d", str(library)], capture_output=True, text=True, timeout=30, check=False
-            )
-            print(
-                "\n".join(
-                    f"  readelf: {line.strip()}" for line in shown.stdout.splitlines() if "NEEDED" in line
+    wheels_bytes = sum(path.stat().st_size for path in (PACK / "wheels").iterdir())
+    redis_bytes = copy_redis(PACK / "redis") if with_redis else 0
+    if onnxruntime_wheel is None:
+        download = PACK / "download"
+        command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(download)]
+        command += ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
+        command += [argument for platform in PLATFORMS for argument in ("--platform", platform)]
+        if subprocess.run([*command, ONNXRUNTIME_GPU], check=False).returncode != 0:
+            return 1
+        (onnxruntime_wheel,) = download.glob("*.whl")
+    tree = tree_bytes()
+    first = part_bytes - tree - wheels_bytes - redis_bytes
+    if first < 2**20:
+        print("gpu_check: the wheels leave no room for a part in the first call", file=sys.stderr)
+        return 1
+    record = split(onnxruntime_wheel, PACK, first, part_bytes - tree)
+    record["wheels"] = len(list((PACK / "wheels").glob("*.whl")))
+    shutil.rmtree(PACK / "download", ignore_errors=True)
+    (PACK / "parts.json").write_text(json.dumps(record, indent=1))
+    carried = calls(record, True, with_redis)
+    (PACK / "calls.json").write_text(json.dumps(carried, indent=1))
+    sizes = {"working tree": tree, "wheels": wheels_bytes, "redis-server": redis_bytes}
+    print(", ".join(f"{what} {size / 2**20:.1f} MiB" for what, size in sizes.items()))
+    print(f"{record['wheel']}: {record['bytes'] / 2**20:.1f} MiB in {len(record['parts'])} parts")
+    for index, carry in enumerate(carried, 1):
+        print(f"call {index}: carry {json.dumps(carry)}")
+    print('each call: python3 scripts/gpu_check.py device --out "$OUT"')
+    return 0
+
+
+def copy_redis(folder: Path) -> int:
+    """Debian's redis-server and the libraries it links that a Python image lacks (liblzf, jemalloc)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("gpu_check: --redis needs redis-server here (apt-get install redis-server)")
+    folder.mkdir(parents=True)
+    shutil.copy2(Path(binary).resolve(), folder / "redis-server")
+    linked = subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=30, check=True).stdout
+    for line in linked.splitlines():
+        if "=>" in line and any(name in line for name in ("liblzf", "libjemalloc")):
+            library = Path(line.split("=>", 1)[1].split("(", 1)[0].strip())
+            shutil.copy2(library.resolve(), folder / library.name)
+    return sum(path.stat().st_size for path in folder.iterdir())
+
+
+def device(out: Path, budget_s: float, scratch: Path, seconds: float, pack: Path = PACK) -> int:
+    """One call on the GPU machine: note which parts have come (received.txt in `out`); once all
+    have, put onnxruntime-gpu together and run `all` with every wheel. Exit 3 when parts are
+    missing that an earlier call should have left: the machine was handed back between calls."""
+    record = json.loads((pack / "parts.json").read_text()) if (pack / "parts.json").is_file() else None
+    wheels = sorted((pack / "wheels").glob("*.whl"))
+    if record is not None:
+        here, missing = received(pack, record)
+        said = f"have {here or 'no part'}; to come {missing or 'nothing'}"
+        print(f"gpu_check: {record['wheel']}: {said}", flush=True)
+        if missing:
+            (out / "received.txt").write_text(said + "\n")
+            if lost(record, here, len(wheels)):
+                print(
+                    "gpu_check: what an earlier call carried is gone: start again from call 1",
+                    file=sys.stderr,
                 )
-            )
-        loaded = preload(library, roots)
-        for path in loaded.loaded:
-            print(f"  loaded {path}")
-        for failure in loaded.failed:
-            print(f"  FAILED {failure}")
-    found = wheel_libraries(wheel_roots())
-    for name in CUDA_LIBRARIES:
-        print(f"{name}: {found.get(name, 'not in any NVIDIA wheel folder on sys.path')}")
-    print(f"runner's view: {probe(0)}")
-    return 0
-
-
-# ---------------------------------------------------------------- timings
-
-
-def function(work: Path, accelerator: str = "cpu", precision: str = "fp32") -> tuple[Any, Path]:
-    """The benchmark's wide MLP as a function folder with this accelerator (built once per folder)."""
-    import yaml
-
-    from bench.models import wide, write_function
-    from fngate.manifest import load_manifest
-
-    folder = work / f"wide-{accelerator}-{precision}"
-    if not (folder / "wide" / "function.yaml").is_file():
-        write_function(folder, "wide", wide(), FEATURES, max_batch_size=32, preferred_batch_sizes=[32])
-        path = folder / "wide" / "function.yaml"
-        data = yaml.safe_load(path.read_text())
-        data["model"].update(accelerator=accelerator, precision=precision)
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return load_manifest(folder / "wide" / "function.yaml"), folder / "wide"
-
-
-def measure(backend: Any, batch: int, seconds: float) -> dict[str, float]:
-    import numpy as np
-
-    rng = np.random.default_rng(batch)
-    inputs = [{"input": rng.standard_normal((batch, FEATURES), dtype=np.float32)} for _ in range(8)]
-    for item in inputs:
-        backend.run(item, ["output"])
-    latencies = []
-    started = time.perf_counter()
-    while time.perf_counter() - started < seconds and len(latencies) < 5000:
-        t0 = time.perf_counter_ns()
-        backend.run(inputs[len(latencies) % len(inputs)], ["output"])
-        latencies.append(time.perf_counter_ns() - t0)
-    elapsed = time.perf_counter() - started
-    array = np.asarray(latencies) / 1e6
-    return {
-        "p50_ms": round(float(np.percentile(array, 50)), 4),
-        "p90_ms": round(float(np.percentile(array, 90)), 4),
-        "rows_per_s": round(len(latencies) * batch / elapsed, 1),
-        "runs": len(latencies),
-    }
-
-
-def max_difference(backend: Any, work: Path) -> float:
-    import numpy as np
-
-    from runner.backends.onnx import OnnxBackend
-
-    manifest, folder = function(work)
-    reference = OnnxBackend(manifest, folder, 4)
-    batch = {"input": np.random.default_rng(7).standard_normal((32, FEATURES), dtype=np.float32)}
-    try:
-        expected = reference.run(batch, ["output"])["output"]
-    finally:
-        reference.close()
-    return round(float(np.max(np.abs(backend.run(batch, ["output"])["output"] - expected))), 5)
-
-
-def time_config(work: Path, name: str, seconds: float) -> int:
-    """One configuration, loaded and timed in this process; prints its result as one JSON line."""
-    sys.path.insert(0, str(ROOT))
-    result: dict[str, Any] = {"name": name}
-    try:
-        started = time.perf_counter()
-        if name == "tensorrt-native-fp16":
-            backend = native_backend(work, result)
-        else:
-            from runner.backends.onnx import OnnxBackend
-            from runner.backends.providers import Acceleration
-
-            accelerator, precision, wanted = CONFIGS[name]
-            manifest, folder = function(work, accelerator, precision)
-            acceleration = Acceleration(engine_dir=work / "engines" / name, require=True)
-            result["wanted"] = wanted
-            backend = OnnxBackend(manifest, folder, min(os.cpu_count() or 1, 16), acceleration)
-        result |= {"load_s": round(time.perf_counter() - started, 3), "device": backend.device}
-        result["device_memory_bytes"] = backend.device_memory_bytes
-        result["fallback_reason"] = getattr(backend, "fallback_reason", None)
+                return 3
+            return 0
+        empty_scratch(scratch)
         try:
-            result["batches"] = {str(batch): measure(backend, batch, seconds) for batch in BATCHES}
-            result["max_abs_diff_vs_cpu"] = max_difference(backend, work)
-        finally:
-            backend.close()
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    print(json.dumps(result), flush=True)
-    return 0 if "error" not in result and result.get("device") == result.get("wanted") else 1
-
-
-def native_backend(work: Path, result: dict[str, Any]) -> Any:
-    """The same model as a native fp16 .plan through the tensorrt backend (built here first)."""
-    from runner.backends.tensorrt import TensorRTBackend, build_plan
-
-    manifest, folder = function(work, "cpu", "fp32")
-    result["wanted"] = "TensorRT"
-    started = time.perf_counter()
-    build_plan(manifest, folder / "model.onnx", folder / "model.plan", fp16=True)
-    result["build_s"] = round(time.perf_counter() - started, 3)
-    native = manifest.model_copy(
-        update={"model_spec": manifest.model.model_copy(update={"backend": "tensorrt", "path": "model.plan"})}
-    )
-    return TensorRTBackend(native, folder)
-
-
-def cold(work: Path, engines: Path, store: Path) -> int:
-    """One cold start in this new process: the TensorRT fp16 function, its engine cache in `store`."""
-    sys.path.insert(0, str(ROOT))
-    import numpy as np
-    from prometheus_client import REGISTRY
-
-    from runner.backends.engine_cache import FolderEngineStore
-    from runner.backends.onnx import OnnxBackend
-    from runner.backends.providers import Acceleration
-
-    manifest, folder = function(work, "tensorrt", "fp16")
-    started = time.perf_counter()
-    try:
-        accel = Acceleration(engines, FolderEngineStore(store), require=True)
-        backend = OnnxBackend(manifest, folder, 1, accel)
-    except Exception as exc:
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-        return 1
-    backend.run({"input": np.zeros((1, FEATURES), dtype=np.float32)}, ["output"])
-    load_s = round(time.perf_counter() - started, 3)
-    events = {
-        event: REGISTRY.get_sample_value(
-            "fngate_engine_cache_events_total", {"function": "wide", "event": event}
-        )
-        for event in ("local", "downloaded", "miss", "mismatch", "stale", "uploaded", "upload_failed")
-    }
-    said = {
-        "load_and_first_answer_s": load_s,
-        "device": backend.device,
-        "events": {k: v for k, v in events.items() if v},
-    }
-    print(json.dumps(said), flush=True)
-    backend.close()
-    return 0
+            wheels.append(reassemble(pack, record, scratch))
+        except ValueError as exc:
+            print(f"gpu_check: {exc}: start again from call 1", file=sys.stderr)
+            return 3
+        scratch = scratch / "run"
+    return run_all(out, wheels, budget_s, scratch, seconds, pack)
 
 
 def main() -> int:
@@ -661,53 +627,50 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    everything = commands.add_parser("all")
-    everything.add_argument("--out", type=Path, required=True)
-    everything.add_argument("--wheels", type=Path)
-    everything.add_argument("--budget-s", type=float, default=480.0)
-    everything.add_argument(
-        "--scratch", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "fngate-gpu-check"
-    )
+    default_scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "fngate-gpu-check"
+    for name in ("all", "device"):
+        command = commands.add_parser(name)
+        command.add_argument("--out", type=Path, required=True)
+        command.add_argument(
+            "--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", "360"))
+        )
+        command.add_argument("--scratch", type=Path, default=default_scratch)
+        command.add_argument("--seconds", type=float, default=1.0, help="each measurement's window")
+        if name == "all":
+            command.add_argument("--wheels", type=Path)
+        else:
+            command.add_argument("--pack", type=Path, default=PACK, help="what the calls carried (.gpu)")
     commands.add_parser("check")
-    commands.add_parser("environment")
+    packing = commands.add_parser("pack")
+    packing.add_argument("--onnxruntime-wheel", type=Path, help="this file rather than one downloaded")
+    packing.add_argument("--redis", action="store_true", help="also redis-server, for the fngate up step")
+    packing.add_argument("--have", default=DEVICE_HAS, help="distributions the GPU machine has")
     download = commands.add_parser("wheels")
     download.add_argument("dest", type=Path)
     download.add_argument("--python-version", default="3.12")
-    download.add_argument("--have", default="", help="distributions the GPU machine has, separated by spaces")
+    download.add_argument("--have", default=DEVICE_HAS, help="distributions the GPU machine has")
     download.add_argument(
-        "--gpu", action="store_true", help="also the gpu extra (GBs; TensorRT needs NVIDIA's index)"
+        "--gpu", action="store_true", help="also the gpu extra (hundreds of MiB: CUDA and cuDNN)"
     )
-    download.add_argument(
-        "pip_arguments", nargs="*", help="after --: more pip arguments (--extra-index-url URL)"
-    )
-    config = commands.add_parser("config")
-    config.add_argument("name", choices=[*CONFIGS, "tensorrt-native-fp16"])
-    config.add_argument("--work", type=Path, required=True)
-    config.add_argument("--seconds", type=float, default=1.0)
-    cold_parser = commands.add_parser("cold")
-    for name in ("--work", "--engines", "--store"):
-        cold_parser.add_argument(name, type=Path, required=True)
+    download.add_argument("pip_arguments", nargs="*", help="after --: more pip arguments")
     arguments = parser.parse_args()
-    if arguments.command == "all":
-        wheels = arguments.wheels if arguments.wheels and any(arguments.wheels.glob("*.whl")) else None
-        arguments.scratch.mkdir(parents=True, exist_ok=True)
+    if arguments.command in ("all", "device"):
         arguments.out.mkdir(parents=True, exist_ok=True)
-        return run_all(arguments.out, wheels, arguments.budget_s, arguments.scratch)
+    if arguments.command == "all":
+        folder = arguments.wheels
+        wheels = sorted(folder.glob("*.whl")) if folder is not None else []
+        return run_all(arguments.out, wheels, arguments.budget_s, arguments.scratch, arguments.seconds)
+    if arguments.command == "device":
+        return device(arguments.out, arguments.budget_s, arguments.scratch, arguments.seconds, arguments.pack)
     if arguments.command == "check":
         return check()
-    if arguments.command == "environment":
-        return environment()
-    if arguments.command == "wheels":
-        arguments.dest.mkdir(parents=True, exist_ok=True)
-        have = set(arguments.have.replace(",", " ").split())
-        return download_wheels(
-            arguments.dest, arguments.python_version, have, arguments.gpu, arguments.pip_arguments
-        )
-    if arguments.command == "config":
-        arguments.work.mkdir(parents=True, exist_ok=True)
-        return time_config(arguments.work, arguments.name, arguments.seconds)
-    arguments.work.mkdir(parents=True, exist_ok=True)
-    return cold(arguments.work, arguments.engines, arguments.store)
+    if arguments.command == "pack":
+        return pack(arguments.onnxruntime_wheel, arguments.redis, arguments.have)
+    arguments.dest.mkdir(parents=True, exist_ok=True)
+    have = set(arguments.have.replace(",", " ").split())
+    return download_wheels(
+        arguments.dest, arguments.python_version, have, arguments.gpu, arguments.pip_arguments
+    )
 
 
 if __name__ == "__main__":

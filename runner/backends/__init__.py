@@ -48,7 +48,7 @@ def _python(
 ) -> Backend:
     from runner.backends.python import PythonBackend
 
-    return PythonBackend(manifest, directory)
+    return PythonBackend(manifest, directory, accel)
 
 
 def _tensorrt(

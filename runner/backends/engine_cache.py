@@ -1,8 +1,9 @@
-"""TensorRT engine caches that outlive a pod. The key names what an engine depends on (the model's
-sha256, the TensorRT version, the GPU: its compute capability, name and driver, the precision,
-the builder and the options that shape the engine); a model's local folder is filled from a store
-before its session is created and saved to the store after a build. A cache whose recorded key
-differs from the one wanted is never used; one that TensorRT refuses is stale: deleted and rebuilt.
+"""TensorRT engine caches that outlive a pod. The key names what an engine depends on (the
+version's files and which of them is the model, the TensorRT version, the GPU: its compute
+capability, name and driver, the precision, the builder and the options that shape the engine); a
+model's local folder is filled from a store before its session is created and saved to the store
+after a build, at the session's creation or on first use. A cache whose recorded key differs from
+the one wanted is never used; one that TensorRT refuses is stale: deleted and rebuilt.
 Every method here blocks."""
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ _SLUG = re.compile(r"[^a-z0-9.]+")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineKey:
-    model_sha256: str
+    files_sha256: str
+    """The version's files (the model, its external data, whatever else it loads) and which of
+    them is the model: an engine depends on the weights wherever they are kept."""
     tensorrt: str
     """TensorRT's version, as the library reports it: an engine only loads in the same one."""
     compute_capability: str
@@ -62,7 +65,7 @@ class EngineKey:
         cc = self.compute_capability.replace(".", "")
         device = _SLUG.sub("-", self.device.lower()).strip("-")
         gpu = f"sm{cc}-{device}-r{self.driver}"
-        return f"{self.model_sha256}/trt{self.tensorrt}-{gpu}-{self.precision}-{builder}-{self.options}.tar"
+        return f"{self.files_sha256}/trt{self.tensorrt}-{gpu}-{self.precision}-{builder}-{self.options}.tar"
 
     def fields(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -152,8 +155,10 @@ class S3EngineStore:
 
 class EngineCache:
     """One model's engine folder under `root`, named by its key; `prepare` fills it from the store
-    (or keeps what is there when its key matches), `save` sends a fresh build to the store. Hold
-    `locked()` around both and the session's creation: runners on one machine then build once."""
+    (or keeps what is there when its key matches), `save` sends what was built since to the store:
+    at the session's creation, or later, when a batch of a shape no engine covers makes TensorRT
+    build one (`changed` tells). Hold `locked()` around `prepare`, `save` and the session's
+    creation: runners on one machine then build once."""
 
     def __init__(self, root: Path, key: EngineKey, store: EngineStore | None, function: str) -> None:
         self.key = key
@@ -163,6 +168,8 @@ class EngineCache:
         self._function = function
         self.event = ""
         """What `prepare` found: local, downloaded, miss or mismatch; stale after `discard`."""
+        self._saved: frozenset[tuple[str, int, int]] = frozenset()
+        """The engines as `prepare` left them or `save` stored them: (name, size, mtime)."""
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -176,6 +183,15 @@ class EngineCache:
 
     def prepare(self) -> str:
         """Make `folder` hold this key's engines, or nothing; returns (and records) the event."""
+        event = self._prepare()
+        self._saved = self._signature()
+        return event
+
+    def changed(self) -> bool:
+        """The folder holds engines that the store does not: built since `prepare` or `save`."""
+        return self._signature() != self._saved
+
+    def _prepare(self) -> str:
         problem = self._local_problem()
         if problem is None:
             return self._record("local")
@@ -199,14 +215,17 @@ class EngineCache:
         )
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(parents=True)
+        self._saved = frozenset()
         self._record("stale")
 
     def save(self) -> bool:
-        """After a build: record the key beside the engines and upload them. Never raises; a store
-        that fails costs the next pod a build, not this one its model."""
-        if self.event not in ("miss", "mismatch", "stale") or not self._engines(self.folder):
+        """After a build: record the key beside the engines and upload them, when there are engines
+        the store lacks. Never raises; a store that fails costs the next pod a build, not this one
+        its model."""
+        if not self.changed() or not self._engines(self.folder):
             return False
         (self.folder / META).write_bytes(orjson.dumps(self.key.fields()))
+        self._saved = self._signature()
         if self._store is None:
             return False
         with tempfile.TemporaryDirectory(dir=self._root) as scratch:
@@ -270,6 +289,10 @@ class EngineCache:
             return "it holds no engine"
         return None
 
+    def _signature(self) -> frozenset[tuple[str, int, int]]:
+        engines = self._engines(self.folder) if self.folder.is_dir() else []
+        return frozenset((path.name, *_size_and_time(path)) for path in engines)
+
     @staticmethod
     def _engines(folder: Path) -> list[Path]:
         return [path for path in folder.iterdir() if path.suffix in ENGINE_SUFFIXES and path.is_file()]
@@ -278,6 +301,11 @@ class EngineCache:
         self.event = event
         ENGINE_CACHE_EVENTS.labels(self._function, event).inc()
         return event
+
+
+def _size_and_time(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_size, status.st_mtime_ns
 
 
 def _pack(folder: Path, archive: Path) -> None:

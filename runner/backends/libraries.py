@@ -1,4 +1,5 @@
-"""The shared libraries a GPU provider of onnxruntime links, found where NVIDIA's wheels put them
+"""The shared libraries a GPU provider of onnxruntime links, and those its CUDA provider opens only
+at run time (onnxruntime's own preload_dlls loads them too), found where NVIDIA's wheels put them
 (no search path names those folders) and loaded, each after those it links, before onnxruntime
 loads the provider; and why one cannot be. Reads ELF headers itself: no tool is needed."""
 
@@ -103,32 +104,51 @@ def load_order(
     return order
 
 
+def cuda_runtime_libraries(cuda_version: str) -> tuple[str, ...]:
+    """What onnxruntime's CUDA provider opens only when a model needs it, so that its NEEDED
+    entries do not name them, for a build of this CUDA version ("13.0"): cuFFT (FFT operators),
+    nvrtc (kernels compiled at run time) and cuDNN (convolutions). onnxruntime's own preload_dlls
+    loads these beside what the provider links, and lets each be missing; so does `preload`."""
+    major = cuda_version.split(".", 1)[0]
+    if not major.isdigit():
+        return ()
+    cufft = "12" if int(major) >= 13 else "11"
+    return (f"libcufft.so.{cufft}", f"libnvrtc.so.{major}", "libcudnn.so.9")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Preloaded:
     loaded: tuple[Path, ...]
     failed: tuple[str, ...] = ()
     """"name: why" for each library the provider links that cannot be loaded."""
+    absent: tuple[str, ...] = ()
+    """"name: why" for each optional library that cannot be loaded: the provider loads, and only
+    the models that need it fail (a convolution without cuDNN)."""
 
 
-def preload(provider_library: Path, roots: Sequence[Path]) -> Preloaded:
-    """Load what `provider_library` links before onnxruntime does: from the wheels where they are
-    (by path, so that nvidia/cu13/lib needs no LD_LIBRARY_PATH), else by name as the system's
-    loader finds it. A library loaded once is found by its name afterwards, so onnxruntime's own
-    dlopen of the provider then succeeds; one that fails here is the reason the provider would."""
+def preload(provider_library: Path, roots: Sequence[Path], optional: Sequence[str] = ()) -> Preloaded:
+    """Load what `provider_library` links, and the `optional` libraries it opens at run time, before
+    onnxruntime does: from the wheels where they are (by path, so that nvidia/cu13/lib needs no
+    LD_LIBRARY_PATH), else by name as the system's loader finds it. A library loaded once is found
+    by its name afterwards, so onnxruntime's own dlopen of the provider then succeeds; one it links
+    that fails here is the reason the provider would."""
     wanted = needed_libraries(provider_library)
+    extra = [name for name in optional if name not in wanted]
     found = wheel_libraries(roots)
     loaded: list[Path] = []
-    failed: list[str] = []
-    for path in load_order(wanted, found, needed_libraries):
+    problems: dict[str, str] = {}
+    for path in load_order([*wanted, *extra], found, needed_libraries):
         try:
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
             loaded.append(path)
         except OSError as exc:
-            failed.append(f"{path.name}: {exc}")
-    for name in wanted:
+            problems[path.name] = f"{path.name}: {exc}"
+    for name in [*wanted, *extra]:
         if name not in found:
             try:
                 ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
             except OSError as exc:
-                failed.append(f"{name}: {exc}")
-    return Preloaded(tuple(loaded), tuple(failed))
+                problems[name] = f"{name}: {exc}"
+    failed = tuple(problem for name, problem in problems.items() if name not in extra)
+    absent = tuple(problems[name] for name in extra if name in problems)
+    return Preloaded(tuple(loaded), failed, absent)

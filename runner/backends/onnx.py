@@ -9,7 +9,9 @@ is not the one asked for (None when it is); `device_memory_bytes` is the GPU mem
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from fngate.errors import InvalidArgument, Unavailable
 from fngate.manifest import FunctionManifest
-from fngate.repository import SHA256, hash_file
+from fngate.repository import MANIFEST_FILE, SHA256, hash_file
 from fngate.tensors import DATATYPES
 from runner import gpu
 from runner.backends import Tensors
@@ -32,6 +34,7 @@ from runner.backends.providers import (
     choose,
     options,
     probe,
+    refuse_fallback,
     session_problem,
 )
 from runner.metrics import ACCELERATOR_FALLBACKS
@@ -56,16 +59,21 @@ class OnnxBackend:
         ort = _onnxruntime()
         asked = manifest.model.accelerator
         choice = Choice((CPU,)) if asked == "cpu" else choose(asked, probe(accel.device_index))
-        self._refuse_fallback(manifest, accel, choice.reason)
+        refuse_fallback(manifest, accel, choice.reason)
         path = directory / manifest.model.path
         cache = None
         if choice.providers[0] == TENSORRT:
-            cache = _engine_cache(manifest, path, accel, ort.__version__)
+            cache = _engine_cache(manifest, directory, accel, ort.__version__)
         source: Path | bytes = model_bytes if model_bytes is not None and cache is None else path
         folder = cache.folder if cache is not None else accel.engine_dir
         providers = [(name, options(name, manifest, folder, accel.device_index)) for name in choice.providers]
         on_gpu = choice.providers[0] != CPU
         before = gpu.read_memory(accel.device_index) if on_gpu else None
+        self._options = ort.RunOptions()
+        self._options.log_severity_level = 4  # a stopped batch is not onnxruntime's error to print
+        self._cache: EngineCache | None = None
+        self._shapes: set[tuple[tuple[int, ...], ...]] = set()
+        self._saving = threading.Lock()
         with cache.locked() if cache is not None else contextlib.nullcontext():
             if cache is not None:
                 cache.prepare()
@@ -75,21 +83,21 @@ class OnnxBackend:
                 # fail: build afresh once, and let the rebuilt engines replace the stored ones.
                 cache.discard(problem)
                 self._session, problem = create_session(ort, source, threads, providers)
+            self.device: str = self._session.get_providers()[0]
+            self.fallback_reason: str | None = choice.reason
+            if problem is not None:
+                self.fallback_reason = f"{choice.reason}; {problem}" if choice.reason else problem
+                refuse_fallback(manifest, accel, self.fallback_reason)
+            self._check_names(manifest)
+            if on_gpu:
+                self._warm_up(manifest)  # where TensorRT builds what no profile let it build before
             if cache is not None and problem is None:
                 cache.save()
-        self.device: str = self._session.get_providers()[0]
-        self.fallback_reason: str | None = choice.reason
-        if problem is not None:
-            self.fallback_reason = f"{choice.reason}; {problem}" if choice.reason else problem
-            self._refuse_fallback(manifest, accel, self.fallback_reason)
-        self._check_names(manifest)
-        self._options = ort.RunOptions()
-        self._options.log_severity_level = 4  # a stopped batch is not onnxruntime's error to print
+                self._cache = cache
         self.stoppable = self.device == CPU
         """On the CPU a quick batch may run inline (runner.execution.Pace); a GPU's may not."""
         self.device_memory_bytes = 0
         if on_gpu:
-            self._warm_up(manifest)
             after = gpu.read_memory(accel.device_index)
             if before is not None and after is not None:
                 self.device_memory_bytes = gpu.taken_bytes(before, after)
@@ -98,7 +106,28 @@ class OnnxBackend:
     def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
         self._options.terminate = False
         results = self._session.run(outputs, inputs, self._options)
+        if self._cache is not None:
+            self._store_new_engines(inputs)
         return dict(zip(outputs, results, strict=True))
+
+    def _store_new_engines(self, inputs: Tensors) -> None:
+        """TensorRT builds an engine for a shape that none covers on first use (inputs without a
+        profile): after a batch of a shape not seen before, store what it built, in a thread of
+        its own so that the batch's answers do not wait for the upload."""
+        shapes = tuple(array.shape for array in inputs.values())
+        if shapes in self._shapes:
+            return
+        self._shapes.add(shapes)
+        cache = self._cache
+        if cache is not None and cache.changed() and self._saving.acquire(blocking=False):
+            threading.Thread(target=self._save, args=(cache,), name="engine-cache-save", daemon=True).start()
+
+    def _save(self, cache: EngineCache) -> None:
+        try:
+            with cache.locked():
+                cache.save()
+        finally:
+            self._saving.release()
 
     def stop(self) -> None:
         """Ends the running batch from another thread: onnxruntime checks the flag between nodes."""
@@ -106,13 +135,6 @@ class OnnxBackend:
 
     def close(self) -> None:
         del self._session
-
-    def _refuse_fallback(self, manifest: FunctionManifest, accel: Acceleration, reason: str | None) -> None:
-        if reason is not None and accel.require:
-            raise Unavailable(
-                f"{manifest.name} asks for accelerator {manifest.model.accelerator} and this runner "
-                f"requires it (FNGATE_REQUIRE_ACCELERATOR), but {reason}"
-            )
 
     def _check_names(self, manifest: FunctionManifest) -> None:
         model_inputs = {item.name for item in self._session.get_inputs()}
@@ -202,13 +224,13 @@ def create_session(
 
 
 def _engine_cache(
-    manifest: FunctionManifest, path: Path, accel: Acceleration, ort_version: str
+    manifest: FunctionManifest, directory: Path, accel: Acceleration, ort_version: str
 ) -> EngineCache:
     environment = probe(accel.device_index)
     assert isinstance(environment.device, gpu.Device)  # choose() put TensorRT first: there is one
     shaping = options(TENSORRT, manifest, Path(), accel.device_index)
     key = EngineKey(
-        model_sha256(path),
+        files_sha256(directory, manifest.model.path),
         environment.tensorrt_version,
         environment.device.compute_capability,
         environment.device.name,
@@ -220,9 +242,21 @@ def _engine_cache(
     return EngineCache(accel.engine_dir, key, accel.store, manifest.name)
 
 
-def model_sha256(path: Path) -> str:
-    """The model file's sha256: the artifact cache links each file to a blob named by it, so
-    that is read from the link when it can be; otherwise the file is hashed."""
+def files_sha256(directory: Path, model_path: str) -> str:
+    """A digest of the version's files in `directory` (each file's path and sha256, but the
+    manifest's, whose settings that shape an engine are in its options) and of `model_path`, the
+    model among them: ONNX external data changes an engine as much as the .onnx does."""
+    digest = hashlib.sha256(f"model {model_path}\n".encode())
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory).as_posix()
+        if relative != MANIFEST_FILE and path.is_file():
+            digest.update(f"{relative} {file_sha256(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """A file's sha256: the artifact cache links each file to a blob named by it, so that is read
+    from the link when it can be; otherwise the file is hashed."""
     if path.is_symlink():
         target = path.readlink().name
         if SHA256.match(target):

@@ -14,10 +14,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fngate.config import RunnerSettings
+from fngate.errors import Unavailable
 from fngate.manifest import FunctionManifest
 from runner import gpu
 from runner.backends.engine_cache import EngineStore
-from runner.backends.libraries import preload, wheel_roots
+from runner.backends.libraries import cuda_runtime_libraries, preload, wheel_roots
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,16 @@ class Acceleration:
             store,
             settings.require_accelerator,
             settings.gpu_device,
+        )
+
+
+def refuse_fallback(manifest: FunctionManifest, accel: Acceleration, reason: str | None) -> None:
+    """Unavailable when the model cannot run where its manifest asks (`reason`) and this runner
+    requires the accelerator (FNGATE_REQUIRE_ACCELERATOR)."""
+    if reason is not None and accel.require:
+        raise Unavailable(
+            f"{manifest.name} asks for accelerator {manifest.model.accelerator} and this runner "
+            f"requires it (FNGATE_REQUIRE_ACCELERATOR), but {reason}"
         )
 
 
@@ -197,10 +208,14 @@ def probe(device_index: int) -> Environment:
     if isinstance(device, gpu.Device):
         capi = Path(ort.__file__).parent / "capi"
         roots = [capi, *wheel_roots()]
+        runtime = cuda_runtime_libraries(getattr(ort, "cuda_version", "") or "")
         for provider in (CUDA, TENSORRT):
             library = capi / PROVIDER_LIBRARIES[provider]
             if provider in available and library.is_file():
-                problems[provider] = "; ".join(preload(library, roots).failed)
+                loaded = preload(library, roots, runtime if provider == CUDA else ())
+                problems[provider] = "; ".join(loaded.failed)
+                for absent in loaded.absent:
+                    log.warning("the CUDA provider's models that need %s fail: it cannot be loaded", absent)
     version, problem = ("", "") if TENSORRT not in available else tensorrt_library()
     return Environment(
         available,
@@ -222,7 +237,7 @@ def tensorrt_library() -> tuple[str, str]:
         try:
             library = ctypes.CDLL(name)
         except OSError as exc:
-            return "", f"{name}: {exc}; install fngate[gpu] (tensorrt-cu13 10.x)"
+            return "", f"{name}: {exc}; install fngate[gpu,tensorrt] (tensorrt-cu13 10.x)"
         loaded = loaded or library
     assert loaded is not None
     return library_version(int(loaded.getInferLibVersion())), ""

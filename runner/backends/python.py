@@ -4,6 +4,10 @@ The contract: `model.py` defines `class Model` whose constructor takes the funct
 (a pathlib.Path) and whose `infer(inputs: dict[str, numpy.ndarray]) -> dict[str, numpy.ndarray]`
 takes a whole batch (rows of several invocations concatenated on the first axis) and returns every
 output of the manifest with the same number of rows. An optional `close()` is called on unload.
+With `accelerator: cuda` the process is given the runner's GPU (CUDA_VISIBLE_DEVICES names it, by
+UUID where NVML can tell: CUDA's device 0 there), and the Model says where it runs with a `device`
+attribute ("cuda", or "cpu" and why not in `fallback_reason`); the backend reports it, and the GPU
+memory the process holds once its Model is constructed.
 
 The model lives in a child process (runner.sandbox) with a clean environment and a working folder
 of its own. A child that dies or runs past the execution timeout fails its batch and is started
@@ -28,9 +32,10 @@ from typing import IO
 import runner
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest
-from runner import sandbox
+from runner import gpu, sandbox
 from runner.backends import Tensors
-from runner.metrics import FUNCTION_RESTARTS
+from runner.backends.providers import Acceleration, refuse_fallback
+from runner.metrics import FUNCTION_RESTARTS, PYTHON_GPU
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +56,27 @@ class PythonBackend:
     """The thread that waits on this function's process: its own, so that functions that hang or
     back off never hold the threads other functions' batches need."""
 
-    def __init__(self, manifest: FunctionManifest, directory: Path) -> None:
+    device = "python"
+    """"python" on the CPU, "python:cuda" when the Model says it runs on its GPU."""
+    fallback_reason: str | None = None
+    device_memory_bytes = 0
+
+    def __init__(
+        self, manifest: FunctionManifest, directory: Path, acceleration: Acceleration | None = None
+    ) -> None:
+        accel = acceleration or Acceleration()
         self._manifest = manifest
         self._name = manifest.name
         self._module = directory / manifest.model.path
         self._directory = directory
+        self._environment: dict[str, str] = {}
+        on_gpu = manifest.model.accelerator == "cuda"
+        if on_gpu:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            device = gpu.find_device(accel.device_index)
+            self._environment["CUDA_VISIBLE_DEVICES"] = gpu.child_visible_devices(
+                device, accel.device_index, visible
+            )
         limit_mb = manifest.model.memory_limit_mb
         self._memory_limit_bytes = limit_mb * 2**20 if limit_mb else None
         self._lock = threading.Lock()
@@ -66,8 +87,28 @@ class PythonBackend:
         self._last_exit = ""
         if not self._module.is_file():
             raise InvalidArgument(f"{manifest.model.path} is not a file in the function's folder")
-        self._child = self._start()
+        before = gpu.read_memory(accel.device_index) if on_gpu else None
+        self._child = child = self._start()
+        if on_gpu:
+            try:
+                self._place(child, accel, before)
+            except BaseException:
+                child.stop(graceful=False)
+                raise
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"function-{self._name}")
+
+    def _place(self, child: _Child, accel: Acceleration, before: gpu.MemoryReading | None) -> None:
+        """Where a function that asked for cuda runs, as its Model says, and the GPU memory its
+        process holds once the Model is constructed (NVML, by the process's id)."""
+        if child.device.startswith("cuda"):
+            self.device = PYTHON_GPU
+        else:
+            self.fallback_reason = child.reason or f"its Model runs on {child.device!r}, not on the GPU"
+        refuse_fallback(self._manifest, accel, self.fallback_reason)
+        after = gpu.read_memory(accel.device_index, child.process.pid)
+        if before is not None and after is not None:
+            fresh = gpu.MemoryReading(before.device_used_bytes, None)  # a new process holds nothing
+            self.device_memory_bytes = gpu.taken_bytes(fresh, after)
 
     @property
     def pid(self) -> int | None:
@@ -143,7 +184,7 @@ class PythonBackend:
 
     def _start(self) -> _Child:
         try:
-            return _Child.start(self._name, self._module, self._directory)
+            return _Child.start(self._name, self._module, self._directory, self._environment)
         except FunctionError as exc:
             self._note_failure(exc.message)
             raise
@@ -194,6 +235,10 @@ class PythonBackend:
 class _Child:
     """One `python -m runner.sandbox` process and its pipes."""
 
+    device = "cpu"
+    """Where its Model says it runs, and why not on the GPU (`reason`), from its first frame."""
+    reason: str | None = None
+
     def __init__(self, process: subprocess.Popen[bytes], workdir: Path) -> None:
         self.process = process
         self.workdir = workdir
@@ -206,11 +251,12 @@ class _Child:
         os.set_blocking(self.replies, False)
 
     @classmethod
-    def start(cls, name: str, module: Path, directory: Path) -> _Child:
-        """Start the process and wait until its Model is constructed. Raises InvalidArgument when
-        model.py does not load, ModelFailed when the process dies or takes too long."""
+    def start(cls, name: str, module: Path, directory: Path, environment: dict[str, str]) -> _Child:
+        """Start the process (`environment` added to the runner's, less its secrets) and wait until
+        its Model is constructed. Raises InvalidArgument when model.py does not load, ModelFailed
+        when the process dies or takes too long."""
         workdir = Path(tempfile.mkdtemp(prefix=f"fngate-{name}-"))
-        env = sandbox.clean_environment(os.environ)
+        env = sandbox.clean_environment(os.environ) | environment
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env["TMPDIR"] = str(workdir)
         # Never a fork of the runner: a fresh interpreter holds none of its sockets, threads or loop.
@@ -243,7 +289,8 @@ class _Child:
         if "error" in header:
             child.stop(graceful=False)
             raise InvalidArgument(header["error"])
-        log.info("function %s runs in process %d", name, process.pid)
+        child.device, child.reason = str(header.get("device", "cpu")), header.get("reason")
+        log.info("function %s runs in process %d (%s)", name, process.pid, child.device)
         return child
 
     def rss_bytes(self) -> int:

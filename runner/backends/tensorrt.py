@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,16 +178,17 @@ class TensorRTBackend:
         return results
 
     def close(self) -> None:
-        """Idempotent: frees the buffers, the stream, the context and the engine."""
-        for address in self._buffers:
-            self._call("cudaFree", address)
-        self._buffers = []
-        if self._stream is not None:
-            self._call("cudaStreamDestroy", self._stream)
-            self._stream = None
+        """Idempotent: frees the buffers, the stream, the context and the engine, on this model's
+        GPU (another thread may have made another one current), each even when freeing another
+        failed; then raises the first failure."""
+        buffers, self._buffers = self._buffers, []
+        stream, self._stream = self._stream, None
+        failure = release(self._call, self._index, buffers, stream)
         for attribute in ("_context", "_engine", "_runtime"):
             if hasattr(self, attribute):
                 delattr(self, attribute)
+        if failure is not None:
+            raise failure
 
     def _workspace_bytes(self) -> int:
         size: Any = getattr(self._engine, "device_memory_size_v2", None)
@@ -203,6 +204,23 @@ class TensorRTBackend:
             _, text = self._cuda.cudaGetErrorString(error)
             raise ModelFailed(f"{self._name}: {function} failed: {text.decode(errors='replace')}")
         return rest[0] if rest else None
+
+
+def release(call: Callable[..., Any], index: int, buffers: Sequence[int], stream: Any) -> ModelFailed | None:
+    """Free a model's device memory through `call` (a cuda-python runtime call that raises
+    ModelFailed): select its GPU first (cudaFree and cudaStreamDestroy act on the current one),
+    then free every buffer and destroy the stream, each even when one before it failed. Returns
+    the first failure."""
+    failures: list[ModelFailed] = []
+    steps = [("cudaSetDevice", index), *(("cudaFree", address) for address in buffers)]
+    if stream is not None:
+        steps.append(("cudaStreamDestroy", stream))
+    for function, argument in steps:
+        try:
+            call(function, argument)
+        except ModelFailed as exc:
+            failures.append(exc)
+    return failures[0] if failures else None
 
 
 def numpy_dtype(function: str, tensor: str, datatype: str) -> np.dtype[Any]:
@@ -280,7 +298,7 @@ def _imports() -> tuple[Any, Any]:
     except ImportError as exc:
         raise Unavailable(
             f"the tensorrt backend needs TensorRT's Python package, which this runner lacks ({exc}); "
-            "install fngate[gpu]"
+            "install fngate[gpu,tensorrt]"
         ) from exc
     try:
         from cuda.bindings import runtime as cudart  # type: ignore[import-not-found,unused-ignore]

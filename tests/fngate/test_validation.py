@@ -29,9 +29,10 @@ def validate(*paths: Path) -> tuple[int, list[str], str]:
 
 
 def test_the_examples_are_valid() -> None:
-    code, problems, out = validate(*sorted((ROOT / "functions").glob("*/function.yaml")))
+    examples = sorted((ROOT / "functions").glob("*/function.yaml"))
+    code, problems, out = validate(*examples)
     assert (code, problems) == (0, [])
-    assert out.count(": ok (") == 2
+    assert out.count(": ok (") == len(examples) >= 3
 
 
 def test_every_problem_at_once(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """What the GPU tests share: the GPU or a skip that says why (a failure where REQUIRE_GPU=1, as
-scripts/gpu_check.sh sets it), and function folders made from the example classifier."""
+scripts/gpu_check.py sets it), TensorRT or a skip ("needs tensorrt": a GPU machine may well lack
+it), and function folders made from the example classifier."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +27,14 @@ def require_gpu() -> gpu.Device:
         if os.environ.get("REQUIRE_GPU") == "1":
             pytest.fail(f"REQUIRE_GPU=1 but there is no GPU: {device.reason}")
         pytest.skip(f"no NVIDIA GPU: {device.reason}")
+    return device
+
+
+def require_tensorrt() -> gpu.Device:
+    """The GPU, and TensorRT's Python package beside it, or a skip that says "needs tensorrt"."""
+    device = require_gpu()
+    if importlib.util.find_spec("tensorrt") is None:
+        pytest.skip("needs tensorrt (fngate[gpu,tensorrt]; docs/gpu.md)")
     return device
 
 

@@ -7,21 +7,24 @@ from __future__ import annotations
 import enum
 import importlib.util
 import logging
+import time
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from prometheus_client import REGISTRY
 
 from fngate.config import RunnerSettings
-from fngate.errors import InvalidArgument, Unavailable
+from fngate.errors import InvalidArgument, ModelFailed, Unavailable
 from fngate.manifest import (
     BatchingSpec,
     FunctionManifest,
     ManifestError,
     ModelSpec,
     TensorSpec,
+    load_manifest,
     parse_manifest,
 )
 from runner import gpu
@@ -50,8 +53,9 @@ from runner.backends.tensorrt import (
     explain,
     numpy_dtype,
     process_logger,
+    release,
 )
-from tests.runner.gpu_support import classifier, require_gpu, rows
+from tests.runner.gpu_support import classifier, require_gpu, require_tensorrt, rows
 
 H200 = gpu.Device(0, "NVIDIA H200", "GPU-1", "9.0", 141 * 1024**3, 0)
 NO_GPU = gpu.NoDevice("NVML did not start: driver not loaded")
@@ -217,7 +221,7 @@ def test_library_version_reads_tensorrts_number() -> None:
     assert library_version(8601) == "8.6.1"
 
 
-def test_manifest_takes_accelerator_and_precision_for_onnxruntime_and_tensorrt_only() -> None:
+def test_manifest_takes_precision_for_onnxruntime_and_cuda_but_not_tensorrt_for_python() -> None:
     base = {
         "name": "m",
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
@@ -229,8 +233,11 @@ def test_manifest_takes_accelerator_and_precision_for_onnxruntime_and_tensorrt_o
         parse_manifest({**base, "model": {"backend": "tensorrt", "path": "m.plan"}}, "f").model.backend
         == "tensorrt"
     )
-    with pytest.raises(ManifestError, match="accelerator applies to the onnxruntime and tensorrt"):
-        parse_manifest({**base, "model": {"backend": "python", "path": "m.py", "accelerator": "cuda"}}, "f")
+    python = {"backend": "python", "path": "m.py"}
+    cuda = parse_manifest({**base, "model": {**python, "accelerator": "cuda"}}, "f")
+    assert cuda.model.accelerator == "cuda"
+    with pytest.raises(ManifestError, match="a python function takes cpu or cuda"):
+        parse_manifest({**base, "model": {**python, "accelerator": "tensorrt"}}, "f")
     with pytest.raises(ManifestError, match=r"model\.precision"):
         parse_manifest({**base, "model": {**fp16, "precision": "int8"}}, "f")
 
@@ -305,7 +312,7 @@ tensorrt_missing = pytest.mark.skipif(
 def test_an_engine_without_tensorrt_installed_is_unavailable_with_the_reason(tmp_path: Path) -> None:
     manifest, folder = classifier(tmp_path, backend="tensorrt", path="model.plan")
     (folder / "model.plan").write_bytes(b"not an engine")
-    with pytest.raises(Unavailable, match=r"needs TensorRT's Python package.*install fngate\[gpu\]"):
+    with pytest.raises(Unavailable, match=r"needs TensorRT's Python package.*install fngate\[gpu,tensorrt\]"):
         load_backend(manifest, folder, 1)
 
 
@@ -466,6 +473,26 @@ def test_one_tensorrt_logger_serves_the_process_and_each_load_reads_its_own_erro
     assert len(kept) == KEPT_ERRORS and kept[-1] == f"error {KEPT_ERRORS + 4}"
 
 
+def test_closing_an_engine_selects_its_gpu_and_frees_everything_after_a_failure() -> None:
+    calls: list[tuple[str, object]] = []
+
+    def call(function: str, argument: object) -> None:
+        calls.append((function, argument))
+        if (function, argument) in (("cudaFree", 0x200), ("cudaStreamDestroy", "stream")):
+            raise ModelFailed(f"m: {function} failed: an illegal memory access was encountered")
+
+    failure = release(call, 3, [0x100, 0x200, 0x300], "stream")
+    assert calls == [
+        ("cudaSetDevice", 3),  # first: another thread may have made another GPU current
+        ("cudaFree", 0x100),
+        ("cudaFree", 0x200),
+        ("cudaFree", 0x300),  # still freed after the failure before it
+        ("cudaStreamDestroy", "stream"),
+    ]
+    assert failure is not None and "cudaFree failed" in failure.message
+    assert release(lambda *_: None, 0, [], None) is None
+
+
 # ---------------------------------------------------------------- on a GPU
 
 
@@ -475,8 +502,39 @@ def test_gpu_is_described_by_nvml() -> None:
     assert device.total_bytes > device.used_bytes > 0
     assert device.compute_capability.count(".") == 1
     assert gpu.read_memory(0) is not None
+    assert probe(0).cuda_problem == ""
+
+
+@pytest.mark.gpu
+def test_tensorrts_libraries_load_beside_the_gpu() -> None:
+    require_tensorrt()
     environment = probe(0)
-    assert (environment.cuda_problem, environment.tensorrt_problem) == ("", "")
+    assert environment.tensorrt_problem == ""
+    assert environment.tensorrt_version.startswith("10.")
+
+
+@pytest.mark.gpu
+def test_an_engine_built_on_first_use_is_stored(tmp_path: Path) -> None:
+    """Inputs without a profile (a variable dimension besides the batch): TensorRT builds the
+    engine for the first shapes it sees, and the runner stores what it built."""
+    require_tensorrt()
+    _manifest, folder = classifier(tmp_path, accelerator="tensorrt")
+    data = yaml.safe_load((folder / "function.yaml").read_text())
+    data["inputs"][0]["shape"] = [-1, -1]
+    (folder / "function.yaml").write_text(yaml.safe_dump(data))
+    manifest = load_manifest(folder / "function.yaml")
+    assert profile(manifest)[0] is None
+    store = FolderEngineStore(tmp_path / "repo")
+    backend = OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod", store, require=True))
+    try:
+        backend.run(rows(3), ["probabilities"])
+        for _ in range(100):
+            if list((tmp_path / "repo").rglob("*.tar")):
+                break
+            time.sleep(0.1)
+        assert list((tmp_path / "repo").rglob("*.tar"))
+    finally:
+        backend.close()
 
 
 @pytest.mark.gpu
@@ -502,7 +560,7 @@ def test_cuda_provider_runs_the_model_like_the_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 def test_tensorrt_fp16_builds_once_and_another_pod_reuses_the_engine(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = classifier(tmp_path, accelerator="tensorrt", precision="fp16")
     store = FolderEngineStore(tmp_path / "repo")
     first = OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod-a", store, require=True))
@@ -535,7 +593,7 @@ def test_tensorrt_fp16_builds_once_and_another_pod_reuses_the_engine(tmp_path: P
 
 @pytest.mark.gpu
 def test_a_stored_engine_tensorrt_refuses_is_deleted_rebuilt_and_replaced(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = classifier(tmp_path, accelerator="tensorrt", precision="fp16")
     store = FolderEngineStore(tmp_path / "repo")
     OnnxBackend(manifest, folder, 1, Acceleration(tmp_path / "pod-a", store, require=True)).close()
@@ -568,7 +626,7 @@ def plan_function(tmp_path: Path, max_rows: int, manifest_rows: int) -> tuple[Fu
 
 @pytest.mark.gpu
 def test_native_tensorrt_engine_serves_any_batch_of_its_profile(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = plan_function(tmp_path, 32, 32)
     backend = load_backend(manifest, folder, 1)
     reference = OnnxBackend(*classifier(tmp_path / "cpu"), 1)
@@ -590,7 +648,7 @@ def test_native_tensorrt_engine_serves_any_batch_of_its_profile(tmp_path: Path) 
 
 @pytest.mark.gpu
 def test_native_engine_with_too_small_a_profile_is_unavailable(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = plan_function(tmp_path, 8, 32)
     with pytest.raises(Unavailable, match="takes 1 to 8 rows of 'input', but max_batch_size is 32"):
         load_backend(manifest, folder, 1)
@@ -598,7 +656,7 @@ def test_native_engine_with_too_small_a_profile_is_unavailable(tmp_path: Path) -
 
 @pytest.mark.gpu
 def test_a_damaged_engine_is_unavailable_not_a_crash(tmp_path: Path) -> None:
-    require_gpu()
+    require_tensorrt()
     manifest, folder = plan_function(tmp_path, 32, 32)
     plan = bytearray((folder / "model.plan").read_bytes())
     plan[:16] = bytes(16)

@@ -1,15 +1,20 @@
-"""The device script's budget: every step inside its limit and the whole inside the budget, a step
-that overruns stopped (its children too) with what it printed kept, results written after each
-step; and its check of what a machine has, one line per missing piece."""
+"""The device script: its budget (every step inside its limit and the whole inside the budget, a
+step that overruns stopped with its children, what it printed kept, results written after each
+step), its check of what a machine has, onnxruntime-gpu in parts put together again, and a dry run
+of the whole device run on this machine with a stand-in nvidia-smi."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,3 +97,150 @@ def test_the_check_says_what_the_machine_has_one_line_per_piece() -> None:
         assert any(line.startswith("missing: ") and "for " in line for line in lines), module
     pieces = [line for line in lines[:-1] if line.startswith(("ok: ", "missing: "))]
     assert len(pieces) == len(lines) - 1
+    assert "ok: import runner.backends.python" in lines and "ok: import bench.gpu" in lines
+    assert any(line.startswith("ok: pip check: 0 problems for fngate") for line in lines)
+    assert found["imports"] == [] and found["pip_check"] == []
+
+
+def test_a_steps_output_is_read_from_its_own_first_byte(tmp_path: Path) -> None:
+    """The log holds what earlier steps wrote, multi-byte characters among it: each step's own
+    output, and so its JSON result, starts at the byte where it began."""
+    check = gpu_check()
+    steps = [
+        check.Step("wide characters", python('print("µs → " * 2000)'), 30),
+        check.Step("result", python('print(\'{"rows_per_s": 1.5, "unit": "µs"}\')'), 30),
+    ]
+    outcomes = check.run_steps(steps, tmp_path, budget_s=30, reserve_s=0)
+    assert outcomes[1].result == {"rows_per_s": 1.5, "unit": "µs"}
+
+
+def test_pip_checks_problems_are_fngates_only_where_they_touch_what_it_needs() -> None:
+    check = gpu_check()
+    said = (
+        "opentelemetry-proto 1.45.2 has requirement protobuf<7.0,>=5.0, but you have protobuf 7.36.2.\n"
+        "pydantic 2.14.4 requires pydantic-core, which is not installed.\n"
+        "torch 2.11.0 requires nvidia-nccl-cu13, which is not installed.\n"
+        "No broken requirements found.\n"
+    )
+    mine, others = check.pip_problems(said, {"opentelemetry-proto", "pydantic", "pydantic-core"})
+    assert [line.split()[0] for line in mine] == ["opentelemetry-proto", "pydantic"]
+    assert [line.split()[0] for line in others] == ["torch"]
+
+
+def test_a_wheel_in_parts_is_put_together_and_checked(tmp_path: Path) -> None:
+    check = gpu_check()
+    wheel = tmp_path / "big-1.0-py3-none-any.whl"
+    wheel.write_bytes(os.urandom(10_000))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    record = check.split(wheel, parts, 1000, 4000)
+    assert [part["bytes"] for part in record["parts"]] == [1000, 4000, 4000, 1000]
+    assert check.calls(record, True, False) == [
+        [".gpu/parts.json", ".gpu/wheels", ".gpu/part-1"],
+        [".gpu/parts.json", ".gpu/part-2"],
+        [".gpu/parts.json", ".gpu/part-3"],
+        [".gpu/parts.json", ".gpu/part-4"],
+    ]
+    # Call 2 of 4 on a machine that kept call 1's: nothing lost; on a fresh machine: lost.
+    record["wheels"] = 12
+    assert not check.lost(record, ["part-1", "part-2"], 12)
+    assert check.lost(record, ["part-2"], 0)
+    assert check.lost(record, ["part-1", "part-2"], 0)  # the wheels came with part 1
+    target = tmp_path / "target"
+    target.mkdir()
+    assert check.reassemble(parts, record, target).read_bytes() == wheel.read_bytes()
+    (parts / "part-3").write_bytes(os.urandom(4000))  # damaged in transit: the same size
+    assert check.received(parts, record) == (["part-1", "part-2", "part-4"], ["part-3"])
+    with pytest.raises(ValueError, match="put together is"):
+        check.reassemble(parts, record, target)
+
+
+NVIDIA_SMI = """#!/bin/sh
+if [ "$1" = "-L" ]; then
+  echo "GPU 0: NVIDIA H200 (UUID: GPU-0a1b2c3d-0000-0000-0000-000000000000)"
+else
+  echo "NVIDIA H200, 580.95.05, 143771 MiB, 9.0, GPU-0a1b2c3d-0000-0000-0000-000000000000, Disabled"
+fi
+"""
+
+
+def stand_in_wheel(folder: Path) -> Path:
+    """A small real wheel (a module and its metadata) to travel in parts as onnxruntime-gpu does."""
+    wheel = folder / "fngate_standin-1.0-py3-none-any.whl"
+    info = "fngate_standin-1.0.dist-info"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("fngate_standin/__init__.py", "ARRIVED = True\n" + "# padding\n" * 400)
+        archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fngate-standin\nVersion: 1.0\n")
+        archive.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        archive.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def test_a_dry_run_of_the_device_run(tmp_path: Path) -> None:
+    """The calls of a device run on this machine, with a stand-in nvidia-smi and a stand-in wheel
+    in three parts: the first calls keep what came, a call on a machine that lost them says so,
+    the last puts the wheel together, installs it and runs every step. Without a GPU the steps
+    that need one fail, each with its figures; those that need what is not here are skipped."""
+    check = gpu_check()
+    pack, bin_folder, scratch = tmp_path / "pack", tmp_path / "bin", tmp_path / "scratch"
+    for folder in (pack / "wheels", bin_folder, scratch):
+        folder.mkdir(parents=True)
+    (bin_folder / "nvidia-smi").write_text(NVIDIA_SMI)
+    (bin_folder / "nvidia-smi").chmod(0o755)
+    wheel = stand_in_wheel(tmp_path)
+    record = check.split(wheel, pack, 2000, 2000)
+    (pack / "parts.json").write_text(json.dumps(record))
+    parts = {part["name"]: (pack / part["name"]).read_bytes() for part in record["parts"]}
+    assert len(parts) >= 3
+    (scratch / ".fngate-gpu-check").touch()
+    (scratch / "left-by-an-earlier-run").write_text("stale")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("FNGATE_", "REQUIRE_GPU"))}
+    env["PATH"] = str(bin_folder)  # no redis-server, no readelf: the steps that need them say so
+
+    def call(number: int, *here: str) -> subprocess.CompletedProcess[str]:
+        for name, data in parts.items():
+            (pack / name).unlink(missing_ok=True)
+            if name in here:
+                (pack / name).write_bytes(data)
+        out = tmp_path / f"out-{number}"
+        command = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "device", "--out", str(out)]
+        command += ["--pack", str(pack), "--scratch", str(scratch), "--seconds", "0.01", "--budget-s", "240"]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=280, check=False)
+
+    names = list(parts)
+    first = call(1, names[0])
+    assert first.returncode == 0, first.stderr
+    assert "to come" in (tmp_path / "out-1" / "received.txt").read_text()
+    lost = call(2, names[1])  # a fresh machine: part 1 is gone
+    assert lost.returncode == 3 and "start again from call 1" in lost.stderr
+    done = call(3, *names)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out-3"
+    assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "summary.md"]
+    assert not (scratch / "left-by-an-earlier-run").exists()
+    outcomes = {item["name"]: item for item in json.loads((out / "results.json").read_text())}
+    statuses = {name: item["status"] for name, item in outcomes.items()}
+    assert statuses["a GPU is visible (nvidia-smi)"] == "PASS"
+    assert outcomes["a GPU is visible (nvidia-smi)"]["result"][0]["name"] == "NVIDIA H200"
+    assert statuses["install the wheels (1)"] == "PASS"
+    assert (scratch / "run" / "site" / "fngate_standin" / "__init__.py").is_file()
+    assert statuses["what the machine has"] == "PASS"
+    assert statuses["environment"] == "PASS"
+    assert outcomes["environment"]["result"]["cuda_problem"] == ""
+    # The GPU function ran through the runner on the CPU, said why, and its process ended on the
+    # idle unload.
+    function = outcomes["GPU Python function through the runner"]
+    assert function["status"] == "FAIL (exit 1)"
+    assert function["result"]["device"] == "python" and function["result"]["fallback_reason"]
+    assert function["result"]["process_ended_after_s"] is not None
+    assert function["result"]["max_abs_diff_runner_vs_direct"] == 0.0
+    assert set(function["result"]["batches"]) == {"1", "4", "16", "64", "256", "1024"}
+    assert statuses["pytest -m gpu"].startswith("FAIL")  # REQUIRE_GPU=1: no GPU fails, not skips
+    assert statuses["CUDA provider against a bare session.run"] == "SKIPPED (needs onnxruntime-gpu)"
+    assert statuses["GPU Python function through fngate up"] == "SKIPPED (needs redis-server)"
+    assert statuses["timing tensorrt-fp16"] == "SKIPPED (needs tensorrt)"
+    assert statuses["cold start with the stored engine"] == "SKIPPED (needs tensorrt)"
+    summary = (out / "summary.md").read_text()
+    assert "| 1024 | " in summary and "## GPU Python function through the runner" in summary

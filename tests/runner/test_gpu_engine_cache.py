@@ -5,6 +5,7 @@ folder store and against S3 (moto's server)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import tarfile
 from pathlib import Path
@@ -21,6 +22,7 @@ from runner.backends.engine_cache import (
     FolderEngineStore,
     S3EngineStore,
 )
+from runner.backends.onnx import files_sha256
 from tests.s3 import Bucket
 
 KEY = EngineKey(
@@ -58,7 +60,7 @@ def test_key_names_everything_an_engine_depends_on() -> None:
     )
     names = {KEY.name}
     for field, other in [
-        ("model_sha256", "b" * 64),
+        ("files_sha256", "b" * 64),
         ("tensorrt", "10.9.0"),
         ("compute_capability", "8.6"),
         ("device", "NVIDIA H100 80GB HBM3"),  # the same compute capability as an H200's
@@ -97,6 +99,53 @@ def test_a_build_is_saved_and_the_next_pod_downloads_it(tmp_path: Path) -> None:
     assert again.prepare() == "local"
     for event, count in [("miss", 1), ("uploaded", 1), ("downloaded", 1), ("local", 1)]:
         assert events("fc-roundtrip", event) == count
+
+
+def test_an_engine_built_on_first_use_is_stored_beside_the_first(tmp_path: Path) -> None:
+    """A pod that downloaded its engine meets a shape no engine covers: TensorRT builds one while
+    the batch runs, and the store then holds both for the next pod."""
+    store = folder_store(tmp_path)
+    first = EngineCache(tmp_path / "pod-a", KEY, store, "fc-first-use")
+    first.prepare()
+    build(first)
+    assert first.save()
+    second = EngineCache(tmp_path / "pod-b", KEY, store, "fc-first-use")
+    assert second.prepare() == "downloaded"
+    assert not second.changed()
+    (second.folder / "TensorrtExecutionProvider_cache_sm90_456.engine").write_bytes(b"another shape")
+    assert second.changed()
+    assert second.save()
+    assert not second.changed() and not second.save()
+    third = EngineCache(tmp_path / "pod-c", KEY, store, "fc-first-use")
+    assert third.prepare() == "downloaded"
+    assert sorted(path.name for path in third.folder.glob("*.engine")) == [
+        "TensorrtExecutionProvider_cache_sm90_123.engine",
+        "TensorrtExecutionProvider_cache_sm90_456.engine",
+    ]
+    assert events("fc-first-use", "uploaded") == 2
+
+
+def test_the_key_covers_every_file_of_the_version_and_which_is_the_model(tmp_path: Path) -> None:
+    version = tmp_path / "version"
+    version.mkdir()
+    (version / "model.onnx").write_bytes(b"graph")
+    (version / "model.onnx.data").write_bytes(b"weights")
+    (version / "function.yaml").write_text("name: f\n")
+    digest = files_sha256(version, "model.onnx")
+    (version / "function.yaml").write_text("name: f\ndescription: its settings are in the options\n")
+    assert files_sha256(version, "model.onnx") == digest
+    assert files_sha256(version, "model.onnx.data") != digest  # another file is the model
+    (version / "model.onnx.data").write_bytes(b"other weights")  # ONNX external data
+    assert files_sha256(version, "model.onnx") != digest
+    # The artifact cache's view: links named by each blob's sha256, read from the link.
+    blobs, view = tmp_path / "blobs", tmp_path / "view"
+    blobs.mkdir()
+    view.mkdir()
+    for path in version.iterdir():
+        blob = blobs / hashlib.sha256(path.read_bytes()).hexdigest()
+        blob.write_bytes(path.read_bytes())
+        (view / path.name).symlink_to(blob)
+    assert files_sha256(view, "model.onnx") == files_sha256(version, "model.onnx")
 
 
 def test_without_a_store_the_cache_stays_local(tmp_path: Path) -> None:

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from runner.backends.libraries import load_order, needed_libraries, preload, wheel_libraries
+from runner.backends.libraries import (
+    cuda_runtime_libraries,
+    load_order,
+    needed_libraries,
+    preload,
+    wheel_libraries,
+)
 
 
 def touch(path: Path) -> Path:
@@ -54,6 +60,21 @@ def test_each_library_loads_after_those_it_links() -> None:
         ["libcublas.so.13", "libcudart.so.13", "libcuda.so.1"], found, lambda path: links[path.name]
     )
     assert [path.name for path in order] == ["libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13"]
+
+
+@pytest.mark.parametrize(
+    ("cuda_version", "expected"),
+    [
+        # As onnxruntime-gpu 1.31's preload_dlls names them for Linux (cuFFT is 12 with CUDA 13).
+        ("13.0", ("libcufft.so.12", "libnvrtc.so.13", "libcudnn.so.9")),
+        ("12.8", ("libcufft.so.11", "libnvrtc.so.12", "libcudnn.so.9")),
+        ("", ()),  # a CPU build
+    ],
+)
+def test_the_cuda_providers_run_time_libraries_are_onnxruntimes(
+    cuda_version: str, expected: tuple[str, ...]
+) -> None:
+    assert cuda_runtime_libraries(cuda_version) == expected
 
 
 def test_a_file_that_is_not_a_shared_library_links_nothing(tmp_path: Path) -> None:
@@ -100,6 +121,7 @@ def test_a_provider_loads_once_its_wheel_libraries_are_preloaded(tmp_path: Path)
         "libfngatetesttop.so.13",
         folder=lib,
     )
+    optional = build("int fngate_fft(void) { return 7; }\n", lib / "libfngatetestfft.so.12")
     assert needed_libraries(provider)[0] == "libfngatetesttop.so.13"
     if shutil.which("readelf"):
         shown = subprocess.run(
@@ -112,10 +134,17 @@ def test_a_provider_loads_once_its_wheel_libraries_are_preloaded(tmp_path: Path)
 
     with pytest.raises(OSError, match=r"libfngatetesttop\.so\.13"):
         ctypes.CDLL(str(provider))
-    loaded = preload(provider, [capi, tmp_path / "site"])
+    # What the provider opens only at run time (cuDNN, cuFFT) is loaded too, and may be missing.
+    loaded = preload(provider, [capi, tmp_path / "site"], [optional.name, "libfngatetestdnn.so.9"])
     assert loaded.failed == ()
-    assert [path.name for path in loaded.loaded] == ["libfngatetestbase.so.13", "libfngatetesttop.so.13"]
+    assert [path.name for path in loaded.loaded] == [
+        "libfngatetestbase.so.13",
+        "libfngatetesttop.so.13",
+        optional.name,
+    ]
+    assert len(loaded.absent) == 1 and loaded.absent[0].startswith("libfngatetestdnn.so.9: ")
     assert ctypes.CDLL(str(provider)).fngate_provider() == 42
+    assert ctypes.CDLL(optional.name).fngate_fft() == 7  # found by its name, as onnxruntime opens it
 
 
 @compiler

@@ -4,6 +4,7 @@ a load and an unload set; and NVML where there is none."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,23 @@ from prometheus_client import REGISTRY
 
 from fngate.repository import FolderRepository
 from runner import gpu
-from runner.gpu import MIB, MemoryReading, nvml_index, taken_bytes, uuid_text
+from runner.gpu import (
+    MIB,
+    MemoryReading,
+    child_visible_devices,
+    freed_bytes,
+    nvml_index,
+    taken_bytes,
+    uuid_text,
+)
 from runner.models import LoadedModels
 from tests.runner.gpu_support import CLASSIFIER, require_gpu
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
 C = "GPU-cccccccc-0000-0000-0000-000000000000"
+MIG = "MIG-a1a1a1a1-0000-0000-0000-000000000000"
+H200 = gpu.Device(0, "NVIDIA H200", A, "9.0", 141 * 1024**3, 0)
 
 
 @pytest.mark.parametrize(
@@ -36,6 +47,38 @@ def test_a_load_is_measured_the_same_way_before_and_after(
     before: MemoryReading, after: MemoryReading, taken_mib: int
 ) -> None:
     assert taken_bytes(before, after) == taken_mib * MIB
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "freed_mib"),
+    [
+        # A function's process that ended: NVML lists it before the unload, not after.
+        (MemoryReading(9000 * MIB, 700 * MIB), MemoryReading(8300 * MIB, None), 700),
+        # The runner's own session closed: its CUDA context (here 300 MiB) stays with the process.
+        (MemoryReading(9000 * MIB, 1000 * MIB), MemoryReading(8300 * MIB, 300 * MIB), 700),
+        (MemoryReading(9000 * MIB, None), MemoryReading(8500 * MIB, None), 500),  # pids hidden
+    ],
+)
+def test_an_unload_is_measured_the_same_way_before_and_after(
+    before: MemoryReading, after: MemoryReading, freed_mib: int
+) -> None:
+    assert freed_bytes(before, after) == freed_mib * MIB
+
+
+@pytest.mark.parametrize(
+    ("device", "index", "visible", "expected"),
+    [
+        (H200, 0, "3,5", A),  # NVML knows it: its UUID, whatever the numbering
+        (dataclasses.replace(H200, uuid=MIG), 0, None, MIG),  # a MIG instance by its own UUID
+        (gpu.NoDevice("no NVML"), 1, "3,5", "5"),
+        (gpu.NoDevice("no NVML"), 1, None, "1"),
+        (gpu.NoDevice("no NVML"), 2, "3,5", ""),  # no such GPU: the child sees none
+    ],
+)
+def test_a_functions_process_is_given_the_runners_gpu(
+    device: gpu.Device | gpu.NoDevice, index: int, visible: str | None, expected: str
+) -> None:
+    assert child_visible_devices(device, index, visible) == expected
 
 
 def test_cudas_uuid_is_written_as_nvml_writes_it() -> None:
@@ -66,6 +109,22 @@ def test_a_cuda_index_is_mapped_to_nvmls_by_uuid(
         assert found == expected
     else:
         assert isinstance(found, str) and expected in found
+
+
+@pytest.mark.parametrize(
+    ("cuda_index", "cuda_uuid", "visible", "expected"),
+    [
+        (0, MIG, None, 1),  # CUDA's UUID of a MIG instance is its MIG UUID
+        (0, "GPU-" + MIG.split("-", 1)[1], None, 1),  # as uuid_text writes the driver API's bytes
+        (0, None, "1", 2),  # an index counts whole GPUs: NVML's second GPU comes after A's instance
+        (1, None, None, 2),
+        (0, None, MIG[:12], 1),  # CUDA_VISIBLE_DEVICES=MIG-<uuid>
+    ],
+)
+def test_mig_instances_are_found_among_nvmls_devices(
+    cuda_index: int, cuda_uuid: str | None, visible: str | None, expected: int
+) -> None:
+    assert nvml_index(cuda_index, [A, MIG, B], cuda_uuid, visible) == expected
 
 
 def test_the_driver_major_version_is_read_from_nvmls() -> None:

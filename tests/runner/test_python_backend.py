@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from fngate.errors import InvalidArgument, ModelFailed, ModelTimeout
-from fngate.manifest import parse_manifest
+from fngate.errors import InvalidArgument, ModelFailed, ModelTimeout, Unavailable
+from fngate.manifest import load_manifest, parse_manifest
+from runner import gpu, sandbox
+from runner.backends import load_backend
+from runner.backends.providers import Acceleration
 from runner.backends.python import PythonBackend
 
+ROOT = Path(__file__).resolve().parents[2]
 STEERED = '''
 import json, os, time
 from pathlib import Path
@@ -60,7 +64,7 @@ def backend(tmp_path: Path) -> Iterator[Callable[..., PythonBackend]]:
     started: list[PythonBackend] = []
     folders = iter(range(100))
 
-    def start(source: str = STEERED, **model: Any) -> PythonBackend:
+    def start(source: str = STEERED, accel: Acceleration | None = None, **model: Any) -> PythonBackend:
         folder = tmp_path / f"f{next(folders)}"
         folder.mkdir()
         (folder / "model.py").write_text(source)
@@ -73,7 +77,7 @@ def backend(tmp_path: Path) -> Iterator[Callable[..., PythonBackend]]:
             },
             "f.yaml",
         )
-        started.append(PythonBackend(manifest, folder))
+        started.append(PythonBackend(manifest, folder, accel))
         return started[-1]
 
     yield start
@@ -206,3 +210,67 @@ def test_close_stops_the_process(backend: Callable[..., PythonBackend]) -> None:
     assert not Path(f"/proc/{pid}").exists()
     with pytest.raises(ModelFailed, match="unloaded"):
         python.run(batch(1.0), ["y"])
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "visible", "index", "sees"),
+    [
+        ("cuda", "3,5", 1, "5"),  # the runner's GPU 1 is the machine's 5: the child's 0 (no NVML here)
+        ("cuda", None, 0, "0"),
+        ("cpu", "3,5", 1, "3,5"),  # a CPU function's process is left as it was
+    ],
+)
+def test_a_cuda_function_is_given_the_runners_gpu(
+    backend: Callable[..., PythonBackend],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    accelerator: str,
+    visible: str | None,
+    index: int,
+    sees: str,
+) -> None:
+    if isinstance(gpu.find_device(index), gpu.Device):
+        pytest.skip("NVML sees a GPU here: the child is given its UUID (tests/runner/test_gpu_memory.py)")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    python = backend(accel=Acceleration(device_index=index), accelerator=accelerator)
+    python.run(batch(-5.0), ["y"])
+    view = json.loads((tmp_path / "f0" / "view.json").read_text())
+    assert view["environ"]["CUDA_VISIBLE_DEVICES"] == sees
+    assert (python.device, python.device_memory_bytes) == ("python", 0)
+    if accelerator == "cuda":  # the steered Model names no device: it runs on the CPU, and that is said
+        assert python.fallback_reason == "its Model runs on 'cpu', not on the GPU"
+    else:
+        assert python.fallback_reason is None
+
+
+GPU_MLP = ROOT / "functions" / "gpu-mlp"
+
+
+def test_the_gpu_example_answers_on_the_cpu_without_a_gpu_and_says_so() -> None:
+    """functions/gpu-mlp through the runner's backend (its own process) gives what its code gives
+    called directly, here on the CPU (numpy) with the reason; a runner that requires the
+    accelerator refuses it."""
+    manifest = load_manifest(GPU_MLP / "function.yaml")
+    assert manifest.model.accelerator == "cuda"
+    direct = sandbox.load_model(GPU_MLP / "model.py", GPU_MLP)
+    if direct.device == "cuda":
+        pytest.skip("CuPy sees a GPU here: tests/runner/test_gpu_python.py covers it")
+    python = load_backend(manifest, GPU_MLP, 1, Acceleration())
+    try:
+        assert isinstance(python, PythonBackend)
+        assert python.device == "python"
+        assert python.fallback_reason == direct.fallback_reason
+        assert python.fallback_reason is not None and python.fallback_reason.startswith(
+            ("CuPy is not installed", "CUDA sees no GPU")
+        )
+        for rows in (1, 3, 64):
+            x = {"input": np.random.default_rng(rows).standard_normal((rows, 256), dtype=np.float32)}
+            np.testing.assert_array_equal(python.run(x, ["output"])["output"], direct.infer(x)["output"])
+    finally:
+        python.close()
+    refused = r"asks for accelerator cuda and this runner requires it.*(CuPy|CUDA)"
+    with pytest.raises(Unavailable, match=refused):
+        load_backend(manifest, GPU_MLP, 1, Acceleration(require=True))
