@@ -255,7 +255,7 @@ variable "functions_dir" {
 }
 
 variable "deployed_functions" {
-  description = "Functions of functions_dir that have been deployed to the repository and synced (docs/deployment.md, step 4): only these get runner pools. KEDA cannot read the queue of a function never deployed, and then never scales its pool to zero."
+  description = "Functions of functions_dir that have been deployed to the repository and synced (docs/deployment.md, step 4): only these get runner pools."
   type        = list(string)
   default     = []
 }

@@ -1,6 +1,7 @@
 """Kubernetes objects for a cluster deployment, rendered from function manifests: the gateway's
 Deployment, Service, PodDisruptionBudget and HPA, and per runner pool a Deployment that KEDA scales
-from zero on the lag of its functions' streams. The one source of these objects, for Terraform too."""
+from zero on the length and lag of its functions' streams. The one source of these objects, for
+Terraform too."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ RUNNER_PORT = 9100
 """The runner's metrics and health port: /healthz/ready answers while Redis does and it consumes."""
 RUNNER_READ_AHEAD_BATCHES = 2
 """A busy runner holds up to this many batches (of max_batch_size) read and not yet answered: the
-one running and at most one read ahead (runner/consumer.py): the pending target per runner."""
+one running and at most one read ahead (runner/consumer.py): the stream-length target per runner."""
 UID = 10001
 CACHE_DIR = "/var/cache/fngate"
 TENSORRT_CACHE_DIR = "/var/cache/fngate/tensorrt"
@@ -72,13 +73,12 @@ class Options:
     """A Secret with keys `url` (FNGATE_REDIS_URL) and `password`, made beside these objects."""
     deployed: tuple[str, ...] = ()
     """The functions that have been deployed (`fngate deploy`, or `fngate ls --sync`, made their
-    stream and runner group): only they get runner pools and triggers. KEDA's pending-entries query
-    (XPENDING) fails until the group exists, and KEDA scales no pool to zero while a trigger fails."""
+    stream and runner group): only they get runner pools and triggers."""
     polling_interval_s: int = 5
     cooldown_s: int = 300
     target_lag: int = 0
     """Waiting invocations per runner before KEDA adds one; 0: each function's max_batch_size. The
-    pending-entries target is RUNNER_READ_AHEAD_BATCHES times this."""
+    stream-length target is RUNNER_READ_AHEAD_BATCHES times this."""
     warm_runners: int = 0
     """Runners each pool keeps when idle, over the manifests' min_replicas. 1 removes the cold start
     from zero, and keeps one runner per pool, and for a GPU pool one GPU node, running (WARM_COST)."""
@@ -159,9 +159,10 @@ def pools(manifests: Sequence[FunctionManifest], deployed: Sequence[str]) -> lis
 
 
 def targets(manifest: FunctionManifest, options: Options) -> tuple[int, int]:
-    """(lagCount, pendingEntriesCount) of a function's triggers: entries per runner before KEDA
-    adds one. A busy runner holds RUNNER_READ_AHEAD_BATCHES batches pending, so a pending target of
-    one batch would count each busy runner twice and double the pool with nothing waiting."""
+    """(lagCount, streamLength) of a function's triggers: entries per runner before KEDA adds one.
+    The length counts what runners hold too, and a busy runner holds RUNNER_READ_AHEAD_BATCHES
+    batches, so a length target of one batch would count each busy runner twice and double the
+    pool with nothing waiting."""
     lag = options.target_lag or max(1, manifest.batching.max_batch_size)
     return lag, lag * RUNNER_READ_AHEAD_BATCHES
 
@@ -383,17 +384,22 @@ def _runner_budget(pool: Pool, options: Options) -> Obj:
 def _scaled_object(pool: Pool, options: Options) -> Obj:
     triggers: list[Obj] = []
     for manifest in pool.functions:
-        lag_target, pending_target = targets(manifest, options)
+        lag_target, length_target = targets(manifest, options)
         for level, stream in enumerate(keys.levels(manifest.name)):  # every priority level counts
-            common = {"address": options.redis_address, "stream": stream}
-            common |= {"consumerGroup": keys.RUNNER_GROUP, "databaseIndex": "0"}
+            common = {"address": options.redis_address, "stream": stream, "databaseIndex": "0"}
             common["enableTLS"] = "true" if options.redis_tls else "false"
-            # Lag (entries not yet delivered to the group) wakes the pool at the first one; pending
-            # entries (delivered, not yet acknowledged) keep it up while batches run.
-            lag = common | {"lagCount": str(lag_target), "activationLagCount": "0"}
-            pending = common | {"pendingEntriesCount": str(pending_target)}
+            # The stream's length (XLEN, KEDA's streamLength mode: no consumerGroup) is what waits
+            # or runs: an entry leaves its stream when it is answered or cancelled. It cannot be
+            # nil and cannot fail, so it wakes the pool from zero and keeps it up while batches run.
+            # The lag (entries not yet delivered to the group) adds runners sooner under a backlog,
+            # but Redis answers nil for it once an entry ahead of the group was deleted (a cancel),
+            # and KEDA reads nil as -1: inactive; the length alone must be enough to wake the pool.
+            # activationLagCount is the activation threshold of every mode in KEDA 2.20.
+            length = common | {"streamLength": str(length_target), "activationLagCount": "0"}
+            lag = common | {"consumerGroup": keys.RUNNER_GROUP, "lagCount": str(lag_target)}
+            lag["activationLagCount"] = "0"
             suffix = f"-{keys.LEVELS[level]}" if level else ""
-            for kind, metadata in (("lag", lag), ("pending", pending)):
+            for kind, metadata in (("length", length), ("lag", lag)):
                 trigger = {
                     "type": "redis-streams",
                     "name": f"{kind}-{manifest.name}{suffix}",
