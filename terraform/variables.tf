@@ -196,6 +196,12 @@ variable "gpus_per_node" {
   default     = 1
 }
 
+variable "gpu_volume_gib" {
+  description = "Root volume of a GPU node, GiB: the GPU runner image, and each GPU runner's artifact cache, /tmp and TensorRT engines (runner_artifact_cache_gib plus a quarter, 1 GiB and 20 GiB)."
+  type        = number
+  default     = 200
+}
+
 variable "gpu_max_size" {
   description = "Most GPU nodes the cluster autoscaler may start."
   type        = number

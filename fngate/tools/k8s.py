@@ -24,9 +24,26 @@ Obj = dict[str, Any]
 # Contracts with terraform/modules/eks (the GPU node group's label and taint) and the Dockerfile.
 GPU_NODE_LABEL = ("nvidia.com/gpu.present", "true")
 GPU_TAINT_KEY = "nvidia.com/gpu"
-GATEWAY_PORT = 8000
-RUNNER_PORT = 9100
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """A port a process listens on: its name in the pod, its number, the FNGATE_ variable that
+    sets it, and whether anyone may reach it (the gateway's Service and NetworkPolicy) or only
+    Prometheus. A new port is one line in GATEWAY_PORTS or RUNNER_PORTS (and the Dockerfile's EXPOSE)."""
+
+    name: str
+    number: int
+    setting: str
+    public: bool = True
+
+
+GATEWAY_PORTS = (Port("http", 8000, "FNGATE_PORT"),)
+"""The gateway's; the Service serves `http` on service_port and every other public port on its number."""
+RUNNER_PORTS = (Port("metrics", 9100, "FNGATE_STATUS_PORT", public=False),)
 """The runner's metrics and health port: /healthz/ready answers while Redis does and it consumes."""
+GATEWAY_PORT = GATEWAY_PORTS[0].number
+RUNNER_PORT = RUNNER_PORTS[0].number
 RUNNER_READ_AHEAD_BATCHES = 2
 """A busy runner holds up to this many batches (of max_batch_size) read and not yet answered: the
 one running and at most one read ahead (runner/consumer.py): the stream-length target per runner."""
@@ -210,14 +227,17 @@ def _service_account(component: str, role_arn: str, options: Options) -> Obj:
     return account | {"automountServiceAccountToken": False}
 
 
-def _container(name: str, image: str, args: list[str], env: dict[str, str], options: Options) -> Obj:
+def _container(
+    name: str, image: str, args: list[str], env: dict[str, str], options: Options, ports: Sequence[Port] = ()
+) -> Obj:
+    env |= {port.setting: str(port.number) for port in ports}
     if options.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = options.otlp_endpoint
     env |= {"FNGATE_REPO": options.repo, "FNGATE_LOG_LEVEL": options.log_level}
     env["OTEL_SERVICE_NAME"] = f"fngate-{name}"
     secret = {"secretKeyRef": {"name": options.redis_secret, "key": "url"}}
     url = {"name": "FNGATE_REDIS_URL", "valueFrom": secret}
-    return {
+    container = {
         "name": name,
         "image": image,
         "args": args,
@@ -225,6 +245,11 @@ def _container(name: str, image: str, args: list[str], env: dict[str, str], opti
         "securityContext": CONTAINER_SECURITY | {"capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
     }
+    if ports:
+        container["ports"] = [
+            {"name": port.name, "containerPort": port.number, "protocol": "TCP"} for port in ports
+        ]
+    return container
 
 
 def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj) -> Obj:
@@ -265,16 +290,11 @@ def _deployment(
 
 
 def _gateway(options: Options) -> list[Obj]:
-    env = {
-        "FNGATE_HOST": "0.0.0.0",
-        "FNGATE_PORT": str(GATEWAY_PORT),
-        "FNGATE_WORKERS": str(options.gateway_workers),
-    }
-    container = _container("gateway", options.image, ["gateway"], env, options)
+    env = {"FNGATE_HOST": "0.0.0.0", "FNGATE_WORKERS": str(options.gateway_workers)}
+    container = _container("gateway", options.image, ["gateway"], env, options, GATEWAY_PORTS)
     admin = {"secretKeyRef": {"name": options.api_keys_secret, "key": "admin", "optional": True}}
     container["env"].append({"name": "FNGATE_ADMIN_KEY_HASH", "valueFrom": admin})
     container |= {
-        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "resources": GATEWAY_RESOURCES,
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10},
@@ -291,8 +311,17 @@ def _gateway(options: Options) -> list[Obj]:
     spread["whenUnsatisfiable"] = "ScheduleAnyway"
     service = _object("v1", "Service", "fngate-gateway", "gateway", options)
     service["metadata"]["annotations"] = dict(pair.split("=", 1) for pair in options.service_annotations)
-    port = {"name": "http", "port": options.service_port, "targetPort": "http", "protocol": "TCP"}
-    service["spec"] = {"type": options.service_type, "selector": selector, "ports": [port]}
+    ports = [
+        {
+            "name": port.name,
+            "port": options.service_port if port.name == "http" else port.number,
+            "targetPort": port.name,
+            "protocol": "TCP",
+        }
+        for port in GATEWAY_PORTS
+        if port.public
+    ]
+    service["spec"] = {"type": options.service_type, "selector": selector, "ports": ports}
     if options.source_ranges:
         service["spec"]["loadBalancerSourceRanges"] = list(options.source_ranges)
     pdb = _object("policy/v1", "PodDisruptionBudget", "fngate-gateway", "gateway", options)
@@ -310,23 +339,26 @@ def _gateway(options: Options) -> list[Obj]:
 
 
 def _network_policies(options: Options) -> list[Obj]:
-    """Gateways accept traffic on their HTTP port only (the load balancer's source ranges say from
-    where); runners accept none but Prometheus on their status port: they only call out."""
-    gateway = _object("networking.k8s.io/v1", "NetworkPolicy", "fngate-gateway", "gateway", options)
-    gateway["spec"] = {
-        "podSelector": {"matchLabels": _selector("gateway")},
-        "policyTypes": ["Ingress"],
-        "ingress": [{"ports": [{"port": "http", "protocol": "TCP"}]}],
-    }
+    """Each component accepts traffic on its ports only: public ports from anywhere (the load
+    balancer's source ranges say from where), the others from Prometheus alone. Runners have no
+    public port: they only call out."""
     key, _, value = options.prometheus_label.partition("=")
     prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": {key: value}}}
-    runner = _object("networking.k8s.io/v1", "NetworkPolicy", "fngate-runner", "runner", options)
-    runner["spec"] = {
-        "podSelector": {"matchLabels": _selector("runner")},
-        "policyTypes": ["Ingress"],
-        "ingress": [{"from": [prometheus], "ports": [{"port": "metrics", "protocol": "TCP"}]}],
-    }
-    return [gateway, runner]
+    policies = []
+    for component, ports in (("gateway", GATEWAY_PORTS), ("runner", RUNNER_PORTS)):
+        policy = _object("networking.k8s.io/v1", "NetworkPolicy", f"fngate-{component}", component, options)
+        ingress: list[Obj] = []
+        for public in (True, False):
+            listed = [{"port": port.name, "protocol": "TCP"} for port in ports if port.public is public]
+            if listed:
+                ingress.append({"ports": listed} if public else {"from": [prometheus], "ports": listed})
+        policy["spec"] = {
+            "podSelector": {"matchLabels": _selector(component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        }
+        policies.append(policy)
+    return policies
 
 
 def _runner(pool: Pool, options: Options) -> Obj:
@@ -340,8 +372,7 @@ def _runner(pool: Pool, options: Options) -> Obj:
     if pool.gpu:
         env["FNGATE_ENGINE_CACHE_DIR"] = TENSORRT_CACHE_DIR
     image = options.gpu_image if pool.gpu else options.runner_image
-    container = _container("runner", image, ["runner"], env, options)
-    container["ports"] = [{"name": "metrics", "containerPort": RUNNER_PORT, "protocol": "TCP"}]
+    container = _container("runner", image, ["runner"], env, options, RUNNER_PORTS)
     container["readinessProbe"] = {
         "httpGet": {"path": "/healthz/ready", "port": "metrics"},
         "periodSeconds": 5,
