@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from fngate import keys
+from fngate.config import GatewaySettings
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 
 Obj = dict[str, Any]
@@ -60,6 +61,8 @@ WARM_COST = (
 # pods can prevent CA from removing a node?"); runners keep nothing there that another cannot refetch.
 SAFE_TO_EVICT_VOLUMES = "cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"
 TMP_BYTES = 1024**3
+GATEWAY_TMP_BYTES = 2 * GatewaySettings.model_fields["max_deploy_bytes"].default + TMP_BYTES
+"""A deploy upload spools to the gateway's /tmp (up to max_deploy_bytes) and is unpacked beside it."""
 TENSORRT_CACHE_BYTES = 20 * 1024**3
 SYNC_JOB = "fngate-registry-sync"
 
@@ -252,10 +255,10 @@ def _container(
     return container
 
 
-def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj) -> Obj:
+def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj, tmp_bytes: int = TMP_BYTES) -> Obj:
     """A pod spec: unprivileged, no API token, `tmp` and `cache` volumes of bounded size."""
     volumes = [
-        {"name": "tmp", "emptyDir": {"sizeLimit": _mebibytes(TMP_BYTES)}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": _mebibytes(tmp_bytes)}},
         {"name": "cache", "emptyDir": {"sizeLimit": _mebibytes(cache_bytes)}},
         *pod.pop("volumes", []),
     ]
@@ -273,9 +276,15 @@ def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj) -> Obj:
 
 
 def _deployment(
-    name: str, labels: dict[str, str], container: Obj, pod: Obj, cache_bytes: int, options: Options
+    name: str,
+    labels: dict[str, str],
+    container: Obj,
+    pod: Obj,
+    cache_bytes: int,
+    options: Options,
+    tmp_bytes: int = TMP_BYTES,
 ) -> Obj:
-    spec = _pod(container["name"], container, cache_bytes, pod)
+    spec = _pod(container["name"], container, cache_bytes, pod, tmp_bytes)
     deployment = _object("apps/v1", "Deployment", name, container["name"], options, **labels)
     evictable = ",".join(volume["name"] for volume in spec["volumes"])
     template_metadata = {
@@ -294,8 +303,10 @@ def _gateway(options: Options) -> list[Obj]:
     container = _container("gateway", options.image, ["gateway"], env, options, GATEWAY_PORTS)
     admin = {"secretKeyRef": {"name": options.api_keys_secret, "key": "admin", "optional": True}}
     container["env"].append({"name": "FNGATE_ADMIN_KEY_HASH", "valueFrom": admin})
+    resources = copy.deepcopy(GATEWAY_RESOURCES)
+    resources["requests"]["ephemeral-storage"] = _mebibytes(GATEWAY_TMP_BYTES + TMP_BYTES)
     container |= {
-        "resources": GATEWAY_RESOURCES,
+        "resources": resources,
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10},
         # The load balancer stops sending before Hypercorn stops accepting.
@@ -334,7 +345,7 @@ def _gateway(options: Options) -> list[Obj]:
         "maxReplicas": options.gateway_max_replicas,
         "metrics": [{"type": "Resource", "resource": cpu}],
     }
-    deployment = _deployment("fngate-gateway", {}, container, pod, TMP_BYTES, options)
+    deployment = _deployment("fngate-gateway", {}, container, pod, TMP_BYTES, options, GATEWAY_TMP_BYTES)
     return [deployment, service, pdb, hpa]
 
 

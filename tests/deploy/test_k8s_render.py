@@ -397,3 +397,18 @@ def test_registry_sync_job_runs_ls_sync_as_the_deployer(mixed: list[dict[str, An
     assert {"FNGATE_REDIS_URL", "FNGATE_REPO"} <= env
     scheduled = k8s.render([], k8s.Options(sync_schedule="*/10 * * * *"))
     assert by_name(scheduled, "CronJob", k8s.SYNC_JOB)["spec"]["suspend"] is False
+
+
+def test_a_gateway_has_room_for_the_largest_deploy_upload(mixed: list[dict[str, Any]]) -> None:
+    # A deploy spools its archive to /tmp (up to max_deploy_bytes) and unpacks it there: a /tmp
+    # smaller than both gets the pod evicted mid-deploy; the request covers every volume's limit.
+    pod = by_name(mixed, "Deployment", "fngate-gateway")["spec"]["template"]["spec"]
+    limits = {v["name"]: mebibytes(v["emptyDir"]["sizeLimit"]) for v in pod["volumes"]}
+    assert limits["tmp"] * 1024**2 >= 2 * GatewaySettings().max_deploy_bytes
+    requested = pod["containers"][0]["resources"]["requests"]["ephemeral-storage"]
+    assert mebibytes(requested) == sum(limits.values())
+
+
+def mebibytes(quantity: str) -> int:
+    assert quantity.endswith("Mi"), quantity
+    return int(quantity.removesuffix("Mi"))
