@@ -96,24 +96,33 @@ class Run:
     drained: Decision
 
 
+@dataclasses.dataclass
+class Deployed:
+    repo: Path
+    scaled_object: dict[str, Any]
+
+
+@pytest.fixture
+def deployed(crowd: FunctionManifest, redis_url: str, tmp_path: Path) -> Deployed:
+    """crowd deployed (`fngate deploy`) to a folder repository, and its rendered ScaledObject."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(CROWD, tmp_path / "crowd")
+    deploy(tmp_path / "crowd" / "function.yaml", repo, redis_url)
+    rendered = scaled_object(crowd, deployed=("crowd",))
+    assert rendered is not None
+    return Deployed(repo, rendered)
+
+
 @pytest.fixture
 def run(
     client: redis.Redis,
-    crowd: FunctionManifest,
-    redis_url: str,
-    tmp_path: Path,
+    deployed: Deployed,
     gateway_process: Callable[..., str],
     runner_process: Callable[..., subprocess.Popen[bytes]],
 ) -> Run:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    source = tmp_path / "crowd"
-    shutil.copytree(CROWD, source)
-    rendered = scaled_object(crowd, deployed=("crowd",))
-    assert rendered is not None
-
+    repo, rendered = deployed.repo, deployed.scaled_object
     # Deployed, no runner yet: KEDA's queries against what `fngate deploy` made.
-    deploy(source / "function.yaml", repo, redis_url)
     after_deploy = decide(rendered, client)  # raises where KEDA would see an error
 
     # One runner up, nothing queued: it must be ready (Redis answers, it consumes) with no model
@@ -189,21 +198,14 @@ def invoke(base: str, value: float) -> int:
 
 def test_cancels_expiries_and_dead_letters_never_leave_work_at_zero_runners(
     client: redis.Redis,
-    crowd: FunctionManifest,
-    redis_url: str,
-    tmp_path: Path,
+    deployed: Deployed,
     gateway_process: Callable[..., str],
     runner_process: Callable[..., subprocess.Popen[bytes]],
 ) -> None:
     """With no runner, each way an entry leaves its stream ahead of the runners' group (a cancel)
     or behind it (an expired invocation answered, an undecodable entry dead-lettered) must leave
     KEDA's queries asking for a runner as long as anything waits, and for none once it is done."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shutil.copytree(CROWD, tmp_path / "crowd")
-    deploy(tmp_path / "crowd" / "function.yaml", repo, redis_url)
-    rendered = scaled_object(crowd, deployed=("crowd",))
-    assert rendered is not None
+    repo, rendered = deployed.repo, deployed.scaled_object
     gateway = gateway_process(FNGATE_REPO=str(repo))
     wait_for(lambda: live(gateway), 30, "the gateway")
     sync, queued = keys.levels("crowd")[0], keys.levels("crowd")[-1]
