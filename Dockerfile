@@ -13,6 +13,7 @@
 ARG BASE_IMAGE=debian:bookworm-slim
 
 # ---------------------------------------------------------------- what every image runs on
+#checkov:skip=CKV_DOCKER_7:BASE_IMAGE defaults to debian:bookworm-slim, a release tag; checkov cannot read an ARG.
 FROM ${BASE_IMAGE} AS os
 ENV DEBIAN_FRONTEND=noninteractive
 # Debian's security updates replace package versions, so apt versions are not pinned; the base image
@@ -95,6 +96,7 @@ RUN --mount=type=secret,id=ca-certificates,target=/etc/ssl/certs/ca-certificates
 # ---------------------------------------------------------------- what the final images share
 FROM os AS runtime
 # No package manager in the final images: they never install anything.
+#checkov:skip=CKV_DOCKER_9:apt here is the package purged from the final images, not the apt command line.
 RUN dpkg --purge apt \
  && rm -rf /var/cache/apt /var/lib/apt
 ENV PATH=/opt/fngate/bin:$PATH \
