@@ -80,7 +80,8 @@ class RunnerSettings(_Settings):
     """Functions to serve; empty serves every function in the repository (refreshed every rescan_s)."""
     pool: str = "default"
     intra_op_threads: Annotated[int, Field(ge=0)] = 0
-    """onnxruntime's threads per session (spinning off); 0: one per core, at most 4."""
+    """onnxruntime's threads per session (spinning off); 0: one per CPU the runner may use (its
+    container's CPU limit counts), at most 4."""
     claim_idle_ms: Annotated[int, Field(ge=10)] = 2000
     claim_interval_ms: Annotated[int, Field(ge=10)] = 500
     max_deliveries: Annotated[int, Field(ge=1)] = 3

@@ -101,10 +101,9 @@ class Registry:
 
 async def create_stream(redis: aioredis.Redis, function: str) -> None:
     """The function's invocation stream and its runner group, made when the function is deployed
-    (idempotent). KEDA's pending-entries trigger runs XPENDING on the group, which fails with NOGROUP
-    until the group exists, and KEDA 2.x scales no ScaledObject to zero while one of its triggers
-    fails (kedacore/keda pkg/scaling/executor/scale_scaledobjects.go, `RequestScale`). Id 0, as the
-    runners use: anything queued before the group existed is still delivered."""
+    (idempotent), so that the gateways' and runners' stream commands and KEDA's lag query
+    (XINFO GROUPS) meet one group from the start. Id 0, as the runners use: anything queued before
+    the group existed is still delivered."""
     for stream in keys.levels(function):  # every priority level's stream
         try:
             await redis.xgroup_create(stream, keys.RUNNER_GROUP, id="0", mkstream=True)

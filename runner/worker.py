@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -50,7 +51,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
         Artifacts, settings.repo, _artifact_dir(settings), settings.artifact_max_bytes
     )
     accel = Acceleration.from_settings(settings, artifacts.engine_store())
-    threads = settings.intra_op_threads or min(os.cpu_count() or 1, 4)
+    threads = settings.intra_op_threads or min(usable_cpus(), 4)
     models = LoadedModels(threads, artifacts, report, settings.load_retry_s, accel, started_ms)
     async with redis, control:
         await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
@@ -84,6 +85,19 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
             with contextlib.suppress(RedisError, OSError):
                 await board.close()
     log.info("runner %s stopped", name)
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may keep busy: its CPU affinity, bounded by its cgroup's (v2) CPU
+    quota, which is how a container's CPU limit is set (Kubernetes, docker --cpus); a node's CPU
+    count would oversubscribe a runner limited to a few."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = (cgroup / "cpu.max").read_text(encoding="ascii").split()
+        limit = math.ceil(int(quota) / int(period))
+    except (OSError, ValueError):  # no quota ("max"), no cgroup v2, or not in a container
+        return cpus
+    return max(1, min(cpus, limit))
 
 
 def _artifact_dir(settings: RunnerSettings) -> Path:

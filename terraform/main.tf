@@ -41,6 +41,7 @@ module "eks" {
   gpu_instance_types = var.gpu_instance_types
   gpus_per_node      = var.gpus_per_node
   gpu_max_size       = var.gpu_max_size
+  gpu_volume_gib     = var.gpu_volume_gib
 }
 
 module "redis" {
@@ -147,35 +148,36 @@ module "observability" {
 module "fngate" {
   source = "./modules/fngate"
 
-  objects_chart           = "${path.root}/charts/objects"
-  python                  = var.fngate_python
-  functions_dir           = var.functions_dir
-  namespace               = var.namespace
-  gateway_image           = var.gateway_image
-  runner_image            = var.runner_image
-  runner_gpu_image        = var.runner_gpu_image
-  repo                    = "s3://${module.bucket.name}/${var.repo_prefix}"
-  redis_address           = module.redis.address
-  redis_port              = module.redis.port
-  redis_auth_token        = module.redis.auth_token
-  gateway_role_arn        = module.gateway_role.arn
-  runner_role_arn         = module.runner_role.arn
-  deployer_role_arn       = module.deployer_role.arn
-  otlp_endpoint           = module.observability.otlp_endpoint
-  keda_release            = module.keda.release
-  polling_interval_s      = var.keda_polling_interval_s
-  cooldown_s              = var.keda_cooldown_s
-  deployed_functions      = var.deployed_functions
-  warm_runners            = var.warm_runners_per_pool
-  artifact_cache_bytes    = var.runner_artifact_cache_gib * 1024 * 1024 * 1024
-  registry_sync_schedule  = var.registry_sync_schedule
-  gateway_min_replicas    = var.gateway_min_replicas
-  gateway_max_replicas    = var.gateway_max_replicas
-  gateway_allowed_cidrs   = var.gateway_allowed_cidrs
-  gateway_certificate_arn = var.gateway_certificate_arn
-  gateway_internal        = var.gateway_internal
-  extra_admin_key_hashes  = [module.observability.metrics_key_hash]
-  log_level               = var.log_level
+  objects_chart                  = "${path.root}/charts/objects"
+  python                         = var.fngate_python
+  functions_dir                  = var.functions_dir
+  namespace                      = var.namespace
+  gateway_image                  = var.gateway_image
+  runner_image                   = var.runner_image
+  runner_gpu_image               = var.runner_gpu_image
+  repo                           = "s3://${module.bucket.name}/${var.repo_prefix}"
+  redis_address                  = module.redis.address
+  redis_port                     = module.redis.port
+  redis_auth_token               = module.redis.auth_token
+  gateway_role_arn               = module.gateway_role.arn
+  runner_role_arn                = module.runner_role.arn
+  deployer_role_arn              = module.deployer_role.arn
+  otlp_endpoint                  = module.observability.otlp_endpoint
+  keda_release                   = module.keda.release
+  polling_interval_s             = var.keda_polling_interval_s
+  cooldown_s                     = var.keda_cooldown_s
+  deployed_functions             = var.deployed_functions
+  warm_runners                   = var.warm_runners_per_pool
+  artifact_cache_bytes           = var.runner_artifact_cache_gib * 1024 * 1024 * 1024
+  gpu_node_ephemeral_storage_mib = module.eks.gpu_node_ephemeral_storage_mib
+  registry_sync_schedule         = var.registry_sync_schedule
+  gateway_min_replicas           = var.gateway_min_replicas
+  gateway_max_replicas           = var.gateway_max_replicas
+  gateway_allowed_cidrs          = var.gateway_allowed_cidrs
+  gateway_certificate_arn        = var.gateway_certificate_arn
+  gateway_internal               = var.gateway_internal
+  extra_admin_key_hashes         = [module.observability.metrics_key_hash]
+  log_level                      = var.log_level
 
   depends_on = [module.eks]
 }

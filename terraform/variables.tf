@@ -196,6 +196,12 @@ variable "gpus_per_node" {
   default     = 1
 }
 
+variable "gpu_volume_gib" {
+  description = "Root volume of a GPU node, GiB: the GPU runner image, and each GPU runner's artifact cache, /tmp and TensorRT engines (runner_artifact_cache_gib plus a quarter, 1 GiB and 20 GiB)."
+  type        = number
+  default     = 200
+}
+
 variable "gpu_max_size" {
   description = "Most GPU nodes the cluster autoscaler may start."
   type        = number
@@ -255,7 +261,7 @@ variable "functions_dir" {
 }
 
 variable "deployed_functions" {
-  description = "Functions of functions_dir that have been deployed to the repository and synced (docs/deployment.md, step 4): only these get runner pools. KEDA cannot read the queue of a function never deployed, and then never scales its pool to zero."
+  description = "Functions of functions_dir that have been deployed to the repository and synced (docs/deployment.md, step 4): only these get runner pools."
   type        = list(string)
   default     = []
 }

@@ -1,6 +1,7 @@
 """Kubernetes objects for a cluster deployment, rendered from function manifests: the gateway's
 Deployment, Service, PodDisruptionBudget and HPA, and per runner pool a Deployment that KEDA scales
-from zero on the lag of its functions' streams. The one source of these objects, for Terraform too."""
+from zero on the length and lag of its functions' streams. The one source of these objects, for
+Terraform too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from fngate import keys
+from fngate.config import GatewaySettings
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 
 Obj = dict[str, Any]
@@ -23,12 +25,29 @@ Obj = dict[str, Any]
 # Contracts with terraform/modules/eks (the GPU node group's label and taint) and the Dockerfile.
 GPU_NODE_LABEL = ("nvidia.com/gpu.present", "true")
 GPU_TAINT_KEY = "nvidia.com/gpu"
-GATEWAY_PORT = 8000
-RUNNER_PORT = 9100
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """A port a process listens on: its name in the pod, its number, the FNGATE_ variable that
+    sets it, and whether anyone may reach it (the gateway's Service and NetworkPolicy) or only
+    Prometheus. A new port is one line in GATEWAY_PORTS or RUNNER_PORTS (and the Dockerfile's EXPOSE)."""
+
+    name: str
+    number: int
+    setting: str
+    public: bool = True
+
+
+GATEWAY_PORTS = (Port("http", 8000, "FNGATE_PORT"),)
+"""The gateway's; the Service serves `http` on service_port and every other public port on its number."""
+RUNNER_PORTS = (Port("metrics", 9100, "FNGATE_STATUS_PORT", public=False),)
 """The runner's metrics and health port: /healthz/ready answers while Redis does and it consumes."""
+GATEWAY_PORT = GATEWAY_PORTS[0].number
+RUNNER_PORT = RUNNER_PORTS[0].number
 RUNNER_READ_AHEAD_BATCHES = 2
 """A busy runner holds up to this many batches (of max_batch_size) read and not yet answered: the
-one running and at most one read ahead (runner/consumer.py): the pending target per runner."""
+one running and at most one read ahead (runner/consumer.py): the stream-length target per runner."""
 UID = 10001
 CACHE_DIR = "/var/cache/fngate"
 TENSORRT_CACHE_DIR = "/var/cache/fngate/tensorrt"
@@ -42,6 +61,8 @@ WARM_COST = (
 # pods can prevent CA from removing a node?"); runners keep nothing there that another cannot refetch.
 SAFE_TO_EVICT_VOLUMES = "cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"
 TMP_BYTES = 1024**3
+GATEWAY_TMP_BYTES = 2 * GatewaySettings.model_fields["max_deploy_bytes"].default + TMP_BYTES
+"""A deploy upload spools to the gateway's /tmp (up to max_deploy_bytes) and is unpacked beside it."""
 TENSORRT_CACHE_BYTES = 20 * 1024**3
 SYNC_JOB = "fngate-registry-sync"
 
@@ -72,13 +93,12 @@ class Options:
     """A Secret with keys `url` (FNGATE_REDIS_URL) and `password`, made beside these objects."""
     deployed: tuple[str, ...] = ()
     """The functions that have been deployed (`fngate deploy`, or `fngate ls --sync`, made their
-    stream and runner group): only they get runner pools and triggers. KEDA's pending-entries query
-    (XPENDING) fails until the group exists, and KEDA scales no pool to zero while a trigger fails."""
+    stream and runner group): only they get runner pools and triggers."""
     polling_interval_s: int = 5
     cooldown_s: int = 300
     target_lag: int = 0
     """Waiting invocations per runner before KEDA adds one; 0: each function's max_batch_size. The
-    pending-entries target is RUNNER_READ_AHEAD_BATCHES times this."""
+    stream-length target is RUNNER_READ_AHEAD_BATCHES times this."""
     warm_runners: int = 0
     """Runners each pool keeps when idle, over the manifests' min_replicas. 1 removes the cold start
     from zero, and keeps one runner per pool, and for a GPU pool one GPU node, running (WARM_COST)."""
@@ -159,9 +179,10 @@ def pools(manifests: Sequence[FunctionManifest], deployed: Sequence[str]) -> lis
 
 
 def targets(manifest: FunctionManifest, options: Options) -> tuple[int, int]:
-    """(lagCount, pendingEntriesCount) of a function's triggers: entries per runner before KEDA
-    adds one. A busy runner holds RUNNER_READ_AHEAD_BATCHES batches pending, so a pending target of
-    one batch would count each busy runner twice and double the pool with nothing waiting."""
+    """(lagCount, streamLength) of a function's triggers: entries per runner before KEDA adds one.
+    The length counts what runners hold too, and a busy runner holds RUNNER_READ_AHEAD_BATCHES
+    batches, so a length target of one batch would count each busy runner twice and double the
+    pool with nothing waiting."""
     lag = options.target_lag or max(1, manifest.batching.max_batch_size)
     return lag, lag * RUNNER_READ_AHEAD_BATCHES
 
@@ -209,14 +230,17 @@ def _service_account(component: str, role_arn: str, options: Options) -> Obj:
     return account | {"automountServiceAccountToken": False}
 
 
-def _container(name: str, image: str, args: list[str], env: dict[str, str], options: Options) -> Obj:
+def _container(
+    name: str, image: str, args: list[str], env: dict[str, str], options: Options, ports: Sequence[Port] = ()
+) -> Obj:
+    env |= {port.setting: str(port.number) for port in ports}
     if options.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = options.otlp_endpoint
     env |= {"FNGATE_REPO": options.repo, "FNGATE_LOG_LEVEL": options.log_level}
     env["OTEL_SERVICE_NAME"] = f"fngate-{name}"
     secret = {"secretKeyRef": {"name": options.redis_secret, "key": "url"}}
     url = {"name": "FNGATE_REDIS_URL", "valueFrom": secret}
-    return {
+    container = {
         "name": name,
         "image": image,
         "args": args,
@@ -224,12 +248,17 @@ def _container(name: str, image: str, args: list[str], env: dict[str, str], opti
         "securityContext": CONTAINER_SECURITY | {"capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
     }
+    if ports:
+        container["ports"] = [
+            {"name": port.name, "containerPort": port.number, "protocol": "TCP"} for port in ports
+        ]
+    return container
 
 
-def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj) -> Obj:
+def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj, tmp_bytes: int = TMP_BYTES) -> Obj:
     """A pod spec: unprivileged, no API token, `tmp` and `cache` volumes of bounded size."""
     volumes = [
-        {"name": "tmp", "emptyDir": {"sizeLimit": _mebibytes(TMP_BYTES)}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": _mebibytes(tmp_bytes)}},
         {"name": "cache", "emptyDir": {"sizeLimit": _mebibytes(cache_bytes)}},
         *pod.pop("volumes", []),
     ]
@@ -247,9 +276,15 @@ def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj) -> Obj:
 
 
 def _deployment(
-    name: str, labels: dict[str, str], container: Obj, pod: Obj, cache_bytes: int, options: Options
+    name: str,
+    labels: dict[str, str],
+    container: Obj,
+    pod: Obj,
+    cache_bytes: int,
+    options: Options,
+    tmp_bytes: int = TMP_BYTES,
 ) -> Obj:
-    spec = _pod(container["name"], container, cache_bytes, pod)
+    spec = _pod(container["name"], container, cache_bytes, pod, tmp_bytes)
     deployment = _object("apps/v1", "Deployment", name, container["name"], options, **labels)
     evictable = ",".join(volume["name"] for volume in spec["volumes"])
     template_metadata = {
@@ -264,17 +299,14 @@ def _deployment(
 
 
 def _gateway(options: Options) -> list[Obj]:
-    env = {
-        "FNGATE_HOST": "0.0.0.0",
-        "FNGATE_PORT": str(GATEWAY_PORT),
-        "FNGATE_WORKERS": str(options.gateway_workers),
-    }
-    container = _container("gateway", options.image, ["gateway"], env, options)
+    env = {"FNGATE_HOST": "0.0.0.0", "FNGATE_WORKERS": str(options.gateway_workers)}
+    container = _container("gateway", options.image, ["gateway"], env, options, GATEWAY_PORTS)
     admin = {"secretKeyRef": {"name": options.api_keys_secret, "key": "admin", "optional": True}}
     container["env"].append({"name": "FNGATE_ADMIN_KEY_HASH", "valueFrom": admin})
+    resources = copy.deepcopy(GATEWAY_RESOURCES)
+    resources["requests"]["ephemeral-storage"] = _mebibytes(GATEWAY_TMP_BYTES + TMP_BYTES)
     container |= {
-        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
-        "resources": GATEWAY_RESOURCES,
+        "resources": resources,
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10},
         # The load balancer stops sending before Hypercorn stops accepting.
@@ -290,8 +322,17 @@ def _gateway(options: Options) -> list[Obj]:
     spread["whenUnsatisfiable"] = "ScheduleAnyway"
     service = _object("v1", "Service", "fngate-gateway", "gateway", options)
     service["metadata"]["annotations"] = dict(pair.split("=", 1) for pair in options.service_annotations)
-    port = {"name": "http", "port": options.service_port, "targetPort": "http", "protocol": "TCP"}
-    service["spec"] = {"type": options.service_type, "selector": selector, "ports": [port]}
+    ports = [
+        {
+            "name": port.name,
+            "port": options.service_port if port.name == "http" else port.number,
+            "targetPort": port.name,
+            "protocol": "TCP",
+        }
+        for port in GATEWAY_PORTS
+        if port.public
+    ]
+    service["spec"] = {"type": options.service_type, "selector": selector, "ports": ports}
     if options.source_ranges:
         service["spec"]["loadBalancerSourceRanges"] = list(options.source_ranges)
     pdb = _object("policy/v1", "PodDisruptionBudget", "fngate-gateway", "gateway", options)
@@ -304,28 +345,31 @@ def _gateway(options: Options) -> list[Obj]:
         "maxReplicas": options.gateway_max_replicas,
         "metrics": [{"type": "Resource", "resource": cpu}],
     }
-    deployment = _deployment("fngate-gateway", {}, container, pod, TMP_BYTES, options)
+    deployment = _deployment("fngate-gateway", {}, container, pod, TMP_BYTES, options, GATEWAY_TMP_BYTES)
     return [deployment, service, pdb, hpa]
 
 
 def _network_policies(options: Options) -> list[Obj]:
-    """Gateways accept traffic on their HTTP port only (the load balancer's source ranges say from
-    where); runners accept none but Prometheus on their status port: they only call out."""
-    gateway = _object("networking.k8s.io/v1", "NetworkPolicy", "fngate-gateway", "gateway", options)
-    gateway["spec"] = {
-        "podSelector": {"matchLabels": _selector("gateway")},
-        "policyTypes": ["Ingress"],
-        "ingress": [{"ports": [{"port": "http", "protocol": "TCP"}]}],
-    }
+    """Each component accepts traffic on its ports only: public ports from anywhere (the load
+    balancer's source ranges say from where), the others from Prometheus alone. Runners have no
+    public port: they only call out."""
     key, _, value = options.prometheus_label.partition("=")
     prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": {key: value}}}
-    runner = _object("networking.k8s.io/v1", "NetworkPolicy", "fngate-runner", "runner", options)
-    runner["spec"] = {
-        "podSelector": {"matchLabels": _selector("runner")},
-        "policyTypes": ["Ingress"],
-        "ingress": [{"from": [prometheus], "ports": [{"port": "metrics", "protocol": "TCP"}]}],
-    }
-    return [gateway, runner]
+    policies = []
+    for component, ports in (("gateway", GATEWAY_PORTS), ("runner", RUNNER_PORTS)):
+        policy = _object("networking.k8s.io/v1", "NetworkPolicy", f"fngate-{component}", component, options)
+        ingress: list[Obj] = []
+        for public in (True, False):
+            listed = [{"port": port.name, "protocol": "TCP"} for port in ports if port.public is public]
+            if listed:
+                ingress.append({"ports": listed} if public else {"from": [prometheus], "ports": listed})
+        policy["spec"] = {
+            "podSelector": {"matchLabels": _selector(component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        }
+        policies.append(policy)
+    return policies
 
 
 def _runner(pool: Pool, options: Options) -> Obj:
@@ -339,8 +383,7 @@ def _runner(pool: Pool, options: Options) -> Obj:
     if pool.gpu:
         env["FNGATE_ENGINE_CACHE_DIR"] = TENSORRT_CACHE_DIR
     image = options.gpu_image if pool.gpu else options.runner_image
-    container = _container("runner", image, ["runner"], env, options)
-    container["ports"] = [{"name": "metrics", "containerPort": RUNNER_PORT, "protocol": "TCP"}]
+    container = _container("runner", image, ["runner"], env, options, RUNNER_PORTS)
     container["readinessProbe"] = {
         "httpGet": {"path": "/healthz/ready", "port": "metrics"},
         "periodSeconds": 5,
@@ -383,17 +426,22 @@ def _runner_budget(pool: Pool, options: Options) -> Obj:
 def _scaled_object(pool: Pool, options: Options) -> Obj:
     triggers: list[Obj] = []
     for manifest in pool.functions:
-        lag_target, pending_target = targets(manifest, options)
+        lag_target, length_target = targets(manifest, options)
         for level, stream in enumerate(keys.levels(manifest.name)):  # every priority level counts
-            common = {"address": options.redis_address, "stream": stream}
-            common |= {"consumerGroup": keys.RUNNER_GROUP, "databaseIndex": "0"}
+            common = {"address": options.redis_address, "stream": stream, "databaseIndex": "0"}
             common["enableTLS"] = "true" if options.redis_tls else "false"
-            # Lag (entries not yet delivered to the group) wakes the pool at the first one; pending
-            # entries (delivered, not yet acknowledged) keep it up while batches run.
-            lag = common | {"lagCount": str(lag_target), "activationLagCount": "0"}
-            pending = common | {"pendingEntriesCount": str(pending_target)}
+            # The stream's length (XLEN, KEDA's streamLength mode: no consumerGroup) is what waits
+            # or runs: an entry leaves its stream when it is answered or cancelled. It cannot be
+            # nil and cannot fail, so it wakes the pool from zero and keeps it up while batches run.
+            # The lag (entries not yet delivered to the group) adds runners sooner under a backlog,
+            # but Redis answers nil for it once an entry ahead of the group was deleted (a cancel),
+            # and KEDA reads nil as -1: inactive; the length alone must be enough to wake the pool.
+            # activationLagCount is the activation threshold of every mode in KEDA 2.20.
+            length = common | {"streamLength": str(length_target), "activationLagCount": "0"}
+            lag = common | {"consumerGroup": keys.RUNNER_GROUP, "lagCount": str(lag_target)}
+            lag["activationLagCount"] = "0"
             suffix = f"-{keys.LEVELS[level]}" if level else ""
-            for kind, metadata in (("lag", lag), ("pending", pending)):
+            for kind, metadata in (("length", length), ("lag", lag)):
                 trigger = {
                     "type": "redis-streams",
                     "name": f"{kind}-{manifest.name}{suffix}",

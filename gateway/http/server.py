@@ -14,6 +14,9 @@ from typing import Any
 from fngate import telemetry
 from fngate.config import GatewaySettings
 
+SHUTDOWN_IDLE_GRACE_S = 1.0
+"""How long an idle keep-alive connection stays open at shutdown for a request already on its way."""
+
 
 async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio.Event) -> None:
     from hypercorn.asyncio import serve
@@ -82,6 +85,7 @@ def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.
 
     class HeadTimeoutProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _draining = False
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             scope = cycle.scope
@@ -128,6 +132,8 @@ def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+            if self._draining and self.cycle is not None:
+                self.cycle.keep_alive = False  # answered with Connection: close
 
         def on_response_complete(self) -> None:
             one_write: Any = self.transport
@@ -139,6 +145,17 @@ def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            # uvicorn closes an idle keep-alive connection at once on shutdown, and a request the
+            # client had just sent on it meets a reset. It is answered instead, with Connection:
+            # close, if it comes within SHUTDOWN_IDLE_GRACE_S; then the connection closes.
+            if self.cycle is None or self.cycle.response_complete:
+                self._draining = True
+                self._disarm()
+                self._head_timer = self.loop.call_later(SHUTDOWN_IDLE_GRACE_S, self._head_too_slow)
+            else:
+                self.cycle.keep_alive = False
 
     return HeadTimeoutProtocol
 

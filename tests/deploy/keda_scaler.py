@@ -1,43 +1,54 @@
 """What KEDA 2.x asks Redis for a `redis-streams` trigger, and what it makes of the answer, written
-after kedacore/keda v2.17.1: pkg/scalers/redis_streams_scaler.go (`createEntriesCountFn`,
-`GetMetricsAndActivity`; the same file in v2.20.2) and pkg/scaling/executor/scale_scaledobjects.go
-(`RequestScale`; rewritten by v2.20.2, same decisions). Imported by name, like deploy_files."""
+after kedacore/keda v2.20.2: pkg/scalers/redis_streams_scaler.go (`Validate`, `createEntriesCountFn`,
+`GetMetricsAndActivity`) with github.com/redis/go-redis/v9 v9.19.0, which it builds with (a nil lag
+in XINFO GROUPS reads as -1), and pkg/scaling/executor/scale_scaledobjects.go (`RequestScale`).
+Imported by name, like deploy_files."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import redis
+
+Mode = Literal["lag", "pending", "length"]
+NIL_LAG = -1
+"""go-redis's XInfoGroup.Lag when Redis answers nil (it cannot compute the lag)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Trigger:
-    """One redis-streams trigger's metadata as KEDA reads it (`redisStreamsMetadata.Validate`):
-    a consumer group with a nonzero lagCount is lag mode, a group without one pending mode."""
+    """One redis-streams trigger's metadata as KEDA's `Validate` reads it: with a consumerGroup, lag
+    mode when lagCount is nonzero, else pending mode; without one, stream-length mode."""
 
     name: str
     stream: str
     group: str
     target: int
     activation: int
-    lag_mode: bool
+    mode: Mode
 
     @classmethod
     def from_object(cls, trigger: dict[str, Any]) -> Trigger:
         metadata = trigger["metadata"]
+        group = metadata.get("consumerGroup", "")
         lag = int(metadata.get("lagCount", "0"))
-        target = lag or int(metadata.get("pendingEntriesCount", "5"))
-        activation = int(metadata.get("activationLagCount", "0"))
-        return cls(
-            trigger["name"], metadata["stream"], metadata["consumerGroup"], target, activation, lag != 0
-        )
+        mode: Mode = ("lag" if lag else "pending") if group else "length"
+        if mode == "lag":
+            target = lag
+        else:
+            key = "pendingEntriesCount" if mode == "pending" else "streamLength"
+            target = int(metadata.get(key, "5"))
+        activation = int(metadata.get("activationLagCount", "0"))  # every mode's, in KEDA 2.20
+        return cls(trigger["name"], metadata["stream"], group, target, activation, mode)
 
     def count(self, client: redis.Redis) -> int:
         """The metric, by KEDA's queries; raises what Redis raises, as KEDA reports a trigger error."""
-        if not self.lag_mode:
+        if self.mode == "length":
+            return int(client.xlen(self.stream))  # XLEN key: 0 for a stream not made yet
+        if self.mode == "pending":
             summary: Any = client.xpending(self.stream, self.group)  # XPENDING key group
             return int(summary["pending"])
         info: Any = client.info("server")  # INFO: lag needs Redis 7
@@ -51,8 +62,8 @@ class Trigger:
             raise
         for group in groups:
             if _text(group["name"]) == self.group:
-                # Redis answers nil when it cannot tell the lag; go-redis reads nil as 0.
-                return int(group.get("lag") or 0)
+                lag = group.get("lag")
+                return NIL_LAG if lag is None else int(lag)
         return int(client.xlen(self.stream))  # a stream without the group: its length
 
     def is_active(self, count: int) -> bool:

@@ -1,6 +1,6 @@
 """fngate.tools.k8s: the objects it renders from manifests, checked against their schemas (Kubernetes'
 built-ins with kubernetes-validate, KEDA's with the subset in keda.schema.json) and for what
-fngate counts on: pools, GPU placement, lag-mode triggers, settings the processes accept."""
+fngate counts on: pools, GPU placement, stream-length and lag triggers, settings the processes accept."""
 
 from __future__ import annotations
 
@@ -130,26 +130,28 @@ def test_one_runner_deployment_and_scaled_object_per_pool(mixed: list[dict[str, 
         assert "replicas" not in deployment["spec"]  # KEDA's HPA owns it; an apply must not reset it
 
 
-def test_scaled_object_triggers_on_lag_from_zero_and_on_pending_entries(mixed: list[dict[str, Any]]) -> None:
+def test_scaled_object_triggers_on_stream_length_from_zero_and_on_lag(mixed: list[dict[str, Any]]) -> None:
     scaled = by_name(mixed, "ScaledObject", "fngate-runner-gpu")
     assert scaled["spec"]["pollingInterval"] == 7
     assert scaled["spec"]["cooldownPeriod"] == 120
     triggers = scaled["spec"]["triggers"]
     assert {t["type"] for t in triggers} == {"redis-streams"}
     for function, batch in (("detect", 16), ("segment", 8)):
-        stream = [t["metadata"] for t in triggers if t["metadata"]["stream"] == keys.invocations(function)]
-        lag = next(m for m in stream if "lagCount" in m)
-        pending = next(m for m in stream if "pendingEntriesCount" in m)
-        # One batch waiting per runner adds one; a busy runner holds its read-ahead pending, and
-        # counts as one runner, not RUNNER_READ_AHEAD_BATCHES of them.
-        assert lag["lagCount"] == str(batch)
-        assert pending["pendingEntriesCount"] == str(batch * k8s.RUNNER_READ_AHEAD_BATCHES)
-        assert lag["activationLagCount"] == "0"
-        assert "pendingEntriesCount" not in lag  # KEDA would read a lagCount trigger as lag mode anyway
-        for metadata in (lag, pending):
-            assert metadata["consumerGroup"] == keys.RUNNER_GROUP
-            assert metadata["address"] == "redis.example:6379"
-            assert metadata["enableTLS"] == "true"
+        for stream in keys.levels(function):
+            found = [t["metadata"] for t in triggers if t["metadata"]["stream"] == stream]
+            length = next(m for m in found if "streamLength" in m)
+            lag = next(m for m in found if "lagCount" in m)
+            # Stream-length mode (KEDA's: no consumerGroup) counts what waits and what runs; a busy
+            # runner holds its read-ahead, and counts as one runner, not RUNNER_READ_AHEAD_BATCHES.
+            assert "consumerGroup" not in length
+            assert length["streamLength"] == str(batch * k8s.RUNNER_READ_AHEAD_BATCHES)
+            # One batch undelivered per runner adds one.
+            assert lag["consumerGroup"] == keys.RUNNER_GROUP
+            assert lag["lagCount"] == str(batch)
+            for metadata in (length, lag):
+                assert metadata["activationLagCount"] == "0"  # the first entry wakes the pool
+                assert metadata["address"] == "redis.example:6379"
+                assert metadata["enableTLS"] == "true"
     authentication = by_name(mixed, "TriggerAuthentication", "fngate-redis")
     assert {t["authenticationRef"]["name"] for t in triggers} == {authentication["metadata"]["name"]}
     assert authentication["spec"]["secretTargetRef"] == [
@@ -162,7 +164,7 @@ def test_target_lag_option_overrides_batch_size() -> None:
     objects = k8s.render([manifest("classify")], options)
     metadata = [t["metadata"] for t in of_kind(objects, "ScaledObject")[0]["spec"]["triggers"]]
     assert {m["lagCount"] for m in metadata if "lagCount" in m} == {"3"}
-    assert {m["pendingEntriesCount"] for m in metadata if "pendingEntriesCount" in m} == {"6"}
+    assert {m["streamLength"] for m in metadata if "streamLength" in m} == {"6"}
     assert {m["enableTLS"] for m in metadata} == {"false"}
 
 
@@ -395,3 +397,18 @@ def test_registry_sync_job_runs_ls_sync_as_the_deployer(mixed: list[dict[str, An
     assert {"FNGATE_REDIS_URL", "FNGATE_REPO"} <= env
     scheduled = k8s.render([], k8s.Options(sync_schedule="*/10 * * * *"))
     assert by_name(scheduled, "CronJob", k8s.SYNC_JOB)["spec"]["suspend"] is False
+
+
+def test_a_gateway_has_room_for_the_largest_deploy_upload(mixed: list[dict[str, Any]]) -> None:
+    # A deploy spools its archive to /tmp (up to max_deploy_bytes) and unpacks it there: a /tmp
+    # smaller than both gets the pod evicted mid-deploy; the request covers every volume's limit.
+    pod = by_name(mixed, "Deployment", "fngate-gateway")["spec"]["template"]["spec"]
+    limits = {v["name"]: mebibytes(v["emptyDir"]["sizeLimit"]) for v in pod["volumes"]}
+    assert limits["tmp"] * 1024**2 >= 2 * GatewaySettings().max_deploy_bytes
+    requested = pod["containers"][0]["resources"]["requests"]["ephemeral-storage"]
+    assert mebibytes(requested) == sum(limits.values())
+
+
+def mebibytes(quantity: str) -> int:
+    assert quantity.endswith("Mi"), quantity
+    return int(quantity.removesuffix("Mi"))

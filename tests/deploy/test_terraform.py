@@ -5,6 +5,7 @@ and `terraform validate` where Terraform exists."""
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from deploy_files import ROOT, TERRAFORM, Module, find_tool, load_hcl
 
+from fngate.manifest import parse_manifest
 from fngate.tools import k8s
 from runner.backends import engine_cache
 
@@ -44,6 +46,118 @@ def test_cluster_autoscaler_can_scale_the_gpu_group_from_zero(modules: dict[str,
     assert release["chart"] == "cluster-autoscaler"
     device_plugin = modules["cluster-addons"].resource("helm_release", "nvidia_device_plugin")
     assert device_plugin["chart"] == "nvidia-device-plugin"
+
+
+def test_a_gpu_runner_fits_the_node_template_the_autoscaler_scales_from_zero(
+    modules: dict[str, Module],
+) -> None:
+    """cluster-autoscaler places a pending pod on a node group at zero only if the group's node
+    template (its ASG tags, beside the instance type's CPUs and memory) holds every resource the pod
+    requests and carries the labels and taints it selects and tolerates."""
+    eks, root = modules["eks"], modules["root"]
+    defaults = {
+        name: block.get("default")
+        for module in (eks, root)  # the root's defaults, where it passes its own variable on
+        for name, block in module.named("variable").items()
+    }
+    template = {
+        interpolate(eks, key, defaults).removeprefix(NODE_TEMPLATE): interpolate(eks, value, defaults)
+        for key, value in eks.resource("aws_autoscaling_group_tag", "gpu_template")["for_each"].items()
+    }
+    # The GPU runner as Terraform renders it with its defaults (runner_artifact_cache_gib).
+    options = k8s.Options(
+        artifact_cache_bytes=defaults["runner_artifact_cache_gib"] * 1024**3, deployed=("detect",)
+    )
+    detect = {
+        "name": "detect",
+        "model": {"backend": "onnxruntime", "path": "model.onnx", "accelerator": "cuda"},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
+        "scaling": {"pool": "gpu"},
+    }
+    objects = k8s.render([parse_manifest(detect, "detect")], options)
+    pod = next(obj for obj in objects if obj["metadata"]["name"] == "fngate-runner-gpu")["spec"]["template"][
+        "spec"
+    ]
+    requests = pod["containers"][0]["resources"]["requests"]
+    for resource in ("ephemeral-storage", "nvidia.com/gpu"):
+        offered = template.get(f"resources/{resource}")
+        assert offered is not None, f"no node-template tag for {resource}"
+        assert quantity(requests[resource]) <= quantity(offered), (resource, requests[resource], offered)
+    # CPUs and memory come from the instance type: g5.xlarge has 4 vCPUs and 16 GiB, of which kubelet
+    # keeps some back.
+    assert defaults["gpu_instance_types"] == ["g5.xlarge"]
+    assert quantity(requests["cpu"]) <= 4 - 0.5 and quantity(requests["memory"]) <= 16 * 1024**3 * 0.8
+    for key, value in pod["nodeSelector"].items():
+        assert template[f"label/{key}"] == value
+    taints = {
+        key.removeprefix("taint/"): value for key, value in template.items() if key.startswith("taint/")
+    }
+    for key, value in taints.items():
+        effect = {"NoSchedule": "NoSchedule"}[value.split(":")[1]]
+        assert any(
+            t["key"] == key and t["operator"] == "Exists" and t["effect"] == effect
+            for t in pod["tolerations"]
+        ), key
+    # The template describes the nodes the group starts: the same labels and taint.
+    gpu = eks.resource("aws_eks_node_group", "gpu")
+    labels = {
+        interpolate(eks, key, defaults): interpolate(eks, value, defaults)
+        for key, value in gpu["labels"].items()
+    }
+    for key, value in template.items():
+        if key.startswith("label/"):
+            assert labels[key.removeprefix("label/")] == value
+    taint = {key: eks.resolve(value) for key, value in gpu["taint"][0].items()}
+    assert taints == {taint["key"]: f"{taint['value']}:NoSchedule"}
+    # Terraform refuses a plan whose GPU runners would not fit (another cache size, a smaller disk).
+    release = modules["fngate"].resource("helm_release", "fngate")
+    condition = release["lifecycle"][0]["precondition"][0]["condition"]
+    assert "local.gpu_runner_storage_mib" in condition and "var.gpu_node_ephemeral_storage_mib" in condition
+    passed = root.named("module")["fngate"]["gpu_node_ephemeral_storage_mib"]
+    assert passed == "${module.eks.gpu_node_ephemeral_storage_mib}"
+
+
+NODE_TEMPLATE = "k8s.io/cluster-autoscaler/node-template/"
+
+
+def interpolate(module: Module, text: str, variables: dict[str, Any]) -> str:
+    """A tag's key or value with each `${...}` evaluated (evaluate)."""
+    return re.sub(r"\$\{([^{}]*)\}", lambda match: str(evaluate(module, match.group(1), variables)), text)
+
+
+def evaluate(module: Module, expression: str, variables: dict[str, Any]) -> Any:
+    """The expressions the node template uses: `local.a.b` (or `(local.a.b)`), `var.x` (or
+    `tostring(var.x)`) from `variables`, and the GPU node's ephemeral-storage formula."""
+    local = re.fullmatch(r"\(?local\.([\w.]+)\)?", expression)
+    if local:
+        found = module.resolve("${local." + local.group(1) + "}")
+        inner = re.fullmatch(r"\$\{(.*)\}", found) if isinstance(found, str) else None
+        return evaluate(module, inner.group(1), variables) if inner else found
+    variable = re.fullmatch(r"(?:tostring\()?var\.(\w+)\)?", expression)
+    if variable:
+        return variables[variable.group(1)]
+    formula = re.fullmatch(r"floor\(var\.(\w+) \* 1024 \* ([\d.]+)\) - (\d+)", expression)
+    assert formula, f"no reading of {expression!r}"
+    gib, share, reserved = variables[formula.group(1)], float(formula.group(2)), int(formula.group(3))
+    return math.floor(gib * 1024 * share) - reserved
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity (2, 500m, 8Gi, 34304Mi) in its base unit."""
+    units = {"m": 1e-3, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
+    number, unit = re.fullmatch(r"([\d.]+)([A-Za-z]*)", text).groups()  # type: ignore[union-attr]
+    return float(number) * units.get(unit, 1)
+
+
+def test_network_policies_are_enforced(modules: dict[str, Module]) -> None:
+    # The VPC CNI's network policy agent is off unless its add-on is configured so; without it the
+    # rendered NetworkPolicies are stored and never enforced.
+    addon = modules["eks"].resource("aws_eks_addon", "vpc_cni")
+    assert addon["addon_name"] == "vpc-cni"
+    assert re.search(r'enableNetworkPolicy\s*=\s*"true"', addon["configuration_values"])
+    assert addon["resolve_conflicts_on_create"] == "OVERWRITE"  # EKS installed it unmanaged before
+    assert modules["root"].named("module")["fngate"]["depends_on"] == ["${module.eks}"]
 
 
 def test_bucket_is_private_versioned_encrypted_and_tls_only(modules: dict[str, Module]) -> None:
@@ -163,7 +277,8 @@ def test_workloads_come_from_the_renderer_with_the_scaling_variables(modules: di
     assert set(flags) <= options
     release = fngate.resource("helm_release", "fngate")
     assert release["chart"] == "${var.objects_chart}"
-    assert "data.external.objects.result.objects" in release["values"][0]
+    assert "local.objects" in release["values"][0]
+    assert fngate.locals["objects"] == "${jsondecode(data.external.objects.result.objects)}"
 
 
 def test_in_cluster_releases_wait_for_the_nodes(modules: dict[str, Module]) -> None:

@@ -19,6 +19,10 @@ locals {
   # cluster-autoscaler/cloudprovider/aws/aws_cloud_provider.go): until the device plugin advertises
   # the GPU it counts such a node as coming up, instead of adding another one for the same pod.
   accelerator_label = { key = "k8s.amazonaws.com/accelerator", value = var.gpu_accelerator }
+  # What kubelet makes allocatable of a GPU node's root volume: EKS's AL2023 nodes evict pods below
+  # 10 % free (evictionHard nodefs.available) and reserve 1 GiB of ephemeral storage for the system
+  # (kubeReserved). A GPU runner requests its artifact cache, /tmp and its TensorRT engine cache.
+  gpu_ephemeral_storage_mib = floor(var.gpu_volume_gib * 1024 * 0.9) - 1024
 }
 
 module "kms_key" {
@@ -175,7 +179,7 @@ resource "aws_launch_template" "gpu" {
   block_device_mappings {
     device_name = "/dev/xvda"
     ebs {
-      volume_size           = 200
+      volume_size           = var.gpu_volume_gib
       volume_type           = "gp3"
       encrypted             = true
       delete_on_termination = true
@@ -261,13 +265,17 @@ resource "aws_eks_node_group" "gpu" {
 }
 
 # What a GPU node would bring, for the cluster autoscaler to scale the group up from zero nodes,
-# when there is no node yet to look at.
+# when there is no node yet to look at: every resource a GPU runner requests beyond the instance
+# type's CPUs and memory (which the autoscaler knows), and the label and taint its selector and
+# toleration match. cluster-autoscaler learns a node's ephemeral storage from this tag alone; without
+# it, a pod that requests any stays Pending with the group at zero.
 resource "aws_autoscaling_group_tag" "gpu_template" {
   for_each = {
     "k8s.io/cluster-autoscaler/node-template/label/${local.gpu_label.key}"         = local.gpu_label.value
     "k8s.io/cluster-autoscaler/node-template/label/${local.accelerator_label.key}" = local.accelerator_label.value
     "k8s.io/cluster-autoscaler/node-template/taint/${local.gpu_taint.key}"         = "${local.gpu_taint.value}:NoSchedule"
     "k8s.io/cluster-autoscaler/node-template/resources/nvidia.com/gpu"             = tostring(var.gpus_per_node)
+    "k8s.io/cluster-autoscaler/node-template/resources/ephemeral-storage"          = "${local.gpu_ephemeral_storage_mib}Mi"
   }
 
   autoscaling_group_name = aws_eks_node_group.gpu.resources[0].autoscaling_groups[0].name
@@ -277,6 +285,25 @@ resource "aws_autoscaling_group_tag" "gpu_template" {
     value               = each.value
     propagate_at_launch = false
   }
+}
+
+# ---------------------------------------------------------------- network policy enforcement
+# The VPC CNI enforces NetworkPolicies only with its network policy agent on, which is off by
+# default; fngate's objects (fngate/tools/k8s.py) restrict what reaches gateways and runners.
+# The add-on replaces the CNI that EKS installs unmanaged (OVERWRITE takes over its settings).
+data "aws_eks_addon_version" "vpc_cni" {
+  addon_name         = "vpc-cni"
+  kubernetes_version = aws_eks_cluster.this.version
+  most_recent        = false
+}
+
+resource "aws_eks_addon" "vpc_cni" {
+  cluster_name                = aws_eks_cluster.this.name
+  addon_name                  = "vpc-cni"
+  addon_version               = data.aws_eks_addon_version.vpc_cni.version
+  resolve_conflicts_on_create = "OVERWRITE"
+  resolve_conflicts_on_update = "OVERWRITE"
+  configuration_values        = jsonencode({ enableNetworkPolicy = "true" })
 }
 
 # ---------------------------------------------------------------- the cluster autoscaler's permissions

@@ -37,3 +37,8 @@ output "cluster_autoscaler_policy_json" {
   description = "IAM policy for the cluster autoscaler: scale this cluster's node groups."
   value       = data.aws_iam_policy_document.cluster_autoscaler.json
 }
+
+output "gpu_node_ephemeral_storage_mib" {
+  description = "Ephemeral storage a GPU node offers pods, MiB, as the cluster autoscaler's node template says (a GPU runner's request must fit)."
+  value       = local.gpu_ephemeral_storage_mib
+}

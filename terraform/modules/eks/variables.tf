@@ -71,3 +71,9 @@ variable "cpu_volume_gib" {
   type        = number
   default     = 100
 }
+
+variable "gpu_volume_gib" {
+  description = "Root volume of a GPU node, GiB: the GPU runner image, and each GPU runner's artifact, /tmp and TensorRT engine caches (its ephemeral-storage request)."
+  type        = number
+  default     = 200
+}

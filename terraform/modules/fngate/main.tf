@@ -111,6 +111,15 @@ data "external" "objects" {
   working_dir = path.root
 }
 
+locals {
+  objects = jsondecode(data.external.objects.result.objects)
+  # What each GPU runner (a Deployment that selects GPU nodes) requests of a node's disk, MiB.
+  gpu_runner_storage_mib = [
+    for obj in local.objects : tonumber(trimsuffix(obj.spec.template.spec.containers[0].resources.requests["ephemeral-storage"], "Mi"))
+    if obj.kind == "Deployment" && can(obj.spec.template.spec.nodeSelector)
+  ]
+}
+
 resource "helm_release" "fngate" {
   name      = "fngate"
   namespace = kubernetes_namespace_v1.this.metadata[0].name
@@ -120,7 +129,14 @@ resource "helm_release" "fngate" {
   wait        = true
   timeout     = 900
 
-  values = [yamlencode({ items = jsondecode(data.external.objects.result.objects) })]
+  values = [yamlencode({ items = local.objects })]
+
+  lifecycle {
+    precondition {
+      condition     = alltrue([for mib in local.gpu_runner_storage_mib : mib <= var.gpu_node_ephemeral_storage_mib])
+      error_message = "A GPU runner requests more ephemeral storage than a GPU node offers (gpu_volume_gib, runner_artifact_cache_gib): its pods would stay Pending."
+    }
+  }
 }
 
 data "kubernetes_service_v1" "gateway" {

@@ -134,6 +134,11 @@ variable "artifact_cache_bytes" {
   type        = number
 }
 
+variable "gpu_node_ephemeral_storage_mib" {
+  description = "Ephemeral storage a GPU node offers pods, MiB (the eks module's node template): every GPU runner's request must fit."
+  type        = number
+}
+
 variable "registry_sync_schedule" {
   description = "Cron schedule of the fngate-registry-sync job; empty: suspended, run on demand."
   type        = string
