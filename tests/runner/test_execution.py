@@ -176,9 +176,13 @@ async def test_quick_batches_run_inline_and_one_that_turns_slow_is_moved_off_the
     started = time.perf_counter()
     assert (await run(2000)).error is None
     loops = max(200_000.0, 1.0 / ((time.perf_counter() - started) / 2000))  # a second or more
-    for _ in range(execution.INLINE_AFTER):
+    # A streak of INLINE_AFTER quick batches earns inline runs; a busy machine may break a streak
+    # (one batch over INLINE_BATCH_S starts it again), so allow a bounded number of tries.
+    for _ in range(50 * execution.INLINE_AFTER):
         assert (await run(1)).error is None
-    pace = execution._paces[model.backend]
+        pace = execution._paces[model.backend]
+        if pace.inline:
+            break
     assert pace.inline  # quick batches now skip the worker thread
 
     ticks = 0
