@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -25,7 +25,7 @@ from fngate.pipelined import PipelinedRedis, Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
-from runner.batching import Waiting, next_step
+from runner.batching import Arrivals, BatchCost, Waiting, next_step
 from runner.execution import run_batch, shape_key
 from runner.metrics import INVOCATIONS
 from runner.models import LoadedModels
@@ -63,6 +63,10 @@ class FunctionConsumer:
         self._arrived = asyncio.Event()
         self._room = asyncio.Event()
         self._contended = False
+        self._arrivals = Arrivals()
+        self._cost = BatchCost()
+        self._known: dict[bytes, tuple[int, Hashable, int]] = {}
+        """Per pending entry: when it was queued, its batching group and its rows."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
         self._reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
         self._writes = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
@@ -200,6 +204,7 @@ class FunctionConsumer:
     ) -> None:
         stream = self._streams[level]
         broken = []
+        before = len(self._pending)
         for entry_id, fields in entries:
             if not fields:
                 continue  # deleted after it was delivered: someone already answered it
@@ -220,6 +225,7 @@ class FunctionConsumer:
                 pipe.xack(stream, keys.RUNNER_GROUP, *[entry_id for entry_id, _ in broken])
                 pipe.xdel(stream, *[entry_id for entry_id, _ in broken])
                 await pipe.execute()
+        self._arrivals.arrived(len(self._pending) - before, time.monotonic_ns())
         if any(entry.level for entry in self._pending):  # each level waits behind the ones above it
             self._pending.sort(key=lambda entry: entry.level)
         self._arrived.set()
@@ -229,31 +235,18 @@ class FunctionConsumer:
         manifest = self.function.manifest
         now_ms = int(time.time() * 1000)
         step = next_step(
-            [
-                Waiting(
-                    # The loading rule: time spent waiting for the model's load does not count.
-                    self._models.deadline_ms(
-                        manifest.name,
-                        entry.invocation.version,
-                        entry.invocation.deadline_ms,
-                        entry_ms(entry.id),
-                        now_ms,
-                    ),
-                    entry_ms(entry.id),
-                    (entry.invocation.version, shape_key(entry.invocation)),
-                    entry.invocation.rows,
-                    entry.alone,
-                )
-                for entry in self._pending
-            ],
+            [self._waiting(entry, now_ms) for entry in self._pending],
             now_ms,
             manifest.batching,
             manifest.batched,
             self._contended,
+            self._arrivals.burst(time.monotonic_ns(), self._cost.fixed_us),
         )
         taken = set(step.expired) | set(step.batch)
         expired = [self._pending[index] for index in step.expired]
         batch = [self._pending[index] for index in step.batch]
+        for entry in (*expired, *batch):
+            self._known.pop(entry.id, None)
         if taken:
             self._pending = [entry for index, entry in enumerate(self._pending) if index not in taken]
             self._room.set()
@@ -263,6 +256,20 @@ class FunctionConsumer:
             self._contended = len(batch) > 1 or bool(self._pending)
             await self._execute(batch)
         return step.wait_us
+
+    def _waiting(self, entry: Entry, now_ms: int) -> Waiting:
+        """What the batching policy knows of an entry; what does not change is worked out once."""
+        invocation = entry.invocation
+        known = self._known.get(entry.id)
+        if known is None:
+            known = (entry_ms(entry.id), (invocation.version, shape_key(invocation)), invocation.rows)
+            self._known[entry.id] = known
+        queued_ms, group, rows = known
+        # The loading rule: time spent waiting for the model's load does not count.
+        deadline_ms = self._models.deadline_ms(
+            self.function.name, invocation.version, invocation.deadline_ms, queued_ms, now_ms
+        )
+        return Waiting(deadline_ms, queued_ms, group, rows, entry.alone)
 
     async def _execute(self, batch: Sequence[Entry]) -> None:
         self._running = batch
@@ -291,7 +298,9 @@ class FunctionConsumer:
                     replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
                     await self._models.release(model)
-                self._observer.compute_duration.observe(time.perf_counter() - computed)
+                took_s = time.perf_counter() - computed
+                self._observer.compute_duration.observe(took_s)
+                self._cost.observe(sum(invocation.rows for invocation in invocations), took_s * 1e6)
             rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
             if batch_span is not None:
                 batch_span.set_attributes(

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from fngate.manifest import BatchingSpec
-from runner.batching import Run, Step, Wait, Waiting, next_step, plan
+from runner.batching import MIN_GAP_US, Arrivals, BatchCost, Burst, Run, Step, Wait, Waiting, next_step, plan
 
 POLICY = BatchingSpec(max_batch_size=8, preferred_batch_sizes=(4,), max_queue_delay_us=1000)
 
@@ -65,3 +65,41 @@ def test_next_step(items: list[Waiting], now_ms: int, contended: bool, expected:
 def test_next_step_counts_invocations_when_batching_is_off() -> None:
     policy = BatchingSpec(max_batch_size=0)
     assert next_step([waiting(rows=3), waiting(rows=3)], 0, policy, False, True) == Step(batch=(0,))
+
+
+@pytest.mark.parametrize(
+    ("rows", "age_us", "burst", "expected"),
+    [
+        ([1, 1], 0, Burst(quiet_us=50, gap_us=300), Wait(250)),  # the burst is still coming
+        ([1, 1], 0, Burst(quiet_us=300, gap_us=300), Run(2)),  # quiet for its gap: the burst is in
+        ([1, 1], 900, Burst(quiet_us=0, gap_us=300), Wait(100)),  # never past max_queue_delay_us
+        ([1, 1], 0, None, Wait(1000)),  # no burst known: wait up to max_queue_delay_us
+    ],
+)
+def test_plan_stops_waiting_once_the_burst_is_in(
+    rows: list[int], age_us: int, burst: Burst | None, expected: Run | Wait
+) -> None:
+    assert plan(rows, age_us, POLICY, True, burst) == expected
+
+
+def test_the_burst_gap_is_a_few_median_gaps_and_at_least_a_batchs_cost() -> None:
+    arrivals = Arrivals()
+    arrivals.arrived(1, 0)
+    assert arrivals.burst(0, 0) is None  # nothing known yet
+    for index in range(1, 11):  # one invocation every 80 µs
+        arrivals.arrived(1, index * 80_000)
+    assert arrivals.burst(10 * 80_000 + 50_000, cost_us=0) == Burst(quiet_us=50, gap_us=240)
+    assert arrivals.burst(10 * 80_000, cost_us=1200).gap_us == 1200  # type: ignore[union-attr]
+    arrivals.arrived(16, 10 * 80_000 + 40_000)  # sixteen in one read: gaps of 2.5 µs, the most now
+    assert arrivals.burst(10 * 80_000 + 40_000, cost_us=0).gap_us == MIN_GAP_US  # type: ignore[union-attr]
+
+
+def test_a_batchs_fixed_cost_is_fitted_from_the_batches_run() -> None:
+    cost = BatchCost()
+    assert cost.fixed_us == 0
+    for rows in (1, 4, 16, 2, 8):  # 1,100 µs a batch plus 200 µs a row, as wide runs
+        cost.observe(rows, 1100 + 200 * rows)
+    assert cost.fixed_us == pytest.approx(1100, rel=1e-6)
+    only_one_size = BatchCost()
+    only_one_size.observe(1, 30)
+    assert only_one_size.fixed_us == 30
