@@ -514,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         help="S4 also cold-starts a 268 MB model from S3 (moto's server), empty cache and on disk, "
         "against limits measured in the same run (needs about 1.5 GB of memory and a minute or two)",
     )
-    parser.add_argument("--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G")
+    parser.add_argument(
+        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,H"
+    )
     parser.add_argument(
         "--triton",
         type=Path,
@@ -570,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                 deployed.stop_runners()
                 deployed.start_runner()
                 bench.shared_queue(deployed)
+            hostile_callers(deployed, bench, wanted("H"))
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {_cpu_model()}, {_cores()} cores",
@@ -586,6 +589,16 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.out, meta, bench.rows)
     print(f"wrote {args.out}/results.json, results.md and throughput.png in {meta['duration_s']} s")
     return 0
+
+
+def hostile_callers(deployed: Deployment, bench: Bench, wanted: bool) -> None:
+    """Scenario H, when wanted: what hostile requests cost a gateway process (bench/hostile.py)."""
+    if not wanted:
+        return
+    from bench import hostile
+
+    print("H: hostile callers (time to the answer, the gateway process's peak memory)", flush=True)
+    hostile.run(deployed, bench.record)
 
 
 def _cpu_model() -> str:

@@ -54,9 +54,6 @@ def main() -> None:
         "baseline (an empty call)": lambda: None,
         "authorize, invoke:classifier* key": lambda: table.authorize(glob, "invoke", "classifier"),
         "authorize, admin key": lambda: table.authorize(admin, "invoke", "classifier"),
-        "route -> scope, then authorize": lambda: table.authorize(
-            glob, *auth.required_scope("POST", "/v2/models/classifier/infer") or ("", None)
-        ),
         "refused: unknown key (401)": refused(table, "Bearer fng_0123456789ab_" + "x" * 43),
         "refused: scope missing (403)": refused(table, reader),
     }

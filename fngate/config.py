@@ -43,12 +43,23 @@ class GatewaySettings(_Settings):
     share it (the kernel spreads connections over them). Off otherwise, so that a second gateway
     on the same port fails to start instead of sharing it."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    max_decode_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024
+    """What one gateway process holds at once for invocation bodies being decoded (compressed
+    bodies, binary tensor data, the tensors JSON bodies fill): past it a request is answered 503
+    with Retry-After (gRPC: UNAVAILABLE) instead of allocating more; a request alone is never refused."""
     body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """The whole request body must arrive within this; past it, 408 and the connection is closed."""
     header_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """How long a connection may take to send a request's head, or stay idle between requests: the
     HTTP server's idle limit (uvicorn's timeout_keep_alive, Hypercorn's keep_alive_timeout). Behind
     an HTTP load balancer, keep the balancer's idle timeout below this one."""
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 32 * 1024
+    """The most a request's line and headers may take; past it, 431 and the connection is closed."""
+    max_headers: Annotated[int, Field(ge=8)] = 100
+    """The most headers a request may have; past it, 431 and the connection is closed."""
+    max_connections: Annotated[int, Field(ge=1)] = 2048
+    """Open HTTP connections per gateway process; past it, a new one is answered 503 with
+    Retry-After and closed (on uvicorn; on Hypercorn, requests past it are answered so)."""
     redis_connections: Annotated[int, Field(ge=2)] = 256
     """Connections to the queue's Redis per gateway process; invocations wait for one when all are busy."""
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000
@@ -66,13 +77,24 @@ class GatewaySettings(_Settings):
     (the bound when a gateway dies with invocations in flight)."""
     max_deploy_bytes: Annotated[int, Field(ge=1024)] = 2 * 1024**3
     """The largest archive PUT /v1/functions/{name} accepts."""
+    max_unpacked_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024**3
+    """The most an archive PUT /v1/functions/{name} may unpack to (checked from each file's header
+    before its bytes are read: 413 past it)."""
+    max_unpack_ratio: Annotated[float, Field(ge=1)] = 100.0
+    """...and at most this many times the archive's own size (a model compresses a few times, a
+    gzip of zeros a thousand)."""
     admin_key_hash: str = ""
     """`<key id>:<sha256 hex>` of admin keys accepted besides the keys in Redis, comma-separated
     (`fngate keys hash` prints one): from a Kubernetes Secret, a new cluster has keys (its first
     admin's, Prometheus's) before anyone writes to Redis."""
     callback_secret: SecretStr = SecretStr("")
     """Signs the callbacks of asynchronous invocations (HMAC-SHA256, `X-Fngate-Signature`); shared
-    with their receivers. Empty: callbacks go unsigned."""
+    with their receivers. Empty: invocations with a callback are refused (callbacks are always
+    signed; `fngate up` makes one)."""
+    callback_allow: str = ""
+    """Internal receivers that callbacks may reach: networks (10.1.0.0/16, 127.0.0.1) and host
+    names, separated by commas. Every other loopback, private, link-local, multicast or unspecified
+    address is refused, and so is a name that resolves to one."""
 
 
 class RunnerSettings(_Settings):

@@ -1,13 +1,17 @@
 """Process lifecycle: how a component runs its main coroutine (on uvloop where it is installed,
-flushing buffered telemetry at exit), and how a supervisor stops the processes it started."""
+flushing buffered telemetry at exit), how a supervisor stops the processes it started, and how they
+end with it when it dies without stopping them."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from fngate import telemetry
@@ -37,3 +41,23 @@ def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: floa
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def ends_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child get `signum` when this process dies, however it dies
+    (Linux's PR_SET_PDEATHSIG; None elsewhere). The signal goes when the thread that started the
+    child ends: start children from a thread that lasts (the main one, or the event loop's pool)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent:  # it died before the signal was armed
+            os._exit(1)
+
+    return arm

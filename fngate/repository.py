@@ -141,7 +141,10 @@ def policy_problems(record: FunctionRecord) -> list[str]:
 def check_name(name: str) -> str:
     """A function name, which is also a path segment: it must be a DNS-1123 label."""
     if not DNS_LABEL.match(name) or len(name) > 63:
-        raise FunctionNotFound(f"{name!r} is not a function name (a DNS-1123 label)")
+        shown = name if len(name) <= 64 else f"{name[:64]}..."
+        raise FunctionNotFound(
+            f"{shown!r} is not a function name (a DNS-1123 label of at most 63 characters)"
+        )
     return name
 
 

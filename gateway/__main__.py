@@ -20,7 +20,7 @@ import time
 from fngate import telemetry
 from fngate.backoff import backoff_s
 from fngate.config import GatewaySettings, unknown_variables
-from fngate.process import run_forever
+from fngate.process import ends_with_parent, run_forever
 from gateway.app import create_app
 from gateway.http.server import SERVERS
 
@@ -64,7 +64,12 @@ def supervise(settings: GatewaySettings) -> int:
         }
 
         def start() -> tuple[subprocess.Popen[bytes], float]:
-            child = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, pass_fds=[sock.fileno()])
+            child = subprocess.Popen(
+                [sys.executable, "-m", "gateway"],
+                env=env,
+                pass_fds=[sock.fileno()],
+                preexec_fn=ends_with_parent(signal.SIGKILL),  # noqa: PLW1509 (a prctl only)
+            )
             return child, time.monotonic()
 
         children = [start() for _ in range(settings.workers)]

@@ -22,8 +22,10 @@ from fngate.pipelined import PipelinedRedis
 from fngate.registry import function_source
 from gateway.activation import Activator
 from gateway.auth import KeyTable
+from gateway.budget import DecodeBudget
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
+from gateway.destinations import CallbackPolicy
 from gateway.dispatch import Dispatcher
 from gateway.grpc import server as grpc_server
 from gateway.http import app as http_app
@@ -87,6 +89,7 @@ async def serving(
     separate = _separate_cache(settings)
     limiter = Limiter(settings.in_flight_ttl_s, pipelined) if settings.auth else None
     dispatcher = Dispatcher(pipelined, replies, catalog, limiter, separate, activator, health)
+    destinations = CallbackPolicy(settings.callback_allow)
     callbacks = CallbackSender(
         reader,
         pipelined,
@@ -94,9 +97,20 @@ async def serving(
         catalog,
         settings.callback_secret.get_secret_value().encode(),
         settings.reply_block_ms,
+        destinations,
     )
     asyncs = AsyncInvocations(pipelined, settings.redis_url, settings.redis_timeout_s, catalog)
-    services = Services(settings, catalog, dispatcher, asyncs, key_table, redis, Deployer(settings))
+    services = Services(
+        settings,
+        catalog,
+        dispatcher,
+        asyncs,
+        key_table,
+        redis,
+        Deployer(settings),
+        DecodeBudget(settings.max_decode_bytes),
+        destinations,
+    )
     async with redis, reader:
         await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
         await catalog.refresh()

@@ -1,5 +1,6 @@
-"""Who may call what: the in-memory table of API keys (refreshed from Redis), `authorize()` (pure, a
-few microseconds, callable from any request path) and the scope each route needs."""
+"""Who may call what: the in-memory table of API keys (refreshed from Redis) and `authorize()` (pure,
+a few microseconds, callable from any request path). Each front end's routes say the scope they
+need (gateway.http.app, gateway.grpc.service)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hmac
 import logging
 import random
 import re
+import time
 from collections.abc import Iterable
 from fnmatch import translate
 from typing import Any
@@ -19,16 +21,31 @@ from redis.exceptions import RedisError
 
 from fngate import apikeys, keys
 from fngate.errors import PermissionDenied, Unauthenticated
+from gateway.validation import shown
 
 log = logging.getLogger(__name__)
 
 INVOKE, READ, DEPLOY, ADMIN = apikeys.SCOPES
 ANY = ""
 """Any valid key: for paths no route serves (they answer 404 only to a caller with a key)."""
+BROWSE = "browse"
+"""Any key that may read some function: for the routes that list only the functions a key may read."""
 BEARER = "bearer "
 KEY_HEAD = f"{apikeys.KEY_PREFIX}_"
 ID_END = len(KEY_HEAD) + 12
 MAX_BACKOFF_S = 10.0
+MISSING_S = 1.0
+"""A key id that Redis does not hold is not looked up again for this long."""
+MAX_MISSING = 10_000
+
+
+class UnknownKey(Unauthenticated):
+    """A well-formed key whose id the table does not hold (yet): `KeyTable.authorize_async` looks it
+    up in Redis before refusing, so that a key is usable as soon as it is created."""
+
+    def __init__(self, message: str, key_id: str) -> None:
+        super().__init__(message)
+        self.key_id = key_id
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,6 +69,8 @@ class Principal:
     def allows(self, scope: str, function: str | None) -> bool:
         if ADMIN in self.scopes or scope == ANY:
             return True
+        if scope == BROWSE:
+            return READ in self.scopes or self.invoke is not None
         if scope == INVOKE or (scope == READ and READ not in self.scopes):
             return self.invoke is not None and function is not None and bool(self.invoke.match(function))
         return scope in self.scopes
@@ -92,6 +111,9 @@ class KeyTable:
         """Keys from settings (a Kubernetes Secret), accepted whatever Redis holds."""
         self._by_id: dict[str, Principal] = dict(self._fixed)
         self._version: Any = None
+        self._redis: aioredis.Redis | None = None
+        self._missing: dict[str, float] = {}
+        """Key ids looked up and not found, until when they are not looked up again."""
 
     def load(self, records: Iterable[apikeys.KeyRecord]) -> None:
         self._by_id = {**{record.id: principal_of(record) for record in records}, **self._fixed}
@@ -106,18 +128,49 @@ class KeyTable:
             raise Unauthenticated("this endpoint needs an API key: send 'Authorization: Bearer <key>'")
         key = header[7:].strip()
         principal = self._by_id.get(key[len(KEY_HEAD) : ID_END]) if key.startswith(KEY_HEAD) else None
+        if principal is None and apikeys.key_id(key) is not None:
+            raise UnknownKey("the API key is not valid (unknown or revoked)", key[len(KEY_HEAD) : ID_END])
         # The digest of a random 256-bit key is compared in constant time all the same.
         if principal is None or not hmac.compare_digest(
             hashlib.sha256(key.encode()).digest(), principal.digest
         ):
             raise Unauthenticated("the API key is not valid (unknown or revoked)")
         if not principal.allows(scope, function):
-            wanted = f"{scope}:{function}" if scope == INVOKE and function else scope
+            wanted = f"{scope}:{shown(function)}" if scope == INVOKE and function else scope
             raise PermissionDenied(f"the API key {principal.key_id} lacks the scope {wanted}")
         return principal
 
+    async def authorize_async(self, header: str | None, scope: str, function: str | None = None) -> Principal:
+        """`authorize`, after looking up in Redis a key the table does not hold yet (created since
+        its last refresh)."""
+        try:
+            return self.authorize(header, scope, function)
+        except UnknownKey as exc:
+            if not await self.look_up(exc.key_id):
+                raise
+        return self.authorize(header, scope, function)
+
+    async def look_up(self, key_id: str) -> bool:
+        """Add the key `key_id` from Redis, if it is there; whether it was."""
+        now = time.monotonic()
+        if self._redis is None or self._missing.get(key_id, 0.0) > now:
+            return False
+        try:
+            raw: Any = await self._redis.hget(keys.api_keys(), key_id)
+            record = apikeys.KeyRecord.decode(raw) if raw is not None else None
+        except (RedisError, ValueError, KeyError, TypeError):
+            return False
+        if record is None:
+            if len(self._missing) >= MAX_MISSING:
+                self._missing.clear()
+            self._missing[key_id] = now + MISSING_S
+            return False
+        self._by_id = {**self._by_id, record.id: principal_of(record)}
+        return True
+
     async def refresh(self, redis: aioredis.Redis) -> bool:
         """Reload when the version moved; True when it did. Raises RedisError."""
+        self._redis = redis
         version = await redis.get(keys.api_keys_version())
         if version is not None and version == self._version:
             return False
@@ -152,34 +205,3 @@ class KeyTable:
             failures = 0
             self.healthy = True
             await asyncio.sleep(self.refresh_s)
-
-
-# Routes and the scope each needs. The invocation routes come first: they carry the traffic.
-_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/infer")
-_FUNCTION = re.compile(r"/v1/functions/([^/]+)")
-_MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?(?:/ready)?")
-_CONTROL = re.compile(r"/v2/repository/models/[^/]+/(?:load|unload)")
-OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
-DEPLOY_METHODS = frozenset({"PUT", "GET", "DELETE"})
-
-
-def required_scope(method: str, path: str) -> tuple[str, str | None] | None:
-    """(scope, function) that a request needs; None for the open health endpoints."""
-    if method == "POST":
-        found = _INFER.fullmatch(path) or _FUNCTION.fullmatch(path)
-        if found:
-            return INVOKE, found[1]
-    if path in OPEN_PATHS:
-        return None
-    if path in ("/v2", "/v2/"):  # the server's name, version and extensions: any valid key
-        return ANY, None
-    if path in ("/v1/functions", "/v2/repository/index"):
-        return READ, None
-    found = _MODEL.fullmatch(path)
-    if found:
-        return READ, found[1]
-    if method in DEPLOY_METHODS and _FUNCTION.fullmatch(path):
-        return DEPLOY, None
-    if path == "/metrics" or _CONTROL.fullmatch(path):
-        return ADMIN, None
-    return ANY, None

@@ -17,6 +17,7 @@ from fngate.backoff import Backoff, Health
 from fngate.errors import FunctionNotFound, Unavailable
 from fngate.registry import READY, ModelState, RunnerView, Source, read_runners, read_unloaded, summarize
 from fngate.repository import FunctionRecord, FunctionVersion
+from gateway.validation import shown
 
 log = logging.getLogger(__name__)
 REFRESH_MARGIN_S = 1.0
@@ -74,7 +75,7 @@ class Catalog:
     def record(self, name: str) -> FunctionRecord:
         record = self._records.get(name)
         if record is None:
-            raise FunctionNotFound(f"function '{name}' is not deployed")
+            raise FunctionNotFound(f"function '{shown(name)}' is not deployed")
         return record
 
     def is_unloaded(self, name: str) -> bool:
@@ -100,10 +101,12 @@ class Catalog:
         if version is not None:
             if version not in record.served:
                 served = ", ".join(record.served) or "none"
-                raise FunctionNotFound(f"function '{name}' has no version '{version}' (serving {served})")
+                raise FunctionNotFound(
+                    f"function '{shown(name)}' has no version '{shown(version)}' (serving {served})"
+                )
             return record.versions[version]
         if not record.traffic:
-            raise Unavailable(f"function '{name}': its version policy serves no version")
+            raise Unavailable(f"function '{shown(name)}': its version policy serves no version")
         return record.versions[choose(route_weights(record, self._ready.get(name, set())), self._rng)]
 
     def state(self, name: str, version: str) -> ModelState:

@@ -138,13 +138,34 @@ class AsyncInvocations:
         return result
 
 
-def request_digest(function: str, route: str, body: bytes) -> str:
+class RequestDigest:
     """What an Idempotency-Key is bound to: the function, the route (its body's shape) and the body,
-    length-prefixed so that no two requests share a preimage."""
-    digest = hashlib.blake2b(digest_size=16, person=b"fngate-idem-v1")
-    for part in (function.encode(), route.encode(), body):
-        digest.update(len(part).to_bytes(8, "little"))
-        digest.update(part)
+    fed a chunk at a time as it arrives; the first two length-prefixed and the body's length after
+    it, so that no two requests share a preimage."""
+
+    __slots__ = ("_hash", "_size")
+
+    def __init__(self, function: str, route: str) -> None:
+        self._hash = hashlib.blake2b(digest_size=16, person=b"fngate-idem-v2")
+        self._size = 0
+        for part in (function.encode(), route.encode()):
+            self._hash.update(len(part).to_bytes(8, "little"))
+            self._hash.update(part)
+
+    def update(self, chunk: bytes) -> None:
+        self._hash.update(chunk)
+        self._size += len(chunk)
+
+    def hexdigest(self) -> str:
+        final = self._hash.copy()
+        final.update(self._size.to_bytes(8, "little"))
+        return final.hexdigest()
+
+
+def request_digest(function: str, route: str, body: bytes) -> str:
+    """RequestDigest of a body received whole."""
+    digest = RequestDigest(function, route)
+    digest.update(body)
     return digest.hexdigest()
 
 

@@ -4,6 +4,7 @@ statistics. HTTP renders it as JSON; gRPC fills the protocol's messages from the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -62,13 +63,20 @@ def configuration(catalog: Catalog, name: str, pinned: str | None = None) -> dic
 
 
 async def statistics(
-    catalog: Catalog, redis: aioredis.Redis, name: str | None = None, pinned: str | None = None
+    catalog: Catalog,
+    redis: aioredis.Redis,
+    name: str | None = None,
+    pinned: str | None = None,
+    readable: Callable[[str], bool] = lambda name: True,
 ) -> dict[str, Any]:
-    """Triton's statistics of every served version (of one function, or of all), summed over every
-    runner; a pinned version may be any stored one."""
+    """Triton's statistics of every served version (of one function, or of all that the caller may
+    read), summed over every runner; a pinned version may be any stored one."""
     if name is None:
         wanted = [
-            (name, version) for name, record in sorted(catalog.records.items()) for version in record.served
+            (name, version)
+            for name, record in sorted(catalog.records.items())
+            if readable(name)
+            for version in record.served
         ]
     elif pinned is not None:
         record = catalog.record(name)

@@ -10,7 +10,9 @@ import redis.asyncio as aioredis
 
 from fngate.config import GatewaySettings
 from gateway.auth import KeyTable
+from gateway.budget import DecodeBudget
 from gateway.catalog import Catalog
+from gateway.destinations import CallbackPolicy
 from gateway.dispatch import Dispatcher
 from gateway.invocations import AsyncInvocations
 
@@ -26,6 +28,10 @@ class Services:
     """redis-py's client of the queue's Redis, for what is not on the hot path."""
     deployer: Any = None
     """The deploy API's repository (gateway.http.deployments.Deployer)."""
+    budget: DecodeBudget = dataclasses.field(default_factory=lambda: DecodeBudget(256 * 1024 * 1024))
+    """The bytes of bodies being decoded at once (max_decode_bytes)."""
+    destinations: CallbackPolicy = dataclasses.field(default_factory=CallbackPolicy)
+    """Where callbacks may go (callback_allow)."""
 
 
 def services(request: Any) -> Services:

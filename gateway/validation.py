@@ -30,11 +30,12 @@ async def parse(parser: Callable[..., T], body: Any, size: int, *args: Any) -> T
     return await asyncio.to_thread(parse_now, parser, body, *args)
 
 
-def parse_now(parser: Callable[..., T], body: Any, *args: Any) -> T:
-    """`parser(body, *args)`. A failure nobody foresaw while parsing is still the body's fault:
-    InvalidArgument (logged as a warning with its traceback), never an internal error."""
+def parse_now(parser: Callable[..., T], *args: Any) -> T:
+    """`parser(*args)` (a body and what it is parsed against). A failure nobody foresaw while
+    parsing is still the body's fault: InvalidArgument (logged as a warning with its traceback),
+    never an internal error."""
     try:
-        return parser(body, *args)
+        return parser(*args)
     except FunctionError:
         raise
     except Exception as exc:  # RecursionError, MemoryError, numpy's ValueError...

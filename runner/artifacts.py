@@ -141,7 +141,8 @@ class ArtifactCache:
         with contextlib.ExitStack() as held:
             held.enter_context(self._lock(item.sha256, wait=True))
             if blob.is_file() and self._intact(blob, item):
-                _touch(blob)
+                _touch(blob)  # which changes its ctime: recorded again, as the file just checked
+                self.verifications.record(item.sha256, blob.stat(), item.sha256)
                 return False
             if read is not None:
                 data, actual = read(item)
@@ -178,8 +179,9 @@ class ArtifactCache:
         write to it changes the mtime however coarse the file clock, and recency (atime) now."""
         now_ns = time.time_ns()
         os.utime(temporary, ns=(now_ns, now_ns - 2 * RACY_NS))
-        self.verifications.record(item.sha256, temporary.stat(), item.sha256)
-        os.replace(temporary, self.blobs / item.sha256)
+        blob = self.blobs / item.sha256
+        os.replace(temporary, blob)  # a rename changes the ctime: recorded after it
+        self.verifications.record(item.sha256, blob.stat(), item.sha256)
 
     def _intact(self, blob: Path, item: ArtifactFile) -> bool:
         """By its record when it matches (see Verifications), else by hashing it in full."""

@@ -1,5 +1,7 @@
 """Sidecar records of verified files: a file checked against its sha256 is not read again to check
-it while its size, mtime and inode are what its record says; one that changed is hashed in full."""
+it while its size, mtime, ctime and inode are what its record says; one that changed is hashed in
+full. The ctime is there because a user cannot set it back: a file changed in place with its mtime
+restored still shows a new ctime."""
 
 from __future__ import annotations
 
@@ -19,19 +21,20 @@ within the same tick of the kernel's coarse file clock would leave its mtime unc
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Record:
-    """A file verified against its sha256, and the file as it was then: while its size, mtime and
-    inode are unchanged, it is not read again to check it."""
+    """A file verified against its sha256, and the file as it was then: while its size, mtime,
+    ctime and inode are unchanged, it is not read again to check it."""
 
     sha256: str
     size: int
     mtime_ns: int
     inode: int
     verified_ns: int
+    ctime_ns: int
 
     def matches(self, stat: os.stat_result, sha256: str) -> bool:
         return (
             self.sha256 == sha256
-            and (self.size, self.mtime_ns, self.inode) == _identity(stat)
+            and (self.size, self.mtime_ns, self.inode, self.ctime_ns) == _identity(stat)
             and stat.st_mtime_ns < self.verified_ns - RACY_NS
         )
 
@@ -66,7 +69,7 @@ class Verifications:
         return ""
 
     def record(self, key: str, stat: os.stat_result, sha256: str) -> None:
-        record = Record(sha256, stat.st_size, stat.st_mtime_ns, stat.st_ino, time.time_ns())
+        record = Record(sha256, stat.st_size, stat.st_mtime_ns, stat.st_ino, time.time_ns(), stat.st_ctime_ns)
         temporary = self.folder / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
         temporary.write_text(json.dumps(dataclasses.asdict(record)))
         os.replace(temporary, self.folder / f"{key}.json")
@@ -77,9 +80,9 @@ class Verifications:
     def _read(self, key: str) -> Record | None:
         try:
             return Record(**json.loads((self.folder / f"{key}.json").read_text()))
-        except (OSError, ValueError, TypeError):  # none, or unreadable: verify by hashing
+        except (OSError, ValueError, TypeError):  # none, unreadable or older: verify by hashing
             return None
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int, int]:
-    return stat.st_size, stat.st_mtime_ns, stat.st_ino
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns

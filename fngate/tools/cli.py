@@ -421,7 +421,17 @@ def _add_listen_flags(up: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_callback_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--callback-allow",
+        metavar="LIST",
+        help="internal receivers that callbacks may reach: networks and host names, comma-separated "
+        "(10.1.0.0/16,hooks.internal); every other internal address is refused",
+    )
+
+
 def _add_auth_flags(up: argparse.ArgumentParser) -> None:
+    _add_callback_flag(up)
     up.add_argument(
         "--no-auth", action="store_true", help="serve without API keys (only with a loopback --host)"
     )

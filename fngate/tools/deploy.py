@@ -376,9 +376,10 @@ def _print_deployed(
         return
     body = example_body(version.manifest)
     data = f"'{body}'" if body is not None else "@request.json"
+    key = '-H "Authorization: Bearer $FNGATE_API_KEY"'  # a gateway with auth on (the default) needs one
     print(
-        f"call it:\n  curl -s -X POST {gateway}/v1/functions/{name} -d {data}\n"
-        f"  curl -s -X POST {gateway}/v2/models/{name}/versions/{version.version}/infer "
+        f"call it:\n  curl -s -X POST {gateway}/v1/functions/{name} {key} -d {data}\n"
+        f"  curl -s -X POST {gateway}/v2/models/{name}/versions/{version.version}/infer {key} "
         "-d '{\"inputs\": [...]}'",
         file=out,
     )

@@ -13,6 +13,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,12 +30,12 @@ import redis.asyncio as aioredis
 from fngate import apikeys, telemetry
 from fngate.backoff import Backoff
 from fngate.errors import FunctionError
-from fngate.process import stop_processes
+from fngate.process import ends_with_parent, stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote, open_repository
 from fngate.tools.deploy import example_body
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
-from fngate.tools.state import UpState, clear_up, state_dir, write_up
+from fngate.tools.state import UpState, clear_up, read_up, state_dir, write_up
 
 log = logging.getLogger("fngate.up")
 POLL_S = 0.5
@@ -56,9 +57,13 @@ def durable_options(max_memory: str) -> list[str]:
     ]  # fmt: skip
 
 
-def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_redis(
+    folder: Path, *args: str, keep_fds: tuple[int, ...] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
     """A redis-server on a unix socket in `folder`, no persistence unless `args` turn it on,
-    answering; returns it and its URL. `args` are extra server options (a memory limit, say)."""
+    answering; returns it and its URL. `args` are extra server options (a memory limit, say); it
+    holds `keep_fds` open (a lock) for as long as it runs, writes its files for its user alone, and
+    ends when this process dies."""
     server = shutil.which("redis-server")
     if server is None:
         raise LocalError("redis-server is not installed: run scripts/bootstrap, or pass --redis URL")
@@ -67,7 +72,14 @@ def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]
     if "--appendonly" not in args:
         options += ["--save", "", "--appendonly", "no"]
     options += ["--dir", str(folder), "--loglevel", "warning", *args]
-    process = subprocess.Popen([server, *options], stdout=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        [server, *options],
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        pass_fds=keep_fds,
+        umask=0o077,
+        preexec_fn=ends_with_parent(signal.SIGTERM),  # noqa: PLW1509 (a prctl only)
+    )
     url = f"unix://{sock}"
     try:
         _wait_for_redis(url, process)
@@ -90,17 +102,39 @@ def private_redis() -> Iterator[str]:
             process.wait(timeout=10)
 
 
+LOCK_WAIT_S = 15.0
+"""How long a new `fngate up` waits for the processes of one that died (they end with it) to let
+go of its state folder."""
+
+
 @contextlib.contextmanager
-def state_folder(path: Path) -> Iterator[Path]:
-    """The state folder, created if missing and locked for this `fngate up`; never deleted."""
+def state_folder(path: Path) -> Iterator[tuple[Path, int]]:
+    """The state folder (mode 0700, its files 0600), created if missing and locked for this
+    `fngate up`; never deleted. Yields it and the lock's descriptor: a child that holds it open
+    keeps the folder locked until it exits."""
     folder = path.expanduser().resolve()
-    (folder / "redis").mkdir(parents=True, exist_ok=True)
-    with open(folder / "lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LocalError(f"another fngate up uses the state folder {folder}; pass --state-dir") from None
-        yield folder
+    for private in (folder, folder / "redis"):
+        private.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private.chmod(0o700)
+    earlier = [*(folder / "redis").rglob("*"), *(folder / name for name in ("admin.key", "callback.secret"))]
+    for item in earlier:  # written before, by another umask
+        with contextlib.suppress(FileNotFoundError):
+            item.chmod(0o700 if item.is_dir() else 0o600)
+    descriptor = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    with os.fdopen(descriptor, "w") as lock:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # A live fngate up: refused at once. One that died: its children are ending.
+                if read_up(state_dir(path)) is not None or time.monotonic() > deadline:
+                    raise LocalError(
+                        f"another fngate up uses the state folder {folder}; pass --state-dir"
+                    ) from None
+                time.sleep(0.2)
+        yield folder, lock.fileno()
 
 
 class Supervised:
@@ -170,8 +204,14 @@ def _wait_for_redis(url: str, process: subprocess.Popen[bytes], timeout_s: float
 
 
 def _spawn(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    # A session of its own: Ctrl-C reaches only us, and we stop the children in order.
-    return subprocess.Popen([sys.executable, "-m", module], env=env, start_new_session=True)
+    # A session of its own: Ctrl-C reaches only us, and we stop the children in order. Killed
+    # with us, so that a restart finds the port free.
+    return subprocess.Popen(
+        [sys.executable, "-m", module],
+        env=env,
+        start_new_session=True,
+        preexec_fn=ends_with_parent(signal.SIGKILL),  # noqa: PLW1509 (a prctl only)
+    )
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -191,11 +231,14 @@ def run_local(args: argparse.Namespace) -> int:
             if args.redis:
                 redis_url = args.redis
             else:
-                folder = stack.enter_context(state_folder(Path(args.state_dir)))
+                folder, lock = stack.enter_context(state_folder(Path(args.state_dir)))
                 options = durable_options(args.redis_max_memory)
-                process, redis_url = start_redis(folder / "redis", *options)
+                # Redis holds the lock too: a new fngate up waits until this one's Redis is gone.
+                process, redis_url = start_redis(folder / "redis", *options, keep_fds=(lock,))
                 redis_server = Supervised(
-                    "redis-server", lambda: start_redis(folder / "redis", *options)[0], process
+                    "redis-server",
+                    lambda: start_redis(folder / "redis", *options, keep_fds=(lock,))[0],
+                    process,
                 )
             state = stack.enter_context(_state(args, repo, redis_url))
             try:
@@ -218,6 +261,7 @@ def _run(args: argparse.Namespace, state: UpState, redis_server: Supervised | No
     api_key = _auth(args, state.redis_url, env)
     gateway_env = {
         **env,
+        **_callbacks(args),
         "FNGATE_HOST": args.host,
         "FNGATE_PORT": str(args.port),
         "FNGATE_GRPC_PORT": str(args.grpc_port),
@@ -332,6 +376,28 @@ def _auth(args: argparse.Namespace, redis_url: str, env: dict[str, str]) -> str 
         raise LocalError(f"could not set up the admin API key in {path}: {exc}") from exc
     print(f"fngate up: {'created the admin API key' if created else 'admin API key'} in {path}", flush=True)
     return key
+
+
+def _callbacks(args: argparse.Namespace) -> dict[str, str]:
+    """The gateway's callback settings: always signed, with a secret kept in the state folder
+    (0600; FNGATE_CALLBACK_SECRET overrides it), and the receivers --callback-allow lets in."""
+    env = {"FNGATE_CALLBACK_ALLOW": args.callback_allow} if getattr(args, "callback_allow", None) else {}
+    if os.environ.get("FNGATE_CALLBACK_SECRET"):
+        return env
+    path = Path(args.state_dir).expanduser() / "callback.secret"
+    try:
+        secret = path.read_text().strip()
+        if not secret:
+            raise FileNotFoundError(path)
+    except FileNotFoundError:
+        secret = secrets.token_urlsafe(32)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+            file.write(secret + "\n")
+    except OSError as exc:
+        raise LocalError(f"could not read the callback signing secret in {path}: {exc}") from exc
+    print(f"fngate up: callbacks are signed (X-Fngate-Signature) with the secret in {path}", flush=True)
+    return {**env, "FNGATE_CALLBACK_SECRET": secret}
 
 
 def _is_loopback(host: str) -> bool:

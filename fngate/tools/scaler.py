@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from redis.exceptions import RedisError
 
 from fngate import keys
 from fngate.backoff import Backoff, Health, backoff_s
-from fngate.process import stop_processes
+from fngate.process import ends_with_parent, stop_processes
 from fngate.registry import LOADING, read_runners
 
 log = logging.getLogger("fngate.tools.scaler")
@@ -221,6 +222,7 @@ class LocalScaler:
             stdout=output,
             stderr=subprocess.STDOUT if output is not None else None,
             start_new_session=True,
+            preexec_fn=ends_with_parent(signal.SIGTERM),  # noqa: PLW1509 (a prctl only)
         )
         if output is not None:
             output.close()

@@ -40,7 +40,8 @@ def write_up(state: UpState, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / UP_FILE
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_bytes(orjson.dumps(dataclasses.asdict(state), option=orjson.OPT_INDENT_2))
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
+        file.write(orjson.dumps(dataclasses.asdict(state), option=orjson.OPT_INDENT_2))
     temporary.replace(path)
     return path
 

@@ -20,12 +20,12 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from fngate import telemetry
 from fngate.errors import ErrorCode, FunctionError, Internal, PermissionDenied, RateLimited
 from gateway import control, metadata, metrics
-from gateway.auth import ADMIN, ANY, INVOKE, READ, Principal
+from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, OPEN, READ, Principal
 from gateway.call import Call
 from gateway.grpc import protocol
 from gateway.grpc.status import CODES
 from gateway.state import Services
-from gateway.validation import parse
+from gateway.validation import parse, shown
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("fngate.gateway")
@@ -71,10 +71,17 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
         return service_pb2.ModelConfigResponse(config=protocol.model_config(document))
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        """Of one function, or of every function the key may read."""
         found = self.services
-        async with self._answering(context, READ, request.name or None):
+        answering = self._answering(context, READ if request.name else BROWSE, request.name or None)
+        async with answering:
+            principal = answering.principal
             document = await metadata.statistics(
-                found.catalog, found.redis, request.name or None, request.version or None
+                found.catalog,
+                found.redis,
+                request.name or None,
+                request.version or None,
+                lambda name: principal.allows(READ, name),
             )
         return protocol.statistics(document)
 
@@ -105,7 +112,9 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
         headers = _metadata(context)
         retry_after_s = self.services.settings.retry_after_s
         try:
-            principal = self.services.keys.authorize(headers.get("authorization"), INVOKE, request.model_name)
+            principal = await self.services.keys.authorize_async(
+                headers.get("authorization"), INVOKE, request.model_name
+            )
         except FunctionError as exc:
             await _abort(context, exc, retry_after_s)
         with self._span("ModelInfer", headers) as traceparent:
@@ -121,7 +130,7 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
         as Triton's decoupled stream does; at most STREAM_IN_FLIGHT at once."""
         headers = _metadata(context)
         try:
-            principal = self.services.keys.authorize(headers.get("authorization"), ANY)
+            principal = await self.services.keys.authorize_async(headers.get("authorization"), ANY)
         except FunctionError as exc:
             await _abort(context, exc, self.services.settings.retry_after_s)
         answers: asyncio.Queue[Any] = asyncio.Queue()
@@ -132,7 +141,7 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
             try:
                 if not principal.allows(INVOKE, request.model_name):
                     raise PermissionDenied(
-                        f"the API key {principal.key_id} lacks the scope {INVOKE}:{request.model_name}"
+                        f"the API key {principal.key_id} lacks the scope {INVOKE}:{shown(request.model_name)}"
                     )
                 response = await self._infer(request, principal, None, tracer_context, time.perf_counter())
                 answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
@@ -171,8 +180,13 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
             function = services.catalog.get(name, request.model_version or None)
             manifest = function.manifest
             params = protocol.parameters(request.parameters)
-            size = sum(len(buffer) for buffer in request.raw_input_contents)
-            inputs = await parse(protocol.inputs_of, request, size, manifest)
+            size = protocol.held_bytes(request)
+            hold = services.budget.hold()
+            try:
+                hold.add(size)
+                inputs = await parse(protocol.inputs_of, request, size, manifest)
+            finally:
+                hold.release()
             call = Call(
                 function,
                 inputs,
@@ -198,17 +212,45 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
         return _ServerSpan(self._tracing, method, headers.get("traceparent"))
 
 
+UNIMPLEMENTED = (
+    "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+    "TraceSetting",
+    "LogSettings",
+)
+"""RPCs fngate does not serve: UNIMPLEMENTED, to a caller with a valid key (as every RPC but health)."""
+
+
+def _unimplemented(name: str) -> Any:
+    async def refuse(self: GrpcInference, request: Any, context: Any) -> Any:
+        async with self._answering(context, ANY, None):
+            pass
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not served by fngate")
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in UNIMPLEMENTED:
+    setattr(GrpcInference, _name, _unimplemented(_name))
+
+
 class _Answering:
     """A metadata RPC's key check, then its body: a FunctionError raised in it ends the RPC with
     its status."""
 
     def __init__(self, services: Services, context: Any, scope: str, function: str | None) -> None:
         self._services, self._context, self._need = services, context, (scope, function)
+        self.principal = OPEN
 
     async def __aenter__(self) -> None:
         header = _metadata(self._context).get("authorization")
         try:
-            self._services.keys.authorize(header, *self._need)
+            self.principal = await self._services.keys.authorize_async(header, *self._need)
         except FunctionError as exc:
             await _abort(self._context, exc, self._services.settings.retry_after_s)
 

@@ -9,6 +9,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import control
+from gateway.auth import ADMIN, READ
+from gateway.http.guard import Guarded
 from gateway.http.protocol import load_json
 from gateway.http.rendering import json_response
 from gateway.state import services
@@ -33,7 +35,7 @@ async def unload_model(request: Request) -> Response:
 
 
 ROUTES: list[Route] = [
-    Route("/v2/repository/index", repository_index, methods=["POST"]),
-    Route("/v2/repository/models/{name}/load", load_model, methods=["POST"]),
-    Route("/v2/repository/models/{name}/unload", unload_model, methods=["POST"]),
+    Guarded("/v2/repository/index", repository_index, READ, methods=["POST"]),
+    Guarded("/v2/repository/models/{name}/load", load_model, ADMIN, methods=["POST"]),
+    Guarded("/v2/repository/models/{name}/unload", unload_model, ADMIN, methods=["POST"]),
 ]

@@ -7,39 +7,39 @@ from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from fngate import telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
-from gateway.auth import KeyTable
+from gateway.auth import ADMIN, ANY, BROWSE, READ, KeyTable
 from gateway.http import admin, deployments, endpoints, results
 from gateway.http.compression import GzipLargeResponses
 from gateway.http.errors import handle_function_error, handle_unknown_route
-from gateway.http.guard import AuthMiddleware
+from gateway.http.guard import OPEN_ROUTE, Guarded
 from gateway.http.invoke import InvokeRoutes
 from gateway.http.tracing import TracingMiddleware
 
 GZIP_MIN_BYTES = 64 * 1024
 
-# The invocation routes are gateway.http.invoke's, in front of these.
+# The invocation routes are gateway.http.invoke's, in front of these. Each route names the scope
+# its callers' keys need (gateway.http.guard.Guarded).
 ROUTES = [
-    Route("/v2/health/live", endpoints.live),
-    Route("/v2/health/ready", endpoints.ready),
-    Route("/v2", endpoints.server_metadata),
-    Route("/v2/", endpoints.server_metadata),
-    Route("/v2/models/stats", endpoints.model_statistics),
-    Route("/v2/models/{name}", endpoints.model_metadata),
-    Route("/v2/models/{name}/versions/{version}", endpoints.model_metadata),
-    Route("/v2/models/{name}/ready", endpoints.model_ready),
-    Route("/v2/models/{name}/versions/{version}/ready", endpoints.model_ready),
-    Route("/v2/models/{name}/config", endpoints.model_config_json),
-    Route("/v2/models/{name}/versions/{version}/config", endpoints.model_config_json),
-    Route("/v2/models/{name}/stats", endpoints.model_statistics),
-    Route("/v2/models/{name}/versions/{version}/stats", endpoints.model_statistics),
-    Route("/v1/functions", endpoints.list_functions),
-    Route("/metrics", endpoints.prometheus),
+    Guarded("/v2/health/live", endpoints.live, OPEN_ROUTE),
+    Guarded("/v2/health/ready", endpoints.ready, OPEN_ROUTE),
+    Guarded("/v2", endpoints.server_metadata, ANY),  # name, version, extensions: perf_analyzer reads them
+    Guarded("/v2/", endpoints.server_metadata, ANY),
+    Guarded("/v2/models/stats", endpoints.model_statistics, BROWSE),  # lists only what the key may read
+    Guarded("/v2/models/{name}", endpoints.model_metadata, READ),
+    Guarded("/v2/models/{name}/versions/{version}", endpoints.model_metadata, READ),
+    Guarded("/v2/models/{name}/ready", endpoints.model_ready, READ),
+    Guarded("/v2/models/{name}/versions/{version}/ready", endpoints.model_ready, READ),
+    Guarded("/v2/models/{name}/config", endpoints.model_config_json, READ),
+    Guarded("/v2/models/{name}/versions/{version}/config", endpoints.model_config_json, READ),
+    Guarded("/v2/models/{name}/stats", endpoints.model_statistics, READ),
+    Guarded("/v2/models/{name}/versions/{version}/stats", endpoints.model_statistics, READ),
+    Guarded("/v1/functions", endpoints.list_functions, READ),
+    Guarded("/metrics", endpoints.prometheus, ADMIN),
     *deployments.ROUTES,
     *admin.ROUTES,
     *results.ROUTES,
@@ -49,8 +49,8 @@ ROUTES = [
 def build(settings: GatewaySettings, key_table: KeyTable, lifespan: Callable[[Any], Any]) -> ASGIApp:
     """The app, outermost layer first: tracing (only with a tracing SDK configured; otherwise its
     spans would be no-ops), gzip for clients that accept it (large responses only, invocations'
-    included), the invocation routes (which check their own keys), the key check of every other
-    route but health, then Starlette's routes."""
+    included), the invocation routes (which check their own keys), then Starlette's routes (each
+    checks the scope it needs)."""
     app = Starlette(
         routes=ROUTES,
         lifespan=lifespan,
@@ -60,6 +60,6 @@ def build(settings: GatewaySettings, key_table: KeyTable, lifespan: Callable[[An
             405: handle_unknown_route,
         },
     )
-    routed: ASGIApp = AuthMiddleware(app, key_table, settings.retry_after_s) if settings.auth else app
-    served: ASGIApp = GzipLargeResponses(InvokeRoutes(routed), GZIP_MIN_BYTES)
+    invoking = InvokeRoutes(app, settings.max_headers, settings.max_connections, settings.retry_after_s)
+    served: ASGIApp = GzipLargeResponses(invoking, GZIP_MIN_BYTES)
     return TracingMiddleware(served) if telemetry.tracing_active() else served

@@ -1,16 +1,19 @@
 """Callbacks of asynchronous invocations: every gateway reads the callbacks stream in one group,
-POSTs each finished invocation's result to its X-Callback-Url, signed with HMAC-SHA256, retries
-with backoff a bounded number of times, and records each attempt on the invocation."""
+POSTs each finished invocation's result to its X-Callback-Url (to the address checked by
+gateway.destinations, never an internal one unless allowed), always signed with HMAC-SHA256,
+retries with backoff a bounded number of times, and records each attempt's outcome on the
+invocation (not the receiver's answer)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import hmac
+import http.client
 import logging
+import socket
+import ssl
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import orjson
@@ -19,8 +22,10 @@ from redis.exceptions import RedisError, ResponseError
 
 from fngate import keys, queue
 from fngate.backoff import backoff_s
+from fngate.errors import InvalidArgument
 from fngate.pipelined import PipelinedRedis, Script
 from gateway.catalog import Catalog
+from gateway.destinations import CallbackPolicy, Destination
 from gateway.http.results import render
 from gateway.invocations import Submission
 
@@ -49,26 +54,48 @@ def retry_delay_s(attempt: int) -> float:
     return float(RETRY_BASE_S * 2 ** (attempt - 1))
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect is a failed attempt: a signed body goes only where it was addressed."""
+class _Pinned(http.client.HTTPConnection):
+    """A connection to the address that was checked, whatever the name resolves to by now."""
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def __init__(self, destination: Destination, timeout_s: float) -> None:
+        super().__init__(destination.host, destination.port, timeout=timeout_s)
+        self._address = destination.address
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self._address, self.port), self.timeout)
 
 
-_OPENER = urllib.request.build_opener(_NoRedirects)
+class _PinnedTLS(http.client.HTTPSConnection):
+    def __init__(self, destination: Destination, timeout_s: float) -> None:
+        super().__init__(
+            destination.host, destination.port, timeout=timeout_s, context=ssl.create_default_context()
+        )
+        self._address = destination.address
+
+    def connect(self) -> None:
+        raw = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)  # type: ignore[attr-defined]
 
 
-def post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
-    """POST `body`; (HTTP status or None, what failed). Blocks: run it in a thread. What failed
-    is an exception's class name, never its message, which may hold the URL."""
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+def post(
+    policy: CallbackPolicy, url: str, body: bytes, headers: dict[str, str], timeout_s: float
+) -> tuple[int | None, str]:
+    """POST `body` to `url`, resolved once and checked against `policy`, to the address checked,
+    following no redirect (a redirect is a failed attempt: a signed body goes only where it was
+    addressed); (HTTP status or None, what failed). Blocks: run it in a thread. What failed is an
+    exception's class name, never its message, which may hold the URL."""
     try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
-            return int(response.status), ""
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), ""
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        destination = policy.resolve(url)
+        pinned = _PinnedTLS if destination.scheme == "https" else _Pinned
+        connection = pinned(destination, timeout_s)
+        try:
+            connection.request("POST", destination.target, body, headers)
+            return connection.getresponse().status, ""
+        finally:
+            connection.close()
+    except InvalidArgument:
+        return None, "RefusedAddress"
+    except (OSError, http.client.HTTPException, ValueError) as exc:
         return None, type(exc).__name__
 
 
@@ -81,6 +108,7 @@ class CallbackSender:
         catalog: Catalog,
         secret: bytes,
         block_ms: int,
+        policy: CallbackPolicy,
     ) -> None:
         self._redis = reader
         self._block_ms = block_ms
@@ -88,6 +116,7 @@ class CallbackSender:
         self._consumer = gateway_id
         self._catalog = catalog
         self._secret = secret
+        self._policy = policy
         self._slots = asyncio.Semaphore(CONCURRENCY)
 
     async def run(self) -> None:
@@ -175,21 +204,14 @@ class CallbackSender:
             "X-Fngate-Status": str(status),
         }
         for attempt in range(len(result.callbacks) + 1, MAX_ATTEMPTS + 1):
-            if self._secret:
-                headers[SIGNATURE_HEADER] = signature(self._secret, int(time.time()), body)
+            headers[SIGNATURE_HEADER] = signature(self._secret, int(time.time()), body)
             answered, failure = await asyncio.to_thread(
-                post, submission.callback_url, body, headers, ATTEMPT_TIMEOUT_S
+                post, self._policy, submission.callback_url, body, headers, ATTEMPT_TIMEOUT_S
             )
             delivered = answered is not None and 200 <= answered < 300
             outcome = "delivered" if delivered else "retrying" if attempt < MAX_ATTEMPTS else "gave_up"
-            record = {
-                "attempt": attempt,
-                "at_ms": int(time.time() * 1000),
-                "status": answered,
-                "outcome": outcome,
-            }
-            if failure:
-                record["error"] = failure
+            # What the caller reads of it: never the receiver's answer (its status, or why it failed).
+            record = {"attempt": attempt, "at_ms": int(time.time() * 1000), "outcome": outcome}
             await self._redis.xadd(result_key, {queue.CALLBACK: orjson.dumps(record)}, nomkstream=True)
             if delivered:
                 return

@@ -1,6 +1,8 @@
 """The deploy API: PUT, GET and DELETE /v1/functions/{name}, so that deployers need an API key with
 the `deploy` scope and neither S3 nor Redis credentials. The body of a PUT is a gzipped tar of the
-function's folder, `function.yaml` at its root; it is streamed to disk, bounded by max_deploy_bytes."""
+function's folder, `function.yaml` at its root; it is streamed to disk, bounded by max_deploy_bytes,
+and unpacked into a scratch folder (removed whatever happens) bounded by max_unpacked_bytes and
+max_unpack_ratio times its size."""
 
 from __future__ import annotations
 
@@ -16,16 +18,18 @@ from starlette.routing import Route
 
 from fngate import deployment
 from fngate.config import GatewaySettings
-from fngate.errors import InvalidArgument
+from fngate.errors import FunctionNotFound, InvalidArgument
 from fngate.repository import MANIFEST_FILE, Repository, check_name
+from gateway.auth import DEPLOY
 from gateway.http.errors import PayloadTooLarge
-from gateway.http.guard import PRINCIPAL
+from gateway.http.guard import Guarded, principal_of
 from gateway.http.rendering import json_response
 from gateway.state import services
 
 log = logging.getLogger(__name__)
 
 ARCHIVE_TYPES = ("application/gzip", "application/x-gzip", "application/x-tar", "application/octet-stream")
+MAX_MEMBERS = 10_000
 REMOVE_GRACE_S = 1.0
 
 
@@ -35,6 +39,8 @@ class Deployer:
     def __init__(self, settings: GatewaySettings) -> None:
         self.url = settings.repo
         self.max_bytes = settings.max_deploy_bytes
+        self.max_unpacked_bytes = settings.max_unpacked_bytes
+        self.max_unpack_ratio = settings.max_unpack_ratio
         self._repository: Repository | None = None
 
     def repository(self) -> Repository:
@@ -51,16 +57,20 @@ def deployer(request: Request) -> Deployer:
 async def put_function(request: Request) -> Response:
     """Store the archive's folder as the function's next version; answer what `GET` answers for
     it, plus the new version's number (201)."""
-    name = check_name(request.path_params["name"])
+    try:
+        name = check_name(request.path_params["name"])
+    except FunctionNotFound as exc:  # a name nothing can be stored under: the request is wrong
+        raise InvalidArgument(exc.message) from None
     owner = deployer(request)
     kind = request.headers.get("content-type", "application/gzip").split(";")[0].strip()
     if kind not in ARCHIVE_TYPES:
         raise InvalidArgument(f"the body must be a tar.gz of the function's folder, not {kind}")
     with tempfile.TemporaryDirectory(prefix="fngate-deploy-") as scratch:
         archive = Path(scratch) / "upload.tar.gz"
-        await _receive(request, archive, owner.max_bytes)
+        size = await _receive(request, archive, owner.max_bytes)
         folder = Path(scratch) / "function"
-        await asyncio.to_thread(_unpack, archive, folder)
+        limit = unpacked_limit(owner.max_unpacked_bytes, owner.max_unpack_ratio, size)
+        await asyncio.to_thread(_unpack, archive, folder, limit)
         manifest = folder / MANIFEST_FILE
         if not manifest.is_file():
             raise InvalidArgument(f"the archive has no {MANIFEST_FILE} at its root")
@@ -87,7 +97,7 @@ async def delete_function(request: Request) -> Response:
     return json_response({"removed": name, "versions": list(record.versions), "answered": answered})
 
 
-async def _receive(request: Request, target: Path, limit: int) -> None:
+async def _receive(request: Request, target: Path, limit: int) -> int:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the archive of {declared} bytes is over the limit of {limit} bytes")
@@ -100,27 +110,43 @@ async def _receive(request: Request, target: Path, limit: int) -> None:
             sink.write(chunk)
     if size == 0:
         raise InvalidArgument("the body is empty: send a tar.gz of the function's folder")
+    return size
 
 
-def _unpack(archive: Path, folder: Path) -> None:
-    """Regular files and folders only, inside `folder` (tarfile's data filter refuses the rest)."""
+def _unpack(archive: Path, folder: Path, limit_bytes: int) -> None:
+    """Regular files and folders only, inside `folder` (tarfile's data filter refuses the rest), at
+    most MAX_MEMBERS of them and `limit_bytes` in all: each member's size is in its header, checked
+    before its bytes are read, so that a small archive of zeros is refused at once."""
+    total = 0
     try:
         with tarfile.open(archive, "r:*") as tar:
-            for member in tar.getmembers():
+            for count, member in enumerate(tar, start=1):
                 if not (member.isfile() or member.isdir()):
-                    raise InvalidArgument(f"the archive holds {member.name!r}, which is not a file or folder")
-            tar.extractall(folder, filter="data")
+                    raise InvalidArgument(
+                        f"the archive holds {member.name[:128]!r}, which is not a file or folder"
+                    )
+                total += member.size
+                if total > limit_bytes:
+                    raise PayloadTooLarge(f"the archive unpacks to more than {limit_bytes} bytes")
+                if count > MAX_MEMBERS:
+                    raise InvalidArgument(f"the archive holds more than {MAX_MEMBERS} files and folders")
+                tar.extract(member, folder, filter="data")
     except (tarfile.TarError, OSError) as exc:
         raise InvalidArgument(f"the body is not a readable tar.gz: {exc}") from None
 
 
+def unpacked_limit(settings_max: int, ratio: float, archive_bytes: int) -> int:
+    """The most an archive of `archive_bytes` may unpack to: `ratio` times its size, and never more
+    than `settings_max`."""
+    return min(settings_max, int(ratio * archive_bytes))
+
+
 def _key_id(request: Request) -> str:
-    principal = request.scope.get(PRINCIPAL)
-    return getattr(principal, "key_id", "") or "-"
+    return principal_of(request.scope).key_id or "-"
 
 
 ROUTES: list[Route] = [
-    Route("/v1/functions/{name}", put_function, methods=["PUT"]),
-    Route("/v1/functions/{name}", get_function, methods=["GET"]),
-    Route("/v1/functions/{name}", delete_function, methods=["DELETE"]),
+    Guarded("/v1/functions/{name}", put_function, DEPLOY, methods=["PUT"]),
+    Guarded("/v1/functions/{name}", get_function, DEPLOY, methods=["GET"]),  # HEAD too
+    Guarded("/v1/functions/{name}", delete_function, DEPLOY, methods=["DELETE"]),
 ]

@@ -9,6 +9,8 @@ from starlette.responses import Response
 
 from fngate.errors import Unavailable
 from gateway import metadata, metrics
+from gateway.auth import READ
+from gateway.http.guard import principal_of
 from gateway.http.rendering import json_response
 from gateway.state import services
 
@@ -54,9 +56,17 @@ async def model_config_json(request: Request) -> Response:
 
 
 async def model_statistics(request: Request) -> Response:
+    """Of one function, or of every function the key may read."""
     params = request.path_params
     found = services(request)
-    stats = await metadata.statistics(found.catalog, found.redis, params.get("name"), params.get("version"))
+    principal = principal_of(request.scope)
+    stats = await metadata.statistics(
+        found.catalog,
+        found.redis,
+        params.get("name"),
+        params.get("version"),
+        lambda name: principal.allows(READ, name),
+    )
     return json_response(stats)
 
 

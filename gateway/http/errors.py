@@ -7,6 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fngate.errors import ErrorCode, FunctionError, RateLimited
+from gateway.auth import ANY
 from gateway.http.rendering import dumps
 from gateway.invocations import IdempotencyKeyReused
 
@@ -79,13 +80,20 @@ async def handle_function_error(request: Request, exc: Exception) -> Response:
 
 
 async def handle_unknown_route(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404 (no such route) and 405 (no such method), in the same JSON body."""
+    """Starlette's own 404 (no such route) and 405 (no such method), in the same JSON body, to a
+    caller with a valid key (any scope); 401 to the others."""
     assert isinstance(exc, HTTPException)
+    found = request.scope.get("state", {}).get("services")
+    if found is not None:
+        try:
+            await found.keys.authorize_async(request.headers.get("authorization"), ANY)
+        except FunctionError as refused:
+            return error_response(refused, found.settings.retry_after_s)
     if exc.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path[:256]}"
+        message = f"{request.method} is not allowed on {request.url.path[:128]}"
         code = ErrorCode.INVALID_ARGUMENT
     else:
-        message = f"no route {request.method} {request.url.path[:256]}"
+        message = f"no route {request.method} {request.url.path[:128]}"
         code = ErrorCode.NOT_FOUND
     body = dumps({"error": message, "code": code.value})
     return Response(body, exc.status_code, exc.headers, media_type="application/json")

@@ -1,39 +1,54 @@
-"""AuthMiddleware: a plain ASGI middleware that checks the key and scope of every HTTP request but
-health before the app sees it. The invocation routes in front of it (gateway.http.invoke) check
-their own."""
+"""The key check of every HTTP route but the invocation routes (gateway.http.invoke checks theirs):
+each route of the router says the scope it needs (`Guarded`), and the check runs once the router
+has matched it, so that no route is served without one. Paths that no route serves, and methods a
+route does not take, answer 404 and 405 only to a caller with a valid key
+(gateway.http.errors.handle_unknown_route)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
 from fngate.errors import FunctionError
-from gateway.auth import KeyTable, required_scope
+from gateway.auth import OPEN, Principal
 from gateway.http.errors import error_body, headers_of, status_of
 
 PRINCIPAL = "fngate.principal"
 """Scope key: the caller's Principal, for the routes that need to know who calls."""
+OPEN_ROUTE = None
+"""The scope of a route any caller may use, without a key (health)."""
 
 
-class AuthMiddleware:
-    def __init__(self, app: Any, table: KeyTable, retry_after_s: int) -> None:
-        self.app = app
-        self.table = table
-        self.retry_after_s = retry_after_s
+class Guarded(Route):
+    """A Starlette route with the scope its callers' keys need (None: open): of the function named
+    by its `{name}` for the scopes that go by function (invoke, read), else the scope alone."""
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        need = required_scope(scope["method"], scope["path"])
-        if need is None:
-            await self.app(scope, receive, send)
-            return
-        try:
-            scope[PRINCIPAL] = self.table.authorize(authorization(scope["headers"]), *need)
-        except FunctionError as exc:
-            await send_error(send, exc, self.retry_after_s)
-            return
-        await self.app(scope, receive, send)
+    def __init__(
+        self, path: str, endpoint: Callable[..., Any], need: str | None, methods: list[str] | None = None
+    ) -> None:
+        super().__init__(path, endpoint, methods=methods)
+        self.need = need
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.need is not None and not (self.methods and scope["method"] not in self.methods):
+            services = scope["state"]["services"]
+            function = scope.get("path_params", {}).get("name")
+            try:
+                scope[PRINCIPAL] = await services.keys.authorize_async(
+                    authorization(scope["headers"]), self.need, function
+                )
+            except FunctionError as exc:
+                await send_error(send, exc, services.settings.retry_after_s)
+                return
+        await super().handle(scope, receive, send)
+
+
+def principal_of(scope: Scope) -> Principal:
+    found: Principal = scope.get(PRINCIPAL, OPEN)
+    return found
 
 
 def authorization(headers: list[tuple[bytes, bytes]]) -> str | None:

@@ -19,18 +19,20 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fngate import telemetry
-from fngate.errors import ErrorCode, FunctionError, Internal
+from fngate.errors import ErrorCode, FunctionError, Internal, InvalidArgument
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply
 from gateway import metrics
 from gateway.auth import INVOKE, Principal
+from gateway.budget import Hold
 from gateway.call import Call, Later
-from gateway.http.errors import BodyTimeout, PayloadTooLarge, error_body, headers_of, status_of
-from gateway.http.protocol import InferRequest, decode_body, parse_v1, parse_v2, render_v1, render_v2
+from gateway.http.bodies import STREAM_FROM_BYTES, AsgiBody, ClientDisconnected, StreamedBody, decode_streamed
+from gateway.http.errors import error_body, headers_of, status_of
+from gateway.http.protocol import InferRequest, parse_v1, parse_v2, render_v1, render_v2
 from gateway.http.results import accepted_response
-from gateway.invocations import check_callback_url, check_idempotency_key, request_digest
+from gateway.invocations import RequestDigest, check_callback_url, check_idempotency_key
 from gateway.state import Services
-from gateway.validation import parse, parse_now
+from gateway.validation import parse_now
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +51,8 @@ class Route:
 V2 = Route("/v2/models/{name}/infer")
 V2_PINNED = Route("/v2/models/{name}/versions/{version}/infer")
 V1 = Route("/v1/functions/{name}")
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its body arrived: nothing to answer."""
+ROUTES = (V2, V2_PINNED, V1)
+"""The invocation routes (POST): each needs the `invoke` scope of the function it names."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,39 +114,100 @@ def match(method: str, path: str) -> Request | None:
 
 
 class InvokeRoutes:
-    def __init__(self, app: ASGIApp) -> None:
+    """The invocation routes, in front of `app`; and, for every request through the ASGI app, the
+    limits that a server may not apply itself (Hypercorn): headers at most `max_headers` (431),
+    requests in flight at most `max_in_flight` (503 with Retry-After)."""
+
+    def __init__(self, app: ASGIApp, max_headers: int, max_in_flight: int, retry_after_s: int) -> None:
         self.app = app
+        self.max_headers = max_headers
+        self.max_in_flight = max_in_flight
+        self.retry_after_s = retry_after_s
+        self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = match(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if len(scope["headers"]) > self.max_headers:
+            await _send(send, 431, b"the request head has more than %d headers" % self.max_headers)
+            return
+        if self.in_flight >= self.max_in_flight:
+            message = b"this gateway process has too many requests in flight"
+            await _send(send, 503, message, self.retry_after_s)
+            return
+        self.in_flight += 1
+        try:
+            await self._route(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = match(scope["method"], scope["path"])
         if request is None:
             await self.app(scope, receive, send)
             return
         scope["route"] = request.route
         services: Services = scope["state"]["services"]
         request.read_headers(scope["headers"])
+        settings = services.settings
+        body = AsgiBody(receive, settings.max_body_bytes, settings.body_timeout_s, request.content_length)
         try:
-            status, headers, content = await answer(services, request, _Body(receive, services, request))
+            status, headers, content = await answer(services, request, body)
         except ClientDisconnected:
             return
+        if not body.complete and body.started and status in (408, 413):
+            headers.append((b"connection", b"close"))  # not read further: the connection ends
         headers.append((b"content-length", str(len(content)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
+        if not body.complete and body.started and status not in (408, 413):
+            await body.drop_rest()  # so that the client reads the answer, not a reset connection
 
 
-class _Body:
-    """The request body, read once it is asked for (after the key was checked)."""
+async def _send(send: Send, status: int, message: bytes, retry_after_s: int | None = None) -> None:
+    """A refusal before the request was read: the connection ends with it."""
+    code = b"overloaded" if status == 503 else b"invalid_argument"
+    body = b'{"error": "%s", "code": "%s"}' % (message, code)
+    headers = [JSON, (b"content-length", b"%d" % len(body)), (b"connection", b"close")]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", b"%d" % retry_after_s))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
-    __slots__ = ("_receive", "_request", "_services")
 
-    def __init__(self, receive: Receive, services: Services, request: Request) -> None:
-        self._receive, self._services, self._request = receive, services, request
+def streamed_body(
+    services: Services, request: Request, function: FunctionVersion, hold: Hold, digest: RequestDigest | None
+) -> StreamedBody:
+    """The decoder of an uncompressed body that is large, or of unknown length."""
+    settings = services.settings
+    header_length = request.header_length.decode("latin-1") if request.header_length is not None else None
+    most = request.content_length if request.content_length is not None else settings.max_body_bytes
+    route = "v1" if request.route is V1 else "v2"
+    return StreamedBody(route, function.manifest, header_length, hold, most, digest)
 
-    async def read(self) -> bytes:
-        settings = self._services.settings
-        return await read_body(
-            self._receive, settings.max_body_bytes, self._request.content_length, settings.body_timeout_s
-        )
+
+async def decode_whole(
+    services: Services,
+    request: Request,
+    function: FunctionVersion,
+    raw: bytes,
+    hold: Hold,
+    digest: RequestDigest | None,
+) -> InferRequest:
+    """A body received whole: parsed on the event loop when small and uncompressed, else
+    decompressed and decoded a step at a time in a worker thread."""
+    if not request.encoding and len(raw) < STREAM_FROM_BYTES:
+        if digest is not None:
+            digest.update(raw)
+        parser, args = _parser(request, function)
+        return parse_now(parser, raw, *args)
+    settings = services.settings
+    request.content_length = None  # decompressed, it may be as large as the body limit
+    body = streamed_body(services, request, function, hold, digest)
+    return await asyncio.to_thread(
+        parse_now, decode_streamed, body, raw, request.encoding, settings.max_body_bytes, hold
+    )
 
 
 def authorize(services: Services, request: Request) -> Principal:
@@ -157,28 +218,57 @@ def authorize(services: Services, request: Request) -> Principal:
 async def answer(
     services: Services,
     request: Request,
-    body: _Body | bytes,
+    body: AsgiBody | bytes,
     started: float | None = None,
     principal: Principal | None = None,
 ) -> Answer:
     """The whole answer of one invocation request: status, headers and body. What fails before the
     core has the call is counted here; the core counts the rest."""
     started = time.perf_counter() if started is None else started
+    hold = services.budget.hold()
     try:
-        principal = principal or authorize(services, request)
-        raw = body if isinstance(body, bytes) else await body.read()
-        raw = decode_body(raw, request.encoding, services.settings.max_body_bytes)
-        function = services.catalog.get(request.name, request.version)
-        parser, args = _parser(request, function)
-        parsed = await parse(parser, raw, len(raw), *args)
-        call = _call(request, function, parsed, principal, raw, started)
+        principal = principal or await services.keys.authorize_async(
+            request.authorization, INVOKE, request.name
+        )
+        digest = idempotency_digest(request)
+        if isinstance(body, AsgiBody) and not request.encoding and body.streams:
+            function = services.catalog.get(request.name, request.version)
+            parsed = await body.decode(streamed_body(services, request, function, hold, digest))
+        else:
+            raw = body if isinstance(body, bytes) else await body.read()
+            function = services.catalog.get(request.name, request.version)
+            parsed = await decode_whole(services, request, function, raw, hold, digest)
     except ClientDisconnected:
         raise
     except FunctionError as exc:
         count_refusal(services, request, exc, started)
+        # The server reads and drops what is left of the body, then takes the next request.
         return error_answer(services, exc)
     except Exception:
         return internal_answer(request)
+    finally:
+        hold.release()
+    return await submit(services, request, function, parsed, principal, digest, started)
+
+
+async def submit(
+    services: Services,
+    request: Request,
+    function: FunctionVersion,
+    parsed: InferRequest,
+    principal: Principal,
+    digest: RequestDigest | None,
+    started: float,
+) -> Answer:
+    """The answer of a parsed invocation: the core's reply, rendered, or the 202 of an
+    asynchronous one."""
+    try:
+        if request.respond_async:
+            await check_callback(services, request)
+        call = call_of(request, function, parsed, principal, digest, started)
+    except FunctionError as exc:
+        count_refusal(services, request, exc, started)
+        return error_answer(services, exc)
     try:
         if call.later is not None:
             return accepted_response(await services.dispatcher.submit(call))
@@ -190,14 +280,36 @@ async def answer(
         return internal_answer(request)
 
 
+async def check_callback(services: Services, request: Request) -> None:
+    """An X-Callback-Url the gateway may call (its host resolved and checked now, as it is again
+    for each attempt), and a secret to sign with."""
+    url = check_callback_url(request.callback_url)
+    if not url:
+        return
+    if not services.settings.callback_secret.get_secret_value():
+        raise InvalidArgument("this gateway has no callback_secret to sign callbacks with: they are off")
+    await services.destinations.resolve_async(url)
+
+
+def idempotency_digest(request: Request) -> RequestDigest | None:
+    """What the body of an asynchronous call with an Idempotency-Key is bound to, fed as it is read."""
+    if not request.respond_async or not request.idempotency_key:
+        return None
+    return RequestDigest(request.name, "v1" if request.route is V1 else "v2")
+
+
 def call_now(
-    services: Services, request: Request, principal: Principal, raw: bytes, started: float
+    services: Services,
+    request: Request,
+    function: FunctionVersion,
+    principal: Principal,
+    raw: bytes,
+    started: float,
 ) -> tuple[Call, InferRequest]:
     """`answer`'s call of a small, uncompressed, synchronous request, parsed on the event loop."""
-    function = services.catalog.get(request.name, request.version)
     parser, args = _parser(request, function)
     parsed = parse_now(parser, raw, *args)
-    return _call(request, function, parsed, principal, raw, started), parsed
+    return call_of(request, function, parsed, principal, None, started), parsed
 
 
 def _parser(
@@ -210,12 +322,12 @@ def _parser(
     return parse_v2, (header_length, manifest)
 
 
-def _call(
+def call_of(
     request: Request,
     function: FunctionVersion,
     parsed: InferRequest,
     principal: Principal,
-    raw: bytes,
+    digest: RequestDigest | None,
     started: float,
 ) -> Call:
     return Call(
@@ -227,19 +339,18 @@ def _call(
         parsed.use_cache and not request.no_cache,
         parsed.request_id,
         telemetry.inject() if telemetry.tracing_active() else None,
-        _later(request, function, parsed, raw) if request.respond_async else None,
+        _later(request, parsed, digest) if request.respond_async else None,
         started,
     )
 
 
-def _later(request: Request, function: FunctionVersion, parsed: InferRequest, raw: bytes) -> Later:
-    shape = "v1" if request.route is V1 else "v2"
+def _later(request: Request, parsed: InferRequest, digest: RequestDigest | None) -> Later:
     idempotency = check_idempotency_key(request.idempotency_key)
     return Later(
-        shape,
+        "v1" if request.route is V1 else "v2",
         check_callback_url(request.callback_url),
         idempotency,
-        request_digest(function.manifest.name, shape, raw) if idempotency else "",
+        digest.hexdigest() if digest is not None and idempotency else "",
         tuple(sorted(parsed.binary_outputs)),
     )
 
@@ -284,36 +395,3 @@ def internal_answer(request: Request, logged: bool = False) -> Answer:
         log.exception("invocation of %s failed unexpectedly (request %s)", request.name[:128], request_id)
     metrics.failed("", ErrorCode.INTERNAL.value)
     return 500, [JSON], error_body(Internal(f"internal error (request id {request_id})"))
-
-
-async def read_body(
-    receive: Receive, limit: int, declared: int | None, timeout_s: float | None = None
-) -> bytes:
-    """The whole body, refused past `limit` bytes before it is read (when declared) or as soon as
-    it is (when streamed), and cut (408) when it has not all arrived within `timeout_s`."""
-    if declared is not None and declared > limit:
-        raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _receive_body(receive, limit)
-    except TimeoutError:
-        raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s") from None
-
-
-async def _receive_body(receive: Receive, limit: int) -> bytes:
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise ClientDisconnected
-    first: bytes = message.get("body", b"")
-    if not message.get("more_body", False):
-        return first
-    chunks = bytearray(first)
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected
-        chunks += message.get("body", b"")
-        if len(chunks) > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        if not message.get("more_body", False):
-            return bytes(chunks)

@@ -5,8 +5,10 @@ takes the requests that gateway.http.invoke.match() recognises once their head i
 key at once, collects the body, hands the call to the core and writes the answer from the reply
 future's done callback: one loop timer (the body's), no await, for a small synchronous call.
 
-Everything else (other routes, asynchronous calls, compressed or large bodies, and every request
-while tracing is on) runs as before: through the ASGI app, on the same connection and port.
+A large body (or one of unknown length) is decoded as it arrives (gateway.http.bodies), never held
+whole; a compressed one is held as sent and decoded in a worker thread. Everything else (other
+routes, and every request while tracing is on) runs through the ASGI app, on the same connection
+and port.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import logging
 from typing import Any
 
 from fngate.errors import FunctionError
+from fngate.repository import FunctionVersion
 from fngate.wire import Reply
-from gateway.auth import OPEN, Principal
+from gateway.auth import OPEN, Principal, UnknownKey
+from gateway.budget import Hold
 from gateway.call import Call
 from gateway.http import invoke
+from gateway.http.bodies import STREAM_FROM_BYTES, StreamedBody
 from gateway.http.errors import BodyTimeout, PayloadTooLarge
 from gateway.http.protocol import InferRequest
 from gateway.state import Services
-from gateway.validation import OFF_LOOP_BYTES
+from gateway.validation import parse_now
 
 log = logging.getLogger(__name__)
 GZIP_MIN_BYTES = 64 * 1024
@@ -39,7 +44,14 @@ class Exchange:
         "_accepts_gzip",
         "_body_timer",
         "_call",
+        "_function",
+        "_hold",
+        "_key_looked_up",
+        "_lingering",
         "_parsed",
+        "_received",
+        "_streamed",
+        "_waiting_for_key",
         "cycle",
         "principal",
         "protocol",
@@ -61,6 +73,17 @@ class Exchange:
         self._call: Call | None = None
         self._parsed: InferRequest | None = None
         self._accepts_gzip = False
+        self._function: FunctionVersion | None = None
+        self._streamed: StreamedBody | None = None
+        """The decoder of a body decoded as it arrives (`stream`)."""
+        self._hold: Hold | None = None
+        self._received = 0
+        self._waiting_for_key = False
+        """A key the table did not hold is being looked up: the body waits for it."""
+        self._key_looked_up = False
+        self._lingering: asyncio.TimerHandle | None = None
+        """Answered before its body ended: the rest is read and dropped until then (or the body
+        timeout), so that the client reads the answer instead of a reset connection."""
 
     def start(self) -> None:
         """The head is in: refuse what can be refused before the body, else wait for it."""
@@ -77,10 +100,26 @@ class Exchange:
                 raise PayloadTooLarge(
                     f"the body of {declared} bytes is over the limit of {settings.max_body_bytes} bytes"
                 )
-        except FunctionError as exc:
+            if not request.encoding and (declared is None or declared >= STREAM_FROM_BYTES):
+                self._start_stream()
+        except UnknownKey as exc:
+            if not self._key_looked_up:  # created since the table's refresh, maybe: look it up
+                self._waiting_for_key = True
+                self._in_task(self._look_up(exc.key_id))
+                return
             invoke.count_refusal(self.services, request, exc, self.started)
             self._refuse(exc, close=True)
             return
+        except FunctionError as exc:
+            invoke.count_refusal(self.services, request, exc, self.started)
+            # A body declared over the limit is not read: the connection ends at once.
+            self._refuse(exc, close=True, linger=not isinstance(exc, PayloadTooLarge))
+            return
+        if self._streamed is not None and self.cycle.body:  # what came with the head
+            early, self.cycle.body = bytes(self.cycle.body), bytearray()
+            self.stream(early)
+            if self.cycle.response_complete:
+                return
         if not self.cycle.more_body:  # it came with its head (or before its turn, pipelined)
             self.body_complete()
             return
@@ -89,30 +128,96 @@ class Exchange:
             self.protocol.transport.write(CONTINUE)
         self._body_timer = self.protocol.loop.call_later(settings.body_timeout_s, self._body_too_slow)
 
+    def _start_stream(self) -> None:
+        """A body decoded as it arrives: its function is found first (a small body's after it)."""
+        request = self.request
+        self._function = function = self.services.catalog.get(request.name, request.version)
+        self._hold = self.services.budget.hold()
+        digest = invoke.idempotency_digest(request)
+        self._streamed = invoke.streamed_body(self.services, request, function, self._hold, digest)
+
+    async def _look_up(self, key_id: str) -> None:
+        await self.services.keys.look_up(key_id)
+        self._key_looked_up = True  # the next refusal is final
+        self._waiting_for_key = False
+        if not self.cycle.response_complete and not self.cycle.disconnected:
+            self.start()
+
+    @property
+    def streaming(self) -> bool:
+        return self._streamed is not None
+
+    def stream(self, chunk: bytes) -> None:
+        """A part of a body decoded as it arrives (the protocol hands it here, not to the cycle)."""
+        streamed = self._streamed
+        if streamed is None or self.cycle.response_complete:
+            return
+        self._received += len(chunk)
+        limit = self.services.settings.max_body_bytes
+        try:
+            if self._received > limit:
+                raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+            parse_now(streamed.feed, chunk)
+        except FunctionError as exc:
+            self._end_stream()
+            invoke.count_refusal(self.services, self.request, exc, self.started)
+            self._refuse(exc, close=True, linger=not isinstance(exc, PayloadTooLarge))
+
+    def _end_stream(self) -> None:
+        self._streamed = None
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
+
     def body_grew(self) -> None:
         limit = self.services.settings.max_body_bytes
         if len(self.cycle.body) > limit:
-            self._refuse(PayloadTooLarge(f"the body is over the limit of {limit} bytes"), close=True)
+            self._refuse(
+                PayloadTooLarge(f"the body is over the limit of {limit} bytes"), close=True, linger=False
+            )
         else:
             self.protocol.flow.resume_reading()  # uvicorn pauses past its high-water mark for the app
 
     def body_complete(self) -> None:
+        if self._lingering is not None:  # the rest of a refused body is in: the connection ends
+            self._stop_lingering()
+            return
+        if self._waiting_for_key:  # start() goes on once the key is looked up
+            return
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
         if self.cycle.response_complete:
+            self._end_stream()
+            return
+        request, function = self.request, self._function
+        streamed = self._streamed
+        if streamed is not None and function is not None:
+            self._end_stream()
+            try:
+                parsed = parse_now(streamed.finish)
+            except FunctionError as exc:
+                invoke.count_refusal(self.services, request, exc, self.started)
+                self._respond(*invoke.error_answer(self.services, exc))
+                return
+            if request.respond_async:
+                self._in_task(self._submit_slowly(function, parsed, streamed))
+                return
+            self._dispatch(
+                invoke.call_of(request, function, parsed, self.principal, None, self.started), parsed
+            )
             return
         raw = bytes(self.cycle.body)
         self.cycle.body = bytearray()
-        request = self.request
-        if request.respond_async or request.encoding or len(raw) >= OFF_LOOP_BYTES:
+        if request.respond_async or request.encoding or len(raw) >= STREAM_FROM_BYTES:
             # Work that awaits (a submission, decompression, a parse in a thread): a task of its own.
-            task = self.protocol.loop.create_task(self._answer_slowly(raw))
-            self.protocol.tasks.add(task)
-            task.add_done_callback(self.protocol.tasks.discard)
+            self._in_task(self._answer_slowly(raw))
             return
         try:
-            call, parsed = invoke.call_now(self.services, request, self.principal, raw, self.started)
+            function = self.services.catalog.get(request.name, request.version)
+            call, parsed = invoke.call_now(
+                self.services, request, function, self.principal, raw, self.started
+            )
         except FunctionError as exc:
             invoke.count_refusal(self.services, request, exc, self.started)
             self._respond(*invoke.error_answer(self.services, exc))
@@ -120,8 +225,24 @@ class Exchange:
         except Exception:
             self._respond(*invoke.internal_answer(request))
             return
+        self._dispatch(call, parsed)
+
+    def _dispatch(self, call: Call, parsed: InferRequest) -> None:
         self._call, self._parsed = call, parsed
         self.services.dispatcher.invoke(call).add_done_callback(self._answered)
+
+    def _in_task(self, work: Any) -> None:
+        task = self.protocol.loop.create_task(work)
+        self.protocol.tasks.add(task)
+        task.add_done_callback(self.protocol.tasks.discard)
+
+    async def _submit_slowly(
+        self, function: FunctionVersion, parsed: InferRequest, streamed: StreamedBody
+    ) -> None:
+        answer = await invoke.submit(
+            self.services, self.request, function, parsed, self.principal, streamed.digest, self.started
+        )
+        self._respond(*answer)
 
     def _answered(self, future: asyncio.Future[Reply]) -> None:
         if future.cancelled():
@@ -141,18 +262,29 @@ class Exchange:
 
     def _body_too_slow(self) -> None:
         self._body_timer = None
+        self._end_stream()
         timeout_s = self.services.settings.body_timeout_s
-        self._refuse(BodyTimeout(f"the body did not arrive within {timeout_s:g} s"), close=True)
+        self._refuse(BodyTimeout(f"the body did not arrive within {timeout_s:g} s"), close=True, linger=False)
 
-    def _refuse(self, exc: FunctionError, close: bool) -> None:
+    def _refuse(self, exc: FunctionError, close: bool, linger: bool = True) -> None:
         """Answered before (all of) the body: the connection ends with the answer, unless the body
-        came whole already (the next request may follow it)."""
+        came whole already (the next request may follow it); with `linger`, once the rest of the
+        body has been read and dropped (within the body timeout)."""
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
         if close and self.cycle.more_body:
             self.cycle.keep_alive = False
+            if linger and not self.cycle.response_complete:
+                timeout_s = self.services.settings.body_timeout_s
+                self._lingering = self.protocol.loop.call_later(timeout_s, self._stop_lingering)
         self._respond(*invoke.error_answer(self.services, exc))
+
+    def _stop_lingering(self) -> None:
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
+        self.protocol.transport.close()
 
     def _respond(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
         cycle = self.cycle
@@ -184,12 +316,10 @@ class Exchange:
         transport.write(b"".join(head))
         transport.flush()
         cycle.message_event.set()
-        if not cycle.keep_alive:
+        if not cycle.keep_alive and self._lingering is None:
             transport.close()
         if self.protocol.flow.write_paused:  # a reader that does not keep up: read on once it does
-            task = self.protocol.loop.create_task(_after_drain(self.protocol.flow, cycle))
-            self.protocol.tasks.add(task)
-            task.add_done_callback(self.protocol.tasks.discard)
+            self._in_task(_after_drain(self.protocol.flow, cycle))
         else:
             cycle.on_response()
 

@@ -9,7 +9,6 @@ and binary framing.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,15 +16,13 @@ import numpy as np
 import orjson
 
 from fngate.errors import InvalidArgument
-from fngate.manifest import FunctionManifest
-from fngate.tensors import from_bytes, from_json, to_bytes, to_json_data
+from fngate.manifest import FunctionManifest, TensorSpec
+from fngate.tensors import DATATYPES, element_count, from_bytes, from_json, to_bytes, to_json_data
 from fngate.wire import Reply, Tensors
-from gateway.http.errors import PayloadTooLarge
+from gateway.http.tensor_data import Decoded, outline_of, shape_of_outline
 from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
 
 HEADER_LENGTH = "inference-header-content-length"
-
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,65 +35,41 @@ class InferRequest:
     use_cache: bool = True
 
 
-def decode_body(body: bytes, encoding: str | None, limit_bytes: int) -> bytes:
-    """The body as sent before its Content-Encoding (gzip or deflate; identity as is), never more
-    than `limit_bytes` once decompressed: output comes in bounded steps, so a small bomb stops at
-    the limit instead of filling memory."""
-    name = (encoding or "identity").strip().lower()
-    if name == "identity":
-        return body
-    wbits = _WBITS.get(name)
-    if wbits is None:
-        raise InvalidArgument(f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or none")
-    if name == "deflate" and not _zlib_header(body):
-        wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib header that RFC 9110 asks for
-    parts: list[bytes] = []
-    size = 0
-    rest = body
-    while rest:  # gzip allows several members one after another
-        decoder = zlib.decompressobj(wbits)
-        pending = rest
-        while not decoder.eof:
-            try:
-                chunk = decoder.decompress(pending, limit_bytes - size + 1)
-            except zlib.error as exc:
-                raise InvalidArgument(f"the {name} body does not decompress: {exc}") from None
-            size += len(chunk)
-            if size > limit_bytes:
-                raise PayloadTooLarge(f"the decompressed body is over the limit of {limit_bytes} bytes")
-            parts.append(chunk)
-            pending = decoder.unconsumed_tail
-            if not chunk and not pending:
-                raise InvalidArgument(f"the {name} body is truncated")
-        rest = decoder.unused_data if wbits > zlib.MAX_WBITS else b""
-    return b"".join(parts)
-
-
-def _zlib_header(body: bytes) -> bool:
-    """RFC 1950: method 8 (deflate) in the low bits of the first byte, both bytes a multiple of 31."""
-    return len(body) >= 2 and body[0] & 0x0F == 8 and ((body[0] << 8) | body[1]) % 31 == 0
-
-
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
-    """A V2 infer request, JSON or with the binary tensor data extension."""
+    """A V2 infer request received whole, JSON or with the binary tensor data extension."""
     header: bytes | memoryview = body
     binary = memoryview(b"")
-    if header_length is not None:
-        try:
-            json_size = int(header_length)
-        except ValueError:
-            raise InvalidArgument(
-                f"Inference-Header-Content-Length {header_length!r} is not a number"
-            ) from None
-        if not 0 < json_size <= len(body):
+    json_size = header_size(header_length)
+    if json_size is not None:
+        if json_size > len(body):
             raise InvalidArgument(
                 f"Inference-Header-Content-Length {json_size} is outside the body of {len(body)} bytes"
             )
         whole = memoryview(body)  # slices of a view: the binary part is not copied
         binary = whole[json_size:]
         header = whole[:json_size]
-    doc = load_json(header)
-    inputs = _v2_inputs(doc, binary, manifest)
+    return v2_request(load_json(header), binary, manifest, {})
+
+
+def header_size(header_length: str | None) -> int | None:
+    """The size of the JSON part that Inference-Header-Content-Length declares."""
+    if header_length is None:
+        return None
+    try:
+        json_size = int(header_length)
+    except ValueError:
+        raise InvalidArgument(f"Inference-Header-Content-Length {header_length!r} is not a number") from None
+    if json_size <= 0:
+        raise InvalidArgument(f"Inference-Header-Content-Length {json_size} is outside the body")
+    return json_size
+
+
+def v2_request(
+    doc: dict[str, Any], binary: memoryview, manifest: FunctionManifest, decoded: Mapping[Any, Decoded]
+) -> InferRequest:
+    """A V2 request from its parsed JSON, its binary part and the tensors that gateway.http.decoding
+    decoded as they arrived (by input index; their `data` is null in `doc`)."""
+    inputs = _v2_inputs(doc, binary, manifest, decoded)
     check_complete(manifest, inputs)
     outputs, binary_outputs = _requested_outputs(doc, manifest)
     request_id = doc.get("id")
@@ -106,7 +79,9 @@ def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest)
     return InferRequest(inputs, outputs, binary_outputs, request_id, _timeout(params), _use_cache(params))
 
 
-def _v2_inputs(doc: Mapping[str, Any], view: memoryview, manifest: FunctionManifest) -> Tensors:
+def _v2_inputs(
+    doc: Mapping[str, Any], view: memoryview, manifest: FunctionManifest, decoded: Mapping[Any, Decoded]
+) -> Tensors:
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgument("'inputs' must be a non-empty list of tensors")
@@ -133,6 +108,8 @@ def _v2_inputs(doc: Mapping[str, Any], view: memoryview, manifest: FunctionManif
                 )
             inputs[name] = from_bytes(datatype, shape, view[offset : offset + size], f"input '{name}'")
             offset += size
+        elif index in decoded:
+            inputs[name] = _from_decoded(decoded[index], spec, shape, False)
         elif "data" in item:
             inputs[name] = from_json(datatype, shape, item["data"], f"input '{name}'")
         else:
@@ -143,17 +120,30 @@ def _v2_inputs(doc: Mapping[str, Any], view: memoryview, manifest: FunctionManif
 
 
 def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
-    """The serverless body: {"inputs": {"<name>": nested lists}, "outputs": [names]?}."""
-    doc = load_json(body)
+    """The serverless body received whole: {"inputs": {"<name>": nested lists}, "outputs": [names]?}."""
+    return v1_request(load_json(body), manifest, {})
+
+
+def v1_request(
+    doc: dict[str, Any], manifest: FunctionManifest, decoded: Mapping[Any, Decoded]
+) -> InferRequest:
+    """A /v1 request from its parsed JSON and the tensors decoded as they arrived (by name)."""
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, dict) or not raw_inputs:
         raise InvalidArgument("'inputs' must be an object mapping input names to nested lists")
     inputs: Tensors = {}
     for name, data in raw_inputs.items():
         spec = input_spec(manifest, name, "inputs")
-        shape = _nested_shape(data, f"input '{name}'")
+        found = decoded.get(name)
+        if found is not None and found.values is not None:
+            outlined = shape_of_outline(found.outline, f"input '{name}'")
+            check_shape(spec, outlined, manifest)
+            inputs[name] = _from_decoded(found, spec, outlined, True)
+            continue
+        nested = found.strings if found is not None else data
+        shape = _nested_shape(nested, f"input '{name}'")
         check_shape(spec, shape, manifest)
-        inputs[name] = from_json(spec.datatype, shape, data, f"input '{name}'")
+        inputs[name] = from_json(spec.datatype, shape, nested, f"input '{name}'")
     check_complete(manifest, inputs)
     outputs = doc.get("outputs")
     if outputs is not None:
@@ -163,6 +153,48 @@ def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
             output_spec(manifest, name)
         outputs = tuple(outputs)
     return InferRequest(inputs, outputs, frozenset(), None, _timeout(doc), _use_cache(doc))
+
+
+def _from_decoded(
+    found: Decoded, spec: TensorSpec, shape: tuple[int, ...], nested: bool
+) -> np.ndarray[Any, Any]:
+    """A tensor from what the streaming decoder found: its numbers checked against the shape, in
+    count, nesting (flat, or nested like the shape) and datatype."""
+    where = f"input '{spec.name}'"
+    if found.values is None:
+        if spec.datatype != "BYTES":
+            raise InvalidArgument(f"{where}: data is not a well-formed array of {spec.datatype}")
+        return from_json(spec.datatype, shape, found.strings, where)
+    if spec.datatype == "BYTES":
+        raise InvalidArgument(f"{where}: BYTES data must be strings")
+    values = found.values
+    count = element_count(shape)
+    if values.size != count:
+        raise InvalidArgument(
+            f"{where}: {values.size} elements of data but shape {list(shape)} needs {count}"
+        )
+    if not nested and not _is_flat(found.outline, count) and found.outline != outline_of(shape):
+        raise InvalidArgument(f"{where}: data must be flat or nested like its shape {list(shape)}")
+    dtype = DATATYPES[spec.datatype]
+    if values.dtype != dtype:  # decoded before its datatype was known
+        if values.dtype.kind == "b" and spec.datatype != "BOOL":
+            raise InvalidArgument(f"{where}: booleans in data of datatype {spec.datatype}")
+        if (
+            dtype.kind in "iu"
+            and values.size
+            and (
+                values.dtype.kind == "f"
+                or values.min() < np.iinfo(dtype).min
+                or values.max() > np.iinfo(dtype).max
+            )
+        ):
+            raise InvalidArgument(f"{where}: data is not a well-formed array of {spec.datatype}")
+        values = values.astype(dtype)
+    return values.reshape(shape)
+
+
+def _is_flat(outline: bytes, count: int) -> bool:
+    return len(outline) == count + 1 and outline.count(b",") == count - 1 and outline[:1] == b"["
 
 
 def render_v2(

@@ -16,10 +16,10 @@ from fngate import queue
 from fngate.errors import DeadlineExceeded, FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest
 from fngate.wire import Reply
-from gateway.auth import OPEN, Principal
+from gateway.auth import ANY, Principal
 from gateway.catalog import Catalog
 from gateway.http.errors import error_body, status_of
-from gateway.http.guard import PRINCIPAL
+from gateway.http.guard import Guarded, principal_of
 from gateway.http.protocol import InferRequest, render_v1, render_v2
 from gateway.http.rendering import dumps, json_response
 from gateway.invocations import MAX_WAIT_S, Accepted, AsyncInvocations, Submission, is_pending
@@ -97,8 +97,7 @@ def accepted_response(accepted: Accepted) -> tuple[int, list[tuple[bytes, bytes]
 
 
 def _principal(request: Request) -> Principal:
-    found: Principal = request.scope.get(PRINCIPAL, OPEN)
-    return found
+    return principal_of(request.scope)
 
 
 def _service(request: Request) -> AsyncInvocations:
@@ -137,7 +136,8 @@ async def delete_invocation(request: Request) -> Response:
     return json_response(body | {"code": "invalid_argument", "state": outcome}, 409)
 
 
-ROUTES = [
-    Route("/v1/invocations/{id}", get_invocation, methods=["GET"]),
-    Route("/v1/invocations/{id}", delete_invocation, methods=["DELETE"]),
+# Any valid key: an invocation is read or cancelled only by the key that made it (or an admin's).
+ROUTES: list[Route] = [
+    Guarded("/v1/invocations/{id}", get_invocation, ANY, methods=["GET"]),
+    Guarded("/v1/invocations/{id}", delete_invocation, ANY, methods=["DELETE"]),
 ]

@@ -5,10 +5,12 @@ through the ASGI app), until `stopping` is set."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
 import time
+from http import HTTPStatus
 from typing import Any
 
 from fngate import telemetry
@@ -30,6 +32,9 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
     # A connection whose request head is incomplete counts as idle: this timeout cuts a slow client.
     config.keep_alive_timeout = settings.header_timeout_s
     config.keep_alive_max_requests = 100_000  # Hypercorn's 1000 makes busy clients reconnect often
+    # A request head over this is refused by h11 with 431; gateway.http.invoke.HeadLimits counts headers.
+    config.h11_max_incomplete_size = settings.max_header_bytes
+    config.h2_max_header_list_size = settings.max_header_bytes
     config.graceful_timeout = 10
     await serve(app, config, shutdown_trigger=stopping.wait)
 
@@ -71,21 +76,95 @@ class _OneWrite:
         return getattr(self._transport, name)
 
 
-def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol, with a limit on how long a request's head may take: from the
-    connection (or the previous response) to the end of the headers. uvicorn has none of its own
-    (any byte resets its keep-alive timer), so a client sending a header a byte at a time would
-    hold its connection for ever. With `lean`, the invocation routes are answered by
-    gateway.http.lean instead of an ASGI task (uvicorn's pipelining, flow control and shutdown
-    stay as they are)."""
+LINGER_S = 2.0
+"""How long a connection refused before its request was read drops what the client still sends."""
+
+
+def refusal(status: int, message: str, retry_after_s: int | None = None) -> bytes:
+    """A whole response that ends its connection, for a refusal before any request is read whole."""
+    body = b'{"error": "%s", "code": "%s"}' % (
+        message.encode(),
+        b"overloaded" if status == 503 else b"invalid_argument",
+    )
+    retry = b"retry-after: %d\r\n" % retry_after_s if retry_after_s is not None else b""
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
+        status,
+        HTTPStatus(status).phrase.encode(),
+        len(body),
+    )
+    return head + retry + b"connection: close\r\n\r\n" + body
+
+
+def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol, with limits on a request's head: how long it may take (from
+    the connection, or the previous response, to the end of the headers: uvicorn has none of its
+    own, any byte resets its keep-alive timer, so a client sending a header a byte at a time would
+    hold its connection for ever), its size and its number of headers (431 past them); and on the
+    connections of this process (past max_connections a new one is answered 503 and closed). With
+    `lean`, the invocation routes are answered by gateway.http.lean instead of an ASGI task
+    (uvicorn's pipelining, flow control and shutdown stay as they are)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     from gateway.http.invoke import match
     from gateway.http.lean import Exchange
 
+    timeout_s = settings.header_timeout_s
+    max_head_bytes, max_headers = settings.max_header_bytes, settings.max_headers
+    too_large = refusal(431, f"the request head is over {max_head_bytes} bytes or {max_headers} headers")
+    too_many = refusal(503, "this gateway process has too many connections open", settings.retry_after_s)
+
     class HeadTimeoutProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _draining = False
+        _in_head = True
+        _head_bytes = 0
+        _header_count = 0
+        _head_refused = False
+        _discarding: asyncio.TimerHandle | None = None
+
+        def data_received(self, data: bytes) -> None:
+            if self._discarding is not None:
+                return  # refused: what the client still sends is dropped until the linger ends
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._in_head and self._head_bytes > max_head_bytes and not self._head_refused:
+                self._refuse_head()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes, self._header_count = True, 0, 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            if self._header_count > max_headers:
+                self._head_refused = True
+                raise ValueError("too many headers")  # stops the parser: send_400_response follows
+            super().on_header(name, value)
+
+        def send_400_response(self, msg: str) -> None:
+            if self._head_refused:
+                self._refuse_head()
+            else:
+                super().send_400_response(msg)
+
+        def _refuse_head(self) -> None:
+            self._head_refused = True
+            self._refuse(too_large)
+
+        def _refuse(self, answer: bytes) -> None:
+            """Answer and end the connection, after a moment in which what the client still sends
+            is read and dropped: closed at once, with bytes unread, the connection would be reset,
+            and the client could lose the answer."""
+            transport = self.transport
+            if transport.is_closing() or self._discarding is not None:
+                return
+            transport.write(answer)
+            transport.flush()  # type: ignore[attr-defined]
+            self._disarm()
+            with contextlib.suppress(OSError, NotImplementedError):
+                transport.write_eof()
+            self._discarding = self.loop.call_later(LINGER_S, transport.close)
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             scope = cycle.scope
@@ -100,8 +179,11 @@ def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.
             exchange.start()
 
         def on_body(self, body: bytes) -> None:
-            super().on_body(body)
             exchange = getattr(self.cycle, "lean", None)
+            if exchange is not None and exchange.streaming:
+                exchange.stream(body)  # decoded as it arrives, never collected
+                return
+            super().on_body(body)
             if exchange is not None and not self.cycle.response_complete:
                 exchange.body_grew()
 
@@ -127,10 +209,14 @@ def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(_OneWrite(transport))  # type: ignore[arg-type]
+            if len(self.connections) > settings.max_connections:
+                self._refuse(too_many)
+                return
             self._arm()
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._in_head = False
             super().on_headers_complete()
             if self._draining and self.cycle is not None:
                 self.cycle.keep_alive = False  # answered with Connection: close
@@ -144,6 +230,8 @@ def head_timeout_protocol(timeout_s: float, lean: bool = False) -> type[asyncio.
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._discarding is not None:
+                self._discarding.cancel()
             super().connection_lost(exc)
 
         def shutdown(self) -> None:
@@ -177,7 +265,7 @@ async def serve_uvicorn(app: Any, settings: GatewaySettings, stopping: asyncio.E
         **where,
         loop="none",  # already on uvloop (fngate.process.run_forever)
         # The lean path bypasses the ASGI layers: with tracing on, every request goes through them.
-        http=head_timeout_protocol(settings.header_timeout_s, lean=not telemetry.tracing_active()),
+        http=head_timeout_protocol(settings, lean=not telemetry.tracing_active()),
         lifespan="on",
         access_log=telemetry.interactive(),  # an access log for a person at a terminal
         log_config=None,

@@ -151,7 +151,8 @@ class Deployment:
 
     def gateway(self) -> str:
         sock = free_socket()
-        env = {"FNGATE_AUTH": "true", "FNGATE_CALLBACK_SECRET": SECRET}
+        # The receivers of these tests listen on loopback: allowed here, refused by default.
+        env = {"FNGATE_AUTH": "true", "FNGATE_CALLBACK_SECRET": SECRET, "FNGATE_CALLBACK_ALLOW": "127.0.0.1"}
         process = self._start("gateway", "gateway", FNGATE_BIND=f"fd://{sock.fileno()}", **env)
         base = f"http://127.0.0.1:{sock.getsockname()[1]}"
         sock.close()
@@ -492,8 +493,8 @@ async def test_callback_retried_until_accepted_and_signed(
             break
         await asyncio.sleep(0.1)
     assert [attempt["outcome"] for attempt in attempts] == ["retrying", "retrying", "delivered"]
-    assert [attempt["status"] for attempt in attempts] == [500, 500, 204]
-    assert url not in str(state)  # the state shows attempts, not where they went
+    assert all(set(attempt) == {"attempt", "at_ms", "outcome"} for attempt in attempts)
+    assert url not in str(state)  # the state shows attempts, not where they went nor what it answered
 
 
 async def calls(receiver: CallbackReceiver, count: int) -> list[tuple[dict[str, str], bytes]]:

@@ -5,7 +5,10 @@ and tritonclient (sync and asyncio) sending the key."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
+import tarfile
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -252,7 +255,21 @@ async def test_a_deploy_over_the_size_limit_is_refused(
         assert streamed.status_code == 413
         garbage = await client.put("/v1/functions/big", content=b"not a tar")
         assert garbage.status_code == 400 and "tar.gz" in garbage.json()["error"]
+        # A small archive of zeros that unpacks to 1 GiB: refused from its header, nothing unpacked.
+        scratch = await asyncio.to_thread(deploy_scratch)
+        info = tarfile.TarInfo("model.onnx")
+        info.size = 1024**3
+        bomb = gzip.compress(info.tobuf() + bytes(1024 * 1024), compresslevel=9)
+        assert len(bomb) < 4096
+        response = await client.put("/v1/functions/big", content=bomb)
+        assert response.status_code == 413 and "unpacks to more than" in response.json()["error"]
+        assert await asyncio.to_thread(deploy_scratch) <= scratch
     assert os.listdir(tmp_path) == []
+
+
+def deploy_scratch() -> set[Path]:
+    """The deploy API's scratch folders that exist now."""
+    return set(Path(tempfile.gettempdir()).glob("fngate-deploy-*"))
 
 
 def triton_calls(url: str, key: str) -> None:

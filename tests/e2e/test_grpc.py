@@ -22,8 +22,17 @@ from tritonclient.utils import InferenceServerException
 
 from fngate import apikeys, keys
 from fngate.wire import Invocation
+from gateway.grpc.service import UNIMPLEMENTED
 from tests.conftest import free_port
-from tests.gateway.test_auth import create_key
+from tests.gateway.test_auth import (
+    ANY_KEY,
+    BROWSING,
+    INVOKE_CLASSIFIER,
+    READ_CLASSIFIER,
+    SCOPES,
+    WRONG,
+    create_key,
+)
 
 BATCH = np.random.default_rng(3).standard_normal((3, 16), dtype=np.float32)
 
@@ -256,3 +265,72 @@ async def test_the_rpc_deadline_is_the_invocations(serve_gateway: Callable[..., 
     assert await asyncio.to_thread(too_late, port) == "StatusCode.DEADLINE_EXCEEDED"
     ((_, fields),) = await redis.xrange(keys.invocations("classifier"))
     assert Invocation.decode(fields).deadline_ms - sent_ms < 2000
+
+
+# Each RPC of the service -> (its request, who may call it). Every RPC of the service's descriptor
+# must be here, so that an RPC served later without a scope check fails this test.
+RPC_POLICY: dict[str, tuple[dict[str, Any], set[str] | None]] = {
+    "ServerLive": ({}, None),
+    "ServerReady": ({}, None),
+    "ServerMetadata": ({}, ANY_KEY),
+    "ModelReady": ({"name": "classifier"}, READ_CLASSIFIER),
+    "ModelMetadata": ({"name": "classifier"}, READ_CLASSIFIER),
+    "ModelConfig": ({"name": "classifier"}, READ_CLASSIFIER),
+    "ModelStatistics": ({"name": "classifier"}, READ_CLASSIFIER),
+    "ModelInfer": (
+        {"model_name": "classifier"},
+        INVOKE_CLASSIFIER,
+    ),  # no inputs: INVALID_ARGUMENT once allowed
+    "ModelStreamInfer": ({"model_name": "classifier"}, INVOKE_CLASSIFIER),
+    "RepositoryIndex": ({}, {"admin", "read"}),
+    "RepositoryModelLoad": ({"model_name": "nope"}, {"admin"}),
+    "RepositoryModelUnload": ({"model_name": "nope"}, {"admin"}),
+    **{name: ({}, ANY_KEY) for name in UNIMPLEMENTED},
+}
+RPC_EXTRA = [("ModelStatistics", {}, BROWSING)]  # every function's statistics: those the key may read
+DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+
+
+async def call_rpc(channel: grpc.aio.Channel, name: str, fields: dict[str, Any], key: str | None) -> str:
+    """The status code's name an RPC ends with ('OK' when answered); a stream's in-band refusal is
+    PERMISSION_DENIED."""
+    method = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name[name]
+    request_type = getattr(service_pb2, method.input_type.name)
+    response_type = getattr(service_pb2, method.output_type.name)
+    path = f"/inference.GRPCInferenceService/{name}"
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    try:
+        if method.server_streaming:
+            stream = channel.stream_stream(path, request_type.SerializeToString, response_type.FromString)
+            call = stream(iter([request_type(**fields)]), metadata=metadata)
+            async for answer in call:
+                if "lacks the scope" in answer.error_message:
+                    return "PERMISSION_DENIED"
+            return "OK"
+        unary = channel.unary_unary(path, request_type.SerializeToString, response_type.FromString)
+        await unary(request_type(**fields), metadata=metadata, timeout=10)
+    except grpc.aio.AioRpcError as exc:
+        return str(exc.code().name)
+    return "OK"
+
+
+async def test_every_rpc_against_every_caller(serve_gateway: Callable[..., Any], redis_url: str) -> None:
+    service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert set(service.methods_by_name) == set(RPC_POLICY), "RPCs without a policy in this test, or gone"
+    port = free_port()
+    await serve_gateway(grpc_port=port, auth=True, load_timeout_s=1)
+    callers: dict[str, str | None] = {"no key": None, "wrong key": WRONG}
+    callers |= {scope: create_key(redis_url, scope)[0] for scope in SCOPES}
+    failures = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        cases = [(name, fields, allowed) for name, (fields, allowed) in RPC_POLICY.items()] + RPC_EXTRA
+        for name, fields, allowed in cases:
+            for caller, key in callers.items():
+                code = await call_rpc(channel, name, fields, key)
+                if allowed is None or caller in allowed:
+                    ok = code not in {status.name for status in DENIED}
+                else:
+                    ok = code == ("PERMISSION_DENIED" if caller in SCOPES else "UNAUTHENTICATED")
+                if not ok:
+                    failures.append(f"{name}({fields}) as {caller}: {code}")
+    assert failures == []

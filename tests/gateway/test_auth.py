@@ -17,37 +17,96 @@ from fngate import apikeys, keys
 from fngate.errors import PermissionDenied, RateLimited, Unauthenticated
 from fngate.tools import cli
 from gateway import auth, limits
+from gateway.http import app as http_app
+from gateway.http import invoke
 from gateway.http.errors import headers_of, status_of
+from gateway.http.guard import Guarded
 
-# (method, path, body, who may call it, the status once allowed). Allowed without a runner: the
-# invocations carry an invalid body (400 after auth), the admin routes name an unknown function.
+# (method, route) -> (path, body, who may call it, the status once allowed). Every route of the
+# router must be here (test_every_route_of_the_router_has_a_policy), so that a route added without
+# a scope fails. Allowed without a runner: the invocations carry an invalid body (400 after auth),
+# the admin routes name an unknown function.
 INVOKE_CLASSIFIER = {"admin", "invoke", "invoke:classifier"}
 READ_CLASSIFIER = {"admin", "read", "invoke", "invoke:classifier"}
 ANY_KEY = {"admin", "read", "deploy", "invoke", "invoke:classifier", "invoke:norm*"}
-ROUTES: list[tuple[str, str, bytes, set[str] | None, int]] = [
-    ("GET", "/v2/health/live", b"", None, 200),
-    ("GET", "/v2/health/ready", b"", None, 200),
-    ("POST", "/v2/models/classifier/infer", b"{}", INVOKE_CLASSIFIER, 400),
-    ("POST", "/v2/models/classifier/versions/1/infer", b"{}", INVOKE_CLASSIFIER, 400),
-    ("POST", "/v1/functions/classifier", b"{}", INVOKE_CLASSIFIER, 400),
-    ("POST", "/v1/functions/normalize", b"{}", {"admin", "invoke", "invoke:norm*"}, 400),
-    ("GET", "/v2", b"", ANY_KEY, 200),  # name, version, extensions: perf_analyzer reads them
-    ("GET", "/v2/", b"", ANY_KEY, 200),
-    ("GET", "/v2/models/classifier", b"", READ_CLASSIFIER, 200),
-    ("GET", "/v2/models/classifier/versions/1", b"", READ_CLASSIFIER, 200),
-    ("GET", "/v2/models/classifier/ready", b"", READ_CLASSIFIER, 200),
-    ("GET", "/v2/models/classifier/versions/1/ready", b"", READ_CLASSIFIER, 200),
-    ("GET", "/v2/models/normalize", b"", {"admin", "read", "invoke", "invoke:norm*"}, 200),
-    ("GET", "/v1/functions", b"", {"admin", "read"}, 200),
-    ("POST", "/v2/repository/index", b"", {"admin", "read"}, 200),
-    ("POST", "/v2/repository/models/nope/load", b"", {"admin"}, 404),
-    ("POST", "/v2/repository/models/nope/unload", b"", {"admin"}, 404),
-    ("GET", "/metrics", b"", {"admin"}, 200),
-    ("PUT", "/v1/functions/nope", b"", {"admin", "deploy"}, 400),
-    ("GET", "/v1/functions/nope", b"", {"admin", "deploy"}, 404),
-    ("DELETE", "/v1/functions/nope", b"", {"admin", "deploy"}, 404),
-    ("GET", "/nowhere", b"", ANY_KEY, 404),
+BROWSING = ANY_KEY - {"deploy"}
+DEPLOYERS = {"admin", "deploy"}
+Policy = tuple[str, bytes, set[str] | None, int]
+POLICY: dict[tuple[str, str], Policy] = {
+    ("GET", "/v2/health/live"): ("/v2/health/live", b"", None, 200),
+    ("HEAD", "/v2/health/live"): ("/v2/health/live", b"", None, 200),
+    ("GET", "/v2/health/ready"): ("/v2/health/ready", b"", None, 200),
+    ("HEAD", "/v2/health/ready"): ("/v2/health/ready", b"", None, 200),
+    ("POST", "/v2/models/{name}/infer"): ("/v2/models/classifier/infer", b"{}", INVOKE_CLASSIFIER, 400),
+    ("POST", "/v2/models/{name}/versions/{version}/infer"): (
+        "/v2/models/classifier/versions/1/infer",
+        b"{}",
+        INVOKE_CLASSIFIER,
+        400,
+    ),
+    ("POST", "/v1/functions/{name}"): ("/v1/functions/classifier", b"{}", INVOKE_CLASSIFIER, 400),
+    ("GET", "/v2"): ("/v2", b"", ANY_KEY, 200),  # name, version, extensions: perf_analyzer reads them
+    ("HEAD", "/v2"): ("/v2", b"", ANY_KEY, 200),
+    ("GET", "/v2/"): ("/v2/", b"", ANY_KEY, 200),
+    ("HEAD", "/v2/"): ("/v2/", b"", ANY_KEY, 200),
+    ("GET", "/v2/models/stats"): ("/v2/models/stats", b"", BROWSING, 200),
+    ("HEAD", "/v2/models/stats"): ("/v2/models/stats", b"", BROWSING, 200),
+    ("GET", "/v1/functions"): ("/v1/functions", b"", {"admin", "read"}, 200),
+    ("HEAD", "/v1/functions"): ("/v1/functions", b"", {"admin", "read"}, 200),
+    ("POST", "/v2/repository/index"): ("/v2/repository/index", b"", {"admin", "read"}, 200),
+    ("POST", "/v2/repository/models/{name}/load"): ("/v2/repository/models/nope/load", b"", {"admin"}, 404),
+    ("POST", "/v2/repository/models/{name}/unload"): (
+        "/v2/repository/models/nope/unload",
+        b"",
+        {"admin"},
+        404,
+    ),
+    ("GET", "/metrics"): ("/metrics", b"", {"admin"}, 200),
+    ("HEAD", "/metrics"): ("/metrics", b"", {"admin"}, 200),
+    ("PUT", "/v1/functions/{name}"): ("/v1/functions/nope", b"", DEPLOYERS, 400),
+    ("GET", "/v1/functions/{name}"): ("/v1/functions/nope", b"", DEPLOYERS, 404),
+    ("HEAD", "/v1/functions/{name}"): ("/v1/functions/nope", b"", DEPLOYERS, 404),
+    ("DELETE", "/v1/functions/{name}"): ("/v1/functions/nope", b"", DEPLOYERS, 404),
+    ("GET", "/v1/invocations/{id}"): ("/v1/invocations/" + "0" * 32, b"", ANY_KEY, 404),
+    ("HEAD", "/v1/invocations/{id}"): ("/v1/invocations/" + "0" * 32, b"", ANY_KEY, 404),
+    ("DELETE", "/v1/invocations/{id}"): ("/v1/invocations/" + "0" * 32, b"", ANY_KEY, 404),
+}
+for _suffix in ("", "/ready", "/config", "/stats"):
+    for _method in ("GET", "HEAD"):
+        POLICY[(_method, "/v2/models/{name}" + _suffix)] = (
+            "/v2/models/classifier" + _suffix,
+            b"",
+            READ_CLASSIFIER,
+            200,
+        )
+        POLICY[(_method, "/v2/models/{name}/versions/{version}" + _suffix)] = (
+            "/v2/models/classifier/versions/1" + _suffix,
+            b"",
+            READ_CLASSIFIER,
+            200,
+        )
+# Not routes: what the router answers past them, also only to a caller with a key.
+UNROUTED: list[Policy] = [
+    ("/nowhere", b"", ANY_KEY, 404),
+    ("/v2/health/live/x", b"", ANY_KEY, 404),
 ]
+
+
+def router_routes() -> set[tuple[str, str]]:
+    """(method, path) of every route the gateway's HTTP router serves."""
+    found = {("POST", route.path) for route in invoke.ROUTES}
+    for route in http_app.ROUTES:
+        assert isinstance(route, Guarded), f"{route.path} is not a Guarded route: it checks no scope"
+        found |= {(method, route.path) for method in route.methods or ()}
+    return found
+
+
+def test_every_route_of_the_router_has_a_policy() -> None:
+    routes = router_routes()
+    assert routes - POLICY.keys() == set(), "routes without a policy in this test"
+    assert POLICY.keys() - routes == set(), "policies of routes that are gone"
+
+
 SCOPES = ["invoke", "invoke:classifier", "invoke:norm*", "read", "deploy", "admin"]
 WRONG = "fng_0123456789ab_" + "x" * 43
 
@@ -95,7 +154,9 @@ async def test_every_route_against_every_caller(
         client.close()
         await wait_refused(http, revoked)
         failures = []
-        for method, path, body, allowed, status in ROUTES:
+        cases = [(method, *policy) for (method, _), policy in POLICY.items()]
+        cases += [("GET", *policy) for policy in UNROUTED] + [("PATCH", "/v1/functions/x", b"", ANY_KEY, 405)]
+        for method, path, body, allowed, status in cases:
             for caller, headers in callers.items():
                 response = await http.request(method, path, content=body, headers=headers)
                 if allowed is None or caller in allowed:
@@ -107,12 +168,17 @@ async def test_every_route_against_every_caller(
                 if response.status_code != expected:
                     failures.append(f"{method} {path} as {caller}: {response.status_code}, wanted {expected}")
                     continue
-                if expected in (401, 403):
+                if expected in (401, 403) and method != "HEAD":
                     doc = response.json()
                     assert doc["code"] == ("unauthenticated" if expected == 401 else "permission_denied")
                     assert all(key not in response.text for key in [*created.values(), revoked, WRONG])
                 if expected == 401:
                     assert response.headers["www-authenticate"].startswith("Bearer")
+        # The statistics of all functions list only those the key may read.
+        stats = await http.get("/v2/models/stats", headers=callers["invoke:norm*"])
+        assert {entry["name"] for entry in stats.json()["model_stats"]} == {"normalize"}
+        stats = await http.get("/v2/models/stats", headers=callers["read"])
+        assert {"classifier", "normalize"} <= {entry["name"] for entry in stats.json()["model_stats"]}
     assert failures == []
 
 
@@ -127,31 +193,6 @@ async def test_403_names_the_scope_the_key_lacks(
         assert response.json()["error"] == f"the API key {record.id} lacks the scope invoke:classifier"
         response = await http.post("/v2/repository/models/classifier/unload", headers=bearer(key))
         assert response.json()["error"] == f"the API key {record.id} lacks the scope admin"
-
-
-@pytest.mark.parametrize(
-    ("method", "path", "needed"),
-    [
-        ("GET", "/v2/health/live", None),
-        ("GET", "/v2/health/ready", None),
-        ("POST", "/v2/models/a/infer", ("invoke", "a")),
-        ("POST", "/v2/models/a/versions/3/infer", ("invoke", "a")),
-        ("POST", "/v1/functions/a", ("invoke", "a")),
-        ("PUT", "/v1/functions/a", ("deploy", None)),
-        ("GET", "/v1/functions/a", ("deploy", None)),
-        ("DELETE", "/v1/functions/a", ("deploy", None)),
-        ("GET", "/v1/functions", ("read", None)),
-        ("GET", "/v2/models/a", ("read", "a")),
-        ("GET", "/v2/models/a/versions/2/ready", ("read", "a")),
-        ("GET", "/v2/models/a/infer", ("", None)),
-        ("POST", "/v2/repository/index", ("read", None)),
-        ("POST", "/v2/repository/models/a/load", ("admin", None)),
-        ("GET", "/metrics", ("admin", None)),
-        ("GET", "/v2/health/live/x", ("", None)),
-    ],
-)
-def test_the_scope_each_route_needs(method: str, path: str, needed: tuple[str, str | None] | None) -> None:
-    assert auth.required_scope(method, path) == needed
 
 
 def table_with(*scopes: str) -> tuple[auth.KeyTable, str]:
@@ -326,3 +367,22 @@ async def test_an_admin_key_from_settings_is_accepted_whatever_redis_holds(
                 "/v2/repository/index", headers=bearer(key[:-1] + ("A" if key[-1] != "A" else "B"))
             )
         ).status_code == 401
+
+
+async def test_a_new_key_works_at_once_on_every_route_kind(
+    redis: aioredis.Redis, redis_url: str, serve_gateway: Callable[..., Any]
+) -> None:
+    """The gateway refreshes its keys only every minute here: a key created after it started is
+    looked up when it is first met (an invocation, another route, an unknown path)."""
+    base = await serve_gateway(auth=True, auth_refresh_s=60)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        for method, path, status in [
+            ("POST", "/v1/functions/classifier", 400),  # the invocation path, its body invalid
+            ("GET", "/v1/functions", 200),
+            ("GET", "/nowhere", 404),
+        ]:
+            key, _ = create_key(redis_url, "admin")
+            response = await http.request(method, path, content=b"{}", headers=bearer(key))
+            assert response.status_code == status, (path, response.text)
+        unknown = await http.get("/v1/functions", headers=bearer("fng_0123456789ab_" + "y" * 43))
+        assert unknown.status_code == 401

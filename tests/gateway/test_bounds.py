@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import logging
 import socket
 import subprocess
@@ -138,7 +139,7 @@ async def test_large_bodies_are_parsed_off_the_loop_with_the_same_answers(
         assert ok.status_code == 504, ok.text  # valid: queued, and no runner answers within 1 ms
         bad = {"inputs": {"text": [*rows, ["x"]]}}
         assert_json_400(await client.post("/v1/functions/strings", json=bad), "401 elements")
-        assert_json_400(await client.post(INFER, content=b"[" + b"1," * 200_000), "not valid JSON")
+        assert_json_400(await client.post(INFER, content=b"[" + b"1," * 200_000), "must be a JSON object")
 
 
 async def read_response(base: str, request: bytes, timeout_s: float = 20) -> bytes:
@@ -291,3 +292,182 @@ async def test_pipelined_invocations_are_answered_in_order(
 async def post_one(base: str, row: list[float]) -> Any:
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         return (await client.post("/v1/functions/classifier", json={"inputs": {"input": [row]}})).json()
+
+
+MiB = 2**20
+SERVERS = ["uvicorn", "hypercorn"]  # the lean invoke path on uvicorn, the ASGI path on Hypercorn
+PROBE_HEAD = b'{"inputs":[{"name":"input","datatype":"FP32","shape":[1,16],"data":['
+
+
+def reset_peak(pid: int) -> int:
+    """Reset the process's peak RSS to its RSS now (/proc/PID/clear_refs); that RSS, in bytes."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc status")
+
+
+def gzipped_probe(numbers_mib: int) -> bytes:
+    """A gzip body (members one after another, as gzip allows) of a V2 request for classifier that
+    declares a [1, 16] input and sends `numbers_mib` Mi one-digit numbers."""
+    member = gzip.compress(b"1," * MiB, compresslevel=9)
+    return gzip.compress(PROBE_HEAD) + member * numbers_mib + gzip.compress(b"1]}]}")
+
+
+async def answer_while_sending(base: str, data: bytes) -> bytes:
+    """What the server answers to `data`, read while it is sent, until the server ends the
+    connection (a server may answer, and stop reading, before the request is all sent)."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+
+    async def send() -> None:
+        with contextlib.suppress(ConnectionError):
+            writer.write(data)
+            await writer.drain()
+
+    sending = asyncio.create_task(send())
+    answer = b""
+    try:
+        async with asyncio.timeout(20):
+            while chunk := await reader.read(65536):
+                answer += chunk
+    except ConnectionResetError:
+        pass  # after the answer, or instead of it: the assertion on what was read says which
+    finally:
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        writer.close()
+    return answer
+
+
+async def post_raw(base: str, path: str, body: bytes, *headers: str) -> tuple[int, bytes]:
+    """POST `body`, reading the answer while it is sent: a server may refuse it before its end."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = "\r\n".join([f"POST {path} HTTP/1.1", "host: test", f"content-length: {len(body)}", *headers])
+
+    async def send() -> None:
+        with contextlib.suppress(ConnectionError):
+            writer.write(head.encode() + b"\r\n\r\n")
+            for start in range(0, len(body), MiB):
+                writer.write(body[start : start + MiB])
+                await writer.drain()
+
+    sending = asyncio.create_task(send())
+    try:
+        async with asyncio.timeout(60):
+            response, length = await read_head(reader)
+            content = await reader.readexactly(length)
+    finally:
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        writer.close()
+    return int(response.split(b" ")[1]), content
+
+
+@pytest.mark.parametrize("server", SERVERS)
+async def test_bodies_that_send_more_than_they_declare_cost_little_memory(
+    gateway_with_pid: Callable[..., Any], server: str
+) -> None:
+    """The probes of docs/security.md: a small gzip of 30 Mi one-digit numbers for a [1, 16] input,
+    alone and 16 at once, and the same body uncompressed (64 MiB). Each is refused at the first
+    number past the shape, never decompressed or held whole."""
+    base, process = gateway_with_pid(FNGATE_SERVER=server)
+    await wait_http(base)
+    compressed = gzipped_probe(30)  # 60 MiB of numbers: under the body limit once decompressed
+    assert len(compressed) < 200_000
+    plain = PROBE_HEAD + b"1," * ((64 * MiB - 200) // 2) + b"1]}]}"
+    infer = "/v2/models/classifier/infer"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        await client.post(infer, content=b"{}")  # warm the code paths before the baseline
+    for probes, body, headers in [
+        (1, compressed, ["content-encoding: gzip"]),
+        (16, compressed, ["content-encoding: gzip"]),
+        (1, plain, []),
+    ]:
+        before = reset_peak(process.pid)
+        answers = await asyncio.gather(*(post_raw(base, infer, body, *headers) for _ in range(probes)))
+        for status, content in answers:
+            assert status == 400, content
+            assert b"more than 16 elements of data" in content
+        growth = peak_rss_bytes(process.pid) - before
+        assert growth < 64 * MiB, f"{probes} x {len(body)} bytes: peak RSS grew by {growth / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize("server", SERVERS)
+async def test_large_heads_many_headers_too_many_connections_and_decodes_are_refused(
+    gateway_with_pid: Callable[..., Any], server: str
+) -> None:
+    base, _process = gateway_with_pid(
+        FNGATE_SERVER=server, FNGATE_MAX_CONNECTIONS="8", FNGATE_MAX_DECODE_BYTES=str(MiB)
+    )
+    await wait_http(base)
+    host, port = base.removeprefix("http://").split(":")
+    huge = b"x-big: " + b"a" * MiB + b"\r\n"
+    many = b"".join(b"x-%d: %d\r\n" % (i, i) for i in range(200))  # 2 KB: under the size limit
+    for extra in (huge, many):
+        answer = await answer_while_sending(
+            base, b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\n" + extra + b"\r\n"
+        )
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    # Eight requests waiting for their bodies hold every place; the ninth is refused, not held.
+    held = []
+    try:
+        for _ in range(8):
+            _reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v2/models/classifier/infer HTTP/1.1\r\nhost: test\r\ncontent-length: 100\r\n\r\n"
+            )
+            await writer.drain()
+            held.append(writer)
+        await asyncio.sleep(0.2)
+        answer = await answer_while_sending(base, b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        assert b"retry-after: 1" in answer.lower()
+    finally:
+        for writer in held:
+            writer.close()
+    await asyncio.sleep(0.2)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await client.get("/v2/health/live")).status_code == 200  # places free again
+    # One body being decoded holds more than the decode budget (alone, it goes on); a second is 503.
+    numbers = 400_000
+    head = b'{"inputs":[{"name":"input","datatype":"FP32","shape":[1,%d],"data":[' % numbers
+    first = head + b"1," * (numbers // 2)
+    length = len(first) + 2 * (numbers // 2) + 10
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v2/models/normalize/infer HTTP/1.1\r\nhost: test\r\ncontent-length: %d\r\n\r\n" % length
+        )
+        writer.write(first)
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        second = b'{"inputs":[{"name":"input","datatype":"FP32","shape":[1,200000],"data":['
+        second += b"1," * 199_999 + b"1]}]}"
+        status, content = await post_raw(base, "/v2/models/normalize/infer", second)
+        assert status == 503, content
+        assert b"max_decode_bytes" in content
+    finally:
+        writer.close()
+
+
+async def test_long_names_are_cut_in_errors_and_an_invalid_one_is_400_on_deploy(
+    serve_gateway: Callable[..., Any],
+) -> None:
+    base = await serve_gateway()
+    name = "n" * 20_000
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for method, path, status in [
+            ("POST", f"/v1/functions/{name}", 404),
+            ("POST", f"/v2/models/{name}/infer", 404),
+            ("GET", f"/v2/models/{name}", 404),
+            ("PUT", f"/v1/functions/{name}", 400),
+            ("PUT", "/v1/functions/Not_A_Name", 400),
+        ]:
+            response = await client.request(method, path, content=b"{}")
+            assert response.status_code == status, (method, path[:40], response.text[:200])
+            assert len(response.content) < 1024

@@ -1,4 +1,5 @@
-"""Compressed request bodies: gzip and deflate decoded, the size limit applied after decompression."""
+"""Compressed request bodies: gzip and deflate decoded, the size limit applied after decompression,
+and decompressed a bounded step at a time, so that a decoder that refuses the start stops it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import zlib
 import pytest
 
 from fngate.errors import InvalidArgument
+from gateway.http.compression import INFLATE_STEP_BYTES, Inflater, decode_body
 from gateway.http.errors import PayloadTooLarge
-from gateway.http.protocol import decode_body
 
 BODY = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}' * 20
 
@@ -60,3 +61,16 @@ def test_a_bomb_stops_at_the_limit() -> None:
 def test_bad_bodies_are_400(encoding: str, sent: bytes, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         decode_body(sent, encoding, 1 << 20)
+
+
+def test_a_body_refused_early_is_not_decompressed_further() -> None:
+    bomb = gzip.compress(b"1," * (32 * 1024 * 1024), compresslevel=9)
+    steps: list[int] = []
+
+    def refuse(chunk: bytes) -> None:
+        steps.append(len(chunk))
+        raise InvalidArgument("more than 16 elements of data")
+
+    with pytest.raises(InvalidArgument):
+        Inflater("gzip", 64 * 1024 * 1024, refuse).feed(bomb)
+    assert steps == [INFLATE_STEP_BYTES]  # one step of 64 MiB, then nothing

@@ -118,6 +118,22 @@ def test_a_file_changed_in_the_cache_with_the_same_size_is_detected(tmp_path: Pa
     assert restarted.verifications.hashed_bytes == len(MODEL)
 
 
+def test_a_file_changed_in_place_with_its_mtime_set_back_is_detected(tmp_path: Path) -> None:
+    """What a user cannot set back, the ctime, is in the record."""
+    source = Source({"model.py": MODEL})
+    ArtifactCache(tmp_path, 1 << 20).materialize(source.version(), source.fetch)
+    blob = tmp_path / "blobs" / artifact("model.py", MODEL).sha256
+    before = blob.stat()
+    with blob.open("r+b") as handle:
+        handle.write(b"import os; os.system('x')"[: len(MODEL)])
+    os.utime(blob, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (blob.stat().st_size, blob.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    restarted = ArtifactCache(tmp_path, 1 << 20)
+    view = restarted.materialize(source.version(), source.fetch).view
+    assert (view / "model.py").read_bytes() == MODEL
+    assert source.fetched == ["model.py", "model.py"]
+
+
 def test_a_file_whose_record_does_not_match_is_hashed_once_and_recorded_again(tmp_path: Path) -> None:
     source = Source({"model.py": MODEL})
     ArtifactCache(tmp_path, 1 << 20).materialize(source.version(), source.fetch)

@@ -1,0 +1,188 @@
+"""An invocation body read and decoded with bounded memory and time: read from ASGI (whole, or a
+part at a time into a decoder), within the body limit and timeout; decompressed in steps of
+INFLATE_STEP_BYTES (never more than the body limit in all); its JSON fed to gateway.http.decoding
+as it comes (the JSON header alone, for the binary tensor data extension, whose binary part is kept
+as it is); the bytes it holds counted against the process's decode budget; and the digest an
+Idempotency-Key is bound to computed on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from starlette.types import Message, Receive
+
+from fngate.errors import InvalidArgument
+from fngate.manifest import FunctionManifest
+from gateway.budget import Hold
+from gateway.http.compression import INFLATE_STEP_BYTES, Inflater
+from gateway.http.decoding import JsonBodyDecoder
+from gateway.http.errors import BodyTimeout, PayloadTooLarge
+from gateway.http.protocol import InferRequest, header_size, v1_request, v2_request
+from gateway.invocations import RequestDigest
+from gateway.validation import OFF_LOOP_BYTES, parse_now
+
+STREAM_FROM_BYTES = OFF_LOOP_BYTES
+"""Uncompressed bodies this large, or of unknown length, are decoded as they arrive; smaller ones
+are parsed whole (they cost at most a few MiB)."""
+
+
+class StreamedBody:
+    """A JSON body (V2, with or without binary tensor data, or /v1) fed as it arrives; `finish()`
+    is the request. What it holds is added to `hold`."""
+
+    def __init__(
+        self,
+        route: str,
+        manifest: FunctionManifest,
+        header_length: str | None,
+        hold: Hold,
+        most_bytes: int,
+        digest: RequestDigest | None = None,
+    ) -> None:
+        self._route = route
+        self._manifest = manifest
+        self._hold = hold
+        self._json_bytes = header_size(header_length) if route == "v2" else None
+        # A number takes at least one character and a comma: the most elements `most_bytes` hold.
+        self._decoder = JsonBodyDecoder(manifest, route, hold.add, most_bytes // 2 + 1)
+        self._binary = bytearray()
+        self._seen = 0
+        self.digest = digest
+
+    def feed(self, chunk: bytes) -> None:
+        if self.digest is not None:
+            self.digest.update(chunk)
+        json_bytes = self._json_bytes
+        if json_bytes is None or self._seen + len(chunk) <= json_bytes:
+            self._decoder.feed(chunk)
+        else:
+            split = max(0, json_bytes - self._seen)
+            if split:
+                self._decoder.feed(chunk[:split])
+            self._hold.add(len(chunk) - split)
+            self._binary += chunk[split:]
+        self._seen += len(chunk)
+
+    def finish(self) -> InferRequest:
+        if self._json_bytes is not None and self._json_bytes > self._seen:
+            raise InvalidArgument(
+                f"Inference-Header-Content-Length {self._json_bytes} is outside the body "
+                f"of {self._seen} bytes"
+            )
+        if self._seen == 0:
+            raise InvalidArgument("the request body is empty")
+        doc = self._decoder.finish()
+        if self._route == "v1":
+            return v1_request(doc, self._manifest, self._decoder.decoded)
+        return v2_request(doc, memoryview(self._binary), self._manifest, self._decoder.decoded)
+
+
+def decode_streamed(
+    body: StreamedBody, raw: bytes, encoding: str | None, limit_bytes: int, hold: Hold
+) -> InferRequest:
+    """A body received whole (compressed, say) through `body`, decompressed a step at a time.
+    Blocks for as long as the body takes: run it in a thread when it is large."""
+    hold.add(len(raw) + (INFLATE_STEP_BYTES if encoding else 0))
+    if encoding is None or encoding.strip().lower() == "identity":
+        view = memoryview(raw)
+        for start in range(0, len(raw), INFLATE_STEP_BYTES):
+            body.feed(bytes(view[start : start + INFLATE_STEP_BYTES]))
+    else:
+        inflater = Inflater(encoding, limit_bytes, body.feed)
+        inflater.feed(raw)
+        inflater.close()
+    return body.finish()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its body arrived: nothing to answer."""
+
+
+class AsgiBody:
+    """An ASGI request's body, read once it is asked for (after the key was checked): whole, or
+    into a decoder as it arrives; and, when it was refused before its end, the rest dropped."""
+
+    __slots__ = ("_declared", "_ended", "_limit", "_receive", "_timeout_s", "complete", "started")
+
+    def __init__(self, receive: Receive, limit: int, timeout_s: float, declared: int | None) -> None:
+        self._receive, self._limit, self._timeout_s, self._declared = receive, limit, timeout_s, declared
+        self.started = False
+        """Reading began: a refusal after that may leave the rest of the body unread."""
+        self.complete = False
+        self._ended = False
+
+    @property
+    def streams(self) -> bool:
+        """Large or of unknown length: decoded as it arrives, when uncompressed."""
+        return self._declared is None or self._declared >= STREAM_FROM_BYTES
+
+    async def read(self) -> bytes:
+        self.started = True
+        raw = await read_body(self._next, self._limit, self._declared, self._timeout_s)
+        self.complete = True
+        return raw
+
+    async def decode(self, body: StreamedBody) -> InferRequest:
+        self.started = True
+        await read_body(self._next, self._limit, self._declared, self._timeout_s, _fed(body))
+        self.complete = True
+        return parse_now(body.finish)
+
+    async def drop_rest(self) -> None:
+        """Read what is left of a refused body and drop it, within the body timeout."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._timeout_s):
+                while not self._ended:
+                    await self._next()
+
+    async def _next(self) -> Message:
+        message = await self._receive()
+        self._ended = message["type"] == "http.disconnect" or not message.get("more_body", False)
+        return message
+
+
+def _fed(body: StreamedBody) -> Callable[[bytes], None]:
+    return lambda chunk: parse_now(body.feed, chunk)
+
+
+async def read_body(
+    receive: Receive,
+    limit: int,
+    declared: int | None,
+    timeout_s: float | None = None,
+    sink: Callable[[bytes], None] | None = None,
+) -> bytes:
+    """The whole body (or, with a `sink`, each part handed to it as it comes, and b''), refused past
+    `limit` bytes before it is read (when declared) or as soon as it is (when streamed), and cut
+    (408) when it has not all arrived within `timeout_s`."""
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(receive, limit, sink)
+    except TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s") from None
+
+
+async def _receive_body(receive: Receive, limit: int, sink: Callable[[bytes], None] | None) -> bytes:
+    chunks = bytearray()
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        part: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+        if not more and sink is None and not chunks:
+            return part  # the whole body in one message: no copy
+        if sink is None:
+            chunks += part
+        elif part:
+            sink(part)
+    return bytes(chunks)
