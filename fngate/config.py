@@ -73,6 +73,14 @@ class GatewaySettings(_Settings):
     callback_secret: SecretStr = SecretStr("")
     """Signs the callbacks of asynchronous invocations (HMAC-SHA256, `X-Fngate-Signature`); shared
     with their receivers. Empty: callbacks go unsigned."""
+    # The metrics port (gateway/metrics_port.py): Prometheus scrapes it without a key.
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8002
+    """GET /metrics without an API key, with Triton's nv_* names beside fngate's (Triton's port);
+    0: no metrics port."""
+    metrics_host: str = ""
+    """The metrics port's address; empty: the gateway's `host` (as Triton's shares its HTTP address)."""
+    metrics_bind: str = ""
+    """`fd://N`: a socket already bound for the metrics port (a supervisor's, shared by its workers)."""
 
 
 class RunnerSettings(_Settings):

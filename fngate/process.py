@@ -6,11 +6,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from fngate import telemetry
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line that runs one of fngate's components (`python -m gateway`) as installed:
+    with -P, so that a `gateway.py` or `fngate/` in the current folder cannot stand in for it."""
+    return [sys.executable, "-P", "-m", module, *args]
 
 
 def run_forever(main: Coroutine[Any, Any, None]) -> None:

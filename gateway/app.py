@@ -98,7 +98,8 @@ async def serving(
     asyncs = AsyncInvocations(pipelined, settings.redis_url, settings.redis_timeout_s, catalog)
     services = Services(settings, catalog, dispatcher, asyncs, key_table, redis, Deployer(settings))
     async with redis, reader:
-        await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
+        if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
+            raise RuntimeError("asked to stop before Redis answered")
         await catalog.refresh()
         await replies.start()
         if settings.auth:
