@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="fngate-idle-") as folder:
         command = [str(Path(sys.executable).with_name("fngate")), "up", "--port", str(port)]
-        command += ["--metrics-port", str(_free_port()), "--state-dir", folder, *args.up_flags]
+        command += ["--metrics-port", str(_free_port()), "--grpc-port", str(_free_port())]
+        command += ["--state-dir", folder, *args.up_flags]
         up = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60

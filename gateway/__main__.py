@@ -33,8 +33,8 @@ async def run(settings: GatewaySettings) -> None:
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    from gateway import metrics_port
     from gateway.app import create_app
+    from gateway.http import metrics_port
     from gateway.http.server import SERVERS
 
     stopping = asyncio.Event()

@@ -157,6 +157,7 @@ class KeyTable:
 # Routes and the scope each needs. The invocation routes come first: they carry the traffic.
 _INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/infer")
 _FUNCTION = re.compile(r"/v1/functions/([^/]+)")
+_TRAFFIC = re.compile(r"/v1/functions/[^/]+/traffic")
 _MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?(?:/ready)?")
 _CONTROL = re.compile(r"/v2/repository/models/[^/]+/(?:load|unload)")
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
@@ -178,7 +179,7 @@ def required_scope(method: str, path: str) -> tuple[str, str | None] | None:
     found = _MODEL.fullmatch(path)
     if found:
         return READ, found[1]
-    if method in DEPLOY_METHODS and _FUNCTION.fullmatch(path):
+    if method in DEPLOY_METHODS and (_FUNCTION.fullmatch(path) or _TRAFFIC.fullmatch(path)):
         return DEPLOY, None
     if path == "/metrics" or _CONTROL.fullmatch(path):
         return ADMIN, None

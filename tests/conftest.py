@@ -199,8 +199,8 @@ def child_env(redis_url: str, repo: Path, **extra: str) -> dict[str, str]:
         FNGATE_LOG_LEVEL="INFO",
         FNGATE_STATUS_PORT="0",
         FNGATE_GRPC_PORT="0",
+        FNGATE_METRICS_PORT="0",  # a gateway's metrics port only where a test asks for one
     )
-    env.update(FNGATE_METRICS_PORT="0")  # a gateway's metrics port only where a test asks for one
     env.update(extra)
     return env
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import httpx
 import redis
 
 from fngate import keys
+from fngate.process import stop_processes
 from fngate.tools.state import read_up, state_dir
 from tests.conftest import ROOT, SUITE_VARIABLES_KEPT, free_socket
 from tests.e2e.deployments import cli, scale_function
@@ -68,7 +68,9 @@ def test_a_users_running_up_is_invisible_to_the_suite(tmp_path: Path) -> None:
     environ["HOME"] = str(user)
     port = free_port()
     command = [sys.executable, "-m", "fngate.tools.cli", "up", "--repo", str(user / "functions")]
-    command += ["--port", str(port), "--gateway-workers", "1", "--no-standby-runner"]
+    command += ["--port", str(port), "--metrics-port", str(free_port()), "--grpc-port", "0"]
+    command += ["--gateway-workers", "1"]
+    command += ["--no-standby-runner"]
     with (tmp_path / "up.log").open("wb") as log:
         up = subprocess.Popen(
             command, env=environ, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -103,12 +105,7 @@ def test_a_users_running_up_is_invisible_to_the_suite(tmp_path: Path) -> None:
         assert read_up(folder) == state and up.poll() is None
         client.close()
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        stop_processes([up], timeout_s=60)
 
 
 def _ready(base: str) -> bool:

@@ -1,6 +1,7 @@
-"""The deploy API: PUT, GET and DELETE /v1/functions/{name}, so that deployers need an API key with
-the `deploy` scope and neither S3 nor Redis credentials. The body of a PUT is a gzipped tar of the
-function's folder, `function.yaml` at its root; it is streamed to disk, bounded by max_deploy_bytes."""
+"""The deploy API: PUT, GET and DELETE /v1/functions/{name}, and PUT /v1/functions/{name}/traffic,
+so that deployers need an API key with the `deploy` scope and neither S3 nor Redis credentials. The
+body of a PUT is a gzipped tar of the function's folder, `function.yaml` at its root; it is streamed
+to disk, bounded by max_deploy_bytes. A traffic PUT is `{"traffic": {"3": 90, "4": 10}}`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fngate.errors import InvalidArgument
 from fngate.repository import MANIFEST_FILE, Repository, check_name
 from gateway.http.errors import PayloadTooLarge
 from gateway.http.guard import PRINCIPAL
+from gateway.http.protocol import load_json
 from gateway.http.rendering import json_response
 from gateway.state import services
 
@@ -87,6 +89,22 @@ async def delete_function(request: Request) -> Response:
     return json_response({"removed": name, "versions": list(record.versions), "answered": answered})
 
 
+async def put_traffic(request: Request) -> Response:
+    """Route unpinned invocations to stored versions by weight, make before break (as `fngate
+    traffic` does directly); answers what GET answers, and how the loads went."""
+    name = check_name(request.path_params["name"])
+    body = load_json(await request.body(), empty={})
+    traffic = body.get("traffic") if isinstance(body, dict) else None
+    if not isinstance(traffic, dict) or not all(isinstance(weight, int) for weight in traffic.values()):
+        raise InvalidArgument('the body must be {"traffic": {"<version>": <weight>, ...}}')
+    weights = {str(version): weight for version, weight in traffic.items()}
+    record, note = await deployment.route(
+        deployer(request).repository(), services(request).redis, name, weights
+    )
+    log.info("routed %s: %s (key %s)", name, record.traffic, _key_id(request))
+    return json_response({**deployment.describe(record), "note": note})
+
+
 async def _receive(request: Request, target: Path, limit: int) -> None:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -123,4 +141,5 @@ ROUTES: list[Route] = [
     Route("/v1/functions/{name}", put_function, methods=["PUT"]),
     Route("/v1/functions/{name}", get_function, methods=["GET"]),
     Route("/v1/functions/{name}", delete_function, methods=["DELETE"]),
+    Route("/v1/functions/{name}/traffic", put_traffic, methods=["PUT"]),
 ]
