@@ -141,7 +141,8 @@ def fngate_up(
     port = free_port()
     command = [sys.executable, "-m", "fngate.tools.cli", "up", "--repo", repo]
     command += ["--redis", redis_url] if redis_url is not None else []
-    command += ["--port", str(port), "--grpc-port", "0", "--idle-shutdown-s", "1"]
+    command += ["--port", str(port), "--grpc-port", "0", "--metrics-port", "0"]
+    command += ["--idle-shutdown-s", "1"]
     command += ["--log-level", "INFO", "--no-auth"]
     command += ["--standby-runner"] if standby else ["--no-standby-runner"]
     with open(log, "wb") as output:

@@ -71,6 +71,7 @@ class Deployment:
         env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
         env.update(FNGATE_REDIS_URL=self.redis_url, FNGATE_REPO=str(self.repo), FNGATE_LOG_LEVEL="WARNING")
         env.update(FNGATE_AUTH="false")  # the auth check's own cost: python -m bench.auth
+        env.update(FNGATE_METRICS_PORT="0")  # many gateways on one machine; the port costs nothing idle
         env.update(extra)
         return env
 

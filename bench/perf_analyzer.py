@@ -2,7 +2,8 @@
 older than the 2.38 it was built for, beside Debian trixie's libc6 and libstdc++6, unpacked from
 their .deb files (never installed) and used through their own dynamic loader.
 
-`provide()` answers the command line that runs it, or the reason it cannot (the test skips)."""
+`provide()` answers the command line that runs it, or the reason it cannot (the test skips).
+`python -m bench.perf_analyzer ARGS` runs it so, for a person on such a system."""
 
 from __future__ import annotations
 
@@ -115,3 +116,11 @@ def _unpack_trixie(folder: Path) -> str:
     shutil.rmtree(folder / "trixie", ignore_errors=True)
     staging.rename(folder / "trixie")
     return ""
+
+
+if __name__ == "__main__":
+    prefix, why = provide()
+    if not prefix:
+        print(f"perf_analyzer: {why}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(subprocess.run([*prefix, *sys.argv[1:]], check=False).returncode)

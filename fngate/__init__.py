@@ -1,3 +1,8 @@
 """fngate: ML models served as serverless functions behind one shared Redis queue."""
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("fngate")
+except metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

@@ -9,10 +9,10 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
-T = TypeVar("T")
 log = logging.getLogger("fngate.backoff")
+STOP_WAIT_S = 0.5
+"""How long an attempt cancelled by `stopping` is given to finish its cancellation."""
 
 
 def backoff_s(failures: int, base_s: float = 0.1, cap_s: float = 5.0) -> float:
@@ -23,22 +23,62 @@ def backoff_s(failures: int, base_s: float = 0.1, cap_s: float = 5.0) -> float:
 
 
 async def until_done(
-    attempt: Callable[[], Awaitable[T]],
+    attempt: Callable[[], Awaitable[object]],
     errors: tuple[type[BaseException], ...],
     what: str,
-    log: logging.Logger,
-) -> T:
-    """`attempt` again and again, with backoff, until it does not fail with one of `errors`: for
-    what a process needs before it can start (Redis at start-up) and must never exit for."""
-    failures = 0
-    while True:
+    stopping: asyncio.Event | None = None,
+    backoff: Backoff | None = None,
+) -> bool:
+    """`attempt` again and again, with backoff (at most 1 s apart), until it does not fail with one
+    of `errors`: for what a process needs before it can start (Redis at start-up) and must never
+    exit for. The outage is logged once as it starts and once as it ends. True once it succeeded;
+    False as soon as `stopping` is set, mid-attempt or mid-wait: a signal ends the process at once."""
+    backoff = backoff or Backoff()
+    health = Health(what)
+    while stopping is None or not stopping.is_set():
         try:
-            return await attempt()
+            if await _unless_stopped(attempt(), stopping):
+                health.succeeded()
+                return True
+            return False
         except errors as exc:
-            failures += 1
-            delay_s = backoff_s(failures)
-            log.warning("%s failed (%s); retrying in %.1f s", what, exc, delay_s)
-            await asyncio.sleep(delay_s)
+            health.failed("start-up", exc)
+        if not await _wait_unless_stopped(backoff.failed(), stopping):
+            return False
+    return False
+
+
+async def _unless_stopped(work: Awaitable[object], stopping: asyncio.Event | None) -> bool:
+    """Await `work`; False (and `work` cancelled) if `stopping` is set first."""
+    if stopping is None:
+        await work
+        return True
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    # A client call may swallow its cancellation (redis-py's can): do not wait on it for long.
+    await asyncio.wait({task}, timeout=STOP_WAIT_S)
+    return False
+
+
+async def _wait_unless_stopped(delay_s: float, stopping: asyncio.Event | None) -> bool:
+    """Sleep `delay_s`; False at once if `stopping` is set meanwhile."""
+    if stopping is None:
+        await asyncio.sleep(delay_s)
+        return True
+    try:
+        async with asyncio.timeout(delay_s):
+            await stopping.wait()
+    except TimeoutError:
+        return True
+    return False
 
 
 class Backoff:

@@ -95,6 +95,14 @@ class GatewaySettings(_Settings):
     """Internal receivers that callbacks may reach: networks (10.1.0.0/16, 127.0.0.1) and host
     names, separated by commas. Every other loopback, private, link-local, multicast or unspecified
     address is refused, and so is a name that resolves to one."""
+    # The metrics port (gateway/http/metrics_port.py): Prometheus scrapes it without a key.
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8002
+    """GET /metrics without an API key, with Triton's nv_* names beside fngate's (Triton's port);
+    0: no metrics port."""
+    metrics_host: str = ""
+    """The metrics port's address; empty: the gateway's `host` (as Triton's shares its HTTP address)."""
+    metrics_bind: str = ""
+    """`fd://N`: a socket already bound for the metrics port (a supervisor's, shared by its workers)."""
 
 
 class RunnerSettings(_Settings):

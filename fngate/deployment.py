@@ -1,36 +1,53 @@
-"""What deploying and removing a function does, for `fngate deploy` and `fngate rm` and for the
-gateway's deploy API alike: check a function's folder, store it as the next version, keep the
-registry in step, tell the runners; remove every version and answer what was queued for it."""
+"""What deploying, routing and removing a function does, for `fngate deploy`, `traffic`, `rollback`
+and `rm` and for the gateway's deploy API alike: check a function's folder, store it as the next
+version, keep the registry in step, tell the runners; move traffic between stored versions, make
+before break; remove every version and answer what was queued for it."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from fngate import keys, queue
-from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
+from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument, Unavailable
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import deploy_problems
-from fngate.registry import ControlOp, Registry, send_control, set_unloaded
+from fngate.registry import (
+    READY,
+    UNAVAILABLE,
+    ControlOp,
+    Registry,
+    read_runners,
+    send_control,
+    set_unloaded,
+    summarize,
+)
 from fngate.repository import (
     MANIFEST_FILE,
     ArtifactFile,
     FunctionRecord,
     FunctionVersion,
     Repository,
+    Routing,
     collect_files,
     hash_file,
     is_remote,
     make_record,
     open_repository,
     policy_problems,
+    routing_problems,
 )
 from fngate.wire import Invocation, Reply
 
 REPLY_MAXLEN = 100_000
+RUNNER_START_S = 2.0
+"""A runner process's start before it loads anything (imports, Redis, discovery)."""
+WARM_POLL_S = 0.2
 
 
 def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactFile, Path]]:
@@ -61,12 +78,101 @@ def policy_check(repository: Repository, manifest: FunctionManifest) -> list[str
     return policy_problems(make_record([*stored, upcoming]))
 
 
+async def warm(redis: aioredis.Redis, name: str, versions: Sequence[str], pool: str, timeout_s: float) -> str:
+    """Ask the pool's runners to load `versions` of `name` (waking the pool when none runs) and
+    wait until one runner has each ready: '' then, else what went wrong."""
+    request_id = await send_control(redis, ControlOp("load", name, tuple(versions)))
+    if not any(view.pool == pool for view in await read_runners(redis)):
+        await redis.publish(keys.wake_channel(), pool)  # a runner that starts replays the load
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runners = await read_runners(redis)
+        states = {version: summarize(runners, name, version) for version in versions}
+        for version, state in states.items():
+            if state.state == UNAVAILABLE and state.request == request_id:
+                return f"version {version} failed to load: {state.reason}"
+        if all(state.state == READY for state in states.values()):
+            return ""
+        await asyncio.sleep(WARM_POLL_S)
+    return f"was not loaded within {timeout_s:.0f} s (is a runner of pool '{pool}' running?)"
+
+
+async def route(
+    repository: Repository, redis: aioredis.Redis, name: str, traffic: Mapping[str, int]
+) -> tuple[FunctionRecord, str]:
+    """Send unpinned invocations of `name` to stored versions by weight, make before break: the
+    versions to be served are served first, beside the current ones (loadable and pinnable);
+    where a runner has the function loaded, they are loaded and ready before traffic moves; then it
+    moves, and versions no longer routed stop being served. A load that fails leaves the routing
+    as it was (raises Unavailable). Returns the new record and how the loads went ('' for none)."""
+    record = await asyncio.to_thread(repository.get, name)
+    problems = routing_problems(record, traffic)
+    if problems:
+        raise InvalidArgument(f"function '{name}': " + "; ".join(problems))
+    weights = {version: weight for version, weight in traffic.items() if weight}
+    targets = tuple(sorted(weights, key=int))
+    before = record.routing
+    making = Routing(tuple(sorted(set(record.served) | set(targets), key=int)), dict(record.traffic))
+    await _set_routing(repository, redis, name, making)
+    manifest = record.newest().manifest
+    runners = await read_runners(redis)
+    loaded = any(
+        key[0] == name and state.state == READY for view in runners for key, state in view.models.items()
+    )
+    note = ""
+    if loaded and manifest.pipeline is None:
+        started = time.monotonic()
+        timeout_s = manifest.model.load_timeout_s + RUNNER_START_S
+        failure = await warm(redis, name, targets, manifest.scaling.pool, timeout_s)
+        if failure:
+            await _set_routing(repository, redis, name, before)
+            raise Unavailable(f"function '{name}': {failure}; its traffic stays as it was")
+        note = f"versions {', '.join(targets)} loaded ({time.monotonic() - started:.1f} s)"
+    await _set_routing(repository, redis, name, Routing(targets, weights))
+    return await asyncio.to_thread(repository.get, name), note
+
+
+async def _set_routing(
+    repository: Repository, redis: aioredis.Redis, name: str, routing: Routing | None
+) -> None:
+    await asyncio.to_thread(repository.set_routing, name, routing)
+    if is_remote(repository.url):
+        await Registry(redis, repository.url).put(await asyncio.to_thread(repository.get, name))
+    await send_control(redis, ControlOp("deploy", name))  # runners and gateways look now
+
+
+def previous_version(traffic: Iterable[str], stored: Iterable[str]) -> str | None:
+    """What `fngate rollback NAME` goes back to: the stored version just before the newest one
+    that takes traffic now."""
+    current = max((int(version) for version in traffic), default=0)
+    older = [version for version in stored if int(version) < current]
+    return max(older, key=int) if older else None
+
+
+def pipelines_using(records: Mapping[str, FunctionRecord], name: str) -> list[str]:
+    """The pipelines whose served versions have a step that calls function `name`."""
+    found = []
+    for other, record in sorted(records.items()):
+        for version in record.served:
+            spec = record.versions[version].manifest.pipeline
+            if spec is not None and any(step.function_name == name for step in spec.steps):
+                found.append(f"{other} (version {version})")
+    return found
+
+
 async def withdraw(
     repository: Repository, record: FunctionRecord, redis: aioredis.Redis, grace_s: float
 ) -> int:
     """Remove every version of a function, tell the runners, answer its queued invocations
     not_found (now and after `grace_s`); returns how many were answered. `fngate rm` and the deploy
-    API's DELETE."""
+    API's DELETE. A function that a pipeline calls is not removed (InvalidArgument): the pipeline
+    would answer 404 from then on."""
+    users = pipelines_using(await asyncio.to_thread(repository.scan), record.name)
+    if users:
+        raise InvalidArgument(
+            f"function '{record.name}' is a step of pipeline {', '.join(users)}: remove or redeploy "
+            "the pipeline first"
+        )
     if is_remote(repository.url):
         await Registry(redis, repository.url).remove(record.name)
     await asyncio.to_thread(repository.remove, record.name)
@@ -134,6 +240,21 @@ def open_any(url: str) -> Repository:
 
         return S3Repository(url)
     return open_repository(url)
+
+
+async def clear_cache(redis: aioredis.Redis, function: str) -> int:
+    """Drop every cached response of `function` (`fngate cache clear`, and after a live reload);
+    returns how many."""
+    cleared = 0
+    batch: list[bytes] = []
+    async for key in redis.scan_iter(match=keys.cache_prefix(function) + "*", count=1000):
+        batch.append(key)
+        if len(batch) == 1000:
+            cleared += await redis.unlink(*batch)
+            batch.clear()
+    if batch:
+        cleared += await redis.unlink(*batch)
+    return cleared
 
 
 async def answer_queued(redis: aioredis.Redis, name: str) -> int:

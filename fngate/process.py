@@ -17,6 +17,12 @@ from typing import Any
 from fngate import telemetry
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line that runs one of fngate's components (`python -m gateway`) as installed:
+    with -P, so that a `gateway.py` or `fngate/` in the current folder cannot stand in for it."""
+    return [sys.executable, "-P", "-m", module, *args]
+
+
 def run_forever(main: Coroutine[Any, Any, None]) -> None:
     try:
         try:

@@ -21,6 +21,7 @@ from fngate import keys
 from fngate.manifest import ManifestError
 from fngate.repository import (
     FunctionRecord,
+    Routing,
     decode_version,
     encode_version,
     is_remote,
@@ -32,6 +33,8 @@ from fngate.repository import (
 log = logging.getLogger(__name__)
 
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
+RELOAD_FAILED = "reload-failed"
+"""The reason of a READY state whose changed files did not load: the files loaded before serve on."""
 CONTROL_MAXLEN = 1000
 CONTROL_OPS = ("load", "unload", "deploy", "remove")
 Source = Callable[[], Awaitable[dict[str, FunctionRecord]]]
@@ -74,7 +77,12 @@ class Registry:
 
     async def put(self, record: FunctionRecord) -> None:
         """Record the function, and make sure its stream and runner group exist (`create_stream`)."""
-        doc = {"repo": self._repo, "versions": [encode_version(item) for item in record.versions.values()]}
+        doc: dict[str, Any] = {
+            "repo": self._repo,
+            "versions": [encode_version(item) for item in record.versions.values()],
+        }
+        if record.routing is not None:
+            doc["routing"] = record.routing.encode()
         await create_stream(self._redis, record.name)
         await self._redis.hset(keys.registry(), record.name, orjson.dumps(doc))
 
@@ -88,7 +96,8 @@ class Registry:
         versions = [
             decode_version(item, Path(), f"registry {name}/{item.get('version')}") for item in doc["versions"]
         ]
-        record = make_record(versions)
+        routing = doc.get("routing")
+        record = make_record(versions, Routing.decode(routing, f"registry {name}") if routing else None)
         if record.name != name:
             raise ValueError(f"holds function {record.name!r}")
         return record
@@ -123,6 +132,8 @@ class ModelState:
     """The control entry (a load request) that this state answers, if any."""
     download_s: float | None = None
     load_s: float | None = None
+    digest: str = ""
+    """Of the files loaded (READY): which files of a version a runner serves, when they change."""
 
     def encode(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))

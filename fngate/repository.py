@@ -4,6 +4,7 @@ them the manifest's version policy serves, and where their files are. The folder
     {root}/{function}/function.yaml      an unversioned function (version "1"), as in functions/
     {root}/{function}/{version}/...      a deployed version: its manifest and model files
     {root}/{function}/{version}.json     that version's index (files and sha256), written last
+    {root}/{function}/routing.json       the routing `fngate traffic` or `rollback` set (until a deploy)
 
 An S3 repository (fngate/s3.py) has the same layout under s3://bucket/prefix/."""
 
@@ -68,6 +69,34 @@ class FunctionVersion:
         return self.manifest.name
 
 
+ROUTING_FILE = "routing.json"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Routing:
+    """Which stored versions are served and how unpinned invocations split over them, set by
+    `fngate traffic` or `fngate rollback` over the newest manifest's version policy. The next
+    deploy removes it: the new version's manifest says what is served again."""
+
+    served: tuple[str, ...]
+    traffic: Mapping[str, int]
+
+    def encode(self) -> dict[str, Any]:
+        return {"served": list(self.served), "traffic": dict(self.traffic)}
+
+    @classmethod
+    def decode(cls, doc: Any, source: str) -> Routing:
+        """Raises ValueError naming what is wrong."""
+        served, traffic = (doc or {}).get("served"), (doc or {}).get("traffic")
+        if not isinstance(served, list) or not isinstance(traffic, dict):
+            raise ValueError(f"{source}: a routing is {{'served': [...], 'traffic': {{...}}}}")
+        versions = tuple(str(item) for item in served)
+        weights = {str(version): int(weight) for version, weight in traffic.items()}
+        if any(not VERSION.match(item) for item in versions) or not set(weights) <= set(versions):
+            raise ValueError(f"{source}: traffic goes to served versions only: {doc}")
+        return cls(versions, weights)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class FunctionRecord:
     """A function with every stored version and what the newest manifest's policy makes of them."""
@@ -79,6 +108,8 @@ class FunctionRecord:
     """The versions the policy serves (pins may name them), oldest first."""
     traffic: Mapping[str, int]
     """Weights of served versions for invocations that name no version."""
+    routing: Routing | None = None
+    """What `fngate traffic` set over the policy, if anything (it made `served` and `traffic`)."""
 
     def newest(self) -> FunctionVersion:
         """The last version deployed: its manifest holds the version policy."""
@@ -90,16 +121,36 @@ class FunctionRecord:
         return self.versions[self.served[-1]] if self.served else None
 
 
-def make_record(versions: Iterable[FunctionVersion]) -> FunctionRecord:
+def make_record(versions: Iterable[FunctionVersion], routing: Routing | None = None) -> FunctionRecord:
+    """A function from its stored versions; `routing`, where it names stored versions, in place of
+    the newest manifest's version policy."""
     ordered = sorted(versions, key=lambda item: int(item.version))
     if not ordered:
         raise ValueError("a function record needs at least one version")
     numbers = [item.version for item in ordered]
+    by_version = {item.version: item for item in ordered}
+    routed = tuple(number for number in numbers if routing is not None and number in routing.served)
+    if routing is not None and routed:
+        weights = {
+            number: weight for number, weight in routing.traffic.items() if number in routed and weight
+        }
+        return FunctionRecord(ordered[-1].name, by_version, routed, weights or {routed[-1]: 100}, routing)
     policy = ordered[-1].manifest.versions
     served = served_versions(numbers, policy)
-    return FunctionRecord(
-        ordered[-1].name, {item.version: item for item in ordered}, served, traffic_weights(served, policy)
-    )
+    return FunctionRecord(ordered[-1].name, by_version, served, traffic_weights(served, policy))
+
+
+def routing_problems(record: FunctionRecord, traffic: Mapping[str, int]) -> list[str]:
+    """What is wrong with sending unpinned traffic of `record` this way (`fngate traffic` refuses)."""
+    problems = []
+    unknown = [version for version in traffic if version not in record.versions]
+    if unknown:
+        problems.append(f"no stored versions {unknown} (stored: {list(record.versions)})")
+    if any(weight < 0 for weight in traffic.values()) or sum(traffic.values()) != 100:
+        problems.append(f"weights must be positive and add up to 100, not {sum(traffic.values())}")
+    if len(record.versions) == 1 and not record.newest().files:
+        problems.append("an unversioned function folder has one version only: deploy it to a repository")
+    return problems
 
 
 def served_versions(versions: Sequence[str], policy: VersionsSpec) -> tuple[str, ...]:
@@ -253,6 +304,10 @@ class Repository(Protocol):
         """Delete every version of a function; raises FunctionNotFound. Blocking."""
         ...
 
+    def set_routing(self, name: str, routing: Routing | None) -> None:
+        """Store the routing of a function (None: remove it, the policy rules again). Blocking."""
+        ...
+
 
 class FolderRepository:
     def __init__(self, root: Path) -> None:
@@ -260,6 +315,9 @@ class FolderRepository:
         self.url = str(root)
         self._reported: set[tuple[str, str]] = set()
         self._digests: dict[Path, tuple[tuple[tuple[str, int, int], ...], str]] = {}
+        self._last_good: dict[Path, FunctionVersion] = {}
+        """An unversioned folder's last manifest that read well: a live edit that breaks it (the
+        problem is logged) leaves the function served as it was, not gone."""
 
     def scan(self) -> dict[str, FunctionRecord]:
         found: dict[str, FunctionRecord] = {}
@@ -306,7 +364,15 @@ class FolderRepository:
         entries = tuple(item for item, _ in files)
         version = FunctionVersion(manifest, str(number), target, digest_of(entries), entries)
         _write_atomic(home / f"{number}.json", orjson.dumps({**encode_version(version), "at": now_iso()}))
+        self.set_routing(manifest.name, None)  # the new version's policy rules
         return version
+
+    def set_routing(self, name: str, routing: Routing | None) -> None:
+        path = self.root / check_name(name) / ROUTING_FILE
+        if routing is None:
+            path.unlink(missing_ok=True)
+        else:
+            _write_atomic(path, orjson.dumps({**routing.encode(), "at": now_iso()}))
 
     def remove(self, name: str) -> None:
         home = self.root / check_name(name)
@@ -323,6 +389,10 @@ class FolderRepository:
     def _read(self, folder: Path) -> FunctionRecord | None:
         if (folder / MANIFEST_FILE).is_file():
             unversioned = self._read_unversioned(folder / MANIFEST_FILE)
+            if unversioned is None:  # a manifest edited into a mistake: what was read last stands
+                unversioned = self._last_good.get(folder)
+            else:
+                self._last_good[folder] = unversioned
             return make_record([unversioned]) if unversioned is not None else None
         versions = []
         for index in sorted(folder.glob("*.json")):
@@ -337,7 +407,17 @@ class FolderRepository:
                 self._report(index, f"names {version.name} version {version.version}, not its place")
                 continue
             versions.append(version)
-        return make_record(versions) if versions else None
+        return make_record(versions, self._routing(folder)) if versions else None
+
+    def _routing(self, folder: Path) -> Routing | None:
+        path = folder / ROUTING_FILE
+        try:
+            return Routing.decode(orjson.loads(path.read_bytes()), str(path))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            self._report(path, str(exc))
+            return None
 
     def _read_unversioned(self, path: Path) -> FunctionVersion | None:
         try:
@@ -348,6 +428,7 @@ class FolderRepository:
         if manifest.name != path.parent.name:
             self._report(path, f"name {manifest.name!r} differs from its folder {path.parent.name!r}")
             return None
+        self._reported = {item for item in self._reported if item[0] != str(path)}  # said again if it recurs
         return FunctionVersion(manifest, "1", path.parent, self._digest(path.parent))
 
     def _digest(self, folder: Path) -> str:

@@ -21,11 +21,13 @@ from fngate.manifest import FunctionManifest, ManifestError
 from fngate.repository import (
     CHUNK,
     MANIFEST_FILE,
+    ROUTING_FILE,
     VERSION,
     ArtifactFile,
     FunctionRecord,
     FunctionVersion,
     Progress,
+    Routing,
     check_name,
     decode_version,
     digest_of,
@@ -137,7 +139,17 @@ class S3Repository:
         index = orjson.dumps({**encode_version(version), "at": now_iso()})
         with s3_errors(self._url(name, f"{number}.json")):
             self.client.put_object(Bucket=self.bucket, Key=self._key(name, f"{number}.json"), Body=index)
+        self.set_routing(name, None)  # the new version's policy rules
         return version
+
+    def set_routing(self, name: str, routing: Routing | None) -> None:
+        key = self._key(check_name(name), ROUTING_FILE)
+        with s3_errors(self._url(name, ROUTING_FILE)):
+            if routing is None:
+                self.client.delete_object(Bucket=self.bucket, Key=key)
+            else:
+                body = orjson.dumps({**routing.encode(), "at": now_iso()})
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
 
     def remove(self, name: str) -> None:
         home = self._key(check_name(name), "")
@@ -209,8 +221,12 @@ class S3Repository:
         home = self._key(name, "")
         with s3_errors(self._url(name)):
             indexes = [item["Key"] for page in self._pages(home, "/") for item in page.get("Contents", ())]
+        routing = None
         for key in indexes:
             stem = key.removeprefix(home).removesuffix(".json")
+            if key == home + ROUTING_FILE:
+                routing = self._routing(key)
+                continue
             if not key.endswith(".json") or VERSION.match(stem) is None:
                 continue
             with s3_errors(f"s3://{self.bucket}/{key}"):
@@ -222,7 +238,16 @@ class S3Repository:
                 continue
             if version.name == name and version.version == stem:
                 versions.append(version)
-        return make_record(versions) if versions else None
+        return make_record(versions, routing) if versions else None
+
+    def _routing(self, key: str) -> Routing | None:
+        with s3_errors(f"s3://{self.bucket}/{key}"):
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        try:
+            return Routing.decode(orjson.loads(body), f"s3://{self.bucket}/{key}")
+        except ValueError as exc:
+            log.warning("ignoring %s: %s", key, exc)
+            return None
 
     def _claim(self, name: str, manifest: bytes) -> int:
         """The next version number, claimed by writing its manifest only if it does not exist yet."""

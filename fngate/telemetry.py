@@ -3,7 +3,9 @@ ids otherwise), OpenTelemetry traces over OTLP/HTTP when the standard OTEL_* var
 them, and Prometheus metric names.
 
 With no OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or
-OTEL_TRACES_EXPORTER=otlp) set, no SDK is loaded: spans come from the API's no-op tracer.
+OTEL_TRACES_EXPORTER=otlp or console) set, no SDK is loaded: spans come from the API's no-op
+tracer. OTEL_TRACES_EXPORTER=console writes each span to stderr as it ends: traces for a developer
+with no collector.
 """
 
 from __future__ import annotations
@@ -22,15 +24,24 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 """Histogram buckets (seconds) shared by gateway and runner latency metrics."""
 
 
-def tracing_requested(environ: Mapping[str, str] | None = None) -> bool:
+EXPORTERS = ("otlp", "console")
+
+
+def exporters(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The span exporters the standard variables ask for, of EXPORTERS: OTEL_TRACES_EXPORTER's
+    comma-separated list ("none": none), else OTLP where an OTLP endpoint is set."""
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return False
-    return bool(
-        env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        or env.get("OTEL_TRACES_EXPORTER", "").startswith("otlp")
-    )
+        return []
+    named = [item.strip().lower() for item in env.get("OTEL_TRACES_EXPORTER", "").split(",") if item.strip()]
+    if named:
+        return [item for item in EXPORTERS if any(name.startswith(item) for name in named)]
+    endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    return ["otlp"] if endpoint else []
+
+
+def tracing_requested(environ: Mapping[str, str] | None = None) -> bool:
+    return bool(exporters(environ))
 
 
 def interactive() -> bool:
@@ -47,17 +58,22 @@ def configure(service: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(ConsoleFormatter(service) if interactive() else JsonFormatter(service))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    if not tracing_requested() or _has_sdk_provider():
+    wanted = exporters()
+    if not wanted or _has_sdk_provider():
         return
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
     resource = Resource.create({"service.name": f"fngate-{service}", "service.namespace": "fngate"})
     resource = resource.merge(OTELResourceDetector().detect())  # OTEL_SERVICE_NAME and friends win
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if "otlp" in wanted:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if "console" in wanted:  # each span as it ends, for a person watching
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
     trace.set_tracer_provider(provider)
 
 

@@ -17,12 +17,10 @@ import sys
 import tempfile
 import time
 
-from fngate import telemetry
-from fngate.backoff import backoff_s
+from fngate import status_port, telemetry
+from fngate.backoff import backoff_s, until_done
 from fngate.config import GatewaySettings, unknown_variables
-from fngate.process import ends_with_parent, run_forever
-from gateway.app import create_app
-from gateway.http.server import SERVERS
+from fngate.process import ends_with_parent, module_command, run_forever
 
 log = logging.getLogger("gateway")
 
@@ -31,12 +29,26 @@ STABLE_S = 30.0
 
 
 async def run(settings: GatewaySettings) -> None:
+    # The app's imports are a worker's, not a supervisor's (workers > 1): 30 MB it does not need.
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from gateway.app import create_app
+    from gateway.http import metrics_port
+    from gateway.http.server import SERVERS
+
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    # Redis first, while these handlers hold: the servers' own ones cannot end a lifespan's wait.
+    timeout_s = settings.redis_timeout_s
+    async with aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout_s) as redis:
+        if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
+            return
     app = create_app(settings, stopping)
-    await SERVERS[settings.server](app, settings, stopping)
+    async with metrics_port.serving(settings):
+        await SERVERS[settings.server](app, settings, stopping)
 
 
 def supervise(settings: GatewaySettings) -> int:
@@ -44,6 +56,9 @@ def supervise(settings: GatewaySettings) -> int:
     started again, with backoff if it keeps dying), and stop them together when asked."""
     sock = socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=False)
     sock.set_inheritable(True)
+    metrics_host = settings.metrics_host or settings.host
+    metrics_sock = status_port.bind(metrics_host, settings.metrics_port, "metrics")  # every worker serves it
+    shared = [sock.fileno()] + ([metrics_sock.fileno()] if metrics_sock else [])
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -61,13 +76,15 @@ def supervise(settings: GatewaySettings) -> int:
             "FNGATE_BIND": f"fd://{sock.fileno()}",
             "FNGATE_WORKERS": "1",
             "FNGATE_GRPC_REUSE_PORT": "true",
+            "FNGATE_METRICS_BIND": f"fd://{metrics_sock.fileno()}" if metrics_sock else "",
+            "FNGATE_METRICS_PORT": "0" if metrics_sock is None else str(settings.metrics_port),
         }
 
         def start() -> tuple[subprocess.Popen[bytes], float]:
             child = subprocess.Popen(
-                [sys.executable, "-m", "gateway"],
+                module_command("gateway"),
                 env=env,
-                pass_fds=[sock.fileno()],
+                pass_fds=shared,
                 preexec_fn=ends_with_parent(signal.SIGKILL),  # noqa: PLW1509 (a prctl only)
             )
             return child, time.monotonic()

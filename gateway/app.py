@@ -112,7 +112,8 @@ async def serving(
         destinations,
     )
     async with redis, reader:
-        await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
+        if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
+            raise RuntimeError("asked to stop before Redis answered")
         await catalog.refresh()
         await replies.start()
         if settings.auth:

@@ -11,7 +11,15 @@ from redis.exceptions import RedisError
 
 from fngate import keys
 from fngate.errors import Unavailable
-from fngate.registry import READY, UNAVAILABLE, ControlOp, id_order, send_control, set_unloaded
+from fngate.registry import (
+    READY,
+    RELOAD_FAILED,
+    UNAVAILABLE,
+    ControlOp,
+    id_order,
+    send_control,
+    set_unloaded,
+)
 from fngate.repository import FunctionRecord
 from gateway.catalog import Catalog
 
@@ -36,7 +44,13 @@ async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[d
 
 async def load(catalog: Catalog, name: str, timeout_s: float) -> None:
     """Ask every runner of the function's pool to load its served versions now; return when one
-    runner has each ready within `timeout_s`, or raise Unavailable with the reason a load failed."""
+    runner has each ready within `timeout_s`, or raise Unavailable with the reason a load failed. A
+    version loaded from files that have changed since is loaded again, beside the one that serves
+    (which serves on if that fails)."""
+    try:
+        await catalog.refresh()  # the files as they are now: their digests say what to reload
+    except (RedisError, OSError) as exc:
+        raise Unavailable(f"the repository is unavailable: {exc}") from exc
     record = catalog.record(name)
     await _mark_unloaded(catalog, record.name, False)
     request_id = await _send(catalog, ControlOp("load", record.name, record.served))
@@ -72,14 +86,19 @@ async def unload(catalog: Catalog, name: str, timeout_s: float) -> None:
 
 
 def _load_outcome(catalog: Catalog, record: FunctionRecord, request_id: str) -> str | None:
-    """None when every served version is ready somewhere; a reason when a load for this request
-    failed and none is still loading; '' while waiting."""
+    """None when every served version is ready somewhere, from its files as they are now; a reason
+    when a load for this request failed and none is still loading; '' while waiting."""
     waiting = False
     for version in record.served:
         state = catalog.state(record.name, version)
+        if state.request == request_id and state.reason.startswith(RELOAD_FAILED):
+            return f"version {version}: {state.reason} (the files loaded before serve on)"
         if state.state == UNAVAILABLE and state.request == request_id:
             return f"version {version}: {state.reason}"
-        waiting = waiting or state.state != READY
+        current = record.versions[version].digest
+        waiting = (
+            waiting or state.state != READY or bool(state.digest and current and state.digest != current)
+        )
     return "" if waiting else None
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import (
+    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -89,12 +90,29 @@ MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 """Read once, at import, as prometheus_client itself reads it: gateway workers sum their metrics."""
 
 
-def exposition() -> bytes:
+def registry() -> CollectorRegistry:
+    """What /metrics exposes: this process's metrics, or every worker's summed."""
     if MULTIPROCESS:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return generate_latest(registry)
-    return generate_latest()
+        summed = CollectorRegistry()
+        multiprocess.MultiProcessCollector(summed)  # type: ignore[no-untyped-call]
+        return summed
+    return REGISTRY
+
+
+def exposition() -> bytes:
+    return generate_latest(registry())
+
+
+def counts(collected: CollectorRegistry, name: str) -> dict[str, float]:
+    """A counter's values by function, as exposed (every worker's summed)."""
+    found: dict[str, float] = {}
+    for family in collected.collect():
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name == f"{name}_total":
+                    function = sample.labels.get("function", "")
+                    found[function] = found.get(function, 0.0) + sample.value
+    return found
 
 
 _durations: dict[str, Any] = {}

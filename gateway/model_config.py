@@ -57,6 +57,12 @@ def model_config(manifest: FunctionManifest) -> dict[str, Any]:
         "default_model_filename": manifest.model.path,
         "response_cache": {"enable": manifest.cache.enabled},
         "model_warmup": [],
+        # How long the gateway may hold an invocation (a cold load, then its deadline): clients that
+        # wait for an answer, `fngate invoke` among them, read it here.
+        "parameters": {
+            "load_timeout_s": {"string_value": f"{manifest.model.load_timeout_s:g}"},
+            "timeout_ms": {"string_value": str(batching.timeout_ms)},
+        },
     }
     if manifest.batched:
         config["dynamic_batching"] = {

@@ -1,4 +1,4 @@
-"""The GPU as NVML sees it (nvidia-ml-py, imported lazily: its one home): the device a CUDA index
+"""The GPU as NVML sees it (through fngate.nvml, nvidia-ml-py's one home): the device a CUDA index
 names (matched by UUID, since NVML and CUDA may number GPUs differently; a MIG instance by its own
 UUID), what a function's own process is given to see of it, and the device memory a load takes.
 NVML calls block briefly; none raises on a machine without a GPU."""
@@ -9,17 +9,16 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from typing import Any
+
+from fngate.nvml import library as nvml_library
+from fngate.nvml import problem as nvml_problem
+from fngate.nvml import text
 
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
-
-_lock = threading.Lock()
-_nvml: Any = None
-_nvml_problem = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,23 +44,6 @@ class Device:
 @dataclasses.dataclass(frozen=True, slots=True)
 class NoDevice:
     reason: str
-
-
-def _library() -> Any:
-    """The initialised pynvml module, or None (the reason is kept for `find_device`)."""
-    global _nvml, _nvml_problem  # noqa: PLW0603 - NVML is initialised once per process
-    with _lock:
-        if _nvml is None and not _nvml_problem:
-            try:
-                import pynvml  # type: ignore[import-not-found,unused-ignore]
-
-                pynvml.nvmlInit()
-                _nvml = pynvml
-            except ImportError:
-                _nvml_problem = "NVML's Python bindings (nvidia-ml-py) are not installed"
-            except Exception as exc:  # pynvml.NVMLError and OSError: no driver, no device
-                _nvml_problem = f"NVML did not start: {exc}"
-        return _nvml
 
 
 def uuid_text(raw: bytes) -> str:
@@ -170,7 +152,7 @@ def _entries(nvml: Any) -> list[_Entry]:
     entries = []
     for index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        entries.append(_Entry(_text(nvml.nvmlDeviceGetUUID(handle)), handle, handle))
+        entries.append(_Entry(text(nvml.nvmlDeviceGetUUID(handle)), handle, handle))
         try:
             current, _pending = nvml.nvmlDeviceGetMigMode(handle)
         except Exception:  # pynvml.NVMLError_NotSupported: a GPU without MIG
@@ -182,16 +164,16 @@ def _entries(nvml: Any) -> list[_Entry]:
                 mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except Exception:  # pynvml.NVMLError_NotFound: an empty slot
                 continue
-            entries.append(_Entry(_text(nvml.nvmlDeviceGetUUID(mig)), mig, handle))
+            entries.append(_Entry(text(nvml.nvmlDeviceGetUUID(mig)), mig, handle))
     return entries
 
 
 @functools.cache
 def _nvml_entry(cuda_index: int) -> tuple[_Entry, int] | str:
     """Looked up once per process: which GPU a runner uses does not change while it runs."""
-    nvml = _library()
+    nvml = nvml_library()
     if nvml is None:
-        return _nvml_problem
+        return nvml_problem()
     try:
         entries = _entries(nvml)
     except Exception as exc:  # pynvml.NVMLError
@@ -210,7 +192,7 @@ def _handle(cuda_index: int) -> tuple[Any, _Entry, int] | str:
     found = _nvml_entry(cuda_index)
     if isinstance(found, str):
         return found
-    return _library(), *found
+    return nvml_library(), *found
 
 
 def find_device(index: int = 0) -> Device | NoDevice:
@@ -224,12 +206,12 @@ def find_device(index: int = 0) -> Device | NoDevice:
         memory = nvml.nvmlDeviceGetMemoryInfo(entry.handle)
         return Device(
             index,
-            _text(nvml.nvmlDeviceGetName(entry.handle)),
+            text(nvml.nvmlDeviceGetName(entry.handle)),
             entry.uuid,
             f"{major}.{minor}",
             int(memory.total),
             int(memory.used),
-            _text(nvml.nvmlSystemGetDriverVersion()),
+            text(nvml.nvmlSystemGetDriverVersion()),
             at,
         )
     except Exception as exc:  # pynvml.NVMLError
@@ -281,7 +263,3 @@ def freed_bytes(before: MemoryReading, after: MemoryReading) -> int:
     if before.process_bytes is not None:
         return max(before.process_bytes - (after.process_bytes or 0), 0)
     return max(before.device_used_bytes - after.device_used_bytes, 0)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -149,18 +149,16 @@ class Lifecycle:
             self.preloading.discard(key)
 
     async def _retire(self) -> None:
-        """Unload versions the policy stopped serving once a newer served one is loaded here and they
-        have been idle for retire_after_s (gateways move traffic when they see the newer one ready)."""
+        """Unload versions no longer served once a served one is loaded here (a newer one, or an
+        older one after a rollback) and they have been idle for retire_after_s (gateways move
+        traffic when they see the served one ready)."""
         now = time.monotonic()
         for key, model in list(self.models.loaded.items()):
             record = self.records.get(key[0])
             if record is None or key[1] in record.served:
                 continue
-            newer = any(
-                int(version) > int(key[1]) and (key[0], version) in self.models.loaded
-                for version in record.served
-            )
-            if newer and model.in_use == 0 and now - model.last_used >= self.settings.retire_after_s:
+            replaced = any((key[0], version) in self.models.loaded for version in record.served)
+            if replaced and model.in_use == 0 and now - model.last_used >= self.settings.retire_after_s:
                 await self.models.unload(key, "retired")
 
     def _stop_consuming(self, name: str) -> None:
@@ -229,9 +227,9 @@ class Lifecycle:
 
     async def _apply(self, op: ControlOp) -> None:
         record = self.records.get(op.function)
-        unknown = record is None or any(version not in record.versions for version in op.versions)
-        if op.op in ("deploy", "remove") or (op.op == "load" and unknown):
-            await self.discover()  # the operation may name what the last pass did not see yet
+        if op.op in ("deploy", "remove", "load"):
+            # The operation may name what the last pass did not see yet, or files changed since.
+            await self.discover()
             record = self.records.get(op.function)
         if op.op == "load" and record is not None:
             for version in op.versions or record.served:

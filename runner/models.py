@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fngate.errors import FunctionError, FunctionNotFound, Unavailable
-from fngate.registry import LOADING, READY, UNAVAILABLE, ModelState
+from fngate.registry import LOADING, READY, RELOAD_FAILED, UNAVAILABLE, ModelState
 from fngate.repository import FunctionRecord, FunctionVersion
 from runner import gpu
 from runner.artifacts import Artifacts
@@ -182,17 +182,40 @@ class LoadedModels:
             await self.release(model)
 
     async def load(self, function: FunctionVersion, request: str = "") -> LoadedModel | None:
-        """Load now (a load request, a new version): forgets an earlier failure, never raises."""
+        """Load now (a load request, a new version): forgets an earlier failure, never raises. A
+        version loaded from files that have changed since (its digest) is loaded again (`_reload`)."""
         key = (function.name, function.version)
         async with self._locks.setdefault(key, asyncio.Lock()):
             self._failures.pop(key, None)
             model = self._models.get(key)
+            if model is not None and function.digest and model.function.digest != function.digest:
+                return await self._reload(model, function, request)
             if model is not None:
                 await self._report(*key, _ready(model, request))
                 return model
             with contextlib.suppress(FunctionError):
                 return await self._load(function, request)
         return None
+
+    async def _reload(self, old: LoadedModel, function: FunctionVersion, request: str) -> LoadedModel:
+        """Make before break: the changed files load beside the model that serves, which serves on
+        until the new one is ready, and for good if that load fails (READY, with the reason)."""
+        key = (function.name, function.version)
+        try:
+            model = await self._build(function, _now_ms())
+        except Exception as exc:
+            detail = _detail(exc)
+            log.error("reloading %s version %s failed (the loaded files serve on): %s", *key, detail)
+            failed = dataclasses.replace(_ready(old, request), reason=f"{RELOAD_FAILED}: {detail}")
+            await self._report(*key, failed)
+            return old
+        self._models[key] = model
+        old.unloaded = True
+        log.info("reloaded %s version %s (%s): load %.3f s", *key, function.digest[:12], model.load_s)
+        await self._report(*key, _ready(model, request))
+        if old.in_use == 0:
+            await asyncio.to_thread(self._close, old)
+        return model
 
     async def unload(self, key: Key, reason: str = "unloaded") -> bool:
         """Drop a version: new invocations load it again; batches using it finish first."""
@@ -241,10 +264,35 @@ class LoadedModels:
     async def _load(self, function: FunctionVersion, request: str) -> LoadedModel:
         key = (function.name, function.version)
         await self._report(*key, ModelState(LOADING, "", _now_ms(), request))
-        materialized = None
         load_started_ms = self._loading_since[key] = _now_ms()
         try:
-            materialized = await asyncio.to_thread(self._artifacts.materialize, function)
+            model = await self._build(function, load_started_ms)
+        except Exception as exc:
+            detail = _detail(exc)
+            log.error("loading %s version %s failed: %s", *key, detail)
+            error = Unavailable(f"function '{key[0]}' version {key[1]} failed to load: {detail}")
+            self._failures[key] = (time.monotonic(), error)
+            await self._report(*key, ModelState(UNAVAILABLE, f"load-failed: {detail}", _now_ms(), request))
+            raise error from exc
+        finally:
+            self._loading_since.pop(key, None)
+        self._models[key] = model
+        loaded = model.function
+        model_loaded(*key, loaded.manifest.model.accelerator, model.backend, self._gpu_index)
+        log.info(
+            "loaded %s version %s (%s): download %.3f s, load %.3f s",
+            *key,
+            loaded.manifest.model.backend,
+            model.download_s,
+            model.load_s,
+        )
+        await self._report(*key, _ready(model, request))
+        return model
+
+    async def _build(self, function: FunctionVersion, load_started_ms: int) -> LoadedModel:
+        """Fetch the version's files and load its backend, in threads; raises what they raise."""
+        materialized = await asyncio.to_thread(self._artifacts.materialize, function)
+        try:
             started = time.perf_counter()
             loaded = materialized.function
             backend = await asyncio.to_thread(
@@ -255,18 +303,10 @@ class LoadedModels:
                 self._accel,
                 materialized.model_bytes,
             )
-        except Exception as exc:
-            if materialized is not None:
-                self._artifacts.release(materialized.function)
-            detail = exc.message if isinstance(exc, FunctionError) else f"{type(exc).__name__}: {exc}"
-            log.error("loading %s version %s failed: %s", *key, detail)
-            error = Unavailable(f"function '{key[0]}' version {key[1]} failed to load: {detail}")
-            self._failures[key] = (time.monotonic(), error)
-            await self._report(*key, ModelState(UNAVAILABLE, f"load-failed: {detail}", _now_ms(), request))
-            raise error from exc
-        finally:
-            self._loading_since.pop(key, None)
-        model = LoadedModel(
+        except BaseException:
+            self._artifacts.release(materialized.function)
+            raise
+        return LoadedModel(
             loaded,
             backend,
             time.perf_counter() - started,
@@ -275,17 +315,6 @@ class LoadedModels:
             load_started_ms,
             _now_ms(),
         )
-        self._models[key] = model
-        model_loaded(*key, loaded.manifest.model.accelerator, backend, self._gpu_index)
-        log.info(
-            "loaded %s version %s (%s): download %.3f s, load %.3f s",
-            *key,
-            loaded.manifest.model.backend,
-            model.download_s,
-            model.load_s,
-        )
-        await self._report(*key, _ready(model, request))
-        return model
 
     @property
     def _gpu_index(self) -> int:
@@ -333,7 +362,19 @@ def load_deadline_ms(
 
 
 def _ready(model: LoadedModel, request: str) -> ModelState:
-    return ModelState(READY, "", _now_ms(), request, round(model.download_s, 4), round(model.load_s, 4))
+    return ModelState(
+        READY,
+        "",
+        _now_ms(),
+        request,
+        round(model.download_s, 4),
+        round(model.load_s, 4),
+        model.function.digest,
+    )
+
+
+def _detail(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, FunctionError) else f"{type(exc).__name__}: {exc}"
 
 
 def _stuck_reason(model: LoadedModel) -> str:

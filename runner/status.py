@@ -2,12 +2,11 @@
 
 Ready means Redis answers and the runner consumes (it is not draining): not that a model is loaded,
 since a runner of a pool with nothing queued loads nothing, and a Deployment whose pods never get
-ready stalls every rollout. A stdlib asyncio server: three GET routes need no web framework."""
+ready stalls every rollout. On a GPU, /metrics carries Triton's nv_gpu_* beside fngate's own."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -15,8 +14,10 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from fngate import status_port, triton_metrics
+from fngate.nvml import read_gpus
+
 log = logging.getLogger(__name__)
-MAX_HEADER_BYTES = 16 * 1024
 READY_PING_TIMEOUT_S = 1.0
 
 Readiness = Callable[[], Awaitable[bool]]
@@ -47,7 +48,7 @@ class StatusServer:
     async def run(self) -> None:
         """Serve until cancelled; a port that is taken is logged, not fatal."""
         try:
-            server = await asyncio.start_server(self._handle, self._host, self._port, limit=MAX_HEADER_BYTES)
+            server = await status_port.start(self._route, self._host, self._port)
         except OSError as exc:
             log.warning(
                 "status port %s:%d unavailable (%s); no /metrics from this runner",
@@ -61,34 +62,14 @@ class StatusServer:
         async with server:
             await server.serve_forever()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-            request_line = head.split(b"\r\n", 1)[0].decode("latin-1").split()
-            status, content_type, body = await self._route(request_line)
-            writer.write(
-                f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
-                "connection: close\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    async def _route(self, request_line: list[str]) -> tuple[str, str, bytes]:
-        if len(request_line) < 2 or request_line[0] != "GET":
-            return "405 Method Not Allowed", "text/plain", b"GET only\n"
-        path = request_line[1].split("?", 1)[0]
+    async def _route(self, path: str) -> tuple[str, str, bytes]:
         if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest()
+            gpus = triton_metrics.render(triton_metrics.gpu_families(await asyncio.to_thread(read_gpus)))
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest() + gpus
         if path == "/healthz/live":
             return "200 OK", "text/plain", b"live\n"
         if path == "/healthz/ready":
             if await self._ready():
                 return "200 OK", "text/plain", b"ready\n"
             return "503 Service Unavailable", "text/plain", b"starting\n"
-        return "404 Not Found", "text/plain", b"not found\n"
+        return status_port.NOT_FOUND

@@ -54,7 +54,9 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
     threads = settings.intra_op_threads or min(usable_cpus(), 4)
     models = LoadedModels(threads, artifacts, report, settings.load_retry_s, accel, started_ms)
     async with redis, control:
-        await until_done(redis.ping, (RedisError, OSError), "connecting to Redis", log)
+        if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
+            log.info("runner %s stopped before Redis answered", name)
+            return
         await board.heartbeat()
         log.info("runner %s started (repository %s)", name, settings.repo)
         try:

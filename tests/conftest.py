@@ -30,6 +30,39 @@ from runner.worker import main as runner_main
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The suite's own home: nothing in it reads or writes the user's state folder (where a running
+# `fngate up` leaves its gateway, Redis and admin key) or follows the user's FNGATE_*, OTEL_* and AWS_*
+# variables to the user's processes. Downloads of test tools (XDG_CACHE_HOME) are kept across runs.
+SUITE_VARIABLES_KEPT = frozenset({"FNGATE_SERVER"})
+"""The one FNGATE_* variable the suite follows: the HTTP server every gateway of the run uses."""
+
+
+TOOL_CONFIGS = {".terraformrc": "TF_CLI_CONFIG_FILE", ".docker": "DOCKER_CONFIG"}
+"""Test tools' own settings in the user's home (a provider mirror, registry logins), kept."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("home")
+    user_home = Path("~").expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(user_home / ".cache")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith(("FNGATE_", "OTEL_", "AWS_")) and name not in SUITE_VARIABLES_KEPT:
+                patch.delenv(name)
+        for name, variable in TOOL_CONFIGS.items():
+            if (user_home / name).exists() and variable not in os.environ:
+                patch.setenv(variable, str(user_home / name))
+        if (user_home / ".terraform.d" / "plugins").is_dir():  # terraform's implied provider mirror
+            (home / ".terraform.d").mkdir()
+            (home / ".terraform.d" / "plugins").symlink_to(user_home / ".terraform.d" / "plugins")
+        patch.setenv("HOME", str(home))
+        patch.setenv("XDG_STATE_HOME", str(home / ".local" / "state"))
+        patch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+        patch.setenv("XDG_CACHE_HOME", cache)
+        yield home
+
+
 def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     try:
         return local.start_redis(folder, *args)
@@ -166,6 +199,7 @@ def child_env(redis_url: str, repo: Path, **extra: str) -> dict[str, str]:
         FNGATE_LOG_LEVEL="INFO",
         FNGATE_STATUS_PORT="0",
         FNGATE_GRPC_PORT="0",
+        FNGATE_METRICS_PORT="0",  # a gateway's metrics port only where a test asks for one
     )
     env.update(extra)
     return env

@@ -56,43 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fngate {fngate.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = commands.add_parser("up", help="run a whole deployment on this machine (Redis, gateway, runners)")
-    up.add_argument(
-        "--repo",
-        default=DEFAULT_REPO,
-        help="repository: a folder or s3://bucket/prefix (default: ./functions)",
-    )
-    _add_listen_flags(up)
-    up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
-    up.add_argument(
-        "--idle-shutdown-s",
-        type=float,
-        default=60.0,
-        help="a runner with no model loaded and no work this long exits (default 60)",
-    )
-    up.add_argument(
-        "--gateway-workers",
-        type=int,
-        default=min(os.cpu_count() or 1, 4),
-        help="gateway processes sharing the port (default: one per core, at most 4)",
-    )
-    up.add_argument(
-        "--server",
-        choices=["uvicorn", "hypercorn"],
-        default="uvicorn",
-        help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
-    )
-    up.add_argument(
-        "--standby-runner",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep one runner process started ahead of need for the next pool that wakes: its cold "
-        "start skips the runner's start-up, about a second (default on; costs an idle runner's "
-        "memory: about 85 MB RSS)",
-    )
-    up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
-    up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
-    _add_auth_flags(up)
+    _add_up_command(commands)
 
     gateway = commands.add_parser(
         "gateway", help="run one gateway (settings from flags or FNGATE_* variables)"
@@ -105,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--grpc-port", type=int, help="gRPC port, 0 for none (FNGATE_GRPC_PORT; default 8001, as Triton's)"
     )
     gateway.add_argument("--workers", type=int, help="processes sharing the port (FNGATE_WORKERS)")
+    _add_metrics_port(gateway, "FNGATE_METRICS_PORT; default 8002, as Triton's; 0: none", None)
     gateway.add_argument(
         "--server", choices=["uvicorn", "hypercorn"], help="the HTTP server (default uvicorn)"
     )
@@ -141,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     invoke.add_argument(
         "--gateway", metavar="URL", help=f"the gateway (default: fngate up's, or {DEFAULT_GATEWAY})"
     )
-    invoke.add_argument("--timeout-s", type=float, default=60.0, help="give up after this long (default 60)")
+    invoke.add_argument(
+        "--timeout-s",
+        type=float,
+        help="give up after this long (default: as long as the gateway may hold the invocation: the "
+        "function's model.load_timeout_s for a cold start, then its batching.timeout_ms)",
+    )
     invoke.add_argument(
         "--async",
         dest="asynchronous",
@@ -179,6 +149,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_up_command(commands: Any) -> None:
+    up = commands.add_parser("up", help="run a whole deployment on this machine (Redis, gateway, runners)")
+    up.add_argument(
+        "--repo",
+        default=DEFAULT_REPO,
+        help="repository: a folder or s3://bucket/prefix (default: ./functions)",
+    )
+    _add_listen_flags(up)
+    _add_metrics_port(up, "on 127.0.0.1; default 8002, as Triton's; 0: none", 8002)
+    up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
+    up.add_argument(
+        "--idle-shutdown-s",
+        type=float,
+        default=60.0,
+        help="a runner with no model loaded and no work this long exits (default 60)",
+    )
+    up.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=min(os.cpu_count() or 1, 4),
+        help="gateway processes sharing the port (default: one per core, at most 4)",
+    )
+    up.add_argument(
+        "--server",
+        choices=["uvicorn", "hypercorn"],
+        default="uvicorn",
+        help="the gateway's HTTP server (default uvicorn, the fastest; hypercorn adds HTTP/2)",
+    )
+    up.add_argument(
+        "--standby-runner",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep one runner process started ahead of need for the next pool that wakes: its cold "
+        "start skips the runner's start-up, about a second (default on; costs an idle runner's "
+        "memory: about 85 MB RSS)",
+    )
+    up.add_argument(
+        "--reload",
+        action="store_true",
+        help="watch the repository folder and reload a changed function where it is loaded, make "
+        "before break (a change that does not load is logged; the old files serve on)",
+    )
+    up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
+    up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    _add_auth_flags(up)
+
+
+def _add_metrics_port(parser: argparse.ArgumentParser, where: str, default: int | None) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default,
+        help=f"Prometheus /metrics without an API key, Triton's nv_* names beside fngate's ({where})",
+    )
+
+
 def _call_gateway(args: argparse.Namespace) -> int:
     """`fngate invoke` and `fngate result`: fngate up's gateway (with its admin key) unless told."""
     from fngate.tools.invoke import InvokeError, invoke, result
@@ -200,6 +226,8 @@ def _run(args: argparse.Namespace) -> int:
         args.command == "deploy" and args.gateway and not (args.repo or args.redis)
     ):
         return _key_command(args) if args.command == "keys" else _deploy_through(args)
+    if args.command in ("traffic", "rollback"):
+        return _rollout_command(args)
     if args.command in ("deploy", "ls", "rm"):
         return _repository_command(args)
     if args.command == "cache":
@@ -236,6 +264,7 @@ def _run(args: argparse.Namespace) -> int:
             grpc_port="grpc_port",
             workers="workers",
             server="server",
+            metrics_port="metrics_port",
         )
         settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
         if not settings.bind:
@@ -298,7 +327,39 @@ def _add_repository_commands(commands: Any) -> None:
     rm.add_argument(
         "--grace-s", type=float, default=3.0, help="answer invocations queued this long after (default 3)"
     )
+    rm.add_argument("--yes", action="store_true", help="remove without asking first (needed off a terminal)")
+    _add_rollout_commands(commands)
     _add_key_commands(commands)
+
+
+def _add_rollout_commands(commands: Any) -> None:
+    """traffic and rollback: unpinned invocations moved between stored versions, make before break."""
+    traffic = commands.add_parser(
+        "traffic",
+        help="split a function's unpinned invocations over stored versions: fngate traffic NAME 3=90 4=10",
+        description="Route invocations that name no version to versions already stored, by weight "
+        "(adding up to 100). Make before break: where a runner has the function loaded, the versions "
+        "are loaded and ready before traffic moves; a load that fails changes nothing. The next "
+        "deploy hands routing back to its manifest's versions policy.",
+    )
+    traffic.add_argument("name", metavar="NAME", help="the function")
+    traffic.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT", help="e.g. 3=90 4=10")
+    rollback = commands.add_parser(
+        "rollback",
+        help="send all of a function's traffic back to a stored version (by default the one before)",
+        description="Route every unpinned invocation to VERSION, by default the stored version just "
+        "before the newest one taking traffic now, make before break, as `fngate traffic NAME V=100`.",
+    )
+    rollback.add_argument("name", metavar="NAME", help="the function")
+    rollback.add_argument("version", nargs="?", metavar="VERSION", help="the version to route to")
+    for parser in (traffic, rollback):
+        _repository_flags(parser)
+        parser.add_argument(
+            "--gateway",
+            metavar="URL",
+            help="through this gateway's deploy API with the key in FNGATE_API_KEY (without --repo "
+            "and --redis)",
+        )
 
 
 def _repository_flags(parser: argparse.ArgumentParser) -> None:
@@ -343,21 +404,58 @@ def targets(repo: str | None, redis_url: str | None) -> tuple[str, str]:
     return repo, redis_url
 
 
-def _repository_command(args: argparse.Namespace) -> int:
-    """deploy, ls and rm: the repository is opened here (boto3 only for an S3 one)."""
-    from fngate.repository import Repository, is_remote, open_repository
-    from fngate.tools import deploy
+def _rollout_command(args: argparse.Namespace) -> int:
+    """traffic and rollback: through a gateway's deploy API, or on the repository and Redis."""
+    from fngate.errors import FunctionError
+    from fngate.tools import rollout
 
+    try:
+        weights = rollout.parse_weights(args.weights) if args.command == "traffic" else None
+        version = None if args.command == "traffic" else args.version
+        if args.gateway and not (args.repo or args.redis):
+            api_key = os.environ.get("FNGATE_API_KEY", "")
+            if not api_key:
+                raise UsageError("--gateway needs an API key with the deploy scope in FNGATE_API_KEY")
+            return rollout.route_through(
+                args.gateway, api_key, args.name, weights, version, sys.stdout, sys.stderr
+            )
+        repository, redis_url = _open_target(args)
+        return rollout.route_direct(repository, redis_url, args.name, weights, version, sys.stdout)
+    except rollout.RolloutError as exc:
+        raise UsageError(str(exc)) from exc
+    except FunctionError as exc:
+        print(f"fngate {args.command}: {exc.message}", file=sys.stderr)
+        return rollout.exit_code(exc)
+
+
+def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
+    """The repository (opened: boto3 only for an S3 one) and Redis a command works on. A command
+    that writes needs to be told where (a flag, FNGATE_REPO or a running fngate up): it never
+    writes into ./functions, the example folder, by default."""
+    from fngate.repository import is_remote, open_repository
+
+    writes = args.command in ("deploy", "traffic", "rollback")
+    if writes and not (args.repo or os.environ.get("FNGATE_REPO") or _up()):
+        raise UsageError(
+            "no fngate up is running and no repository was given: pass --repo PATH or "
+            "--repo s3://bucket/prefix (or set FNGATE_REPO)"
+        )
     url, redis_url = targets(args.repo, args.redis)
-    repository: Repository
     if is_remote(url):
         from fngate.s3 import S3Repository
 
-        repository = S3Repository(url)
-    else:
-        if not Path(url).is_dir() and args.command != "deploy":
-            raise UsageError(f"repository folder {url} does not exist")
-        repository = open_repository(url)
+        return S3Repository(url), redis_url
+    if not Path(url).is_dir() and args.command != "deploy":
+        raise UsageError(f"repository folder {url} does not exist")
+    return open_repository(url), redis_url
+
+
+def _repository_command(args: argparse.Namespace) -> int:
+    """deploy, ls and rm."""
+    from fngate.tools import deploy
+
+    repository, redis_url = _open_target(args)
+    url = repository.url
     if args.command == "deploy":
         for file in args.files:
             if not file.is_file():
@@ -369,7 +467,20 @@ def _repository_command(args: argparse.Namespace) -> int:
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
     _deployed(repository, args.name)
+    _confirm_removal(repository, args.name, args.yes)
     return deploy.remove(repository, args.name, redis_url, args.grace_s, sys.stdout, sys.stderr)
+
+
+def _confirm_removal(repository: Any, name: str, yes: bool) -> None:
+    """`fngate rm` asks first on a terminal; elsewhere it needs --yes."""
+    if yes:
+        return
+    count = len(repository.get(name).versions)
+    if not sys.stdin.isatty():
+        raise UsageError(f"this removes {name} and its {count} versions from {repository.url}: pass --yes")
+    answer = input(f"remove {name} and its {count} versions from {repository.url}? [y/N] ")
+    if answer.strip().lower() not in ("y", "yes"):
+        raise UsageError("nothing was removed")
 
 
 def _deployed(repository: Any, name: str) -> None:
@@ -555,24 +666,23 @@ def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:
 
 
 def _clear_cache(function: str, url: str | None) -> int:
-    import redis
+    import asyncio
 
-    from fngate import keys
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from fngate.deployment import clear_cache
 
     if url is None:
         url = os.environ.get("FNGATE_CACHE_URL") or targets(None, None)[1]
-    client = redis.Redis.from_url(url, socket_connect_timeout=3)
-    cleared = 0
-    batch: list[bytes] = []
+
+    async def clear() -> int:
+        async with aioredis.from_url(url, socket_connect_timeout=3) as client:
+            return await clear_cache(client, function)
+
     try:
-        for key in client.scan_iter(match=keys.cache_prefix(function) + "*", count=1000):
-            batch.append(key)
-            if len(batch) == 1000:
-                cleared += client.unlink(*batch)
-                batch.clear()
-        if batch:
-            cleared += client.unlink(*batch)
-    except (redis.RedisError, OSError) as exc:
+        cleared = asyncio.run(clear())
+    except (RedisError, OSError) as exc:
         raise ServiceError(
             f"redis at {url} is unreachable ({exc}); is fngate up running? or pass --redis URL"
         ) from exc

@@ -19,14 +19,11 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate import keys
-from fngate.deployment import deploy_files, policy_check, withdraw
+from fngate.deployment import RUNNER_START_S, deploy_files, policy_check, warm, withdraw
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import deploy_problems, order
 from fngate.registry import (
-    READY,
-    UNAVAILABLE,
     ControlOp,
     Registry,
     create_stream,
@@ -41,19 +38,16 @@ from fngate.repository import (
     is_remote,
     make_record,
 )
+from fngate.tools.examples import example_body, example_v2_body
 
 LARGE_BYTES = 8 * 1024 * 1024
 """Uploads from this size on get a progress bar (on a terminal)."""
-EXAMPLE_ELEMENTS = 64
 REPLY_MAXLEN = 100_000
 DOWNLOAD_BYTES_PER_S = 50e6
 """A cautious repository throughput for the load estimate (what moto's S3 stand-in gave on loopback;
 S3 in the same region gives more)."""
 LOAD_BYTES_PER_S = 300e6
 """onnxruntime's session creation, measured: 268 MB in 0.64-0.75 s on one core."""
-RUNNER_START_S = 2.0
-"""A runner process's start before it loads anything (imports, Redis, discovery)."""
-WARM_POLL_S = 0.2
 
 
 class ProgressBar:
@@ -248,25 +242,20 @@ def load_warning(manifest: FunctionManifest, total_bytes: int) -> str:
 
 
 async def _warm(redis_url: str, version: FunctionVersion, out: TextIO) -> str:
-    """Ask the pool's runners to load the version (waking the pool when none runs) and wait until
+    """Have a runner of the version's pool load it (waking the pool when none runs) and wait until
     one has it ready: "" then, else what went wrong."""
-    name, number = version.name, version.version
-    pool = version.manifest.scaling.pool
-    timeout_s = version.manifest.model.load_timeout_s + RUNNER_START_S
     started = time.monotonic()
+    timeout_s = version.manifest.model.load_timeout_s + RUNNER_START_S
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
-        request_id = await send_control(redis, ControlOp("load", name, (number,)))
-        if not any(view.pool == pool for view in await read_runners(redis)):
-            await redis.publish(keys.wake_channel(), pool)  # a runner that starts replays the load
-        while time.monotonic() - started < timeout_s:
-            state = summarize(await read_runners(redis), name, number)
-            if state.state == READY:
-                print(f"{name} version {number} is loaded ({time.monotonic() - started:.1f} s)", file=out)
-                return ""
-            if state.state == UNAVAILABLE and state.request == request_id:
-                return f"failed to load: {state.reason}"
-            await asyncio.sleep(WARM_POLL_S)
-    return f"was not loaded within {timeout_s:.0f} s (is a runner of pool '{pool}' running?)"
+        failure = await warm(
+            redis, version.name, (version.version,), version.manifest.scaling.pool, timeout_s
+        )
+    if not failure:
+        print(
+            f"{version.name} version {version.version} is loaded ({time.monotonic() - started:.1f} s)",
+            file=out,
+        )
+    return failure.removeprefix(f"version {version.version} ")
 
 
 def deploy_through(
@@ -304,7 +293,7 @@ def deploy_through(
                 "Authorization": f"Bearer {api_key}",
             },
         )
-        answer = _call_gateway(request, 600, "fngate deploy", base, err)
+        answer = call_gateway(request, 600, "fngate deploy", base, err)
         if answer is None:
             return 1
         doc = orjson.loads(answer)
@@ -333,13 +322,13 @@ def _warm_through(base: str, manifest: FunctionManifest, api_key: str, out: Text
     )
     started = time.monotonic()
     timeout_s = manifest.model.load_timeout_s + RUNNER_START_S
-    if _call_gateway(request, timeout_s, "fngate deploy --warm", base, err) is None:
+    if call_gateway(request, timeout_s, "fngate deploy --warm", base, err) is None:
         return 1
     print(f"{manifest.name} is loaded ({time.monotonic() - started:.1f} s)", file=out)
     return 0
 
 
-def _call_gateway(
+def call_gateway(
     request: urllib.request.Request, timeout_s: float, command: str, base: str, err: TextIO
 ) -> bytes | None:
     """The gateway's answer to `request`, or None once why there is none is printed."""
@@ -374,35 +363,37 @@ def _print_deployed(
     )
     if gateway is None:
         return
+    print("call it (with FNGATE_API_KEY set to a key that may invoke it):", file=out)
+    for line in curl_lines(gateway, version, record):
+        print(f"  {line}", file=out)
+    if version.version not in record.served:
+        print(
+            f"version {version.version} is stored, not served (its versions policy serves "
+            f"{', '.join(record.served)}): `fngate traffic {name} {version.version}=100` routes to it",
+            file=out,
+        )
+
+
+AUTH_HEADER = '-H "Authorization: Bearer $FNGATE_API_KEY"'
+
+
+def curl_lines(gateway: str, version: FunctionVersion, record: FunctionRecord) -> list[str]:
+    """Commands that call the function as deployed: the /v1 route (its traffic split), and the
+    V2 route pinned to this version when it is served."""
+    name = version.name
     body = example_body(version.manifest)
     data = f"'{body}'" if body is not None else "@request.json"
-    key = '-H "Authorization: Bearer $FNGATE_API_KEY"'  # a gateway with auth on (the default) needs one
-    print(
-        f"call it:\n  curl -s -X POST {gateway}/v1/functions/{name} {key} -d {data}\n"
-        f"  curl -s -X POST {gateway}/v2/models/{name}/versions/{version.version}/infer {key} "
-        "-d '{\"inputs\": [...]}'",
-        file=out,
-    )
-
-
-def example_body(manifest: FunctionManifest) -> str | None:
-    """A /v1 body of zeros with one row, or None when it would be too long to print."""
-    inputs: dict[str, Any] = {}
-    for spec in manifest.inputs:
-        shape = [1 if dim == -1 else dim for dim in spec.shape]
-        count = 1
-        for dim in shape:
-            count *= dim
-        if count > EXAMPLE_ELEMENTS:
-            return None
-        zero: Any = {"BOOL": False, "BYTES": ""}.get(
-            spec.datatype, 0.0 if spec.datatype.startswith("FP") else 0
+    lines = [f"curl -s -X POST {gateway}/v1/functions/{name} {AUTH_HEADER} -d {data}"]
+    if version.version in record.served:
+        v2 = example_v2_body(version.manifest)
+        lines.append(
+            f"curl -s -X POST {gateway}/v2/models/{name}/versions/{version.version}/infer {AUTH_HEADER} "
+            f"-d '{v2}'"
+            if v2 is not None
+            else f"curl -s -X POST {gateway}/v2/models/{name}/versions/{version.version}/infer "
+            f"{AUTH_HEADER} -d @request.json"
         )
-        value: Any = zero
-        for dim in reversed(shape):
-            value = [value] * dim
-        inputs[spec.name] = value
-    return orjson.dumps({"inputs": inputs}).decode()
+    return lines
 
 
 async def _ping(redis_url: str) -> None:
@@ -542,7 +533,7 @@ def remove(
         answered = asyncio.run(_remove(repository, record, redis_url, grace_s, remote))
     except FunctionError as exc:
         print(f"fngate rm: {exc.message}", file=err)
-        return 1
+        return 2 if isinstance(exc, InvalidArgument) else 1  # a pipeline's step: the user's to settle
     except (RedisError, OSError) as exc:
         if remote:
             print(

@@ -1,9 +1,11 @@
 """`fngate invoke`: one call of a function from the command line, with inputs as JSON or .npy files
-(sent as V2 binary tensors, so their datatypes travel exactly). Standard library HTTP only."""
+(sent as V2 binary tensors, so their datatypes travel exactly). Standard library HTTP only. It waits
+as long as the function's cold start may take, and says on a terminal what it waits for."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -20,14 +22,22 @@ from fngate.tensors import datatype_of, to_bytes
 
 POLL_S = 30
 """One long-poll of `fngate result --wait` (the gateway holds at most 60 s)."""
+MARGIN_S = 5.0
+"""Beyond what the gateway may hold an invocation (its load, then its deadline): the answer's way back."""
+DEFAULT_WAIT_S = 600.0
+"""Without the function's limits (a pipeline's steps have their own): ten minutes."""
+SPINNER = "|/-\\"
+STATE_POLL_S = 1.0
 
 
 class InvokeError(Exception):
-    """Raised for the user's mistakes (exit 2); `unreachable` marks a gateway that did not answer."""
+    """Raised for the user's mistakes (exit 2); `unreachable` marks a gateway that did not answer
+    (exit 1), `timed_out` one that took the connection but did not answer in time."""
 
-    def __init__(self, message: str, unreachable: bool = False) -> None:
+    def __init__(self, message: str, unreachable: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
         self.unreachable = unreachable
+        self.timed_out = timed_out
 
 
 def invoke(
@@ -35,18 +45,24 @@ def invoke(
     name: str,
     data: Sequence[str],
     version: str | None,
-    timeout_s: float,
+    timeout_s: float | None,
     out: TextIO,
     api_key: str | None = None,
     asynchronous: bool = False,
+    err: TextIO = sys.stderr,
 ) -> int:
     """Print the answer, or with `asynchronous` the id of the invocation submitted (for
-    `fngate result`); raises InvokeError."""
+    `fngate result`); raises InvokeError. With no `timeout_s`, wait as long as the gateway may
+    hold the invocation (`wait_s`)."""
     auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    if timeout_s is None:
+        timeout_s = wait_s(_config(gateway, name, auth))
     method, path, body, headers = _request(gateway, name, data, version, timeout_s, auth)
     if asynchronous:
         headers["prefer"] = "respond-async"
-    answer = _call(method, gateway + path, body, {**headers, **auth}, timeout_s)
+        answer = _call(method, gateway + path, body, {**headers, **auth}, timeout_s)
+    else:
+        answer = Watch(gateway, name, auth, err).call(method, gateway + path, body, headers, timeout_s)
     if asynchronous:
         out.write(f"{orjson.loads(answer)['id']}\n")
         return 0
@@ -78,6 +94,106 @@ def result(
         return 0
     out.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
+
+
+def wait_s(config: dict[str, Any] | None) -> float:
+    """How long an invocation may take at most, from its function's Triton configuration: the
+    model's load (the gateway holds invocations through a cold start for up to load_timeout_s),
+    then its own deadline, and a margin."""
+    parameters = (config or {}).get("parameters") or {}
+    try:
+        load_s = float(parameters["load_timeout_s"]["string_value"])
+        deadline_s = float(parameters["timeout_ms"]["string_value"]) / 1000
+    except (KeyError, TypeError, ValueError):
+        return DEFAULT_WAIT_S
+    return load_s + deadline_s + MARGIN_S
+
+
+def _config(gateway: str, name: str, auth: dict[str, str]) -> dict[str, Any] | None:
+    """The function's configuration; None when the gateway does not give it (the invocation
+    itself then says what is wrong, an unknown function included)."""
+    try:
+        doc = orjson.loads(_call("GET", f"{gateway}/v2/models/{name}/config", None, auth, 10))
+    except (InvokeError, orjson.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class Watch:
+    """One invocation in a thread; meanwhile, on a terminal, a spinner with what it waits for
+    ("loading classifier (12 s)"), from the model repository index. A timeout says whether the
+    model was still loading."""
+
+    def __init__(self, gateway: str, name: str, auth: dict[str, str], err: TextIO) -> None:
+        self._gateway = gateway
+        self._name = name
+        self._auth = auth
+        self._err = err
+        self.state = ""
+
+    def call(
+        self, method: str, url: str, body: bytes | None, headers: dict[str, str], timeout_s: float
+    ) -> bytes:
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["answer"] = _call(method, url, body, {**headers, **self._auth}, timeout_s)
+            except InvokeError as exc:
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        self._show(done)
+        error: InvokeError | None = outcome.get("error")
+        if error is None:
+            return bytes(outcome["answer"])
+        if error.timed_out:
+            state = self._look() or self.state
+            why = f": its model is {state}" if state else ""
+            raise InvokeError(
+                f"{self._name} did not answer within {timeout_s:g} s{why}; wait longer with --timeout-s",
+                unreachable=True,
+            )
+        raise error
+
+    def _show(self, done: threading.Event) -> None:
+        terminal = self._err.isatty()
+        started = time.monotonic()
+        looked = started
+        frame = 0
+        while not done.wait(0.1):
+            now = time.monotonic()
+            if terminal and now - looked >= STATE_POLL_S:
+                looked, self.state = now, self._look() or self.state
+            if terminal:
+                doing = {"loading": "loading", "starting": "starting a runner for"}.get(
+                    self.state, "waiting for"
+                )
+                spin = SPINNER[frame % len(SPINNER)]
+                self._err.write(f"\r{spin} {doing} {self._name} ({now - started:.0f} s)\x1b[K")
+                self._err.flush()
+                frame += 1
+        if frame:
+            self._err.write("\r\x1b[K")
+            self._err.flush()
+
+    def _look(self) -> str:
+        """ "loading", "starting" (nothing loaded anywhere yet) or "" (ready, or not to be told)."""
+        try:
+            index = orjson.loads(_call("POST", f"{self._gateway}/v2/repository/index", b"{}", self._auth, 5))
+        except (InvokeError, orjson.JSONDecodeError):
+            return ""
+        states = [
+            entry.get("state")
+            for entry in index
+            if isinstance(entry, dict) and entry.get("name") == self._name
+        ]
+        if "READY" in states:
+            return ""
+        return "loading" if "LOADING" in states else "starting"
 
 
 def _request(
@@ -220,6 +336,8 @@ def _open(
         except (ValueError, KeyError, TypeError):
             message = raw.decode(errors="replace")[:200]
         raise InvokeError(f"{exc.code}: {message}", unreachable=exc.code >= 500) from None
+    except TimeoutError:  # connected, then no answer in time: a gateway is there
+        raise InvokeError(f"{url} did not answer within {timeout_s:g} s", True, timed_out=True) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         base = url.split("/v", maxsplit=1)[0]

@@ -498,30 +498,103 @@ class _Dumper(yaml.SafeDumper):
         return True  # shared dicts (selectors, resources) are written out, not as YAML anchors
 
 
+FLAG_HELP = {
+    "namespace": "the namespace of every object (default: fngate)",
+    "image": "the gateway's image (default: fngate/gateway:latest)",
+    "runner_image": "the CPU runners' image (default: fngate/runner:latest)",
+    "gpu_image": "the image of runner pools whose functions need a GPU (default: fngate/runner-gpu:latest)",
+    "repo": "the model repository the pods serve: s3://bucket/prefix (default: s3://fngate-models/prod)",
+    "redis_address": "host:port of Redis, for KEDA's triggers (default: redis:6379); the pods' URL is in "
+    "--redis-secret",
+    "redis_tls": "(--no-redis-tls) KEDA reaches Redis without TLS (default: with TLS)",
+    "redis_secret": "a Secret with keys `url` (the pods' FNGATE_REDIS_URL) and `password` (default: "
+    "fngate-redis)",
+    "deployed": "a function that has been deployed (its stream and runner group exist): only these get "
+    "runner pools and KEDA triggers; repeat for each (see --all-deployed)",
+    "polling_interval_s": "seconds between KEDA's looks at the queues (default: 5)",
+    "cooldown_s": "seconds a pool stays up after its queues empty before KEDA scales it to zero "
+    "(default: 300)",
+    "target_lag": "waiting invocations per runner before KEDA adds one (default 0: each function's "
+    "max_batch_size)",
+    "warm_runners": "runners each pool keeps when idle, over the manifests' min_replicas (default 0; 1 "
+    f"{WARM_COST})",
+    "artifact_cache_bytes": "bytes of model files a runner keeps; sizes its cache volume (default: 10 GiB)",
+    "sync_schedule": "cron schedule of the registry-sync job (`fngate ls --sync`; default: suspended, run "
+    "on demand)",
+    "gateway_min_replicas": "the gateway HPA's minimum (default: 2)",
+    "gateway_max_replicas": "the gateway HPA's maximum (default: 10)",
+    "gateway_workers": "gateway processes per pod (default: 1)",
+    "service_type": "the gateway Service's type (default: LoadBalancer)",
+    "service_port": "the gateway Service's port (default: 80)",
+    "service_annotations": "KEY=VALUE annotation of the gateway Service (a load balancer's settings); "
+    "repeat for each",
+    "source_ranges": "a CIDR allowed to reach the gateway Service (loadBalancerSourceRanges); repeat "
+    "for each",
+    "gateway_role_arn": "IAM role of the gateway pods' service account (IRSA; default: none)",
+    "runner_role_arn": "IAM role of the runner pods' service account (IRSA; default: none)",
+    "deployer_role_arn": "IAM role of the deployer service account, the registry-sync job's (IRSA; "
+    "default: none)",
+    "otlp_endpoint": "the collector's OTLP/HTTP base URL (port 4318) for traces (default: none, no traces)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR (default: INFO)",
+    "api_keys_secret": "a Secret whose key `admin` holds an admin key's '<id>:<sha256>' (`fngate keys "
+    "hash`; default: fngate-api-keys, optional)",
+    "prometheus_label": "KEY=VALUE of the Prometheus pods that may reach the runners' metrics (default: "
+    "app.kubernetes.io/name=prometheus)",
+}
+"""Each Options field's flag help (tests/deploy/test_k8s_render.py checks every flag has one)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fngate k8s render", description=__doc__)
-    parser.add_argument("--functions", type=Path, default=Path("functions"), help="folder of */function.yaml")
-    parser.add_argument("--format", choices=["yaml", "json", "terraform"], default="yaml")
+    parser.add_argument(
+        "--functions",
+        type=Path,
+        default=Path("functions"),
+        help="the folder of */function.yaml the pools come from (default: ./functions)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=["yaml", "json", "terraform"],
+        default="yaml",
+        help="yaml (for kubectl apply -f -), json (a List) or terraform (an external data source's)",
+    )
+    parser.add_argument(
+        "--all-deployed",
+        action="store_true",
+        help="every function of --functions has been deployed: each gets its runner pool",
+    )
     for field in dataclasses.fields(Options):
         flag, default = "--" + field.name.replace("_", "-").removesuffix("-s"), field.default
+        text = FLAG_HELP.get(field.name)
         if isinstance(default, bool):
-            parser.add_argument(f"--no-{flag[2:]}", dest=field.name, action="store_false")
+            parser.add_argument(f"--no-{flag[2:]}", dest=field.name, action="store_false", help=text)
         elif isinstance(default, tuple):
-            parser.add_argument(flag.removesuffix("s"), dest=field.name, action="append", default=[])
+            parser.add_argument(
+                flag.removesuffix("s"), dest=field.name, action="append", default=[], help=text
+            )
         else:
-            parser.add_argument(flag, dest=field.name, type=type(default), default=default)
+            parser.add_argument(flag, dest=field.name, type=type(default), default=default, help=text)
     args = vars(parser.parse_args(argv))
-    folder, output = args.pop("functions"), args.pop("format")
+    folder, output, everything = args.pop("functions"), args.pop("format"), args.pop("all_deployed")
+    if not folder.is_dir():
+        print(f"fngate k8s render: --functions folder {folder} does not exist", file=sys.stderr)
+        return 2
     try:
+        manifests = load_functions(folder)
+        if everything:
+            args["deployed"] = [manifest.name for manifest in manifests]
         values: dict[str, Any] = {key: tuple(v) if isinstance(v, list) else v for key, v in args.items()}
         options = Options(**values)
-        objects = render(load_functions(folder), options)
+        objects = render(manifests, options)
     except ManifestError as exc:
         print("\n".join(exc.lines()), file=sys.stderr)
         return 1
     except ValueError as exc:
         print(f"fngate k8s render: {exc}", file=sys.stderr)
         return 1
+    note = pools_note(folder, manifests, options.deployed)
+    if note:
+        print(f"fngate k8s render: {note}", file=sys.stderr)
     if output == "yaml":
         sys.stdout.write(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False))
     elif output == "json":
@@ -529,6 +602,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:  # Terraform's external data source reads one JSON object of strings
         json.dump({"objects": json.dumps(objects)}, sys.stdout)
     return 0
+
+
+def pools_note(folder: Path, manifests: Sequence[FunctionManifest], deployed: Sequence[str]) -> str:
+    """Why functions of the folder got no runner pool ('' when each got one)."""
+    if not manifests:
+        return f"no runner pools: {folder} holds no */function.yaml"
+    left_out = sorted(manifest.name for manifest in manifests if manifest.name not in deployed)
+    if not left_out:
+        return ""
+    what = "no runner pools" if len(left_out) == len(manifests) else "no runner pool"
+    return (
+        f"{what} for {', '.join(left_out)}: not named with --deployed. A pool's KEDA triggers read "
+        "its functions' streams, which `fngate deploy` (or `fngate ls --sync`) creates, and KEDA "
+        "scales no pool whose stream is missing; deploy them, then render with --deployed NAME for "
+        "each (or --all-deployed)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ import redis.asyncio as aioredis
 from fngate import apikeys, telemetry
 from fngate.backoff import Backoff
 from fngate.errors import FunctionError
-from fngate.process import ends_with_parent, stop_processes
+from fngate.process import ends_with_parent, module_command, stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote, open_repository
-from fngate.tools.deploy import example_body
+from fngate.tools.examples import example_body
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from fngate.tools.state import UpState, clear_up, read_up, state_dir, write_up
 
@@ -207,7 +207,7 @@ def _spawn(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     # A session of its own: Ctrl-C reaches only us, and we stop the children in order. Killed
     # with us, so that a restart finds the port free.
     return subprocess.Popen(
-        [sys.executable, "-m", module],
+        module_command(module),
         env=env,
         start_new_session=True,
         preexec_fn=ends_with_parent(signal.SIGKILL),  # noqa: PLW1509 (a prctl only)
@@ -219,8 +219,15 @@ def run_local(args: argparse.Namespace) -> int:
     if not is_remote(repo) and not Path(repo).is_dir():
         print(f"fngate up: repository folder {repo} does not exist", file=sys.stderr)
         return 2
-    for port, flag in ((args.port, "--port"), (args.grpc_port, "--grpc-port")):
-        busy = port_problem(args.host, port, flag)
+    if getattr(args, "reload", False) and is_remote(repo):
+        print(f"fngate up: --reload watches a folder; {repo} is not one", file=sys.stderr)
+        return 2
+    ports = ((args.port, "--port"), (args.grpc_port, "--grpc-port"))
+    for host, port, flag in [
+        *((args.host, *item) for item in ports),
+        ("127.0.0.1", args.metrics_port, "--metrics-port"),
+    ]:
+        busy = port_problem(host, port, flag)
         if busy:
             print(f"fngate up: {busy}", file=sys.stderr)
             return 2
@@ -267,10 +274,12 @@ def _run(args: argparse.Namespace, state: UpState, redis_server: Supervised | No
         "FNGATE_GRPC_PORT": str(args.grpc_port),
         "FNGATE_WORKERS": str(args.gateway_workers),
         "FNGATE_SERVER": args.server,
+        "FNGATE_METRICS_PORT": str(args.metrics_port),
+        "FNGATE_METRICS_HOST": "127.0.0.1",  # no key on it: this machine only
     }
     gateway = Supervised("the gateway", lambda: _spawn("gateway", gateway_env))
     try:
-        _banner(state, api_key, args.grpc_port)
+        _banner(state, api_key, args.grpc_port, args.metrics_port)
         asyncio.run(_serve(gateway, redis_server, env, args))
         return 0
     finally:
@@ -320,6 +329,10 @@ async def _serve(
         tasks.create_task(scaler.run(gateway_down))
         if redis_server is not None:
             tasks.create_task(redis_server.watch(stopping))
+        if getattr(args, "reload", False):
+            from fngate.tools.reload import ReloadWatch
+
+            tasks.create_task(ReloadWatch(open_repository(env["FNGATE_REPO"]), client).run(stopping))
 
 
 def port_problem(host: str, port: int, flag: str = "--port") -> str:
@@ -409,15 +422,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _banner(state: UpState, api_key: str | None, grpc_port: int = 0) -> None:
+def _banner(state: UpState, api_key: str | None, grpc_port: int = 0, metrics_port: int = 0) -> None:
     base = state.gateway_url
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
     key_line = f"  admin API key: {api_key} (FNGATE_API_KEY for fngate deploy --gateway)\n" if api_key else ""
     host = base.removeprefix("http://").rpartition(":")[0]
     grpc_line = f"  gRPC (Open Inference Protocol, as Triton's): {host}:{grpc_port}\n" if grpc_port else ""
+    metrics = (
+        f"  Prometheus metrics, Triton's names too: http://127.0.0.1:{metrics_port}/metrics\n"
+        if metrics_port
+        else ""
+    )
     print(
         f"fngate up: gateway {base}, repository {state.repo}, redis {state.redis_url}\n"
-        f"{grpc_line}"
+        f"{grpc_line}{metrics}"
         f"{key_line}"
         "  runners start on the first invocation of their pool and stop when idle\n"
         f"  curl -s{auth} {base}/v1/functions",

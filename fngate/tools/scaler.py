@@ -15,7 +15,6 @@ import json
 import logging
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from redis.exceptions import RedisError
 
 from fngate import keys
 from fngate.backoff import Backoff, Health, backoff_s
-from fngate.process import ends_with_parent, stop_processes
+from fngate.process import ends_with_parent, module_command, stop_processes
 from fngate.registry import LOADING, read_runners
 
 log = logging.getLogger("fngate.tools.scaler")
@@ -36,6 +35,8 @@ CRASH_BACKOFF_S = 0.5
 MAX_CRASH_BACKOFF_S = 30.0
 STABLE_S = 30.0
 """A runner that lived this long before it died resets its pool's backoff."""
+IDLE_POLL_S = 2.0
+"""Between scaling passes while no runner runs (a pool's wake is heard at once all the same)."""
 STANDBY_SETTLE_S = 2.0
 """After a standby runner is handed a pool, its replacement waits this long at least (and then
 while any runner loads a model): the replacement's imports would take CPU from that cold start."""
@@ -127,7 +128,9 @@ class LocalScaler:
                     await self._tick()
                 backoff.succeeded()
                 self.health.succeeded()
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
+                # With no runner, a wake (a message) is what starts one: a quiet machine ticks slowly.
+                poll_s = self._poll_s if self._started else max(self._poll_s, IDLE_POLL_S)
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
                 while message is not None:  # every pool woken meanwhile, then one tick for all
                     async with asyncio.timeout(TICK_TIMEOUT_S):
                         await self._wake(message["data"].decode())
@@ -216,7 +219,7 @@ class LocalScaler:
             output = open(self._logs / f"runner-{label}-{self._spawned}.log", "ab")  # noqa: SIM115
         self._spawned += 1
         process = subprocess.Popen(
-            [sys.executable, "-m", "runner", *args],
+            module_command("runner", *args),
             env=env,
             stdin=subprocess.PIPE if args else None,
             stdout=output,

@@ -10,14 +10,14 @@ from starlette.routing import Route
 
 from gateway import control
 from gateway.auth import ADMIN, READ
+from gateway.http.bodies import control_json
 from gateway.http.guard import Guarded
-from gateway.http.protocol import load_json
 from gateway.http.rendering import json_response
 from gateway.state import services
 
 
 async def repository_index(request: Request) -> Response:
-    body = load_json(await request.body(), empty={})
+    body = await control_json(request, services(request).settings.body_timeout_s)
     entries = await control.repository_index(services(request).catalog, bool(body.get("ready", False)))
     return json_response(entries)
 

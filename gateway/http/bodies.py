@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
+from starlette.requests import Request
 from starlette.types import Message, Receive
 
 from fngate.errors import InvalidArgument
@@ -19,11 +21,13 @@ from gateway.budget import Hold
 from gateway.http.compression import INFLATE_STEP_BYTES, Inflater
 from gateway.http.decoding import JsonBodyDecoder
 from gateway.http.errors import BodyTimeout, PayloadTooLarge
-from gateway.http.protocol import InferRequest, header_size, v1_request, v2_request
+from gateway.http.protocol import InferRequest, header_size, load_json, v1_request, v2_request
 from gateway.invocations import RequestDigest
 from gateway.validation import OFF_LOOP_BYTES, parse_now
 
 STREAM_FROM_BYTES = OFF_LOOP_BYTES
+CONTROL_BODY_BYTES = 64 * 1024
+"""The most a control route's JSON body (repository index, traffic) may hold."""
 """Uncompressed bodies this large, or of unknown length, are decoded as they arrive; smaller ones
 are parsed whole (they cost at most a few MiB)."""
 
@@ -186,3 +190,10 @@ async def _receive_body(receive: Receive, limit: int, sink: Callable[[bytes], No
         elif part:
             sink(part)
     return bytes(chunks)
+
+
+async def control_json(request: Request, timeout_s: float) -> Any:
+    """A control route's JSON body ({} when empty), bounded by CONTROL_BODY_BYTES and `timeout_s`."""
+    declared = request.headers.get("content-length")
+    length = int(declared) if declared is not None and declared.isdigit() else None
+    return load_json(await read_body(request.receive, CONTROL_BODY_BYTES, length, timeout_s), empty={})

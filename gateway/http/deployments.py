@@ -1,8 +1,9 @@
-"""The deploy API: PUT, GET and DELETE /v1/functions/{name}, so that deployers need an API key with
-the `deploy` scope and neither S3 nor Redis credentials. The body of a PUT is a gzipped tar of the
-function's folder, `function.yaml` at its root; it is streamed to disk, bounded by max_deploy_bytes,
-and unpacked into a scratch folder (removed whatever happens) bounded by max_unpacked_bytes and
-max_unpack_ratio times its size."""
+"""The deploy API: PUT, GET and DELETE /v1/functions/{name}, and PUT /v1/functions/{name}/traffic,
+so that deployers need an API key with the `deploy` scope and neither S3 nor Redis credentials. The
+body of a PUT is a gzipped tar of the function's folder, `function.yaml` at its root; it is streamed
+to disk, bounded by max_deploy_bytes, and unpacked into a scratch folder (removed whatever happens)
+bounded by max_unpacked_bytes and max_unpack_ratio times its size. A traffic PUT is
+`{"traffic": {"3": 90, "4": 10}}`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from fngate.config import GatewaySettings
 from fngate.errors import FunctionNotFound, InvalidArgument
 from fngate.repository import MANIFEST_FILE, Repository, check_name
 from gateway.auth import DEPLOY
+from gateway.http.bodies import control_json
 from gateway.http.errors import PayloadTooLarge
 from gateway.http.guard import Guarded, principal_of
 from gateway.http.rendering import json_response
@@ -97,6 +99,22 @@ async def delete_function(request: Request) -> Response:
     return json_response({"removed": name, "versions": list(record.versions), "answered": answered})
 
 
+async def put_traffic(request: Request) -> Response:
+    """Route unpinned invocations to stored versions by weight, make before break (as `fngate
+    traffic` does directly); answers what GET answers, and how the loads went."""
+    name = check_name(request.path_params["name"])
+    body = await control_json(request, services(request).settings.body_timeout_s)
+    traffic = body.get("traffic") if isinstance(body, dict) else None
+    if not isinstance(traffic, dict) or not all(isinstance(weight, int) for weight in traffic.values()):
+        raise InvalidArgument('the body must be {"traffic": {"<version>": <weight>, ...}}')
+    weights = {str(version): weight for version, weight in traffic.items()}
+    record, note = await deployment.route(
+        deployer(request).repository(), services(request).redis, name, weights
+    )
+    log.info("routed %s: %s (key %s)", name, record.traffic, _key_id(request))
+    return json_response({**deployment.describe(record), "note": note})
+
+
 async def _receive(request: Request, target: Path, limit: int) -> int:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -149,4 +167,5 @@ ROUTES: list[Route] = [
     Guarded("/v1/functions/{name}", put_function, DEPLOY, methods=["PUT"]),
     Guarded("/v1/functions/{name}", get_function, DEPLOY, methods=["GET"]),  # HEAD too
     Guarded("/v1/functions/{name}", delete_function, DEPLOY, methods=["DELETE"]),
+    Guarded("/v1/functions/{name}/traffic", put_traffic, DEPLOY, methods=["PUT"]),
 ]

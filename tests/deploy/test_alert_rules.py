@@ -1,17 +1,23 @@
-"""deploy/prometheus/rules.yaml: parsed and checked for what an alert needs (names, durations,
-severity, texts) and for the metrics fngate exports; `promtool check rules` where it exists."""
+"""deploy/prometheus/rules.yaml (fngate's names) and triton-rules.yaml (Triton's, from the metrics
+port): parsed and checked for what an alert needs (names, durations, severity, texts) and for the
+metrics fngate exports; `promtool check rules` (scripts/bootstrap installs it). The alerts on
+Triton's names run on a real scrape in tests/e2e/test_triton_metrics.py."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from deploy_files import ROOT, find_tool
 
+from fngate import triton_metrics
+
 RULES = ROOT / "deploy" / "prometheus" / "rules.yaml"
+TRITON_RULES = ROOT / "deploy" / "prometheus" / "triton-rules.yaml"
 METRICS = {
     "fngate_request_success_total",
     "fngate_request_failure_total",
@@ -25,8 +31,8 @@ RECORD_NAME = re.compile(r"^[a-z_]+:[a-z0-9_]+:[a-z0-9_]+$")  # level:metric:ope
 TEMPLATE = re.compile(r"\{\{(.*?)\}\}")
 
 
-def rules() -> list[dict[str, Any]]:
-    document = yaml.safe_load(RULES.read_text(encoding="utf-8"))
+def rules(path: Path = RULES) -> list[dict[str, Any]]:
+    document = yaml.safe_load(path.read_text(encoding="utf-8"))
     assert set(document) == {"groups"}
     found: list[dict[str, Any]] = []
     for group in document["groups"]:
@@ -39,10 +45,11 @@ def alerts() -> dict[str, dict[str, Any]]:
     return {rule["alert"]: rule for rule in rules() if "alert" in rule}
 
 
-def test_every_rule_is_well_formed() -> None:
-    names = [rule.get("alert") or rule.get("record") for rule in rules()]
+@pytest.mark.parametrize("path", [RULES, TRITON_RULES], ids=lambda path: path.name)
+def test_every_rule_is_well_formed(path: Path) -> None:
+    names = [rule.get("alert") or rule.get("record") for rule in rules(path)]
     assert len(names) == len(set(names)), "duplicate rule names"
-    for rule in rules():
+    for rule in rules(path):
         assert ("alert" in rule) != ("record" in rule), rule
         assert isinstance(rule["expr"], str) and rule["expr"].strip()
         assert rule["expr"].count("(") == rule["expr"].count(")"), rule["expr"]
@@ -88,13 +95,26 @@ def test_alerts_cover_failures_latency_and_backlog() -> None:
         assert "by (function" in expr, expr  # one alert per function, named in its summary
 
 
-def test_promtool_accepts_the_rules() -> None:
+def test_tritons_rules_use_tritons_names_as_the_metrics_port_exports_them() -> None:
+    exported = {name for name, *_ in triton_metrics.INFERENCE} | {name for name, _, _ in triton_metrics.GPU}
+    recorded = {rule["record"] for rule in rules(TRITON_RULES) if "record" in rule}
+    for rule in rules(TRITON_RULES):
+        for name in re.findall(r"\b(?:nv_|model:)[a-z0-9_:]+", rule["expr"]):
+            assert name in exported or name in recorded, name
+        assert "fngate_" not in rule["expr"]
+    alerts = {rule["alert"]: rule["expr"] for rule in rules(TRITON_RULES) if "alert" in rule}
+    for expr in alerts.values():
+        assert "by (model" in expr or "by (gpu_uuid" in expr or expr.startswith("model:"), expr
+
+
+@pytest.mark.parametrize("path", [RULES, TRITON_RULES], ids=lambda path: path.name)
+def test_promtool_accepts_the_rules(path: Path) -> None:
     promtool = find_tool("promtool")
     if promtool is None:
         pytest.skip(
             "promtool is not installed (Debian: apt-get install prometheus); rules checked by parsing only"
         )
     done = subprocess.run(
-        [promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60, check=False
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -412,3 +412,41 @@ def test_a_gateway_has_room_for_the_largest_deploy_upload(mixed: list[dict[str, 
 def mebibytes(quantity: str) -> int:
     assert quantity.endswith("Mi"), quantity
     return int(quantity.removesuffix("Mi"))
+
+
+def test_every_flag_of_the_renderer_is_described(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        k8s.main(["--help"])
+    text = capsys.readouterr().out
+    flags = [
+        f"--{field.name.replace('_', '-').removesuffix('-s')}"
+        for field in k8s.dataclasses.fields(k8s.Options)
+    ]
+    assert set(k8s.FLAG_HELP) == {field.name for field in k8s.dataclasses.fields(k8s.Options)}
+    for flag in ["--functions", "--format", "--all-deployed", *flags]:
+        shown = flag.removesuffix("s") if flag in ("--service-annotations", "--source-ranges") else flag
+        assert shown in text or f"--no-{shown[2:]}" in text, flag
+    assert all(text.strip() for text in k8s.FLAG_HELP.values())
+
+
+def test_a_missing_functions_folder_is_an_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert k8s.main(["--functions", str(tmp_path / "missing")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"fngate k8s render: --functions folder {tmp_path / 'missing'} does not exist\n"
+
+
+def test_pools_left_out_are_said_and_all_deployed_renders_each(capsys: pytest.CaptureFixture[str]) -> None:
+    functions = ["--functions", str(ROOT / "functions")]
+    assert k8s.main(functions) == 0
+    captured = capsys.readouterr()
+    assert not [doc for doc in yaml.safe_load_all(captured.out) if doc["kind"] == "ScaledObject"]
+    every = ", ".join(sorted(manifest.name for manifest in k8s.load_functions(ROOT / "functions")))
+    assert f"no runner pools for {every}: not named with --deployed" in captured.err
+    assert k8s.main([*functions, "--all-deployed"]) == 0
+    captured = capsys.readouterr()
+    scaled = [doc for doc in yaml.safe_load_all(captured.out) if doc["kind"] == "ScaledObject"]
+    names = {manifest.name for manifest in k8s.load_functions(ROOT / "functions")}
+    pools = {pool.name for pool in k8s.pools(k8s.load_functions(ROOT / "functions"), sorted(names))}
+    assert len(scaled) == len(pools) >= 1
+    assert captured.err == ""

@@ -90,6 +90,8 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
             "30",
             "--no-auth",
             "--no-standby-runner",  # these tests count and kill the runners that serve
+            "--metrics-port",
+            "0",
         ]
         clean = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
         with open(log, "wb") as out:
@@ -329,7 +331,8 @@ async def test_one_fngate_up_per_state_folder(fngate_up: Callable[..., Any], rep
     state = Path(up.redis_url.removeprefix("unix://")).parent.parent
     second = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fngate.tools.cli", "up", "--repo", str(repo), "--port", str(free_port()),
-        "--grpc-port", "0", "--state-dir", str(state), "--no-auth", cwd=ROOT, stderr=asyncio.subprocess.PIPE,
+        "--grpc-port", "0", "--metrics-port", "0", "--state-dir", str(state), "--no-auth",
+        cwd=ROOT, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, err = await asyncio.wait_for(second.communicate(), 60)
     assert second.returncode == 1

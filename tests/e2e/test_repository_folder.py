@@ -4,7 +4,9 @@ invocation (make before break), `fngate ls`, `fngate rm`."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,7 +73,7 @@ async def test_deploy_roll_out_list_and_remove_in_a_folder(
 
         unloaded = await client.post("/v2/repository/models/scale/unload")  # explicit: 503 until a load
         assert unloaded.status_code == 200, unloaded.text
-        removed = await cli("rm", "scale", *flags, "--grace-s", "0.2")
+        removed = await cli("rm", "scale", *flags, "--grace-s", "0.2", "--yes")
         assert removed.returncode == 0, removed.stderr
         assert not (repo / "scale").exists()
         # Whether the gateway or the runner notices first, the answer is the same.
@@ -95,3 +97,120 @@ async def test_an_example_folder_is_not_deployed_over(tmp_path: Path, redis_url:
         "function.yaml",
         "model.onnx",
     ]
+
+
+async def test_traffic_rollback_and_a_removal_that_would_break_a_pipeline(
+    redis_url: str,
+    redis: aioredis.Redis,
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    base = await serve_gateway(repo=str(repo), catalog_refresh_s=0.2)
+    await inprocess_runner(repo=str(repo), rescan_s=0.3, heartbeat_s=0.5, retire_after_s=1)
+    flags = ("--repo", str(repo), "--redis", redis_url)
+    for number, factor in ((1, 2.0), (2, 3.0)):
+        deployed = await cli("deploy", str(scale_function(tmp_path / f"v{number}", "scale", factor)), *flags)
+        assert deployed.returncode == 0, deployed.stderr
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        first = await invoke(client, "/v1/functions/scale")  # loads version 2, the one served
+        assert first.status_code == 200 and first.json()["version"] == "2", first.text
+        answers: list[tuple[int, str]] = []
+
+        async def traffic() -> None:
+            """Until version 1 has answered a few times."""
+            while [version for _, version in answers[-3:]] != ["1"] * 3:
+                response = await client.post("/v1/functions/scale", json={"inputs": {"x": [[1.0, 2.0]]}})
+                answers.append((response.status_code, response.json().get("version", response.text)))
+
+        during = asyncio.create_task(traffic())
+        # Back to version 1: loaded beside version 2 (it is loaded) before the traffic moves.
+        rolled = await cli("rollback", "scale", *flags)
+        assert rolled.returncode == 0, rolled.stderr
+        assert "scale: traffic version 1: 100% (was version 2: 100%); serving versions 1" in rolled.stdout
+        assert "versions 1 loaded (" in rolled.stdout
+        await asyncio.wait_for(during, 30)
+        assert {status for status, _ in answers} == {200}, answers
+        versions = [version for _, version in answers]
+        assert versions == sorted(versions, reverse=True)  # version 2 until version 1 took over
+        # A split over stored versions, through the deploy API this time.
+        split = await cli("traffic", "scale", "1=50", "2=50", "--gateway", base, env={"FNGATE_API_KEY": "-"})
+        assert split.returncode == 0, split.stderr
+        await asyncio.sleep(0.5)  # the gateway's next catalog refresh
+        seen = {(await invoke(client, "/v1/functions/scale")).json()["version"] for _ in range(40)}
+        assert seen == {"1", "2"}
+        unknown = await cli("traffic", "scale", "7=100", *flags)
+        assert unknown.returncode == 2 and "no stored versions ['7']" in unknown.stderr
+
+        pipeline = tmp_path / "scaled" / "function.yaml"
+        pipeline.parent.mkdir()
+        pipeline.write_text(SCALED)
+        assert (await cli("deploy", str(pipeline), *flags)).returncode == 0
+        asked = await cli("rm", "scale", *flags)  # not a terminal: it needs --yes
+        assert asked.returncode == 2 and "pass --yes" in asked.stderr
+        refused = await cli("rm", "scale", *flags, "--yes")
+        assert refused.returncode == 2, refused.stderr
+        assert "is a step of pipeline scaled (version 1)" in refused.stderr
+        assert (await invoke(client, "/v1/functions/scaled")).status_code == 200
+        # The next deploy hands routing back to its manifest's policy (latest: version 3).
+        third = await cli("deploy", str(scale_function(tmp_path / "v3", "scale", 4.0)), *flags)
+        assert third.returncode == 0, third.stderr
+        assert "serving versions 3; traffic version 3: 100%" in third.stdout
+
+
+SCALED = """name: scaled
+inputs: [{name: x, datatype: FP32, shape: [-1, 2]}]
+outputs: [{name: y, datatype: FP32, shape: [-1, 2]}]
+batching: {max_batch_size: 16, timeout_ms: 20000}
+pipeline:
+  steps:
+    - {name: once, function: scale, inputs: {x: request.x}}
+  outputs: {y: once.y}
+"""
+
+
+async def test_the_curl_lines_a_deploy_prints_work(
+    redis_url: str,
+    redis: aioredis.Redis,
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    import redis as sync_redis
+
+    from fngate import apikeys
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    client = sync_redis.Redis.from_url(redis_url)
+    key, _ = apikeys.admin_key(client, tmp_path / "admin.key")
+    client.close()
+    base = await serve_gateway(repo=str(repo), catalog_refresh_s=0.2, auth=True)
+    await inprocess_runner(repo=str(repo))
+    flags = ("--repo", str(repo), "--redis", redis_url, "--gateway", base)
+    deployed = await cli("deploy", str(scale_function(tmp_path / "v1", "scale", 2.0)), *flags)
+    assert deployed.returncode == 0, deployed.stderr
+    lines = [line.strip() for line in deployed.stdout.splitlines() if line.strip().startswith("curl ")]
+    assert len(lines) == 2 and "/v2/models/scale/versions/1/infer" in lines[1], deployed.stdout
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30) as http:
+        assert (await invoke(http, "/v1/functions/scale")).status_code == 200  # the gateway knows it
+    for line in lines:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            ["bash", "-c", line.replace("curl -s", "curl -s --fail-with-body", 1)],
+            env={**os.environ, "FNGATE_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, (line, done.stdout, done.stderr)
+        assert "outputs" in done.stdout, done.stdout
+    # A version the policy does not serve gets no pinned line that would answer 404.
+    pinned = {"policy": "specific", "specific": ["1"]}
+    second = await cli("deploy", str(scale_function(tmp_path / "v2", "scale", 3.0, pinned)), *flags)
+    assert second.returncode == 0, second.stderr
+    assert "/versions/2/infer" not in second.stdout
+    assert "version 2 is stored, not served" in second.stdout

@@ -52,8 +52,8 @@ async def test_deploy_canary_pin_unload_reload(
     assert first.returncode == 0, first.stderr
     assert "deployed scale version 1" in first.stdout
     assert (
-        'curl -s -X POST http://127.0.0.1:8000/v1/functions/scale -H "Authorization: Bearer $FNGATE_API_KEY" '
-        '-d \'{"inputs":{"x":[[0.0,0.0]]}}\'' in first.stdout
+        "curl -s -X POST http://127.0.0.1:8000/v1/functions/scale "
+        '-H "Authorization: Bearer $FNGATE_API_KEY" -d \'{"inputs":{"x":[[0.0,0.0]]}}\'' in first.stdout
     )
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert answered_by(await invoke(client, "/v1/functions/scale"), factors) == "1"
@@ -242,7 +242,9 @@ async def test_removing_a_function_answers_its_queued_invocations(
             "not-loaded",
         ]
 
-        removed = await cli("rm", "doomed", "--repo", s3.repo, "--redis", redis_url, "--grace-s", "0.3")
+        removed = await cli(
+            "rm", "doomed", "--repo", s3.repo, "--redis", redis_url, "--grace-s", "0.3", "--yes"
+        )
         assert removed.returncode == 0, removed.stderr
         assert "answered 1 queued invocation with not_found" in removed.stdout
         response = await queued

@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import json
 import os
+import pty
+import select
 import shutil
 import socket
 import subprocess
@@ -270,3 +272,65 @@ async def test_invoke_sends_ups_admin_key_to_ups_gateway_only(
     code, _, err = await asyncio.to_thread(invoke, "--gateway", elsewhere)
     assert code == 2
     assert err.startswith("fngate invoke: 401"), err
+
+
+def test_deploy_needs_to_be_told_where_when_no_up_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    before = sorted(path.name for path in (ROOT / "functions").iterdir())
+    code, out, err = run(capsys, "deploy", str(ROOT / "functions" / "classifier" / "function.yaml"))
+    assert (code, out) == (2, "")
+    assert err.startswith("fngate deploy: no fngate up is running and no repository was given: pass --repo")
+    assert sorted(path.name for path in (ROOT / "functions").iterdir()) == before
+
+
+def invoke_on_a_terminal(*argv: str) -> tuple[int, str, str]:
+    """`fngate invoke ARGV` with stderr on a terminal, as a user at one sees it."""
+    primary, secondary = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fngate.tools.cli", "invoke", *argv],
+        stdout=subprocess.PIPE,
+        stderr=secondary,
+        cwd=ROOT,
+    )
+    os.close(secondary)
+    seen = b""
+    while True:
+        ready, _, _ = select.select([primary], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif process.poll() is not None:
+            break
+    os.close(primary)
+    assert process.stdout is not None
+    with process.stdout:
+        out = process.stdout.read().decode()
+    return process.wait(timeout=60), out, seen.decode(errors="replace")
+
+
+async def test_invoke_waits_out_a_cold_start_and_says_what_it_waits_for(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis: Any
+) -> None:
+    base = await serve_gateway()
+    await inprocess_runner(pool="slowload")  # its model takes 3 s to load
+    body = json.dumps({"x": [[1, 2, 3, 4]]})
+    code, out, err = await asyncio.to_thread(
+        invoke_on_a_terminal, "slowload", body, "--gateway", base, "--timeout-s", "2"
+    )
+    assert (code, out) == (1, "")
+    assert "loading slowload (" in err, err
+    assert "slowload did not answer within 2 s: its model is loading; wait longer with --timeout-s" in err
+    assert "no gateway" not in err
+    # By default it waits as long as the gateway may hold the invocation: the load, then its deadline.
+    code, out, err = await asyncio.to_thread(invoke_on_a_terminal, "slowload", body, "--gateway", base)
+    assert code == 0, err
+    assert json.loads(out)["outputs"]["y"] == [[2, 4, 6, 8]]
+    code, _, err = await asyncio.to_thread(
+        invoke_on_a_terminal, "slowload", body, "--gateway", "http://127.0.0.1:1"
+    )
+    assert code == 1
+    assert "no gateway answers at http://127.0.0.1:1" in err

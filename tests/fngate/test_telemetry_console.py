@@ -1,7 +1,9 @@
-"""On a terminal the gateway logs plain lines and an access log; elsewhere JSON lines."""
+"""On a terminal the gateway logs plain lines and an access log; elsewhere JSON lines. With
+OTEL_TRACES_EXPORTER=console its spans are written out, with no collector."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -9,6 +11,7 @@ import select
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -62,13 +65,16 @@ def test_gateway_on_a_terminal_logs_lines_and_an_access_log(redis_url: str, repo
         sock.close()
 
 
-def test_gateway_elsewhere_logs_json(redis_url: str, repo: Path, tmp_path: Path) -> None:
+def test_gateway_elsewhere_logs_json_and_writes_console_spans(
+    redis_url: str, repo: Path, tmp_path: Path
+) -> None:
     sock = free_socket()
     log = tmp_path / "gateway.log"
+    env = child_env(redis_url, repo, FNGATE_BIND=f"fd://{sock.fileno()}", OTEL_TRACES_EXPORTER="console")
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway"],
-            env=child_env(redis_url, repo, FNGATE_BIND=f"fd://{sock.fileno()}"),
+            env=env,
             pass_fds=[sock.fileno()],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -80,6 +86,16 @@ def test_gateway_elsewhere_logs_json(redis_url: str, repo: Path, tmp_path: Path)
             time.sleep(0.1)
         first = log.read_text().splitlines()[0]
         assert json.loads(first)["service"] == "gateway"
+        # With no collector, OTEL_TRACES_EXPORTER=console writes each span as it ends.
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/functions/classifier"
+        request = urllib.request.Request(url, data=b'{"inputs": {"nope": [[1]]}}', method="POST")
+        with contextlib.suppress(urllib.error.HTTPError):  # a 400 is traced like any request
+            urllib.request.urlopen(request, timeout=10).close()
+        while '"trace_id"' not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        text = log.read_text()
+        assert '"trace_id"' in text and '"name": "POST /v1/functions/' in text, text[-3000:]
+        assert '"kind": "SpanKind.SERVER"' in text
     finally:
         process.terminate()
         process.wait(timeout=15)

@@ -67,6 +67,7 @@ POLICY: dict[tuple[str, str], Policy] = {
     ("GET", "/v1/functions/{name}"): ("/v1/functions/nope", b"", DEPLOYERS, 404),
     ("HEAD", "/v1/functions/{name}"): ("/v1/functions/nope", b"", DEPLOYERS, 404),
     ("DELETE", "/v1/functions/{name}"): ("/v1/functions/nope", b"", DEPLOYERS, 404),
+    ("PUT", "/v1/functions/{name}/traffic"): ("/v1/functions/nope/traffic", b"", DEPLOYERS, 400),
     ("GET", "/v1/invocations/{id}"): ("/v1/invocations/" + "0" * 32, b"", ANY_KEY, 404),
     ("HEAD", "/v1/invocations/{id}"): ("/v1/invocations/" + "0" * 32, b"", ANY_KEY, 404),
     ("DELETE", "/v1/invocations/{id}"): ("/v1/invocations/" + "0" * 32, b"", ANY_KEY, 404),

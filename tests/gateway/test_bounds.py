@@ -471,3 +471,15 @@ async def test_long_names_are_cut_in_errors_and_an_invalid_one_is_400_on_deploy(
             response = await client.request(method, path, content=b"{}")
             assert response.status_code == status, (method, path[:40], response.text[:200])
             assert len(response.content) < 1024
+
+
+async def test_control_routes_refuse_a_body_past_their_small_bound(
+    serve_gateway: Callable[..., Any],
+) -> None:
+    base = await serve_gateway()
+    big = b'{"ready": true, "pad": "' + b"x" * (1024 * 1024) + b'"}'
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for method, path in [("POST", "/v2/repository/index"), ("PUT", "/v1/functions/nope/traffic")]:
+            response = await client.request(method, path, content=big)
+            assert response.status_code == 413, (method, path, response.text[:200])
+        assert (await client.post("/v2/repository/index", content=b"{}")).status_code == 200

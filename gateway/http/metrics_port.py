@@ -1,0 +1,111 @@
+"""The gateway's metrics port (8002 by default, as Triton's): GET /metrics without an API key, the
+gateway's fngate_* families beside Triton's nv_* names, for Prometheus and the dashboards and
+alerts Triton users run. Everything on it is read when it is scraped (the statistics hashes every
+runner adds to, the gateway's own counters, NVML); nothing is counted per invocation for it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from fngate import keys, status_port, triton_metrics
+from fngate.backoff import Health
+from fngate.config import GatewaySettings
+from fngate.nvml import read_gpus
+from fngate.registry import Source, function_source
+from gateway import metrics
+
+log = logging.getLogger(__name__)
+
+
+class MetricsPort:
+    """What one scrape answers. Its Redis client is this port's own, opened on the first scrape."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self._settings = settings
+        self._redis: aioredis.Redis | None = None
+        self._source: Source | None = None
+        self._health = Health("redis (metrics port)")
+
+    async def route(self, path: str) -> tuple[str, str, bytes]:
+        if path != "/metrics":
+            return status_port.NOT_FOUND
+        return "200 OK", CONTENT_TYPE_LATEST, await self.scrape()
+
+    async def scrape(self) -> bytes:
+        """fngate's families, then Triton's. With Redis down: the families that need none."""
+        families: list[triton_metrics.Family] = []
+        try:
+            families += await self._inference()
+            self._health.succeeded()
+        except (RedisError, OSError) as exc:
+            self._health.failed("scrape", exc)
+        collected = metrics.registry()
+        families += triton_metrics.cache_families(
+            metrics.counts(collected, "fngate_cache_hits"), metrics.counts(collected, "fngate_cache_misses")
+        )
+        families += triton_metrics.gpu_families(await asyncio.to_thread(read_gpus))
+        return generate_latest(collected) + triton_metrics.render(families)
+
+    async def _inference(self) -> list[triton_metrics.Family]:
+        """nv_inference_* of every served version of every function (pipelines have no batches of
+        their own), and the queue gauges /metrics refreshes too."""
+        redis = self._client()
+        if self._source is None:  # one source: a folder's digests are recomputed only on change
+            self._source = function_source(self._settings.repo, redis)
+        records = await self._source()
+        wanted = [
+            (name, version)
+            for name, record in sorted(records.items())
+            for version in record.served
+            if record.versions[version].manifest.pipeline is None
+        ]
+        async with redis.pipeline(transaction=False) as pipe:
+            for name, version in wanted:
+                pipe.hgetall(keys.statistics(name, version))
+            hashes: list[Any] = await pipe.execute()
+        await metrics.refresh_queue_gauges(redis, sorted({name for name, _ in wanted}))
+        return triton_metrics.inference_families(
+            [(name, version, raw) for (name, version), raw in zip(wanted, hashes, strict=True)]
+        )
+
+    def _client(self) -> aioredis.Redis:
+        if self._redis is None:
+            timeout_s = self._settings.redis_timeout_s
+            self._redis = aioredis.from_url(
+                self._settings.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+            )
+        return self._redis
+
+    async def aclose(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: GatewaySettings) -> AsyncIterator[None]:
+    """Serve the metrics port while inside (on `metrics_bind`, else on its own address)."""
+    if settings.metrics_bind.startswith("fd://"):
+        sock: socket.socket | None = socket.socket(fileno=int(settings.metrics_bind.removeprefix("fd://")))
+    else:
+        sock = status_port.bind(settings.metrics_host or settings.host, settings.metrics_port, "metrics")
+    if sock is None:
+        yield
+        return
+    port = MetricsPort(settings)
+    server = await status_port.start(port.route, "", 0, sock)
+    where = sock.getsockname()
+    log.info("metrics on http://%s:%d/metrics", where[0], where[1])
+    try:
+        yield
+    finally:
+        server.close()
+        await port.aclose()
