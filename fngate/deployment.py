@@ -14,7 +14,7 @@ from fngate import keys, queue
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import deploy_problems
-from fngate.registry import ControlOp, Registry, send_control, set_unloaded
+from fngate.registry import ControlOp, Registry, priorities_of, send_control, set_unloaded
 from fngate.repository import (
     MANIFEST_FILE,
     ArtifactFile,
@@ -72,9 +72,10 @@ async def withdraw(
     await asyncio.to_thread(repository.remove, record.name)
     await set_unloaded(redis, record.name, False)  # a function deployed again under this name starts loadable
     await send_control(redis, ControlOp("remove", record.name))
-    answered = await answer_queued(redis, record.name)
+    priorities = priorities_of(record)
+    answered = await answer_queued(redis, record.name, priorities)
     await asyncio.sleep(grace_s)
-    return answered + await answer_queued(redis, record.name)
+    return answered + await answer_queued(redis, record.name, priorities)
 
 
 async def publish(
@@ -136,11 +137,11 @@ def open_any(url: str) -> Repository:
     return open_repository(url)
 
 
-async def answer_queued(redis: aioredis.Redis, name: str) -> int:
+async def answer_queued(redis: aioredis.Redis, name: str, priorities: int = 1) -> int:
     """Answer every invocation queued for `name` (and those waiting on it) not_found, at every
     priority level; delete them."""
     answered = 0
-    for stream in keys.levels(name):
+    for stream in keys.levels(name, priorities):
         answered += await _answer_stream(redis, stream, name)
     return answered
 

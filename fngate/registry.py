@@ -75,7 +75,7 @@ class Registry:
     async def put(self, record: FunctionRecord) -> None:
         """Record the function, and make sure its stream and runner group exist (`create_stream`)."""
         doc = {"repo": self._repo, "versions": [encode_version(item) for item in record.versions.values()]}
-        await create_stream(self._redis, record.name)
+        await create_stream(self._redis, record.name, priorities_of(record))
         await self._redis.hset(keys.registry(), record.name, orjson.dumps(doc))
 
     async def remove(self, name: str) -> bool:
@@ -99,13 +99,18 @@ class Registry:
             log.warning("registry entry %s skipped: %s", name, problem)
 
 
-async def create_stream(redis: aioredis.Redis, function: str) -> None:
+def priorities_of(record: FunctionRecord) -> int:
+    """The most priority levels any stored version of the function has: streams for all of them."""
+    return max(version.manifest.batching.priorities for version in record.versions.values())
+
+
+async def create_stream(redis: aioredis.Redis, function: str, priorities: int = 1) -> None:
     """The function's invocation stream and its runner group, made when the function is deployed
     (idempotent). KEDA's pending-entries trigger runs XPENDING on the group, which fails with NOGROUP
     until the group exists, and KEDA 2.x scales no ScaledObject to zero while one of its triggers
     fails (kedacore/keda pkg/scaling/executor/scale_scaledobjects.go, `RequestScale`). Id 0, as the
     runners use: anything queued before the group existed is still delivered."""
-    for stream in keys.levels(function):  # every priority level's stream
+    for stream in keys.levels(function, priorities):  # every priority level's stream
         try:
             await redis.xgroup_create(stream, keys.RUNNER_GROUP, id="0", mkstream=True)
         except ResponseError as exc:

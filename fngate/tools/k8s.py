@@ -384,7 +384,8 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
     triggers: list[Obj] = []
     for manifest in pool.functions:
         lag_target, pending_target = targets(manifest, options)
-        for level, stream in enumerate(keys.levels(manifest.name)):  # every priority level counts
+        names = keys.level_names(manifest.batching.priorities)
+        for level, stream in enumerate(keys.levels(manifest.name, manifest.batching.priorities)):
             common = {"address": options.redis_address, "stream": stream}
             common |= {"consumerGroup": keys.RUNNER_GROUP, "databaseIndex": "0"}
             common["enableTLS"] = "true" if options.redis_tls else "false"
@@ -392,7 +393,7 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
             # entries (delivered, not yet acknowledged) keep it up while batches run.
             lag = common | {"lagCount": str(lag_target), "activationLagCount": "0"}
             pending = common | {"pendingEntriesCount": str(pending_target)}
-            suffix = f"-{keys.LEVELS[level]}" if level else ""
+            suffix = f"-{names[level]}" if level else ""  # every priority level counts
             for kind, metadata in (("lag", lag), ("pending", pending)):
                 trigger = {
                     "type": "redis-streams",

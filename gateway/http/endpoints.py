@@ -66,5 +66,8 @@ async def list_functions(request: Request) -> Response:
 
 async def prometheus(request: Request) -> Response:
     found = services(request)
-    await metrics.refresh_queue_gauges(found.redis, sorted(found.catalog.functions))
+    functions = found.catalog.functions
+    await metrics.refresh_queue_gauges(
+        found.redis, {name: functions[name].manifest.batching.priorities for name in sorted(functions)}
+    )
     return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
