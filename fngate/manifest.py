@@ -47,6 +47,9 @@ class TensorSpec(_Frozen):
     """An Open Inference Protocol datatype."""
     shape: tuple[int, ...] = Field(min_length=1)
     """Dimensions, -1 for a variable one; with batching on, the first is the batch dimension (-1)."""
+    reshape: tuple[int, ...] | None = None
+    """The shape the model takes (an input) or gives (an output) when it is not `shape`, without
+    the batch dimension (Triton's reshape); clients see `shape`."""
 
     @field_validator("name")
     @classmethod

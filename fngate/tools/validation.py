@@ -10,23 +10,7 @@ from typing import Any, TextIO
 from fngate.manifest import FunctionManifest, ManifestError, TensorSpec, load_manifest
 from fngate.pipeline import Problem, edge_problems
 from fngate.repository import MANIFEST_FILE
-
-# onnx.TensorProto element types by number (the protocol buffer's stable enum values).
-ONNX_DATATYPES = {
-    1: "FP32",
-    2: "UINT8",
-    3: "INT8",
-    4: "UINT16",
-    5: "INT16",
-    6: "INT32",
-    7: "INT64",
-    8: "BYTES",
-    9: "BOOL",
-    10: "FP16",
-    11: "FP64",
-    12: "UINT32",
-    13: "UINT64",
-}
+from fngate.tensors import ONNX_DATATYPES
 
 
 def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
