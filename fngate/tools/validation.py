@@ -18,6 +18,11 @@ def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
     failed = 0
     notes: set[str] = set()
     for path in files:
+        if path.is_dir():  # a Triton model repository, or one model's folder
+            from fngate.tools.triton import validate_repository
+
+            failed += bool(validate_repository(path, out, err))
+            continue
         problems, note = check(path)
         if note:
             notes.add(note)

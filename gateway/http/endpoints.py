@@ -44,7 +44,7 @@ async def model_ready(request: Request) -> Response:
     unloaded, until loaded again."""
     params = request.path_params
     function, ready = metadata.ready(services(request).catalog, params["name"], params.get("version"))
-    return json_response({"name": function.name, "ready": ready}, 200 if ready else 400)
+    return json_response({"name": function.manifest.model_name, "ready": ready}, 200 if ready else 400)
 
 
 async def model_config_json(request: Request) -> Response:
