@@ -40,7 +40,7 @@ class TritonModel:
     def __init__(self, module: ModuleType, path: Path, directory: Path, config: Mapping[str, Any]) -> None:
         self._config = dict(config)
         self._batched = int(self._config.get("max_batch_size", 0)) > 0
-        self.member_errors: dict[int, list[str]] = {}
+        self.member_errors: dict[str, list[str]] = {}
         name = str(self._config.get("name", path.parent.parent.name))
         groups = self._config.get("instance_group") or [{}]
         self._model = module.TritonPythonModel()
@@ -88,7 +88,7 @@ class TritonModel:
             error = response.error()
             if error is not None:
                 code = CODES.get(error.code(), ErrorCode.MODEL_FAILED)
-                self.member_errors[index] = [code.value, error.message()]
+                self.member_errors[str(index)] = [code.value, error.message()]
                 continue
             for tensor in response.output_tensors():
                 parts.setdefault(tensor.name(), []).append(tensor.as_numpy())
