@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -15,6 +15,8 @@ import yaml
 from fngate.manifest import FunctionManifest, ManifestError
 from fngate.repository import MANIFEST_FILE, is_triton_model, make_record
 from fngate.repository import FunctionVersion as Version
+
+ModelCheck = Callable[[FunctionManifest, Path], list[str]]
 
 
 def model_folders(path: Path) -> list[Path]:
@@ -66,11 +68,10 @@ def import_repository(repo: Path, out: Path, err: TextIO) -> list[Path]:
     return written
 
 
-def validate_repository(path: Path, out: TextIO, err: TextIO) -> int:
+def validate_repository(path: Path, out: TextIO, err: TextIO, check: ModelCheck | None = None) -> int:
     """`fngate validate` of a Triton model repository (or one model folder): every problem and
-    every warning; 2 when a model cannot be served."""
-    from fngate.tools.validation import onnx_problems
-
+    every warning; 2 when a model cannot be served. `check`: what else to find wrong with an ONNX
+    model's manifest against its file (fngate validate's onnx_problems)."""
     failed = 0
     for folder in model_folders(path):
         try:
@@ -82,7 +83,9 @@ def validate_repository(path: Path, out: TextIO, err: TextIO) -> int:
             continue
         for warning in warnings:
             print(f"{warning} (warning)", file=err)
-        problems = list(_model_problems(folder, manifest, onnx_problems))
+        problems = []
+        if check is not None and manifest.pipeline is None and manifest.model.backend == "onnxruntime":
+            problems = check(manifest, folder / manifest.model.path)
         for problem in problems:
             print(f"{folder}: {problem}", file=err)
         failed += bool(problems)
@@ -96,15 +99,6 @@ def validate_repository(path: Path, out: TextIO, err: TextIO) -> int:
                 f"{folder}: ok ({manifest.model_name} as {manifest.name} version {version}, {kind})", file=out
             )
     return 2 if failed else 0
-
-
-def _model_problems(folder: Path, manifest: FunctionManifest, onnx_problems: object) -> Iterator[str]:
-    if manifest.pipeline is not None or manifest.model.backend != "onnxruntime":
-        return
-    try:
-        yield from onnx_problems(manifest, folder / manifest.model.path)  # type: ignore[operator]
-    except ImportError:
-        return
 
 
 def deploy_paths(

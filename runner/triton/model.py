@@ -14,20 +14,20 @@ from typing import Any
 import numpy as np
 
 from fngate.errors import ErrorCode
-from runner.triton import utils
+from runner.triton import python_backend as pb_utils
 
 MODULE = "triton_python_backend_utils"
 CODES = {
-    utils.TritonError.INVALID_ARG: ErrorCode.INVALID_ARGUMENT,
-    utils.TritonError.NOT_FOUND: ErrorCode.NOT_FOUND,
-    utils.TritonError.UNAVAILABLE: ErrorCode.UNAVAILABLE,
+    pb_utils.TritonError.INVALID_ARG: ErrorCode.INVALID_ARGUMENT,
+    pb_utils.TritonError.NOT_FOUND: ErrorCode.NOT_FOUND,
+    pb_utils.TritonError.UNAVAILABLE: ErrorCode.UNAVAILABLE,
 }
 """Triton's error codes that say the caller's mistake or a passing state; the rest: model_failed."""
 
 
 def provide_utils() -> None:
     """Make `import triton_python_backend_utils` find fngate's module (before model.py is imported)."""
-    sys.modules.setdefault(MODULE, utils)
+    sys.modules.setdefault(MODULE, pb_utils)
 
 
 class TritonModel:
@@ -53,6 +53,8 @@ class TritonModel:
             "model_version": path.parent.name,
             "model_name": name,
         }
+        self.args = args
+        """What `initialize` was given, as Triton gives it."""
         initialize = getattr(self._model, "initialize", None)
         if callable(initialize):
             initialize(args)
@@ -71,9 +73,9 @@ class TritonModel:
                 for name, array in inputs.items()
             }
             offset += count
-            tensors = [utils.Tensor(name, array) for name, array in own.items()]
+            tensors = [pb_utils.Tensor(name, array) for name, array in own.items()]
             outputs = [item["name"] for item in self._config.get("output", ())]
-            requests.append(utils.InferenceRequest(self._config.get("name", ""), outputs, tensors))
+            requests.append(pb_utils.InferenceRequest(self._config.get("name", ""), outputs, tensors))
         responses = self._model.execute(requests)
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
@@ -81,7 +83,7 @@ class TritonModel:
         self.member_errors = {}
         parts: dict[str, list[np.ndarray[Any, Any]]] = {}
         for index, response in enumerate(responses):
-            if not isinstance(response, utils.InferenceResponse):
+            if not isinstance(response, pb_utils.InferenceResponse):
                 raise TypeError(
                     f"execute's answer {index} is a {type(response).__name__}, not an InferenceResponse"
                 )
