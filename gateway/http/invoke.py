@@ -229,6 +229,8 @@ def _call(
         telemetry.inject() if telemetry.tracing_active() else None,
         _later(request, function, parsed, raw) if request.respond_async else None,
         started,
+        priority=parsed.priority,
+        queue_timeout_us=parsed.queue_timeout_us,
     )
 
 

@@ -157,7 +157,7 @@ async def test_priorities_and_the_queue_size(
         assert await redis.xlen(stream) == 100
         refused = await infer(client, "bounded")
         assert refused.status_code == 503 and "retry-after" in refused.headers
-        assert "has 100 invocations queued (max_queue_size)" in refused.json()["error"]
+        assert "has too many invocations queued (max_queue_size)" in refused.json()["error"]
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
