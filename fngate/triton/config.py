@@ -418,7 +418,7 @@ def set_fields(message: Message, prefix: str = "") -> Iterator[str]:
     """The path of every field set in `message` (a map or an empty message counts as one field)."""
     for field, value in message.ListFields():
         path = f"{prefix}{field.name}"
-        if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type.GetOptions().map_entry:
+        if field.type != FieldDescriptor.TYPE_MESSAGE or _is_map(field):
             yield path
             continue
         items: Sequence[Message] = value if _repeated(field) else [value]
@@ -427,11 +427,15 @@ def set_fields(message: Message, prefix: str = "") -> Iterator[str]:
             yield from inner or [path]
 
 
-def _repeated(field: FieldDescriptor) -> bool:
-    repeated = getattr(field, "is_repeated", None)
+def _repeated(field: Any) -> bool:
+    repeated = getattr(field, "is_repeated", None)  # protobuf's newer spelling of label == REPEATED
     if repeated is not None:
         return bool(repeated)
     return bool(field.label == FieldDescriptor.LABEL_REPEATED)
+
+
+def _is_map(field: Any) -> bool:
+    return field.message_type is not None and bool(field.message_type.GetOptions().map_entry)
 
 
 def config_json(config: pb.ModelConfig) -> dict[str, Any]:
@@ -449,11 +453,12 @@ WIDE |= {FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
 
 
 def _numbers(message: Message, doc: dict[str, Any]) -> dict[str, Any]:
-    for field in message.DESCRIPTOR.fields:
+    fields: list[Any] = list(message.DESCRIPTOR.fields)
+    for field in fields:
         if field.name not in doc:
             continue
         value = getattr(message, field.name)
-        if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+        if field.type == FieldDescriptor.TYPE_MESSAGE and _is_map(field):
             entry = field.message_type.fields_by_name["value"]
             if entry.type == FieldDescriptor.TYPE_MESSAGE:
                 doc[field.name] = {key: _numbers(value[key], doc[field.name][key]) for key in value}
