@@ -22,6 +22,7 @@ from fngate.registry import (
     UNAVAILABLE,
     ControlOp,
     Registry,
+    priorities_of,
     read_runners,
     send_control,
     set_unloaded,
@@ -178,9 +179,10 @@ async def withdraw(
     await asyncio.to_thread(repository.remove, record.name)
     await set_unloaded(redis, record.name, False)  # a function deployed again under this name starts loadable
     await send_control(redis, ControlOp("remove", record.name))
-    answered = await answer_queued(redis, record.name)
+    priorities = priorities_of(record)
+    answered = await answer_queued(redis, record.name, priorities)
     await asyncio.sleep(grace_s)
-    return answered + await answer_queued(redis, record.name)
+    return answered + await answer_queued(redis, record.name, priorities)
 
 
 async def publish(
@@ -257,11 +259,11 @@ async def clear_cache(redis: aioredis.Redis, function: str) -> int:
     return cleared
 
 
-async def answer_queued(redis: aioredis.Redis, name: str) -> int:
+async def answer_queued(redis: aioredis.Redis, name: str, priorities: int = 1) -> int:
     """Answer every invocation queued for `name` (and those waiting on it) not_found, at every
     priority level; delete them."""
     answered = 0
-    for stream in keys.levels(name):
+    for stream in keys.levels(name, priorities):
         answered += await _answer_stream(redis, stream, name)
     return answered
 

@@ -14,17 +14,27 @@ levels before it leave. A level's index is its number in invocations()."""
 SYNC, ASYNC = 0, 1
 
 
-def invocations(function: str, level: int = SYNC) -> str:
+def invocations(function: str, level: int = SYNC, priority: int = 1) -> str:
     """The stream of pending invocations of one function at one priority level, read by the runner
-    group. Level 0 (synchronous) keeps the plain name; every other level has its number appended."""
+    group. Level 0 (synchronous) keeps the plain name; every other level has its number appended.
+    A synchronous invocation of a function with priority levels (its manifest's
+    batching.priority_levels, 1 the highest) past the first waits in a stream of its own."""
     if level == SYNC:
-        return f"{PREFIX}:q:{function}"
+        return f"{PREFIX}:q:{function}" if priority <= 1 else f"{PREFIX}:q:{function}:p{priority}"
     return f"{PREFIX}:q:{function}:{level}"
 
 
-def levels(function: str) -> tuple[str, ...]:
-    """The function's invocation streams, highest priority first."""
-    return tuple(invocations(function, level) for level in range(len(LEVELS)))
+def levels(function: str, priorities: int = 1) -> tuple[str, ...]:
+    """The function's invocation streams, highest priority first: one per priority level of its
+    synchronous invocations (`priorities`: batching.priorities), then the asynchronous level."""
+    synchronous = (invocations(function, SYNC, priority) for priority in range(1, priorities + 1))
+    return (*synchronous, invocations(function, ASYNC))
+
+
+def level_names(priorities: int = 1) -> tuple[str, ...]:
+    """What metrics and KEDA triggers call each of levels(function, priorities)."""
+    synchronous = ("sync",) if priorities <= 1 else tuple(f"sync-p{p}" for p in range(1, priorities + 1))
+    return (*synchronous, LEVELS[ASYNC])
 
 
 def dead_letters(function: str) -> str:

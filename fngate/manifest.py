@@ -16,6 +16,7 @@ from fngate.pipeline import REQUEST, STEP_REFERENCE, graph_problems
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
+TRITON_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 class _Frozen(BaseModel):
@@ -46,6 +47,9 @@ class TensorSpec(_Frozen):
     """An Open Inference Protocol datatype."""
     shape: tuple[int, ...] = Field(min_length=1)
     """Dimensions, -1 for a variable one; with batching on, the first is the batch dimension (-1)."""
+    reshape: tuple[int, ...] | None = None
+    """The shape the model takes (an input) or gives (an output) when it is not `shape`, without
+    the batch dimension (Triton's reshape); clients see `shape`."""
 
     @field_validator("name")
     @classmethod
@@ -103,6 +107,25 @@ class ModelSpec(_Frozen):
         return self
 
 
+MAX_PRIORITY_LEVELS = 16
+"""Each priority level is a stream of its own that every runner reads: a handful is plenty."""
+
+
+class QueuePolicySpec(_Frozen):
+    """How long an invocation may wait in its priority level's queue, and what happens then
+    (Triton's ModelQueuePolicy)."""
+
+    timeout_action: Literal["reject", "delay"] = "reject"
+    """Past its queue timeout an invocation is refused (reject: 504), or kept and served after
+    every invocation of its level that is still within its own (delay)."""
+    timeout_us: Annotated[int, Field(ge=0)] = 0
+    """The queue timeout; 0: none (the invocation's deadline, batching.timeout_ms, still holds)."""
+    allow_timeout_override: bool = False
+    """A request's `timeout` parameter (µs) may shorten the queue timeout (never lengthen it)."""
+    max_queue_size: Annotated[int, Field(ge=1)] | None = None
+    """Queued invocations of this level past which new ones get 503; None: batching.max_queue_size."""
+
+
 class BatchingSpec(_Frozen):
     """Dynamic batching across every gateway's invocations."""
 
@@ -127,12 +150,52 @@ class BatchingSpec(_Frozen):
     """Queued asynchronous invocations past which new ones get 503 with Retry-After; they wait in
     a queue of their own, served only with the batch slots synchronous invocations leave."""
 
+    priority_levels: Annotated[int, Field(ge=0, le=MAX_PRIORITY_LEVELS)] = 0
+    """Levels of the request parameter `priority`, 1 the highest; each level's invocations are
+    served before the next level's, across every gateway and runner. 0: one level."""
+    default_priority_level: Annotated[int, Field(ge=0, le=MAX_PRIORITY_LEVELS)] = 0
+    """The level of an invocation that names none (or one outside 1..priority_levels)."""
+    queue_policy: QueuePolicySpec = QueuePolicySpec()
+    """The queue policy of every level that priority_queue_policy does not name."""
+    priority_queue_policy: dict[Annotated[int, Field(ge=1, le=MAX_PRIORITY_LEVELS)], QueuePolicySpec] = Field(
+        default_factory=dict
+    )
+    """Queue policies by priority level."""
+
     @model_validator(mode="after")
     def _preferred(self) -> BatchingSpec:
         for size in self.preferred_batch_sizes:
             if size > self.max_batch_size:
                 raise ValueError(f"preferred batch size {size} is over max_batch_size {self.max_batch_size}")
         return self
+
+    @model_validator(mode="after")
+    def _priorities(self) -> BatchingSpec:
+        if self.priority_levels:
+            if not 1 <= self.default_priority_level <= self.priority_levels:
+                raise ValueError(
+                    f"default_priority_level {self.default_priority_level} must be one of the "
+                    f"priority_levels 1..{self.priority_levels}"
+                )
+        elif self.default_priority_level:
+            raise ValueError("default_priority_level needs priority_levels")
+        stray = sorted(level for level in self.priority_queue_policy if level > max(self.priority_levels, 1))
+        if stray:
+            raise ValueError(f"priority_queue_policy names levels {stray} past priority_levels")
+        return self
+
+    @property
+    def priorities(self) -> int:
+        """How many priority levels (streams) the function's synchronous invocations have."""
+        return max(self.priority_levels, 1)
+
+    def policy(self, level: int) -> QueuePolicySpec:
+        """The queue policy of priority `level` (1-based)."""
+        return self.priority_queue_policy.get(level, self.queue_policy)
+
+    def queue_limit(self, level: int) -> int:
+        """The most invocations priority `level` (1-based) may hold."""
+        return self.policy(level).max_queue_size or self.max_queue_size
 
 
 class CacheSpec(_Frozen):
@@ -258,6 +321,23 @@ class PipelineSpec(_Frozen):
         return self
 
 
+class TritonSpec(_Frozen):
+    """What a function read from a Triton model repository keeps of it, so that it answers as
+    Triton would (fngate.triton)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=255)]
+    """The model's name in Triton (its folder), which V2 clients use; may differ from the function's."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The model configuration as Triton's /config answers it (config.pbtxt as JSON)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not TRITON_NAME.match(value):
+            raise ValueError(f"{value!r} is not a model name (letters, digits, _ . -)")
+        return value
+
+
 class FunctionManifest(_Frozen):
     """A function: its model (or the pipeline of functions it is), tensors, batching, cache, scaling
     and versions."""
@@ -287,6 +367,8 @@ class FunctionManifest(_Frozen):
     cache: CacheSpec = CacheSpec()
     scaling: ScalingSpec = ScalingSpec()
     versions: VersionsSpec = VersionsSpec()
+    triton: TritonSpec | None = None
+    """Set for a model read from a Triton model repository (or imported from one)."""
 
     @field_validator("name")
     @classmethod
@@ -327,6 +409,11 @@ class FunctionManifest(_Frozen):
         if self.model_spec is None:
             raise AttributeError(f"function '{self.name}' is a pipeline: it has no model")
         return self.model_spec
+
+    @property
+    def model_name(self) -> str:
+        """The name V2 clients know it by: the Triton model's, else the function's."""
+        return self.triton.name if self.triton is not None else self.name
 
     @property
     def batched(self) -> bool:

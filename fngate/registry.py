@@ -83,7 +83,7 @@ class Registry:
         }
         if record.routing is not None:
             doc["routing"] = record.routing.encode()
-        await create_stream(self._redis, record.name)
+        await create_stream(self._redis, record.name, priorities_of(record))
         await self._redis.hset(keys.registry(), record.name, orjson.dumps(doc))
 
     async def remove(self, name: str) -> bool:
@@ -108,12 +108,17 @@ class Registry:
             log.warning("registry entry %s skipped: %s", name, problem)
 
 
-async def create_stream(redis: aioredis.Redis, function: str) -> None:
+def priorities_of(record: FunctionRecord) -> int:
+    """The most priority levels any stored version of the function has: streams for all of them."""
+    return max(version.manifest.batching.priorities for version in record.versions.values())
+
+
+async def create_stream(redis: aioredis.Redis, function: str, priorities: int = 1) -> None:
     """The function's invocation stream and its runner group, made when the function is deployed
     (idempotent), so that the gateways' and runners' stream commands and KEDA's lag query
     (XINFO GROUPS) meet one group from the start. Id 0, as the runners use: anything queued before
     the group existed is still delivered."""
-    for stream in keys.levels(function):  # every priority level's stream
+    for stream in keys.levels(function, priorities):  # every priority level's stream
         try:
             await redis.xgroup_create(stream, keys.RUNNER_GROUP, id="0", mkstream=True)
         except ResponseError as exc:

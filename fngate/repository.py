@@ -5,6 +5,8 @@ them the manifest's version policy serves, and where their files are. The folder
     {root}/{function}/{version}/...      a deployed version: its manifest and model files
     {root}/{function}/{version}.json     that version's index (files and sha256), written last
     {root}/{function}/routing.json       the routing `fngate traffic` or `rollback` set (until a deploy)
+    {root}/{model}/config.pbtxt          a Triton model, with its versions in {root}/{model}/{version}/
+                                         (fngate.triton: served as the function its name maps to)
 
 An S3 repository (fngate/s3.py) has the same layout under s3://bucket/prefix/."""
 
@@ -325,14 +327,20 @@ class FolderRepository:
             log.warning("repository folder %s does not exist", self.root)
             return found
         for folder in sorted(self.root.iterdir()):
-            if folder.is_dir() and DNS_LABEL.match(folder.name):
+            if folder.is_dir() and (DNS_LABEL.match(folder.name) or is_triton_model(folder)):
                 record = self._read(folder)
-                if record is not None:
-                    found[record.name] = record
+                if record is None:
+                    continue
+                if record.name in found:
+                    self._report(folder, f"function {record.name!r} is served from another folder already")
+                    continue
+                found[record.name] = record
         return found
 
     def get(self, name: str) -> FunctionRecord:
         record = self._read(self.root / check_name(name))
+        if record is None:  # a Triton model whose folder is not the function's name (text_model)
+            record = self._triton_record(name)
         if record is None:
             raise FunctionNotFound(f"function {name!r} is not in the repository")
         return record
@@ -394,6 +402,8 @@ class FolderRepository:
             else:
                 self._last_good[folder] = unversioned
             return make_record([unversioned]) if unversioned is not None else None
+        if is_triton_model(folder):
+            return self._read_triton(folder)
         versions = []
         for index in sorted(folder.glob("*.json")):
             if not VERSION.match(index.stem) or not (folder / index.stem).is_dir():
@@ -431,27 +441,79 @@ class FolderRepository:
         self._reported = {item for item in self._reported if item[0] != str(path)}  # said again if it recurs
         return FunctionVersion(manifest, "1", path.parent, self._digest(path.parent))
 
-    def _digest(self, folder: Path) -> str:
-        """sha256 over every file's name and contents; recomputed only when a file changes."""
+    def _triton_record(self, name: str) -> FunctionRecord | None:
+        folders = sorted(self.root.iterdir()) if self.root.is_dir() else []
+        for folder in folders:
+            if folder.name != name and folder.is_dir() and is_triton_model(folder):
+                record = self._read_triton(folder)
+                if record is not None and record.name == name:
+                    return record
+        return None
+
+    def _read_triton(self, folder: Path) -> FunctionRecord | None:
+        """A Triton model's versions (fngate.triton; protobuf loads with the first one read). What
+        fngate does not honour of its configuration is logged once, as a warning."""
+        from fngate.triton.models import read_model
+
+        try:
+            model = read_model(folder)
+        except ManifestError as exc:
+            self._report(folder, str(exc))
+            return None
+        for warning in model.warnings:
+            self._report(folder, warning, skipped=False)
+        versions = [
+            FunctionVersion(
+                item.manifest,
+                item.version,
+                folder,
+                self._digest(folder, (TRITON_CONFIG, item.version)),
+            )
+            for item in model.versions
+        ]
+        return make_record(versions)
+
+    def _digest(self, folder: Path, only: tuple[str, ...] = ()) -> str:
+        """sha256 over every file's name and contents (of the files and folders named in `only`,
+        when given); recomputed only when a file changes."""
         stamp = tuple(
             (str(item.relative_to(folder)), item.stat().st_size, item.stat().st_mtime_ns)
             for item in sorted(folder.rglob("*"))
-            if item.is_file() and "__pycache__" not in item.parts
+            if item.is_file()
+            and "__pycache__" not in item.parts
+            and (not only or item.relative_to(folder).parts[0] in only)
         )
-        cached = self._digests.get(folder)
+        key = folder / ",".join(only) if only else folder
+        cached = self._digests.get(key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
         digest = digest_of(
             ArtifactFile(Path(name).as_posix(), hash_file(folder / name), size) for name, size, _ in stamp
         )
-        self._digests[folder] = (stamp, digest)
+        self._digests[key] = (stamp, digest)
         return digest
 
-    def _report(self, path: Path, problem: str) -> None:
+    def _report(self, path: Path, problem: str, skipped: bool = True) -> None:
         # Scans repeat every few seconds: say each problem once, not on every scan.
         if (str(path), problem) not in self._reported:
             self._reported.add((str(path), problem))
-            log.warning("skipping %s: %s", path, problem)
+            if skipped:
+                log.warning("skipping %s: %s", path, problem)
+            else:
+                log.warning("%s", problem)
+
+
+TRITON_CONFIG = "config.pbtxt"
+
+
+def is_triton_model(folder: Path) -> bool:
+    """A Triton model's folder: a config.pbtxt, or numbered folders holding a model.onnx and no
+    index of fngate's own beside them (fngate.triton.models)."""
+    if (folder / TRITON_CONFIG).is_file():
+        return True
+    if (folder / MANIFEST_FILE).is_file() or any(folder.glob("*.json")):
+        return False
+    return any(VERSION.match(item.name) and (item / "model.onnx").is_file() for item in folder.glob("*/"))
 
 
 def _copy(source: Path, target: Path, progress: Progress) -> None:

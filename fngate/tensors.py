@@ -30,6 +30,22 @@ DATATYPES: dict[str, np.dtype[Any]] = {
     "FP64": np.dtype("<f8"),
     "BYTES": np.dtype(np.object_),
 }
+# onnx.TensorProto element types by number (the protocol buffer's stable enum values).
+ONNX_DATATYPES: dict[int, str] = {
+    1: "FP32",
+    2: "UINT8",
+    3: "INT8",
+    4: "UINT16",
+    5: "INT16",
+    6: "INT32",
+    7: "INT64",
+    8: "BYTES",
+    9: "BOOL",
+    10: "FP16",
+    11: "FP64",
+    12: "UINT32",
+    13: "UINT64",
+}
 _BY_KIND: dict[tuple[str, int], str] = {
     (dt.kind, dt.itemsize): name for name, dt in DATATYPES.items() if name != "BYTES"
 }

@@ -43,6 +43,10 @@ class Invocation:
     result_ttl_s: int = 0
     """An asynchronous invocation's: its result stream is kept this long after the reply (0: a
     synchronous one, whose reply stream is the gateway's)."""
+    queue_deadline_ms: int = 0
+    """Its priority level's queue timeout, as a time (0: none): past it, it is answered
+    deadline_exceeded, or with `delay` served after the level's others (fngate.queue.place)."""
+    delay: bool = False
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -69,6 +73,9 @@ class Invocation:
         }
         if self.result_ttl_s:  # asynchronous only: a synchronous header stays as it was
             header["rttl"] = self.result_ttl_s
+        if self.queue_deadline_ms:  # a queue policy's timeout only
+            header["qd"] = self.queue_deadline_ms
+            header["qdelay"] = self.delay
         return _encode(header, self.inputs)
 
     @classmethod
@@ -90,6 +97,8 @@ class Invocation:
             cache_ttl_s=header.get("cttl", 0),
             in_flight_key=header.get("fk"),
             result_ttl_s=header.get("rttl", 0),
+            queue_deadline_ms=header.get("qd", 0),
+            delay=header.get("qdelay", False),
         )
 
 

@@ -54,3 +54,8 @@ class Call:
     """Set by the core while the call holds a place in its key's limits."""
     span: Span | None = None
     """A span of the core's own that ends with the call (a pipeline's)."""
+    priority: int = 0
+    """Triton's `priority` parameter: its function's priority level (0: the default level)."""
+    queue_timeout_us: int | None = None
+    """Triton's `timeout` parameter as a queue timeout, where the level's policy lets it shorten its
+    own (fngate.queue.place)."""

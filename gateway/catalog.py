@@ -56,6 +56,8 @@ class Catalog:
         self._runners: list[RunnerView] = []
         self._ready: dict[str, set[str]] = {}
         self._unloaded: frozenset[str] = frozenset()
+        self._aliases: dict[str, str] = {}
+        """Triton model name -> function, where they differ (text_model -> text-model)."""
         self._rng = random.Random()
 
     @property
@@ -72,15 +74,20 @@ class Catalog:
         """Live runners and their model states, as of the last refresh."""
         return self._runners
 
+    def resolve(self, name: str) -> str:
+        """The function a V2 client's model name means: itself, or the function a Triton model of
+        that name is served as."""
+        return name if name in self._records else self._aliases.get(name, name)
+
     def record(self, name: str) -> FunctionRecord:
-        record = self._records.get(name)
+        record = self._records.get(self.resolve(name))
         if record is None:
             raise FunctionNotFound(f"function '{shown(name)}' is not deployed")
         return record
 
     def is_unloaded(self, name: str) -> bool:
         """Explicitly unloaded (model control) and not loaded since: not ready, invocations refused."""
-        return name in self._unloaded
+        return self.resolve(name) in self._unloaded
 
     def set_unloaded(self, name: str, unloaded: bool) -> None:
         """What this gateway knows at once; the others learn it from Redis on their next refresh."""
@@ -89,6 +96,7 @@ class Catalog:
     def get(self, name: str, version: str | None = None) -> FunctionVersion:
         """The version that answers an invocation: the pinned one if served, else one drawn by
         traffic weight. An explicitly unloaded function answers 503 until it is loaded."""
+        name = self.resolve(name)
         if name in self._unloaded:
             raise Unavailable(
                 f"function '{name}' is unloaded: POST /v2/repository/models/{name}/load serves it again"
@@ -97,6 +105,7 @@ class Catalog:
 
     def find(self, name: str, version: str | None = None) -> FunctionVersion:
         """As `get`, whether unloaded or not (metadata, configuration, readiness)."""
+        name = self.resolve(name)
         record = self.record(name)
         if version is not None:
             if version not in record.served:
@@ -121,6 +130,11 @@ class Catalog:
                 "catalog: %d functions (added %s, removed %s)", len(records), sorted(added), sorted(removed)
             )
         self._records = records
+        self._aliases = {
+            record.newest().manifest.model_name: name
+            for name, record in records.items()
+            if record.newest().manifest.model_name != name
+        }
         await self.refresh_states()
 
     async def refresh_states(self) -> None:

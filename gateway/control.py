@@ -36,8 +36,9 @@ async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[d
         for version in sorted(versions & record.versions.keys(), key=int):
             state = catalog.state(name, version)
             if not ready_only or state.state == READY:
+                model = record.newest().manifest.model_name  # a Triton model's own name
                 entries.append(
-                    {"name": name, "version": version, "state": state.state, "reason": state.reason}
+                    {"name": model, "version": version, "state": state.state, "reason": state.reason}
                 )
     return entries
 

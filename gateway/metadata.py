@@ -37,7 +37,7 @@ def model(catalog: Catalog, name: str, pinned: str | None = None) -> dict[str, A
         versions = list(record.served)
     manifest = function.manifest
     return {
-        "name": manifest.name,
+        "name": manifest.model_name,
         "versions": versions,
         "platform": platform_of(manifest),
         "inputs": [_tensor(spec) for spec in manifest.inputs],
@@ -79,11 +79,13 @@ async def statistics(
             for version in record.served
         ]
     elif pinned is not None:
+        name = catalog.resolve(name)
         record = catalog.record(name)
         if pinned not in record.versions:
             raise FunctionNotFound(f"function '{name}' has no version '{pinned[:64]}'")
         wanted = [(name, pinned)]
     else:
+        name = catalog.resolve(name)
         wanted = [(name, version) for version in catalog.record(name).served]
     try:
         async with redis.pipeline(transaction=False) as pipe:
@@ -94,7 +96,7 @@ async def statistics(
         raise Unavailable(f"statistics are unavailable: {exc}") from exc
     return {
         "model_stats": [
-            model_stats(function, version, raw)
+            model_stats(catalog.record(function).newest().manifest.model_name, version, raw)
             for (function, version), raw in zip(wanted, hashes, strict=True)
         ]
     }

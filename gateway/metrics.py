@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -60,13 +61,13 @@ QUEUE_PENDING = Gauge(
 )
 
 
-async def refresh_queue_gauges(redis: aioredis.Redis, functions: list[str]) -> None:
-    """Read the length and group state of each function's stream at every priority level: one
-    round trip, at scrape time."""
+async def refresh_queue_gauges(redis: aioredis.Redis, functions: Mapping[str, int]) -> None:
+    """Read the length and group state of each function's stream at every priority level
+    (`functions`: name -> its priority levels, batching.priorities): one round trip, at scrape time."""
     streams = [
         (name, level, stream)
-        for name in functions
-        for level, stream in zip(keys.LEVELS, keys.levels(name), strict=True)
+        for name, priorities in functions.items()
+        for level, stream in zip(keys.level_names(priorities), keys.levels(name, priorities), strict=True)
     ]
     async with redis.pipeline(transaction=False) as pipe:
         for _name, _level, stream in streams:

@@ -18,7 +18,11 @@ def data_type(datatype: str) -> str:
 
 
 def platform_of(manifest: FunctionManifest) -> str:
-    """What model metadata reports: Triton's platform, "python", or "ensemble" for a pipeline."""
+    """What model metadata reports: Triton's platform, "python", or "ensemble" for a pipeline (for
+    a Triton model, what Triton reports: its platform, else its backend)."""
+    if manifest.triton is not None:
+        config = manifest.triton.config
+        return str(config.get("platform") or config.get("backend") or "")
     if manifest.pipeline is not None:
         return "ensemble"
     return PLATFORMS[manifest.model.backend] or "python"
@@ -29,7 +33,10 @@ def backend_of(manifest: FunctionManifest) -> str:
 
 
 def model_config(manifest: FunctionManifest) -> dict[str, Any]:
-    """The configuration of one version. With batching on, dims leave out the batch dimension."""
+    """The configuration of one version. With batching on, dims leave out the batch dimension. A
+    Triton model answers its own configuration, as Triton completed it."""
+    if manifest.triton is not None:
+        return manifest.triton.config
     if manifest.pipeline is not None:
         return ensemble_config(manifest)
     batching = manifest.batching

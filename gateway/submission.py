@@ -84,6 +84,7 @@ def synchronous(
     lookup = entry if call.use_cache and lookup_in_queue else ""
     if plan is None:
         in_flight = marker if call.use_cache else ""
+        placement = queue.place(manifest.name, manifest.batching, call.priority, call.queue_timeout_us)
         invocation = Invocation(
             id=invocation_id,
             function=manifest.name,
@@ -97,13 +98,15 @@ def synchronous(
             cache_key=entry or None,
             cache_ttl_s=manifest.cache.ttl_s,
             in_flight_key=in_flight or None,
+            queue_deadline_ms=now_ms + placement.queue_timeout_ms if placement.queue_timeout_ms else 0,
+            delay=placement.delay,
         )
         script = queue.enqueue_call(
-            keys.invocations(manifest.name),
+            placement.stream,
             invocation.encode(),
             waiter,
             timeout_ms,
-            manifest.batching.max_queue_size,
+            placement.max_queue_size,
             manifest.batching.max_queue_bytes,
             lookup=lookup,
             in_flight=in_flight,

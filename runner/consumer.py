@@ -57,7 +57,7 @@ class FunctionConsumer:
         self._settings = settings
         self._consumer = consumer
         self._stopping = stopping
-        self._streams = keys.levels(function.name)
+        self._streams = keys.levels(function.name, function.manifest.batching.priorities)
         self._pending: list[Entry] = []
         self._running: Sequence[Entry] = ()
         self._arrived = asyncio.Event()
@@ -118,13 +118,15 @@ class FunctionConsumer:
                 if failures or not self._reclaim.last_claim:
                     await self._ensure_group()
                 await self._reclaim.due(self._held)
-                room = self._read_ahead - len(self._pending)
-                if room <= 0:
+                rooms = queue.rooms(
+                    self._read_ahead, [entry.level for entry in self._pending], len(self._streams)
+                )
+                if rooms[0] <= 0:
                     self._room.clear()
                     async with asyncio.timeout(self._settings.claim_interval_ms / 1000):
                         await self._room.wait()
                     continue
-                await self._read_by_priority(room)
+                await self._read_by_priority(rooms)
                 failures = 0
             except TimeoutError:
                 continue
@@ -137,32 +139,39 @@ class FunctionConsumer:
                 )
                 await asyncio.sleep(delay_s)
 
-    async def _read_by_priority(self, room: int) -> None:
-        """Take what waits, synchronous invocations first (queue.READ_LEVELS); with nothing waiting,
-        block on every level's stream at once until something arrives. While the lower levels are
-        empty (the usual case), the blocking read alone does both in one round trip: it returns at
-        once with what the synchronous level holds. Should lower-level entries arrive meanwhile, it
-        may take up to `room` of them beside the synchronous ones (they still run after them), and
-        the reads go through READ_LEVELS again until those levels are empty."""
+    async def _read_by_priority(self, rooms: list[int]) -> None:
+        """Take what waits, highest level first (queue.READ_LEVELS; `rooms`: queue.rooms); with
+        nothing waiting, block on the streams of every level that has room at once until something
+        arrives. While the lower levels are empty (the usual case), the blocking read alone does
+        both in one round trip: it returns at once with what the first level holds. Should
+        lower-level entries arrive meanwhile, it may take up to the first level's room of them
+        beside the first level's (they still run after them), and the reads go through READ_LEVELS
+        again until those levels are empty."""
         found = []
+        room = rooms[0]
         if not self._lower_levels_empty:
             found = queue.level_entries(
-                await self._read_levels(list(self._streams), [keys.RUNNER_GROUP, self._consumer, room]),
+                await self._read_levels(list(self._streams), [keys.RUNNER_GROUP, self._consumer, *rooms]),
                 self._streams,
             )
             # Fewer than its room: the script read every level and each had less than it asked.
-            self._lower_levels_empty = len(found) < room
+            self._lower_levels_empty = len(found) < rooms[-1]
         if not found:
             block = min(self._settings.read_block_ms, self._settings.claim_interval_ms)
+            # Levels whose room is taken by what this consumer holds are not read: a lower level's
+            # burst waits in Redis while a higher level may still come in.
+            open_streams = self._streams[: sum(1 for item in rooms if item > 0)]
             response = await self._reads.execute(
                 *("XREADGROUP", "GROUP", keys.RUNNER_GROUP, self._consumer, "COUNT", room, "BLOCK", block),
-                *("STREAMS", *self._streams, *(">" for _ in self._streams)),
+                *("STREAMS", *open_streams, *(">" for _ in open_streams)),
                 timeout_s=block / 1000 + self._settings.redis_timeout_s,
             )
             found = queue.level_entries(response, self._streams)
             # XREADGROUP answers for every stream that holds new entries: none from below level 0
             # means those levels had none.
-            self._lower_levels_empty = all(level == 0 for level, _, _ in found)
+            self._lower_levels_empty = len(open_streams) == len(self._streams) and all(
+                level == 0 for level, _, _ in found
+            )
         for level in range(len(self._streams)):
             await self._accept(
                 ((entry_id, fields) for at, entry_id, fields in found if at == level), level=level
@@ -234,6 +243,9 @@ class FunctionConsumer:
         """Answer expired entries, then run a batch or say how many µs to wait for more."""
         manifest = self.function.manifest
         now_ms = int(time.time() * 1000)
+        if any(entry.invocation.delay for entry in self._pending):
+            # DELAY: past its queue timeout, an invocation goes behind its level's others.
+            self._pending.sort(key=lambda entry: (entry.level, is_delayed(entry.invocation, now_ms)))
         step = next_step(
             [self._waiting(entry, now_ms) for entry in self._pending],
             now_ms,
@@ -267,7 +279,7 @@ class FunctionConsumer:
         queued_ms, group, rows = known
         # The loading rule: time spent waiting for the model's load does not count.
         deadline_ms = self._models.deadline_ms(
-            self.function.name, invocation.version, invocation.deadline_ms, queued_ms, now_ms
+            self.function.name, invocation.version, start_deadline_ms(invocation), queued_ms, now_ms
         )
         return Waiting(deadline_ms, queued_ms, group, rows, entry.alone)
 
@@ -362,6 +374,20 @@ class FunctionConsumer:
                 len(replies),
                 exc,
             )
+
+
+def start_deadline_ms(invocation: Invocation) -> int:
+    """When the invocation must have started: its deadline, or its queue timeout when that refuses
+    (REJECT) and comes first."""
+    queued = invocation.queue_deadline_ms
+    if queued and not invocation.delay:
+        return min(queued, invocation.deadline_ms)
+    return invocation.deadline_ms
+
+
+def is_delayed(invocation: Invocation, now_ms: int) -> bool:
+    """Past a queue timeout whose action is DELAY: served after its level's other invocations."""
+    return invocation.delay and 0 < invocation.queue_deadline_ms <= now_ms
 
 
 def _at_level(level: int, entries: Sequence[Entry], replies: Sequence[Reply]) -> list[Reply]:

@@ -18,7 +18,7 @@ from fngate.errors import FunctionError, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.tensors import DATATYPES
 from fngate.wire import Invocation, Reply, Tensors
-from runner.backends import Backend
+from runner.backends import Backend, MemberErrors
 
 if TYPE_CHECKING:
     from runner.models import LoadedModel, LoadedModels
@@ -201,8 +201,17 @@ def execute(
     """Blocking: run it in a worker thread. Never raises; a failure becomes each member's reply."""
     rows = [invocation.rows if manifest.batched else 1 for invocation in batch]
     total = sum(rows)
+    failed: dict[int, FunctionError] = {}
     try:
-        outputs = _run(backend, manifest, batch, total)
+        try:
+            results = _run(backend, manifest, batch, rows)
+        except MemberErrors as exc:  # some members failed alone (a Triton model's error responses)
+            results, failed = exc.outputs, exc.errors
+            if len(failed) == len(batch):
+                return [_failed(item, failed[index], batch_id, total) for index, item in enumerate(batch)]
+        served = sum(count for index, count in enumerate(rows) if index not in failed)
+        given = reshaped(manifest.outputs, results, manifest.batched)
+        outputs = check_outputs(manifest, given, served if manifest.batched else None)
     except FunctionError as exc:
         return [_failed(invocation, exc, batch_id, total) for invocation in batch]
     except Exception as exc:
@@ -210,7 +219,10 @@ def execute(
         return [_failed(invocation, error, batch_id, total) for invocation in batch]
     replies = []
     offset = 0
-    for invocation, count in zip(batch, rows, strict=True):
+    for index, (invocation, count) in enumerate(zip(batch, rows, strict=True)):
+        if index in failed:
+            replies.append(_failed(invocation, failed[index], batch_id, total))
+            continue
         wanted = invocation.outputs or outputs.keys()
         own = {
             name: outputs[name][offset : offset + count] if manifest.batched else outputs[name]
@@ -221,7 +233,11 @@ def execute(
     return replies
 
 
-def _run(backend: Backend, manifest: FunctionManifest, batch: Sequence[Invocation], total: int) -> Tensors:
+def _run(
+    backend: Backend, manifest: FunctionManifest, batch: Sequence[Invocation], rows: list[int]
+) -> Tensors:
+    """The backend's outputs for the batch, as it gave them; raises MemberErrors when some of the
+    invocations failed alone."""
     if len(batch) == 1:
         inputs = batch[0].inputs
     else:
@@ -229,8 +245,29 @@ def _run(backend: Backend, manifest: FunctionManifest, batch: Sequence[Invocatio
             spec.name: np.concatenate([invocation.inputs[spec.name] for invocation in batch])
             for spec in manifest.inputs
         }
+    inputs = reshaped(manifest.inputs, inputs, manifest.batched, to_model=True)
     names = [spec.name for spec in manifest.outputs]
-    return check_outputs(manifest, backend.run(inputs, names), total if manifest.batched else None)
+    if getattr(backend, "takes_rows", False):  # it answers each invocation on its own (python)
+        return backend.run(inputs, names, rows)  # type: ignore[call-arg]
+    return backend.run(inputs, names)
+
+
+def reshaped(specs: Sequence[TensorSpec], tensors: Tensors, batched: bool, to_model: bool = False) -> Tensors:
+    """Tensors whose spec has a `reshape` (Triton's), to the shape the model takes (`to_model`) or
+    from the shape it gives to the declared one; the batch dimension stays as it is."""
+    if not any(spec.reshape is not None for spec in specs):
+        return tensors
+    out = dict(tensors)
+    for spec in specs:
+        array = tensors.get(spec.name)
+        if spec.reshape is None or not isinstance(array, np.ndarray):
+            continue
+        target = spec.reshape if to_model else (spec.shape[1:] if batched else spec.shape)
+        try:
+            out[spec.name] = array.reshape((array.shape[0], *target) if batched else target)
+        except ValueError as exc:
+            raise ModelFailed(f"tensor '{spec.name}' of shape {list(array.shape)}: {exc}") from None
+    return out
 
 
 def check_outputs(manifest: FunctionManifest, results: Tensors, rows: int | None) -> Tensors:

@@ -178,7 +178,8 @@ def serve(model: Any, name: str, requests: int, replies: int) -> None:
         if header.get("op") == "close":
             return
         try:
-            outputs = _infer(model, name, decode_tensors(header["tensors"], body), header["outputs"])
+            inputs = decode_tensors(header["tensors"], body)
+            outputs = _infer(model, name, inputs, header["outputs"], header.get("rows"))
             specs, buffers = encode_tensors(outputs)
         except FunctionError as exc:
             send(replies, {"error": exc.message, "code": exc.code.value})
@@ -187,11 +188,13 @@ def serve(model: Any, name: str, requests: int, replies: int) -> None:
             message = f"function '{name}' failed: {type(exc).__name__}: {exc}"
             send(replies, {"error": message, "code": ErrorCode.MODEL_FAILED.value})
             continue
-        send(replies, {"tensors": specs}, buffers)
+        errors = getattr(model, "member_errors", None)  # invocations that failed alone (runner.triton)
+        send(replies, {"tensors": specs, **({"errors": errors} if errors else {})}, buffers)
 
 
-def _infer(model: Any, name: str, inputs: Tensors, wanted: Sequence[str]) -> Tensors:
-    results = model.infer(inputs)
+def _infer(model: Any, name: str, inputs: Tensors, wanted: Sequence[str], rows: Any = None) -> Tensors:
+    takes_rows = getattr(model, "takes_rows", False)
+    results = model.infer(inputs, rows) if takes_rows else model.infer(inputs)
     if not isinstance(results, dict):
         raise TypeError(f"Model.infer returned {type(results).__name__}, not a dict of arrays")
     outputs: Tensors = {}
@@ -206,7 +209,12 @@ def _infer(model: Any, name: str, inputs: Tensors, wanted: Sequence[str]) -> Ten
     return outputs
 
 
-def load_model(module_path: Path, directory: Path) -> Any:
+def load_model(module_path: Path, directory: Path, triton_config: dict[str, Any] | None = None) -> Any:
+    """model.py's Model, or its TritonPythonModel (Triton's Python backend, runner.triton) with the
+    model configuration `triton_config`."""
+    from runner.triton.model import TritonModel, provide_utils
+
+    provide_utils()
     spec = importlib.util.spec_from_file_location("fngate_function", module_path)
     if spec is None or spec.loader is None:
         raise ValueError(f"{module_path.name} is not a Python module")
@@ -214,8 +222,10 @@ def load_model(module_path: Path, directory: Path) -> Any:
     sys.modules["fngate_function"] = module
     spec.loader.exec_module(module)
     model_class = getattr(module, "Model", None)
+    if model_class is None and hasattr(module, "TritonPythonModel"):
+        return TritonModel(module, module_path, directory, triton_config or {})
     if model_class is None:
-        raise ValueError(f"{module_path.name} defines no class Model")
+        raise ValueError(f"{module_path.name} defines no class Model (nor Triton's TritonPythonModel)")
     return model_class(directory)
 
 
@@ -232,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--module", required=True, type=Path)
     parser.add_argument("--directory", required=True, type=Path)
     parser.add_argument("--parent", required=True, type=int)
+    parser.add_argument("--triton-config", type=orjson.loads, default=None, help="a Triton model's config")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when its functions stop
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
@@ -239,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests, replies = 0, os.dup(1)
     os.dup2(2, 1)
     try:
-        model = load_model(args.module, args.directory)
+        model = load_model(args.module, args.directory, args.triton_config)
     except Exception as exc:
         traceback.print_exc()
         send(replies, {"error": f"{type(exc).__name__}: {exc}", "code": ErrorCode.INVALID_ARGUMENT.value})

@@ -152,3 +152,16 @@ def test_the_front_ends_do_not_import_each_other() -> None:
         if any(name.startswith(other) for name in module_imports(path))
     ]
     assert offenders == []
+
+
+def test_triton_schema_loads_only_where_a_triton_repository_is_read() -> None:
+    """protobuf and tritonclient load with fngate.triton (imported when a Triton model folder is
+    read) and the gRPC front end, never with the rest of fngate or the gateway's core."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in ("fngate", "gateway")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if not {"triton", "grpc"} & set(path.relative_to(ROOT).parts)
+        and imported_packages(path, top_level_only=True) & {"tritonclient", "google"}
+    ]
+    assert offenders == []

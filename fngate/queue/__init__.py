@@ -47,7 +47,10 @@ from fngate.queue.invocations import (
 )
 from fngate.queue.levels import (
     READ_LEVELS,
+    Placement,
     level_entries,
+    place,
+    rooms,
 )
 from fngate.queue.results import (
     CALLBACK,
@@ -120,6 +123,7 @@ __all__ = [
     "Hit",
     "Limited",
     "Outgoing",
+    "Placement",
     "Queued",
     "Result",
     "ScriptCall",
@@ -145,7 +149,9 @@ __all__ = [
     "parse_join",
     "parse_result",
     "parse_submit_async",
+    "place",
     "queue_bytes",
+    "rooms",
     "submit_async_call",
     "waiters",
 ]

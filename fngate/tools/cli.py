@@ -80,11 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     runner.add_argument("--pool", help="the runner pool this runner serves (FNGATE_POOL)")
     runner.add_argument("--functions", nargs="+", metavar="NAME", help="serve only these functions")
 
-    validate = commands.add_parser(
-        "validate",
-        help="check manifests as deploy does, and against their ONNX models; print every problem",
-    )
-    validate.add_argument("files", nargs="+", type=Path, metavar="FILE", help="function.yaml files")
+    _validation_parsers(commands)
 
     commands.add_parser(
         "schema", help="print the JSON Schema of function.yaml (also docs/function.schema.json)"
@@ -240,6 +236,8 @@ def _run(args: argparse.Namespace) -> int:
         from fngate.tools.validation import validate_files
 
         return validate_files(args.files, sys.stdout, sys.stderr)
+    if args.command == "import-triton":
+        return _import_triton(args.repo, args.out)
     if args.command == "schema":
         from fngate.manifest import schema_json
 
@@ -292,7 +290,8 @@ def _add_repository_commands(commands: Any) -> None:
         type=Path,
         nargs="+",
         metavar="FILE",
-        help="manifests (function.yaml); pipelines go last, and their steps may call functions given here",
+        help="manifests (function.yaml) or Triton model repositories; pipelines go last, and their steps "
+        "may call functions given here",
     )
     _repository_flags(deploy)
     deploy.add_argument(
@@ -404,6 +403,42 @@ def targets(repo: str | None, redis_url: str | None) -> tuple[str, str]:
     return repo, redis_url
 
 
+def _validation_parsers(commands: Any) -> None:
+    """validate, and import-triton (which validates a Triton repository as it goes)."""
+    validate = commands.add_parser(
+        "validate",
+        help="check manifests as deploy does, and against their ONNX models; print every problem",
+    )
+    validate.add_argument(
+        "files",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="function.yaml files, or Triton model repositories",
+    )
+    parser = commands.add_parser(
+        "import-triton", help="write function.yaml files for the models of a Triton model repository"
+    )
+    parser.add_argument("repo", type=Path, help="a Triton model repository (folders with config.pbtxt)")
+    parser.add_argument("out", type=Path, help="an empty folder for the functions")
+
+
+def _import_triton(repo: Path, out: Path) -> int:
+    from fngate.manifest import ManifestError
+    from fngate.tools.triton import import_repository, is_triton_repository
+
+    if not is_triton_repository(repo):
+        raise UsageError(f"{repo} holds no Triton model (a folder with config.pbtxt or N/model.onnx)")
+    try:
+        written = import_repository(repo, out, sys.stderr)
+    except ManifestError as exc:
+        print("\n".join(exc.lines()), file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def _rollout_command(args: argparse.Namespace) -> int:
     """traffic and rollback: through a gateway's deploy API, or on the repository and Redis."""
     from fngate.errors import FunctionError
@@ -452,18 +487,30 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
 
 def _repository_command(args: argparse.Namespace) -> int:
     """deploy, ls and rm."""
+    from fngate.manifest import ManifestError
     from fngate.tools import deploy
 
     repository, redis_url = _open_target(args)
     url = repository.url
     if args.command == "deploy":
+        from fngate.tools.triton import deploy_paths, is_triton_repository
+
         for file in args.files:
-            if not file.is_file():
+            if not file.is_file() and not is_triton_repository(file):
                 raise UsageError(f"{file} does not exist" if not file.exists() else f"{file} is not a file")
         gateway = _deploy_gateway(args.gateway, url)
-        return deploy.deploy_all(
-            args.files, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it, args.warm
-        )
+        try:
+            files, staging = deploy_paths(args.files, sys.stderr)
+        except ManifestError as exc:
+            print("\n".join(exc.lines()), file=sys.stderr)
+            return 2
+        try:
+            return deploy.deploy_all(
+                files, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it, args.warm
+            )
+        finally:
+            if staging is not None:
+                staging.cleanup()
     if args.command == "ls":
         return deploy.list_functions(repository, redis_url, args.sync, sys.stdout, sys.stderr)
     _deployed(repository, args.name)

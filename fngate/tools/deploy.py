@@ -27,6 +27,7 @@ from fngate.registry import (
     ControlOp,
     Registry,
     create_stream,
+    priorities_of,
     read_runners,
     send_control,
     summarize,
@@ -408,7 +409,7 @@ async def _announce(redis_url: str, repo_url: str, record: FunctionRecord, remot
         if remote:
             await Registry(redis, repo_url).put(record)
         else:
-            await create_stream(redis, record.name)
+            await create_stream(redis, record.name, priorities_of(record))
         await send_control(redis, ControlOp("deploy", record.name))
 
 
@@ -493,8 +494,8 @@ async def _states(
     async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
         runners = await read_runners(redis)
         if sync:  # streams and groups of functions deployed before they were made at deploy time
-            for name in records:
-                await create_stream(redis, name)
+            for name, record in records.items():
+                await create_stream(redis, name, priorities_of(record))
         if not is_remote(repo_url):
             return runners, []
         registry = Registry(redis, repo_url)

@@ -427,7 +427,8 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
     triggers: list[Obj] = []
     for manifest in pool.functions:
         lag_target, length_target = targets(manifest, options)
-        for level, stream in enumerate(keys.levels(manifest.name)):  # every priority level counts
+        names = keys.level_names(manifest.batching.priorities)
+        for level, stream in enumerate(keys.levels(manifest.name, manifest.batching.priorities)):
             common = {"address": options.redis_address, "stream": stream, "databaseIndex": "0"}
             common["enableTLS"] = "true" if options.redis_tls else "false"
             # The stream's length (XLEN, KEDA's streamLength mode: no consumerGroup) is what waits
@@ -440,7 +441,7 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
             length = common | {"streamLength": str(length_target), "activationLagCount": "0"}
             lag = common | {"consumerGroup": keys.RUNNER_GROUP, "lagCount": str(lag_target)}
             lag["activationLagCount"] = "0"
-            suffix = f"-{keys.LEVELS[level]}" if level else ""
+            suffix = f"-{names[level]}" if level else ""  # every priority level counts
             for kind, metadata in (("length", length), ("lag", lag)):
                 trigger = {
                     "type": "redis-streams",

@@ -50,6 +50,8 @@ class PoolSpec:
     max_replicas: int
     rows_per_runner: int
     """Backlog one runner is expected to absorb before another is worth starting."""
+    priorities: tuple[tuple[str, int], ...] = ()
+    """(function, priority levels) of the functions that have more than one (batching.priorities)."""
 
 
 @dataclasses.dataclass
@@ -301,7 +303,7 @@ class LocalScaler:
             (pool, stream)
             for pool, spec in self._specs.items()
             for function in spec.functions
-            for stream in keys.levels(function)
+            for stream in keys.levels(function, dict(spec.priorities).get(function, 1))
         ]
         async with self._redis.pipeline(transaction=False) as pipe:
             for _pool, stream in streams:
@@ -352,6 +354,11 @@ def pool_specs(functions: dict[str, Any]) -> dict[str, PoolSpec]:
             min_replicas=max(manifest.scaling.min_replicas for manifest in manifests),
             max_replicas=max(manifest.scaling.max_replicas for manifest in manifests),
             rows_per_runner=max(2 * max(manifest.batching.max_batch_size, 1) for manifest in manifests),
+            priorities=tuple(
+                (manifest.name, manifest.batching.priorities)
+                for manifest in sorted(manifests, key=lambda manifest: manifest.name)
+                if manifest.batching.priorities > 1
+            ),
         )
         for pool, manifests in grouped.items()
     }

@@ -10,23 +10,7 @@ from typing import Any, TextIO
 from fngate.manifest import FunctionManifest, ManifestError, TensorSpec, load_manifest
 from fngate.pipeline import Problem, edge_problems
 from fngate.repository import MANIFEST_FILE
-
-# onnx.TensorProto element types by number (the protocol buffer's stable enum values).
-ONNX_DATATYPES = {
-    1: "FP32",
-    2: "UINT8",
-    3: "INT8",
-    4: "UINT16",
-    5: "INT16",
-    6: "INT32",
-    7: "INT64",
-    8: "BYTES",
-    9: "BOOL",
-    10: "FP16",
-    11: "FP64",
-    12: "UINT32",
-    13: "UINT64",
-}
+from fngate.tensors import ONNX_DATATYPES
 
 
 def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
@@ -34,6 +18,20 @@ def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
     failed = 0
     notes: set[str] = set()
     for path in files:
+        if path.is_dir():  # a Triton model repository, or one model's folder
+            from fngate.tools.triton import validate_repository
+
+            try:
+                import onnx  # noqa: F401 (only whether it is installed)
+
+                compare: Any = onnx_problems
+            except ImportError:
+                compare = None
+                notes.add(
+                    "onnx is not installed (pip install onnx), so tensors were not compared with the models"
+                )
+            failed += bool(validate_repository(path, out, err, compare))
+            continue
         problems, note = check(path)
         if note:
             notes.add(note)

@@ -130,6 +130,16 @@ def timeout_ms(params: Mapping[str, Any], remaining_s: float | None) -> int | No
     return min(found) if found else None
 
 
+def natural(params: Mapping[str, Any], name: str) -> int | None:
+    """A non-negative integer parameter (Triton's `priority`, `timeout`), None when absent."""
+    value = params.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"parameter '{name}' must be a non-negative integer")
+    return value
+
+
 def use_cache(params: Mapping[str, Any]) -> bool:
     value = params.get("cache", True)
     if not isinstance(value, bool):

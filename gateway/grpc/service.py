@@ -198,6 +198,8 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
                 traceparent,
                 None,
                 started,
+                priority=protocol.natural(params, "priority") or 0,
+                queue_timeout_us=protocol.natural(params, "timeout"),
             )
         except FunctionError as exc:
             metrics.failed(name if name in services.catalog.functions else "", exc.code.value)

@@ -46,7 +46,7 @@ async def model_ready(request: Request) -> Response:
     unloaded, until loaded again."""
     params = request.path_params
     function, ready = metadata.ready(services(request).catalog, params["name"], params.get("version"))
-    return json_response({"name": function.name, "ready": ready}, 200 if ready else 400)
+    return json_response({"name": function.manifest.model_name, "ready": ready}, 200 if ready else 400)
 
 
 async def model_config_json(request: Request) -> Response:
@@ -76,5 +76,8 @@ async def list_functions(request: Request) -> Response:
 
 async def prometheus(request: Request) -> Response:
     found = services(request)
-    await metrics.refresh_queue_gauges(found.redis, sorted(found.catalog.functions))
+    functions = found.catalog.functions
+    await metrics.refresh_queue_gauges(
+        found.redis, {name: functions[name].manifest.batching.priorities for name in sorted(functions)}
+    )
     return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -341,6 +341,8 @@ def call_of(
         telemetry.inject() if telemetry.tracing_active() else None,
         _later(request, parsed, digest) if request.respond_async else None,
         started,
+        priority=parsed.priority,
+        queue_timeout_us=parsed.queue_timeout_us,
     )
 
 

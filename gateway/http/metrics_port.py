@@ -72,7 +72,11 @@ class MetricsPort:
             for name, version in wanted:
                 pipe.hgetall(keys.statistics(name, version))
             hashes: list[Any] = await pipe.execute()
-        await metrics.refresh_queue_gauges(redis, sorted({name for name, _ in wanted}))
+        priorities: dict[str, int] = {}
+        for name, version in wanted:
+            levels = records[name].versions[version].manifest.batching.priorities
+            priorities[name] = max(priorities.get(name, 1), levels)
+        await metrics.refresh_queue_gauges(redis, priorities)
         return triton_metrics.inference_families(
             [(name, version, raw) for (name, version), raw in zip(wanted, hashes, strict=True)]
         )

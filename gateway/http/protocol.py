@@ -33,6 +33,10 @@ class InferRequest:
     request_id: str | None
     timeout_ms: int | None
     use_cache: bool = True
+    priority: int = 0
+    """Triton's `priority` request parameter (0: the function's default level)."""
+    queue_timeout_us: int | None = None
+    """Triton's `timeout` request parameter, in µs (fngate.queue.place)."""
 
 
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
@@ -76,7 +80,16 @@ def v2_request(
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidArgument("'id' must be a string")
     params = _params(doc, "request")
-    return InferRequest(inputs, outputs, binary_outputs, request_id, _timeout(params), _use_cache(params))
+    return InferRequest(
+        inputs,
+        outputs,
+        binary_outputs,
+        request_id,
+        _timeout(params),
+        _use_cache(params),
+        _natural(params, "priority") or 0,
+        _natural(params, "timeout"),
+    )
 
 
 def _v2_inputs(
@@ -213,7 +226,7 @@ def render_v2(
             entry["data"] = _json_data(array)
         outputs.append(entry)
     doc: dict[str, Any] = {
-        "model_name": manifest.name,
+        "model_name": manifest.model_name,
         "model_version": reply.version,
         "outputs": outputs,
         "parameters": {"batch_id": reply.batch_id, "batch_size": reply.batch_size, "cache_hit": reply.cached},
@@ -292,6 +305,15 @@ def _timeout(params: Mapping[str, Any]) -> int | None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidArgument("timeout_ms must be a positive integer")
+    return value
+
+
+def _natural(params: Mapping[str, Any], name: str) -> int | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise InvalidArgument(f"'{name}' must be a non-negative integer")
     return value
 
 

@@ -17,12 +17,24 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fngate.errors import FunctionError
 from fngate.manifest import FunctionManifest
 
 if TYPE_CHECKING:  # the GPU modules load only with a backend that needs them
     from runner.backends.providers import Acceleration
 
 Tensors = dict[str, np.ndarray[Any, Any]]
+
+
+class MemberErrors(Exception):
+    """Raised by a backend that answers each invocation of a batch on its own (`takes_rows`) when
+    some of them failed: the others' rows are in `outputs`, in order, each failure in `errors` by
+    the invocation's index in the batch."""
+
+    def __init__(self, outputs: Tensors, errors: dict[int, FunctionError]) -> None:
+        super().__init__(f"{len(errors)} invocations of the batch failed")
+        self.outputs = outputs
+        self.errors = errors
 
 
 class Backend(Protocol):

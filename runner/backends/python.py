@@ -27,13 +27,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import orjson
 
 import runner
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest
 from runner import gpu, sandbox
-from runner.backends import Tensors
+from runner.backends import MemberErrors, Tensors
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.metrics import FUNCTION_RESTARTS, PYTHON_GPU
 
@@ -51,6 +53,8 @@ PROJECT_ROOT = Path(runner.__file__).resolve().parent.parent
 class PythonBackend:
     isolated = True
     """Enforces its own execution timeout: a late batch kills the child, never blocks a thread."""
+    takes_rows = True
+    """Told each invocation's rows: a Triton model answers (and fails) each on its own."""
 
     executor: concurrent.futures.ThreadPoolExecutor
     """The thread that waits on this function's process: its own, so that functions that hang or
@@ -116,13 +120,15 @@ class PythonBackend:
         child = self._child
         return child.process.pid if child is not None else None
 
-    def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
+    def run(self, inputs: Tensors, outputs: list[str], rows: list[int] | None = None) -> Tensors:
+        """Raises MemberErrors when some invocations of the batch failed alone."""
         timeout_s = self._manifest.execution_timeout_s
         specs, buffers = sandbox.encode_tensors(inputs)
         child = self._running_child(time.monotonic() + timeout_s)
         deadline = time.monotonic() + timeout_s
+        request = {"tensors": specs, "outputs": outputs, **({"rows": rows} if rows is not None else {})}
         try:
-            sandbox.send(child.requests, {"tensors": specs, "outputs": outputs}, buffers, deadline)
+            sandbox.send(child.requests, request, buffers, deadline)
             header, body = sandbox.receive(child.replies, deadline)
             results = {} if "error" in header else sandbox.decode_tensors(header["tensors"], body)
         except TimeoutError:
@@ -147,6 +153,12 @@ class PythonBackend:
         if "error" in header:
             raise FunctionError.from_code(header["code"], header["error"])
         self._check_memory(child)
+        if header.get("errors"):
+            errors = {
+                int(index): FunctionError.from_code(code, text)
+                for index, (code, text) in header["errors"].items()
+            }
+            raise MemberErrors(results, errors)
         return results
 
     def close(self) -> None:
@@ -183,8 +195,15 @@ class PythonBackend:
         raise ModelFailed(f"function '{self._name}' was unloaded")
 
     def _start(self) -> _Child:
+        triton = self._manifest.triton
         try:
-            return _Child.start(self._name, self._module, self._directory, self._environment)
+            return _Child.start(
+                self._name,
+                self._module,
+                self._directory,
+                self._environment,
+                triton.config if triton else None,
+            )
         except FunctionError as exc:
             self._note_failure(exc.message)
             raise
@@ -251,10 +270,18 @@ class _Child:
         os.set_blocking(self.replies, False)
 
     @classmethod
-    def start(cls, name: str, module: Path, directory: Path, environment: dict[str, str]) -> _Child:
+    def start(
+        cls,
+        name: str,
+        module: Path,
+        directory: Path,
+        environment: dict[str, str],
+        triton_config: dict[str, Any] | None = None,
+    ) -> _Child:
         """Start the process (`environment` added to the runner's, less its secrets) and wait until
-        its Model is constructed. Raises InvalidArgument when model.py does not load, ModelFailed
-        when the process dies or takes too long."""
+        its Model (or Triton model, with its configuration `triton_config`) is constructed. Raises
+        InvalidArgument when model.py does not load, ModelFailed when the process dies or takes too
+        long."""
         workdir = Path(tempfile.mkdtemp(prefix=f"fngate-{name}-"))
         env = sandbox.clean_environment(os.environ) | environment
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
@@ -267,6 +294,11 @@ class _Child:
                 "runner.sandbox",
                 *("--function", name, "--module", str(module)),
                 *("--directory", str(directory), "--parent", str(os.getpid())),
+                *(
+                    ("--triton-config", orjson.dumps(triton_config).decode())
+                    if triton_config is not None
+                    else ()
+                ),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

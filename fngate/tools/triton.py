@@ -1,0 +1,118 @@
+"""`fngate import-triton REPO OUT`, and `fngate validate` and `fngate deploy` of a Triton model
+repository: each model folder read as the gateway and runners read it (fngate.triton), every
+field fngate does not honour named in a warning."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from fngate.manifest import FunctionManifest, ManifestError
+from fngate.repository import MANIFEST_FILE, is_triton_model, make_record
+from fngate.repository import FunctionVersion as Version
+
+ModelCheck = Callable[[FunctionManifest, Path], list[str]]
+
+
+def model_folders(path: Path) -> list[Path]:
+    """The Triton model folders of a repository folder, or the folder itself when it is one."""
+    if is_triton_model(path):
+        return [path]
+    if not path.is_dir():
+        return []
+    return [folder for folder in sorted(path.iterdir()) if folder.is_dir() and is_triton_model(folder)]
+
+
+def is_triton_repository(path: Path) -> bool:
+    return path.is_dir() and bool(model_folders(path))
+
+
+def served(folder: Path) -> tuple[FunctionManifest, str, list[str]]:
+    """A model folder's newest served version: its manifest, its number, and the warnings.
+    Raises ManifestError."""
+    from fngate.triton.models import read_model
+
+    model = read_model(folder)
+    record = make_record([Version(item.manifest, item.version, folder) for item in model.versions])
+    chosen = record.default or record.newest()
+    return chosen.manifest, chosen.version, list(model.warnings)
+
+
+def import_repository(repo: Path, out: Path, err: TextIO) -> list[Path]:
+    """Write OUT/{function}/function.yaml for each model of `repo`, with the files of its newest
+    served version under OUT/{function}/{version}/ (where Triton had them, so that a model.py finds
+    its files where it looked before). Returns the manifests written; raises ManifestError for
+    the first model that cannot be served."""
+    written = []
+    for folder in model_folders(repo):
+        manifest, version, warnings = served(folder)
+        for warning in warnings:
+            print(f"fngate import-triton: warning: {warning}", file=err)
+        target = out / manifest.name
+        if target.exists():
+            raise ManifestError(str(target), [("", "exists already; import into an empty folder")])
+        target.mkdir(parents=True)
+        if manifest.pipeline is None:
+            shutil.copytree(folder / version, target / version, ignore=shutil.ignore_patterns("__pycache__"))
+        document = manifest.model_dump(mode="json", exclude_defaults=True)
+        (target / MANIFEST_FILE).write_text(
+            f"# Imported from the Triton model {folder} (version {version}).\n"
+            + yaml.safe_dump(document, sort_keys=False)
+        )
+        written.append(target / MANIFEST_FILE)
+    return written
+
+
+def validate_repository(path: Path, out: TextIO, err: TextIO, check: ModelCheck | None = None) -> int:
+    """`fngate validate` of a Triton model repository (or one model folder): every problem and
+    every warning; 2 when a model cannot be served. `check`: what else to find wrong with an ONNX
+    model's manifest against its file (fngate validate's onnx_problems)."""
+    failed = 0
+    for folder in model_folders(path):
+        try:
+            manifest, version, warnings = served(folder)
+        except ManifestError as exc:
+            failed += 1
+            for line in exc.lines():
+                print(line, file=err)
+            continue
+        for warning in warnings:
+            print(f"{warning} (warning)", file=err)
+        problems = []
+        if check is not None and manifest.pipeline is None and manifest.model.backend == "onnxruntime":
+            problems = check(manifest, folder / manifest.model.path)
+        for problem in problems:
+            print(f"{folder}: {problem}", file=err)
+        failed += bool(problems)
+        kind = (
+            manifest.model.backend
+            if manifest.pipeline is None
+            else f"ensemble of {len(manifest.pipeline.steps)} steps"
+        )
+        if not problems:
+            print(
+                f"{folder}: ok ({manifest.model_name} as {manifest.name} version {version}, {kind})", file=out
+            )
+    return 2 if failed else 0
+
+
+def deploy_paths(
+    paths: Sequence[Path], err: TextIO
+) -> tuple[list[Path], tempfile.TemporaryDirectory[str] | None]:
+    """`fngate deploy` of Triton repositories: each imported into a temporary folder first (kept
+    until the returned directory is cleaned up); manifests pass through as they are."""
+    if not any(is_triton_repository(path) for path in paths):
+        return list(paths), None
+    staging = tempfile.TemporaryDirectory(prefix="fngate-import-")
+    manifests: list[Path] = []
+    for index, path in enumerate(paths):
+        if is_triton_repository(path):
+            manifests += import_repository(path, Path(staging.name) / str(index), err)
+        else:
+            manifests.append(path)
+    return manifests, staging

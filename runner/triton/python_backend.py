@@ -1,0 +1,243 @@
+"""`triton_python_backend_utils` as a Triton Python model uses it (`import triton_python_backend_utils
+as pb_utils`): tensors, requests, responses, errors and the logger, over numpy arrays. Business
+logic scripting (a request's `exec()`) is refused with a clear error: compose models as a pipeline.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+NUMPY_TYPES: dict[str, Any] = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+"""Triton's configuration types -> numpy; the protocol's names (without TYPE_) work too."""
+
+
+class TritonModelException(Exception):
+    pass
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        self._message = message
+        self._code = code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r})"
+
+
+class Tensor:
+    def __init__(self, name: str, data: Any) -> None:
+        array = np.asarray(data)
+        if array.dtype.kind in "SU":
+            array = array.astype(np.object_)
+        self._name = name
+        self._array = array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray[Any, Any]:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def triton_dtype(self) -> str:
+        return numpy_to_triton_type(self._array.dtype)
+
+    def to_dlpack(self) -> Any:
+        return self._array.__dlpack__()
+
+    @classmethod
+    def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
+        return cls(name, np.from_dlpack(capsule))
+
+
+BLS_REFUSED = (
+    "business logic scripting (InferenceRequest.exec) is not available in fngate: a model.py cannot "
+    "call other models; compose them as an ensemble (a pipeline) instead"
+)
+
+
+class InferenceRequest:
+    """A request as `execute` receives it; built by a model, the start of a BLS call (refused)."""
+
+    def __init__(
+        self,
+        model_name: str = "",
+        requested_output_names: Sequence[str] = (),
+        inputs: Sequence[Tensor] = (),
+        request_id: str = "",
+        correlation_id: int = 0,
+        flags: int = 0,
+        model_version: int = -1,
+        parameters: Mapping[str, Any] | str | None = None,
+        **_: Any,
+    ) -> None:
+        self._model_name = model_name
+        self._outputs = list(requested_output_names)
+        self._inputs = list(inputs)
+        self._id = request_id
+        self._correlation_id = correlation_id
+        self._flags = flags
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._outputs
+
+    def request_id(self) -> str:
+        return self._id
+
+    def correlation_id(self) -> int:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def parameters(self) -> str:
+        return self._parameters
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def get_response_sender(self) -> Any:
+        raise TritonModelException(
+            "decoupled models (a response sender) are not served by fngate: return one "
+            "InferenceResponse per request from execute"
+        )
+
+    def exec(self, *_: Any, **__: Any) -> InferenceResponse:
+        raise TritonModelException(BLS_REFUSED)
+
+    def async_exec(self, *_: Any, **__: Any) -> Any:
+        raise TritonModelException(BLS_REFUSED)
+
+
+class InferenceResponse:
+    def __init__(
+        self, output_tensors: Sequence[Tensor] = (), error: TritonError | None = None, **_: Any
+    ) -> None:
+        self._outputs = list(output_tensors)
+        self._error = error
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    return next((tensor for tensor in request.inputs() if tensor.name() == name), None)
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    return next((tensor for tensor in response.output_tensors() if tensor.name() == name), None)
+
+
+def _config_of(model_config: Mapping[str, Any] | str) -> Mapping[str, Any]:
+    return json.loads(model_config) if isinstance(model_config, str) else model_config
+
+
+def get_input_config_by_name(model_config: Mapping[str, Any] | str, name: str) -> dict[str, Any] | None:
+    return next((item for item in _config_of(model_config).get("input", ()) if item["name"] == name), None)
+
+
+def get_output_config_by_name(model_config: Mapping[str, Any] | str, name: str) -> dict[str, Any] | None:
+    return next((item for item in _config_of(model_config).get("output", ()) if item["name"] == name), None)
+
+
+def using_decoupled_model_transaction_policy(model_config: Mapping[str, Any] | str) -> bool:
+    return bool(_config_of(model_config).get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def triton_string_to_numpy(triton_type: str) -> Any:
+    name = triton_type if triton_type.startswith("TYPE_") else f"TYPE_{triton_type}"
+    return NUMPY_TYPES["TYPE_STRING" if name == "TYPE_BYTES" else name]
+
+
+def numpy_to_triton_type(dtype: Any) -> str:
+    kind = np.dtype(dtype)
+    if kind.kind in "OSU":
+        return "TYPE_STRING"
+    return next(
+        name for name, value in NUMPY_TYPES.items() if value is not np.object_ and np.dtype(value) == kind
+    )
+
+
+def triton_to_numpy_type(triton_type: str) -> Any:
+    return triton_string_to_numpy(triton_type)
+
+
+class LogLevel(enum.IntEnum):
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+
+
+class Logger:
+    """Lines on the function process's stderr, which the runner's log holds."""
+
+    @staticmethod
+    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
+        print(f"{LogLevel(level).name}: {message}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger.log(message, LogLevel.INFO)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger.log(message, LogLevel.WARNING)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger.log(message, LogLevel.ERROR)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger.log(message, LogLevel.VERBOSE)

@@ -1,0 +1,163 @@
+"""A Triton model repository served as it is: the guide's models through tritonclient unchanged
+(versions, auto-complete, Triton's Python backend, an ensemble, what /config and statistics say),
+and the queue policies: priorities served highest first, max_queue_size."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from fngate import keys
+from tests.triton_repository import batches_model, guide_repository
+
+
+def exercise_guide(url: str) -> None:
+    """What a Triton user's client does with the guide's repository, unchanged."""
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        ids = np.array([[3, 1, 4, 1], [5, 9, 2, 6]], dtype=np.int64)
+        mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=np.int64)
+        inputs = [
+            triton.InferInput("input_ids", [2, 4], "INT64"),
+            triton.InferInput("attention_mask", [2, 4], "INT64"),
+        ]
+        inputs[0].set_data_from_numpy(ids)
+        inputs[1].set_data_from_numpy(mask)
+        # version_policy latest 2 of versions 1, 2, 3: version k scales by k.
+        newest = client.infer("text_classifier", inputs)
+        assert newest.get_response()["model_name"] == "text_classifier"
+        assert newest.get_response()["model_version"] == "3"
+        np.testing.assert_allclose(newest.as_numpy("logits"), [[24.0, -24.0], [42.0, -42.0]])
+        pinned = client.infer("text_classifier", inputs, model_version="2")
+        np.testing.assert_allclose(pinned.as_numpy("logits"), [[16.0, -16.0], [28.0, -28.0]])
+        with pytest.raises(InferenceServerException, match="no version '1'"):
+            client.infer("text_classifier", inputs, model_version="1")
+        # No config.pbtxt: inputs, outputs and max_batch_size from the model, as Triton's auto-complete.
+        completed = client.get_model_config("autocompleted")
+        assert completed["max_batch_size"] == 4 and "dynamic_batching" in completed
+        assert [(item["name"], item["data_type"], item["dims"]) for item in completed["input"]] == [
+            ("input_ids", "TYPE_INT64", [-1]),
+            ("attention_mask", "TYPE_INT64", [-1]),
+        ]
+        np.testing.assert_allclose(client.infer("autocompleted", inputs).as_numpy("logits")[0], [8.0, -8.0])
+
+        # What /config and metadata say is what Triton says for the same config.pbtxt.
+        config = client.get_model_config("text_classifier")
+        assert (config["name"], config["platform"], config["backend"]) == (
+            "text_classifier",
+            "onnxruntime_onnx",
+            "onnxruntime",
+        )
+        assert config["max_batch_size"] == 8 and config["version_policy"] == {"latest": {"num_versions": 2}}
+        assert config["dynamic_batching"]["preferred_batch_size"] == [2, 4]
+        assert config["dynamic_batching"]["default_queue_policy"] == {
+            "timeout_action": "REJECT",
+            "default_timeout_microseconds": 2000000,
+            "allow_timeout_override": True,
+            "max_queue_size": 64,
+        }
+        assert config["instance_group"][0]["count"] == 2 and config["instance_group"][0]["kind"] == "KIND_CPU"
+        metadata = client.get_model_metadata("text_classifier")
+        assert (metadata["name"], metadata["platform"], metadata["versions"]) == (
+            "text_classifier",
+            "onnxruntime_onnx",
+            ["2", "3"],
+        )
+        assert metadata["inputs"][0] == {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}
+        detector = client.get_model_config("image_detector")  # a plan: configuration only, no GPU here
+        assert detector["platform"] == "tensorrt_plan" and detector["instance_group"][0]["kind"] == "KIND_GPU"
+
+        # The ensemble: a Python tokenizer, the ONNX classifier and a Python postprocessor.
+        text = triton.InferInput("TEXT", [3, 1], "BYTES")
+        text.set_data_from_numpy(
+            np.array([[b"a tiny note"], [b"extraordinary circumstances"], [b"ok"]], dtype=object)
+        )
+        labels = client.infer("classify_text", [text]).as_numpy("LABEL")
+        assert labels.tolist() == [[b"short"], [b"long"], [b"short"]]
+        assert client.get_model_metadata("classify_text")["platform"] == "ensemble"
+        # A TritonError response fails its own request, with its message.
+        empty = triton.InferInput("TEXT", [1, 1], "BYTES")
+        empty.set_data_from_numpy(np.array([[b""]], dtype=object))
+        with pytest.raises(InferenceServerException, match="no words to classify"):
+            client.infer("classify_text", [empty])
+
+        stats = client.get_inference_statistics("text_classifier")["model_stats"]
+        assert {item["name"] for item in stats} == {"text_classifier"}
+        assert sum(int(item["inference_count"]) for item in stats) >= 6
+    finally:
+        client.close()
+
+
+async def test_the_guide_repository_runs_unchanged(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    root = guide_repository(tmp_path / "models")
+    base = await serve_gateway(repo=str(root))
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    await asyncio.to_thread(exercise_guide, base)
+
+
+async def infer(client: httpx.AsyncClient, name: str, **parameters: int) -> httpx.Response:
+    body = {
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}],
+        "parameters": parameters,
+    }
+    return await client.post(f"/v2/models/{name}/infer", json=body)
+
+
+def batch_of(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    number: int = response.json()["outputs"][0]["data"][0]
+    return number
+
+
+async def test_priorities_and_the_queue_size(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "models"
+    batches_model(root, "ranked", "priority_levels: 3 default_priority_level: 3", 0.4)
+    batches_model(root, "bounded", "default_queue_policy { max_queue_size: 100 }", 0.0)
+    base = await serve_gateway(repo=str(root))
+    # No runner takes "bounded": what is queued stays queued.
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"), functions=["ranked"])
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert batch_of(await infer(client, "ranked")) == 1  # loaded; the Python model batches from here
+
+        # 3 levels: a burst of low-priority work (level 3, the default) and then one at level 1.
+        low = [asyncio.create_task(infer(client, "ranked")) for _ in range(16)]
+        done, _ = await asyncio.wait(low, return_when=asyncio.FIRST_COMPLETED)
+        running = batch_of(done.pop().result())  # the batch after it starts as this answer leaves
+        high = batch_of(await infer(client, "ranked", priority=1))
+        await asyncio.gather(*low)
+        answers = [task.result() for task in low]
+        lows = [batch_of(answer) for answer in answers]
+        assert high <= running + 2, (high, running, sorted(lows))  # at most the batch then running
+        assert max(lows) > high  # low-priority work still queued was served after it
+        assert max(answer.json()["outputs"][0]["data"][1] for answer in answers) == 4  # batches of 4
+
+        # max_queue_size 100: the 101st is refused at once, with Retry-After.
+        stream = keys.invocations("bounded")
+        held = [asyncio.create_task(infer(client, "bounded")) for _ in range(100)]
+        deadline = time.monotonic() + 20
+        while await redis.xlen(stream) < 100 and time.monotonic() < deadline:  # noqa: ASYNC110 (Redis)
+            await asyncio.sleep(0.05)
+        assert await redis.xlen(stream) == 100
+        refused = await infer(client, "bounded")
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        assert "has too many invocations queued (max_queue_size)" in refused.json()["error"]
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)

@@ -1,0 +1,67 @@
+"""A Triton Python model through fngate's adapter: one request per invocation of a batch, error
+responses failing their own invocation, and business logic scripting refused with a clear error."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runner.triton import python_backend as pb_utils
+from runner.triton.model import TritonModel
+
+SOURCE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.args = args
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if x[0, 0] < 0:
+                error = pb_utils.TritonError("negative", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            elif x[0, 0] == 0:
+                call = pb_utils.InferenceRequest(model_name="other", requested_output_names=["Y"], inputs=[])
+                responses.append(call.exec())
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * len(requests))]))
+        return responses
+"""
+
+
+def load(tmp_path: Path) -> TritonModel:
+    from runner.triton.model import provide_utils
+
+    provide_utils()
+    module = types.ModuleType("model")
+    exec(compile(SOURCE, "model.py", "exec"), module.__dict__)
+    config = {"name": "doubler", "max_batch_size": 4, "output": [{"name": "Y"}]}
+    return TritonModel(module, tmp_path / "doubler" / "2" / "model.py", tmp_path / "doubler", config)
+
+
+def test_each_request_is_answered_on_its_own(tmp_path: Path) -> None:
+    model = load(tmp_path)
+    args = model.args  # what initialize was given
+    assert (args["model_name"], args["model_version"], args["model_repository"]) == (
+        "doubler",
+        "2",
+        str(tmp_path / "doubler"),
+    )
+    x = np.array([[1.0], [2.0], [-1.0], [3.0]], dtype=np.float32)
+    outputs = model.infer({"X": x}, [2, 1, 1])  # three invocations: 2 rows, 1 and 1
+    assert model.member_errors == {"1": ["invalid_argument", "negative"]}
+    np.testing.assert_array_equal(outputs["Y"], [[3.0], [6.0], [9.0]])  # the others' rows, in order
+
+
+def test_business_logic_scripting_is_refused_clearly(tmp_path: Path) -> None:
+    model = load(tmp_path)
+    with pytest.raises(pb_utils.TritonModelException, match="compose them as an ensemble"):
+        model.infer({"X": np.zeros((1, 1), dtype=np.float32)}, [1])

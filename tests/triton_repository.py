@@ -1,0 +1,243 @@
+"""Triton model repositories as the Triton guide lays them out, built by the tests: a text classifier
+(ONNX, two INT64 inputs, dynamic batching with preferred sizes and a queue policy, three versions of
+which the policy serves the latest two), the same model without a config.pbtxt (auto-complete), an
+image detector's TensorRT plan configuration with engine-cache parameters, an ensemble of a Python
+tokenizer, the classifier and a Python postprocessor, and Python models for the queue's tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CLASSIFIER = """
+name: "text_classifier"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+version_policy: { latest: { num_versions: 2 } }
+input [
+  { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] },
+  { name: "attention_mask" data_type: TYPE_INT64 dims: [ -1 ] }
+]
+output [ { name: "logits" data_type: TYPE_FP32 dims: [ 2 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+dynamic_batching {
+  preferred_batch_size: [ 2, 4 ]
+  max_queue_delay_microseconds: 500
+  default_queue_policy {
+    timeout_action: REJECT
+    default_timeout_microseconds: 2000000
+    allow_timeout_override: true
+    max_queue_size: 64
+  }
+}
+model_warmup [ { name: "zeros" batch_size: 1 inputs { key: "input_ids" value: {
+  data_type: TYPE_INT64 dims: [ 4 ] zero_data: true } } } ]
+"""
+
+DETECTOR = """
+name: "image_detector"
+platform: "tensorrt_plan"
+max_batch_size: 16
+input [ { name: "images" data_type: TYPE_FP32 format: FORMAT_NCHW dims: [ 3, 640, 640 ] } ]
+output [
+  { name: "boxes" data_type: TYPE_FP32 dims: [ 100, 4 ] },
+  { name: "scores" data_type: TYPE_FP32 dims: [ 100 ] }
+]
+instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]
+dynamic_batching { preferred_batch_size: [ 8, 16 ] max_queue_delay_microseconds: 1000 }
+optimization { execution_accelerators { gpu_execution_accelerator [ {
+  name: "tensorrt"
+  parameters { key: "precision_mode" value: "FP16" }
+  parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+} ] } }
+parameters { key: "TRT_ENGINE_CACHE_ENABLE" value: { string_value: "1" } }
+parameters { key: "TRT_ENGINE_CACHE_PATH" value: { string_value: "/tmp/engines" } }
+"""
+
+TOKENIZER_CONFIG = """
+name: "tokenizer"
+backend: "python"
+max_batch_size: 8
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [
+  { name: "input_ids" data_type: TYPE_INT64 dims: [ 4 ] },
+  { name: "attention_mask" data_type: TYPE_INT64 dims: [ 4 ] }
+]
+dynamic_batching { }
+"""
+
+# Word lengths as token ids, four at most: enough to show the tensors flowing.
+TOKENIZER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import json
+        self.width = json.loads(args["model_config"])["output"][0]["dims"][0]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            texts = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
+            ids = np.zeros((len(texts), self.width), dtype=np.int64)
+            for row, (text,) in enumerate(texts):
+                words = text.decode().split()[: self.width]
+                ids[row, : len(words)] = [len(word) for word in words]
+            mask = (ids > 0).astype(np.int64)
+            outputs = [pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("attention_mask", mask)]
+            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
+        return responses
+"""
+
+POSTPROCESSOR_CONFIG = """
+name: "postprocessor"
+backend: "python"
+max_batch_size: 8
+input [ { name: "logits" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "LABEL" data_type: TYPE_STRING dims: [ 1 ] } ]
+dynamic_batching { }
+"""
+
+POSTPROCESSOR = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            logits = pb_utils.get_input_tensor_by_name(request, "logits").as_numpy()
+            if (logits == 0).all():
+                error = pb_utils.TritonError("no words to classify", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            labels = np.array([[b"long" if row[0] > 40 else b"short"] for row in logits], dtype=object)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("LABEL", labels)]))
+        return responses
+
+    def finalize(self):
+        pb_utils.Logger.log_info("postprocessor finalized")
+"""
+
+ENSEMBLE = """
+name: "classify_text"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "LABEL" data_type: TYPE_STRING dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "tokenizer" model_version: -1
+    input_map { key: "TEXT" value: "TEXT" }
+    output_map { key: "input_ids" value: "ids" }
+    output_map { key: "attention_mask" value: "mask" } },
+  { model_name: "text_classifier" model_version: -1
+    input_map { key: "input_ids" value: "ids" }
+    input_map { key: "attention_mask" value: "mask" }
+    output_map { key: "logits" value: "scores" } },
+  { model_name: "postprocessor" model_version: -1
+    input_map { key: "logits" value: "scores" }
+    output_map { key: "LABEL" value: "LABEL" } }
+] }
+"""
+
+# Each batch answers its number and its size: which batch served a request, and that they batch.
+BATCHES_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "BATCH" data_type: TYPE_INT64 dims: [ 2 ] }} ]
+dynamic_batching {{ {batching} }}
+parameters {{ key: "SLEEP_S" value: {{ string_value: "{sleep_s}" }} }}
+"""
+
+BATCHES = """
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.sleep_s = float(config["parameters"]["SLEEP_S"]["string_value"])
+        self.batches = 0
+
+    def execute(self, requests):
+        self.batches += 1
+        time.sleep(self.sleep_s)
+        responses = []
+        for request in requests:
+            rows = pb_utils.get_input_tensor_by_name(request, "X").as_numpy().shape[0]
+            batch = np.array([[self.batches, len(requests)]] * rows, dtype=np.int64)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("BATCH", batch)]))
+        return responses
+"""
+
+
+def classifier_onnx(path: Path, factor: float) -> None:
+    """logits = [s, -s] * factor, s the sum of input_ids where attention_mask is 1."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["input_ids", "attention_mask"], ["masked"]),
+            helper.make_node("Cast", ["masked"], ["floats"], to=TensorProto.FLOAT),
+            helper.make_node("ReduceSum", ["floats", "axes"], ["total"], keepdims=1),
+            helper.make_node("Mul", ["total", "factor"], ["scaled"]),
+            helper.make_node("Neg", ["scaled"], ["negated"]),
+            helper.make_node("Concat", ["scaled", "negated"], ["logits"], axis=1),
+        ],
+        "text_classifier",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"]),
+        ],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 2])],
+        [
+            helper.make_tensor("axes", TensorProto.INT64, [1], [1]),
+            helper.make_tensor("factor", TensorProto.FLOAT, [], [factor]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+def model(root: Path, name: str, config: str | None, versions: dict[str, dict[str, str | None]]) -> Path:
+    """root/name/config.pbtxt and root/name/{version}/{file} (None: a factor for the classifier)."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    if config is not None:
+        (folder / "config.pbtxt").write_text(config)
+    for version, files in versions.items():
+        (folder / version).mkdir()
+        for file, text in files.items():
+            if text is None:
+                classifier_onnx(folder / version / file, float(version))
+            else:
+                (folder / version / file).write_text(text)
+    return folder
+
+
+def guide_repository(root: Path) -> Path:
+    """The guide's models: classifier (versions 1 to 3), the same without configuration, the plan
+    configuration, and the ensemble with its two Python steps."""
+    model(root, "text_classifier", CLASSIFIER, {version: {"model.onnx": None} for version in ("1", "2", "3")})
+    model(root, "autocompleted", None, {"1": {"model.onnx": None}})
+    model(root, "image_detector", DETECTOR, {"1": {"model.plan": "not an engine: checked without a GPU"}})
+    model(root, "tokenizer", TOKENIZER_CONFIG, {"1": {"model.py": TOKENIZER}})
+    model(root, "postprocessor", POSTPROCESSOR_CONFIG, {"1": {"model.py": POSTPROCESSOR}})
+    model(root, "classify_text", ENSEMBLE, {"1": {}})
+    return root
+
+
+def batches_model(root: Path, name: str, batching: str, sleep_s: float) -> Path:
+    config = BATCHES_CONFIG.format(name=name, batching=batching, sleep_s=sleep_s)
+    return model(root, name, config, {"1": {"model.py": BATCHES}})
