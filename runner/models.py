@@ -253,6 +253,7 @@ class LoadedModels:
                 self._threads,
                 self._accel,
                 materialized.model_bytes,
+                loaded.version,
             )
         except Exception as exc:
             if materialized is not None:

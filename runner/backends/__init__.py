@@ -31,12 +31,17 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-Loader = Callable[[FunctionManifest, Path, int, "Acceleration | None", bytes | None], Backend]
-"""(manifest, directory, threads, acceleration, the model file's verified bytes when in memory)"""
+Loader = Callable[[FunctionManifest, Path, int, "Acceleration | None", bytes | None, str], Backend]
+"""(manifest, directory, threads, acceleration, the model file's verified bytes when in memory, version)"""
 
 
 def _onnx(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
+    manifest: FunctionManifest,
+    directory: Path,
+    threads: int,
+    accel: Acceleration | None,
+    data: bytes | None,
+    version: str,
 ) -> Backend:
     from runner.backends.onnx import OnnxBackend
 
@@ -44,15 +49,25 @@ def _onnx(
 
 
 def _python(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
+    manifest: FunctionManifest,
+    directory: Path,
+    threads: int,
+    accel: Acceleration | None,
+    data: bytes | None,
+    version: str,
 ) -> Backend:
     from runner.backends.python import PythonBackend
 
-    return PythonBackend(manifest, directory)
+    return PythonBackend(manifest, directory, version)
 
 
 def _tensorrt(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
+    manifest: FunctionManifest,
+    directory: Path,
+    threads: int,
+    accel: Acceleration | None,
+    data: bytes | None,
+    version: str,
 ) -> Backend:
     from runner.backends.tensorrt import TensorRTBackend
 
@@ -68,6 +83,7 @@ def load_backend(
     threads: int,
     accel: Acceleration | None = None,
     model_bytes: bytes | None = None,
+    version: str = "",
 ) -> Backend:
     """Load the model of `manifest` from `directory` (its model file from `model_bytes` instead,
     when given and the backend can: those bytes were verified). Blocking: run it in a thread."""
@@ -77,4 +93,4 @@ def load_backend(
         raise NotImplementedError(
             f"backend '{manifest.model.backend}' is not available in this runner"
         ) from None
-    return loader(manifest, directory, threads, accel, model_bytes)
+    return loader(manifest, directory, threads, accel, model_bytes, version)

@@ -6,8 +6,10 @@ takes a whole batch (rows of several invocations concatenated on the first axis)
 output of the manifest with the same number of rows. An optional `close()` is called on unload.
 
 The model lives in a child process (runner.sandbox) with a clean environment and a working folder
-of its own. A child that dies or runs past the execution timeout fails its batch and is started
-again for a later one, after a backoff; one over memory_limit_mb is restarted between batches.
+of its own, confined (runner.confinement): under an unprivileged user when the runner is root, in a
+memory cgroup of its own where one can be made (runner.cgroup), its output logged within a budget
+(runner.output). A child that dies, runs past the execution timeout or past memory_limit_mb fails
+its batch and is started again for a later one, after a backoff.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from typing import IO
 import runner
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest
-from runner import sandbox
+from runner import confinement, sandbox
 from runner.backends import Tensors
+from runner.cgroup import MemoryCgroup
 from runner.metrics import FUNCTION_RESTARTS
+from runner.output import Output
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,9 @@ BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 10.0
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 PROJECT_ROOT = Path(runner.__file__).resolve().parent.parent
+CODE = (PROJECT_ROOT / "fngate", PROJECT_ROOT / "runner")
+"""fngate's own packages, which the child imports (and nothing else of the project's folder)."""
+OUTPUT_DRAIN_S = 1.0
 
 
 class PythonBackend:
@@ -51,12 +58,14 @@ class PythonBackend:
     """The thread that waits on this function's process: its own, so that functions that hang or
     back off never hold the threads other functions' batches need."""
 
-    def __init__(self, manifest: FunctionManifest, directory: Path) -> None:
+    def __init__(self, manifest: FunctionManifest, directory: Path, version: str = "") -> None:
         self._manifest = manifest
         self._name = manifest.name
+        self._version = version
         self._module = directory / manifest.model.path
         self._directory = directory
         limit_mb = manifest.model.memory_limit_mb
+        self._memory_limit_mb = limit_mb
         self._memory_limit_bytes = limit_mb * 2**20 if limit_mb else None
         self._lock = threading.Lock()
         self._child: _Child | None = None
@@ -66,6 +75,8 @@ class PythonBackend:
         self._last_exit = ""
         if not self._module.is_file():
             raise InvalidArgument(f"{manifest.model.path} is not a file in the function's folder")
+        # Before any function code runs: its process may share this runner's user.
+        confinement.make_undumpable()
         self._child = self._start()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"function-{self._name}")
 
@@ -80,6 +91,7 @@ class PythonBackend:
         specs, buffers = sandbox.encode_tensors(inputs)
         child = self._running_child(time.monotonic() + timeout_s)
         deadline = time.monotonic() + timeout_s
+        child.output.batch_started()
         try:
             sandbox.send(child.requests, {"tensors": specs, "outputs": outputs}, buffers, deadline)
             header, body = sandbox.receive(child.replies, deadline)
@@ -92,6 +104,11 @@ class PythonBackend:
             ) from None
         except sandbox.ChannelClosed:
             exit_text = self._fail(child, "exited", "")
+            if child.out_of_memory():
+                raise ModelFailed(
+                    f"{sandbox.out_of_memory(self._name, self._memory_limit_bytes)}: the kernel stopped its "
+                    "process at the limit; it starts again for the next batch"
+                ) from None
             raise ModelFailed(
                 f"function '{self._name}': its process {exit_text} while running the batch; "
                 "it starts again for the next batch"
@@ -102,6 +119,8 @@ class PythonBackend:
             raise ModelFailed(
                 f"function '{self._name}': its process {problem}; it starts again for the next batch"
             ) from None
+        finally:
+            child.output.batch_ended()
         self._failures = 0
         if "error" in header:
             raise FunctionError.from_code(header["code"], header["error"])
@@ -143,7 +162,9 @@ class PythonBackend:
 
     def _start(self) -> _Child:
         try:
-            return _Child.start(self._name, self._module, self._directory)
+            return _Child.start(
+                self._name, self._version, self._module, self._directory, self._memory_limit_bytes
+            )
         except FunctionError as exc:
             self._note_failure(exc.message)
             raise
@@ -151,6 +172,8 @@ class PythonBackend:
     def _fail(self, child: _Child, reason: str, what: str) -> str:
         """The child broke the batch: stop it, count it, schedule its restart; its exit, in words."""
         child.stop(graceful=False)
+        if child.out_of_memory():
+            reason, what = "memory", what or f"was stopped at its memory_limit_mb of {self._memory_limit_mb}"
         exit_text = what or _describe_exit(child.process.returncode)
         with self._lock:
             if self._child is child:
@@ -192,11 +215,16 @@ class PythonBackend:
 
 
 class _Child:
-    """One `python -m runner.sandbox` process and its pipes."""
+    """One `python -m runner.sandbox` process, its pipes, its output's reader and its cgroup."""
 
-    def __init__(self, process: subprocess.Popen[bytes], workdir: Path) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], workdir: Path, output: Output, cgroup: MemoryCgroup | None
+    ) -> None:
         self.process = process
         self.workdir = workdir
+        self.output = output
+        self.cgroup = cgroup
+        self._out_of_memory: bool | None = None
         stdin, stdout = process.stdin, process.stdout
         assert stdin is not None and stdout is not None
         self._pipes: tuple[IO[bytes], IO[bytes]] = (stdin, stdout)
@@ -206,45 +234,110 @@ class _Child:
         os.set_blocking(self.replies, False)
 
     @classmethod
-    def start(cls, name: str, module: Path, directory: Path) -> _Child:
-        """Start the process and wait until its Model is constructed. Raises InvalidArgument when
-        model.py does not load, ModelFailed when the process dies or takes too long."""
+    def start(
+        cls, name: str, version: str, module: Path, directory: Path, memory_limit_bytes: int | None
+    ) -> _Child:
+        """Start the process, confine it and wait until its Model is constructed. Raises
+        InvalidArgument when model.py does not load, ModelFailed when the process dies or takes too
+        long."""
         workdir = Path(tempfile.mkdtemp(prefix=f"fngate-{name}-"))
+        cgroup = MemoryCgroup.create(name, memory_limit_bytes) if memory_limit_bytes else None
+        user = _function_user()
+        if user is not None:  # root's files, and every other user's processes, out of its reach
+            os.chown(workdir, *user)
+        seen = directory
+        passed: list[int] = []
+        if user is not None and not confinement.searchable_by_others(directory):
+            # Its folder is handed over open: the folders above it may be root's alone (a cache in /root).
+            passed.append(os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+            seen = Path(f"/proc/self/fd/{passed[-1]}")
+        child = cls._spawn(name, version, workdir, user, cgroup, passed)
+        # With a cgroup the kernel counts what the process uses; RLIMIT_DATA (what it maps) is the fallback.
+        plan = confinement.function_confinement(
+            seen, workdir, CODE, None if cgroup is not None else memory_limit_bytes
+        )
+        load = {
+            "op": "load",
+            "module": str(seen / module.relative_to(directory)),
+            "directory": str(seen),
+            "confinement": plan.encode(),
+        }
+        header = child._load(name, load, user)
+        limits = [*header.get("confined", ())]
+        if cgroup is not None and memory_limit_bytes is not None:
+            limits.append(f"memory cgroup (v{cgroup.version}) {memory_limit_bytes // 2**20} MiB")
+        who = f"uid {user[0]}" if user is not None else f"uid {os.geteuid()}, as its runner"
+        log.info("function %s runs in process %d as %s: %s", name, child.process.pid, who, ", ".join(limits))
+        return child
+
+    @classmethod
+    def _spawn(
+        cls,
+        name: str,
+        version: str,
+        workdir: Path,
+        user: tuple[int, int] | None,
+        cgroup: MemoryCgroup | None,
+        passed: list[int],
+    ) -> _Child:
         env = sandbox.clean_environment(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env["TMPDIR"] = str(workdir)
-        # Never a fork of the runner: a fresh interpreter holds none of its sockets, threads or loop.
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "runner.sandbox",
-                *("--function", name, "--module", str(module)),
-                *("--directory", str(directory), "--parent", str(os.getpid())),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-        )
-        child = cls(process, workdir)
+        prints, prints_write = os.pipe()
+        passed.append(prints_write)
         try:
-            header, _body = sandbox.receive(child.replies, time.monotonic() + START_TIMEOUT_S)
-        except (TimeoutError, sandbox.ChannelClosed) as exc:
-            child.stop(graceful=False)
-            what = "did not start within" if isinstance(exc, TimeoutError) else "exited while starting:"
-            detail = (
-                f"{START_TIMEOUT_S:.0f} s"
-                if isinstance(exc, TimeoutError)
-                else _describe_exit(process.returncode)
+            # Never a fork of the runner: a fresh interpreter holds none of its sockets, threads or loop.
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "runner.sandbox",
+                    *("--function", name, "--parent", str(os.getpid()), "--prints", str(prints_write)),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=passed,
+                user=user[0] if user else None,
+                group=user[1] if user else None,
+                extra_groups=[] if user else None,
             )
-            raise ModelFailed(f"function '{name}': its process {what} {detail}") from None
+        finally:
+            for fd in passed:
+                os.close(fd)
+        assert process.stderr is not None
+        stderr = os.dup(process.stderr.fileno())
+        process.stderr.close()
+        output = Output(name, version, {"stdout": prints, "stderr": stderr})
+        output.start()
+        return cls(process, workdir, output, cgroup)
+
+    def _load(self, name: str, load: dict[str, str], user: tuple[int, int] | None) -> sandbox.Header:
+        """Place the process (its cgroup), hand it its function and confinement, and wait for it."""
+        try:
+            if self.cgroup is not None:
+                self.cgroup.add(self.process.pid)  # before it loads anything of the function's
+            deadline = time.monotonic() + START_TIMEOUT_S
+            sandbox.send(self.requests, load, (), deadline)
+            header, _body = sandbox.receive(self.replies, deadline)
+        except (TimeoutError, sandbox.ChannelClosed, OSError) as exc:
+            self.stop(graceful=False)
+            if isinstance(exc, TimeoutError):
+                detail = f"did not start within {START_TIMEOUT_S:.0f} s"
+            else:
+                detail = f"exited while starting: {_describe_exit(self.process.returncode)}"
+            if user is not None:
+                detail += f" (as uid {user[0]}; its output is in the runner's log)"
+            raise ModelFailed(f"function '{name}': its process {detail}") from None
         if "error" in header:
-            child.stop(graceful=False)
+            self.stop(graceful=False)
+            if header.get("code") == "model_failed":
+                raise ModelFailed(f"function '{name}': {header['error']}")
             raise InvalidArgument(header["error"])
-        log.info("function %s runs in process %d", name, process.pid)
-        return child
+        return header
 
     def rss_bytes(self) -> int:
         try:
@@ -253,9 +346,16 @@ class _Child:
         except (OSError, ValueError, IndexError):
             return 0
 
+    def out_of_memory(self) -> bool:
+        """The kernel stopped it at its memory cgroup's limit."""
+        if self._out_of_memory is None:
+            return self.cgroup is not None and self.cgroup.out_of_memory()
+        return self._out_of_memory
+
     def stop(self, graceful: bool) -> None:
         """Graceful: close its stdin (it calls Model.close and exits), kill it if it takes longer
-        than STOP_TIMEOUT_S. Else kill it now. Either way wait for it and remove its working folder."""
+        than STOP_TIMEOUT_S. Else kill it now. Either way wait for it, log the rest of its output
+        and remove its working folder and cgroup."""
         if not graceful:
             self._kill()
         for pipe in self._pipes:
@@ -265,11 +365,33 @@ class _Child:
         except subprocess.TimeoutExpired:
             self._kill()
             self.process.wait()
+        self.output.join(OUTPUT_DRAIN_S)
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.cgroup is not None:
+            self._out_of_memory = self.cgroup.out_of_memory()
+            self.cgroup.remove()
 
     def _kill(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
+
+
+_USER: list[tuple[int, int] | None] = []
+
+
+def _function_user() -> tuple[int, int] | None:
+    """FUNCTION_UID for a root runner whose Python that user can run (decided once), else None."""
+    if not _USER:
+        python = [Path(sys.executable), Path(sys.base_prefix), Path(sys.prefix), *CODE]
+        _USER.append(confinement.function_user(python))
+        if _USER[0] is None and os.geteuid() == 0:
+            log.warning(
+                "uid %d cannot reach this runner's Python (%s): function processes run as uid 0 "
+                "without capabilities",
+                confinement.FUNCTION_UID,
+                Path(sys.executable).resolve(),
+            )
+    return _USER[0]
 
 
 def _describe_exit(returncode: int | None) -> str:
