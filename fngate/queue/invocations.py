@@ -251,6 +251,11 @@ def queue_bytes(stream: str) -> str:
     return f"{stream}:bytes"
 
 
+def entry_runs(stream: str) -> str:
+    """The hash of an invocation stream's entries that ran alone (runner.reclaim): entry id -> runs."""
+    return f"{stream}:runs"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Admission:
     """admit()'s KEYS (bucket, busy, share) and ARGV (rps, burst, cap, share_cap, member, ttl_ms)
