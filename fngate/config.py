@@ -73,6 +73,9 @@ class GatewaySettings(_Settings):
     callback_secret: SecretStr = SecretStr("")
     """Signs the callbacks of asynchronous invocations (HMAC-SHA256, `X-Fngate-Signature`); shared
     with their receivers. Empty: callbacks go unsigned."""
+    result_quota_bytes: Annotated[int, Field(ge=0)] = 256 * 2**20
+    """What one API key's asynchronous results may hold in Redis at once (their records and
+    replies, until each expires); past it, its asynchronous submissions get 429. 0: no quota."""
 
 
 class RunnerSettings(_Settings):

@@ -49,6 +49,7 @@ from fngate.queue.levels import (
     level_entries,
 )
 from fngate.queue.results import (
+    ASYNC_MEMORY_RATIO,
     CALLBACK,
     CANCEL,
     CANCELLED,
@@ -58,12 +59,15 @@ from fngate.queue.results import (
     QUEUED_ENTRIES_LUA,
     READ_RESULT,
     RECORD,
+    RECORD_CALLBACK,
     STATE,
     SUBMIT_ASYNC,
     Again,
     Conflict,
     Done,
+    Pressure,
     Result,
+    ResultQuota,
     SubmitOutcome,
     callback_marker,
     cancel_outcome,
@@ -80,10 +84,13 @@ from fngate.queue.steps import (
     parse_forward,
     parse_join,
 )
+from fngate.queue.stored import BELL_MS, stored_result
 
 __all__ = [
     "ADMIT_LUA",
     "AS",
+    "ASYNC_MEMORY_RATIO",
+    "BELL_MS",
     "BODY",
     "BY",
     "CALLBACK",
@@ -104,6 +111,7 @@ __all__ = [
     "READ_LEVELS",
     "READ_RESULT",
     "RECORD",
+    "RECORD_CALLBACK",
     "STATE",
     "STEP",
     "SUBMIT_ASYNC",
@@ -118,8 +126,10 @@ __all__ = [
     "Hit",
     "Limited",
     "Outgoing",
+    "Pressure",
     "Queued",
     "Result",
+    "ResultQuota",
     "ScriptCall",
     "Statistics",
     "SubmitOutcome",
@@ -144,6 +154,7 @@ __all__ = [
     "parse_result",
     "parse_submit_async",
     "queue_bytes",
+    "stored_result",
     "submit_async_call",
     "waiters",
 ]

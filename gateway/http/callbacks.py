@@ -85,6 +85,7 @@ class CallbackSender:
         self._redis = reader
         self._block_ms = block_ms
         self._read = Script(scripts, queue.READ_RESULT)
+        self._record = Script(scripts, queue.RECORD_CALLBACK)
         self._consumer = gateway_id
         self._catalog = catalog
         self._secret = secret
@@ -190,7 +191,7 @@ class CallbackSender:
             }
             if failure:
                 record["error"] = failure
-            await self._redis.xadd(result_key, {queue.CALLBACK: orjson.dumps(record)}, nomkstream=True)
+            await self._record([result_key], [orjson.dumps(record)])
             if delivered:
                 return
             log.info("callback of %s: attempt %d failed (%s)", invocation_id, attempt, answered or failure)
