@@ -135,15 +135,20 @@ def confine(confinement: Confinement) -> list[str]:
     if os.geteuid() == 0:  # a root runner whose Python FUNCTION_UID cannot read: root, powerless
         drop_capabilities()
         applied.append("no capabilities")
-    _prctl(PR_SET_NO_NEW_PRIVS, 1)  # what both below need of an unprivileged process
+    set_no_new_privs()  # what both below need of an unprivileged process
     abi = landlock_abi()
     if abi:
-        _restrict_files(abi, confinement)
+        restrict_files(abi, confinement)
         applied.append(f"landlock v{abi}")
     if seccomp_available():
-        _install_seccomp_filter()
+        install_seccomp_filter()
         applied.append("seccomp")
     return applied
+
+
+def set_no_new_privs() -> None:
+    """Nothing this process executes gains privileges (setuid bits, file capabilities)."""
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
 def drop_capabilities() -> None:
@@ -188,7 +193,7 @@ def searchable_by_others(path: Path) -> bool:
     return True
 
 
-def _restrict_files(abi: int, confinement: Confinement) -> None:
+def restrict_files(abi: int, confinement: Confinement) -> None:
     handled_fs = _FS_ABI1
     if abi >= 2:
         handled_fs |= _FS_REFER
@@ -277,7 +282,7 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def _install_seccomp_filter() -> None:
+def install_seccomp_filter() -> None:
     code = seccomp_program()
     buffer = ctypes.create_string_buffer(code, len(code))
     program = _SockFprog(len(code) // 8, ctypes.cast(buffer, ctypes.c_void_p))
