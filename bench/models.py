@@ -131,13 +131,12 @@ class Model:
 '''
 
 
-def pick() -> onnx.ModelProto:
-    """x FP32 [-1, 4] -> y = 2x, through a Gather of a 16-row table at x[:, 0]: onnxruntime fails
-    the batch of any row whose x[0] is not in 0..15 (a function whose model fails on a value); and a
-    loop of max(x[:, 1]) turns, so that a row can keep it busy (BUSY_TURNS: a second or so)."""
-    body = helper.make_graph(
+def loop_body() -> onnx.GraphProto:
+    """The body of a Loop that counts its turns (a float accumulator): a model that takes as long
+    as its input says."""
+    return helper.make_graph(
         [
-            helper.make_node("Add", ["acc_in", "one_f"], ["acc_out"]),
+            helper.make_node("Add", ["acc_in", "a_turn"], ["acc_out"]),
             helper.make_node("Identity", ["cond_in"], ["cond_out"]),
         ],
         "turn",
@@ -150,8 +149,15 @@ def pick() -> onnx.ModelProto:
             helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
             helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, []),
         ],
-        [numpy_helper.from_array(np.array(1, np.float32), "one_f")],
+        [numpy_helper.from_array(np.array(1, np.float32), "a_turn")],
     )
+
+
+def pick() -> onnx.ModelProto:
+    """x FP32 [-1, 4] -> y = 2x, through a Gather of a 16-row table at x[:, 0]: onnxruntime fails
+    the batch of any row whose x[0] is not in 0..15 (a function whose model fails on a value); and a
+    loop of max(x[:, 1]) turns, so that a row can keep it busy (BUSY_TURNS: a second or so)."""
+    body = loop_body()
     nodes = [
         helper.make_node("Gather", ["x", "zero"], ["first"], axis=1),
         helper.make_node("Cast", ["first"], ["index"], to=TensorProto.INT64),

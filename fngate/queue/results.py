@@ -194,6 +194,9 @@ if stored[1] then
 end
 local entries = redis.call('XRANGE', KEYS[1], '-', '+')
 if #entries == 0 then return {{}, 0} end
+for _, item in ipairs(entries) do  -- done, and its stored result already expired: gone
+  if item[2][1] == 's' and item[2][2] == 'done' then return {{}, 0} end
+end
 local running = 0
 for _, item in ipairs(queued_entries(KEYS[1])) do
   if item[2] and is_taken(item[1], item[2], ARGV[1]) then running = 1 end

@@ -61,9 +61,9 @@ local function store_result(stream, h, b, ttl_ms)
   redis.call('HSET', stored, 'm', record, 'h', h, 'b', b)
   redis.call('PEXPIRE', stored, ttl_ms)
   redis.call('XADD', stream, '*', 's', 'done')
-  redis.call('PEXPIRE', stream, """
+  redis.call('PEXPIRE', stream, math.min("""
     + str(BELL_MS)
-    + """)
+    + """, tonumber(ttl_ms)))
   if quota ~= '' then charge(quota, #record + #h + #b, tonumber(ttl_ms)) end
 end
 """

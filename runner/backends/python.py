@@ -251,7 +251,13 @@ class _Child:
             # Its folder is handed over open: the folders above it may be root's alone (a cache in /root).
             passed.append(os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
             seen = Path(f"/proc/self/fd/{passed[-1]}")
-        child = cls._spawn(name, version, workdir, user, cgroup, passed)
+        try:
+            child = cls._spawn(name, version, workdir, user, cgroup, passed)
+        except OSError:
+            shutil.rmtree(workdir, ignore_errors=True)
+            if cgroup is not None:
+                cgroup.remove()
+            raise
         # With a cgroup the kernel counts what the process uses; RLIMIT_DATA (what it maps) is the fallback.
         plan = confinement.function_confinement(
             seen, workdir, CODE, None if cgroup is not None else memory_limit_bytes
