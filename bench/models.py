@@ -203,7 +203,6 @@ def write_poison_functions(repo: Path, execution_timeout_ms: int = 500) -> None:
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
         "batching": batching,
-        "scaling": {"pool": "poison"},
     }
     python = {"backend": "python", "path": "model.py", "execution_timeout_ms": execution_timeout_ms}
     functions = {

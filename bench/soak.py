@@ -8,6 +8,7 @@ result quota: its submissions get 429, and every one accepted is collected (none
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import tempfile
 import time
@@ -70,19 +71,23 @@ def _used(client: redis.Redis) -> int:
 def soak(
     repo: Path, logs: Path, record: Callable[[Row], None], seconds: float = SOAK_S, concurrency: int = 32
 ) -> None:
-    """The soak, then the quota phase, on a Redis of their own."""
-    with tempfile.TemporaryDirectory(prefix="fngate-soak-") as folder:
-        process, url = start_redis(
-            Path(folder), "--maxmemory", MAX_MEMORY, "--maxmemory-policy", "noeviction"
-        )
-        deployed = Deployment(url, repo, logs)
-        try:
-            _soak(deployed, record, seconds, concurrency)
-            _past_the_quota(deployed, record, concurrency)
-        finally:
-            deployed.stop()
-            process.terminate()
-            process.wait(timeout=10)
+    """The soak, then the quota phase, each on a Redis of its own (run as `fngate up` runs it)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    phases: list[Callable[[Deployment], None]] = [
+        functools.partial(_soak, record=record, seconds=seconds, concurrency=concurrency),
+        functools.partial(_past_the_quota, record=record, concurrency=concurrency),
+    ]
+    for phase in phases:
+        with tempfile.TemporaryDirectory(prefix="fngate-soak-") as folder:
+            options = ("--maxmemory", MAX_MEMORY, "--maxmemory-policy", "noeviction")
+            process, url = start_redis(Path(folder), *options)
+            deployed = Deployment(url, repo, logs)
+            try:
+                phase(deployed)
+            finally:
+                deployed.stop()
+                process.terminate()
+                process.wait(timeout=10)
 
 
 def _soak(deployed: Deployment, record: Callable[[Row], None], seconds: float, concurrency: int) -> None:
@@ -128,6 +133,9 @@ def _soak(deployed: Deployment, record: Callable[[Row], None], seconds: float, c
         "failed": counts.failed,
         "samples_mib": [(round(at, 1), round(used / 2**20, 2)) for at, used in samples],
         "growth_mb_per_min": round(growth / 1e6, 2),
+        "growth_from_start_mb_per_min": round(
+            (last - samples[0][1]) / max(1e-9, (last_s - samples[0][0]) / 60) / 1e6, 2
+        ),
         "stored_result_bytes": round(per_result),
         "growth_at_103_async_per_s_mb_per_min": round(per_result * 103 * 60 / 1e6, 2),
     }
@@ -139,7 +147,6 @@ def _soak(deployed: Deployment, record: Callable[[Row], None], seconds: float, c
         "103 asynchronous a second, the issue's rate, for as long as results are kept)",
         flush=True,
     )
-    deployed.stop()
 
 
 def _past_the_quota(deployed: Deployment, record: Callable[[Row], None], concurrency: int) -> None:

@@ -60,15 +60,27 @@ class MemoryCgroup:
 
     def out_of_memory(self) -> bool:
         """The kernel ended a process of this cgroup at its limit."""
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        return self._count("memory.events" if self.version == 2 else "memory.oom_control", "oom_kill") > 0
+
+    def at_limit(self) -> bool:
+        """Its use reached the limit (the kernel reclaimed, or ended a process): a batch that ran
+        out of time there was held by its memory, not slow."""
+        if self.version == 2:
+            return self._count("memory.events", "max") > 0 or self.out_of_memory()
+        try:
+            return int((self.path / "memory.failcnt").read_text()) > 0 or self.out_of_memory()
+        except (OSError, ValueError):
+            return self.out_of_memory()
+
+    def _count(self, name: str, key: str) -> int:
         try:
             for line in (self.path / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill" and int(value) > 0:
-                    return True
+                found, _, value = line.partition(" ")
+                if found == key:
+                    return int(value)
         except (OSError, ValueError):
-            return False
-        return False
+            return 0
+        return 0
 
     def remove(self) -> None:
         """Once its processes have exited (the kernel frees a cgroup a moment after)."""

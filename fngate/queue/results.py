@@ -24,7 +24,7 @@ from fngate.queue.invocations import (
     queue_bytes,
     waiters,
 )
-from fngate.queue.stored import STORE_RESULT_LUA
+from fngate.queue.stored import PACKED_LUA, STORE_RESULT_LUA
 
 # --- Asynchronous invocations -------------------------------------------------------------------
 # An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and
@@ -35,10 +35,9 @@ from fngate.queue.stored import STORE_RESULT_LUA
 # `s` = `cancelled`. An invocation with a callback URL names the callbacks stream as the one
 # waiter on a marker of its own, so that FINISH's 'share' copies its reply there, addressed `for`
 # it, exactly as it answers coalesced invocations.
-# Once done, the result is kept compactly (fngate.queue.stored): FINISH writes the record and the
-# reply to a hash (`m`, `h`, `b`, and `cb`, the callback attempts' JSON, one a line) for
-# result_ttl_s, charges its bytes to the key's quota, and adds `s` = `done` to the stream, which
-# wakes long-polls and expires BELL_MS later.
+# Once done, the result is kept compactly (fngate.queue.stored): FINISH packs the record and the
+# reply into one string (callback attempts are appended) for result_ttl_s, charges its bytes to the
+# key's quota, and adds `s` = `done` to the stream, which wakes long-polls and expires BELL_MS later.
 STATE, QUEUE_STREAM, QUEUE_ENTRY, RECORD, CALLBACK, QUOTA = b"s", b"q", b"e", b"m", b"cb", b"k"
 QUEUED, CANCELLED = b"queued", b"cancelled"
 ASYNC_MEMORY_RATIO = 0.8
@@ -183,13 +182,13 @@ next steps' entries carry the invocation on; a function's entry leaves with its 
 # is answered as the entries its stream would hold: the record, the reply, each callback attempt.
 READ_RESULT = (
     QUEUED_ENTRIES_LUA
+    + PACKED_LUA
     + """
-local stored = redis.call('HMGET', KEYS[1] .. ':done', 'm', 'h', 'b', 'cb')
-if stored[1] then
-  local entries = {{'0-1', {'m', stored[1]}}, {'0-2', {'h', stored[2], 'b', stored[3]}}}
-  for attempt in string.gmatch(stored[4] or '', '[^\\n]+') do
-    entries[#entries + 1] = {'0-' .. (#entries + 1), {'cb', attempt}}
-  end
+local stored = redis.call('GET', KEYS[1] .. ':done')
+if stored then
+  local parts = unpacked(stored)
+  local entries = {{'0-1', {'m', parts[1]}}, {'0-2', {'h', parts[2], 'b', parts[3]}}}
+  for i = 4, #parts do entries[#entries + 1] = {'0-' .. i, {'cb', parts[i]}} end
   return {entries, 0}
 end
 local entries = redis.call('XRANGE', KEYS[1], '-', '+')
@@ -249,18 +248,20 @@ return 'cancelled'
 )
 
 
-# KEYS[1]: the result stream. ARGV[1]: a callback attempt (JSON, one line), recorded with the
-# result it sent (the stored hash's `cb`, one attempt a line), or on the stream before that.
-RECORD_CALLBACK = """
+# KEYS[1]: the result stream. ARGV[1]: a callback attempt (JSON), recorded with the result it sent
+# (appended to the stored result), or on the stream before that.
+RECORD_CALLBACK = (
+    PACKED_LUA
+    + """
 local stored = KEYS[1] .. ':done'
 if redis.call('EXISTS', stored) == 1 then
-  local before = redis.call('HGET', stored, 'cb')
-  redis.call('HSET', stored, 'cb', before and (before .. '\\n' .. ARGV[1]) or ARGV[1])
+  redis.call('APPEND', stored, packed(ARGV[1]))
   return 1
 end
 redis.call('XADD', KEYS[1], 'NOMKSTREAM', '*', 'cb', ARGV[1])
 return 0
 """
+)
 
 
 def callback_marker(result_stream: str) -> str:

@@ -1,7 +1,9 @@
-"""A done asynchronous result as Redis keeps it: a small hash, not a stream (a stream holds at least
-4 KiB: Redis allocates its first node whole), charged to the submitting key's quota of result bytes.
-Written by FINISH (fngate.queue.invocations) and, for a cached answer, SUBMIT_ASYNC; read by
-READ_RESULT (fngate.queue.results)."""
+"""A done asynchronous result as Redis keeps it: one string of its parts, each after its length (8 hex
+digits): the gateway's record, the reply's header and body, then each callback attempt. Not a
+stream (which holds at least 4 KiB: Redis allocates its first node whole), nor a hash (a third more
+than the string for a small result). Charged to the submitting key's quota of result bytes. Written
+by FINISH (fngate.queue.invocations) and, for a cached answer, SUBMIT_ASYNC; read by READ_RESULT
+and RECORD_CALLBACK (fngate.queue.results)."""
 
 from __future__ import annotations
 
@@ -43,11 +45,28 @@ local function held(quota, now)  -- a key's bytes count until the end of the min
 end
 """
 
+# packed(part) -> the part after its length; unpacked(stored) -> the parts of a stored result.
+PACKED_LUA = """
+local function packed(part)
+  return string.format('%08x', #part) .. part
+end
+local function unpacked(stored)
+  local parts, at = {}, 1
+  while at + 7 <= #stored do
+    local size = tonumber(string.sub(stored, at, at + 7), 16)
+    parts[#parts + 1] = string.sub(stored, at + 8, at + 7 + size)
+    at = at + 8 + size
+  end
+  return parts
+end
+"""
+
 # store_result(stream, h, b, ttl_ms): a reply to an asynchronous invocation, kept compactly (see
 # above); nothing when its stream has gone (expired, so nobody may read it) or it was stored before
 # (a redelivered entry answered twice: the first answer stays).
 STORE_RESULT_LUA = (
     QUOTA_LUA
+    + PACKED_LUA
     + """
 local function store_result(stream, h, b, ttl_ms)
   local first = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
@@ -58,8 +77,7 @@ local function store_result(stream, h, b, ttl_ms)
   for i = 1, #fields, 2 do
     if fields[i] == 'm' then record = fields[i + 1] elseif fields[i] == 'k' then quota = fields[i + 1] end
   end
-  redis.call('HSET', stored, 'm', record, 'h', h, 'b', b)
-  redis.call('PEXPIRE', stored, ttl_ms)
+  redis.call('SET', stored, packed(record) .. packed(h) .. packed(b), 'PX', ttl_ms)
   redis.call('XADD', stream, '*', 's', 'done')
   redis.call('PEXPIRE', stream, math.min("""
     + str(BELL_MS)

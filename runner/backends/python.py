@@ -97,7 +97,17 @@ class PythonBackend:
             header, body = sandbox.receive(child.replies, deadline)
             results = {} if "error" in header else sandbox.decode_tensors(header["tensors"], body)
         except TimeoutError:
-            self._fail(child, "timeout", f"ran past its execution timeout of {timeout_s * 1000:.0f} ms")
+            held = child.at_memory_limit()  # the kernel may still be reclaiming, or about to end it
+            self._fail(
+                child,
+                "memory" if held else "timeout",
+                f"ran past its execution timeout of {timeout_s * 1000:.0f} ms",
+            )
+            if held:
+                raise ModelFailed(
+                    f"{sandbox.out_of_memory(self._name, self._memory_limit_bytes)}: its process was held at "
+                    "the limit past its execution timeout and stopped; it starts again for the next batch"
+                ) from None
             raise ModelTimeout(
                 f"function '{self._name}': the batch ran past its execution timeout of "
                 f"{timeout_s * 1000:.0f} ms; its process was stopped and starts again for the next batch"
@@ -351,6 +361,10 @@ class _Child:
                 return int(statm.read().split()[1]) * PAGE_BYTES
         except (OSError, ValueError, IndexError):
             return 0
+
+    def at_memory_limit(self) -> bool:
+        """It is running, and its memory cgroup's use has reached the limit."""
+        return self.cgroup is not None and self.cgroup.at_limit()
 
     def out_of_memory(self) -> bool:
         """The kernel stopped it at its memory cgroup's limit."""

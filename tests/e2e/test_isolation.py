@@ -166,10 +166,10 @@ async def test_bad_functions_do_not_disturb_their_neighbours(
             "its process was stopped and starts again for the next batch",
             "code": "model_timeout",
         }
-    # It keeps 20 MiB more a batch: each batch is answered until one passes its memory_limit_mb of
-    # 120; that one fails, naming the limit, and the next runs in a fresh process.
+    # It keeps 20 MiB more a batch: its process is restarted once over its memory_limit_mb of 120
+    # after a batch, or stopped in the batch that passes it (which fails, naming the limit).
     stopped = [response for response in leaked if response.status_code != 200]
-    assert 1 <= len(stopped) <= 3
+    assert len(stopped) <= 3
     for response in stopped:
         assert response.status_code == 500
         assert "the batch needed more memory than its memory_limit_mb of 120 MiB" in response.json()["error"]
@@ -320,7 +320,8 @@ async def test_a_function_reaches_nothing_of_its_root_runner_and_cannot_flood_it
     await function_output.wait_for_any("intruder", "to stderr")
     records = [record for record in function_output.records() if record["function"] == "intruder"]
     assert {(record["version"], record["stream"]) for record in records} == {("1", "stdout"), ("1", "stderr")}
-    assert json.loads(records[0]["line"])["message"] == "forged"  # only ever a field of a record
+    forged = [record["line"] for record in records if "forged" in record["line"]]
+    assert json.loads(forged[0])["message"] == "forged"  # only ever a field of a record
     log_lines = [json.loads(line) for line in (tmp_path / "runner-0.log").read_text().splitlines()]
     assert [line for line in log_lines if line.get("message") == "forged"] == []
     logged = sum(len(record["line"]) + 1 for record in records)

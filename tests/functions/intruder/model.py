@@ -50,7 +50,7 @@ class Model:
             tried[f"read {path}"] = attempt(lambda path=path: read(path))
         tried["write its working folder"] = attempt(lambda: Path("scratch").write_text("x"))
         forged = {"level": "ERROR", "service": "runner", "logger": "runner.worker", "message": "forged"}
-        print(json.dumps(forged))
+        print("to stderr", file=sys.stderr, flush=True)
+        print(json.dumps(forged), flush=True)
         sys.stdout.write(("x" * 1023 + "\n") * 256)  # 256 KiB: four times what a batch may log
-        print("to stderr", file=sys.stderr)
         return {"report": np.array([[json.dumps(tried)]] * len(inputs["x"]), dtype=object)}
