@@ -258,8 +258,9 @@ def _robustness(rows: list[dict[str, Any]]) -> list[str]:
                 "",
                 f"{row['seconds']:.0f} s, {row['invocations_per_s']} invocations a second "
                 f"({row['async_per_s']} asynchronous), {row['failed']} failed. used_memory: {samples}. "
-                f"Growth {row['growth_mb_per_min']} MB a minute after the first sample; a stored result "
-                f"takes {row['stored_result_bytes']} B.",
+                f"Growth {row['growth_mb_per_min']} MB a minute after the first sample, "
+                f"{row['bytes_in_redis_per_result']} B a result ({row['stored_result_bytes']} B stored): "
+                f"{row['growth_at_103_async_per_s_mb_per_min']} MB a minute at 103 asynchronous a second.",
             ]
         if row.get("scenario") == "M-quota":
             lines += [
