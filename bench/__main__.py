@@ -30,7 +30,9 @@ import redis
 import fngate
 from bench import grpc_peer, inprocess, loadgen
 from bench.deployment import Deployment, cpu_seconds, deployment, free_port, tree_cpu_seconds
-from bench.models import build_repository
+from bench.models import build_repository, write_poison_functions
+from bench.poison import poison_rounds
+from bench.soak import SOAK_S, soak
 from fngate import keys
 
 Row = dict[str, Any]
@@ -495,6 +497,21 @@ def wait_for_no_runner(redis_url: str, timeout_s: float = 60) -> None:
     raise TimeoutError("runners did not stop")
 
 
+# --- Scenarios P and M: a function hurts only itself (bench/poison.py, bench/soak.py) ------------
+
+
+def robustness(deployed: Deployment, bench: Bench, wanted: Callable[[str], bool]) -> None:
+    """H: hostile callers. P: one poison among fifteen innocents in a batch, Python and ONNX, with
+    the innocents' latency. M: the mixed soak, on a deployment and Redis of its own (then a result
+    quota's 429s)."""
+    hostile_callers(deployed, bench, wanted("H"))
+    if wanted("P"):
+        write_poison_functions(deployed.repo)  # the gateway and runner find them within rescan_s
+        poison_rounds(deployed.urls()[0], bench.record, 1 if bench.args.quick else 3)
+    if wanted("M"):
+        soak(deployed.repo, deployed.logs / "soak", bench.record, 30.0 if bench.args.quick else SOAK_S)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
@@ -515,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         "against limits measured in the same run (needs about 1.5 GB of memory and a minute or two)",
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,H"
+        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,H,P,M"
     )
     parser.add_argument(
         "--triton",
@@ -572,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                 deployed.stop_runners()
                 deployed.start_runner()
                 bench.shared_queue(deployed)
-            hostile_callers(deployed, bench, wanted("H"))
+            robustness(deployed, bench, wanted)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {_cpu_model()}, {_cores()} cores",

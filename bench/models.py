@@ -147,3 +147,126 @@ def build_repository(repo: Path) -> None:
     wide_model = wide()
     write_function(repo, "wide", wide_model, 512, max_batch_size=64, max_queue_delay_us=0)
     write_function(repo, "wide-nobatch", wide_model, 512, max_batch_size=1, max_queue_delay_us=0)
+
+
+POISON_ROWS = 16
+"""The batch of the poison functions: one poison invocation among fifteen innocent ones."""
+BUSY_TURNS = 500_000
+"""x[0, 1] of an invocation of `pick` that keeps it busy for about a second (2 us a turn)."""
+POISON_MODEL = '''"""y = 2x, and each batch prints its size ("batch of N"). x[:, 0] steers it: -3 ends its
+process, -4 never returns, -5 allocates 1 GiB, -6 sleeps a second (keeps the function busy)."""
+
+import os
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, directory):
+        pass
+
+    def infer(self, inputs):
+        x = inputs["x"]
+        print(f"batch of {len(x)}")
+        first = x[:, 0]
+        if (first == -3).any():
+            os._exit(3)
+        if (first == -4).any():
+            while True:
+                time.sleep(1)
+        if (first == -5).any():
+            np.ones(2**27).sum()
+        if (first == -6).any():
+            time.sleep(1)
+        return {"y": x * 2}
+'''
+
+
+def loop_body() -> onnx.GraphProto:
+    """The body of a Loop that counts its turns (a float accumulator): a model that takes as long
+    as its input says."""
+    return helper.make_graph(
+        [
+            helper.make_node("Add", ["acc_in", "a_turn"], ["acc_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "turn",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, []),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, []),
+        ],
+        [numpy_helper.from_array(np.array(1, np.float32), "a_turn")],
+    )
+
+
+def pick() -> onnx.ModelProto:
+    """x FP32 [-1, 4] -> y = 2x, through a Gather of a 16-row table at x[:, 0]: onnxruntime fails
+    the batch of any row whose x[0] is not in 0..15 (a function whose model fails on a value); and a
+    loop of max(x[:, 1]) turns, so that a row can keep it busy (BUSY_TURNS: a second or so)."""
+    body = loop_body()
+    nodes = [
+        helper.make_node("Gather", ["x", "zero"], ["first"], axis=1),
+        helper.make_node("Cast", ["first"], ["index"], to=TensorProto.INT64),
+        helper.make_node("Gather", ["table", "index"], ["picked"], axis=0),
+        helper.make_node("Unsqueeze", ["picked", "one"], ["column"]),
+        helper.make_node("Gather", ["x", "one_index"], ["second"], axis=1),
+        helper.make_node("ReduceMax", ["second"], ["most"], keepdims=0),
+        helper.make_node("Cast", ["most"], ["turns"], to=TensorProto.INT64),
+        helper.make_node("Loop", ["turns", "go", "nothing"], ["counted"], body=body),
+        helper.make_node("Add", ["column", "counted"], ["noise"]),
+        helper.make_node("Mul", ["noise", "nothing"], ["zeros"]),
+        helper.make_node("Mul", ["x", "two"], ["doubled"]),
+        helper.make_node("Add", ["doubled", "zeros"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "pick",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [
+            numpy_helper.from_array(np.array(0, dtype=np.int64), "zero"),
+            numpy_helper.from_array(np.array(1, dtype=np.int64), "one_index"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
+            numpy_helper.from_array(np.arange(16, dtype=np.float32), "table"),
+            numpy_helper.from_array(np.array(0.0, dtype=np.float32), "nothing"),
+            numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"),
+            numpy_helper.from_array(np.array(True), "go"),
+        ],
+    )
+    return _model(graph)
+
+
+def write_poison_functions(repo: Path, execution_timeout_ms: int = 500) -> None:
+    """`poison` (python, POISON_MODEL, memory_limit_mb 200) and `pick` (onnxruntime, pick()), each
+    batching POISON_ROWS invocations (and waiting a second at most to fill a batch)."""
+    batching = {
+        "max_batch_size": POISON_ROWS,
+        "max_queue_delay_us": 1_000_000,
+        "timeout_ms": 60_000,
+        "max_queue_size": 1000,
+    }
+    signature = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+        "batching": batching,
+    }
+    python = {"backend": "python", "path": "model.py", "execution_timeout_ms": execution_timeout_ms}
+    functions = {
+        "poison": ({**python, "memory_limit_mb": 200}, "model.py"),
+        "pick": ({"backend": "onnxruntime", "path": "model.onnx"}, "model.onnx"),
+    }
+    for name, (model, path) in functions.items():
+        folder = repo / name
+        folder.mkdir(parents=True, exist_ok=True)
+        if path == "model.py":
+            (folder / path).write_text(POISON_MODEL)
+        else:
+            onnx.save(pick(), str(folder / path))
+        manifest = {"name": name, "model": model, **signature}
+        (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))

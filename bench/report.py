@@ -91,6 +91,8 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         met = value <= target if sign == "<=" else value >= target
         lines.append(f"| {what} | {value:.2f} | {sign} {target} | {'yes' if met else 'no'} |")
     lines += _large_cold_starts(rows)
+    lines += _robustness(rows)
+    rows = [row for row in rows if row.get("scenario") not in ROBUSTNESS]
     lines += ["", "## Every point", ""]
     columns = [
         "scenario",
@@ -225,3 +227,45 @@ def _plot(path: Path, rows: list[Row]) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+ROBUSTNESS = ("P", "M", "M-quota")
+"""Scenarios with tables of their own (bench/poison.py, bench/soak.py)."""
+
+
+def _robustness(rows: list[dict[str, Any]]) -> list[str]:
+    """P: what a poison in a batch costs its innocents; M: Redis's memory under the mixed soak."""
+    lines: list[str] = []
+    poison = [row for row in rows if row.get("scenario") == "P"]
+    if poison:
+        lines += [
+            "",
+            "## A poison invocation among fifteen innocents in one batch (P)",
+            "",
+            "| round | innocents answered | failed | p50 ms | max ms | extra p50 ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        columns = ("round", "innocents_ok", "innocents_failed", "innocent_p50_ms", "innocent_max_ms")
+        lines += [
+            "| " + " | ".join(str(row[key]) for key in (*columns, "extra_p50_ms")) + " |" for row in poison
+        ]
+    for row in rows:
+        if row.get("scenario") == "M":
+            samples = ", ".join(f"{at:.0f} s: {mib} MiB" for at, mib in row["samples_mib"])
+            lines += [
+                "",
+                "## Redis's memory under a mixed soak (M)",
+                "",
+                f"{row['seconds']:.0f} s, {row['invocations_per_s']} invocations a second "
+                f"({row['async_per_s']} asynchronous), {row['failed']} failed. used_memory: {samples}. "
+                f"Growth {row['growth_mb_per_min']} MB a minute after the first sample, "
+                f"{row['bytes_in_redis_per_result']} B a result ({row['stored_result_bytes']} B stored): "
+                f"{row['growth_at_103_async_per_s_mb_per_min']} MB a minute at 103 asynchronous a second.",
+            ]
+        if row.get("scenario") == "M-quota":
+            lines += [
+                "",
+                f"Past a 256 KiB result quota: {row['accepted']} accepted, {row['refused_429']} refused "
+                f"(429), {row['lost']} accepted and not answered.",
+            ]
+    return lines

@@ -95,6 +95,9 @@ class GatewaySettings(_Settings):
     """Internal receivers that callbacks may reach: networks (10.1.0.0/16, 127.0.0.1) and host
     names, separated by commas. Every other loopback, private, link-local, multicast or unspecified
     address is refused, and so is a name that resolves to one."""
+    result_quota_bytes: Annotated[int, Field(ge=0)] = 256 * 2**20
+    """What one API key's asynchronous results may hold in Redis at once (their records and
+    replies, until each expires); past it, its asynchronous submissions get 429. 0: no quota."""
     # The metrics port (gateway/http/metrics_port.py): Prometheus scrapes it without a key.
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8002
     """GET /metrics without an API key, with Triton's nv_* names beside fngate's (Triton's port);

@@ -136,8 +136,15 @@ def key_share(key_id: str, function: str) -> str:
 
 def result(invocation_id: str) -> str:
     """Stream of one asynchronous invocation: its submission (state and what the gateway needs to
-    answer), then its reply, cancellation and callback attempts. Always carries a TTL."""
+    answer), then its cancellation, or its end (the result is then kept compactly beside it,
+    fngate.queue.stored_result). Always carries a TTL."""
     return f"{PREFIX}:result:{invocation_id}"
+
+
+def result_quota(key_id: str) -> str:
+    """Hash of the bytes one API key's asynchronous results hold, by the minute they expire in, and
+    their `total` (with its sorted set of minutes, `...:at`)."""
+    return f"{PREFIX}:quota:{key_id or '-'}"
 
 
 def idempotency(key_id: str, idempotency_key: str) -> str:

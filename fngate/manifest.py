@@ -143,9 +143,11 @@ class BatchingSpec(_Frozen):
     """Each invocation's deadline (a request may ask for less)."""
     async_timeout_s: Annotated[int, Field(ge=1, le=7 * 86400)] = 3600
     """The deadline of an asynchronous invocation (`Prefer: respond-async`), from its submission."""
-    result_ttl_s: Annotated[int, Field(ge=1, le=30 * 86400)] = 86400
-    """How long an asynchronous invocation's result is kept after it is done (or failed); one still
-    pending is kept until this long after its deadline."""
+    result_ttl_s: Annotated[int, Field(ge=1, le=30 * 86400)] = 3600
+    """How long an asynchronous invocation's result is kept after it is done (or failed): the time
+    its caller has to collect it (a long-poll collects it at once; a callback needs none). One
+    still pending is kept until this long after its deadline. Every result counts against its
+    key's result_quota_bytes until then."""
     max_async_queue_size: Annotated[int, Field(ge=1)] = 10000
     """Queued asynchronous invocations past which new ones get 503 with Retry-After; they wait in
     a queue of their own, served only with the batch slots synchronous invocations leave."""

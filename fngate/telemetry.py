@@ -108,7 +108,8 @@ def extract(traceparent: str | None) -> Context | None:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line, with the trace and span ids of the current span when there is one."""
+    """One JSON object per line, with the trace and span ids of the current span when there is one,
+    and the record's own `fields` (logger.info(..., extra={"fields": {...}}))."""
 
     def __init__(self, service: str) -> None:
         super().__init__()
@@ -124,6 +125,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):  # a record's own fields (extra={"fields": ...}); never over the above
+            line.update({key: value for key, value in fields.items() if key not in line})
         context = trace.get_current_span().get_span_context()
         if context.is_valid:
             line["trace_id"] = f"{context.trace_id:032x}"
@@ -143,6 +147,9 @@ class ConsoleFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
         line = f"{stamp} {record.levelname:<7} {self._service:<8} {record.getMessage()}"
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line += "".join(f" {key}={value}" for key, value in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

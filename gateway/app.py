@@ -88,7 +88,9 @@ async def serving(
     replies = ReplyRouter(reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s)
     separate = _separate_cache(settings)
     limiter = Limiter(settings.in_flight_ttl_s, pipelined) if settings.auth else None
-    dispatcher = Dispatcher(pipelined, replies, catalog, limiter, separate, activator, health)
+    dispatcher = Dispatcher(
+        pipelined, replies, catalog, limiter, separate, activator, health, settings.result_quota_bytes
+    )
     destinations = CallbackPolicy(settings.callback_allow)
     callbacks = CallbackSender(
         reader,

@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from redis.exceptions import NoScriptError, RedisError
 
-from fngate import queue, telemetry
+from fngate import keys, queue, telemetry
 from fngate.backoff import Health
 from fngate.errors import DeadlineExceeded, FunctionError, Internal, Overloaded, Unavailable
 from fngate.pipelined import PipelinedRedis, Script
@@ -52,9 +52,11 @@ def settle(outcome: queue.EnqueueOutcome | queue.SubmitOutcome, entries: Entries
         raise Overloaded(
             queue.full_message(entries.names[outcome.index], outcome.limit, call.later is not None)
         )
-    if isinstance(outcome, queue.Limited):
+    if isinstance(outcome, queue.Limited):  # the key's limits, or its result quota ('quota')
         name = call.function.manifest.name
         raise refusal(call.principal, name, outcome.limit, outcome.retry_after_ms)
+    if isinstance(outcome, queue.Pressure):
+        raise Overloaded(outcome.describe())
     return None
 
 
@@ -68,8 +70,10 @@ class Dispatcher:
         cache: SeparateCache | None = None,
         activator: Activator | None = None,
         health: Health | None = None,
+        result_quota_bytes: int = 0,
     ) -> None:
         self._replies = replies
+        self._result_quota_bytes = result_quota_bytes
         self._catalog = catalog
         self._limiter = limiter
         self._health = health
@@ -158,6 +162,7 @@ class Dispatcher:
                 lookup_in_queue,
                 plan,
                 steps,
+                self._quota(call),
             )
             self._check_pools(entries)
             try:
@@ -193,6 +198,12 @@ class Dispatcher:
         settle(outcome, entries, call)
         self.wake(entries)
         return Accepted(entries.id)
+
+    def _quota(self, call: Call) -> queue.ResultQuota | None:
+        """The result bytes the caller's key may hold (with auth off, every caller is one key)."""
+        if not self._result_quota_bytes:
+            return None
+        return queue.ResultQuota(keys.result_quota(call.principal.key_id), self._result_quota_bytes)
 
     def wake(self, entries: Entries) -> None:
         """Queued: wake each of its pools that has no runner."""
@@ -480,7 +491,7 @@ def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
     counts neither."""
     if isinstance(outcome, queue.Done):
         metrics.looked_up(function, True)
-    elif not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited):
+    elif not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited | queue.Pressure):
         metrics.looked_up(function, False)
 
 

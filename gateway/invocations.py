@@ -48,7 +48,10 @@ class Submission:
     """The outputs asked for, when its reply holds them all (a pipeline's); None: as it comes."""
 
     def encode(self) -> bytes:
-        return orjson.dumps(dataclasses.asdict(self))
+        """Without the fields left at their defaults: a result keeps this record as long as its reply."""
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        doc = {name: value for name, value in dataclasses.asdict(self).items() if value != defaults[name]}
+        return orjson.dumps(doc)
 
     @classmethod
     def decode(cls, raw: bytes) -> Submission:

@@ -42,13 +42,19 @@ def admitted(principal: Principal, function: str, outcome: list[Any]) -> None:
 
 
 def refusal(principal: Principal, function: str, verdict: str, retry_after_ms: int) -> RateLimited:
-    """The 429 for an invocation the key's limits refused ('rate', 'share' or 'busy')."""
+    """The 429 for an invocation the key's limits refused ('rate', 'share', 'busy', or 'quota': its
+    asynchronous results hold their quota)."""
     retry_after_s = max(1, -(-retry_after_ms // 1000))
     who = f"the API key {principal.key_id}"
     if verdict == "rate":
         message = (
             f"{who} is over its rate of {principal.rps:g} invocations per second "
             f"(burst {principal.burst}); retry in {retry_after_s} s"
+        )
+    elif verdict == "quota":
+        message = (
+            f"{who} holds as many bytes of asynchronous results as it may (result_quota_bytes); "
+            f"they free as they expire: retry in {retry_after_s} s"
         )
     elif verdict == "share":
         message = (

@@ -148,12 +148,13 @@ def asynchronous(
     lookup_in_queue: bool,
     plan: Plan | None = None,
     steps: dict[str, FunctionVersion] | None = None,
+    quota: queue.ResultQuota | None = None,
 ) -> Entries:
     """An asynchronous call's SUBMIT_ASYNC, at level keys.ASYNC and replying to its result stream:
     the function's own entry or a pipeline's first steps (whose successors the runners queue at that
     level too). `record`: the gateway's record of it (gateway.invocations.Submission); `idempotency`:
     its Idempotency-Key ('' for none); `cached`: a reply the dispatcher found in a cache Redis of its
-    own; `lookup_in_queue` as for `synchronous`."""
+    own; `lookup_in_queue` as for `synchronous`; `quota`: the result bytes its key may hold."""
     later = call.later
     assert later is not None
     manifest = call.function.manifest
@@ -227,6 +228,7 @@ def asynchronous(
         cached,
         first.step,
         more,
+        quota,
     )
     return Entries(invocation_id, script, deadline_ms, timeout_ms, names, pools, entry)
 

@@ -146,8 +146,9 @@ class Waiting:
     """Version and shapes: only invocations of one group run in one batch."""
     rows: int
     alone: bool = False
-    """Redelivered after a runner died holding it: it runs in a batch of its own, so that an
-    invocation that kills runners fails alone and never takes its batch mates with it."""
+    """Redelivered after a runner died holding it, or out of a batch that failed as a whole: it
+    runs in a batch of its own, so that an invocation that kills its process or its runner fails
+    alone and never takes its batch mates with it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

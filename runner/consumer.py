@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -26,7 +27,7 @@ from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
 from runner.batching import Arrivals, BatchCost, Waiting, next_step
-from runner.execution import run_batch, shape_key
+from runner.execution import failed_together, run_batch, shape_key
 from runner.metrics import INVOCATIONS
 from runner.models import LoadedModels
 from runner.observe import BatchObserver, entry_ms
@@ -297,6 +298,10 @@ class FunctionConsumer:
         batch_id = os.urandom(8).hex()
         started_ns = time.time_ns()
         ran_digest = ""
+        failed = None
+        alone = [entry for entry in batch if entry.alone]
+        if alone:
+            await self._reclaim.note_runs(alone)
         parents, span = self._observer.batch_span(invocations)
         with span as batch_span:
             try:
@@ -313,6 +318,7 @@ class FunctionConsumer:
                 took_s = time.perf_counter() - computed
                 self._observer.compute_duration.observe(took_s)
                 self._cost.observe(sum(invocation.rows for invocation in invocations), took_s * 1e6)
+                failed = failed_together(replies)
             rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
             if batch_span is not None:
                 batch_span.set_attributes(
@@ -324,6 +330,9 @@ class FunctionConsumer:
                         "fngate.invocations": len(invocations),
                     }
                 )
+        if failed is not None and not self._models.is_stuck(name):
+            self._split(batch, failed)
+            return
         self._observer.observe(batch, replies, started_ns, rows)
         if batch_span is not None:
             self._observer.trace(batch, replies, parents, batch_span, started_ns, rows)
@@ -333,6 +342,19 @@ class FunctionConsumer:
             ran_digest,
             statistics.of_batch(self.function, version, batch, replies, started_ns),
         )
+
+    def _split(self, batch: Sequence[Entry], error: FunctionError) -> None:
+        """A batch failed as a whole (its process died or hung, its backend raised): which of its
+        invocations caused it is unknown, so each runs again in a batch of its own, first; the
+        culprit alone gets its error, and the others their answers."""
+        log.warning(
+            "%s: a batch of %d invocations failed as a whole (%s); each runs again alone",
+            self.function.name,
+            len(batch),
+            error.message,
+        )
+        self._pending[:0] = [dataclasses.replace(entry, alone=True) for entry in batch]
+        self._arrived.set()
 
     async def _expire(self, entries: Sequence[Entry]) -> None:
         INVOCATIONS.labels(self.function.name, DeadlineExceeded.code.value).inc(len(entries))
@@ -374,6 +396,10 @@ class FunctionConsumer:
                 len(replies),
                 exc,
             )
+            return
+        alone = [entry for entry in entries if entry.alone]
+        if alone:
+            await self._reclaim.forget_runs(alone)
 
 
 def start_deadline_ms(invocation: Invocation) -> int:

@@ -322,6 +322,18 @@ def _converted(spec: TensorSpec, array: np.ndarray[Any, Any]) -> np.ndarray[Any,
     return converted if same else None
 
 
+def failed_together(replies: Sequence[Reply]) -> FunctionError | None:
+    """The one error all replies of a batch of several share when its backend failed it as a
+    whole (its process died, hung or ran out of memory, it raised, its outputs were wrong): which
+    invocation caused it is unknown. None when the batch is of one, or its replies differ."""
+    if len(replies) < 2:
+        return None
+    error = replies[0].error
+    if error is None or any(reply.error is not error for reply in replies):
+        return None
+    return error
+
+
 def _total_rows(manifest: FunctionManifest, batch: Sequence[Invocation]) -> int:
     return sum(invocation.rows for invocation in batch) if manifest.batched else len(batch)
 

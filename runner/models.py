@@ -302,6 +302,7 @@ class LoadedModels:
                 self._threads,
                 self._accel,
                 materialized.model_bytes,
+                loaded.version,
             )
         except BaseException:
             self._artifacts.release(materialized.function)

@@ -31,7 +31,8 @@ class Entry:
     size: int
     """What it counts against max_queue_bytes (fngate.queue.entry_bytes)."""
     alone: bool = False
-    """Redelivered: runs in a batch of its own (runner.batching.Waiting)."""
+    """Redelivered, or split out of a batch that failed: runs in a batch of its own
+    (runner.batching.Waiting)."""
     level: int = 0
     """The priority level whose stream it came from (fngate.keys.levels)."""
     step: bytes = b""

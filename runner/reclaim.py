@@ -1,7 +1,13 @@
 """What other runners left behind, for one function's consumer: entries a runner read and never
-acknowledged (it died, or hangs) are claimed once idle for claim_idle_ms and run alone; one
-delivered more than max_deliveries times is answered with an error and moved to the dead-letter
-stream instead."""
+acknowledged (it died, or hangs) are claimed once idle for claim_idle_ms and run alone; one that
+has run max_deliveries times without its runner finishing it is answered with an error and moved to
+the dead-letter stream instead.
+
+What counts is runs, not deliveries: every run of an entry alone is noted in its stream's runs hash
+(fngate.queue.entry_runs) before it starts, and its first delivery counts as one run (it ran in a
+batch, or waited behind one, when its runner died). An entry claimed again because its runner died
+running another one (it only waited there) has not run more: batch mates of a poison invocation
+are never dead-lettered for it."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from fngate import keys, queue
 from fngate.config import RunnerSettings
@@ -24,6 +31,8 @@ Accept = Callable[[Iterable[tuple[bytes, Fields | None]], bool, int], Awaitable[
 """FunctionConsumer._accept(entries, alone, level)."""
 Send = Callable[[Sequence[Entry], Sequence[Reply]], Awaitable[None]]
 """FunctionConsumer._send(entries, replies)."""
+RUNS_TTL_MS = 8 * 86400 * 1000
+"""A runs hash outlives the longest deadline an entry can have (async_timeout_s at most 7 days)."""
 
 
 class Reclaimer:
@@ -73,14 +82,11 @@ class Reclaimer:
         log.warning(
             "%s: claimed %d invocations another runner left unacknowledged", self._function, len(claimed)
         )
-        counts: Any = await self._redis.xpending_range(
-            stream, keys.RUNNER_GROUP, claimed[0][0], claimed[-1][0], len(claimed) + 64, self._consumer
-        )
-        deliveries = {item["message_id"]: item["times_delivered"] for item in counts}
+        counts: Any = await self._redis.hmget(queue.entry_runs(stream), [entry_id for entry_id, _ in claimed])
         poisoned = [
             (entry_id, fields)
-            for entry_id, fields in claimed
-            if deliveries.get(entry_id, 1) > self._settings.max_deliveries
+            for (entry_id, fields), alone_runs in zip(claimed, counts, strict=True)
+            if 1 + int(alone_runs or 0) >= self._settings.max_deliveries
         ]
         if poisoned:
             await self._dead_letter(poisoned, level)
@@ -89,10 +95,33 @@ class Reclaimer:
             ((entry_id, fields) for entry_id, fields in claimed if entry_id not in poisoned_ids), True, level
         )
 
+    async def note_runs(self, entries: Sequence[Entry]) -> None:
+        """Count a run of each of these entries, which run alone now (before they start: a run that
+        takes its runner down counts)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for entry in entries:
+                    runs = queue.entry_runs(self._streams[entry.level])
+                    pipe.hincrby(runs, entry.id.decode(), 1)
+                    pipe.pexpire(runs, RUNS_TTL_MS)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:  # not counted: at worst one more run before a dead letter
+            log.warning("%s: could not count %d runs (%s)", self._function, len(entries), exc)
+
+    async def forget_runs(self, entries: Sequence[Entry]) -> None:
+        """These entries are answered: their runs no longer matter."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for entry in entries:
+                    pipe.hdel(queue.entry_runs(self._streams[entry.level]), entry.id.decode())
+                await pipe.execute()
+        except (RedisError, OSError):  # the hash expires
+            pass
+
     async def _dead_letter(self, entries: Sequence[tuple[bytes, Fields]], level: int) -> None:
         limit = self._settings.max_deliveries
         log.error(
-            "%s: %d invocations were delivered more than %d times; dead-lettered",
+            "%s: %d invocations ran %d times and no runner finished them; dead-lettered",
             self._function,
             len(entries),
             limit,
@@ -111,6 +140,9 @@ class Reclaimer:
             )
             for entry_id, fields in entries
         ]
-        error = ModelFailed(f"the invocation was delivered {limit} times and no runner finished it")
+        error = ModelFailed(
+            f"the invocation ran {limit} times and no runner finished it (max_deliveries); dead-lettered"
+        )
         replies = [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in dead]
         await self._send(dead, replies)
+        await self.forget_runs(dead)

@@ -26,6 +26,7 @@ import orjson
 
 from fngate.errors import ErrorCode, FunctionError
 from fngate.tensors import DATATYPES, datatype_of, from_bytes, to_bytes
+from runner.confinement import Confinement, confine
 
 Tensors = dict[str, np.ndarray[Any, Any]]
 Header = dict[str, Any]
@@ -168,7 +169,7 @@ def _wait(fd: int, events: int, deadline: float | None) -> None:
 # ---------------------------------------------------------------- the child's side
 
 
-def serve(model: Any, name: str, requests: int, replies: int) -> None:
+def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes: int | None = None) -> None:
     """Answer batches until the runner closes the pipe or asks to close."""
     while True:
         try:
@@ -184,12 +185,30 @@ def serve(model: Any, name: str, requests: int, replies: int) -> None:
         except FunctionError as exc:
             send(replies, {"error": exc.message, "code": exc.code.value})
             continue
+        except MemoryError as exc:
+            failed = {
+                "error": out_of_memory(name, memory_limit_bytes, exc),
+                "code": ErrorCode.MODEL_FAILED.value,
+            }
+            send(replies, failed)
+            continue
         except Exception as exc:
             message = f"function '{name}' failed: {type(exc).__name__}: {exc}"
             send(replies, {"error": message, "code": ErrorCode.MODEL_FAILED.value})
             continue
         errors = getattr(model, "member_errors", None)  # invocations that failed alone (runner.triton)
         send(replies, {"tensors": specs, **({"errors": errors} if errors else {})}, buffers)
+
+
+def out_of_memory(name: str, memory_limit_bytes: int | None, exc: BaseException | None = None) -> str:
+    """The error of a batch that needed more memory than its function may have."""
+    cause = f" ({type(exc).__name__}: {exc})" if exc is not None and str(exc) else ""
+    if memory_limit_bytes is None:
+        return f"function '{name}': the batch ran out of memory{cause}"
+    return (
+        f"function '{name}': the batch needed more memory than its memory_limit_mb of "
+        f"{memory_limit_bytes // 2**20} MiB{cause}"
+    )
 
 
 def _infer(model: Any, name: str, inputs: Tensors, wanted: Sequence[str], rows: Any = None) -> Tensors:
@@ -239,26 +258,40 @@ def _watch_parent(parent: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.sandbox")
     parser.add_argument("--function", required=True)
-    parser.add_argument("--module", required=True, type=Path)
-    parser.add_argument("--directory", required=True, type=Path)
     parser.add_argument("--parent", required=True, type=int)
-    parser.add_argument("--triton-config", type=orjson.loads, default=None, help="a Triton model's config")
+    parser.add_argument("--prints", required=True, type=int, help="where stdout goes: a pipe to the runner")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when its functions stop
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
-    # The frames own stdin and the original stdout; the model's prints go to stderr (the runner's log).
+    # The frames own stdin and the original stdout; what the model prints goes to the runner on
+    # pipes of their own (runner.output), never where its answers go.
     requests, replies = 0, os.dup(1)
-    os.dup2(2, 1)
+    os.dup2(args.prints, 1)
+    os.close(args.prints)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each print when it happens
     try:
-        model = load_model(args.module, args.directory, args.triton_config)
+        # Once the runner has placed this process (its memory cgroup): what to load, and how confined.
+        header, _body = receive(requests)
+    except ChannelClosed:
+        return 1
+    confinement = Confinement.decode(header["confinement"])
+    try:
+        applied = confine(confinement)
+    except OSError as exc:
+        failed = {"error": f"could not confine its process: {exc}", "code": ErrorCode.MODEL_FAILED.value}
+        send(replies, failed)
+        return 1
+    try:
+        model = load_model(Path(header["module"]), Path(header["directory"]), header.get("triton_config"))
     except Exception as exc:
         traceback.print_exc()
         send(replies, {"error": f"{type(exc).__name__}: {exc}", "code": ErrorCode.INVALID_ARGUMENT.value})
         return 1
     reason = getattr(model, "fallback_reason", None)
     device = str(getattr(model, "device", "cpu"))
-    send(replies, {"ready": True, "device": device, "reason": None if reason is None else str(reason)})
-    serve(model, args.function, requests, replies)
+    ready = {"ready": True, "confined": applied, "device": device}
+    send(replies, ready | {"reason": None if reason is None else str(reason)})
+    serve(model, args.function, requests, replies, confinement.memory_limit_bytes)
     close = getattr(model, "close", None)
     if callable(close):
         close()

@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fngate.queue.stored import STORE_RESULT_LUA
+
 HEADER = b"h"
 """An entry's JSON header (fngate.wire)."""
 BODY = b"b"
@@ -190,8 +192,11 @@ FINISH_ITEM = 11
 # and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
 # asynchronous result is kept result_ttl_s after it is done)), then the entry ids to acknowledge
 # and delete. Replies go only to reply streams that exist (NOMKSTREAM): a gateway that stopped took
-# its stream with it. One command per batch.
-FINISH = """
+# its stream with it. A reply kept for a time (an asynchronous result's) is stored compactly
+# instead (fngate.queue.stored). One command per batch.
+FINISH = (
+    STORE_RESULT_LUA
+    + """
 local n = tonumber(ARGV[4])
 local maxlen = ARGV[2]
 local m = tonumber(ARGV[7])
@@ -204,8 +209,11 @@ for i = 0, n - 1 do
   local at = first + i * 11
   local h, b = ARGV[at + 1], ARGV[at + 2]
   local reply_to = KEYS[tonumber(ARGV[at])]
-  redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
-  if ARGV[at + 10] ~= '0' then redis.call('PEXPIRE', reply_to, ARGV[at + 10]) end
+  if ARGV[at + 10] ~= '0' then
+    store_result(reply_to, h, b, ARGV[at + 10])
+  else
+    redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  end
   if ARGV[at + 3] ~= '' then
     redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
     redis.call('EXPIRE', ARGV[at + 3], ARGV[at + 4])
@@ -251,6 +259,7 @@ if #ids > 0 then
 end
 return n
 """
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -287,6 +296,11 @@ def waiters(in_flight_key: str) -> str:
 def queue_bytes(stream: str) -> str:
     """The byte counter of an invocation stream: what its entries hold, for max_queue_bytes."""
     return f"{stream}:bytes"
+
+
+def entry_runs(stream: str) -> str:
+    """The hash of an invocation stream's entries that ran alone (runner.reclaim): entry id -> runs."""
+    return f"{stream}:runs"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

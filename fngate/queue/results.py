@@ -24,48 +24,81 @@ from fngate.queue.invocations import (
     queue_bytes,
     waiters,
 )
+from fngate.queue.stored import PACKED_LUA, STORE_RESULT_LUA
 
 # --- Asynchronous invocations -------------------------------------------------------------------
 # An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and
 # replies to a result stream of its own (keys.result), created here at submission with a TTL of
-# the invocation's deadline plus result_ttl_s: FINISH's XADD NOMKSTREAM delivers its reply there
-# unchanged, and any gateway reads it. The result stream's first entry holds the state `queued`, the
-# queue entry (stream `q`, id `e`) and the gateway's own record (`m`, JSON); a cancellation adds
-# `s` = `cancelled`, a callback attempt an entry `cb` (JSON). An invocation with a callback URL
-# names the callbacks stream as the one waiter on a marker of its own, so that FINISH's 'share'
-# copies its reply there, addressed `for` it, exactly as it answers coalesced invocations.
-STATE, QUEUE_STREAM, QUEUE_ENTRY, RECORD, CALLBACK = b"s", b"q", b"e", b"m", b"cb"
+# the invocation's deadline plus result_ttl_s; any gateway reads it. The result stream's first
+# entry holds the state `queued`, the queue entry (stream `q`, id `e`), the gateway's own record
+# (`m`, JSON) and the submitting key's result quota (`k`, a hash; '' for none); a cancellation adds
+# `s` = `cancelled`. An invocation with a callback URL names the callbacks stream as the one
+# waiter on a marker of its own, so that FINISH's 'share' copies its reply there, addressed `for`
+# it, exactly as it answers coalesced invocations.
+# Once done, the result is kept compactly (fngate.queue.stored): FINISH packs the record and the
+# reply into one string (callback attempts are appended) for result_ttl_s, charges its bytes to the
+# key's quota, and adds `s` = `done` to the stream, which wakes long-polls and expires BELL_MS later.
+STATE, QUEUE_STREAM, QUEUE_ENTRY, RECORD, CALLBACK, QUOTA = b"s", b"q", b"e", b"m", b"cb", b"k"
 QUEUED, CANCELLED = b"queued", b"cancelled"
+ASYNC_MEMORY_RATIO = 0.8
+"""From this share of Redis's maxmemory on, asynchronous submissions are refused (503): what they
+would keep must not crowd out what the queue needs (noeviction: past maxmemory writes fail)."""
+
+# pressure(ratio) -> nil | {used, maxmemory}: Redis's memory past `ratio` (in thousandths) of its
+# maxmemory (none set: never).
+PRESSURE_LUA = """
+local function pressure(ratio)
+  if ratio <= 0 then return nil end
+  local info = redis.call('INFO', 'memory')
+  local used = tonumber(string.match(info, 'used_memory:(%d+)'))
+  local limit = tonumber(string.match(info, 'maxmemory:(%d+)'))
+  if used and limit and limit > 0 and used * 1000 >= limit * ratio then return {used, limit} end
+  return nil
+end
+"""
 
 # KEYS: the level's stream, its byte counter, the result stream, the idempotency key ('' for none),
 # the callback marker's waiters list ('' for no callback), then admit()'s keys (bucket, busy,
-# share; '' for a caller without limits), then the cache entry to answer from ('' for none).
+# share; '' for a caller without limits), then the cache entry to answer from ('' for none), then
+# the key's result quota ('' for none).
 # ARGV: max queue size, max queue bytes (0: no limit), header, body, the record, the result TTL in
 # ms while pending, the invocation id, the callback waiter, the request's digest, admit()'s six
 # arguments, then the result TTL in ms once done, and a cached reply's header and body that the
-# caller found itself (a cache Redis of its own; '' for none). The idempotency key holds the first
+# caller found itself (a cache Redis of its own; '' for none), the first entry's step context, the
+# quota's bytes, and the share of maxmemory (in thousandths, 0: off) from which submissions are
+# refused ({'pressure', used, maxmemory}); a key that holds its quota is refused {'limited',
+# 'quota', retry_after_ms}, before anything is queued. The idempotency key holds the first
 # invocation's id and its request's digest: a repeat answers that id while its result is kept
 # ('again'), or 'conflict' when the request differs; once the result expired the key is free again.
 # The result stream is named by the invocation id at its end (keys.result), so the first one's
 # name follows. A cached answer is the result at once ('hit'): nothing is queued, and a callback
 # gets it as from FINISH.
 # An asynchronous pipeline (fngate.plan) queues its first steps: ARGV[19] is the first entry's step
-# context (STEP; '' or absent for a function's own invocation), and each further first step adds
-# its stream and byte counter to KEYS after the ninth (all streams, then all counters) and a group
-# of FORWARD's five arguments to ARGV after the nineteenth. All are queued or none ({'full', limit,
+# context (STEP; '' for a function's own invocation), and each further first step adds its stream
+# and byte counter to KEYS after the tenth (all streams, then all counters) and a group of
+# FORWARD's five arguments to ARGV after the twenty-first. All are queued or none ({'full', limit,
 # index of the entry refused}); the result stream's first entry names them all, space-separated
 # (`q`, `e`), for READ_RESULT and CANCEL.
 SUBMIT_ASYNC = (
     ADMIT_LUA
     + PUSH_LUA
+    + STORE_RESULT_LUA
+    + PRESSURE_LUA
     + """
 if KEYS[4] ~= '' then
   local first = redis.call('GET', KEYS[4])
   local id, digest = string.match(first or '', '^(%S+) (%S*)$')
-  if id and redis.call('EXISTS', string.sub(KEYS[3], 1, #KEYS[3] - #ARGV[7]) .. id) == 1 then
+  local earlier = string.sub(KEYS[3], 1, #KEYS[3] - #ARGV[7]) .. (id or '')
+  if id and redis.call('EXISTS', earlier, earlier .. ':done') > 0 then
     if digest ~= ARGV[9] then return {'conflict', id} end
     return {'again', id}
   end
+end
+local tight = pressure(tonumber(ARGV[21]))
+if tight then return {'pressure', tight[1], tight[2]} end
+if KEYS[10] ~= '' then
+  local bytes, wait = held(KEYS[10], now_ms())
+  if bytes >= tonumber(ARGV[20]) then return {'limited', 'quota', math.max(1000, wait)} end
 end
 if KEYS[6] ~= '' then
   local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
@@ -78,10 +111,9 @@ if hit_h == '' and KEYS[9] ~= '' then
   hit_h, hit_b = hit[1] or '', hit[2] or ''
 end
 if hit_h ~= '' then
-  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5])
-  redis.call('XADD', KEYS[3], '*', 'h', hit_h, 'b', hit_b)
-  redis.call('PEXPIRE', KEYS[3], ARGV[16])
-  if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
+  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5], 'k', KEYS[10])
+  store_result(KEYS[3], hit_h, hit_b, ARGV[16])
+  if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[16]) end
   local callbacks, id = string.match(ARGV[8], '^(%S+) (%S+)')
   if callbacks then
     redis.call('XADD', callbacks, 'NOMKSTREAM', '*', 'h', hit_h, 'b', hit_b, 'for', id)
@@ -90,20 +122,21 @@ if hit_h ~= '' then
 end
 local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 if limit then return {'full', limit, 0} end
-local more = (#KEYS - 9) / 2
+local more = (#KEYS - 10) / 2
 for i = 1, more do
-  local at = 20 + (i - 1) * 5
-  limit = full(KEYS[9 + i], KEYS[9 + more + i], ARGV[at], ARGV[at + 1])
+  local at = 22 + (i - 1) * 5
+  limit = full(KEYS[10 + i], KEYS[10 + more + i], ARGV[at], ARGV[at + 1])
   if limit then return {'full', limit, i} end
 end
 local entry = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[19])
 local streams, entries = KEYS[1], entry
 for i = 1, more do
-  local at = 20 + (i - 1) * 5
-  streams = streams .. ' ' .. KEYS[9 + i]
-  entries = entries .. ' ' .. push(KEYS[9 + i], KEYS[9 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
+  local at = 22 + (i - 1) * 5
+  local stream = KEYS[10 + i]
+  streams = streams .. ' ' .. stream
+  entries = entries .. ' ' .. push(stream, KEYS[10 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
 end
-redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5])
+redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5], 'k', KEYS[10])
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
 if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
 if KEYS[5] ~= '' then
@@ -145,12 +178,24 @@ end
 next steps' entries carry the invocation on; a function's entry leaves with its reply)."""
 
 # KEYS[1]: the result stream. ARGV[1]: the runner group. Its entries, and whether a runner took
-# one of its queue entries (running): one round trip for a GET.
+# one of its queue entries (running): one round trip for a GET. A done result (fngate.queue.stored)
+# is answered as the entries its stream would hold: the record, the reply, each callback attempt.
 READ_RESULT = (
     QUEUED_ENTRIES_LUA
+    + PACKED_LUA
     + """
+local stored = redis.call('GET', KEYS[1] .. ':done')
+if stored then
+  local parts = unpacked(stored)
+  local entries = {{'0-1', {'m', parts[1]}}, {'0-2', {'h', parts[2], 'b', parts[3]}}}
+  for i = 4, #parts do entries[#entries + 1] = {'0-' .. i, {'cb', parts[i]}} end
+  return {entries, 0}
+end
 local entries = redis.call('XRANGE', KEYS[1], '-', '+')
 if #entries == 0 then return {{}, 0} end
+for _, item in ipairs(entries) do  -- done, and its stored result already expired: gone
+  if item[2][1] == 's' and item[2][2] == 'done' then return {{}, 0} end
+end
 local running = 0
 for _, item in ipairs(queued_entries(KEYS[1])) do
   if item[2] and is_taken(item[1], item[2], ARGV[1]) then running = 1 end
@@ -166,6 +211,7 @@ return {entries, running}
 CANCEL = (
     QUEUED_ENTRIES_LUA
     + """
+if redis.call('EXISTS', KEYS[1] .. ':done') == 1 then return 'done' end
 local entries = redis.call('XRANGE', KEYS[1], '-', '+')
 if #entries == 0 then return 'gone' end
 for _, item in ipairs(entries) do
@@ -202,6 +248,22 @@ return 'cancelled'
 )
 
 
+# KEYS[1]: the result stream. ARGV[1]: a callback attempt (JSON), recorded with the result it sent
+# (appended to the stored result), or on the stream before that.
+RECORD_CALLBACK = (
+    PACKED_LUA
+    + """
+local stored = KEYS[1] .. ':done'
+if redis.call('EXISTS', stored) == 1 then
+  redis.call('APPEND', stored, packed(ARGV[1]))
+  return 1
+end
+redis.call('XADD', KEYS[1], 'NOMKSTREAM', '*', 'cb', ARGV[1])
+return 0
+"""
+)
+
+
 def callback_marker(result_stream: str) -> str:
     """The in-flight marker of an asynchronous invocation with a callback URL: its waiters list
     names the callbacks stream, so that FINISH copies the reply there (see SUBMIT_ASYNC)."""
@@ -226,13 +288,17 @@ def submit_async_call(
     cached: Mapping[bytes, bytes] | None = None,
     step: bytes = b"",
     more: Sequence[Forward] = (),
+    quota: ResultQuota | None = None,
+    memory_ratio: float = ASYNC_MEMORY_RATIO,
 ) -> ScriptCall:
     """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
     live while pending, `done_ttl_ms` once done; `callbacks`: the callbacks stream when the
     invocation has a callback URL, else ''; `request_digest`: what a repeat of `idempotency_key`
     must match (no spaces); `lookup`: the cache entry to answer from ('' for none), or `cached`:
     the cached reply's fields the caller already found. For a pipeline, `step` is the first
-    entry's step context and `more` the entries of its other first steps."""
+    entry's step context and `more` the entries of its other first steps. `quota`: the result
+    bytes the submitting key may hold (None: no limit); `memory_ratio`: the share of Redis's
+    maxmemory from which submissions are refused (0: never)."""
     if not result_stream.endswith(invocation_id) or " " in request_digest:
         raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
     admit = admission or NO_ADMISSION
@@ -246,6 +312,7 @@ def submit_async_call(
             waiters(callback_marker(result_stream)) if callbacks else "",
             *admit.keys,
             lookup,
+            quota.key if quota else "",
             *(item.stream for item in more),
             *(queue_bytes(item.stream) for item in more),
         ],
@@ -263,10 +330,36 @@ def submit_async_call(
             max(done_ttl_ms, 1),
             cached[HEADER] if cached else "",
             cached.get(BODY, b"") if cached else "",
-            *((step,) if step or more else ()),
+            step,
+            quota.max_bytes if quota else 0,
+            round(memory_ratio * 1000),
             *forward_args(more),
         ],
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResultQuota:
+    """What one API key's asynchronous results may hold in Redis, in bytes (records and replies)."""
+
+    key: str
+    """The quota's hash (keys.result_quota)."""
+    max_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pressure:
+    """Redis is past ASYNC_MEMORY_RATIO of its maxmemory: no asynchronous submission now."""
+
+    used_bytes: int
+    max_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"the queue's Redis holds {self.used_bytes / 2**20:.0f} MiB of its maxmemory of "
+            f"{self.max_bytes / 2**20:.0f} MiB: asynchronous invocations are refused until results "
+            "expire or are collected; synchronous ones are served"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -288,12 +381,14 @@ class Done:
     """Answered from the response cache: the result is there already."""
 
 
-SubmitOutcome = Queued | Done | Again | Conflict | Full | Limited
+SubmitOutcome = Queued | Done | Again | Conflict | Full | Limited | Pressure
 
 
 def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
-    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a wait), Done for a cache hit, Again or
-    Conflict."""
+    """SUBMIT_ASYNC's answer: ENQUEUE's outcomes (but a wait; Limited('quota') for a key that holds
+    its result quota), Done for a cache hit, Again, Conflict or Pressure."""
+    if raw[0] == b"pressure":
+        return Pressure(int(raw[1]), int(raw[2]))
     if raw[0] == b"again":
         return Again(raw[1].decode())
     if raw[0] == b"conflict":

@@ -49,11 +49,13 @@ class LocalError(Exception):
 
 def durable_options(max_memory: str) -> list[str]:
     """Every write in an append-only file (written before the client hears OK; flushed to disk
-    every second), and a memory limit past which only keys with a TTL (the cache) are evicted:
-    queues never carry one, so they are never evicted (writes fail instead)."""
+    every second), and a memory limit with nothing ever evicted (noeviction: past it, writes fail):
+    an evicted key could be a result, a heartbeat or a queue's marker, never just a cache entry.
+    Asynchronous submissions are refused from ASYNC_MEMORY_RATIO of it (fngate.queue), so that
+    results never crowd out what the queue needs."""
     return [
         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-        "--maxmemory", max_memory, "--maxmemory-policy", "volatile-lru",
+        "--maxmemory", max_memory, "--maxmemory-policy", "noeviction",
     ]  # fmt: skip
 
 

@@ -113,6 +113,7 @@ class CallbackSender:
         self._redis = reader
         self._block_ms = block_ms
         self._read = Script(scripts, queue.READ_RESULT)
+        self._record = Script(scripts, queue.RECORD_CALLBACK)
         self._consumer = gateway_id
         self._catalog = catalog
         self._secret = secret
@@ -212,7 +213,7 @@ class CallbackSender:
             outcome = "delivered" if delivered else "retrying" if attempt < MAX_ATTEMPTS else "gave_up"
             # What the caller reads of it: never the receiver's answer (its status, or why it failed).
             record = {"attempt": attempt, "at_ms": int(time.time() * 1000), "outcome": outcome}
-            await self._redis.xadd(result_key, {queue.CALLBACK: orjson.dumps(record)}, nomkstream=True)
+            await self._record([result_key], [orjson.dumps(record)])
             if delivered:
                 return
             log.info("callback of %s: attempt %d failed (%s)", invocation_id, attempt, answered or failure)

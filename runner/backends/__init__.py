@@ -11,6 +11,7 @@ function's execution timeout itself, and its batches run on its own `executor`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,32 +44,38 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-Loader = Callable[[FunctionManifest, Path, int, "Acceleration | None", bytes | None], Backend]
-"""(manifest, directory, threads, acceleration, the model file's verified bytes when in memory)"""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Load:
+    """What a backend is loaded from."""
+
+    manifest: FunctionManifest
+    directory: Path
+    threads: int
+    accel: Acceleration | None
+    model_bytes: bytes | None
+    """The model file's verified bytes when in memory."""
+    version: str
 
 
-def _onnx(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
-) -> Backend:
+Loader = Callable[[Load], Backend]
+
+
+def _onnx(load: Load) -> Backend:
     from runner.backends.onnx import OnnxBackend
 
-    return OnnxBackend(manifest, directory, threads, accel, data)
+    return OnnxBackend(load.manifest, load.directory, load.threads, load.accel, load.model_bytes)
 
 
-def _python(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
-) -> Backend:
+def _python(load: Load) -> Backend:
     from runner.backends.python import PythonBackend
 
-    return PythonBackend(manifest, directory, accel)
+    return PythonBackend(load.manifest, load.directory, load.accel, load.version)
 
 
-def _tensorrt(
-    manifest: FunctionManifest, directory: Path, threads: int, accel: Acceleration | None, data: bytes | None
-) -> Backend:
+def _tensorrt(load: Load) -> Backend:
     from runner.backends.tensorrt import TensorRTBackend
 
-    return TensorRTBackend(manifest, directory, accel)
+    return TensorRTBackend(load.manifest, load.directory, load.accel)
 
 
 LOADERS: dict[str, Loader] = {"onnxruntime": _onnx, "python": _python, "tensorrt": _tensorrt}
@@ -80,6 +87,7 @@ def load_backend(
     threads: int,
     accel: Acceleration | None = None,
     model_bytes: bytes | None = None,
+    version: str = "",
 ) -> Backend:
     """Load the model of `manifest` from `directory` (its model file from `model_bytes` instead,
     when given and the backend can: those bytes were verified). Blocking: run it in a thread."""
@@ -89,4 +97,4 @@ def load_backend(
         raise NotImplementedError(
             f"backend '{manifest.model.backend}' is not available in this runner"
         ) from None
-    return loader(manifest, directory, threads, accel, model_bytes)
+    return loader(Load(manifest, directory, threads, accel, model_bytes, version))

@@ -10,8 +10,10 @@ attribute ("cuda", or "cpu" and why not in `fallback_reason`); the backend repor
 memory the process holds once its Model is constructed.
 
 The model lives in a child process (runner.sandbox) with a clean environment and a working folder
-of its own. A child that dies or runs past the execution timeout fails its batch and is started
-again for a later one, after a backoff; one over memory_limit_mb is restarted between batches.
+of its own, confined (runner.confinement): under an unprivileged user when the runner is root, in a
+memory cgroup of its own where one can be made (runner.cgroup), its output logged within a budget
+(runner.output). A child that dies, runs past the execution timeout or past memory_limit_mb fails
+its batch and is started again for a later one, after a backoff.
 """
 
 from __future__ import annotations
@@ -29,15 +31,15 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
-
 import runner
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest
-from runner import gpu, sandbox
+from runner import confinement, gpu, sandbox
 from runner.backends import MemberErrors, Tensors
 from runner.backends.providers import Acceleration, refuse_fallback
+from runner.cgroup import MemoryCgroup
 from runner.metrics import FUNCTION_RESTARTS, PYTHON_GPU
+from runner.output import Output
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 10.0
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 PROJECT_ROOT = Path(runner.__file__).resolve().parent.parent
+CODE = (PROJECT_ROOT / "fngate", PROJECT_ROOT / "runner")
+"""fngate's own packages, which the child imports (and nothing else of the project's folder)."""
+OUTPUT_DRAIN_S = 1.0
 
 
 class PythonBackend:
@@ -66,11 +71,16 @@ class PythonBackend:
     device_memory_bytes = 0
 
     def __init__(
-        self, manifest: FunctionManifest, directory: Path, acceleration: Acceleration | None = None
+        self,
+        manifest: FunctionManifest,
+        directory: Path,
+        acceleration: Acceleration | None = None,
+        version: str = "",
     ) -> None:
         accel = acceleration or Acceleration()
         self._manifest = manifest
         self._name = manifest.name
+        self._version = version
         self._module = directory / manifest.model.path
         self._directory = directory
         self._environment: dict[str, str] = {}
@@ -82,6 +92,7 @@ class PythonBackend:
                 device, accel.device_index, visible
             )
         limit_mb = manifest.model.memory_limit_mb
+        self._memory_limit_mb = limit_mb
         self._memory_limit_bytes = limit_mb * 2**20 if limit_mb else None
         self._lock = threading.Lock()
         self._child: _Child | None = None
@@ -91,6 +102,8 @@ class PythonBackend:
         self._last_exit = ""
         if not self._module.is_file():
             raise InvalidArgument(f"{manifest.model.path} is not a file in the function's folder")
+        # Before any function code runs: its process may share this runner's user.
+        confinement.make_undumpable()
         before = gpu.read_memory(accel.device_index) if on_gpu else None
         self._child = child = self._start()
         if on_gpu:
@@ -127,18 +140,34 @@ class PythonBackend:
         child = self._running_child(time.monotonic() + timeout_s)
         deadline = time.monotonic() + timeout_s
         request = {"tensors": specs, "outputs": outputs, **({"rows": rows} if rows is not None else {})}
+        child.output.batch_started()
         try:
             sandbox.send(child.requests, request, buffers, deadline)
             header, body = sandbox.receive(child.replies, deadline)
             results = {} if "error" in header else sandbox.decode_tensors(header["tensors"], body)
         except TimeoutError:
-            self._fail(child, "timeout", f"ran past its execution timeout of {timeout_s * 1000:.0f} ms")
+            held = child.at_memory_limit()  # the kernel may still be reclaiming, or about to end it
+            self._fail(
+                child,
+                "memory" if held else "timeout",
+                f"ran past its execution timeout of {timeout_s * 1000:.0f} ms",
+            )
+            if held:
+                raise ModelFailed(
+                    f"{sandbox.out_of_memory(self._name, self._memory_limit_bytes)}: its process was held at "
+                    "the limit past its execution timeout and stopped; it starts again for the next batch"
+                ) from None
             raise ModelTimeout(
                 f"function '{self._name}': the batch ran past its execution timeout of "
                 f"{timeout_s * 1000:.0f} ms; its process was stopped and starts again for the next batch"
             ) from None
         except sandbox.ChannelClosed:
             exit_text = self._fail(child, "exited", "")
+            if child.out_of_memory():
+                raise ModelFailed(
+                    f"{sandbox.out_of_memory(self._name, self._memory_limit_bytes)}: the kernel stopped its "
+                    "process at the limit; it starts again for the next batch"
+                ) from None
             raise ModelFailed(
                 f"function '{self._name}': its process {exit_text} while running the batch; "
                 "it starts again for the next batch"
@@ -149,6 +178,8 @@ class PythonBackend:
             raise ModelFailed(
                 f"function '{self._name}': its process {problem}; it starts again for the next batch"
             ) from None
+        finally:
+            child.output.batch_ended()
         self._failures = 0
         if "error" in header:
             raise FunctionError.from_code(header["code"], header["error"])
@@ -199,8 +230,10 @@ class PythonBackend:
         try:
             return _Child.start(
                 self._name,
+                self._version,
                 self._module,
                 self._directory,
+                self._memory_limit_bytes,
                 self._environment,
                 triton.config if triton else None,
             )
@@ -211,6 +244,8 @@ class PythonBackend:
     def _fail(self, child: _Child, reason: str, what: str) -> str:
         """The child broke the batch: stop it, count it, schedule its restart; its exit, in words."""
         child.stop(graceful=False)
+        if child.out_of_memory():
+            reason, what = "memory", what or f"was stopped at its memory_limit_mb of {self._memory_limit_mb}"
         exit_text = what or _describe_exit(child.process.returncode)
         with self._lock:
             if self._child is child:
@@ -252,15 +287,20 @@ class PythonBackend:
 
 
 class _Child:
-    """One `python -m runner.sandbox` process and its pipes."""
+    """One `python -m runner.sandbox` process, its pipes, its output's reader and its cgroup."""
 
     device = "cpu"
     """Where its Model says it runs, and why not on the GPU (`reason`), from its first frame."""
     reason: str | None = None
 
-    def __init__(self, process: subprocess.Popen[bytes], workdir: Path) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], workdir: Path, output: Output, cgroup: MemoryCgroup | None
+    ) -> None:
         self.process = process
         self.workdir = workdir
+        self.output = output
+        self.cgroup = cgroup
+        self._out_of_memory: bool | None = None
         stdin, stdout = process.stdin, process.stdout
         assert stdin is not None and stdout is not None
         self._pipes: tuple[IO[bytes], IO[bytes]] = (stdin, stdout)
@@ -273,57 +313,137 @@ class _Child:
     def start(
         cls,
         name: str,
+        version: str,
         module: Path,
         directory: Path,
+        memory_limit_bytes: int | None,
         environment: dict[str, str],
         triton_config: dict[str, Any] | None = None,
     ) -> _Child:
-        """Start the process (`environment` added to the runner's, less its secrets) and wait until
-        its Model (or Triton model, with its configuration `triton_config`) is constructed. Raises
+        """Start the process (`environment` added to the runner's, less its secrets), confine it and
+        wait until its Model (or Triton model, with its configuration `triton_config`) is
+        constructed. Raises
         InvalidArgument when model.py does not load, ModelFailed when the process dies or takes too
         long."""
         workdir = Path(tempfile.mkdtemp(prefix=f"fngate-{name}-"))
+        cgroup = MemoryCgroup.create(name, memory_limit_bytes) if memory_limit_bytes else None
+        user = _function_user()
+        if user is not None:  # root's files, and every other user's processes, out of its reach
+            os.chown(workdir, *user)
+        seen = directory
+        passed: list[int] = []
+        if user is not None and not confinement.searchable_by_others(directory):
+            # Its folder is handed over open: the folders above it may be root's alone (a cache in /root).
+            passed.append(os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+            seen = Path(f"/proc/self/fd/{passed[-1]}")
+        try:
+            child = cls._spawn(name, version, workdir, user, cgroup, passed, environment)
+        except OSError:
+            shutil.rmtree(workdir, ignore_errors=True)
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        # With a cgroup the kernel counts what the process uses; RLIMIT_DATA (what it maps) is the fallback.
+        plan = confinement.function_confinement(
+            seen,
+            workdir,
+            CODE,
+            None if cgroup is not None else memory_limit_bytes,
+            confinement.link_targets(directory),
+        )
+        load: dict[str, Any] = {
+            "op": "load",
+            "module": str(seen / module.relative_to(directory)),
+            "directory": str(seen),
+            "confinement": plan.encode(),
+        }
+        if triton_config is not None:
+            load["triton_config"] = triton_config
+        header = child._load(name, load, user)
+        child.device, child.reason = str(header.get("device", "cpu")), header.get("reason")
+        limits = [*header.get("confined", ())]
+        if cgroup is not None and memory_limit_bytes is not None:
+            limits.append(f"memory cgroup (v{cgroup.version}) {memory_limit_bytes // 2**20} MiB")
+        who = f"uid {user[0]}" if user is not None else f"uid {os.geteuid()}, as its runner"
+        log.info(
+            "function %s runs in process %d (%s) as %s: %s",
+            name,
+            child.process.pid,
+            child.device,
+            who,
+            ", ".join(limits),
+        )
+        return child
+
+    @classmethod
+    def _spawn(
+        cls,
+        name: str,
+        version: str,
+        workdir: Path,
+        user: tuple[int, int] | None,
+        cgroup: MemoryCgroup | None,
+        passed: list[int],
+        environment: dict[str, str],
+    ) -> _Child:
         env = sandbox.clean_environment(os.environ) | environment
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env["TMPDIR"] = str(workdir)
-        # Never a fork of the runner: a fresh interpreter holds none of its sockets, threads or loop.
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "runner.sandbox",
-                *("--function", name, "--module", str(module)),
-                *("--directory", str(directory), "--parent", str(os.getpid())),
-                *(
-                    ("--triton-config", orjson.dumps(triton_config).decode())
-                    if triton_config is not None
-                    else ()
-                ),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-        )
-        child = cls(process, workdir)
+        prints, prints_write = os.pipe()
+        passed.append(prints_write)
         try:
-            header, _body = sandbox.receive(child.replies, time.monotonic() + START_TIMEOUT_S)
-        except (TimeoutError, sandbox.ChannelClosed) as exc:
-            child.stop(graceful=False)
-            what = "did not start within" if isinstance(exc, TimeoutError) else "exited while starting:"
-            detail = (
-                f"{START_TIMEOUT_S:.0f} s"
-                if isinstance(exc, TimeoutError)
-                else _describe_exit(process.returncode)
+            # Never a fork of the runner: a fresh interpreter holds none of its sockets, threads or loop.
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "runner.sandbox",
+                    *("--function", name, "--parent", str(os.getpid()), "--prints", str(prints_write)),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=passed,
+                user=user[0] if user else None,
+                group=user[1] if user else None,
+                extra_groups=[] if user else None,
             )
-            raise ModelFailed(f"function '{name}': its process {what} {detail}") from None
+        finally:
+            for fd in passed:
+                os.close(fd)
+        assert process.stderr is not None
+        stderr = os.dup(process.stderr.fileno())
+        process.stderr.close()
+        output = Output(name, version, {"stdout": prints, "stderr": stderr})
+        output.start()
+        return cls(process, workdir, output, cgroup)
+
+    def _load(self, name: str, load: dict[str, Any], user: tuple[int, int] | None) -> sandbox.Header:
+        """Place the process (its cgroup), hand it its function and confinement, and wait for it."""
+        try:
+            if self.cgroup is not None:
+                self.cgroup.add(self.process.pid)  # before it loads anything of the function's
+            deadline = time.monotonic() + START_TIMEOUT_S
+            sandbox.send(self.requests, load, (), deadline)
+            header, _body = sandbox.receive(self.replies, deadline)
+        except (TimeoutError, sandbox.ChannelClosed, OSError) as exc:
+            self.stop(graceful=False)
+            if isinstance(exc, TimeoutError):
+                detail = f"did not start within {START_TIMEOUT_S:.0f} s"
+            else:
+                detail = f"exited while starting: {_describe_exit(self.process.returncode)}"
+            if user is not None:
+                detail += f" (as uid {user[0]}; its output is in the runner's log)"
+            raise ModelFailed(f"function '{name}': its process {detail}") from None
         if "error" in header:
-            child.stop(graceful=False)
+            self.stop(graceful=False)
+            if header.get("code") == "model_failed":
+                raise ModelFailed(f"function '{name}': {header['error']}")
             raise InvalidArgument(header["error"])
-        child.device, child.reason = str(header.get("device", "cpu")), header.get("reason")
-        log.info("function %s runs in process %d (%s)", name, process.pid, child.device)
-        return child
+        return header
 
     def rss_bytes(self) -> int:
         try:
@@ -332,9 +452,20 @@ class _Child:
         except (OSError, ValueError, IndexError):
             return 0
 
+    def at_memory_limit(self) -> bool:
+        """It is running, and its memory cgroup's use has reached the limit."""
+        return self.cgroup is not None and self.cgroup.at_limit()
+
+    def out_of_memory(self) -> bool:
+        """The kernel stopped it at its memory cgroup's limit."""
+        if self._out_of_memory is None:
+            return self.cgroup is not None and self.cgroup.out_of_memory()
+        return self._out_of_memory
+
     def stop(self, graceful: bool) -> None:
         """Graceful: close its stdin (it calls Model.close and exits), kill it if it takes longer
-        than STOP_TIMEOUT_S. Else kill it now. Either way wait for it and remove its working folder."""
+        than STOP_TIMEOUT_S. Else kill it now. Either way wait for it, log the rest of its output
+        and remove its working folder and cgroup."""
         if not graceful:
             self._kill()
         for pipe in self._pipes:
@@ -344,11 +475,33 @@ class _Child:
         except subprocess.TimeoutExpired:
             self._kill()
             self.process.wait()
+        self.output.join(OUTPUT_DRAIN_S)
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.cgroup is not None:
+            self._out_of_memory = self.cgroup.out_of_memory()
+            self.cgroup.remove()
 
     def _kill(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
+
+
+_USER: list[tuple[int, int] | None] = []
+
+
+def _function_user() -> tuple[int, int] | None:
+    """FUNCTION_UID for a root runner whose Python that user can run (decided once), else None."""
+    if not _USER:
+        python = [Path(sys.executable), Path(sys.base_prefix), Path(sys.prefix), *CODE]
+        _USER.append(confinement.function_user(python))
+        if _USER[0] is None and os.geteuid() == 0:
+            log.warning(
+                "uid %d cannot reach this runner's Python (%s): function processes run as uid 0 "
+                "without capabilities",
+                confinement.FUNCTION_UID,
+                Path(sys.executable).resolve(),
+            )
+    return _USER[0]
 
 
 def _describe_exit(returncode: int | None) -> str:

@@ -220,7 +220,7 @@ def test_redis_has_tls_auth_and_evicts_only_keys_with_a_ttl(modules: dict[str, M
     assert group["automatic_failover_enabled"] is True
     parameters = redis.resource("aws_elasticache_parameter_group", "this")
     assert parameters["family"] == "redis7"
-    assert {p["name"]: p["value"] for p in parameters["parameter"]} == {"maxmemory-policy": "volatile-lru"}
+    assert {p["name"]: p["value"] for p in parameters["parameter"]} == {"maxmemory-policy": "noeviction"}
     assert group["parameter_group_name"] == "${aws_elasticache_parameter_group.this.name}"
     # The pods' URL speaks TLS (rediss://) and so does KEDA (the renderer's default, not switched off).
     fngate = modules["fngate"]

@@ -32,6 +32,7 @@ import yaml
 
 from fngate import apikeys, keys
 from fngate.process import stop_processes
+from fngate.queue import entry_runs
 from fngate.registry import function_source
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
 from tests.conftest import ROOT, child_env, free_socket, start_redis, wait_http
@@ -593,7 +594,8 @@ async def test_claimed_and_dead_lettered_at_the_async_level(
     client: httpx.AsyncClient, deployment: Deployment
 ) -> None:
     """What a runner that died left unacknowledged at the asynchronous level is claimed and run by
-    another; one delivered too often is dead-lettered and fails with model_failed."""
+    another; one that ran too often (every runner that ran it died) is dead-lettered and fails with
+    model_failed."""
     survivor = await submit(client, "/v1/functions/held")
     poisoned = await submit(client, "/v1/functions/held")
     stream = keys.invocations("held", keys.ASYNC)
@@ -605,8 +607,11 @@ async def test_claimed_and_dead_lettered_at_the_async_level(
         read: Any = redis.xreadgroup(keys.RUNNER_GROUP, "dead-runner", {stream: ">"}, count=10)
         entries = [entry_id for entry_id, _ in read[0][1]]
         assert len(entries) == 2
-        for _ in range(4):  # the second was delivered over and over (max_deliveries is 3)
-            redis.xclaim(stream, keys.RUNNER_GROUP, "dead-runner", 0, [entries[1]])
+        for _ in range(4):  # both delivered over and over: that alone counts for nothing
+            redis.xclaim(stream, keys.RUNNER_GROUP, "dead-runner", 0, entries)
+        # The second ran alone twice besides its first delivery, its runner dying each time
+        # (runner.reclaim notes each such run): three runs, max_deliveries.
+        redis.hset(entry_runs(stream), entries[1].decode(), 2)
         deployment.runner("held", FNGATE_CLAIM_IDLE_MS="200")
         ran = await result(client, survivor)
         assert ran.status_code == 200, ran.text

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from fngate import keys
 from tests.conftest import wait_http
+from tests.e2e.function_output import FunctionOutput
 
 MEMO = "/v2/models/memo/infer"
 
@@ -27,18 +28,13 @@ def body(first: float, **parameters: Any) -> dict[str, Any]:
     }
 
 
-def executions(log: Path) -> list[str]:
-    return log.read_text().split() if log.exists() else []
-
-
 async def test_hit_across_two_gateway_processes(
     gateway_process: Callable[..., str],
     runner_process: Callable[..., Any],
-    tmp_path: Path,
+    function_output: FunctionOutput,
     redis: aioredis.Redis,
 ) -> None:
-    log = tmp_path / "memo.log"
-    runner_process(PROBE_LOG=str(log), FNGATE_FUNCTIONS='["memo"]')
+    runner_process(PROBE_LOG="1", FNGATE_FUNCTIONS='["memo"]')
     first, second = gateway_process(), gateway_process()
     for base in (first, second):
         await wait_http(base)
@@ -54,7 +50,7 @@ async def test_hit_across_two_gateway_processes(
     assert hit.json()["outputs"] == miss.json()["outputs"]
     assert v1_hit.json()["cached"] is True
     assert v1_hit.json()["outputs"]["y"] == [[10.0, 2.0, 4.0, 6.0]]
-    assert executions(log) == ["5"]
+    assert function_output.executions(1) == ["5"]
     assert len([key async for key in redis.scan_iter(match=keys.cache_prefix("memo") + "*")]) == 1
     command = [
         sys.executable,
@@ -80,11 +76,10 @@ async def _url(redis: aioredis.Redis) -> str:
 async def test_bypass_runs_the_model_again(
     serve_gateway: Callable[..., Any],
     inprocess_runner: Callable[..., Any],
-    tmp_path: Path,
+    function_output: FunctionOutput,
     monkeypatch: Any,
 ) -> None:
-    log = tmp_path / "memo.log"
-    monkeypatch.setenv("PROBE_LOG", str(log))
+    monkeypatch.setenv("PROBE_LOG", "1")
     base = await serve_gateway()
     await inprocess_runner(functions=("memo",))
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
@@ -95,7 +90,7 @@ async def test_bypass_runs_the_model_again(
         bad = await client.post(MEMO, json=body(7.0, cache="maybe"))
     assert header.headers["x-fngate-cache"] == parameter.headers["x-fngate-cache"] == "miss"
     assert bad.status_code == 400
-    assert executions(log) == ["7", "7", "7"]
+    assert function_output.executions(3) == ["7", "7", "7"]
 
 
 async def test_a_new_model_never_gets_the_old_answers(
@@ -131,11 +126,10 @@ async def test_a_new_model_never_gets_the_old_answers(
 async def test_identical_concurrent_invocations_run_once(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., Any],
-    tmp_path: Path,
+    function_output: FunctionOutput,
 ) -> None:
-    log = tmp_path / "memo.log"
     base = await serve_gateway()
-    runner_process(PROBE_LOG=str(log), PROBE_SLEEP_S="0.5", FNGATE_FUNCTIONS='["memo"]')
+    runner_process(PROBE_LOG="1", PROBE_SLEEP_S="0.5", FNGATE_FUNCTIONS='["memo"]')
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         warm = await client.post(MEMO, json=body(0.0))  # the model is loaded before the burst
         assert warm.status_code == 200
@@ -144,16 +138,15 @@ async def test_identical_concurrent_invocations_run_once(
     assert {str(response.json()["outputs"]) for response in responses} == {
         str(responses[0].json()["outputs"])
     }
-    assert executions(log) == ["0", "9"]
+    assert function_output.executions(2) == ["0", "9"]
 
 
 async def test_a_waiter_runs_in_place_of_the_invocation_it_waited_on_when_that_expires(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., Any],
-    tmp_path: Path,
+    function_output: FunctionOutput,
     redis: aioredis.Redis,
 ) -> None:
-    log = tmp_path / "memo.log"
     base = await serve_gateway()
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         # No runner yet: the first invocation expires in the queue while an identical one waits on it.
@@ -161,22 +154,23 @@ async def test_a_waiter_runs_in_place_of_the_invocation_it_waited_on_when_that_e
         await asyncio.sleep(0.1)
         waiting = asyncio.create_task(client.post(MEMO, json=body(13.0, timeout_ms=20_000)))
         assert (await first).status_code == 504
-        runner_process(PROBE_LOG=str(log), FNGATE_FUNCTIONS='["memo"]')
+        runner_process(PROBE_LOG="1", FNGATE_FUNCTIONS='["memo"]')
         response = await waiting
     assert response.status_code == 200, response.text
     assert response.json()["outputs"][0]["data"] == [26.0, 2.0, 4.0, 6.0]
-    assert executions(log) == ["13"]  # the expired one never ran; the waiter ran once, in its place
+    assert function_output.executions(1) == [
+        "13"
+    ]  # the expired one never ran; the waiter ran once, in its place
 
 
 async def test_cache_down_fails_open(
     serve_gateway: Callable[..., Any],
     inprocess_runner: Callable[..., Any],
     extra_redis: Callable[..., tuple[subprocess.Popen[bytes], str]],
-    tmp_path: Path,
+    function_output: FunctionOutput,
     monkeypatch: Any,
 ) -> None:
-    log = tmp_path / "memo.log"
-    monkeypatch.setenv("PROBE_LOG", str(log))
+    monkeypatch.setenv("PROBE_LOG", "1")
     cache_process, cache_url = extra_redis()
     base = await serve_gateway(cache_url=cache_url)
     await inprocess_runner(cache_url=cache_url, functions=("memo",))
@@ -189,7 +183,7 @@ async def test_cache_down_fails_open(
         metrics = (await client.get("/metrics")).text
     assert [response.status_code for response in after] == [200, 200, 200]
     assert [response.headers["x-fngate-cache"] for response in after] == ["miss"] * 3
-    assert executions(log) == ["4"] * 4
+    assert function_output.executions(4) == ["4"] * 4
     failures = [line for line in metrics.splitlines() if line.startswith("fngate_cache_failures_total ")]
     assert failures and float(failures[0].split()[1]) >= 3  # each failed lookup is counted
 

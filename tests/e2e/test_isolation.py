@@ -5,25 +5,35 @@ one runner process; an in-process model that hangs; and what a function's proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import onnxruntime as ort
+import pytest
 import redis.asyncio as aioredis
 
+from bench.models import write_poison_functions
 from fngate import keys
+from fngate.process import stop_processes
+from runner import confinement
+from tests.conftest import ROOT, child_env
 from tests.e2e import deployments
+from tests.e2e.function_output import FunctionOutput
 from tests.runner.slow_model import build_slow_model
 
 NEIGHBOURS = ("classifier", "crasher", "hang", "leak", "misshapen")
@@ -156,9 +166,16 @@ async def test_bad_functions_do_not_disturb_their_neighbours(
             "its process was stopped and starts again for the next batch",
             "code": "model_timeout",
         }
+    # It keeps 20 MiB more a batch: its process is restarted once over its memory_limit_mb of 120
+    # after a batch, or stopped in the batch that passes it (which fails, naming the limit).
+    stopped = [response for response in leaked if response.status_code != 200]
+    assert len(stopped) <= 3
+    for response in stopped:
+        assert response.status_code == 500
+        assert "the batch needed more memory than its memory_limit_mb of 120 MiB" in response.json()["error"]
     for number, response in enumerate(leaked):
-        assert response.status_code == 200, response.text
-        assert response.json()["outputs"]["y"] == [[number * 2.0, 2.0, 4.0, 6.0]]
+        if response.status_code == 200:
+            assert response.json()["outputs"]["y"] == [[number * 2.0, 2.0, 4.0, 6.0]]
     for response in misshapen:
         assert response.status_code == 500
         assert response.json()["code"] == "model_failed"
@@ -182,25 +199,25 @@ async def test_a_function_sees_no_secrets_and_dies_with_its_runner(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
     redis_url: str,
-    tmp_path: Path,
+    function_output: FunctionOutput,
 ) -> None:
     base = await serve_gateway()
-    dump = tmp_path / "snoop.json"
     runner = runner_process(
         FNGATE_FUNCTIONS='["snoop"]',
-        SNOOP_DUMP=str(dump),
+        SNOOP_SETTING="visible",
         SERVICE_API_TOKEN="token-of-the-runner",
         AWS_SECRET_ACCESS_KEY="key-of-the-runner",
     )
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         response = await until_ok(lambda: client.post("/v1/functions/snoop", json=x_body()))
     assert response.status_code == 200, response.text
-    view = json.loads(dump.read_text())
+    await function_output.wait_for_any("snoop")
+    view = json.loads(function_output.lines("snoop")[-1])
     seen = view["environ"]
     assert [name for name in seen if name.startswith(("FNGATE_", "AWS_"))] == []
     assert "SERVICE_API_TOKEN" not in seen
     assert redis_url not in json.dumps(seen)  # the Redis URL (and its password) stays with the runner
-    assert seen["SNOOP_DUMP"] == str(dump)  # a function's own settings pass
+    assert seen["SNOOP_SETTING"] == "visible"  # a function's own settings pass
     assert view["ppid"] == runner.pid
     assert view["cwd"] == view["tempdir"]
     assert Path(view["cwd"]) != Path.cwd()
@@ -212,6 +229,225 @@ async def test_a_function_sees_no_secrets_and_dies_with_its_runner(
             break
         await asyncio.sleep(0.1)
     assert not alive(view["pid"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Secrets:
+    """What a function must not reach: files of its runner's user (a state folder, a web identity
+    token), a TCP port on loopback, and a folder it may not write in."""
+
+    folder: Path
+    state_file: Path
+    token_file: Path
+    tcp: tuple[str, int]
+
+    def targets(self, redis_socket: str, other_model: Path, tcp: tuple[str, int] | None = None) -> str:
+        files = [str(self.state_file), str(self.token_file), str(other_model), "/root/.bashrc"]
+        return json.dumps(
+            {
+                "socket": redis_socket,
+                "tcp": tcp or self.tcp,
+                "files": files,
+                "outside": str(self.folder / "planted"),
+            }
+        )
+
+    def own(self, uid: int, gid: int) -> None:
+        """Make them the files of user uid:gid (what a plain user's runner would hold)."""
+        for path in [self.folder, *self.folder.rglob("*")]:
+            os.chown(path, uid, gid)
+
+
+@pytest.fixture
+def secrets() -> Iterator[Secrets]:
+    """In a folder any user can search (tmp_path's parents are root's alone), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="fngate-secrets-"))
+    folder.chmod(0o755)
+    state, token = folder / "state" / "admin.key", folder / "token"
+    state.parent.mkdir(mode=0o700)
+    state.write_text("fng_admin_key")
+    token.write_text("web-identity-token")
+    token.chmod(0o600)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:  # what a function must not connect to
+            yield Secrets(folder, state, token, listener.getsockname())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def refused_everything(report: dict[str, str]) -> None:
+    """Every try refused, but writing its own working folder."""
+    assert report.pop("write its working folder") == "done: 1"
+    allowed = {what: outcome for what, outcome in report.items() if not outcome.startswith("refused")}
+    assert allowed == {}
+    assert len(report) == 10
+
+
+async def intrude(base: str) -> dict[str, str]:
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        response = await until_ok(lambda: client.post("/v1/functions/intruder", json=x_body()))
+    assert response.status_code == 200, response.text
+    report: dict[str, str] = json.loads(response.json()["outputs"]["report"][0][0])
+    return report
+
+
+async def test_a_function_reaches_nothing_of_its_root_runner_and_cannot_flood_its_log(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    redis_url: str,
+    repo: Path,
+    secrets: Secrets,
+    function_output: FunctionOutput,
+    tmp_path: Path,
+) -> None:
+    """A root runner, as the tests run: its function's process (uid 0 without capabilities where
+    the Python it runs is root's alone, as here; else FUNCTION_UID) cannot read the runner's
+    environment or memory, reach Redis (socket or TCP), signal the runner, read root's files or
+    another function's model, or write outside its folder. What it prints reaches the log as fields
+    of records that name it, 64 KiB of it a batch, the rest counted."""
+    base = await serve_gateway()
+    runner = runner_process(
+        FNGATE_FUNCTIONS='["intruder"]',
+        INTRUDER_TARGETS=secrets.targets(
+            redis_url.removeprefix("unix://"), repo / "classifier" / "model.onnx"
+        ),
+        AWS_WEB_IDENTITY_TOKEN_FILE=str(secrets.token_file),
+    )
+    refused_everything(await intrude(base))
+    assert not (secrets.folder / "planted").exists()
+    assert runner.poll() is None
+    # A second batch within the minute: nothing more of it is logged, and by its start what the
+    # first dropped has been said.
+    refused_everything(await intrude(base))
+
+    await function_output.wait_for_any("intruder", "to stderr")
+    records = [record for record in function_output.records() if record["function"] == "intruder"]
+    assert {(record["version"], record["stream"]) for record in records} == {("1", "stdout"), ("1", "stderr")}
+    forged = [record["line"] for record in records if "forged" in record["line"]]
+    assert json.loads(forged[0])["message"] == "forged"  # only ever a field of a record
+    logged = sum(len(record["line"]) + 1 for record in records)
+    assert 60 * 1024 < logged <= 64 * 1024  # of the 2 x 256 KiB it printed: the minute's budget
+    for _ in range(200):
+        log_lines = [json.loads(line) for line in (tmp_path / "runner-0.log").read_text().splitlines()]
+        dropped = [line for line in log_lines if "dropped_lines" in line]
+        if sum(line["dropped_bytes"] for line in dropped) >= 190 * 1024:
+            break
+        await asyncio.sleep(0.05)
+    assert {line["function"] for line in dropped} == {"intruder"}
+    assert sum(line["dropped_bytes"] for line in dropped) >= 190 * 1024  # the first batch's, at least
+    assert [line for line in log_lines if line.get("message") == "forged"] == []
+
+
+def python_for(uid: int, gid: int, stash: Path) -> list[str]:
+    """A command prefix that runs a command as uid:gid (setpriv), in a mount namespace of its own
+    where that user can run this interpreter: where the interpreter lives below a folder others
+    cannot search (pyenv in /root, here), that folder is a world-searchable tmpfs holding only the
+    interpreter's tree. Root only."""
+    python = Path(sys.executable).resolve()
+    hidden = next((folder for folder in reversed(python.parents) if not folder.stat().st_mode & 0o001), None)
+    switch = [] if uid == 0 else ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+    if hidden is None:
+        return switch
+    shown = python.parents[len(python.parents) - len(hidden.parts) - 1]
+    script = (
+        f"mount --bind {shown} {stash} && mount -t tmpfs -o mode=0755,size=1m fngate-test {hidden} && "
+        f'mkdir -p {shown} && mount --bind {stash} {shown} && exec "$@"'
+    )
+    return ["unshare", "--mount", "--", "sh", "-c", script, "sh", *switch]
+
+
+@pytest.fixture
+def plain_user() -> Iterator[tuple[int, int]]:
+    """A user made for the test (and deleted after it): uid and gid."""
+    name = f"fngate-test-{os.getpid()}"
+    add = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+    subprocess.run(add, check=True)
+    try:
+        yield pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class UserRunner:
+    uid: int
+    repo: Path
+    log: Path
+
+
+@pytest.fixture
+def user_runner(
+    plain_user: tuple[int, int], secrets: Secrets, tmp_path: Path
+) -> Iterator[Callable[[str, str], UserRunner]]:
+    """Factory: `python -m runner` as root ('root') or as plain_user ('plain'), in a namespace where
+    that user can run this Python (python_for), on a repository that user can read (intruder and
+    the poison functions), with the secrets that user's own; stopped and its folder removed after."""
+    started: list[subprocess.Popen[bytes]] = []
+    home = Path(tempfile.mkdtemp(prefix="fngate-user-"))  # readable by that user, unlike tmp_path
+    home.chmod(0o755)
+
+    def start(as_user: str, redis_url: str) -> UserRunner:
+        """`redis_url`: a Redis on TCP (redis://127.0.0.1:PORT), which the function tries too."""
+        address = redis_url.removeprefix("redis://").split(":")
+        tcp = (address[0], int(address[1]))
+        uid, gid = plain_user if as_user == "plain" else (0, 0)
+        folder = home / "repo"
+        # Only its memory hog is sent here: a long execution timeout, so that a busy machine's
+        # slow batch still meets the memory limit first.
+        write_poison_functions(folder, execution_timeout_ms=20_000)
+        shutil.copytree(ROOT / "tests" / "functions" / "intruder", folder / "intruder")
+        (home / "stash").mkdir()
+        for path in [home, *home.rglob("*")]:
+            os.chown(path, uid, gid)
+        secrets.own(uid, gid)
+        other_model = folder / "pick" / "model.onnx"
+        env = child_env(
+            redis_url,
+            folder,
+            FNGATE_FUNCTIONS='["intruder", "poison"]',
+            FNGATE_ARTIFACT_DIR=str(home / "artifacts"),
+            HOME=str(home),
+            INTRUDER_TARGETS=secrets.targets(str(secrets.folder / "redis.sock"), other_model, tcp),
+            AWS_WEB_IDENTITY_TOKEN_FILE=str(secrets.token_file),
+        )
+        log = tmp_path / "runner-0.log"
+        with open(log, "wb") as out:
+            command = [*python_for(uid, gid, home / "stash"), sys.executable, "-m", "runner"]
+            started.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+        return UserRunner(uid, folder, log)
+
+    yield start
+    stop_processes(started)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("as_user", ["root", "plain"])
+async def test_a_function_reaches_nothing_of_its_runner_whoever_runs_it(
+    serve_gateway: Callable[..., Any],
+    extra_redis: Callable[..., tuple[subprocess.Popen[bytes], str]],
+    user_runner: Callable[[str, str], UserRunner],
+    secrets: Secrets,
+    as_user: str,
+) -> None:
+    """The same tries under a root runner whose Python FUNCTION_UID can run (its process is that
+    user's) and under a runner of a plain user (its process is the runner's user; Landlock, the
+    seccomp filter and the runner's non-dumpable state hold it), with Redis on TCP and the secrets
+    the runner's user's own. The plain user's runner holds memory_limit_mb with RLIMIT_DATA."""
+    port = free_port()
+    extra_redis("--port", str(port), "--bind", "127.0.0.1")
+    redis_url = f"redis://127.0.0.1:{port}"
+    runner = user_runner(as_user, redis_url)
+    base = await serve_gateway(redis_url=redis_url, repo=str(runner.repo))
+    refused_everything(await intrude(base))
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        hog = await client.post("/v1/functions/poison", json=x_body(-5.0))
+    assert hog.status_code == 500
+    assert "needed more memory than its memory_limit_mb of 200 MiB" in hog.json()["error"]
+    assert not (secrets.folder / "planted").exists()
+    log = runner.log.read_text()
+    who = f"as uid {confinement.FUNCTION_UID}:" if runner.uid == 0 else f"as uid {runner.uid}, as its runner"
+    assert "function intruder runs in process" in log and who in log
+    assert ("RLIMIT_DATA 200 MiB" in log) == bool(runner.uid)
 
 
 async def test_a_stuck_in_process_model_gets_no_more_work_and_unload_says_so(

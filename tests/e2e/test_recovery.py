@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 from collections.abc import Callable
@@ -11,10 +12,13 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from bench.models import write_poison_functions
 from fngate import keys
+from tests.e2e.function_output import FunctionOutput
 
 PROBE = "/v2/models/probe/infer"
 
@@ -81,11 +85,37 @@ async def test_sigkill_mid_batch_loses_nothing(
     assert pending["pending"] == 0
 
 
-async def test_poison_invocation_is_dead_lettered(
+async def queued_together(
+    client: httpx.AsyncClient, redis: aioredis.Redis, function: str, firsts: list[float]
+) -> list[asyncio.Task[httpx.Response]]:
+    """One invocation per `firsts` (x[0]) of `function`, all in its queue before any runner reads
+    it, so that a runner that starts then takes them as one batch."""
+    calls = []
+    for first in firsts:
+        body = {"inputs": {"x": [[first, 1.0, 2.0, 3.0]]}}
+        calls.append(asyncio.create_task(client.post(f"/v1/functions/{function}", json=body)))
+
+        async def queued(count: int = len(calls)) -> bool:
+            return bool(await redis.xlen(keys.invocations(function)) >= count)
+
+        await wait_for(queued, what=f"{len(calls)} queued invocations")  # in this order
+    return calls
+
+
+def answered(response: httpx.Response, first: float) -> None:
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"]["y"] == [[first * 2, 2.0, 4.0, 6.0]]
+
+
+async def test_a_poison_invocation_that_kills_its_runner_is_dead_lettered_alone(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
     redis: aioredis.Redis,
+    function_output: FunctionOutput,
 ) -> None:
+    """1 poison among 15 innocents in one batch: its runner dies, the next runner runs each alone,
+    the poison first, and dies too; only the poison has run each time, so it alone is
+    dead-lettered, and the 15, which only waited behind it in the second runner, are answered."""
     base = await serve_gateway()
     env = {
         "FNGATE_CLAIM_IDLE_MS": "200",
@@ -93,25 +123,80 @@ async def test_poison_invocation_is_dead_lettered(
         "FNGATE_MAX_DELIVERIES": "2",
         "FNGATE_FUNCTIONS": '["probe"]',
     }
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        call = asyncio.create_task(client.post(PROBE, json=probe_body(-2.0)))
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        calls = await queued_together(client, redis, "probe", [-2.0, *range(1, 16)])
         starts = 0
-        while not call.done():
+        while not all(call.done() for call in calls):
             starts += 1
+            assert starts <= 4, "the poison invocation was retried without end"
             runner = runner_process(**env)
-            await asyncio.wait(
-                [call, asyncio.create_task(asyncio.to_thread(runner.wait))],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            assert starts <= 5, "the poison invocation was retried without end"
-        response = call.result()
-        assert response.status_code == 500
-        assert "delivered 2 times" in response.json()["error"]
-        assert starts == 3  # delivered to two runners that died, dead-lettered by the third
-        # The surviving runner still serves.
-        doubled(await client.post(PROBE, json=probe_body(5.0)), 5.0)
+            # The poison hangs where a real one would take its runner down: so it does, here.
+            died = asyncio.create_task(function_output.wait_for("poison", starts))
+            await asyncio.wait([died, asyncio.gather(*calls)], return_when=asyncio.FIRST_COMPLETED)
+            if died.done():
+                runner.kill()
+                await asyncio.to_thread(runner.wait)
+            died.cancel()
+        responses = [call.result() for call in calls]
+    assert starts == 3  # a batch (the poison's first run), the poison alone, then the dead letter
+    assert responses[0].status_code == 500
+    assert "ran 2 times and no runner finished it" in responses[0].json()["error"]
+    for first, response in zip(range(1, 16), responses[1:], strict=True):
+        answered(response, float(first))
     assert await redis.xlen(keys.dead_letters("probe")) == 1
     assert await redis.xlen(keys.invocations("probe")) == 0
+
+
+@pytest.mark.parametrize(
+    ("function", "poison", "status", "error"),
+    [
+        ("poison", -3.0, 500, "its process exited with code 3 while running the batch"),
+        ("poison", -4.0, 504, "the batch ran past its execution timeout of 500 ms"),
+        ("poison", -5.0, 500, "the batch needed more memory than its memory_limit_mb of 200 MiB"),
+        (
+            "pick",
+            1000.0,
+            500,
+            "indices element out of data bounds, idx=1000 must be within the inclusive range [-16,15]",
+        ),
+    ],
+    ids=["exits", "hangs", "over-memory", "onnx-fails"],
+)
+async def test_a_batch_that_fails_answers_its_innocents(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    redis: aioredis.Redis,
+    tmp_path: Path,
+    function_output: FunctionOutput,
+    function: str,
+    poison: float,
+    status: int,
+    error: str,
+) -> None:
+    """1 poison among 15 innocents in one batch of a Python function (its process exits, hangs or
+    passes its memory limit) or an ONNX one (onnxruntime fails on its value): the batch is split,
+    each innocent gets its own answer and the poison alone its error, and nothing is dead-lettered."""
+    folder = tmp_path / "repo"
+    write_poison_functions(folder)
+    base = await serve_gateway(repo=str(folder))
+    firsts = [float(first) for first in range(1, 9)] + [poison] + [float(first) for first in range(9, 16)]
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        calls = await queued_together(client, redis, function, firsts)
+        runner = runner_process(FNGATE_REPO=str(folder), FNGATE_FUNCTIONS=json.dumps([function]))
+        responses = await asyncio.gather(*calls)
+    for first, response in zip(firsts, responses, strict=True):
+        if first == poison:
+            assert response.status_code == status, response.text
+            assert error in response.json()["error"]
+        else:
+            answered(response, first)
+    if function == "poison":  # its model says how big each batch was: one of 16, then 16 of one
+        await function_output.wait_for("batch of 1", 16, timeout_s=10)
+        assert function_output.lines("poison").count("batch of 16") == 1
+    log = (tmp_path / "runner-0.log").read_text()
+    assert f"{function}: a batch of 16 invocations failed as a whole" in log
+    assert runner.poll() is None
+    assert await redis.xlen(keys.dead_letters(function)) == 0
 
 
 async def test_failing_batch_answers_each_member_and_runner_survives(
@@ -133,18 +218,17 @@ async def test_expired_invocation_is_not_executed(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
     redis: aioredis.Redis,
-    tmp_path: Path,
+    function_output: FunctionOutput,
 ) -> None:
     base = await serve_gateway()
-    log = tmp_path / "probe.log"
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         late = await client.post(PROBE, json=probe_body(42.0, timeout_ms=1000))
         assert late.status_code == 504
         assert "did not answer within 1000 ms" in late.json()["error"]
         assert await redis.xlen(keys.invocations("probe")) == 1  # queued, nobody served it in time
-        runner_process(PROBE_LOG=str(log), FNGATE_FUNCTIONS='["probe"]')
+        runner_process(PROBE_LOG="1", FNGATE_FUNCTIONS='["probe"]')
         doubled(await client.post(PROBE, json=probe_body(7.0)), 7.0)
-    assert log.read_text().split() == ["7"]
+    assert function_output.executions(1) == ["7"]
     assert await redis.xlen(keys.invocations("probe")) == 0
 
 
@@ -175,17 +259,16 @@ async def test_sigterm_drains_in_flight_work(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
     redis: aioredis.Redis,
-    tmp_path: Path,
+    function_output: FunctionOutput,
 ) -> None:
     base = await serve_gateway()
-    log = tmp_path / "probe.log"
-    env = {"PROBE_SLEEP_S": "0.5", "PROBE_LOG": str(log), "FNGATE_FUNCTIONS": '["probe"]'}
+    env = {"PROBE_SLEEP_S": "0.5", "PROBE_LOG": "1", "FNGATE_FUNCTIONS": '["probe"]'}
     first = runner_process(**env)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         calls = [asyncio.create_task(client.post(PROBE, json=probe_body(float(i)))) for i in range(10)]
 
         async def executing() -> bool:
-            return log.exists() and bool(log.read_text())
+            return bool(function_output.lines())
 
         await wait_for(executing, what="the first batch to start")
         first.send_signal(signal.SIGTERM)
@@ -195,7 +278,7 @@ async def test_sigterm_drains_in_flight_work(
     assert await asyncio.to_thread(first.wait, 30) == 0
     for index, response in enumerate(responses):
         doubled(response, float(index))
-    executed = sorted(float(line) for line in log.read_text().split())
+    executed = sorted(float(first) for first in function_output.executions(10))
     assert executed == [float(i) for i in range(10)]  # each exactly once
     assert await redis.xlen(keys.invocations("probe")) == 0
 

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from fngate import keys, queue
@@ -28,7 +32,18 @@ def test_submit_async_call_with_callback_and_idempotency() -> None:
     call = queue.submit_async_call(
         "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, 100, "idem", "fngate:callbacks", None, "d1"
     )
-    assert call.keys == ["q", "q:bytes", "fngate:result:i", "idem", "fngate:result:i:cb:w", "", "", "", ""]
+    assert call.keys == [
+        "q",
+        "q:bytes",
+        "fngate:result:i",
+        "idem",
+        "fngate:result:i:cb:w",
+        "",
+        "",
+        "",
+        "",
+        "",
+    ]
     assert call.args[:9] == [10, 100, b"h" * 10, b"b" * 10, b"{}", 5000, "i", "fngate:callbacks i 0", "d1"]
 
 
@@ -37,8 +52,9 @@ def test_submit_async_call_plain() -> None:
     assert call.keys[3:5] == ["", ""]
     assert call.args[5] == 1  # never a TTL of 0
     assert call.args[7:9] == ["", ""]
-    assert call.keys[8] == ""  # no cache lookup
-    assert call.args[15:] == [1, "", ""]  # a done TTL of at least 1 ms, no cached answer
+    assert call.keys[8:] == ["", ""]  # no cache lookup, no result quota
+    # a done TTL of at least 1 ms, no cached answer, no step, no quota, refused from 80% of maxmemory
+    assert call.args[15:] == [1, "", "", b"", 0, 800]
 
 
 @pytest.mark.parametrize(
@@ -57,6 +73,8 @@ def test_submit_async_call_refuses_what_the_script_cannot_read(result_stream: st
         ([b"conflict", b"abc"], queue.Conflict("abc")),
         ([b"full", b"count"], queue.Full("count")),
         ([b"limited", b"rate", 10], queue.Limited("rate", 10)),
+        ([b"limited", b"quota", 60_000], queue.Limited("quota", 60_000)),
+        ([b"pressure", 900, 1000], queue.Pressure(900, 1000)),
     ],
 )
 def test_parse_submit_async(raw: list[bytes], outcome: queue.SubmitOutcome) -> None:
@@ -132,8 +150,9 @@ async def test_scripts_on_redis(redis_url: str) -> None:
 
 
 async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) -> None:
-    """A result submitted with a long TTL (its deadline) gets result_ttl_s from the moment the
-    reply is written; a reply without a TTL leaves its stream's as it was."""
+    """A result submitted with a long TTL (its deadline) is kept result_ttl_s from the moment the
+    reply is written, in a hash of its own; its stream says `done` and goes BELL_MS later. A reply
+    without a TTL leaves its stream's as it was."""
     client = PipelinedRedis(redis_url)
     await client.execute("FLUSHALL")
     submit, finish = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.FINISH)
@@ -158,9 +177,12 @@ async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) ->
         100,
     )
     await finish(done.keys, done.args)
-    assert 0 < int(await client.execute("PTTL", "fngate:result:i")) <= 2000
+    assert 0 < int(await client.execute("PTTL", queue.stored_result("fngate:result:i"))) <= 2000
+    assert 0 < int(await client.execute("PTTL", "fngate:result:i")) <= queue.BELL_MS
     assert int(await client.execute("PTTL", "gateway-replies")) == -1
-    assert await client.execute("XLEN", "fngate:result:i") == 2  # the state, then the reply
+    assert await client.execute("XLEN", "fngate:result:i") == 2  # the state, then `done`
+    stored = queue.parse_result(await Script(client, queue.READ_RESULT)(["fngate:result:i"], ["runners"]))
+    assert stored is not None and (stored.state, stored.record, stored.reply) == ("done", b"{}", reply)
     await client.aclose()
 
 
@@ -196,7 +218,7 @@ async def test_submit_answers_from_the_cache_at_once(redis_url: str) -> None:
     done = queue.parse_result(await read(["fngate:result:a"], ["runners"]))
     assert done is not None
     assert (done.state, done.reply) == ("done", {queue.HEADER: b"H", queue.BODY: b"B"})
-    assert 0 < int(await client.execute("PTTL", "fngate:result:a")) <= 2000
+    assert 0 < int(await client.execute("PTTL", queue.stored_result("fngate:result:a"))) <= 2000
     copies = await client.execute("XRANGE", keys.callbacks(), "-", "+")
     assert [fields for _, fields in copies] == [[b"h", b"H2", b"b", b"B2", b"for", b"b"]]
     await client.aclose()
@@ -209,10 +231,10 @@ def test_submit_async_call_of_a_pipelines_first_steps() -> None:
     call = queue.submit_async_call(
         "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, step=b"ctx", more=[other]
     )
-    assert call.keys[9:] == ["q2", "q2:bytes"]
-    assert call.args[18:] == [b"ctx", 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
+    assert call.keys[10:] == ["q2", "q2:bytes"]
+    assert call.args[18:] == [b"ctx", 0, 800, 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
     plain = queue.submit_async_call("q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10)
-    assert len(plain.keys) == 9 and len(plain.args) == 18  # a function's own: as before
+    assert len(plain.keys) == 10 and len(plain.args) == 21
 
 
 async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_url: str) -> None:
@@ -269,4 +291,102 @@ async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_
     size = queue.entry_bytes({**FIELDS, queue.STEP: b"ctx1"})
     assert [b - a for b, a in zip(before, after, strict=True)] == [size, size]
     assert [await client.execute("XLEN", stream) for stream in (one, two)] == [1, 2]
+    await client.aclose()
+
+
+async def submitted_and_done(
+    client: PipelinedRedis, invocation_id: str, output_bytes: int, **options: Any
+) -> queue.SubmitOutcome:
+    """Submit an asynchronous invocation; once queued, a runner's FINISH answers it with a reply
+    of `output_bytes`, kept an hour."""
+    stream = keys.invocations("f", keys.ASYNC)
+    with contextlib.suppress(Exception):
+        await client.execute("XGROUP", "CREATE", stream, "runners", "0", "MKSTREAM")
+    result = keys.result(invocation_id)
+    call = queue.submit_async_call(stream, FIELDS, result, b"{}", 60_000, invocation_id, 100, **options)
+    outcome = queue.parse_submit_async(await Script(client, queue.SUBMIT_ASYNC)(call.keys, call.args))
+    if outcome != queue.Queued():
+        return outcome
+    taken = await client.execute("XREADGROUP", "GROUP", "runners", "c", "COUNT", 1, "STREAMS", stream, ">")
+    reply = {queue.HEADER: b"h" * 100, queue.BODY: b"\0" * output_bytes}
+    done = queue.finish_call(
+        stream,
+        "runners",
+        [queue.Outgoing(reply, result, reply_ttl_ms=3_600_000)],
+        [taken[0][1][0][0]],
+        queue.entry_bytes(FIELDS),
+        100,
+    )
+    await Script(client, queue.FINISH)(done.keys, done.args)
+    return outcome
+
+
+async def test_a_done_result_is_stored_in_an_eighth_of_a_stream(redis_url: str) -> None:
+    """Kept for its TTL: its record, its reply and a little more, not a stream's 4 KiB node."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    assert await submitted_and_done(client, "a" * 32, 64) == queue.Queued()
+    stored = int(await client.execute("MEMORY", "USAGE", queue.stored_result(keys.result("a" * 32))))
+    await client.execute("XADD", "a-stream", "*", "m", "{}", "h", "h" * 100, "b", "\0" * 64)
+    as_a_stream = int(await client.execute("MEMORY", "USAGE", "a-stream"))
+    assert as_a_stream > 4096 and stored < as_a_stream / 8
+    await client.aclose()
+
+
+async def test_a_key_over_its_result_quota_is_refused_until_its_results_expire(redis_url: str) -> None:
+    """Each done result charges its bytes to its key; a key that holds its quota gets
+    Limited('quota') before anything is queued, another key does not; bytes whose minute has passed
+    are freed (here an expired minute, written as the script writes one)."""
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    quota = queue.ResultQuota(keys.result_quota("k1"), 400)
+    assert await submitted_and_done(client, "1" * 32, 300, quota=quota) == queue.Queued()
+    charged = int(await client.execute("HGET", quota.key, "total"))
+    assert charged == 2 + 100 + 300  # record, header, body
+    refused = await submitted_and_done(client, "2" * 32, 300, quota=quota)
+    assert isinstance(refused, queue.Limited) and refused.limit == "quota"
+    assert 1000 <= refused.retry_after_ms <= 3_660_000
+    assert await client.execute("XLEN", keys.invocations("f", keys.ASYNC)) == 0
+    other = queue.ResultQuota(keys.result_quota("k2"), 500)
+    assert await submitted_and_done(client, "3" * 32, 10, quota=other) == queue.Queued()
+    # The minute of the first result has passed: its bytes go at the next submission.
+    for field in await client.execute("HKEYS", quota.key):
+        if field != b"total":
+            await client.execute("ZADD", quota.key + ":at", 60_000, field)
+    assert await submitted_and_done(client, "4" * 32, 10, quota=quota) == queue.Queued()
+    assert int(await client.execute("HGET", quota.key, "total")) == 2 + 100 + 10
+    await client.aclose()
+
+
+async def test_submissions_are_refused_under_memory_pressure(
+    extra_redis: Callable[..., tuple[Any, str]],
+) -> None:
+    """Past ASYNC_MEMORY_RATIO of maxmemory an asynchronous submission is refused (nothing queued,
+    nothing stored); below it, or with no maxmemory, it is queued."""
+    _process, url = extra_redis("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")
+    client = PipelinedRedis(url)
+    assert await submitted_and_done(client, "5" * 32, 10) == queue.Queued()
+    for index in range(40):  # to 85% of maxmemory, a piece at a time (a client's buffer counts too)
+        memory = (await client.execute("INFO", "memory")).decode()
+        if int(memory.split("used_memory:")[1].split()[0]) > 0.85 * 8 * 2**20:
+            break
+        await client.execute("SET", f"ballast{index}", "x" * 2**18)
+    refused = await submitted_and_done(client, "6" * 32, 10)
+    assert isinstance(refused, queue.Pressure) and refused.max_bytes == 8 * 2**20
+    assert refused.used_bytes >= 0.8 * refused.max_bytes
+    assert "asynchronous invocations are refused" in refused.describe()
+    assert await client.execute("EXISTS", keys.result("6" * 32)) == 0
+    assert await submitted_and_done(client, "7" * 32, 10, memory_ratio=0) == queue.Queued()
+    await client.aclose()
+
+
+async def test_callback_attempts_are_kept_with_their_result(redis_url: str) -> None:
+    client = PipelinedRedis(redis_url)
+    await client.execute("FLUSHALL")
+    assert await submitted_and_done(client, "8" * 32, 10) == queue.Queued()
+    record = Script(client, queue.RECORD_CALLBACK)
+    for attempt in (b'{"attempt":1}', b'{"attempt":2}'):
+        assert await record([keys.result("8" * 32)], [attempt]) == 1
+    read = queue.parse_result(await Script(client, queue.READ_RESULT)([keys.result("8" * 32)], ["runners"]))
+    assert read is not None and read.callbacks == (b'{"attempt":1}', b'{"attempt":2}')
     await client.aclose()

@@ -10,27 +10,13 @@ import onnx
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
+from bench.models import loop_body
+
 
 def build_slow_model(folder: Path, execution_timeout_ms: int = 200) -> None:
     """A function `slow` in `folder`: an ONNX model that loops max(x) times inside onnxruntime (in
     the runner's process, where nothing can stop it) and answers y = x."""
-    body = helper.make_graph(
-        [
-            helper.make_node("Add", ["acc_in", "one"], ["acc_out"]),
-            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
-        ],
-        "body",
-        [
-            helper.make_tensor_value_info("i", TensorProto.INT64, []),
-            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, []),
-        ],
-        [
-            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, []),
-        ],
-        [numpy_helper.from_array(np.array(1, np.float32), "one")],
-    )
+    body = loop_body()
     nodes = [
         helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
         helper.make_node("Cast", ["top"], ["count"], to=TensorProto.INT64),

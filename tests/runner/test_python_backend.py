@@ -4,6 +4,7 @@ the environment a function sees."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -30,8 +31,8 @@ import numpy as np
 
 class Model:
     """y = 2x; x[0, 0] steers it: -1 raises, -2 exits with code 3, -3 never returns, -4 keeps
-    100 MiB, -5 dumps what the process sees to view.json in the function's folder, -6 writes
-    garbage where its answers go (fd 3: stdout as the process found it)."""
+    100 MiB, -5 prints what the process sees (JSON, one line), -6 writes garbage where its answers
+    go (fd 3: stdout as the process found it)."""
 
     def __init__(self, directory):
         self.directory = directory
@@ -53,7 +54,7 @@ class Model:
             os.write(3, b"\\xff" * 64)
         if first == -5:
             view = {"environ": dict(os.environ), "cwd": os.getcwd(), "ppid": os.getppid()}
-            (self.directory / "view.json").write_text(json.dumps(view))
+            print(json.dumps(view))
         return {"y": x * 2}
 '''
 
@@ -89,6 +90,17 @@ def batch(first: float, rows: int = 2) -> dict[str, np.ndarray[Any, Any]]:
     x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
     x[0, 0] = first
     return {"x": x}
+
+
+def printed_lines(caplog: pytest.LogCaptureFixture, timeout_s: float = 10) -> list[dict[str, Any]]:
+    """The fields of the function output records logged so far, once there is one (the lines are
+    read from the process's pipes by a thread of their own)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [record.__dict__["fields"] for record in caplog.records if record.name == "runner.function"]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
 
 
 def restarts(reason: str) -> float:
@@ -159,30 +171,26 @@ def test_a_batch_past_the_execution_timeout_stops_the_process(backend: Callable[
     np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
 
 
-def test_a_process_over_its_memory_limit_is_restarted_after_the_batch(
-    backend: Callable[..., PythonBackend],
-) -> None:
+def test_a_batch_past_the_memory_limit_fails_naming_it(backend: Callable[..., PythonBackend]) -> None:
     python = backend(memory_limit_mb=80)
-    pid = python.pid
-    before = restarts("memory")
-    outputs = python.run(batch(-4.0), ["y"])  # the batch that went over is answered
-    np.testing.assert_array_equal(outputs["y"], batch(-4.0)["x"] * 2)
-    assert restarts("memory") == before + 1
-    assert python.pid is None
-    python.run(batch(1.0), ["y"])
-    assert python.pid not in (None, pid)
+    with pytest.raises(ModelFailed, match="the batch needed more memory than its memory_limit_mb of 80 MiB"):
+        python.run(batch(-4.0), ["y"])  # 100 MiB kept within the one batch: stopped there
+    np.testing.assert_array_equal(python.run(batch(1.0), ["y"])["y"], batch(1.0)["x"] * 2)
 
 
 def test_the_process_sees_no_secrets_and_works_in_its_own_folder(
-    backend: Callable[..., PythonBackend], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    backend: Callable[..., PythonBackend], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="runner.function")
     monkeypatch.setenv("FNGATE_REDIS_URL", "redis://:hunter2@redis:6379/0")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
     monkeypatch.setenv("SERVICE_API_TOKEN", "token")
     monkeypatch.setenv("MODEL_SETTING", "visible")
     python = backend()
     python.run(batch(-5.0), ["y"])
-    view = json.loads((tmp_path / "f0" / "view.json").read_text())
+    printed = printed_lines(caplog)
+    view = json.loads(printed[-1]["line"])
+    assert printed[-1]["function"] == "f" and printed[-1]["stream"] == "stdout"
     leaked = [name for name in view["environ"] if name.startswith(("FNGATE_", "AWS_")) or "TOKEN" in name]
     assert leaked == []
     assert "hunter2" not in json.dumps(view["environ"])
@@ -223,7 +231,7 @@ def test_close_stops_the_process(backend: Callable[..., PythonBackend]) -> None:
 def test_a_cuda_function_is_given_the_runners_gpu(
     backend: Callable[..., PythonBackend],
     monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
     accelerator: str,
     visible: str | None,
     index: int,
@@ -231,13 +239,14 @@ def test_a_cuda_function_is_given_the_runners_gpu(
 ) -> None:
     if isinstance(gpu.find_device(index), gpu.Device):
         pytest.skip("NVML sees a GPU here: the child is given its UUID (tests/runner/test_gpu_memory.py)")
+    caplog.set_level(logging.INFO, logger="runner.function")
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     python = backend(accel=Acceleration(device_index=index), accelerator=accelerator)
     python.run(batch(-5.0), ["y"])
-    view = json.loads((tmp_path / "f0" / "view.json").read_text())
+    view = json.loads(printed_lines(caplog)[-1]["line"])
     assert view["environ"]["CUDA_VISIBLE_DEVICES"] == sees
     assert (python.device, python.device_memory_bytes) == ("python", 0)
     if accelerator == "cuda":  # the steered Model names no device: it runs on the CPU, and that is said

@@ -3,16 +3,17 @@
 
 data "aws_caller_identity" "current" {}
 
-# Streams (the queues) carry no TTL and cache entries always do: with volatile-lru only keys with a
-# TTL are evicted under memory pressure, so a full Redis drops cache entries and never an invocation.
+# Nothing is evicted: results and heartbeats carry TTLs as cache entries do, and evicting one loses
+# an answer or a runner. Gateways refuse asynchronous submissions from 80% of maxmemory, before
+# Redis refuses writes (docs/deployment.md, "Redis's memory").
 resource "aws_elasticache_parameter_group" "this" {
   name        = "${var.name}-redis7"
   family      = "redis7"
-  description = "fngate: evict only keys with a TTL (cache entries), never queue streams"
+  description = "fngate: noeviction; gateways refuse asynchronous work first"
 
   parameter {
     name  = "maxmemory-policy"
-    value = "volatile-lru"
+    value = "noeviction"
   }
 }
 

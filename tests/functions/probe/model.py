@@ -1,9 +1,9 @@
-"""Test function: y = 2x. Steered by x[:, 0]: -1 raises, -2 kills the runner (the parent of the
-process a Python function runs in) and then that process. PROBE_SLEEP_S sleeps
-per batch; PROBE_LOG names a file that gets one line per executed row (its x[0])."""
+"""Test function: y = 2x. Steered by x[:, 0]: -1 raises, -2 prints "poison" and never returns (a
+stand-in for an input that kills its runner: the test kills the runner when it says so).
+PROBE_SLEEP_S sleeps per batch; with PROBE_LOG set, each executed row's x[0] is printed
+("executed 5"), and its runner logs the line (tests/e2e/function_output.py reads it back)."""
 
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -13,16 +13,17 @@ import numpy as np
 class Model:
     def __init__(self, directory: Path) -> None:
         self.sleep_s = float(os.environ.get("PROBE_SLEEP_S", "0"))
-        self.log = os.environ.get("PROBE_LOG")
+        self.log = bool(os.environ.get("PROBE_LOG"))
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = inputs["x"]
         if self.log:
-            with open(self.log, "a") as out:
-                out.writelines(f"{row[0]:g}\n" for row in x)
+            for row in x:
+                print(f"executed {row[0]:g}")
         if (x[:, 0] == -2).any():
-            os.kill(os.getppid(), signal.SIGKILL)
-            os._exit(17)
+            print("poison")
+            while True:
+                time.sleep(1)
         if (x[:, 0] == -1).any():
             raise ValueError("probe was asked to fail")
         time.sleep(self.sleep_s)
