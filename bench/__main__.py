@@ -29,6 +29,7 @@ import redis
 
 import fngate
 from bench import grpc_peer, inprocess, loadgen
+from bench import open_loop as bench_open_loop
 from bench.deployment import Deployment, cpu_seconds, deployment, free_port, tree_cpu_seconds
 from bench.models import build_repository, write_poison_functions
 from bench.poison import poison_rounds
@@ -262,10 +263,18 @@ class Bench:
                 server.wait()
         del deployed
 
-    def peer(self, deployed: Deployment, serve_sh: Path, http: bool = True, grpc: bool = True) -> None:
+    def peer(
+        self,
+        deployed: Deployment,
+        serve_sh: Path,
+        http: bool = True,
+        grpc: bool = True,
+        open_loop: bool = False,
+    ) -> None:
         """fngate beside the real Triton server on the same models and load, point by point (each
         fngate point right before the same Triton point, so that drift hits both alike): over HTTP
-        with this bench's load generator (T), over gRPC with perf_analyzer (G)."""
+        with this bench's load generator (T), over gRPC with perf_analyzer (G), and open-loop
+        Poisson arrivals with perf_analyzer (O)."""
         print(f"T  fngate against Triton ({serve_sh})", flush=True)
         models = self.logs / "triton-models"
         models.mkdir(parents=True, exist_ok=True)
@@ -300,6 +309,11 @@ class Bench:
                     self.args.measure_s,
                     self.logs,
                     self.record,
+                )
+            if open_loop:
+                fngate_address = deployed.urls()[0].removeprefix("http://")
+                bench_open_loop.run(
+                    fngate_address, f"127.0.0.1:{port}", self.args.measure_s, self.logs, self.record
                 )
         finally:
             triton.terminate()
@@ -532,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         "against limits measured in the same run (needs about 1.5 GB of memory and a minute or two)",
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,H,P,M"
+        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,O,H,P,M"
     )
     parser.add_argument(
         "--triton",
@@ -561,10 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         with deployment(repo, Path(folder) / "logs") as deployed:
             deployed.start_gateway()
             deployed.start_runner()
-            if args.triton and (wanted("T") or wanted("G")):
-                bench.peer(deployed, args.triton.resolve(), http=wanted("T"), grpc=wanted("G"))
-            elif wanted("G"):
-                grpc_peer.run(deployed.grpc_address, None, args.measure_s, bench.logs, bench.record)
+            against_peers(deployed, bench, args.triton, wanted)
             if wanted("S0"):
                 bench.http_floor(deployed)
             if wanted("S1") or wanted("S2"):
@@ -606,6 +617,16 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.out, meta, bench.rows)
     print(f"wrote {args.out}/results.json, results.md and throughput.png in {meta['duration_s']} s")
     return 0
+
+
+def against_peers(
+    deployed: Deployment, bench: Bench, triton: Path | None, wanted: Callable[[str], bool]
+) -> None:
+    """T, G and O beside the real Triton (--triton); G alone without it."""
+    if triton is not None and (wanted("T") or wanted("G") or wanted("O")):
+        bench.peer(deployed, triton.resolve(), http=wanted("T"), grpc=wanted("G"), open_loop=wanted("O"))
+    elif wanted("G"):
+        grpc_peer.run(deployed.grpc_address, None, bench.args.measure_s, bench.logs, bench.record)
 
 
 def hostile_callers(deployed: Deployment, bench: Bench, wanted: bool) -> None:

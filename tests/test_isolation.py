@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def test_a_users_running_up_is_invisible_to_the_suite(tmp_path: Path) -> None:
-    user = tmp_path / "user"
+    # A short home: the up's Redis socket lies in its state folder, and a unix socket's path has
+    # at most 107 bytes (tmp_path under pytest-xdist is long).
+    user = Path(tempfile.mkdtemp(prefix="fngate-user-"))
     shutil.copytree(ROOT / "functions", user / "functions", ignore=shutil.ignore_patterns("__pycache__"))
     environ = {
         key: value
@@ -106,6 +109,7 @@ def test_a_users_running_up_is_invisible_to_the_suite(tmp_path: Path) -> None:
         client.close()
     finally:
         stop_processes([up], timeout_s=60)
+        shutil.rmtree(user, ignore_errors=True)
 
 
 def _ready(base: str) -> bool:

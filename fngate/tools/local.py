@@ -47,6 +47,10 @@ class LocalError(Exception):
     pass
 
 
+MAX_SOCKET_PATH = 107
+"""The longest path a unix socket may have on Linux (sun_path holds 108 bytes with its NUL)."""
+
+
 def durable_options(max_memory: str) -> list[str]:
     """Every write in an append-only file (written before the client hears OK; flushed to disk
     every second), and a memory limit with nothing ever evicted (noeviction: past it, writes fail):
@@ -70,6 +74,11 @@ def start_redis(
     if server is None:
         raise LocalError("redis-server is not installed: run scripts/bootstrap, or pass --redis URL")
     sock = folder / "redis.sock"
+    if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
+        raise LocalError(
+            f"the Redis socket's path {sock} is longer than a unix socket's {MAX_SOCKET_PATH} bytes: "
+            "use a shorter state folder (XDG_STATE_HOME), or pass --redis URL"
+        )
     options = ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
     if "--appendonly" not in args:
         options += ["--save", "", "--appendonly", "no"]

@@ -50,7 +50,10 @@ def test_network_policies_let_runners_take_traffic_only_from_prometheus() -> Non
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert runner["podSelector"]["matchLabels"].items() <= labels.items()
     gateway = named(objects, "NetworkPolicy", "fngate-gateway")["spec"]
-    assert gateway["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    # Clients reach the gateway's HTTP and gRPC ports, nothing else of it.
+    assert gateway["ingress"] == [
+        {"ports": [{"port": "http", "protocol": "TCP"}, {"port": "grpc", "protocol": "TCP"}]}
+    ]
     labels = named(objects, "Deployment", "fngate-gateway")["spec"]["template"]["metadata"]["labels"]
     assert gateway["podSelector"]["matchLabels"].items() <= labels.items()
 

@@ -1,0 +1,98 @@
+"""Scenario O: open-loop traffic, the way production traffic arrives. Triton's perf_analyzer sends
+Poisson arrivals at fixed rates (`--request-rate-range`, `--request-distribution poisson`, enough
+client threads to reach the rate) over HTTP, V2 with binary tensors, to fngate and, with --triton,
+to the real Triton in the same run, rate by rate (fngate first at each rate). For each server: the
+latency percentiles at each rate it reached, and the highest reached rate whose p99 stays under
+10 ms (the Triton guide's real-time target)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import perf_analyzer
+
+Row = dict[str, Any]
+RATES = (500, 1000, 2000, 3000, 4000, 5000)
+THREADS = 32
+REACHED = 0.95
+"""A rate counts as reached when the server answered at least this share of it."""
+P99_TARGET_MS = 10.0
+
+
+def measure(
+    command: list[str], url: str, model: str, rate: int, measure_s: float, logs: Path, label: str
+) -> Row:
+    """One rate: what was answered per second and the client's latency percentiles (ms)."""
+    report = logs / f"open-{label}-{model}-r{rate}.csv"
+    run = [
+        *command,
+        "-m", model, "-u", url, "-i", "http",
+        "--request-rate-range", str(rate),
+        "--request-distribution", "poisson",
+        "--max-threads", str(THREADS),
+        "--measurement-interval", str(int(measure_s * 1000)),
+        "--stability-percentage", "999", "--max-trials", "3",
+        "--percentile", "99",
+        "-f", str(report),
+    ]  # fmt: skip
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, check=False)
+    (logs / f"open-{label}-{model}-r{rate}.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not report.is_file():
+        return {"errors": 1, "error_sample": (done.stdout + done.stderr).strip()[-200:]}
+    (line,) = list(csv.DictReader(io.StringIO(report.read_text())))
+    answered = float(line["Inferences/Second"])
+    return {
+        "rate": rate,
+        "req_per_s": answered,
+        "reached": answered >= REACHED * rate,
+        "p50_ms": float(line["p50 latency"]) / 1000,
+        "p90_ms": float(line["p90 latency"]) / 1000,
+        "p99_ms": float(line["p99 latency"]) / 1000,
+        "errors": 0,
+    }
+
+
+def best_rate(rows: list[Row]) -> int:
+    """The highest rate reached with p99 under P99_TARGET_MS (0: none)."""
+    held = [row["rate"] for row in rows if row.get("reached") and row.get("p99_ms", 1e9) < P99_TARGET_MS]
+    return max(held, default=0)
+
+
+def run(
+    fngate_url: str,
+    triton_url: str | None,
+    measure_s: float,
+    logs: Path,
+    record: Callable[[Row], None],
+    model: str = "tiny",
+) -> None:
+    command, why = perf_analyzer.provide()
+    if not command:
+        print(f"O  skipped: {why}", flush=True)
+        return
+    print(f"O  open loop, Poisson arrivals ({model}, perf_analyzer over HTTP)", flush=True)
+    servers = [("fngate", fngate_url)] + ([("triton", triton_url)] if triton_url else [])
+    seen: dict[str, list[Row]] = {label: [] for label, _ in servers}
+    for rate in RATES:
+        for label, url in servers:
+            name = model if label == "fngate" else f"{model}@triton"
+            row: Row = {"scenario": "O", "function": name, "body": "binary", "concurrency": THREADS}
+            row.update(measure(command, url, model, rate, measure_s, logs, label))
+            row.setdefault("rate", rate)
+            record(row)
+            seen[label].append(row)
+            print(
+                f"   {label} at {rate} req/s: answered {row.get('req_per_s', 0):.0f}, "
+                f"p50 {row.get('p50_ms', 0):.2f} ms, p99 {row.get('p99_ms', 0):.2f} ms",
+                flush=True,
+            )
+    for label, rows in seen.items():
+        best = best_rate(rows)
+        name = model if label == "fngate" else f"{model}@triton"
+        record({"scenario": "O", "function": name, "body": "binary", "p99_under_10ms_req_per_s": best})
+        print(f"   {label}: p99 under {P99_TARGET_MS:g} ms up to {best} req/s", flush=True)
