@@ -10,6 +10,7 @@ import datetime
 import json
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -285,7 +286,14 @@ class Bench:
         port, grpc_port = free_port(), free_port()
         with open(self.logs / "triton.log", "wb") as log:
             triton = subprocess.Popen(
-                ["bash", str(serve_sh), str(models), str(port), "batch", str(grpc_port)],
+                [
+                    "bash",
+                    str(with_grpc(serve_sh, self.logs)),
+                    str(models),
+                    str(port),
+                    "batch",
+                    str(grpc_port),
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -617,6 +625,23 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.out, meta, bench.rows)
     print(f"wrote {args.out}/results.json, results.md and throughput.png in {meta['duration_s']} s")
     return 0
+
+
+GRPC_OFF = "--allow-grpc=false"
+
+
+def with_grpc(serve_sh: Path, logs: Path) -> Path:
+    """A peer script that opens Triton's gRPC port at its 4th argument. One that does not take it
+    (its server starts with --allow-grpc=false) is copied, with the files beside it, into `logs`,
+    and its copy starts the server with gRPC on 127.0.0.1 at that port instead."""
+    text = serve_sh.read_text()
+    if GRPC_OFF not in text:
+        return serve_sh
+    copy = logs / "triton-peer"
+    shutil.copytree(serve_sh.parent, copy, dirs_exist_ok=True)
+    grpc = '--allow-grpc=true --grpc-address=127.0.0.1 --grpc-port="$4"'
+    (copy / serve_sh.name).write_text(text.replace(GRPC_OFF, grpc))
+    return copy / serve_sh.name
 
 
 def against_peers(

@@ -61,6 +61,7 @@ def run(
     for model, concurrency in POINTS:
         ours: Row = {"scenario": "G", "function": model, "body": "grpc", "concurrency": concurrency}
         ours.update(measure(command, fngate_address, model, concurrency, measure_s, logs, "fngate"))
+        point = f"   {model} c={concurrency} over gRPC"
         if triton_address is not None:
             theirs: Row = {
                 "scenario": "G",
@@ -69,10 +70,13 @@ def run(
                 "concurrency": concurrency,
             }
             theirs.update(measure(command, triton_address, model, concurrency, measure_s, logs, "triton"))
-            ratio = ours.get("req_per_s", 0.0) / max(theirs.get("req_per_s", 0.0), 1e-9)
-            ours["triton_ratio"] = ratio
+            if ours.get("req_per_s") and theirs.get("req_per_s"):
+                ratio = ours["req_per_s"] / theirs["req_per_s"]
+                ours["triton_ratio"] = ratio
+                print(f"{point}: fngate/Triton throughput x{ratio:.2f}", flush=True)
+            else:
+                print(f"{point}: no ratio (a server failed: see its row)", flush=True)
             record(ours)
             record(theirs)
-            print(f"   {model} c={concurrency} over gRPC: fngate/Triton throughput x{ratio:.2f}", flush=True)
         else:
             record(ours)
