@@ -86,6 +86,9 @@ class ModelSpec(_Frozen):
     load_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     """Longest an invocation waits for its model to load (runner start and download included)
     before its own deadline starts to run (docs/cold-start.md)."""
+    instances: Annotated[int, Field(ge=1, le=64)] = 1
+    """Executions of the model at once in one runner (Triton's instance_group count): as many
+    sessions or processes, each counted in the runner's memory budget (docs/memory.md)."""
 
     @field_validator("path")
     @classmethod

@@ -98,3 +98,29 @@ def load_backend(
             f"backend '{manifest.model.backend}' is not available in this runner"
         ) from None
     return loader(Load(manifest, directory, threads, accel, model_bytes, version))
+
+
+def load_instances(
+    manifest: FunctionManifest,
+    directory: Path,
+    threads: int,
+    accel: Acceleration | None = None,
+    model_bytes: bytes | None = None,
+    version: str = "",
+) -> Backend:
+    """`load_backend` once per instance of the manifest's model.instances, one after the other
+    (runner.backends.instances.Instances runs each batch on a free one); a failure closes those
+    already loaded. Blocking: run it in a thread."""
+    first = load_backend(manifest, directory, threads, accel, model_bytes, version)
+    if manifest.model.instances == 1:
+        return first
+    from runner.backends.instances import Instances, close_all
+
+    loaded = [first]
+    try:
+        for _ in range(manifest.model.instances - 1):
+            loaded.append(load_backend(manifest, directory, threads, accel, model_bytes, version))
+    except BaseException:
+        close_all(loaded)
+        raise
+    return Instances(loaded)

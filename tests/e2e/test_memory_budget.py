@@ -1,0 +1,120 @@
+"""The memory budget (docs/memory.md) with a real runner process: a budget smaller than two models
+makes the second load evict the first and both keep answering; a model larger than the budget is
+refused with 503 naming its size and the budget; a python function's two instances run two
+invocations at once; /config reports the instance group."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+import yaml
+
+from bench.memory import write_weights_function
+from fngate.registry import READY, read_runners
+from runner.budget import MIB
+
+BUDGET_BYTES = 128 * MIB
+"""Each weights model: 70 MB of files (estimated at 100 MiB before its first load, about 80
+measured); two never fit, one always does."""
+WEIGHT_BYTES = 70_000_000
+ROW = [1.0, 2.0, 3.0, 4.0]
+
+PAIR = """
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, folder):
+        pass
+
+    def infer(self, inputs):
+        started = time.time()
+        time.sleep(float(inputs["x"][0, 0]))
+        return {"y": np.array([[started, time.time()]] * len(inputs["x"]), dtype=np.float64)}
+"""
+
+
+def python_function(folder: Path, name: str, source: str, **model: Any) -> None:
+    target = folder / name
+    target.mkdir(parents=True)
+    (target / "model.py").write_text(textwrap.dedent(source), encoding="utf-8")
+    manifest = {
+        "name": name,
+        "model": {"backend": "python", "path": "model.py", **model},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 1]}],
+        "outputs": [{"name": "y", "datatype": "FP64", "shape": [-1, 2]}],
+        "batching": {"max_batch_size": 1, "timeout_ms": 30_000},
+    }
+    (target / "function.yaml").write_text(yaml.safe_dump(manifest), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def budget_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("budget-repo")
+    write_weights_function(folder, "weights-a", WEIGHT_BYTES)
+    write_weights_function(folder, "weights-b", WEIGHT_BYTES)
+    python_function(folder, "pair", PAIR, instances=2)
+    python_function(folder, "too-big", PAIR, memory_limit_mb=200)
+    return folder
+
+
+async def loaded(redis: aioredis.Redis) -> set[str]:
+    """The functions some runner reports ready."""
+    return {
+        key[0]
+        for view in await read_runners(redis)
+        for key, state in view.models.items()
+        if state.state == READY
+    }
+
+
+async def test_a_budget_for_one_model_evicts_the_idle_one_refuses_the_too_large_and_runs_instances(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    budget_repo: Path,
+    redis: aioredis.Redis,
+) -> None:
+    base = await serve_gateway(repo=str(budget_repo))
+    runner_process(FNGATE_REPO=str(budget_repo), FNGATE_MEMORY_BUDGET_BYTES=str(BUDGET_BYTES))
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+
+        async def invoke(name: str, x: Any) -> httpx.Response:
+            return await client.post(f"/v1/functions/{name}", json={"inputs": {"x": x}})
+
+        for name, others in [
+            ("weights-a", set()),
+            ("weights-b", {"weights-a"}),
+            ("weights-a", {"weights-b"}),
+        ]:
+            response = await invoke(name, [ROW])
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"]["y"] == [ROW]
+            assert name in await loaded(redis)
+            assert not others & await loaded(redis), f"{others} still loaded beside {name}"
+
+        refused = await invoke("too-big", [[0.0]])
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["code"] == "unavailable"
+        message = refused.json()["error"]
+        assert "needs 200 MiB of host memory" in message
+        assert "budget of 128 MiB" in message
+
+        # Two instances: two invocations of half a second each run at once, each on its own.
+        first, second = await asyncio.gather(invoke("pair", [[0.5]]), invoke("pair", [[0.5]]))
+        assert first.status_code == second.status_code == 200, (first.text, second.text)
+        (start_1, end_1), (start_2, end_2) = first.json()["outputs"]["y"][0], second.json()["outputs"]["y"][0]
+        assert max(start_1, start_2) < min(end_1, end_2), "the two invocations ran one after the other"
+        assert "weights-a" not in await loaded(redis)  # evicted for the pair's two processes
+
+        config = (await client.get("/v2/models/pair/config")).json()
+        assert [group["count"] for group in config["instance_group"]] == [2]
