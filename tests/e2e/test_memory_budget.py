@@ -1,7 +1,8 @@
-"""The memory budget (docs/memory.md) with a real runner process: a budget smaller than two models
+"""The memory budget (docs/memory.md) with real runner processes: a budget smaller than two models
 makes the second load evict the first and both keep answering; a model larger than the budget is
 refused with 503 naming its size and the budget; a python function's two instances run two
-invocations at once; /config reports the instance group."""
+invocations at once, /config reports the instance group; while they hold the budget, another
+function's invocation is left for a second runner; the runner's metrics count it all."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import yaml
 from bench.memory import write_weights_function
 from fngate.registry import READY, read_runners
 from runner.budget import MIB
+from tests.conftest import free_port
 
 BUDGET_BYTES = 128 * MIB
-"""Each weights model: 70 MB of files (estimated at 100 MiB before its first load, about 80
-measured); two never fit, one always does."""
+"""Each weights model: 70 MB of files (estimated at 100 MiB before its first load, 70 to 95
+measured); two never fit, one always does. The pair's two processes take about 110 MiB: nothing
+fits beside them."""
 WEIGHT_BYTES = 70_000_000
 ROW = [1.0, 2.0, 3.0, 4.0]
 
@@ -35,7 +38,7 @@ import numpy as np
 
 class Model:
     def __init__(self, folder):
-        pass
+        self.held = np.ones(25 * 2**20, dtype=np.uint8)  # each instance's process holds 25 MiB more
 
     def infer(self, inputs):
         started = time.time()
@@ -68,6 +71,17 @@ def budget_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+async def loaded_on(redis: aioredis.Redis, pid: int) -> set[str]:
+    """The functions the runner with this process id reports ready (its name ends -{pid}-{suffix})."""
+    return {
+        key[0]
+        for view in await read_runners(redis)
+        if view.name.rsplit("-", 2)[-2] == str(pid)
+        for key, state in view.models.items()
+        if state.state == READY
+    }
+
+
 async def loaded(redis: aioredis.Redis) -> set[str]:
     """The functions some runner reports ready."""
     return {
@@ -85,7 +99,12 @@ async def test_a_budget_for_one_model_evicts_the_idle_one_refuses_the_too_large_
     redis: aioredis.Redis,
 ) -> None:
     base = await serve_gateway(repo=str(budget_repo))
-    runner_process(FNGATE_REPO=str(budget_repo), FNGATE_MEMORY_BUDGET_BYTES=str(BUDGET_BYTES))
+    port = free_port()
+    budgeted = runner_process(
+        FNGATE_REPO=str(budget_repo),
+        FNGATE_MEMORY_BUDGET_BYTES=str(BUDGET_BYTES),
+        FNGATE_STATUS_PORT=str(port),
+    )
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
 
         async def invoke(name: str, x: Any) -> httpx.Response:
@@ -110,11 +129,33 @@ async def test_a_budget_for_one_model_evicts_the_idle_one_refuses_the_too_large_
         assert "budget of 128 MiB" in message
 
         # Two instances: two invocations of half a second each run at once, each on its own.
-        first, second = await asyncio.gather(invoke("pair", [[0.5]]), invoke("pair", [[0.5]]))
-        assert first.status_code == second.status_code == 200, (first.text, second.text)
-        (start_1, end_1), (start_2, end_2) = first.json()["outputs"]["y"][0], second.json()["outputs"]["y"][0]
+        one, other = await asyncio.gather(invoke("pair", [[0.5]]), invoke("pair", [[0.5]]))
+        assert one.status_code == other.status_code == 200, (one.text, other.text)
+        (start_1, end_1), (start_2, end_2) = one.json()["outputs"]["y"][0], other.json()["outputs"]["y"][0]
         assert max(start_1, start_2) < min(end_1, end_2), "the two invocations ran one after the other"
         assert "weights-a" not in await loaded(redis)  # evicted for the pair's two processes
 
         config = (await client.get("/v2/models/pair/config")).json()
         assert [group["count"] for group in config["instance_group"]] == [2]
+
+        # While the pair runs, weights-b cannot fit beside it: the first runner leaves its
+        # invocation in the stream, and a second runner, started after it was queued, answers
+        # it before the pair is done (had the first runner taken it, it would wait for the pair).
+        busy = asyncio.create_task(invoke("pair", [[5.0]]))
+        await asyncio.sleep(0.5)
+        waiting = asyncio.create_task(invoke("weights-b", [ROW]))
+        await asyncio.sleep(1.0)
+        spare = runner_process(FNGATE_REPO=str(budget_repo), FNGATE_FUNCTIONS='["weights-b"]')
+        response = await waiting
+        assert response.status_code == 200, response.text
+        assert not busy.done(), "weights-b waited for the pair"
+        assert await loaded_on(redis, budgeted.pid) == {"pair"}
+        assert "weights-b" in await loaded_on(redis, spare.pid)
+        assert (await busy).status_code == 200
+
+        metrics = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    assert 'fngate_memory_budget_bytes{memory="host"} 1.34217728e+08' in metrics
+    assert 'fngate_memory_evictions_total{function="weights-a"} 2.0' in metrics
+    assert 'fngate_memory_evictions_total{function="weights-b"} 1.0' in metrics
+    assert 'fngate_memory_refusals_total{function="too-big",reason="too-large"} 1.0' in metrics
+    assert 'fngate_memory_refusals_total{function="weights-b",reason="no-room"}' in metrics
