@@ -157,6 +157,10 @@ class RunnerSettings(_Settings):
     memory_budget_share: Annotated[float, Field(gt=0, le=1)] = 0.8
     gpu_memory_budget_bytes: Annotated[int, Field(ge=0)] = 0
     """What models may take of the GPU's memory (NVML); 0: memory_budget_share of its total."""
+    rate_limiter_resources: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    """Execution slots of this runner's device (Triton's --rate-limiter-resource), e.g.
+    {"GPU_EXEC_SLOTS": 8}: a batch of a function whose model.rate_limiter needs some waits until
+    they are free. A resource not named here has as many as the most any function needs."""
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -67,6 +67,14 @@ class TensorSpec(_Frozen):
         return value
 
 
+class RateLimiterSpec(_Frozen):
+    """What a batch of the function holds of the runner's execution slots while it runs."""
+
+    resources: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    """Named resources and how many of each, e.g. {GPU_EXEC_SLOTS: 4} (Triton's rate_limiter
+    resources); a batch waits until they are free (docs/memory.md)."""
+
+
 class ModelSpec(_Frozen):
     """The model and where it runs."""
 
@@ -89,6 +97,7 @@ class ModelSpec(_Frozen):
     instances: Annotated[int, Field(ge=1, le=64)] = 1
     """Executions of the model at once in one runner (Triton's instance_group count): as many
     sessions or processes, each counted in the runner's memory budget (docs/memory.md)."""
+    rate_limiter: RateLimiterSpec = RateLimiterSpec()
 
     @field_validator("path")
     @classmethod

@@ -349,9 +349,10 @@ class FunctionConsumer:
                 replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
             else:
                 ran_digest = model.function.digest
-                computed = time.perf_counter()
                 try:
-                    replies = await run_batch(self._models, model, invocations, batch_id)
+                    async with self._models.slots.hold(model.function.manifest.model.rate_limiter.resources):
+                        computed = time.perf_counter()
+                        replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
                     await self._models.release(model)
                 took_s = time.perf_counter() - computed

@@ -34,6 +34,7 @@ from runner.metrics import (
     model_loaded,
     model_unloaded,
 )
+from runner.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,11 @@ class LoadedModels:
         accel: Acceleration | None = None,
         started_ms: int | None = None,
         limits: Limits | None = None,
+        slots: Mapping[str, int] | None = None,
     ) -> None:
         """`started_ms`: when this runner started (wall clock; by default now), for the loading rule.
-        `limits`: the memory budget (runner.budget); None: none."""
+        `limits`: the memory budget (runner.budget); None: none. `slots`: the device's execution
+        slots (runner.slots), which batches hold while they run."""
         self._threads = threads
         self._started_ms = _now_ms() if started_ms is None else started_ms
         self._loading_since: dict[Key, int] = {}
@@ -95,6 +98,7 @@ class LoadedModels:
         self._failures: dict[Key, tuple[float, Unavailable]] = {}
         self._stuck: set[asyncio.Task[None]] = set()
         self._limits = limits
+        self.slots = Slots(slots)
         self.costs = budget.Costs()
         self._admission = asyncio.Lock()
         """Under a budget, one load at a time: each load's measure is its own."""

@@ -54,7 +54,16 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
     accel = Acceleration.from_settings(settings, artifacts.engine_store())
     threads = settings.intra_op_threads or min(usable_cpus(), 4)
     limits = await asyncio.to_thread(memory_limits, settings)
-    models = LoadedModels(threads, artifacts, report, settings.load_retry_s, accel, started_ms, limits)
+    models = LoadedModels(
+        threads,
+        artifacts,
+        report,
+        settings.load_retry_s,
+        accel,
+        started_ms,
+        limits,
+        settings.rate_limiter_resources,
+    )
     async with redis, control:
         if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
             log.info("runner %s stopped before Redis answered", name)

@@ -2,7 +2,8 @@
 makes the second load evict the first and both keep answering; a model larger than the budget is
 refused with 503 naming its size and the budget; a python function's two instances run two
 invocations at once, /config reports the instance group; while they hold the budget, another
-function's invocation is left for a second runner; the runner's metrics count it all."""
+function's invocation is left for a second runner; execution slots make a third heavy invocation
+wait for one of the first two; the runner's metrics count it all."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class Model:
 """
 
 
+SLEEPER = PAIR.replace("self.held = np.ones(25 * 2**20, dtype=np.uint8)", "self.held = None")
+
+
 def python_function(folder: Path, name: str, source: str, **model: Any) -> None:
     target = folder / name
     target.mkdir(parents=True)
@@ -68,6 +72,9 @@ def budget_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_weights_function(folder, "weights-b", WEIGHT_BYTES)
     python_function(folder, "pair", PAIR, instances=2)
     python_function(folder, "too-big", PAIR, memory_limit_mb=200)
+    # Three instances, each batch holding 4 of the runner's 8 slots: two run at once.
+    heavy = {"instances": 3, "memory_limit_mb": 40, "rate_limiter": {"resources": {"GPU_EXEC_SLOTS": 4}}}
+    python_function(folder, "heavy", SLEEPER, **heavy)
     return folder
 
 
@@ -104,6 +111,7 @@ async def test_a_budget_for_one_model_evicts_the_idle_one_refuses_the_too_large_
         FNGATE_REPO=str(budget_repo),
         FNGATE_MEMORY_BUDGET_BYTES=str(BUDGET_BYTES),
         FNGATE_STATUS_PORT=str(port),
+        FNGATE_RATE_LIMITER_RESOURCES='{"GPU_EXEC_SLOTS": 8}',
     )
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
 
@@ -152,6 +160,12 @@ async def test_a_budget_for_one_model_evicts_the_idle_one_refuses_the_too_large_
         assert await loaded_on(redis, budgeted.pid) == {"pair"}
         assert "weights-b" in await loaded_on(redis, spare.pid)
         assert (await busy).status_code == 200
+
+        calls = await asyncio.gather(*(invoke("heavy", [[0.5]]) for _ in range(3)))
+        assert [call.status_code for call in calls] == [200] * 3, [call.text for call in calls]
+        spans = sorted(tuple(call.json()["outputs"]["y"][0]) for call in calls)
+        assert spans[1][0] < spans[0][1], "the first two ran one after the other"
+        assert spans[2][0] >= min(spans[0][1], spans[1][1]), "the third ran beside the first two"
 
         metrics = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
     assert 'fngate_memory_budget_bytes{memory="host"} 1.34217728e+08' in metrics
