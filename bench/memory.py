@@ -1,6 +1,8 @@
 """Scenario B, the memory budget (docs/memory.md): one runner with a 1 GiB budget serves four
 functions of about 400 MB each in turn (round robin, then one hot and three cold), its resident
-memory sampled from /proc every 100 ms; then the same with the budget off. `python -m bench.memory`.
+memory sampled from /proc every 100 ms; then the same with the budget off. Scenario I: `wide` with
+`instances: 2` against 1 in one runner at 16 and 64 connections (throughput and p99).
+`python -m bench.memory [--only B,I]`.
 
 The functions are ONNX models whose weights are one large initializer that every run reads (a
 Gather whose index depends on the input, so that onnxruntime cannot fold it away); they answer y = x.
@@ -24,8 +26,10 @@ import onnx
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
+from bench import loadgen
 from bench.deployment import Deployment, deployment
-from runner.budget import MIB, rss_bytes
+from bench.models import wide, write_function
+from runner.budget import MIB, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 Row = dict[str, Any]
 ROW = [1.0, 2.0, 3.0, 4.0]
@@ -95,10 +99,15 @@ class PeakSampler:
             self._peak = max(self._peak, rss_bytes(self._pid))
 
     def reset(self) -> None:
+        reset_peak_rss(self._pid)
         self._peak = rss_bytes(self._pid)
 
     def peak(self) -> int:
         return max(self._peak, rss_bytes(self._pid))
+
+    def kernel_peak(self) -> int:
+        """The kernel's own peak (VmHWM) since `reset`: no sample can miss it."""
+        return peak_rss_bytes(self._pid)
 
 
 async def invoke_in_turn(base: str, order: list[str]) -> list[tuple[str, int, float]]:
@@ -147,10 +156,46 @@ def run(deployed: Deployment, names: list[str], budget_bytes: int, record: Calla
                         "runner_start_mib": round(start_rss / MIB),
                         "peak_rss_mib": round(sampler.peak() / MIB),
                         "peak_over_start_mib": round((sampler.peak() - start_rss) / MIB),
+                        "vmhwm_over_start_mib": round((sampler.kernel_peak() - start_rss) / MIB),
                         "median_s": round(float(np.median(times)), 3),
                         "max_s": round(max(times), 3),
                     }
                 )
+        deployed.stop_runners()
+
+
+def instances(deployed: Deployment, record: Callable[[Row], None], measure_s: float = 8.0) -> None:
+    """wide (max 64 rows a batch) with one instance and with two, one runner each, through one gateway."""
+    from bench.__main__ import requests_for  # the benchmark's own request builder
+
+    for count in (1, 2):
+        name = f"wide-{count}"
+        folder = write_function(deployed.repo, name, wide(), 512, max_batch_size=64, max_queue_delay_us=0)
+        manifest = yaml.safe_load((folder / "function.yaml").read_text(encoding="utf-8"))
+        manifest["model"]["instances"] = count
+        (folder / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
+    base = deployed.start_gateway(workers=1)
+    port = int(base.rsplit(":", 1)[1])
+    for count in (1, 2):
+        name = f"wide-{count}"
+        deployed.start_runner(FNGATE_FUNCTIONS=f'["{name}"]')
+        requests, _inputs = requests_for(name, 512, 512, binary=True, seed=count)
+        # The runner's start and load, before anything is measured.
+        httpx.post(f"{base}/v1/functions/{name}", json={"inputs": {"input": [[0.0] * 512]}}, timeout=120)
+        for concurrency in (16, 64):
+            result = asyncio.run(loadgen.run("127.0.0.1", port, requests, concurrency, 2.0, measure_s))
+            record(
+                {
+                    "scenario": "I",
+                    "function": "wide",
+                    "instances": count,
+                    "concurrency": concurrency,
+                    "throughput_rps": round(result.throughput),
+                    "p50_ms": round(result.percentile_ms(50), 2),
+                    "p99_ms": round(result.percentile_ms(99), 2),
+                    "errors": result.errors,
+                }
+            )
         deployed.stop_runners()
 
 
@@ -162,14 +207,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__)
     parser.add_argument("--model-mb", type=int, default=400, help="each function's weights (MB)")
     parser.add_argument("--budget-mib", type=int, default=1024, help="the runner's memory budget (MiB)")
+    parser.add_argument("--only", default="B,I", help="comma-separated scenarios: B (budget), I (instances)")
     args = parser.parse_args()
+    only = set(args.only.split(","))
     names = [f"weights-{letter}" for letter in "abcd"]
     with tempfile.TemporaryDirectory(prefix="fngate-memory-") as folder:
         repo = Path(folder) / "repo"
-        for name in names:
-            write_weights_function(repo, name, args.model_mb * 1000 * 1000)
-        with deployment(repo, Path(folder) / "logs") as deployed:
-            run(deployed, names, args.budget_mib * MIB, show)
+        if "B" in only:
+            for name in names:
+                write_weights_function(repo, name, args.model_mb * 1000 * 1000)
+            with deployment(repo, Path(folder) / "logs") as deployed:
+                run(deployed, names, args.budget_mib * MIB, show)
+        if "I" in only:
+            with deployment(Path(folder) / "wide-repo", Path(folder) / "logs-wide") as deployed:
+                instances(deployed, show)
 
 
 if __name__ == "__main__":

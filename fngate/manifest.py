@@ -434,6 +434,11 @@ class FunctionManifest(_Frozen):
         return self.batching.max_batch_size > 0
 
     @property
+    def instances(self) -> int:
+        """Batches a runner runs at once (model.instances; a pipeline runs none of its own: 1)."""
+        return self.model_spec.instances if self.model_spec is not None else 1
+
+    @property
     def execution_timeout_s(self) -> float:
         timeout_ms = self.model_spec.execution_timeout_ms if self.model_spec is not None else None
         return (timeout_ms or self.batching.timeout_ms) / 1000

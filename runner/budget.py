@@ -34,9 +34,17 @@ class Cost:
     """What one model (all its instances) takes, or is expected to take, of each memory."""
 
     host_bytes: int
+    """Host memory it holds once loaded."""
     gpu_bytes: int = 0
     measured: bool = False
     """Measured at a load of this version; False: estimated from its files."""
+    load_host_bytes: int = 0
+    """The most host memory its load took at once (the file's bytes beside the model being
+    built): what must be free for it to load."""
+
+    @property
+    def loading_host_bytes(self) -> int:
+        return max(self.load_host_bytes, self.host_bytes)
 
 
 NOTHING = Cost(0)
@@ -66,7 +74,7 @@ def make_room(need: Cost, limits: Limits, held: Sequence[Held]) -> list[Key] | N
     """The idle models to unload, least recently used first, for `need` to fit beside the models
     that stay: [] when it fits as it is, None when unloading every idle model is not enough. A
     model is unloaded only for a memory that is still over its budget and that it holds."""
-    host = need.host_bytes + sum(model.cost.host_bytes for model in held)
+    host = need.loading_host_bytes + sum(model.cost.host_bytes for model in held)
     device = need.gpu_bytes + sum(model.cost.gpu_bytes for model in held)
     unload: list[Key] = []
     for model in sorted((model for model in held if model.idle), key=lambda model: model.last_used):
@@ -85,7 +93,7 @@ def make_room(need: Cost, limits: Limits, held: Sequence[Held]) -> list[Key] | N
 def too_large(need: Cost, limits: Limits) -> str | None:
     """Why a model can never fit this runner's budget (it alone is over it), or None."""
     for memory, wanted, limit in (
-        ("host memory", need.host_bytes, limits.host_bytes),
+        ("host memory", need.loading_host_bytes, limits.host_bytes),
         (f"GPU {limits.gpu_index} memory", need.gpu_bytes, limits.gpu_bytes),
     ):
         if _over(wanted, limit):
@@ -108,16 +116,19 @@ def on_gpu(function: FunctionVersion) -> bool:
 
 def estimate(function: FunctionVersion) -> Cost:
     """A version's cost before its first load: its files' size times its backend's factor, per
-    instance (a python function's process, or its memory_limit_mb where it declares one); on a
-    GPU the model's weights go to device memory, and host memory holds the file as it loads."""
+    instance (a python function's process, or its memory_limit_mb where it declares one), and
+    the file's bytes beside it while it loads; on a GPU the model's weights go to device memory,
+    and host memory holds the file as it loads."""
     model = function.manifest.model
     size = sum(item.size for item in function.files) or _model_file_bytes(function)
     each = int(size * ESTIMATE_FACTORS.get(model.backend, 1.0))
+    count = model.instances
     if model.backend == "python":
         each = model.memory_limit_mb * MIB if model.memory_limit_mb else PROCESS_BYTES + each
-    if on_gpu(function) and model.backend != "python":
-        return Cost(size * model.instances, each * model.instances)
-    return Cost(each * model.instances)
+        return Cost(each * count)
+    if on_gpu(function):
+        return Cost(size * count, each * count, load_host_bytes=size * (count + 1))
+    return Cost(each * count, load_host_bytes=each * count + size)
 
 
 def _model_file_bytes(function: FunctionVersion) -> int:
@@ -201,6 +212,30 @@ def rss_bytes(pid: int | str = "self") -> int:
             return int(statm.read().split()[1]) * PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def reset_peak_rss(pid: int | str = "self") -> bool:
+    """Set a process's peak resident size (VmHWM) to its resident size now; False where the
+    kernel does not let it (then the peak of its whole life is read)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """A process's peak resident size since it started or its last `reset_peak_rss` (0 where
+    there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def give_back_memory() -> None:

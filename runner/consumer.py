@@ -91,7 +91,7 @@ class FunctionConsumer:
 
     @property
     def _instances(self) -> int:
-        return self.function.manifest.model.instances
+        return self.function.manifest.instances
 
     @property
     def _read_ahead(self) -> int:

@@ -391,13 +391,14 @@ class LoadedModels:
         model_loaded(*key, loaded.manifest.model.accelerator, model.backend, self._gpu_index, model.cost)
         memory_used(self._limits, self._models.values())
         log.info(
-            "loaded %s version %s (%s): download %.3f s, load %.3f s, %.0f MiB of host memory, "
-            "%.0f MiB of GPU memory",
+            "loaded %s version %s (%s): download %.3f s, load %.3f s, %.0f MiB of host memory "
+            "(%.0f MiB at the load's peak), %.0f MiB of GPU memory",
             *key,
             loaded.manifest.model.backend,
             model.download_s,
             model.load_s,
             model.cost.host_bytes / budget.MIB,
+            model.cost.loading_host_bytes / budget.MIB,
             model.cost.gpu_bytes / budget.MIB,
         )
         await self._report(*key, _ready(model, request))
@@ -409,6 +410,7 @@ class LoadedModels:
         loaded, download_s = materialized.function, materialized.download_s
         try:
             started = time.perf_counter()
+            budget.reset_peak_rss()
             rss_before = budget.rss_bytes()
             backend = await asyncio.to_thread(
                 load_instances,
@@ -481,11 +483,14 @@ def load_deadline_ms(
 
 
 def _measured(backend: Backend, rss_before: int) -> Cost:
-    """What a load took: the runner's growth in resident memory, the model's own processes (a
-    python function's), and the GPU memory the backend measured through NVML."""
+    """What a load took: the runner's growth in resident memory (after it, and at its peak), the
+    model's own processes (a python function's), and the GPU memory the backend measured through
+    NVML."""
     own_processes = getattr(backend, "rss_bytes", None)
-    host = max(budget.rss_bytes() - rss_before, 0) + (int(own_processes()) if own_processes else 0)
-    return Cost(host, int(getattr(backend, "device_memory_bytes", 0)))
+    processes = int(own_processes()) if own_processes else 0
+    host = max(budget.rss_bytes() - rss_before, 0) + processes
+    peak = max(budget.peak_rss_bytes() - rss_before, 0) + processes
+    return Cost(host, int(getattr(backend, "device_memory_bytes", 0)), True, peak)
 
 
 def _ready(model: LoadedModel, request: str) -> ModelState:

@@ -82,6 +82,13 @@ GPU = Limits(None, 1000 * MIB)
             "GPU: the one there is in use",
         ),
         (Cost(5000 * MIB), Limits(None), [held("a", 400, 1)], [], "no budget"),
+        (
+            Cost(300 * MIB, load_host_bytes=500 * MIB),
+            HOST,
+            [held("a", 400, 2), held("b", 300, 1)],
+            [("b", "1")],
+            "room for the load's peak, not only for what it holds after",
+        ),
     ],
 )
 def test_make_room_unloads_idle_models_least_recently_used_first(
@@ -92,6 +99,7 @@ def test_make_room_unloads_idle_models_least_recently_used_first(
 
 def test_a_model_over_the_budget_alone_is_named_with_its_size_and_the_budget() -> None:
     assert too_large(Cost(1000 * MIB), HOST) is None
+    assert too_large(Cost(600 * MIB, load_host_bytes=1100 * MIB), HOST) is not None  # its load's peak
     found = too_large(Cost(1200 * MIB, 0, True), HOST)
     assert found == (
         "needs 1200 MiB of host memory (measured at its last load), more than a runner's memory "
@@ -116,9 +124,13 @@ def version(model: dict[str, object], size: int) -> FunctionVersion:
 
 def test_the_estimate_before_a_first_load_is_the_files_times_the_backends_factor_per_instance() -> None:
     onnx = {"backend": "onnxruntime", "path": "m.onnx"}
-    assert estimate(version(onnx, 100 * MIB)) == Cost(150 * MIB)
-    assert estimate(version({**onnx, "instances": 2}, 100 * MIB)) == Cost(300 * MIB)
-    assert estimate(version({**onnx, "accelerator": "cuda"}, 100 * MIB)) == Cost(100 * MIB, 150 * MIB)
+    # Held once loaded, and at the load's peak with the file's bytes beside it.
+    assert estimate(version(onnx, 100 * MIB)) == Cost(150 * MIB, load_host_bytes=250 * MIB)
+    assert estimate(version({**onnx, "instances": 2}, 100 * MIB)) == Cost(
+        300 * MIB, load_host_bytes=400 * MIB
+    )
+    cuda = estimate(version({**onnx, "accelerator": "cuda"}, 100 * MIB))
+    assert cuda == Cost(100 * MIB, 150 * MIB, load_host_bytes=200 * MIB)
     python = {"backend": "python", "path": "model.py"}
     assert estimate(version(python, 1000)) == Cost(PROCESS_BYTES + 2000)
     assert estimate(version({**python, "memory_limit_mb": 300}, 1000)) == Cost(300 * MIB)
