@@ -21,7 +21,7 @@ from fngate.registry import LOADING, READY, RELOAD_FAILED, UNAVAILABLE, ModelSta
 from fngate.repository import FunctionRecord, FunctionVersion
 from runner import budget, gpu
 from runner.artifacts import Artifacts
-from runner.backends import Backend, load_instances
+from runner.backends import Backend, Load, load_instances
 from runner.backends.providers import Acceleration
 from runner.budget import Cost, Held, Limits
 from runner.metrics import (
@@ -412,8 +412,7 @@ class LoadedModels:
             started = time.perf_counter()
             budget.reset_peak_rss()
             rss_before = budget.rss_bytes()
-            backend = await asyncio.to_thread(
-                load_instances,
+            load = Load(
                 loaded.manifest,
                 loaded.directory,
                 self._threads,
@@ -421,11 +420,12 @@ class LoadedModels:
                 materialized.model_bytes,
                 loaded.version,
             )
+            backend = await asyncio.to_thread(load_instances, load)
         except BaseException:
             self._artifacts.release(loaded)
             raise
         load_s = time.perf_counter() - started
-        del materialized  # the file's bytes, when read into memory, are not the model's cost
+        del materialized, load  # the file's bytes, when read into memory, are not the model's cost
         return LoadedModel(
             loaded,
             backend,
