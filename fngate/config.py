@@ -145,6 +145,22 @@ class RunnerSettings(_Settings):
     """The GPU this runner uses, by its CUDA index (as CUDA_VISIBLE_DEVICES leaves them numbered)."""
     engine_cache_dir: str = "~/.cache/fngate/engines"
     """Local TensorRT engine and timing caches: one folder per model, TensorRT version, GPU and precision."""
+    # The memory budget (docs/memory.md).
+    memory_budget: bool = True
+    """Hold the models' memory to a budget: idle models are unloaded least recently used first to
+    make room for a load, and a load that cannot fit is left to another runner. False: load
+    whatever is asked until the process dies."""
+    memory_budget_bytes: Annotated[int, Field(ge=0)] = 0
+    """What models may take of this runner's host memory (their processes included); 0:
+    memory_budget_share of its memory cgroup's limit (or of the machine's memory) less what the
+    runner itself holds when it starts."""
+    memory_budget_share: Annotated[float, Field(gt=0, le=1)] = 0.8
+    gpu_memory_budget_bytes: Annotated[int, Field(ge=0)] = 0
+    """What models may take of the GPU's memory (NVML); 0: memory_budget_share of its total."""
+    rate_limiter_resources: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    """Execution slots of this runner's device (Triton's --rate-limiter-resource), e.g.
+    {"GPU_EXEC_SLOTS": 8}: a batch of a function whose model.rate_limiter needs some waits until
+    they are free. A resource not named here has as many as the most any function needs."""
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

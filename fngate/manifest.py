@@ -67,6 +67,14 @@ class TensorSpec(_Frozen):
         return value
 
 
+class RateLimiterSpec(_Frozen):
+    """What a batch of the function holds of the runner's execution slots while it runs."""
+
+    resources: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    """Named resources and how many of each, e.g. {GPU_EXEC_SLOTS: 4} (Triton's rate_limiter
+    resources); a batch waits until they are free (docs/memory.md)."""
+
+
 class ModelSpec(_Frozen):
     """The model and where it runs."""
 
@@ -86,6 +94,10 @@ class ModelSpec(_Frozen):
     load_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     """Longest an invocation waits for its model to load (runner start and download included)
     before its own deadline starts to run (docs/cold-start.md)."""
+    instances: Annotated[int, Field(ge=1, le=64)] = 1
+    """Executions of the model at once in one runner (Triton's instance_group count): as many
+    sessions or processes, each counted in the runner's memory budget (docs/memory.md)."""
+    rate_limiter: RateLimiterSpec = RateLimiterSpec()
 
     @field_validator("path")
     @classmethod
@@ -420,6 +432,11 @@ class FunctionManifest(_Frozen):
     @property
     def batched(self) -> bool:
         return self.batching.max_batch_size > 0
+
+    @property
+    def instances(self) -> int:
+        """Batches a runner runs at once (model.instances; a pipeline runs none of its own: 1)."""
+        return self.model_spec.instances if self.model_spec is not None else 1
 
     @property
     def execution_timeout_s(self) -> float:

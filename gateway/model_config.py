@@ -54,7 +54,7 @@ def model_config(manifest: FunctionManifest) -> dict[str, Any]:
             {
                 "name": f"{manifest.name}_0",
                 "kind": "KIND_GPU" if on_gpu else "KIND_CPU",
-                "count": 1,
+                "count": manifest.model.instances,
                 "gpus": [],
                 "profile": [],
                 "passive": False,

@@ -28,7 +28,7 @@ from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
 from runner.batching import Arrivals, BatchCost, Waiting, next_step
 from runner.execution import failed_together, run_batch, shape_key
-from runner.metrics import INVOCATIONS
+from runner.metrics import INVOCATIONS, MEMORY_REFUSALS
 from runner.models import LoadedModels
 from runner.observe import BatchObserver, entry_ms
 from runner.outbox import Entry, Outbox
@@ -60,7 +60,11 @@ class FunctionConsumer:
         self._stopping = stopping
         self._streams = keys.levels(function.name, function.manifest.batching.priorities)
         self._pending: list[Entry] = []
-        self._running: Sequence[Entry] = ()
+        self._running: list[Sequence[Entry]] = []
+        """The batches running: up to the model's instances at once."""
+        self._batches: asyncio.TaskGroup | None = None
+        self._refusing = False
+        """The memory budget leaves no room for the function's model: its invocations are left to others."""
         self._arrived = asyncio.Event()
         self._room = asyncio.Event()
         self._contended = False
@@ -86,14 +90,20 @@ class FunctionConsumer:
         return len(self._pending)
 
     @property
+    def _instances(self) -> int:
+        return self.function.manifest.instances
+
+    @property
     def _read_ahead(self) -> int:
-        """At most one batch waits here beside the one running; the rest stays for other runners."""
-        return max(self.function.manifest.batching.max_batch_size, 1)
+        """At most one batch per instance waits here beside those running; the rest stays for
+        other runners."""
+        return max(self.function.manifest.batching.max_batch_size, 1) * self._instances
 
     async def run(self) -> None:
         """Consume until `stopping` is set, then finish what was already read and return."""
         try:
             async with asyncio.TaskGroup() as tasks:
+                self._batches = tasks
                 reader = tasks.create_task(self._read_loop(), name=f"read {self.function.name}")
                 stop = tasks.create_task(self._wake_on_stop(), name=f"stop {self.function.name}")
                 try:
@@ -116,6 +126,11 @@ class FunctionConsumer:
                     # A batch that cannot be stopped holds it: leave its work to other runners.
                     await asyncio.sleep(self._settings.claim_interval_ms / 1000)
                     continue
+                if not self._models.would_fit(self.function):
+                    self._refuse()
+                    await asyncio.sleep(self._settings.claim_interval_ms / 1000)
+                    continue
+                self._refusing = False
                 if failures or not self._reclaim.last_claim:
                     await self._ensure_group()
                 await self._reclaim.due(self._held)
@@ -139,6 +154,18 @@ class FunctionConsumer:
                     "%s: redis unavailable (%s); retrying in %.1f s", self.function.name, exc, delay_s
                 )
                 await asyncio.sleep(delay_s)
+
+    def _refuse(self) -> None:
+        """The models in use here leave too little of the memory budget for this function's: its
+        invocations stay in the stream for a runner with room (counted once per stretch)."""
+        if not self._refusing:
+            self._refusing = True
+            MEMORY_REFUSALS.labels(self.function.name, "no-room").inc()
+            log.info(
+                "%s: no room in the memory budget for its model now; its invocations are left to "
+                "other runners",
+                self.function.name,
+            )
 
     async def _read_by_priority(self, rooms: list[int]) -> None:
         """Take what waits, highest level first (queue.READ_LEVELS; `rooms`: queue.rooms); with
@@ -186,10 +213,10 @@ class FunctionConsumer:
     async def _batch_loop(self) -> None:
         while True:
             self._arrived.clear()
-            if not self._pending:
-                if self._stopping.is_set():
+            if not self._pending or len(self._running) >= self._instances:
+                if self._stopping.is_set() and not self._pending:
                     return
-                await self._arrived.wait()
+                await self._arrived.wait()  # an arrival, the stop, or a batch done
                 continue
             wait_us = await self._step()
             if wait_us is not None:
@@ -199,7 +226,8 @@ class FunctionConsumer:
 
     def _held(self, level: int) -> list[bytes]:
         """The ids of the entries at `level` that this consumer has read and not yet answered."""
-        return [entry.id for entry in (*self._pending, *self._running) if entry.level == level]
+        running = (entry for batch in self._running for entry in batch)
+        return [entry.id for entry in (*self._pending, *running) if entry.level == level]
 
     async def _ensure_group(self) -> None:
         for stream in self._streams:
@@ -285,11 +313,22 @@ class FunctionConsumer:
         return Waiting(deadline_ms, queued_ms, group, rows, entry.alone)
 
     async def _execute(self, batch: Sequence[Entry]) -> None:
-        self._running = batch
+        """Run the batch; with several instances, in a task of its own beside the others."""
+        if self._instances == 1 or self._batches is None:
+            await self._run_held(batch)
+        else:
+            self._batches.create_task(
+                self._run_held(batch, done=self._arrived), name=f"batch {self.function.name}"
+            )
+
+    async def _run_held(self, batch: Sequence[Entry], done: asyncio.Event | None = None) -> None:
+        self._running.append(batch)
         try:
             await self._run(batch)
         finally:
-            self._running = ()
+            self._running.remove(batch)
+            if done is not None:
+                done.set()
 
     async def _run(self, batch: Sequence[Entry]) -> None:
         invocations = [entry.invocation for entry in batch]
@@ -310,9 +349,10 @@ class FunctionConsumer:
                 replies = [Reply(inv.id, inv.version, {}, exc, batch_id, 0) for inv in invocations]
             else:
                 ran_digest = model.function.digest
-                computed = time.perf_counter()
                 try:
-                    replies = await run_batch(self._models, model, invocations, batch_id)
+                    async with self._models.slots.hold(model.function.manifest.model.rate_limiter.resources):
+                        computed = time.perf_counter()
+                        replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
                     await self._models.release(model)
                 took_s = time.perf_counter() - computed

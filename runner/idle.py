@@ -6,40 +6,15 @@ setting stays 0)."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import gc
 import logging
-import os
 import time
 from collections.abc import Callable
 
+from runner.budget import give_back_memory, rss_bytes
 from runner.metrics import MODELS_LOADED, RSS_BYTES
 from runner.models import LoadedModels
 
 log = logging.getLogger(__name__)
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    """This process's resident set size, from /proc (0 where there is no /proc)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * PAGE_BYTES
-    except OSError:
-        return 0
-
-
-def give_back_memory() -> None:
-    """Collect cycles, then ask glibc to return freed heap pages to the system: without it, an
-    unloaded model's memory stays in the process's arenas and RSS does not come down."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
-        libc = ctypes.CDLL(name)
-        trim = getattr(libc, "malloc_trim", None)
-        if trim is not None:
-            trim(0)
 
 
 async def watch(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Metric
 from prometheus_client.core import GaugeMetricFamily
@@ -13,6 +14,10 @@ from prometheus_client.registry import Collector
 
 from fngate.telemetry import LATENCY_BUCKETS
 from runner import gpu
+
+if TYPE_CHECKING:
+    from runner.budget import Cost, Limits
+    from runner.models import LoadedModel
 
 INFERENCE_COUNT = Counter(
     "fngate_inference_count", "Rows executed (inferences), over all batches", ["function", "version"]
@@ -100,10 +105,58 @@ def _model_labels(name: str, version: str, accelerator: str, backend: object) ->
     return (name, version, str(getattr(backend, "device", "python")), accelerator)
 
 
-def model_loaded(name: str, version: str, accelerator: str, backend: object, gpu_index: int) -> None:
+# The memory budget (runner.budget; docs/memory.md).
+MEMORY_BUDGET = Gauge(
+    "fngate_memory_budget_bytes", "What models may take of each memory (host, gpu<N>)", ["memory"]
+)
+MEMORY_USED = Gauge(
+    "fngate_memory_used_bytes",
+    "What the loaded models take of each memory, as measured at their loads",
+    ["memory"],
+)
+MODEL_MEMORY = Gauge(
+    "fngate_model_memory_bytes",
+    "What a loaded model took of each memory when it loaded (every instance)",
+    ["function", "version", "memory"],
+)
+MEMORY_EVICTIONS = Counter(
+    "fngate_memory_evictions", "Idle models unloaded to make room for another's load", ["function"]
+)
+MEMORY_REFUSALS = Counter(
+    "fngate_memory_refusals",
+    "Loads refused by the memory budget, by reason: too-large (answered unavailable), no-room (left "
+    "to other runners while the models in use here leave too little)",
+    ["function", "reason"],
+)
+
+
+def _memories(gpu_index: int) -> tuple[str, str]:
+    return ("host", f"gpu{gpu_index}")
+
+
+def memory_budget(limits: Limits) -> None:
+    for memory, limit in zip(_memories(limits.gpu_index), (limits.host_bytes, limits.gpu_bytes), strict=True):
+        if limit is not None:
+            MEMORY_BUDGET.labels(memory).set(limit)
+
+
+def memory_used(limits: Limits | None, models: Iterable[LoadedModel]) -> None:
+    costs = [model.cost for model in models]
+    host, device = _memories(limits.gpu_index if limits is not None else 0)
+    MEMORY_USED.labels(host).set(sum(cost.host_bytes for cost in costs))
+    MEMORY_USED.labels(device).set(sum(cost.gpu_bytes for cost in costs))
+
+
+def model_loaded(
+    name: str, version: str, accelerator: str, backend: object, gpu_index: int, cost: Cost | None = None
+) -> None:
     """After a load: what the model runs on and, on a GPU, the memory it took."""
     labels = _model_labels(name, version, accelerator, backend)
     MODEL_DEVICE.labels(*labels).set(1)
+    if cost is not None:
+        host, device = _memories(gpu_index)
+        MODEL_MEMORY.labels(name, version, host).set(cost.host_bytes)
+        MODEL_MEMORY.labels(name, version, device).set(cost.gpu_bytes)
     if labels[2] not in CPU_DEVICES:
         _watch(gpu_index)
         MODEL_GPU_MEMORY.labels(name, version, str(gpu_index)).set(
@@ -116,6 +169,9 @@ def model_unloaded(name: str, version: str, accelerator: str, backend: object, g
         MODEL_DEVICE.remove(*_model_labels(name, version, accelerator, backend))
     with contextlib.suppress(KeyError):
         MODEL_GPU_MEMORY.remove(name, version, str(gpu_index))
+    for memory in _memories(gpu_index):
+        with contextlib.suppress(KeyError):
+            MODEL_MEMORY.remove(name, version, memory)
 
 
 RSS_BYTES = Gauge("fngate_runner_rss_bytes", "Resident memory of this runner process")

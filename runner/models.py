@@ -1,7 +1,9 @@
 """Loaded models: each function version is loaded on first use (or when asked), once even when
 asked concurrently, in worker threads; versions load beside each other; a failed load is
 remembered for `retry_s`; `unload` drops a version and closes it once no batch uses it; a version
-whose batch is stuck past its execution timeout gets no work until that batch returns."""
+whose batch is stuck past its execution timeout gets no work until that batch returns. Under a
+memory budget (runner.budget) loads run one at a time, each makes room by unloading idle models
+least recently used first, and its cost is measured and remembered."""
 
 from __future__ import annotations
 
@@ -17,11 +19,22 @@ from typing import Any
 from fngate.errors import FunctionError, FunctionNotFound, Unavailable
 from fngate.registry import LOADING, READY, RELOAD_FAILED, UNAVAILABLE, ModelState
 from fngate.repository import FunctionRecord, FunctionVersion
-from runner import gpu
+from runner import budget, gpu
 from runner.artifacts import Artifacts
-from runner.backends import Backend, load_backend
+from runner.backends import Backend, Load, load_instances
 from runner.backends.providers import Acceleration
-from runner.metrics import CPU_DEVICES, PYTHON_GPU, model_loaded, model_unloaded
+from runner.budget import Cost, Held, Limits
+from runner.metrics import (
+    CPU_DEVICES,
+    MEMORY_EVICTIONS,
+    MEMORY_REFUSALS,
+    PYTHON_GPU,
+    memory_budget,
+    memory_used,
+    model_loaded,
+    model_unloaded,
+)
+from runner.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +59,8 @@ class LoadedModel:
     stuck_since: float | None = None
     """time.monotonic() when a batch that is still running in a thread began, once it ran past
     the function's execution timeout; None otherwise."""
+    cost: Cost = budget.NOTHING
+    """What it took when it loaded (every instance), as the memory budget counts it."""
 
     def stuck_for_s(self) -> float:
         return 0.0 if self.stuck_since is None else time.monotonic() - self.stuck_since
@@ -64,8 +79,12 @@ class LoadedModels:
         retry_s: float = 30.0,
         accel: Acceleration | None = None,
         started_ms: int | None = None,
+        limits: Limits | None = None,
+        slots: Mapping[str, int] | None = None,
     ) -> None:
-        """`started_ms`: when this runner started (wall clock; by default now), for the loading rule."""
+        """`started_ms`: when this runner started (wall clock; by default now), for the loading rule.
+        `limits`: the memory budget (runner.budget); None: none. `slots`: the device's execution
+        slots (runner.slots), which batches hold while they run."""
         self._threads = threads
         self._started_ms = _now_ms() if started_ms is None else started_ms
         self._loading_since: dict[Key, int] = {}
@@ -78,6 +97,15 @@ class LoadedModels:
         self._locks: dict[Key, asyncio.Lock] = {}
         self._failures: dict[Key, tuple[float, Unavailable]] = {}
         self._stuck: set[asyncio.Task[None]] = set()
+        self._limits = limits
+        self.slots = Slots(slots)
+        self.costs = budget.Costs()
+        self._admission = asyncio.Lock()
+        """Under a budget, one load at a time: each load's measure is its own."""
+        self._released = asyncio.Event()
+        """Set when a model is released or unloaded: a load waiting for room looks again."""
+        if limits is not None:
+            memory_budget(limits)
 
     @property
     def loaded(self) -> dict[Key, LoadedModel]:
@@ -169,6 +197,7 @@ class LoadedModels:
     async def release(self, model: LoadedModel) -> None:
         model.in_use -= 1
         model.last_used = time.monotonic()
+        self._released.set()
         if model.unloaded and model.in_use == 0:
             await asyncio.to_thread(self._close, model)
 
@@ -225,7 +254,9 @@ class LoadedModels:
             if model is None:
                 return False
             model.unloaded = True
+            self._released.set()
             model_unloaded(*key, model.function.manifest.model.accelerator, model.backend, self._gpu_index)
+            memory_used(self._limits, self._models.values())
             if model.stuck_since is not None:
                 # The truth: its memory is held by a thread that cannot be stopped.
                 reason = f"unloading: {_stuck_reason(model)}; it is freed when that batch returns"
@@ -262,6 +293,84 @@ class LoadedModels:
             await self._report(*key, ModelState(UNAVAILABLE, "unloaded", _now_ms()))
 
     async def _load(self, function: FunctionVersion, request: str) -> LoadedModel:
+        if self._limits is None:
+            return await self._load_now(function, request)
+        async with self._admission:
+            await self._make_room(function, self._limits)
+            model = await self._load_now(function, request)
+            await self._settle(model, self._limits)
+            return model
+
+    def would_fit(self, function: FunctionVersion) -> bool:
+        """Whether this runner should take invocations of `function` now: it is loaded here, or its
+        load fits once idle models are unloaded, or it can never fit (its invocations are then
+        answered unavailable, naming its size and the budget). False leaves them to other runners."""
+        key = (function.name, function.version)
+        if self._limits is None or key in self._models:
+            return True
+        need = self.costs.of(function)
+        if budget.too_large(need, self._limits) is not None:
+            return True
+        return budget.make_room(need, self._limits, self._held()) is not None
+
+    def _held(self, loaded: Key | None = None) -> list[Held]:
+        """The loaded models for the planner; `loaded` (just loaded, not yet used) is never idle."""
+        return [
+            Held(key, model.cost, model.last_used, model.in_use == 0 and key != loaded)
+            for key, model in self._models.items()
+        ]
+
+    async def _make_room(self, function: FunctionVersion, limits: Limits) -> None:
+        """Unload idle models, least recently used first, until `function`'s cost fits; while the
+        models in use leave too little, wait for one to be released, up to its load_timeout_s.
+        Raises Unavailable when it can never fit, or did not within that time."""
+        key = (function.name, function.version)
+        need = self.costs.of(function)
+        refusal = budget.too_large(need, limits)
+        if refusal is not None:
+            MEMORY_REFUSALS.labels(key[0], "too-large").inc()
+            raise Unavailable(f"function '{key[0]}' version {key[1]} {refusal}")
+        give_up = time.monotonic() + function.manifest.model.load_timeout_s
+        while (plan := budget.make_room(need, limits, self._held())) is None:
+            self._released.clear()
+            try:
+                async with asyncio.timeout(max(give_up - time.monotonic(), 0)):
+                    await self._released.wait()
+            except TimeoutError:
+                MEMORY_REFUSALS.labels(key[0], "no-room").inc()
+                raise Unavailable(
+                    f"function '{key[0]}' version {key[1]} needs {need.host_bytes / budget.MIB:.0f} MiB "
+                    f"and the models in use here leave less of this runner's memory budget"
+                ) from None
+        await self._evict(plan, f"evicted to make room for {key[0]} version {key[1]}")
+
+    async def _evict(self, keys: list[Key], reason: str) -> None:
+        for evicted in keys:
+            if await self.unload(evicted, reason):
+                MEMORY_EVICTIONS.labels(evicted[0]).inc()
+        if keys:
+            await asyncio.to_thread(budget.give_back_memory)
+
+    async def _settle(self, model: LoadedModel, limits: Limits) -> None:
+        """After a load, with its measured cost: unload more idle models if the measure came out
+        over the estimate and the budget; a model that alone is over the budget is unloaded again
+        and refused."""
+        key = (model.function.name, model.function.version)
+        plan = budget.make_room(budget.NOTHING, limits, self._held(loaded=key))
+        if plan is not None:
+            await self._evict(plan, f"evicted to make room for {key[0]} version {key[1]}")
+            return
+        refusal = budget.too_large(model.cost, limits)
+        if refusal is None:
+            log.warning("%s version %s: over the memory budget until a model in use is released", *key)
+            return
+        MEMORY_REFUSALS.labels(key[0], "too-large").inc()
+        message = f"function '{key[0]}' version {key[1]} {refusal}"
+        await self.unload(key, f"refused: {refusal}")
+        await asyncio.to_thread(budget.give_back_memory)
+        raise Unavailable(message)
+
+    async def _load_now(self, function: FunctionVersion, request: str) -> LoadedModel:
         key = (function.name, function.version)
         await self._report(*key, ModelState(LOADING, "", _now_ms(), request))
         load_started_ms = self._loading_since[key] = _now_ms()
@@ -276,15 +385,21 @@ class LoadedModels:
             raise error from exc
         finally:
             self._loading_since.pop(key, None)
+        self.costs.remember(key, model.cost)
         self._models[key] = model
         loaded = model.function
-        model_loaded(*key, loaded.manifest.model.accelerator, model.backend, self._gpu_index)
+        model_loaded(*key, loaded.manifest.model.accelerator, model.backend, self._gpu_index, model.cost)
+        memory_used(self._limits, self._models.values())
         log.info(
-            "loaded %s version %s (%s): download %.3f s, load %.3f s",
+            "loaded %s version %s (%s): download %.3f s, load %.3f s, %.0f MiB of host memory "
+            "(%.0f MiB at the load's peak), %.0f MiB of GPU memory",
             *key,
             loaded.manifest.model.backend,
             model.download_s,
             model.load_s,
+            model.cost.host_bytes / budget.MIB,
+            model.cost.loading_host_bytes / budget.MIB,
+            model.cost.gpu_bytes / budget.MIB,
         )
         await self._report(*key, _ready(model, request))
         return model
@@ -292,11 +407,12 @@ class LoadedModels:
     async def _build(self, function: FunctionVersion, load_started_ms: int) -> LoadedModel:
         """Fetch the version's files and load its backend, in threads; raises what they raise."""
         materialized = await asyncio.to_thread(self._artifacts.materialize, function)
+        loaded, download_s = materialized.function, materialized.download_s
         try:
             started = time.perf_counter()
-            loaded = materialized.function
-            backend = await asyncio.to_thread(
-                load_backend,
+            budget.reset_peak_rss()
+            rss_before = budget.rss_bytes()
+            load = Load(
                 loaded.manifest,
                 loaded.directory,
                 self._threads,
@@ -304,17 +420,21 @@ class LoadedModels:
                 materialized.model_bytes,
                 loaded.version,
             )
+            backend = await asyncio.to_thread(load_instances, load)
         except BaseException:
-            self._artifacts.release(materialized.function)
+            self._artifacts.release(loaded)
             raise
+        load_s = time.perf_counter() - started
+        del materialized, load  # the file's bytes, when read into memory, are not the model's cost
         return LoadedModel(
             loaded,
             backend,
-            time.perf_counter() - started,
+            load_s,
             time.monotonic(),
-            materialized.download_s,
+            download_s,
             load_started_ms,
             _now_ms(),
+            cost=_measured(backend, rss_before),
         )
 
     @property
@@ -360,6 +480,17 @@ def load_deadline_ms(
     if waited_ms <= 0 or began_ms >= deadline_ms:
         return deadline_ms
     return deadline_ms + min(waited_ms, load_timeout_ms)
+
+
+def _measured(backend: Backend, rss_before: int) -> Cost:
+    """What a load took: the runner's growth in resident memory (after it, and at its peak), the
+    model's own processes (a python function's), and the GPU memory the backend measured through
+    NVML."""
+    own_processes = getattr(backend, "rss_bytes", None)
+    processes = int(own_processes()) if own_processes else 0
+    host = max(budget.rss_bytes() - rss_before, 0) + processes
+    peak = max(budget.peak_rss_bytes() - rss_before, 0) + processes
+    return Cost(host, int(getattr(backend, "device_memory_bytes", 0)), True, peak)
 
 
 def _ready(model: LoadedModel, request: str) -> ModelState:

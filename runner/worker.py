@@ -20,9 +20,10 @@ from redis.exceptions import RedisError
 from fngate.backoff import until_done
 from fngate.config import RunnerSettings
 from fngate.registry import ModelState, StateBoard, function_source
-from runner import idle
+from runner import budget, gpu, idle
 from runner.artifacts import Artifacts
 from runner.backends.providers import Acceleration
+from runner.budget import Limits
 from runner.lifecycle import Lifecycle
 from runner.models import LoadedModels
 from runner.status import StatusServer, redis_ready
@@ -52,13 +53,23 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
     )
     accel = Acceleration.from_settings(settings, artifacts.engine_store())
     threads = settings.intra_op_threads or min(usable_cpus(), 4)
-    models = LoadedModels(threads, artifacts, report, settings.load_retry_s, accel, started_ms)
+    limits = await asyncio.to_thread(memory_limits, settings)
+    models = LoadedModels(
+        threads,
+        artifacts,
+        report,
+        settings.load_retry_s,
+        accel,
+        started_ms,
+        limits,
+        settings.rate_limiter_resources,
+    )
     async with redis, control:
         if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
             log.info("runner %s stopped before Redis answered", name)
             return
         await board.heartbeat()
-        log.info("runner %s started (repository %s)", name, settings.repo)
+        log.info("runner %s started (repository %s, %s)", name, settings.repo, describe_limits(limits))
         try:
             async with asyncio.TaskGroup() as tasks:
                 source = function_source(settings.repo, redis)
@@ -87,6 +98,31 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
             with contextlib.suppress(RedisError, OSError):
                 await board.close()
     log.info("runner %s stopped", name)
+
+
+def memory_limits(settings: RunnerSettings) -> Limits | None:
+    """The memory budget from the settings (runner.budget.runner_limits); None when it is off.
+    Blocking (NVML): run it in a thread."""
+    if not settings.memory_budget:
+        return None
+    return budget.runner_limits(
+        True,
+        settings.memory_budget_bytes,
+        settings.gpu_memory_budget_bytes,
+        settings.memory_budget_share,
+        budget.rss_bytes(),
+        gpu.find_device(settings.gpu_device),
+        settings.gpu_device,
+    )
+
+
+def describe_limits(limits: Limits | None) -> str:
+    if limits is None:
+        return "no memory budget"
+    parts = [f"memory budget {(limits.host_bytes or 0) / budget.MIB:.0f} MiB"]
+    if limits.gpu_bytes is not None:
+        parts.append(f"GPU {limits.gpu_index}: {limits.gpu_bytes / budget.MIB:.0f} MiB")
+    return ", ".join(parts)
 
 
 def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:

@@ -182,8 +182,9 @@ def targets(manifest: FunctionManifest, options: Options) -> tuple[int, int]:
     """(lagCount, streamLength) of a function's triggers: entries per runner before KEDA adds one.
     The length counts what runners hold too, and a busy runner holds RUNNER_READ_AHEAD_BATCHES
     batches, so a length target of one batch would count each busy runner twice and double the
-    pool with nothing waiting."""
-    lag = options.target_lag or max(1, manifest.batching.max_batch_size)
+    pool with nothing waiting. A runner runs a batch on each of a model's instances at once, and
+    reads one ahead for each: per runner, each target is that many times larger."""
+    lag = options.target_lag or max(1, manifest.batching.max_batch_size) * manifest.instances
     return lag, lag * RUNNER_READ_AHEAD_BATCHES
 
 

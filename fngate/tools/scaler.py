@@ -353,7 +353,9 @@ def pool_specs(functions: dict[str, Any]) -> dict[str, PoolSpec]:
             functions=tuple(sorted(manifest.name for manifest in manifests)),
             min_replicas=max(manifest.scaling.min_replicas for manifest in manifests),
             max_replicas=max(manifest.scaling.max_replicas for manifest in manifests),
-            rows_per_runner=max(2 * max(manifest.batching.max_batch_size, 1) for manifest in manifests),
+            rows_per_runner=max(
+                2 * max(manifest.batching.max_batch_size, 1) * manifest.instances for manifest in manifests
+            ),
             priorities=tuple(
                 (manifest.name, manifest.batching.priorities)
                 for manifest in sorted(manifests, key=lambda manifest: manifest.name)

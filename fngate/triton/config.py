@@ -83,7 +83,9 @@ HONOURED = frozenset(
         "dynamic_batching.priority_queue_policy",
         "instance_group.name",
         "instance_group.kind",
-        "instance_group.count",  # one instance per runner: checked below
+        "instance_group.count",  # model.instances: the groups' counts added up, checked below
+        "instance_group.rate_limiter.resources.name",  # model.rate_limiter.resources
+        "instance_group.rate_limiter.resources.count",
         "instance_group.gpus",  # checked below
         "optimization.execution_accelerators.gpu_execution_accelerator.name",  # checked below
         "optimization.execution_accelerators.gpu_execution_accelerator.parameters",  # checked below
@@ -99,7 +101,8 @@ HONOURED = frozenset(
 WHY = {
     "sequence_batching": "each invocation is served on its own: no sequence state, no control inputs",
     "model_warmup": "no warm-up requests are run at load",
-    "instance_group.rate_limiter": "the rate limiter's resources and priority are not modelled",
+    "instance_group.rate_limiter": "a runner serves its execution slots first come first served, "
+    "for its own device (no priority, no global resources)",
     "model_transaction_policy": "decoupled models (several responses per request) are not served",
     "dynamic_batching.preserve_ordering": "every invocation gets its own reply; there is no order to keep",
     "batch_input": "batch inputs are not formed",
@@ -117,6 +120,8 @@ WHY = {
     "instance_group.passive": "every instance takes work",
     "instance_group.host_policy": "no host policy",
 }
+MAX_INSTANCES = 64
+"""model.instances' bound."""
 ENGINE_CACHE = {"trt_engine_cache_enable", "trt_engine_cache_path"}
 
 
@@ -230,7 +235,12 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
         data["pipeline"] = _pipeline(config, source)
     else:
         model_file = config.default_model_filename or MODEL_FILES[backend]
-        data["model"] = {"backend": backend, "path": model_file, **_placement(config, backend)}
+        data["model"] = {
+            "backend": backend,
+            "path": model_file,
+            **_placement(config, backend),
+            **_instances(config),
+        }
     return Mapped(data, tuple(warnings), model_file)
 
 
@@ -301,6 +311,23 @@ def _accelerators(config: pb.ModelConfig) -> list[Any]:
     return list(config.optimization.execution_accelerators.gpu_execution_accelerator)
 
 
+def _instances(config: pb.ModelConfig) -> dict[str, Any]:
+    """model.instances (every group's count added up; none where it is one) and the execution
+    slots an instance holds (the most any group names of each resource)."""
+    out: dict[str, Any] = {}
+    count = sum(max(group.count, 1) for group in config.instance_group)
+    if count > 1:
+        out["instances"] = min(count, MAX_INSTANCES)
+    resources: dict[str, int] = {}
+    for group in config.instance_group:
+        for resource in group.rate_limiter.resources:
+            resources[resource.name] = max(resources.get(resource.name, 0), int(resource.count))
+    resources = {name: count for name, count in resources.items() if count > 0}
+    if resources:
+        out["rate_limiter"] = {"resources": resources}
+    return out
+
+
 def _placement(config: pb.ModelConfig, backend: str) -> dict[str, Any]:
     """accelerator and precision from instance_group's kind and the TensorRT accelerator."""
     if backend != "onnxruntime":
@@ -352,12 +379,13 @@ def _warnings(config: pb.ModelConfig, backend: str, source: str) -> list[str]:
             top = next((key for key in WHY if path == key or path.startswith(f"{key}.")), path)
             seen.setdefault(f"{top}: not honoured ({WHY.get(top, 'ignored')})")
     groups = list(config.instance_group)
-    if len(groups) > 1 or any(group.count > 1 for group in groups):
-        counts = [group.count for group in groups]
+    counts = [max(group.count, 1) for group in groups]
+    if len(groups) > 1:
         seen.setdefault(
-            f"instance_group: {sum(counts)} instances: a runner holds one; "
-            "more runners (scaling.max_replicas) serve more"
+            f"instance_group: {len(groups)} groups: each runner runs their {sum(counts)} instances alike"
         )
+    if sum(counts) > MAX_INSTANCES:
+        seen.setdefault(f"instance_group: {sum(counts)} instances: a runner runs {MAX_INSTANCES} at most")
     if any(group.gpus for group in groups):
         seen.setdefault("instance_group.gpus: not honoured (a runner uses the GPU it was given)")
     if backend == "python" and any(group.kind == pb.ModelInstanceGroup.KIND_GPU for group in groups):

@@ -91,10 +91,33 @@ def load_backend(
 ) -> Backend:
     """Load the model of `manifest` from `directory` (its model file from `model_bytes` instead,
     when given and the backend can: those bytes were verified). Blocking: run it in a thread."""
+    return _loader(manifest)(Load(manifest, directory, threads, accel, model_bytes, version))
+
+
+def load_instances(load: Load) -> Backend:
+    """The backend once per instance of the manifest's model.instances, one after the other
+    (runner.backends.instances.Instances runs each batch on a free one); a failure closes those
+    already loaded. Blocking: run it in a thread."""
+    loader = _loader(load.manifest)
+    first = loader(load)
+    if load.manifest.model.instances == 1:
+        return first
+    from runner.backends.instances import Instances, close_all
+
+    loaded = [first]
     try:
-        loader = LOADERS[manifest.model.backend]
+        for _ in range(load.manifest.model.instances - 1):
+            loaded.append(loader(load))
+    except BaseException:
+        close_all(loaded)
+        raise
+    return Instances(loaded)
+
+
+def _loader(manifest: FunctionManifest) -> Loader:
+    try:
+        return LOADERS[manifest.model.backend]
     except KeyError:
         raise NotImplementedError(
             f"backend '{manifest.model.backend}' is not available in this runner"
         ) from None
-    return loader(Load(manifest, directory, threads, accel, model_bytes, version))

@@ -34,7 +34,7 @@ from typing import IO, Any
 import runner
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest
-from runner import confinement, gpu, sandbox
+from runner import budget, confinement, gpu, sandbox
 from runner.backends import MemberErrors, Tensors
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.cgroup import MemoryCgroup
@@ -48,7 +48,6 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 5.0
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 10.0
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 PROJECT_ROOT = Path(runner.__file__).resolve().parent.parent
 CODE = (PROJECT_ROOT / "fngate", PROJECT_ROOT / "runner")
 """fngate's own packages, which the child imports (and nothing else of the project's folder)."""
@@ -126,6 +125,11 @@ class PythonBackend:
         if before is not None and after is not None:
             fresh = gpu.MemoryReading(before.device_used_bytes, None)  # a new process holds nothing
             self.device_memory_bytes = gpu.taken_bytes(fresh, after)
+
+    def rss_bytes(self) -> int:
+        """The resident memory of the function's process (0 while none runs)."""
+        child = self._child
+        return child.rss_bytes() if child is not None else 0
 
     @property
     def pid(self) -> int | None:
@@ -446,11 +450,7 @@ class _Child:
         return header
 
     def rss_bytes(self) -> int:
-        try:
-            with open(f"/proc/{self.process.pid}/statm") as statm:
-                return int(statm.read().split()[1]) * PAGE_BYTES
-        except (OSError, ValueError, IndexError):
-            return 0
+        return budget.rss_bytes(self.process.pid)
 
     def at_memory_limit(self) -> bool:
         """It is running, and its memory cgroup's use has reached the limit."""

@@ -52,9 +52,15 @@ def test_the_classifier_configuration_maps_onto_a_manifest() -> None:
     assert (manifest.versions.policy, manifest.versions.latest) == ("latest", 2)
 
 
+def data_instances(config: str) -> int:
+    data, _ = mapped(config, "text_classifier")
+    return int(data["model"].get("instances", 1))
+
+
 def test_what_fngate_does_not_honour_is_named() -> None:
     _, warnings = mapped(CLASSIFIER, "text_classifier")
-    assert [warning.split(":")[0] for warning in warnings] == ["model_warmup", "instance_group"]
+    assert [warning.split(":")[0] for warning in warnings] == ["model_warmup"]
+    assert data_instances(CLASSIFIER) == 2  # instance_group [ { count: 2 } ]
     data, warnings = mapped(DETECTOR, "image_detector")
     assert data["model"] == {"backend": "tensorrt", "path": "model.plan"}
     assert any(warning.startswith("instance_group.gpus") for warning in warnings)
@@ -75,6 +81,7 @@ def test_what_fngate_does_not_honour_is_named() -> None:
         "path": "model.onnx",
         "accelerator": "tensorrt",
         "precision": "fp16",
+        "instances": 2,
     }
     assert any("max_workspace_size_bytes: not honoured" in warning for warning in warnings)
     assert any("trt_engine_cache_path: not honoured" in warning for warning in warnings)
