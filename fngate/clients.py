@@ -136,6 +136,7 @@ async def publish(client: aioredis.Redis, channel: str, message: str) -> int:
 async def subscribe(pubsub: Any, channel: str) -> None:
     """SUBSCRIBE, or SSUBSCRIBE on a cluster's pub/sub (see publish)."""
     if isinstance(pubsub, ClusterPubSub):
+        await pubsub.cluster.initialize()  # the slot map, which a first command would have fetched
         await pubsub.ssubscribe(channel)
     else:
         await pubsub.subscribe(channel)

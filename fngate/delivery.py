@@ -1,8 +1,8 @@
 """A batch's FINISH and a pipeline's FORWARD on a Redis Cluster, where one script cannot reach the
 reply streams of other gateways or the streams of other functions (fngate.queue.slots).
 
-FINISH: the replies (and cache entries) of other slots are delivered first, then FINISH runs on
-the function's slot; identical invocations that waited on these get the answer before the entries
+FINISH: the replies of other slots (and, ahead of them, their cache entries) are delivered first,
+then FINISH runs on the function's slot; identical invocations that waited on these get the answer before the entries
 are acknowledged: FINISH names the ones that joined since the last look, they are answered, and it
 runs again. A runner that dies before FINISH leaves its entries pending: another runs them again
 and delivers again, and each gateway answers an invocation once (the first reply; the rest find
@@ -85,7 +85,15 @@ async def finish(
 
 
 async def deliver(run: Run, deliveries: Sequence[slots.Delivery], reply_maxlen: int) -> None:
-    """DELIVER, one call per slot, all at once."""
+    """DELIVER, one call per slot, all at once: the cache entries first, then the replies (a
+    caller that repeats its request as soon as it is answered finds the answer cached)."""
+    cached = [item for item in deliveries if item.is_cached]
+    if cached:
+        await _deliver(run, cached, reply_maxlen)
+    await _deliver(run, [item for item in deliveries if not item.is_cached], reply_maxlen)
+
+
+async def _deliver(run: Run, deliveries: Sequence[slots.Delivery], reply_maxlen: int) -> None:
     calls = slots.deliver_calls(deliveries, reply_maxlen)
     done = await asyncio.gather(
         *(run(slots.DELIVER, call.keys, list(call.args)) for call in calls), return_exceptions=True

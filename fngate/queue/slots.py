@@ -70,16 +70,20 @@ class Delivery:
     cache_ttl_s: int = 0
     """More than 0: an answer for the response cache, kept this long."""
 
+    @property
+    def is_cached(self) -> bool:
+        return self.cache_ttl_s > 0
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Split:
     """A batch's replies as FINISH on its stream's slot takes them, and the rest."""
 
     kept: list[Outgoing]
-    """Each reply, marked delivered and without its cache entry or in-flight marker where those
-    are in other slots."""
+    """Each reply, marked delivered where it is in another slot, without its cache entry where
+    that is delivered, and without its in-flight marker where that is in another slot."""
     deliveries: list[Delivery]
-    """What DELIVER writes before FINISH."""
+    """What DELIVER writes before FINISH: the cache entries, then the replies (Delivery.is_cached)."""
     markers: list[tuple[str, Mapping[bytes, bytes]]]
     """In-flight markers of other slots, with the reply their waiters get (WAITERS, FORGET)."""
 
@@ -91,12 +95,15 @@ def split_replies(stream: str, replies: Sequence[Outgoing]) -> Split:
     kept, deliveries = split.kept, split.deliveries
     for out in replies:
         changes: dict[str, Any] = {}
-        if keys.slot(out.reply_to) != home:
-            deliveries.append(Delivery(out.reply_to, out.reply, ttl_ms=out.reply_ttl_ms))
-            changes["delivered"] = True
-        if out.cache_entry and keys.slot(out.cache_entry) != home:
+        delivered = keys.slot(out.reply_to) != home
+        # A reply delivered ahead of FINISH takes its cache entry with it (written first), so that
+        # a repeat sent once the answer is in hits, as on one Redis.
+        if out.cache_entry and (delivered or keys.slot(out.cache_entry) != home):
             deliveries.append(Delivery(out.cache_entry, out.reply, cache_ttl_s=max(out.cache_ttl_s, 1)))
             changes["cache_entry"] = ""
+        if delivered:
+            deliveries.append(Delivery(out.reply_to, out.reply, ttl_ms=out.reply_ttl_ms))
+            changes["delivered"] = True
         if out.in_flight and keys.slot(out.in_flight) != home:
             split.markers.append((out.in_flight, out.reply))
             changes["in_flight"] = ""

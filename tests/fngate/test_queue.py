@@ -130,21 +130,23 @@ def test_a_batch_splits_into_what_its_slot_holds_and_what_is_delivered_first() -
     )
     kept, deliveries = split.kept, split.deliveries
     assert [out.delivered for out in kept] == [True, False, True]
-    assert [out.cache_entry for out in kept] == [keys.cache_entry("tiny", "aa"), "", ""]
+    assert [out.cache_entry for out in kept] == ["", "", ""]  # delivered with their replies
     assert [out.in_flight for out in kept] == ["", queue.callback_marker(result), ""]
     assert split.markers == [(callback, reply)]  # answered by the batch, in its own slot
     assert deliveries == [
+        slots.Delivery(keys.cache_entry("tiny", "aa"), reply, cache_ttl_s=60),
         slots.Delivery(keys.replies("gw1"), reply),
-        slots.Delivery(keys.replies("gw2"), reply),
         slots.Delivery(pipeline_cache, reply, cache_ttl_s=30),
+        slots.Delivery(keys.replies("gw2"), reply),
     ]
     waiter = slots.Delivery(keys.replies("gw1"), reply, answers="w1")
     calls = slots.deliver_calls([*deliveries, waiter], 1000)
     by_first_key = {call.keys[0]: call for call in calls}
-    assert len(calls) == 3  # one DELIVER per slot
+    assert len(calls) == 4  # one DELIVER per slot
     own, waiter_copy = ["r", 1, b"h", b"b", "", 0], ["r", 1, b"h", b"b", "w1", 0]
     assert by_first_key[keys.replies("gw1")].args == [1000, *own, *waiter_copy]
     assert by_first_key[pipeline_cache].args == [1000, "c", 1, b"h", b"b", 30, ""]
+    assert by_first_key[keys.cache_entry("tiny", "aa")].args == [1000, "c", 1, b"h", b"b", 60, ""]
 
 
 @pytest.mark.parametrize(
