@@ -2,11 +2,11 @@
 reply streams of other gateways or the streams of other functions (fngate.queue.slots).
 
 FINISH: the replies of other slots (and, ahead of them, their cache entries) are delivered first,
-then FINISH runs on the function's slot; identical invocations that waited on these get the answer before the entries
-are acknowledged: FINISH names the ones that joined since the last look, they are answered, and it
-runs again. A runner that dies before FINISH leaves its entries pending: another runs them again
-and delivers again, and each gateway answers an invocation once (the first reply; the rest find
-nobody waiting). Nothing answered is lost, and no caller hears twice.
+then FINISH runs on the function's slot; identical invocations that waited on these get the answer
+before the entries are acknowledged: FINISH names the ones that joined since the last look, they
+are answered, and it runs again. A runner that dies before FINISH leaves its entries pending:
+another runs them again and delivers again, and each gateway answers an invocation once (the first
+reply; the rest find nobody waiting). Nothing answered is lost, and no caller hears twice.
 
 FORWARD: each slot's entries all or none; a pipeline's later steps on several slots are queued one
 slot after another, so a full queue can refuse the pipeline after another slot's steps were queued
