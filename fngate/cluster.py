@@ -131,12 +131,13 @@ class ClusterPipelinedRedis(PipelinedRedis):
         deadline: float,
         redirects: int,
     ) -> None:
+        if sent.cancelled():
+            if not answer.done():
+                answer.cancel()
+            return
+        error = sent.exception()  # retrieved even when nobody waits any more
         if answer.done():
             return
-        if sent.cancelled():
-            answer.cancel()
-            return
-        error = sent.exception()
         if error is None:
             answer.set_result(sent.result())
             return
