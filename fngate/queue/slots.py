@@ -13,13 +13,16 @@ from typing import Any
 from fngate import keys
 from fngate.queue.invocations import BODY, HEADER, Forward, Outgoing, ScriptCall, Waiter
 from fngate.queue.steps import forward_call
+from fngate.queue.stored import STORE_RESULT_LUA
 
 # KEYS: streams and cache entries of one slot. ARGV[1]: the reply streams' maxlen, then groups of
 # six: the kind ('r' a reply, 'c' a cache entry), the index of its key in KEYS, header, body, then
-# for a reply the invocation it answers ('' its own: the reply's) and how long in ms to keep the
-# stream from now on (0: leave its TTL), for a cache entry its TTL in s and ''. Replies go only to
-# streams that exist (NOMKSTREAM), as FINISH's.
-DELIVER = """
+# for a reply the invocation it answers ('' its own: the reply's) and how long in ms to keep it
+# (0: a gateway's reply stream; else an asynchronous result's, stored as FINISH stores it), for a
+# cache entry its TTL in s and ''. Replies go only to streams that exist (NOMKSTREAM), as FINISH's.
+DELIVER = (
+    STORE_RESULT_LUA
+    + """
 local maxlen = ARGV[1]
 for at = 2, #ARGV, 6 do
   local key, h, b = KEYS[tonumber(ARGV[at + 1])], ARGV[at + 2], ARGV[at + 3]
@@ -28,13 +31,15 @@ for at = 2, #ARGV, 6 do
     redis.call('EXPIRE', key, ARGV[at + 4])
   elseif ARGV[at + 4] ~= '' then
     redis.call('XADD', key, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b, 'for', ARGV[at + 4])
+  elseif ARGV[at + 5] ~= '0' then
+    store_result(key, h, b, ARGV[at + 5])
   else
     redis.call('XADD', key, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
-    if ARGV[at + 5] ~= '0' then redis.call('PEXPIRE', key, ARGV[at + 5]) end
   end
 end
 return 1
 """
+)
 
 # KEYS[1]: the waiters list of an in-flight marker of another slot than its batch's (an asynchronous
 # pipeline's callback marker, in the slot of its first step). WAITERS reads it, FORGET drops marker
@@ -66,7 +71,7 @@ class Delivery:
     answers: str = ""
     """A reply addressed `for` this invocation (an identical one that waited); '' for its own."""
     ttl_ms: int = 0
-    """A reply: keep the stream this long from now on (0: leave its TTL)."""
+    """An asynchronous result's reply: kept this long, stored as FINISH stores it (0: a reply stream's)."""
     cache_ttl_s: int = 0
     """More than 0: an answer for the response cache, kept this long."""
 
