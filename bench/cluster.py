@@ -105,7 +105,7 @@ def measure(
     )
     after = cpu()
     commands = [node.info("commandstats") for node in primaries]
-    used = {node: after[node] - before[node] for node in before}
+    used = {name: after[name] - before[name] for name in before}
     completed = max(result.completed, 1)
     row: Row = {
         "functions": len(FUNCTIONS),
@@ -121,9 +121,9 @@ def measure(
         "command_us_per_invocation": sum(entry["usec"] for stats in commands for entry in stats.values())
         / completed,
     }
-    for node, seconds in used.items():
-        row[f"cpu_us_{node}"] = seconds / completed * 1e6
-        row[f"cores_{node}"] = seconds / result.duration_s
+    for name, seconds in used.items():
+        row[f"cpu_us_{name}"] = seconds / completed * 1e6
+        row[f"cores_{name}"] = seconds / result.duration_s
     return row
 
 
