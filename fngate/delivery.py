@@ -6,7 +6,9 @@ then FINISH runs on the function's slot; identical invocations that waited on th
 before the entries are acknowledged: FINISH names the ones that joined since the last look, they
 are answered, and it runs again. A runner that dies before FINISH leaves its entries pending:
 another runs them again and delivers again, and each gateway answers an invocation once (the first
-reply; the rest find nobody waiting). Nothing answered is lost, and no caller hears twice.
+reply; the rest find nobody waiting). Nothing answered is lost, and no caller hears twice. A
+callback (sent from the stored result) is queued after FINISH: a runner that dies between the
+two leaves the result stored and its callback unsent.
 
 FORWARD: each slot's entries all or none; a pipeline's later steps on several slots are queued one
 slot after another, so a full queue can refuse the pipeline after another slot's steps were queued
@@ -20,7 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fngate import queue
+from fngate import keys, queue
 from fngate.pipelined import PipelinedRedis, Script
 from fngate.queue import slots
 
@@ -67,8 +69,11 @@ async def finish(
         waiting = map(queue.Waiter.decode, await run(slots.WAITERS, [queue.waiters(marker)], []))
         deliveries += [slots.Delivery(waiter.stream, reply, answers=waiter.id) for waiter in waiting]
     answered: dict[int, int] = {}
+    callbacks: list[slots.Delivery] = []
     while True:
-        await deliver(run, deliveries, reply_maxlen)
+        # A callback is sent from the stored result: it is queued once FINISH has stored it.
+        callbacks += [item for item in deliveries if item.key == keys.callbacks()]
+        await deliver(run, [item for item in deliveries if item.key != keys.callbacks()], reply_maxlen)
         call = queue.finish_call(
             stream, group, outgoing, entry_ids, entry_bytes, reply_maxlen, statistics, answered
         )
@@ -80,6 +85,7 @@ async def finish(
             answered[index] = answered.get(index, 0) + len(waiters)
             reply = outgoing[index].reply
             deliveries += [slots.Delivery(waiter.stream, reply, answers=waiter.id) for waiter in waiters]
+    await deliver(run, callbacks, reply_maxlen)
     for marker, _ in split.markers:
         await run(slots.FORGET, [marker, queue.waiters(marker)], [])
 

@@ -161,7 +161,8 @@ class SlotSteps:
                     return None, mine
                 seen = found.decode()
                 earlier, _, digest = seen.partition(" ")
-                if await self._redis.execute("EXISTS", keys.result(earlier)):
+                result = keys.result(earlier)  # pending, or done and stored beside it
+                if await self._redis.execute("EXISTS", result, queue.stored_result(result)):
                     again = digest == later.request_digest
                     return (queue.Again(earlier) if again else queue.Conflict(earlier)), ""
         except (RedisError, OSError) as exc:
