@@ -29,6 +29,7 @@ import orjson
 import redis
 
 import fngate
+from bench import cluster as cluster_scenario
 from bench import grpc_peer, inprocess, loadgen
 from bench import open_loop as bench_open_loop
 from bench.deployment import Deployment, cpu_seconds, deployment, free_port, tree_cpu_seconds
@@ -554,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         "against limits measured in the same run (needs about 1.5 GB of memory and a minute or two)",
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,O,H,P,M"
+        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,O,H,P,M,C"
     )
     parser.add_argument(
         "--triton",
@@ -609,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                 deployed.start_runner()
                 bench.shared_queue(deployed)
             robustness(deployed, bench, wanted)
+        _with_deployments_of_their_own(bench, Path(folder), wanted)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {_cpu_model()}, {_cores()} cores",
@@ -662,6 +664,12 @@ def hostile_callers(deployed: Deployment, bench: Bench, wanted: bool) -> None:
 
     print("H: hostile callers (time to the answer, the gateway process's peak memory)", flush=True)
     hostile.run(deployed, bench.record)
+
+
+def _with_deployments_of_their_own(bench: Bench, folder: Path, wanted: Callable[[str], bool]) -> None:
+    """Scenarios that start deployments of their own, after the shared one has stopped."""
+    if wanted("C"):  # one Redis against a Redis Cluster
+        cluster_scenario.run(folder, requests_for, bench.args.measure_s, bench.record)
 
 
 def _cpu_model() -> str:

@@ -9,13 +9,14 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import redis
 
-from fngate import keys
+from fngate import clients, keys
 from fngate.errors import FunctionNotFound, InvalidArgument
 
 KEY_PREFIX = "fng"
@@ -122,10 +123,7 @@ def create(
         max_queued,
         round(time.time(), 3),
     )
-    with client.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.api_keys(), ident, record.encode())
-        pipe.incr(keys.api_keys_version())
-        pipe.execute()
+    _commit(client, lambda pipe: pipe.hset(keys.api_keys(), ident, record.encode()))
     return key, record
 
 
@@ -136,11 +134,12 @@ def records(client: redis.Redis) -> list[KeyRecord]:
 
 def revoke(client: redis.Redis, ident: str) -> None:
     """Delete a key's record; every gateway refuses the key once it next refreshes (about 1 s)."""
-    with client.pipeline(transaction=True) as pipe:
+
+    def change(pipe: Any) -> None:
         pipe.hdel(keys.api_keys(), ident)
-        pipe.incr(keys.api_keys_version())
         pipe.delete(keys.key_rate(ident), keys.key_in_flight(ident))
-        removed, *_ = pipe.execute()
+
+    removed, *_ = _commit(client, change)
     if not removed:
         raise FunctionNotFound(f"no API key with id {ident!r}")
 
@@ -185,8 +184,21 @@ def admin_key(client: redis.Redis, path: Path) -> tuple[str, bool]:
         record = KeyRecord(
             ident, hash_key(key).hex(), ("admin",), "fngate up", created_s=round(time.time(), 3)
         )
-        with client.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.api_keys(), ident, record.encode())
-            pipe.incr(keys.api_keys_version())
-            pipe.execute()
+        _commit(client, lambda pipe: pipe.hset(keys.api_keys(), ident, record.encode()))
     return key, created
+
+
+def _commit(client: redis.Redis, change: Callable[[Any], Any]) -> list[Any]:
+    """`change(pipeline)`, then the bump of the keys' version that makes every gateway reload them:
+    one transaction on one Redis. On a Redis Cluster (the two are in different slots) the change
+    first and the bump once it is done, so that no gateway reloads before it."""
+    if clients.is_cluster_client(client):
+        with client.pipeline(transaction=False) as pipe:
+            change(pipe)
+            done: list[Any] = pipe.execute()
+        return [*done, client.incr(keys.api_keys_version())]
+    with client.pipeline(transaction=True) as pipe:
+        change(pipe)
+        pipe.incr(keys.api_keys_version())
+        answers: list[Any] = pipe.execute()
+    return answers

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fngate import keys, queue
+from fngate import clients, delivery, keys, queue
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument, Unavailable
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import deploy_problems
@@ -84,7 +84,7 @@ async def warm(redis: aioredis.Redis, name: str, versions: Sequence[str], pool: 
     wait until one runner has each ready: '' then, else what went wrong."""
     request_id = await send_control(redis, ControlOp("load", name, tuple(versions)))
     if not any(view.pool == pool for view in await read_runners(redis)):
-        await redis.publish(keys.wake_channel(), pool)  # a runner that starts replays the load
+        await clients.publish(redis, keys.wake_channel(), pool)  # a runner that starts replays the load
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         runners = await read_runners(redis)
@@ -270,6 +270,7 @@ async def answer_queued(redis: aioredis.Redis, name: str, priorities: int = 1) -
 
 async def _answer_stream(redis: aioredis.Redis, stream: str, name: str) -> int:
     finish = redis.register_script(queue.FINISH)
+    across_slots = delivery.registered(redis) if clients.is_cluster_client(redis) else None
     error = FunctionNotFound(f"function '{name}' was removed")
     answered = 0
     while True:
@@ -293,7 +294,10 @@ async def _answer_stream(redis: aioredis.Redis, stream: str, name: str) -> int:
             )
         ids = [entry_id for entry_id, _ in entries]
         size = sum(queue.entry_bytes(fields) for _, fields in entries)
-        call = queue.finish_call(stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
-        await finish(keys=call.keys, args=call.args)
+        if across_slots is not None:  # a Redis Cluster: the gateways' reply streams are elsewhere
+            await delivery.finish(across_slots, stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
+        else:
+            call = queue.finish_call(stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
+            await finish(keys=call.keys, args=call.args)
         answered += len(outgoing)
     return answered

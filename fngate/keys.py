@@ -1,11 +1,43 @@
-"""Every Redis name fngate uses, built by small functions so that gateway and runner agree."""
+"""Every Redis name fngate uses, built by small functions so that gateway and runner agree.
+
+Names carry a hash tag (the part in braces) where scripts meet: everything a script touches shares
+its tag, so on a Redis Cluster each script call lands in one slot (docs/deployment.md). A
+function's streams, counters, cache entries and in-flight markers carry `{function}`; a gateway's
+reply stream `{gateway id}`; an API key's limits `{key id}`; an asynchronous result a tag chosen
+in its invocation id, so that it lives in the slot of the stream it was queued on (`result_id`).
+One Redis ignores the braces. The rest (registry, control, heartbeats) are single keys.
+"""
 
 from __future__ import annotations
 
+import binascii
+import functools
 import hashlib
+import os
 
 PREFIX = "fngate"
 RUNNER_GROUP = "runners"
+SLOTS = 16384
+"""A Redis Cluster's hash slots."""
+RESULT_TAG_DIGITS = 6
+"""The leading digits of an asynchronous invocation's id that tag its result (keys.result)."""
+
+
+def hash_tag(key: str) -> str:
+    """What a key hashes by on a Redis Cluster: its hash tag (what lies between its first '{' and
+    the next '}', when that is not empty), else the whole key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+def slot(key: str | bytes) -> int:
+    """A key's Redis Cluster hash slot: CRC16 (XMODEM, binascii.crc_hqx) of its hash tag, mod SLOTS."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return binascii.crc_hqx(hash_tag(text).encode(), 0) % SLOTS
 
 
 LEVELS = ("sync", "async")
@@ -20,8 +52,10 @@ def invocations(function: str, level: int = SYNC, priority: int = 1) -> str:
     A synchronous invocation of a function with priority levels (its manifest's
     batching.priority_levels, 1 the highest) past the first waits in a stream of its own."""
     if level == SYNC:
-        return f"{PREFIX}:q:{function}" if priority <= 1 else f"{PREFIX}:q:{function}:p{priority}"
-    return f"{PREFIX}:q:{function}:{level}"
+        if priority <= 1:
+            return f"{PREFIX}:q:{{{function}}}"
+        return f"{PREFIX}:q:{{{function}}}:p{priority}"
+    return f"{PREFIX}:q:{{{function}}}:{level}"
 
 
 def levels(function: str, priorities: int = 1) -> tuple[str, ...]:
@@ -39,7 +73,7 @@ def level_names(priorities: int = 1) -> tuple[str, ...]:
 
 def dead_letters(function: str) -> str:
     """Invocations that failed too many deliveries, kept for inspection."""
-    return f"{PREFIX}:dlq:{function}"
+    return f"{PREFIX}:dlq:{{{function}}}"
 
 
 def cache_entry(function: str, key_hex: str) -> str:
@@ -49,12 +83,12 @@ def cache_entry(function: str, key_hex: str) -> str:
 
 def cache_prefix(function: str) -> str:
     """Every cache entry of a function starts with this, so that they can be cleared together."""
-    return f"{PREFIX}:c:{function}:"
+    return f"{PREFIX}:c:{{{function}}}:"
 
 
 def in_flight(function: str, key_hex: str) -> str:
     """The invocation now computing this cache key; identical invocations wait for its reply."""
-    return f"{PREFIX}:f:{function}:{key_hex}"
+    return f"{PREFIX}:f:{{{function}}}:{key_hex}"
 
 
 def wake_channel() -> str:
@@ -69,7 +103,7 @@ def start_failures() -> str:
 
 def replies(gateway_id: str) -> str:
     """The reply stream of one gateway process."""
-    return f"{PREFIX}:r:{gateway_id}"
+    return f"{PREFIX}:r:{{{gateway_id}}}"
 
 
 def gateways() -> str:
@@ -99,7 +133,7 @@ def runner_models(runner: str) -> str:
 
 def statistics(function: str, version: str) -> str:
     """Hash of one function version's counters in Triton's statistics terms (fngate.statistics)."""
-    return f"{PREFIX}:stats:{function}:{version}"
+    return f"{PREFIX}:stats:{{{function}}}:{version}"
 
 
 def unloaded() -> str:
@@ -119,32 +153,85 @@ def api_keys_version() -> str:
 
 def key_rate(key_id: str) -> str:
     """Hash of one API key's token bucket: `t` tokens left at `ms` (Redis time)."""
-    return f"{PREFIX}:rate:{key_id}"
+    return f"{PREFIX}:rate:{{{key_id}}}"
 
 
 def key_in_flight(key_id: str) -> str:
     """Sorted set of one API key's invocations in flight on every gateway -> expiry (ms): a gateway
     that dies leaves members that lapse at their expiry."""
-    return f"{PREFIX}:busy:{key_id}"
+    return f"{PREFIX}:busy:{{{key_id}}}"
 
 
 def key_share(key_id: str, function: str) -> str:
     """Sorted set of one API key's invocations of one function, queued or running -> expiry (ms):
     the key's share of that function's queue."""
-    return f"{PREFIX}:share:{key_id}:{function}"
+    return f"{PREFIX}:share:{{{key_id}}}:{function}"
 
 
 def result(invocation_id: str) -> str:
     """Stream of one asynchronous invocation: its submission (state and what the gateway needs to
     answer), then its cancellation, or its end (the result is then kept compactly beside it,
-    fngate.queue.stored_result). Always carries a TTL."""
-    return f"{PREFIX}:result:{invocation_id}"
+    fngate.queue.stored_result). Always carries a TTL. Tagged by the id's first RESULT_TAG_DIGITS
+    digits (RESULT_KEY_LUA builds the same name in a script)."""
+    tag, rest = invocation_id[:RESULT_TAG_DIGITS], invocation_id[RESULT_TAG_DIGITS:]
+    return f"{PREFIX}:result:{{{tag}}}{rest}"
+
+
+RESULT_KEY_LUA = f"""
+local function result_key(id)
+  local cut = {RESULT_TAG_DIGITS}
+  return '{PREFIX}:result:{{' .. string.sub(id, 1, cut) .. '}}' .. string.sub(id, cut + 1)
+end
+"""
+"""result_key(id) in Lua: keys.result(id)."""
+
+
+def result_id(stream: str) -> str:
+    """A new asynchronous invocation's id (32 hexadecimal digits) whose result (keys.result) has the
+    slot of `stream`, so that the script that queues it there and creates its result touches one
+    slot of a Redis Cluster: its first RESULT_TAG_DIGITS digits are chosen, the rest (104 bits) are
+    random."""
+    return _slot_tag(slot(stream)) + os.urandom(16).hex()[RESULT_TAG_DIGITS:]
+
+
+@functools.cache
+def _slot_tag(target: int) -> str:
+    """RESULT_TAG_DIGITS digits whose slot is `target`. Solved, not searched: CRC16 without an initial
+    value is linear over GF(2), so flipping bits of a string changes its CRC by the CRC of the flips
+    alone. Flipping the low three bits of a '0' keeps it a digit ('0' to '7'): 18 bits to flip,
+    whose changes span all 14 bits of a slot (_pivots); elimination picks the flips that lead from
+    the slot of '000000' to `target`."""
+    base = b"0" * RESULT_TAG_DIGITS
+    need, flips = target ^ slot(base), 0
+    for top, (change, made_by) in sorted(_pivots().items(), reverse=True):
+        if need >> top & 1:
+            need, flips = need ^ change, flips ^ made_by
+    if need:
+        raise ValueError(f"slot {target} is out of range")
+    return bytes(char ^ (flips >> (3 * index) & 7) for index, char in enumerate(base)).decode()
+
+
+@functools.cache
+def _pivots() -> dict[int, tuple[int, int]]:
+    """The slot changes of the 18 flips in echelon form: highest bit -> (the change, the flips
+    that make it, one bit per flip)."""
+    pivots: dict[int, tuple[int, int]] = {}
+    for bit in range(3 * RESULT_TAG_DIGITS):
+        flip = bytearray(RESULT_TAG_DIGITS)
+        flip[bit // 3] = 1 << (bit % 3)
+        change, made_by = slot(bytes(flip)), 1 << bit
+        for top in sorted(pivots, reverse=True):
+            if change >> top & 1:
+                change, made_by = change ^ pivots[top][0], made_by ^ pivots[top][1]
+        if change:
+            pivots[change.bit_length() - 1] = (change, made_by)
+    return pivots
 
 
 def result_quota(key_id: str) -> str:
     """Hash of the bytes one API key's asynchronous results hold, by the minute they expire in, and
     their `total` (with its sorted set of minutes, `...:at`)."""
-    return f"{PREFIX}:quota:{key_id or '-'}"
+    return f"{PREFIX}:quota:{{{key_id or '-'}}}"
 
 
 def idempotency(key_id: str, idempotency_key: str) -> str:

@@ -133,6 +133,9 @@ class _Protocol(asyncio.Protocol):
 
 
 class PipelinedRedis:
+    cluster = False
+    """A Redis Cluster's client (fngate.cluster): callers split what would span slots."""
+
     def __init__(self, url: str, timeout_s: float = 2.0) -> None:
         self._options = parse_url(url)  # type: ignore[no-untyped-call]
         self._timeout_s = timeout_s
@@ -146,6 +149,18 @@ class PipelinedRedis:
         future: asyncio.Future[Any] = protocol.loop.create_future()
         protocol.send(encode(args), future, timeout_s or self._timeout_s)
         return await future
+
+    async def execute_after(self, first: tuple[Any, ...], *args: Any, timeout_s: float | None = None) -> Any:
+        """`execute(*args)` right behind `first` on the same connection, in one write (ASKING before
+        the command it lets through, on a Redis Cluster). Returns the command's reply."""
+        protocol = await self._connected()
+        before: asyncio.Future[Any] = protocol.loop.create_future()
+        future: asyncio.Future[Any] = protocol.loop.create_future()
+        protocol.send(encode(first), before, self._timeout_s)
+        protocol.send(encode(args), future, timeout_s or self._timeout_s)
+        await asyncio.wait((before, future))
+        before.exception()  # the command's own answer says what went wrong
+        return future.result()
 
     def send(self, *args: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
         """`execute` without a coroutine: the future of the reply (connecting first, in a task, when

@@ -30,9 +30,9 @@ STABLE_S = 30.0
 
 async def run(settings: GatewaySettings) -> None:
     # The app's imports are a worker's, not a supervisor's (workers > 1): 30 MB it does not need.
-    import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
+    from fngate import clients
     from gateway.app import create_app
     from gateway.http import metrics_port
     from gateway.http.server import SERVERS
@@ -43,7 +43,7 @@ async def run(settings: GatewaySettings) -> None:
         loop.add_signal_handler(sig, stopping.set)
     # Redis first, while these handlers hold: the servers' own ones cannot end a lifespan's wait.
     timeout_s = settings.redis_timeout_s
-    async with aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout_s) as redis:
+    async with clients.connect(settings.redis_url, socket_connect_timeout=timeout_s) as redis:
         if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
             return
     app = create_app(settings, stopping)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate import keys
+from fngate import clients, keys
 from fngate.backoff import Backoff, Health
 from fngate.errors import DeadlineExceeded, Unavailable
 from fngate.registry import LOADING, READY, ModelState
@@ -138,7 +138,7 @@ class Activator:
 
     async def _publish_wake(self, pool: str, at: float) -> None:
         try:
-            if await self._redis.publish(keys.wake_channel(), pool):
+            if await clients.publish(self._redis, keys.wake_channel(), pool):
                 self._heard[pool] = at  # a scaler listens: a runner is on its way
         except RedisError as exc:
             log.warning("could not wake pool %s: %s", pool, exc)

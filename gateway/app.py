@@ -11,14 +11,12 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp
 
-from fngate import apikeys
+from fngate import apikeys, clients
 from fngate.backoff import Health, until_done
 from fngate.config import GatewaySettings
-from fngate.pipelined import PipelinedRedis
 from fngate.registry import function_source
 from gateway.activation import Activator
 from gateway.auth import KeyTable
@@ -63,17 +61,16 @@ async def serving(
     gateway_id = uuid.uuid4().hex[:12]
     # redis-py's pool, for what is not on the hot path; invocations wait for a free connection
     # rather than fail when many are in use at once.
-    connections = aioredis.BlockingConnectionPool.from_url(
+    redis = clients.connect_pool(
         settings.redis_url,
-        max_connections=settings.redis_connections,
-        timeout=5,
+        settings.redis_connections,
+        5,
         socket_connect_timeout=settings.redis_timeout_s,
         socket_timeout=settings.redis_timeout_s,
     )
-    redis = aioredis.Redis.from_pool(connections)  # closing it closes the connections
     # A Redis that stops answering (paused, partitioned) fails the blocking reads too, so the reply
     # loop notices and invocations are refused at once instead of waiting out deadlines.
-    reader = aioredis.from_url(
+    reader = clients.connect(
         settings.redis_url,
         socket_connect_timeout=settings.redis_timeout_s,
         socket_timeout=settings.reply_block_ms / 1000 + settings.redis_timeout_s,
@@ -83,8 +80,8 @@ async def serving(
     # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies, so
     # that the invocations' connections stay the invocations'.
     catalog = Catalog(function_source(settings.repo, reader), reader, health)
-    pipelined = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
-    reply_reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
+    pipelined = clients.pipelined(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
+    reply_reads = clients.pipelined(settings.redis_url, settings.redis_timeout_s)
     replies = ReplyRouter(reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s)
     separate = _separate_cache(settings)
     limiter = Limiter(settings.in_flight_ttl_s, pipelined) if settings.auth else None
@@ -155,7 +152,7 @@ def _separate_cache(settings: GatewaySettings) -> SeparateCache | None:
     """A cache Redis of its own, when one is configured apart from the queue's."""
     if not settings.cache_url or settings.cache_url == settings.redis_url:
         return None
-    client = aioredis.from_url(settings.cache_url, socket_connect_timeout=1, socket_timeout=1)
+    client = clients.connect(settings.cache_url, socket_connect_timeout=1, socket_timeout=1)
     return SeparateCache(client, CacheHealth())
 
 

@@ -9,7 +9,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate import keys
+from fngate import clients, keys
 from fngate.errors import Unavailable
 from fngate.registry import (
     READY,
@@ -116,7 +116,7 @@ async def _wake(catalog: Catalog, record: FunctionRecord) -> None:
     pool = record.newest().manifest.scaling.pool
     if not any(view.pool == pool for view in catalog.runners):
         try:
-            await _redis(catalog).publish(keys.wake_channel(), pool)
+            await clients.publish(_redis(catalog), keys.wake_channel(), pool)
         except RedisError as exc:
             raise Unavailable(f"could not ask for a runner of pool '{pool}': {exc}") from exc
 

@@ -34,6 +34,7 @@ from gateway.catalog import Catalog
 from gateway.invocations import Accepted, IdempotencyKeyReused, Submission
 from gateway.limits import Limiter, refusal
 from gateway.replies import ReplyRouter
+from gateway.slots import SlotSteps
 from gateway.submission import Entries
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class Dispatcher:
         self._enqueue = Script(redis, queue.ENQUEUE)
         self._enqueue_many = Script(redis, queue.ENQUEUE_MANY)
         self._submit_async = Script(redis, queue.SUBMIT_ASYNC)
+        self._slots = SlotSteps(redis) if redis.cluster else None
+        """A Redis Cluster's: what the scripts would do across slots, in steps (gateway.slots)."""
         self._turn: list[_Flight] = []
         """The invocations of this event-loop turn, enqueued together at its end."""
         self.separate_cache = cache
@@ -102,9 +105,18 @@ class Dispatcher:
             self._check_available()
             plan, steps = self._plan(call)
             admission = self._admission(call)
-            lookup_in_queue = self.separate_cache is None or plan is not None
+            split = self._slots is not None
+            # On a cluster a pipeline's cached answer is on its own slot, looked up first.
+            lookup_in_queue = (self.separate_cache is None or plan is not None) and not (split and plan)
             entries = submission.synchronous(
-                call, self._replies.stream, _now_ms(), admission, lookup_in_queue, plan, steps
+                call,
+                self._replies.stream,
+                _now_ms(),
+                None if split else admission,
+                lookup_in_queue,
+                plan,
+                steps,
+                split,
             )
             self._check_pools(entries)
         except FunctionError as exc:
@@ -116,7 +128,8 @@ class Dispatcher:
             return answer
         flight = _Flight(self, call, entries, answer, plan is not None)
         if not lookup_in_queue and entries.cache_entry and call.use_cache:
-            self._background(flight.look_up(self.separate_cache))  # type: ignore[arg-type]
+            cache = self._slots if plan is not None else self.separate_cache
+            self._background(flight.look_up(cache))  # type: ignore[arg-type]
         else:
             flight.send()
         return answer
@@ -132,7 +145,7 @@ class Dispatcher:
             plan, steps = self._plan(call)
             admission = self._admission(call)
             manifest = call.function.manifest
-            invocation_id = submission.new_id()
+            invocation_id = submission.new_async_id(call, plan)
             deadline_ms = _now_ms() + submission.timeout_of(call)
             record = Submission(
                 invocation_id,
@@ -146,30 +159,13 @@ class Dispatcher:
                 later.callback_url,
                 call.outputs if plan is not None else None,
             )
-            entry, _ = submission.cache_keys(call)
-            lookup_in_queue = self.separate_cache is None or plan is not None
-            cached = None
-            if entry and call.use_cache and not lookup_in_queue:
-                cached = await self.separate_cache.get(entry)  # type: ignore[union-attr]
-            entries = submission.asynchronous(
-                call,
-                record.encode(),
-                invocation_id,
-                deadline_ms,
-                admission,
-                later.idempotency_key,
-                cached,
-                lookup_in_queue,
-                plan,
-                steps,
-                self._quota(call),
-            )
-            self._check_pools(entries)
-            try:
-                raw = await self._submit_async(entries.script.keys, entries.script.args)
-            except (RedisError, OSError) as exc:
-                raise Unavailable(f"the queue is unavailable: {exc}") from exc
-            outcome = queue.parse_submit_async(raw)
+            if self._slots is not None:  # a Redis Cluster: the script's work in per-slot steps
+                entries, outcome = await self._slots.submit(
+                    call, record.encode(), invocation_id, deadline_ms, plan, steps, self.separate_cache,
+                    self._check_pools,
+                )  # fmt: skip
+            else:
+                entries, outcome = await self._submit_one(call, record, deadline_ms, admission, plan, steps)
             if entries.cache_entry and call.use_cache:
                 _count_lookup(manifest.name, outcome)
             accepted = self._accepted(outcome, entries, call)
@@ -183,6 +179,42 @@ class Dispatcher:
             if call.span is not None:
                 call.span.end()
         return accepted
+
+    async def _submit_one(
+        self,
+        call: Call,
+        record: Submission,
+        deadline_ms: int,
+        admission: queue.Admission | None,
+        plan: Plan | None,
+        steps: dict[str, FunctionVersion] | None,
+    ) -> tuple[Entries, queue.SubmitOutcome]:
+        """SUBMIT_ASYNC: the whole submission in one script call."""
+        assert call.later is not None
+        entry, _ = submission.cache_keys(call)
+        lookup_in_queue = self.separate_cache is None or plan is not None
+        cached = None
+        if entry and call.use_cache and not lookup_in_queue:
+            cached = await self.separate_cache.get(entry)  # type: ignore[union-attr]
+        entries = submission.asynchronous(
+            call,
+            record.encode(),
+            record.id,
+            deadline_ms,
+            admission,
+            call.later.idempotency_key,
+            cached,
+            lookup_in_queue,
+            plan,
+            steps,
+            self._quota(call),
+        )
+        self._check_pools(entries)
+        try:
+            raw = await self._submit_async(entries.script.keys, entries.script.args)
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the queue is unavailable: {exc}") from exc
+        return entries, queue.parse_submit_async(raw)
 
     def _accepted(self, outcome: queue.SubmitOutcome, entries: Entries, call: Call) -> Accepted:
         if isinstance(outcome, queue.Done):
@@ -262,8 +294,19 @@ class Dispatcher:
 
     def _enqueue_turn(self) -> None:
         """One script call for the turn's invocations: ENQUEUE for one, ENQUEUE_MANY for more (in
-        Redis a script call costs about as much as the invocation it decides)."""
+        Redis a script call costs about as much as the invocation it decides); on a Redis Cluster
+        one per slot."""
         flights, self._turn = self._turn, []
+        if self._slots is None:
+            self._enqueue_together(flights)
+            return
+        by_slot: dict[int, list[_Flight]] = {}
+        for flight in flights:
+            by_slot.setdefault(keys.slot(flight.entries.script.keys[0]), []).append(flight)
+        for together in by_slot.values():
+            self._enqueue_together(together)
+
+    def _enqueue_together(self, flights: list[_Flight]) -> None:
         if len(flights) == 1:
             (flight,) = flights
             script = flight.entries.script
@@ -340,9 +383,30 @@ class _Flight:
                 kind=SpanKind.PRODUCER,
                 attributes=REDIS,
             )
-        dispatcher._enqueue_soon(self)
+        if dispatcher._slots is not None and self.call.admission is not None:
+            dispatcher._background(self._admit_first(dispatcher._slots))  # a cluster: on its own slot
+        else:
+            dispatcher._enqueue_soon(self)
 
-    async def look_up(self, cache: SeparateCache) -> None:
+    async def _admit_first(self, slots: SlotSteps) -> None:
+        try:
+            await slots.admit(self.call)
+        except FunctionError as exc:
+            if self._span is not None:
+                self._span.end()
+            self._fail(exc)
+            return
+        if not self.answer.done():
+            self.dispatcher._enqueue_soon(self)
+
+    async def _forward_rest(self, slots: SlotSteps) -> None:
+        """A cluster's: a pipeline's other first steps, once its first is queued."""
+        try:
+            await slots.forward(self.entries)
+        except FunctionError as exc:
+            self._fail(exc)
+
+    async def look_up(self, cache: SeparateCache | SlotSteps) -> None:
         """The answer from a cache Redis of the cache's own, else the enqueue."""
         with tracer.start_as_current_span(
             "cache lookup",
@@ -404,6 +468,8 @@ class _Flight:
             return
         self.queued = True
         self.dispatcher.wake(self.entries)
+        if self.entries.rest and self.dispatcher._slots is not None:
+            self.dispatcher._background(self._forward_rest(self.dispatcher._slots))
 
     def _replied(self, reply: Reply) -> None:
         if reply.error is not None:

@@ -10,10 +10,9 @@ import hashlib
 import time
 
 import orjson
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate import keys, queue
+from fngate import clients, keys, queue
 from fngate.errors import FunctionNotFound, InvalidArgument, Unavailable
 from fngate.pipelined import PipelinedRedis, Script
 from gateway.auth import ADMIN, INVOKE, Principal
@@ -85,14 +84,12 @@ class AsyncInvocations:
         self._read = Script(scripts, queue.READ_RESULT)
         self._cancel = Script(scripts, queue.CANCEL)
         # Long-polls block their connection: a pool of their own, apart from the invocations'.
-        self._polls = aioredis.Redis.from_pool(
-            aioredis.BlockingConnectionPool.from_url(
-                redis_url,
-                max_connections=LONG_POLLS,
-                timeout=BLOCK_S,  # all taken: a 503 after this long, never an unbounded wait
-                socket_connect_timeout=redis_timeout_s,
-                socket_timeout=BLOCK_S + redis_timeout_s,
-            )
+        self._polls = clients.connect_pool(
+            redis_url,
+            LONG_POLLS,
+            BLOCK_S,  # all taken: a 503 after this long, never an unbounded wait
+            socket_connect_timeout=redis_timeout_s,
+            socket_timeout=BLOCK_S + redis_timeout_s,
         )
 
     async def aclose(self) -> None:

@@ -111,10 +111,10 @@ class ReplyRouter:
                 gone: Any = await self._redis.zrangebyscore(keys.gateways(), "-inf", time.time())
                 for gateway in gone:
                     name = gateway.decode()
-                    async with self._redis.pipeline(transaction=True) as pipe:
-                        pipe.delete(keys.replies(name))
-                        pipe.zrem(keys.gateways(), name)
-                        await pipe.execute()
+                    # One after the other (on a Redis Cluster they are in different slots): the
+                    # gateway stays listed until its stream is gone, and a next sweep finishes.
+                    await self._redis.delete(keys.replies(name))
+                    await self._redis.zrem(keys.gateways(), name)
                     log.info("removed the reply stream of gateway %s, silent for %.0f s", name, GONE_AFTER_S)
 
     async def stop(self) -> None:

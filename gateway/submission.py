@@ -26,6 +26,18 @@ def new_id() -> str:
     return os.urandom(16).hex()
 
 
+def new_async_id(call: Call, plan: Plan | None) -> str:
+    """An asynchronous invocation's id: its result lives in the slot of the stream its (first)
+    entry is queued on, so that one script queues it and creates its result (keys.result_id)."""
+    function = call.function.manifest.name if plan is None else plan.steps[plan.first()[0]].function
+    return keys.result_id(keys.invocations(function, keys.ASYNC))
+
+
+def pending_ttl_ms(call: Call) -> int:
+    """How long an asynchronous call's result (and its Idempotency-Key) live while it is pending."""
+    return timeout_of(call) + (call.function.manifest.batching.result_ttl_s + PENDING_MARGIN_S) * 1000
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Entries:
     """What one call queues, and what settling its outcome needs."""
@@ -42,6 +54,9 @@ class Entries:
     """The runner pools to wake once queued (every step's, for a pipeline)."""
     cache_entry: str = ""
     """The response cache entry of the call ('' while the function's cache is off)."""
+    rest: tuple[queue.Forward, ...] = ()
+    """On a Redis Cluster (`split`): a pipeline's other first steps, queued once the script queued
+    its first (they are on other functions' slots)."""
 
 
 def timeout_of(call: Call) -> int:
@@ -70,11 +85,14 @@ def synchronous(
     lookup_in_queue: bool,
     plan: Plan | None = None,
     steps: dict[str, FunctionVersion] | None = None,
+    split: bool = False,
 ) -> Entries:
     """A synchronous call's ENQUEUE: the function's own entry, or a pipeline's first steps (`plan`,
     with each step's resolved version in `steps`). `lookup_in_queue`: the response cache shares the
     queue's Redis, or this is a pipeline (whose answer its last step caches there), so the script
-    answers from it; else the dispatcher looked it up already."""
+    answers from it; else the dispatcher looked it up already. `split` (a Redis Cluster): the
+    script holds only what is in its first entry's slot; a pipeline's other first steps are
+    Entries.rest."""
     manifest = call.function.manifest
     invocation_id = new_id()
     timeout_ms = timeout_of(call)
@@ -119,8 +137,9 @@ def synchronous(
         invocation_id, reply_to, deadline_ms, plan, 0, {}, call.traceparent, entry, manifest.cache.ttl_s
     )
     firsts = first_steps(context, call.inputs)
-    (head_context, head_inputs), rest = firsts[0], firsts[1:]
+    (head_context, head_inputs), others = firsts[0], firsts[1:]
     head = head_context.step
+    rest = [step_entry(step_context, inputs) for step_context, inputs in others]
     script = queue.enqueue_call(
         keys.invocations(head.function),
         step_invocation(head_context, head_inputs).encode(),
@@ -131,10 +150,11 @@ def synchronous(
         lookup=lookup,
         admission=admission,
         step=head_context.encode(),
-        more=[step_entry(step_context, inputs) for step_context, inputs in rest],
+        more=() if split else rest,
     )
     names = tuple(step_context.step.described for step_context, _ in firsts)
-    return Entries(invocation_id, script, deadline_ms, timeout_ms, names, _pools(steps), entry)
+    later = tuple(rest) if split else ()
+    return Entries(invocation_id, script, deadline_ms, timeout_ms, names, _pools(steps), entry, later)
 
 
 def asynchronous(
@@ -149,12 +169,15 @@ def asynchronous(
     plan: Plan | None = None,
     steps: dict[str, FunctionVersion] | None = None,
     quota: queue.ResultQuota | None = None,
+    split: bool = False,
 ) -> Entries:
     """An asynchronous call's SUBMIT_ASYNC, at level keys.ASYNC and replying to its result stream:
     the function's own entry or a pipeline's first steps (whose successors the runners queue at that
     level too). `record`: the gateway's record of it (gateway.invocations.Submission); `idempotency`:
     its Idempotency-Key ('' for none); `cached`: a reply the dispatcher found in a cache Redis of its
-    own; `lookup_in_queue` as for `synchronous`; `quota`: the result bytes its key may hold."""
+    own; `lookup_in_queue` as for `synchronous`; `quota`: the result bytes its key may hold.
+    `split` (a Redis Cluster) as for `synchronous`; and a callback of a `cached` reply is the
+    caller's to send (the callbacks stream is elsewhere)."""
     later = call.later
     assert later is not None
     manifest = call.function.manifest
@@ -215,22 +238,23 @@ def asynchronous(
         first.fields,
         result,
         record,
-        timeout_ms + (batching.result_ttl_s + PENDING_MARGIN_S) * 1000,
+        pending_ttl_ms(call),
         invocation_id,
         first.max_queue_size,
         first.max_queue_bytes,
         keys.idempotency(call.principal.key_id, idempotency) if idempotency else "",
-        keys.callbacks() if later.callback_url else "",
+        keys.callbacks() if later.callback_url and not (split and cached) else "",
         admission,
         later.request_digest if idempotency else "",
         batching.result_ttl_s * 1000,
         entry if call.use_cache and lookup_in_queue else "",
         cached,
         first.step,
-        more,
+        () if split else more,
         quota,
     )
-    return Entries(invocation_id, script, deadline_ms, timeout_ms, names, pools, entry)
+    rest = tuple(more) if split else ()
+    return Entries(invocation_id, script, deadline_ms, timeout_ms, names, pools, entry, rest)
 
 
 def _pools(steps: dict[str, FunctionVersion]) -> tuple[str, ...]:

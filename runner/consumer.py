@@ -18,11 +18,11 @@ from collections.abc import Hashable, Iterable, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from fngate import keys, queue
+from fngate import clients, keys, queue
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.pipelined import Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
@@ -73,8 +73,8 @@ class FunctionConsumer:
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
-        self._reads = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
-        self._writes = PipelinedRedis(settings.redis_url, settings.redis_timeout_s)
+        self._reads = clients.pipelined(settings.redis_url, settings.redis_timeout_s)
+        self._writes = clients.pipelined(settings.redis_url, settings.redis_timeout_s)
         self._outboxes = [Outbox(self._writes, stream, settings) for stream in self._streams]
         self._read_levels = Script(self._reads, queue.READ_LEVELS)
         self._lower_levels_empty = False

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate import keys, queue
+from fngate import clients, delivery, keys, queue
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded
 from fngate.pipelined import PipelinedRedis, Script
@@ -44,8 +44,10 @@ class Outbox:
         self._stream = stream
         self._reply_maxlen = settings.reply_maxlen
         self._finish = Script(redis, queue.FINISH)
+        self._across_slots = delivery.scripts(redis) if redis.cluster else None
+        """A Redis Cluster's FINISH, in steps (fngate.delivery)."""
         separate = settings.cache_url and settings.cache_url != settings.redis_url
-        self._cache = aioredis.from_url(settings.cache_url, socket_timeout=1) if separate else None
+        self._cache = clients.connect(settings.cache_url, socket_timeout=1) if separate else None
         self._steps = Steps(redis, caching=self._cache is None)  # pipeline steps (runner.pipeline)
 
     async def aclose(self) -> None:
@@ -103,14 +105,23 @@ class Outbox:
             # Stored before the replies go out, so that a repeat of the request right after its
             # answer already hits.
             await asyncio.shield(self._store_separately(self._cache, separate))
+        ids, size = [entry.id for entry in entries], sum(entry.size for entry in entries)
+        if self._across_slots is not None:
+            await asyncio.shield(
+                delivery.finish(
+                    self._across_slots,
+                    self._stream,
+                    keys.RUNNER_GROUP,
+                    outgoing,
+                    ids,
+                    size,
+                    self._reply_maxlen,
+                    statistics,
+                )
+            )
+            return
         call = queue.finish_call(
-            self._stream,
-            keys.RUNNER_GROUP,
-            outgoing,
-            [entry.id for entry in entries],
-            sum(entry.size for entry in entries),
-            self._reply_maxlen,
-            statistics,
+            self._stream, keys.RUNNER_GROUP, outgoing, ids, size, self._reply_maxlen, statistics
         )
         await asyncio.shield(self._finish(call.keys, call.args))
 

@@ -16,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter
 
-from fngate import keys, queue, telemetry
+from fngate import delivery, keys, queue, telemetry
 from fngate.cache_key import cache_key
 from fngate.errors import FunctionError, Internal, Overloaded
 from fngate.pipelined import PipelinedRedis, Script
@@ -59,6 +59,8 @@ class Steps:
         """Steps whose function has its cache on are looked up and stored (in the queue's Redis)."""
         self._forward = Script(redis, queue.FORWARD)
         self._join = Script(redis, queue.JOIN)
+        self._across_slots = delivery.scripts(redis) if redis.cluster else None
+        """A Redis Cluster's FORWARD, slot by slot (fngate.delivery)."""
 
     async def finish(self, finished: Sequence[Finished], ran_digest: str = "") -> list[queue.Outgoing]:
         """Queue what follows each finished step, before its entry is acknowledged (at least once:
@@ -123,15 +125,19 @@ class Steps:
             else:
                 entries.append((successor, step_entry(following, inputs)))
         if entries:
-            refused = queue.parse_forward(
-                await self._forward(*_call(queue.forward_call([e for _, e in entries])))
-            )
+            refused = await self._queue([entry for _, entry in entries])
             if refused is not None:
                 index, limit = refused
                 target = plan.steps[entries[index][0]]
                 error = Overloaded(queue.full_message(target.described, limit, context.level != keys.SYNC))
                 answers.append(_answer(context, Reply(context.invocation_id, plan.version, {}, error)))
         return answers
+
+    async def _queue(self, entries: list[queue.Forward]) -> tuple[int, str] | None:
+        """FORWARD: None once queued, else (index of the entry refused, 'count' or 'bytes')."""
+        if self._across_slots is not None:
+            return await delivery.forward(self._across_slots, entries)
+        return queue.parse_forward(await self._forward(*_call(queue.forward_call(entries))))
 
     async def _lookup(self, context: StepContext, inputs: Tensors) -> Reply | None:
         """The cached answer of a step whose function has its cache on, as a direct call with the

@@ -14,9 +14,9 @@ import time
 import uuid
 from pathlib import Path
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from fngate import clients
 from fngate.backoff import until_done
 from fngate.config import RunnerSettings
 from fngate.registry import ModelState, StateBoard, function_source
@@ -37,8 +37,8 @@ def consumer_name() -> str:
 
 async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: int | None = None) -> None:
     name = consumer_name()
-    redis = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
-    control = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
+    redis = clients.connect(settings.redis_url, socket_connect_timeout=5)
+    control = clients.connect(settings.redis_url, socket_connect_timeout=5)
     board = StateBoard(redis, name, settings.pool, ttl_s=settings.heartbeat_s * 3)
 
     async def report(function: str, version: str, state: ModelState) -> None:

@@ -54,6 +54,8 @@ module "redis" {
   engine_version            = var.redis_engine_version
   node_type                 = var.redis_node_type
   replicas                  = var.redis_replicas
+  cluster_mode              = var.redis_cluster_mode
+  shards                    = var.redis_shards
   snapshot_retention_days   = var.redis_snapshot_retention_days
 }
 
@@ -158,6 +160,7 @@ module "fngate" {
   repo                           = "s3://${module.bucket.name}/${var.repo_prefix}"
   redis_address                  = module.redis.address
   redis_port                     = module.redis.port
+  redis_cluster                  = var.redis_cluster_mode
   redis_auth_token               = module.redis.auth_token
   gateway_role_arn               = module.gateway_role.arn
   runner_role_arn                = module.runner_role.arn

@@ -24,7 +24,7 @@ output "cluster_name" {
 }
 
 output "redis_address" {
-  description = "Primary endpoint of the queue and cache Redis (TLS, auth token in the fngate-redis Secret)."
+  description = "Primary endpoint of the queue and cache Redis, or its configuration endpoint in cluster mode (TLS, auth token in the fngate-redis Secret)."
   value       = module.redis.address
 }
 

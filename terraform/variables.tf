@@ -131,6 +131,23 @@ variable "redis_replicas" {
   }
 }
 
+variable "redis_cluster_mode" {
+  description = "ElastiCache in cluster mode: the queue, cache and limits spread over redis_shards primaries, each with redis_replicas replicas (docs/deployment.md, Past one Redis)."
+  type        = bool
+  default     = false
+}
+
+variable "redis_shards" {
+  description = "Shards (primaries) in cluster mode; unused without it."
+  type        = number
+  default     = 3
+
+  validation {
+    condition     = var.redis_shards >= 1 && var.redis_shards <= 500
+    error_message = "redis_shards: 1 to 500."
+  }
+}
+
 variable "redis_engine_version" {
   description = "Redis engine version: 7.0 or later, since KEDA reads the consumer-group lag that Redis 7 reports."
   type        = string

@@ -1,5 +1,7 @@
 """Shared fixtures: one real redis-server per session, flushed before each test; factories for
-gateways (in-process Hypercorn, or processes) and runners (in-process, or processes)."""
+gateways (in-process Hypercorn, or processes) and runners (in-process, or processes). A test
+marked `on_cluster_too` runs a second time with a Redis Cluster on loopback as its queue (one per
+session, started by the first such test)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from fngate import clients
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
-from fngate.tools import local
+from fngate.tools import local, local_cluster
 from gateway.app import create_app
 from gateway.http.server import SERVERS
 from runner.worker import main as runner_main
@@ -71,11 +74,39 @@ def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def single_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     process, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     process.terminate()
     process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_cluster.LocalCluster]:
+    """3 primaries and 3 replicas of `redis-server --cluster-enabled yes` on loopback."""
+    try:
+        cluster = local_cluster.start_cluster(tmp_path_factory.mktemp("cluster"))
+    except local_cluster.ClusterError as exc:
+        pytest.fail(str(exc))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The queue's URL: the session's Redis, or its Redis Cluster where the test is parametrized
+    so (on_cluster_too)."""
+    if getattr(request, "param", "redis") == "cluster":
+        cluster: local_cluster.LocalCluster = request.getfixturevalue("redis_cluster")
+        return cluster.url
+    url: str = request.getfixturevalue("single_redis_url")
+    return url
+
+
+on_cluster_too = pytest.mark.parametrize(
+    "redis_url", ["redis", pytest.param("cluster", marks=pytest.mark.cluster)], indirect=True
+)
+"""Run the test on one Redis and on the session's Redis Cluster."""
 
 
 @pytest.fixture
@@ -99,8 +130,8 @@ def extra_redis(
 
 @pytest.fixture
 async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url)
-    await client.flushall()
+    client = clients.connect(redis_url)
+    await client.flushall()  # on a cluster, every primary's
     yield client
     await client.aclose()
 

@@ -21,6 +21,14 @@ AS, TO, BY = b"as", b"to", b"by"
 """On an invocation entry: a waiter promoted to run in place of an identical invocation that expired
 runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
 
+# given(key): a key the caller passed. One that is not given is '' on one Redis; on a Redis Cluster
+# it is the hash tag of the call's first key alone ('{tiny}': fngate.cluster.placeheld), since a
+# declared key of another slot (slot 0, for '') would refuse the whole call. No key fngate names
+# starts with '{'.
+GIVEN_LUA = """
+local function given(key) return key ~= '' and string.byte(key, 1) ~= 123 end
+"""
+
 # full(stream, counter, max_size, max_bytes) -> nil | 'count' | 'bytes': whether a stream is at its
 # max_queue_size or (max_bytes > 0) its byte counter at max_queue_bytes.
 # push(stream, counter, header, body, step) -> the entry id: the entry added (with its pipeline step
@@ -97,20 +105,21 @@ end
 # arguments to ARGV after the thirteenth. All are queued or none ({'full', limit, index of the
 # entry refused}).
 ENQUEUE_LUA = (
-    ADMIT_LUA
+    GIVEN_LUA
+    + ADMIT_LUA
     + PUSH_LUA
     + """
 local function enqueue(KEYS, ARGV)
-  if KEYS[6] ~= '' then
+  if given(KEYS[6]) then
     local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
       tonumber(ARGV[10]), ARGV[11], tonumber(ARGV[12]))
     if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
   end
-  if KEYS[3] ~= '' then
+  if given(KEYS[3]) then
     local hit = redis.call('HMGET', KEYS[3], 'h', 'b')
     if hit[1] then return {'hit', hit[1], hit[2]} end
   end
-  if KEYS[4] ~= '' then
+  if given(KEYS[4]) then
     if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[6]) then
       redis.call('RPUSH', KEYS[5], ARGV[5])
       redis.call('PEXPIRE', KEYS[5], ARGV[6])
@@ -118,8 +127,8 @@ local function enqueue(KEYS, ARGV)
     end
   end
   local function refuse(limit, index)
-    if KEYS[4] ~= '' then redis.call('DEL', KEYS[4]) end
-    if KEYS[6] ~= '' then  -- refused: it holds no place in the caller's limits
+    if given(KEYS[4]) then redis.call('DEL', KEYS[4]) end
+    if given(KEYS[6]) then  -- refused: it holds no place in the caller's limits
       redis.call('ZREM', KEYS[7], ARGV[11])
       redis.call('ZREM', KEYS[8], ARGV[11])
     end
@@ -186,33 +195,49 @@ FINISH_ITEM = 11
 # ARGV: group, reply maxlen, bytes acknowledged, the number of replies n, the statistics hash ('' for
 # none), the time of the batch's end in ms for it, the number m of its counters, m pairs (field,
 # amount) to add, then n groups of
-# FINISH_ITEM (index into KEYS, header, body, cache entry or '', its TTL in s, in-flight marker or
-# '', its waiters list, what to do with the waiters: 'share' the reply, 'drop' them, or 'promote'
-# the first to run in place of this one, and for 'promote' the invocation's own header and body,
-# and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
+# FINISH_ITEM (index into KEYS (0: the reply was delivered already), header, body, cache entry or
+# '', its TTL in s, in-flight marker or '', its waiters list, what to do with the waiters: 'share'
+# the reply, 'drop' them, 'promote' the first to run in place of this one, or 'counted': the caller
+# answered as many as the next argument says, and for 'promote' the invocation's own header and
+# body, and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
 # asynchronous result is kept result_ttl_s after it is done)), then the entry ids to acknowledge
 # and delete. Replies go only to reply streams that exist (NOMKSTREAM): a gateway that stopped took
 # its stream with it. A reply kept for a time (an asynchronous result's) is stored compactly
-# instead (fngate.queue.stored). One command per batch.
+# instead (fngate.queue.stored). One command per batch on one Redis. Answers n once done; or, when
+# waiters joined a 'counted' list beyond its count, {'more', {{i, the new waiters}, ...}} and does
+# nothing (a Redis Cluster's FINISH, fngate.delivery, answers them and calls again).
 FINISH = (
     STORE_RESULT_LUA
     + """
 local n = tonumber(ARGV[4])
 local maxlen = ARGV[2]
 local m = tonumber(ARGV[7])
+local first = 8 + m * 2
+local more = {}
+for i = 0, n - 1 do
+  local at = first + i * 11
+  if ARGV[at + 7] == 'counted' and ARGV[at + 5] ~= '' then
+    local known = tonumber(ARGV[at + 8])
+    if redis.call('LLEN', ARGV[at + 6]) > known then
+      more[#more + 1] = {i, redis.call('LRANGE', ARGV[at + 6], known, -1)}
+    end
+  end
+end
+if #more > 0 then return {'more', more} end
 if ARGV[5] ~= '' then
   for j = 0, m - 1 do redis.call('HINCRBY', ARGV[5], ARGV[8 + j * 2], ARGV[9 + j * 2]) end
   redis.call('HSET', ARGV[5], 'last_inference', ARGV[6])
 end
-local first = 8 + m * 2
 for i = 0, n - 1 do
   local at = first + i * 11
   local h, b = ARGV[at + 1], ARGV[at + 2]
-  local reply_to = KEYS[tonumber(ARGV[at])]
-  if ARGV[at + 10] ~= '0' then
-    store_result(reply_to, h, b, ARGV[at + 10])
-  else
-    redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+  if ARGV[at] ~= '0' then
+    local reply_to = KEYS[tonumber(ARGV[at])]
+    if ARGV[at + 10] ~= '0' then
+      store_result(reply_to, h, b, ARGV[at + 10])
+    else
+      redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
+    end
   end
   if ARGV[at + 3] ~= '' then
     redis.call('HSET', ARGV[at + 3], 'h', h, 'b', b)
@@ -457,6 +482,8 @@ class Outgoing:
     reply_ttl_ms: int = 0
     """Keep the reply stream this long after this reply (an asynchronous result's stream); 0 leaves
     its TTL alone."""
+    delivered: bool = False
+    """The reply is in `reply_to` already (a Redis Cluster's DELIVER, fngate.queue.slots)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -476,14 +503,19 @@ def finish_call(
     entry_bytes: int,
     reply_maxlen: int,
     statistics: Statistics | None = None,
+    answered: Mapping[int, int] | None = None,
 ) -> ScriptCall:
     """FINISH's arguments: write `replies`, acknowledge and delete `entry_ids` (which held
-    `entry_bytes` of the stream's byte count), and add the batch to its `statistics`."""
+    `entry_bytes` of the stream's byte count), and add the batch to its `statistics`. `answered`
+    (a Redis Cluster's FINISH): the caller answers the waiters of each reply that shares its
+    answer itself, and has answered this many of the reply at each index (none when missing)."""
     reply_keys: dict[str, int] = {}
     items: list[bytes | str | int | float] = []
-    for out in replies:
-        index = reply_keys.setdefault(out.reply_to, len(reply_keys) + 3)
+    for at, out in enumerate(replies):
+        index = 0 if out.delivered else reply_keys.setdefault(out.reply_to, len(reply_keys) + 3)
         promote = out.waiters == "promote" and out.invocation is not None
+        mode = out.waiters if out.waiters != "promote" or promote else "drop"
+        count = answered.get(at, 0) if answered is not None and mode == "share" else None
         items += [
             index,
             out.reply[HEADER],
@@ -492,8 +524,8 @@ def finish_call(
             out.cache_ttl_s,
             out.in_flight,
             waiters(out.in_flight) if out.in_flight else "",
-            out.waiters if out.waiters != "promote" or promote else "drop",
-            out.invocation[HEADER] if promote and out.invocation else "",
+            mode if count is None else "counted",
+            out.invocation[HEADER] if promote and out.invocation else ("" if count is None else count),
             out.invocation[BODY] if promote and out.invocation else "",
             out.reply_ttl_ms,
         ]

@@ -6,9 +6,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fngate import keys
 from fngate.queue.invocations import (
     ADMIT_LUA,
     BODY,
+    GIVEN_LUA,
     HEADER,
     NO_ADMISSION,
     PUSH_LUA,
@@ -70,9 +72,9 @@ end
 # 'quota', retry_after_ms}, before anything is queued. The idempotency key holds the first
 # invocation's id and its request's digest: a repeat answers that id while its result is kept
 # ('again'), or 'conflict' when the request differs; once the result expired the key is free again.
-# The result stream is named by the invocation id at its end (keys.result), so the first one's
-# name follows. A cached answer is the result at once ('hit'): nothing is queued, and a callback
-# gets it as from FINISH.
+# The result stream is named by the invocation id (keys.result), so the first one's name follows.
+# A cached answer is the result at once ('hit'): nothing is queued, and a callback gets it as from
+# FINISH.
 # An asynchronous pipeline (fngate.plan) queues its first steps: ARGV[19] is the first entry's step
 # context (STEP; '' for a function's own invocation), and each further first step adds its stream
 # and byte counter to KEYS after the tenth (all streams, then all counters) and a group of
@@ -80,15 +82,17 @@ end
 # index of the entry refused}); the result stream's first entry names them all, space-separated
 # (`q`, `e`), for READ_RESULT and CANCEL.
 SUBMIT_ASYNC = (
-    ADMIT_LUA
+    GIVEN_LUA
+    + ADMIT_LUA
     + PUSH_LUA
     + STORE_RESULT_LUA
     + PRESSURE_LUA
+    + keys.RESULT_KEY_LUA
     + """
-if KEYS[4] ~= '' then
+if given(KEYS[4]) then
   local first = redis.call('GET', KEYS[4])
   local id, digest = string.match(first or '', '^(%S+) (%S*)$')
-  local earlier = string.sub(KEYS[3], 1, #KEYS[3] - #ARGV[7]) .. (id or '')
+  local earlier = result_key(id or '')
   if id and redis.call('EXISTS', earlier, earlier .. ':done') > 0 then
     if digest ~= ARGV[9] then return {'conflict', id} end
     return {'again', id}
@@ -96,24 +100,25 @@ if KEYS[4] ~= '' then
 end
 local tight = pressure(tonumber(ARGV[21]))
 if tight then return {'pressure', tight[1], tight[2]} end
-if KEYS[10] ~= '' then
-  local bytes, wait = held(KEYS[10], now_ms())
+local quota = given(KEYS[10]) and KEYS[10] or ''
+if quota ~= '' then
+  local bytes, wait = held(quota, now_ms())
   if bytes >= tonumber(ARGV[20]) then return {'limited', 'quota', math.max(1000, wait)} end
 end
-if KEYS[6] ~= '' then
+if given(KEYS[6]) then
   local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
     tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15]))
   if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
 end
 local hit_h, hit_b = ARGV[17], ARGV[18]
-if hit_h == '' and KEYS[9] ~= '' then
+if hit_h == '' and given(KEYS[9]) then
   local hit = redis.call('HMGET', KEYS[9], 'h', 'b')
   hit_h, hit_b = hit[1] or '', hit[2] or ''
 end
 if hit_h ~= '' then
-  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5], 'k', KEYS[10])
+  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5], 'k', quota)
   store_result(KEYS[3], hit_h, hit_b, ARGV[16])
-  if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[16]) end
+  if given(KEYS[4]) then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[16]) end
   local callbacks, id = string.match(ARGV[8], '^(%S+) (%S+)')
   if callbacks then
     redis.call('XADD', callbacks, 'NOMKSTREAM', '*', 'h', hit_h, 'b', hit_b, 'for', id)
@@ -136,10 +141,10 @@ for i = 1, more do
   streams = streams .. ' ' .. stream
   entries = entries .. ' ' .. push(stream, KEYS[10 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
 end
-redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5], 'k', KEYS[10])
+redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5], 'k', quota)
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
-if KEYS[4] ~= '' then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
-if KEYS[5] ~= '' then
+if given(KEYS[4]) then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
+if given(KEYS[5]) then
   redis.call('RPUSH', KEYS[5], ARGV[8])
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
 end
@@ -299,7 +304,7 @@ def submit_async_call(
     entry's step context and `more` the entries of its other first steps. `quota`: the result
     bytes the submitting key may hold (None: no limit); `memory_ratio`: the share of Redis's
     maxmemory from which submissions are refused (0: never)."""
-    if not result_stream.endswith(invocation_id) or " " in request_digest:
+    if result_stream != keys.result(invocation_id) or " " in request_digest:
         raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
     admit = admission or NO_ADMISSION
     waiter = Waiter(callbacks, invocation_id, 0).encode() if callbacks else ""

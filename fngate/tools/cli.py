@@ -643,7 +643,7 @@ def _add_key_commands(commands: Any) -> None:
 def _key_command(args: argparse.Namespace) -> int:
     import redis
 
-    from fngate import apikeys
+    from fngate import apikeys, clients
     from fngate.errors import FunctionError
 
     if args.action == "hash":
@@ -653,7 +653,7 @@ def _key_command(args: argparse.Namespace) -> int:
             print(f"fngate keys: {exc.message} in FNGATE_API_KEY", file=sys.stderr)
             return 2
         return 0
-    client = redis.Redis.from_url(targets(None, args.redis)[1], socket_connect_timeout=3)
+    client = clients.connect_sync(targets(None, args.redis)[1], socket_connect_timeout=3)
     try:
         if args.action == "create":
             key, record = apikeys.create(
@@ -715,16 +715,16 @@ def _overrides(args: argparse.Namespace, **fields: str) -> dict[str, object]:
 def _clear_cache(function: str, url: str | None) -> int:
     import asyncio
 
-    import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
+    from fngate import clients
     from fngate.deployment import clear_cache
 
     if url is None:
         url = os.environ.get("FNGATE_CACHE_URL") or targets(None, None)[1]
 
     async def clear() -> int:
-        async with aioredis.from_url(url, socket_connect_timeout=3) as client:
+        async with clients.connect(url, socket_connect_timeout=3) as client:
             return await clear_cache(client, function)
 
     try:

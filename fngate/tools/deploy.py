@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import orjson
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from fngate import clients
 from fngate.deployment import RUNNER_START_S, deploy_files, policy_check, warm, withdraw
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
@@ -247,7 +247,7 @@ async def _warm(redis_url: str, version: FunctionVersion, out: TextIO) -> str:
     one has it ready: "" then, else what went wrong."""
     started = time.monotonic()
     timeout_s = version.manifest.model.load_timeout_s + RUNNER_START_S
-    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+    async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
         failure = await warm(
             redis, version.name, (version.version,), version.manifest.scaling.pool, timeout_s
         )
@@ -398,14 +398,14 @@ def curl_lines(gateway: str, version: FunctionVersion, record: FunctionRecord) -
 
 
 async def _ping(redis_url: str) -> None:
-    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+    async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
         await redis.ping()
 
 
 async def _announce(redis_url: str, repo_url: str, record: FunctionRecord, remote: bool) -> None:
     """Record the function (S3 repositories), create its stream and runner group, and tell runners
     to look now."""
-    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+    async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
         if remote:
             await Registry(redis, repo_url).put(record)
         else:
@@ -491,7 +491,7 @@ def _print_table(rows: Sequence[tuple[str, ...]], out: TextIO) -> None:
 async def _states(
     redis_url: str, repo_url: str, records: dict[str, FunctionRecord], sync: bool
 ) -> tuple[list[Any], list[str]]:
-    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+    async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
         runners = await read_runners(redis)
         if sync:  # streams and groups of functions deployed before they were made at deploy time
             for name, record in records.items():
@@ -559,7 +559,7 @@ def remove(
 async def _remove(
     repository: Repository, record: FunctionRecord, redis_url: str, grace_s: float, remote: bool
 ) -> int:
-    async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+    async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
         await redis.ping()
         return await withdraw(repository, record, redis, grace_s)
 

@@ -88,6 +88,9 @@ class Options:
     repo: str = "s3://fngate-models/prod"
     redis_address: str = "redis:6379"
     """host:port, for KEDA; the pods' URL (with the password) is in redis_secret."""
+    redis_cluster: bool = False
+    """Redis is a cluster (redis_address its configuration endpoint, or host:port of nodes,
+    comma-separated): KEDA reads it with redis-cluster-streams triggers."""
     redis_tls: bool = True
     redis_secret: str = "fngate-redis"
     """A Secret with keys `url` (FNGATE_REDIS_URL) and `password`, made beside these objects."""
@@ -430,7 +433,7 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
         lag_target, length_target = targets(manifest, options)
         names = keys.level_names(manifest.batching.priorities)
         for level, stream in enumerate(keys.levels(manifest.name, manifest.batching.priorities)):
-            common = {"address": options.redis_address, "stream": stream, "databaseIndex": "0"}
+            common = _redis_target(options) | {"stream": stream}
             common["enableTLS"] = "true" if options.redis_tls else "false"
             # The stream's length (XLEN, KEDA's streamLength mode: no consumerGroup) is what waits
             # or runs: an entry leaves its stream when it is answered or cancelled. It cannot be
@@ -445,7 +448,7 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
             suffix = f"-{names[level]}" if level else ""  # every priority level counts
             for kind, metadata in (("length", length), ("lag", lag)):
                 trigger = {
-                    "type": "redis-streams",
+                    "type": "redis-cluster-streams" if options.redis_cluster else "redis-streams",
                     "name": f"{kind}-{manifest.name}{suffix}",
                     "metadata": metadata,
                 }
@@ -463,6 +466,13 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
         "triggers": triggers,
     }
     return scaled
+
+
+def _redis_target(options: Options) -> Obj:
+    """Where KEDA reads the streams: one Redis's database 0, or a cluster's nodes."""
+    if options.redis_cluster:
+        return {"addresses": options.redis_address}
+    return {"address": options.redis_address, "databaseIndex": "0"}
 
 
 def _registry_sync(options: Options) -> Obj:
@@ -509,6 +519,8 @@ FLAG_HELP = {
     "redis_address": "host:port of Redis, for KEDA's triggers (default: redis:6379); the pods' URL is in "
     "--redis-secret",
     "redis_tls": "(--no-redis-tls) KEDA reaches Redis without TLS (default: with TLS)",
+    "redis_cluster": "Redis is a cluster: KEDA reads it with redis-cluster-streams triggers, and "
+    "--redis-address names its configuration endpoint or nodes (host:port, comma-separated)",
     "redis_secret": "a Secret with keys `url` (the pods' FNGATE_REDIS_URL) and `password` (default: "
     "fngate-redis)",
     "deployed": "a function that has been deployed (its stream and runner group exist): only these get "
@@ -568,8 +580,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for field in dataclasses.fields(Options):
         flag, default = "--" + field.name.replace("_", "-").removesuffix("-s"), field.default
         text = FLAG_HELP.get(field.name)
-        if isinstance(default, bool):
-            parser.add_argument(f"--no-{flag[2:]}", dest=field.name, action="store_false", help=text)
+        if isinstance(default, bool):  # --no-redis-tls turns one off, --redis-cluster one on
+            name, action = (flag, "store_true") if not default else (f"--no-{flag[2:]}", "store_false")
+            parser.add_argument(name, dest=field.name, action=action, help=text)
         elif isinstance(default, tuple):
             parser.add_argument(
                 flag.removesuffix("s"), dest=field.name, action="append", default=[], help=text

@@ -25,9 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import redis
-import redis.asyncio as aioredis
 
-from fngate import apikeys, telemetry
+from fngate import apikeys, clients, telemetry
 from fngate.backoff import Backoff
 from fngate.errors import FunctionError
 from fngate.process import ends_with_parent, module_command, stop_processes
@@ -314,7 +313,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
-    client = aioredis.from_url(env["FNGATE_REDIS_URL"], socket_connect_timeout=2, socket_timeout=5)
+    client = clients.connect(env["FNGATE_REDIS_URL"], socket_connect_timeout=2, socket_timeout=5)
     source = function_source(env["FNGATE_REPO"], client)
 
     async def pools() -> dict[str, PoolSpec]:
@@ -395,7 +394,7 @@ def _auth(args: argparse.Namespace, redis_url: str, env: dict[str, str]) -> str 
     env["FNGATE_AUTH"] = "true"
     path = Path(args.state_dir).expanduser() / "admin.key"
     try:
-        key, created = apikeys.admin_key(redis.Redis.from_url(redis_url, socket_connect_timeout=3), path)
+        key, created = apikeys.admin_key(clients.connect_sync(redis_url, socket_connect_timeout=3), path)
     except (redis.RedisError, OSError) as exc:
         raise LocalError(f"could not set up the admin API key in {path}: {exc}") from exc
     print(f"fngate up: {'created the admin API key' if created else 'admin API key'} in {path}", flush=True)

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import orjson
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from fngate import clients
 from fngate.deployment import previous_version, route
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.repository import FunctionRecord, Repository
@@ -60,7 +60,7 @@ def route_direct(
     )
 
     async def run() -> tuple[FunctionRecord, str]:
-        async with aioredis.from_url(redis_url, socket_connect_timeout=3) as redis:
+        async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
             return await route(repository, redis, name, wanted)
 
     try:

@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from fngate import keys
+from fngate import clients, keys
 from fngate.backoff import Backoff, Health, backoff_s
 from fngate.process import ends_with_parent, module_command, stop_processes
 from fngate.registry import LOADING, read_runners
@@ -124,7 +124,7 @@ class LocalScaler:
         pubsub = self._redis.pubsub()
         try:
             async with asyncio.timeout(TICK_TIMEOUT_S):
-                await pubsub.subscribe(keys.wake_channel())
+                await clients.subscribe(pubsub, keys.wake_channel())
             while not stopping.is_set():
                 async with asyncio.timeout(TICK_TIMEOUT_S):
                     await self._tick()
@@ -132,11 +132,11 @@ class LocalScaler:
                 self.health.succeeded()
                 # With no runner, a wake (a message) is what starts one: a quiet machine ticks slowly.
                 poll_s = self._poll_s if self._started else max(self._poll_s, IDLE_POLL_S)
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
+                message = await clients.next_message(pubsub, poll_s)
                 while message is not None:  # every pool woken meanwhile, then one tick for all
                     async with asyncio.timeout(TICK_TIMEOUT_S):
                         await self._wake(message["data"].decode())
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+                    message = await clients.next_message(pubsub, 0)
         finally:
             with contextlib.suppress(RedisError, OSError):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from fngate import keys, status_port, triton_metrics
+from fngate import clients, keys, status_port, triton_metrics
 from fngate.backoff import Health
 from fngate.config import GatewaySettings
 from fngate.nvml import read_gpus
@@ -84,7 +84,7 @@ class MetricsPort:
     def _client(self) -> aioredis.Redis:
         if self._redis is None:
             timeout_s = self._settings.redis_timeout_s
-            self._redis = aioredis.from_url(
+            self._redis = clients.connect(
                 self._settings.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
             )
         return self._redis

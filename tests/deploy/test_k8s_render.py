@@ -159,6 +159,18 @@ def test_scaled_object_triggers_on_stream_length_from_zero_and_on_lag(mixed: lis
     ]
 
 
+def test_a_redis_cluster_is_read_by_redis_cluster_streams_triggers() -> None:
+    options = k8s.Options(redis_cluster=True, redis_address="cfg.example:6379", deployed=("classify",))
+    objects = k8s.render([manifest("classify")], options)
+    validate(objects)
+    triggers = of_kind(objects, "ScaledObject")[0]["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"redis-cluster-streams"}
+    for metadata in (t["metadata"] for t in triggers):
+        assert metadata["addresses"] == "cfg.example:6379"
+        assert "address" not in metadata and "databaseIndex" not in metadata  # a cluster has database 0
+        assert metadata["stream"].startswith("fngate:q:{classify}")
+
+
 def test_target_lag_option_overrides_batch_size() -> None:
     options = k8s.Options(target_lag=3, redis_tls=False, deployed=("classify",))
     objects = k8s.render([manifest("classify")], options)

@@ -220,12 +220,33 @@ def test_redis_has_tls_auth_and_evicts_only_keys_with_a_ttl(modules: dict[str, M
     assert group["automatic_failover_enabled"] is True
     parameters = redis.resource("aws_elasticache_parameter_group", "this")
     assert parameters["family"] == "redis7"
-    assert {p["name"]: p["value"] for p in parameters["parameter"]} == {"maxmemory-policy": "noeviction"}
+    assert {p["name"]: p["value"] for p in parameters["parameter"]} == {
+        "maxmemory-policy": "noeviction",
+        "cluster-enabled": '${var.cluster_mode ? "yes" : "no"}',
+    }
     assert group["parameter_group_name"] == "${aws_elasticache_parameter_group.this.name}"
-    # The pods' URL speaks TLS (rediss://) and so does KEDA (the renderer's default, not switched off).
+    # The pods' URL speaks TLS (rediss://, or rediss+cluster:// in cluster mode) and so does KEDA
+    # (the renderer's default, not switched off).
     fngate = modules["fngate"]
-    assert fngate.locals["redis_url"].startswith("rediss://")
+    assert fngate.locals["redis_url"].startswith("${local.redis_scheme}://")
+    assert fngate.locals["redis_scheme"] == '${var.redis_cluster ? "rediss+cluster" : "rediss"}'
     assert "--no-redis-tls" not in fngate.locals["render_flags"]
+
+
+def test_redis_in_cluster_mode_has_shards_of_primaries_and_replicas(modules: dict[str, Module]) -> None:
+    """Cluster mode: `shards` node groups of a primary and `replicas` replicas each; the pods and
+    KEDA are given the configuration endpoint, the cluster URL and redis-cluster-streams triggers."""
+    group = modules["redis"].resource("aws_elasticache_replication_group", "this")
+    assert group["num_node_groups"] == "${var.cluster_mode ? var.shards : null}"
+    assert group["replicas_per_node_group"] == "${var.cluster_mode ? var.replicas : null}"
+    assert group["num_cache_clusters"] == "${var.cluster_mode ? null : var.replicas + 1}"
+    assert "configuration_endpoint_address" in modules["redis"].named("output")["address"]["value"]
+    root = modules["root"]
+    assert root.named("module")["redis"]["cluster_mode"] == "${var.redis_cluster_mode}"
+    assert root.named("module")["redis"]["shards"] == "${var.redis_shards}"
+    assert root.named("module")["fngate"]["redis_cluster"] == "${var.redis_cluster_mode}"
+    assert root.named("variable")["redis_cluster_mode"]["default"] is False
+    assert 'var.redis_cluster ? ["--redis-cluster"] : []' in modules["fngate"].locals["render_args"]
 
 
 def test_keda_and_kubernetes_are_pinned_to_a_pair_keda_tests(modules: dict[str, Module]) -> None:

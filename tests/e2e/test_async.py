@@ -25,12 +25,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import redis as sync_redis
 import redis.asyncio as aioredis
 import uvicorn
 import yaml
+from redis.exceptions import ResponseError
 
-from fngate import apikeys, keys
+from fngate import apikeys, clients, keys
 from fngate.process import stop_processes
 from fngate.queue import entry_runs
 from fngate.registry import function_source
@@ -130,7 +130,7 @@ class Deployment:
         self.logs = logs
         self.started: list[subprocess.Popen[bytes]] = []
         self.gateways: dict[str, subprocess.Popen[bytes]] = {}
-        client = sync_redis.Redis.from_url(redis_url)
+        client = clients.connect_sync(redis_url)
         self.admin, _ = apikeys.create(client, ["admin"])
         self.user, _ = apikeys.create(client, ["invoke"])
         self.other, _ = apikeys.create(client, ["invoke"])
@@ -166,9 +166,18 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def deployment(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    """The module's processes on a Redis of their own, or on the session's Redis Cluster (a test
+    parametrized with on_cluster_too)."""
     folder = tmp_path_factory.mktemp("async")
-    process, url = start_redis(folder)
+    process = None
+    if getattr(request, "param", "redis") == "cluster":
+        url = request.getfixturevalue("redis_cluster").url
+        clients.connect_sync(url).flushall()
+    else:
+        process, url = start_redis(folder)
     repo = folder / "repo"
     repo.mkdir()
     shutil.copytree(ROOT / "functions" / "classifier", repo / "classifier")
@@ -204,8 +213,15 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         yield found
     finally:
         stop_processes(found.started)
-        process.terminate()
-        process.wait(timeout=10)
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+on_cluster_too = pytest.mark.parametrize(
+    "deployment", ["redis", pytest.param("cluster", marks=pytest.mark.cluster)], indirect=True
+)
+"""Run the test on the module's Redis and on the session's Redis Cluster."""
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -241,6 +257,7 @@ async def result(client: httpx.AsyncClient, invocation_id: str, base: str = "") 
             return response
 
 
+@on_cluster_too
 async def test_submit_poll_and_fetch_in_both_shapes(client: httpx.AsyncClient) -> None:
     rows = np.random.default_rng(18).standard_normal((3, 16), dtype=np.float32)
     deadline = time.monotonic() + 60
@@ -303,6 +320,7 @@ async def test_unknown_and_foreign_ids_are_not_found(
     ).status_code == 401
 
 
+@on_cluster_too
 async def test_idempotent_resubmission_returns_the_first_invocation(client: httpx.AsyncClient) -> None:
     first = await submit(client, "/v1/functions/echo", **{"Idempotency-Key": "order-18"})
     again = await client.post(
@@ -324,10 +342,11 @@ async def test_idempotent_resubmission_returns_the_first_invocation(client: http
         assert "'order-18'" in reused.json()["error"]
 
 
+@on_cluster_too
 async def test_submissions_count_against_the_keys_rate(
     client: httpx.AsyncClient, deployment: Deployment
 ) -> None:
-    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    redis = clients.connect_sync(deployment.redis_url)
     try:
         slow_key, _ = apikeys.create(redis, ["invoke"], rps=0.01, burst=1)
     finally:
@@ -341,11 +360,15 @@ async def test_submissions_count_against_the_keys_rate(
     refused = await client.post("/v1/functions/echo", json=ROW, headers=headers)
     assert refused.status_code == 429
     assert "retry-after" in refused.headers
+    # One bucket for both: a synchronous invocation with the key is refused too.
+    synchronous = await client.post("/v1/functions/echo", json=ROW, headers=bearer(slow_key))
+    assert synchronous.status_code == 429 and synchronous.json()["code"] == "rate_limited"
 
 
+@on_cluster_too
 async def test_cancel_before_it_starts(client: httpx.AsyncClient, deployment: Deployment) -> None:
     invocation_id = await submit(client, "/v1/functions/idle")
-    queue = sync_redis.Redis.from_url(deployment.redis_url)
+    queue = clients.connect_sync(deployment.redis_url)
     try:
         assert queue.xlen(keys.invocations("idle", keys.ASYNC)) >= 1
         cancelled = await client.delete(f"/v1/invocations/{invocation_id}")
@@ -396,6 +419,7 @@ async def test_a_result_is_kept_its_ttl_after_it_is_done(client: httpx.AsyncClie
     assert response.status_code == 404
 
 
+@on_cluster_too
 async def test_a_cached_answer_is_the_result_at_once(
     client: httpx.AsyncClient, deployment: Deployment
 ) -> None:
@@ -411,7 +435,7 @@ async def test_a_cached_answer_is_the_result_at_once(
     assert fetched.status_code == 200
     assert fetched.headers["x-fngate-state"] == "done"
     assert fetched.json()["outputs"] == first.json()["outputs"]
-    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    redis = clients.connect_sync(deployment.redis_url)
     try:
         assert redis.xlen(keys.invocations("cached", keys.ASYNC)) == 0
     finally:
@@ -534,7 +558,7 @@ async def test_sync_served_ahead_of_an_async_backlog(
     backlog; the backlog drains after."""
     backlog = [await submit(client, "/v1/functions/ticket") for _ in range(12)]
     synchronous = [asyncio.create_task(client.post("/v1/functions/ticket", json=ROW)) for _ in range(2)]
-    queue = sync_redis.Redis.from_url(deployment.redis_url)
+    queue = clients.connect_sync(deployment.redis_url)
     try:
         deadline = time.monotonic() + 20
         while queue.xlen(keys.invocations("ticket")) < 2 and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -599,9 +623,9 @@ async def test_claimed_and_dead_lettered_at_the_async_level(
     survivor = await submit(client, "/v1/functions/held")
     poisoned = await submit(client, "/v1/functions/held")
     stream = keys.invocations("held", keys.ASYNC)
-    redis = sync_redis.Redis.from_url(deployment.redis_url)
+    redis = clients.connect_sync(deployment.redis_url)
     try:
-        with contextlib.suppress(sync_redis.ResponseError):  # BUSYGROUP: a runner made it
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: a runner made it
             redis.xgroup_create(stream, keys.RUNNER_GROUP, id="0", mkstream=True)
         # A runner that read both and died (nothing of ours runs here: a client of the group).
         read: Any = redis.xreadgroup(keys.RUNNER_GROUP, "dead-runner", {stream: ">"}, count=10)
@@ -654,6 +678,7 @@ async def test_a_submission_wakes_a_pool_at_zero(
         await redis.aclose()
 
 
+@on_cluster_too
 @pytest.mark.parametrize("callback_receiver", [0], indirect=True)
 async def test_a_pipeline_answers_asynchronously_like_a_function(
     client: httpx.AsyncClient, callback_receiver: tuple[CallbackReceiver, str]
@@ -694,7 +719,7 @@ async def test_a_pipeline_cancelled_before_its_first_steps_start(
     takes both out of their queues."""
     invocation_id = await submit(client, "/v1/functions/waiting")
     streams = [keys.invocations(name, keys.ASYNC) for name in ("dormant", "resting")]
-    queue = sync_redis.Redis.from_url(deployment.redis_url)
+    queue = clients.connect_sync(deployment.redis_url)
     try:
         assert [queue.xlen(stream) for stream in streams] == [1, 1]
         assert queue.xlen(keys.invocations("dormant")) == 0  # nothing at the synchronous level

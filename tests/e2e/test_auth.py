@@ -17,13 +17,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import redis as sync_redis
 import redis.asyncio as aioredis
 import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
-from fngate import apikeys, keys
+from fngate import apikeys, clients, keys
 from tests.conftest import wait_http
 from tests.e2e.deployments import cli, invoke, runner_env, scale_function
 from tests.e2e.test_observability import Receiver, receiver
@@ -36,7 +35,7 @@ NO_AWS = {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "", 
 
 
 def create_key(redis_url: str, *scopes: str, **limits: Any) -> tuple[str, apikeys.KeyRecord]:
-    client = sync_redis.Redis.from_url(redis_url)
+    client = clients.connect_sync(redis_url)
     try:
         return apikeys.create(client, list(scopes), **limits)
     finally:

@@ -15,7 +15,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from fngate import keys
-from tests.conftest import wait_http
+from tests.conftest import on_cluster_too, wait_http
 from tests.e2e.function_output import FunctionOutput
 
 MEMO = "/v2/models/memo/infer"
@@ -73,6 +73,7 @@ async def _url(redis: aioredis.Redis) -> str:
     return f"unix://{kwargs['path']}"
 
 
+@on_cluster_too
 async def test_bypass_runs_the_model_again(
     serve_gateway: Callable[..., Any],
     inprocess_runner: Callable[..., Any],
@@ -123,6 +124,7 @@ async def test_a_new_model_never_gets_the_old_answers(
     assert response.json()["outputs"][0]["data"] == [3, 3, 6, 9]
 
 
+@on_cluster_too
 async def test_identical_concurrent_invocations_run_once(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., Any],
@@ -141,6 +143,7 @@ async def test_identical_concurrent_invocations_run_once(
     assert function_output.executions(2) == ["0", "9"]
 
 
+@on_cluster_too
 async def test_a_waiter_runs_in_place_of_the_invocation_it_waited_on_when_that_expires(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., Any],

@@ -22,7 +22,7 @@ from fngate import keys
 from fngate.repository import FolderRepository
 from fngate.tools.deploy import deploy
 from fngate.tools.scaler import LocalScaler
-from tests.conftest import wait_http
+from tests.conftest import on_cluster_too, wait_http
 from tests.e2e.deployments import ROW, invoke, scale_function
 from tests.e2e.test_observability import Receiver, receiver
 from tests.e2e.test_scale_to_zero import scaler
@@ -217,6 +217,7 @@ def steps_done(step_name: str) -> float:
     return REGISTRY.get_sample_value("fngate_pipeline_steps_total", labels) or 0.0
 
 
+@on_cluster_too
 async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(
     stack: httpx.AsyncClient, redis: aioredis.Redis
 ) -> None:
@@ -264,6 +265,7 @@ async def test_two_step_and_diamond_pipelines_answer_as_their_steps_in_turn(
     assert config["ensemble_scheduling"]["step"][0]["output_map"] == {"normalized": "normalized"}
 
 
+@on_cluster_too
 async def test_a_pipeline_with_its_cache_on_answers_a_repeat_from_the_cache(stack: httpx.AsyncClient) -> None:
     first = await call(stack, "cached", ROWS)
     assert first.status_code == 200, first.text

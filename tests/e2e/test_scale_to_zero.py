@@ -13,9 +13,10 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from fngate import clients
 from fngate.registry import function_source
 from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
-from tests.conftest import child_env
+from tests.conftest import child_env, on_cluster_too
 
 ROW = [0.5] * 16
 
@@ -33,7 +34,7 @@ async def scaler(
     ) -> LocalScaler:
         """`repository`: another than the suite's; `standby`: as `fngate up` keeps one."""
         served = repository or repo
-        client = aioredis.from_url(redis_url)
+        client = clients.connect(redis_url)
         source = function_source(str(served), client)
 
         async def pools() -> dict[str, PoolSpec]:
@@ -105,6 +106,7 @@ async def test_zero_to_answer_to_unload_to_exit_and_back(
     assert live(local, "brief")[:3] == [1, 0, 1]  # a second cold start
 
 
+@on_cluster_too
 async def test_fifty_cold_invocations_start_one_runner(
     serve_gateway: Callable[..., Any], scaler: Callable[..., Any]
 ) -> None:

@@ -16,9 +16,9 @@ FIELDS = {queue.HEADER: b"h" * 10, queue.BODY: b"b" * 10}
 
 
 def test_levels_keep_the_synchronous_name_and_number_the_rest() -> None:
-    assert keys.invocations("f") == keys.invocations("f", keys.SYNC) == "fngate:q:f"
-    assert keys.invocations("f", keys.ASYNC) == "fngate:q:f:1"
-    assert keys.levels("f") == ("fngate:q:f", "fngate:q:f:1")
+    assert keys.invocations("f") == keys.invocations("f", keys.SYNC) == "fngate:q:{f}"
+    assert keys.invocations("f", keys.ASYNC) == "fngate:q:{f}:1"
+    assert keys.levels("f") == ("fngate:q:{f}", "fngate:q:{f}:1")
     assert queue.queue_bytes(keys.invocations("f", keys.ASYNC)) != queue.queue_bytes(keys.invocations("f"))
 
 
@@ -30,14 +30,14 @@ def test_idempotency_keys_cannot_collide_across_api_keys() -> None:
 
 def test_submit_async_call_with_callback_and_idempotency() -> None:
     call = queue.submit_async_call(
-        "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, 100, "idem", "fngate:callbacks", None, "d1"
+        "q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10, 100, "idem", "fngate:callbacks", None, "d1"
     )
     assert call.keys == [
         "q",
         "q:bytes",
-        "fngate:result:i",
+        keys.result("i"),
         "idem",
-        "fngate:result:i:cb:w",
+        keys.result("i") + ":cb:w",
         "",
         "",
         "",
@@ -48,7 +48,7 @@ def test_submit_async_call_with_callback_and_idempotency() -> None:
 
 
 def test_submit_async_call_plain() -> None:
-    call = queue.submit_async_call("q", FIELDS, "fngate:result:i", b"{}", 0, "i", 10)
+    call = queue.submit_async_call("q", FIELDS, keys.result("i"), b"{}", 0, "i", 10)
     assert call.keys[3:5] == ["", ""]
     assert call.args[5] == 1  # never a TTL of 0
     assert call.args[7:9] == ["", ""]
@@ -57,9 +57,7 @@ def test_submit_async_call_plain() -> None:
     assert call.args[15:] == [1, "", "", b"", 0, 800]
 
 
-@pytest.mark.parametrize(
-    ("result_stream", "digest"), [("fngate:result:other", ""), ("fngate:result:i", "a b")]
-)
+@pytest.mark.parametrize(("result_stream", "digest"), [(keys.result("other"), ""), (keys.result("i"), "a b")])
 def test_submit_async_call_refuses_what_the_script_cannot_read(result_stream: str, digest: str) -> None:
     with pytest.raises(ValueError, match="named by its invocation id"):
         queue.submit_async_call("q", FIELDS, result_stream, b"{}", 1, "i", 10, request_digest=digest)
@@ -116,34 +114,34 @@ async def test_scripts_on_redis(redis_url: str) -> None:
     for stream in (sync, later):
         await client.execute("XGROUP", "CREATE", stream, "runners", "0", "MKSTREAM")
     for index in range(3):
-        call = queue.submit_async_call(later, FIELDS, f"r{index}", b"{}", 60_000, str(index), 10)
+        call = queue.submit_async_call(later, FIELDS, keys.result(str(index)), b"{}", 60_000, str(index), 10)
         assert queue.parse_submit_async(await submit(call.keys, call.args)) == queue.Queued()
     await client.execute("XADD", sync, "*", "h", "s", "b", "")
     again = queue.submit_async_call(
-        later, FIELDS, "r9", b"{}", 60_000, "9", 10, idempotency_key="k", request_digest="d"
+        later, FIELDS, keys.result("9"), b"{}", 60_000, "9", 10, idempotency_key="k", request_digest="d"
     )
     assert queue.parse_submit_async(await submit(again.keys, again.args)) == queue.Queued()
     assert queue.parse_submit_async(await submit(again.keys, again.args)) == queue.Again("9")
     other = queue.submit_async_call(
-        later, FIELDS, "r8", b"{}", 60_000, "8", 10, idempotency_key="k", request_digest="e"
+        later, FIELDS, keys.result("8"), b"{}", 60_000, "8", 10, idempotency_key="k", request_digest="e"
     )
     assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Conflict("9")
 
     taken = queue.level_entries(await read_levels([sync, later], ["runners", "c", 2]), (sync, later))
     assert [level for level, _, _ in taken] == [0, 1]  # the synchronous one, then one slot left
-    assert queue.cancel_outcome(await cancel(["r0"], ["runners"])) == "running"
-    result = queue.parse_result(await read(["r0"], ["runners"]))
+    assert queue.cancel_outcome(await cancel([keys.result("0")], ["runners"])) == "running"
+    result = queue.parse_result(await read([keys.result("0")], ["runners"]))
     assert result is not None
     assert result.state == "running"
-    assert queue.cancel_outcome(await cancel(["r1"], ["runners"])) == "cancelled"
-    assert queue.cancel_outcome(await cancel(["r1"], ["runners"])) == "cancelled"
+    assert queue.cancel_outcome(await cancel([keys.result("1")], ["runners"])) == "cancelled"
+    assert queue.cancel_outcome(await cancel([keys.result("1")], ["runners"])) == "cancelled"
     assert queue.cancel_outcome(await cancel(["nothing"], ["runners"])) == "gone"
-    assert await client.execute("XLEN", later) == 3  # r0 (held), r2 and r9; r1 left
+    assert await client.execute("XLEN", later) == 3  # 0 (held), 2 and 9; 1 left
     rest = queue.level_entries(await read_levels([sync, later], ["runners", "c", 10]), (sync, later))
     assert len(rest) == 2
-    assert 0 < int(await client.execute("PTTL", "r2")) <= 60_000  # results always carry a TTL
+    assert 0 < int(await client.execute("PTTL", keys.result("2"))) <= 60_000  # results always carry a TTL
     assert int(await client.execute("PTTL", later)) == -1  # queued work never does
-    await client.execute("DEL", "r9")  # the first result expired: its key serves a new request
+    await client.execute("DEL", keys.result("9"))  # the first result expired: its key serves a new request
     assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Queued()
     assert queue.parse_submit_async(await submit(other.keys, other.args)) == queue.Again("8")
     await client.aclose()
@@ -158,18 +156,18 @@ async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) ->
     submit, finish = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.FINISH)
     later = keys.invocations("f", keys.ASYNC)
     await client.execute("XGROUP", "CREATE", later, "runners", "0", "MKSTREAM")
-    call = queue.submit_async_call(later, FIELDS, "fngate:result:i", b"{}", 3_600_000, "i", 10)
+    call = queue.submit_async_call(later, FIELDS, keys.result("i"), b"{}", 3_600_000, "i", 10)
     assert queue.parse_submit_async(await submit(call.keys, call.args)) == queue.Queued()
     await client.execute("XADD", "gateway-replies", "*", "h", "", "b", "")
     entries = await client.execute("XREADGROUP", "GROUP", "runners", "c", "STREAMS", later, ">")
     entry_id = entries[0][1][0][0]
-    assert int(await client.execute("PTTL", "fngate:result:i")) > 3_000_000
+    assert int(await client.execute("PTTL", keys.result("i"))) > 3_000_000
     reply = {queue.HEADER: b"h", queue.BODY: b"b"}
     done = queue.finish_call(
         later,
         "runners",
         [
-            queue.Outgoing(reply, "fngate:result:i", reply_ttl_ms=2000),
+            queue.Outgoing(reply, keys.result("i"), reply_ttl_ms=2000),
             queue.Outgoing(reply, "gateway-replies"),
         ],
         [entry_id],
@@ -177,11 +175,11 @@ async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) ->
         100,
     )
     await finish(done.keys, done.args)
-    assert 0 < int(await client.execute("PTTL", queue.stored_result("fngate:result:i"))) <= 2000
-    assert 0 < int(await client.execute("PTTL", "fngate:result:i")) <= queue.BELL_MS
+    assert 0 < int(await client.execute("PTTL", queue.stored_result(keys.result("i")))) <= 2000
+    assert 0 < int(await client.execute("PTTL", keys.result("i"))) <= queue.BELL_MS
     assert int(await client.execute("PTTL", "gateway-replies")) == -1
-    assert await client.execute("XLEN", "fngate:result:i") == 2  # the state, then `done`
-    stored = queue.parse_result(await Script(client, queue.READ_RESULT)(["fngate:result:i"], ["runners"]))
+    assert await client.execute("XLEN", keys.result("i")) == 2  # the state, then `done`
+    stored = queue.parse_result(await Script(client, queue.READ_RESULT)([keys.result("i")], ["runners"]))
     assert stored is not None and (stored.state, stored.record, stored.reply) == ("done", b"{}", reply)
     await client.aclose()
 
@@ -196,12 +194,12 @@ async def test_submit_answers_from_the_cache_at_once(redis_url: str) -> None:
     await client.execute("XGROUP", "CREATE", keys.callbacks(), "g", "0", "MKSTREAM")
     await client.execute("HSET", "entry", "h", "H", "b", "B")
     looked_up = queue.submit_async_call(
-        later, FIELDS, "fngate:result:a", b"{}", 60_000, "a", 10, done_ttl_ms=2000, lookup="entry"
+        later, FIELDS, keys.result("a"), b"{}", 60_000, "a", 10, done_ttl_ms=2000, lookup="entry"
     )
     found = queue.submit_async_call(
         later,
         FIELDS,
-        "fngate:result:b",
+        keys.result("b"),
         b"{}",
         60_000,
         "b",
@@ -209,16 +207,16 @@ async def test_submit_answers_from_the_cache_at_once(redis_url: str) -> None:
         callbacks=keys.callbacks(),
         cached={queue.HEADER: b"H2", queue.BODY: b"B2"},
     )
-    missed = queue.submit_async_call(later, FIELDS, "fngate:result:c", b"{}", 60_000, "c", 10, lookup="none")
+    missed = queue.submit_async_call(later, FIELDS, keys.result("c"), b"{}", 60_000, "c", 10, lookup="none")
     assert queue.parse_submit_async(await submit(looked_up.keys, looked_up.args)) == queue.Done()
     assert queue.parse_submit_async(await submit(found.keys, found.args)) == queue.Done()
     assert queue.parse_submit_async(await submit(missed.keys, missed.args)) == queue.Queued()
     assert await client.execute("XLEN", later) == 1  # only the miss
     read = Script(client, queue.READ_RESULT)
-    done = queue.parse_result(await read(["fngate:result:a"], ["runners"]))
+    done = queue.parse_result(await read([keys.result("a")], ["runners"]))
     assert done is not None
     assert (done.state, done.reply) == ("done", {queue.HEADER: b"H", queue.BODY: b"B"})
-    assert 0 < int(await client.execute("PTTL", queue.stored_result("fngate:result:a"))) <= 2000
+    assert 0 < int(await client.execute("PTTL", queue.stored_result(keys.result("a")))) <= 2000
     copies = await client.execute("XRANGE", keys.callbacks(), "-", "+")
     assert [fields for _, fields in copies] == [[b"h", b"H2", b"b", b"B2", b"for", b"b"]]
     await client.aclose()
@@ -229,11 +227,11 @@ def test_submit_async_call_of_a_pipelines_first_steps() -> None:
     byte counter and FORWARD's five arguments."""
     other = queue.Forward("q2", FIELDS, b"ctx2", 3, 0)
     call = queue.submit_async_call(
-        "q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10, step=b"ctx", more=[other]
+        "q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10, step=b"ctx", more=[other]
     )
     assert call.keys[10:] == ["q2", "q2:bytes"]
     assert call.args[18:] == [b"ctx", 0, 800, 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
-    plain = queue.submit_async_call("q", FIELDS, "fngate:result:i", b"{}", 5000, "i", 10)
+    plain = queue.submit_async_call("q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10)
     assert len(plain.keys) == 10 and len(plain.args) == 21
 
 
@@ -253,7 +251,7 @@ async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_
         return queue.submit_async_call(
             one,
             FIELDS,
-            f"r:{invocation_id}",
+            keys.result(invocation_id),
             b"{}",
             60_000,
             invocation_id,
@@ -271,22 +269,22 @@ async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_
     assert [await client.execute("XLEN", stream) for stream in (one, two)] == [3, 3]
     stepped = await client.execute("XRANGE", one, "-", "+", "COUNT", 1)
     assert dict(zip(stepped[0][1][::2], stepped[0][1][1::2], strict=True))[queue.STEP] == b"ctx1"
-    pending = queue.parse_result(await read(["r:b"], ["runners"]))
+    pending = queue.parse_result(await read([keys.result("b")], ["runners"]))
     assert pending is not None and pending.state == "queued"
 
     taken = await client.execute("XREADGROUP", "GROUP", "runners", "x", "COUNT", 1, "STREAMS", two, ">")
     assert taken[0][1][0][1] is not None  # `b`'s second step, held by a runner
-    running = queue.parse_result(await read(["r:b"], ["runners"]))
+    running = queue.parse_result(await read([keys.result("b")], ["runners"]))
     assert running is not None and running.state == "running"
-    assert queue.cancel_outcome(await cancel(["r:b"], ["runners"])) == "running"
+    assert queue.cancel_outcome(await cancel([keys.result("b")], ["runners"])) == "running"
     first = await client.execute("XRANGE", one, "-", "+", "COUNT", 2)
     await client.execute("XDEL", one, first[1][0])  # `c`'s first step finished: its pipeline went on
-    moved_on = queue.parse_result(await read(["r:c"], ["runners"]))
+    moved_on = queue.parse_result(await read([keys.result("c")], ["runners"]))
     assert moved_on is not None and moved_on.state == "running"
-    assert queue.cancel_outcome(await cancel(["r:c"], ["runners"])) == "running"
+    assert queue.cancel_outcome(await cancel([keys.result("c")], ["runners"])) == "running"
 
     before = [int(await client.execute("GET", queue.queue_bytes(stream))) for stream in (one, two)]
-    assert queue.cancel_outcome(await cancel(["r:d"], ["runners"])) == "cancelled"
+    assert queue.cancel_outcome(await cancel([keys.result("d")], ["runners"])) == "cancelled"
     after = [int(await client.execute("GET", queue.queue_bytes(stream))) for stream in (one, two)]
     size = queue.entry_bytes({**FIELDS, queue.STEP: b"ctx1"})
     assert [b - a for b, a in zip(before, after, strict=True)] == [size, size]

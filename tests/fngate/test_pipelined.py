@@ -12,6 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fngate import clients
 from fngate.pipelined import PipelinedRedis, Script, stream_entries
 from fngate.tools.local import start_redis
 
@@ -137,4 +138,19 @@ async def test_queue_bytes_bound_and_release(redis_url: str) -> None:
     assert int(await client.execute("GET", queue.queue_bytes("q"))) == 80
     assert await client.execute("EXISTS", "fngate:r:gone") == 0  # NOMKSTREAM: no stream conjured up
     assert await submit() == queue.Queued()
+    await client.aclose()
+
+
+async def test_a_lone_redis_client_is_not_a_cluster_one(single_redis_url: str) -> None:
+    client = clients.pipelined(single_redis_url)
+    assert type(client) is PipelinedRedis and not client.cluster
+    with pytest.raises(ValueError, match="database 0 only"):
+        clients.parse_cluster("redis+cluster://127.0.0.1:7000/2")
+    parsed = clients.parse_cluster("rediss+cluster://user:p%40ss@h1:7000,h2:7001")
+    assert (parsed.scheme, parsed.username, parsed.password, parsed.seeds) == (
+        "rediss", "user", "p@ss", (("h1", 7000), ("h2", 7001))
+    )  # fmt: skip
+    assert parsed.node_url("h2", 7001) == "rediss://user:p%40ss@h2:7001/0"
+    with pytest.raises(ResponseError):
+        await client.execute("CLUSTER", "SLOTS")  # cluster support is disabled on a lone Redis
     await client.aclose()

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from fngate import queue
+from fngate import keys, queue
+from fngate.queue import slots
 
 
 def test_waiter_round_trip() -> None:
@@ -96,3 +97,74 @@ def test_finish_call_carries_the_batch_statistics() -> None:
 def test_answered_id_prefers_the_waiter_named() -> None:
     assert queue.answered_id({queue.FOR: b"w1"}, "own") == "w1"
     assert queue.answered_id({}, "own") == "own"
+
+
+def test_finish_call_counts_the_waiters_its_caller_answered() -> None:
+    reply = {queue.HEADER: b"h", queue.BODY: b"b"}
+    outgoing = [
+        queue.Outgoing(reply, "r1", delivered=True),
+        queue.Outgoing(reply, "r2", in_flight="m", delivered=True),
+        queue.Outgoing(reply, "q-result", in_flight="m2", waiters="drop"),
+    ]
+    call = queue.finish_call("q", "g", outgoing, [b"1-0"], 10, 100, answered={1: 3})
+    assert call.keys == ["q", "q:bytes", "q-result"]  # replies delivered already are not KEYS
+    items = [call.args[7 + i * queue.FINISH_ITEM : 7 + (i + 1) * queue.FINISH_ITEM] for i in range(3)]
+    assert items[0][0] == 0 and items[0][7:9] == ["counted", 0]
+    assert items[1][0] == 0 and items[1][7:9] == ["counted", 3]
+    assert items[2][0] == 3 and items[2][7:9] == ["drop", ""]
+
+
+def test_a_batch_splits_into_what_its_slot_holds_and_what_is_delivered_first() -> None:
+    reply = {queue.HEADER: b"h", queue.BODY: b"b"}
+    stream = keys.invocations("tiny")
+    result = keys.result(keys.result_id(keys.invocations("tiny", keys.ASYNC)))
+    pipeline_cache = keys.cache_entry("pipe", "ff")
+    callback = queue.callback_marker(keys.result(keys.result_id(keys.invocations("first", keys.ASYNC))))
+    split = slots.split_replies(
+        stream,
+        [
+            queue.Outgoing(reply, keys.replies("gw1"), keys.cache_entry("tiny", "aa"), 60),
+            queue.Outgoing(reply, result, reply_ttl_ms=5000, in_flight=queue.callback_marker(result)),
+            queue.Outgoing(reply, keys.replies("gw2"), pipeline_cache, 30, in_flight=callback),
+        ],
+    )
+    kept, deliveries = split.kept, split.deliveries
+    assert [out.delivered for out in kept] == [True, False, True]
+    assert [out.cache_entry for out in kept] == ["", "", ""]  # delivered with their replies
+    assert [out.in_flight for out in kept] == ["", queue.callback_marker(result), ""]
+    assert split.markers == [(callback, reply)]  # answered by the batch, in its own slot
+    assert deliveries == [
+        slots.Delivery(keys.cache_entry("tiny", "aa"), reply, cache_ttl_s=60),
+        slots.Delivery(keys.replies("gw1"), reply),
+        slots.Delivery(pipeline_cache, reply, cache_ttl_s=30),
+        slots.Delivery(keys.replies("gw2"), reply),
+    ]
+    waiter = slots.Delivery(keys.replies("gw1"), reply, answers="w1")
+    calls = slots.deliver_calls([*deliveries, waiter], 1000)
+    by_first_key = {call.keys[0]: call for call in calls}
+    assert len(calls) == 4  # one DELIVER per slot
+    own, waiter_copy = ["r", 1, b"h", b"b", "", 0], ["r", 1, b"h", b"b", "w1", 0]
+    assert by_first_key[keys.replies("gw1")].args == [1000, *own, *waiter_copy]
+    assert by_first_key[pipeline_cache].args == [1000, "c", 1, b"h", b"b", 30, ""]
+    assert by_first_key[keys.cache_entry("tiny", "aa")].args == [1000, "c", 1, b"h", b"b", 60, ""]
+
+
+@pytest.mark.parametrize(
+    ("raw", "joined"),
+    [
+        (3, []),
+        ([b"more", [[1, [b"fngate:r:{g} i1 99"]]]], [(1, [queue.Waiter("fngate:r:{g}", "i1", 99)])]),
+    ],
+)
+def test_parse_finish(raw: object, joined: list[tuple[int, list[queue.Waiter]]]) -> None:
+    assert slots.parse_finish(raw) == joined
+
+
+def test_forward_calls_group_a_pipelines_entries_by_slot() -> None:
+    entries = [
+        queue.Forward(keys.invocations(name), {queue.HEADER: b"h", queue.BODY: b"b"}, b"s", 10, 0)
+        for name in ("a", "b", "a")
+    ]
+    grouped = slots.forward_calls(entries)
+    assert [indexes for indexes, _ in grouped] == [[0, 2], [1]]
+    assert grouped[0][1].keys[:2] == [keys.invocations("a")] * 2

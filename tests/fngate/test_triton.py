@@ -127,7 +127,7 @@ def test_a_priority_and_a_timeout_place_an_invocation() -> None:
             "priority_queue_policy": {1: {"timeout_action": "delay", "timeout_us": 1000}},
         }
     )
-    assert keys.levels("f", 3) == ("fngate:q:f", "fngate:q:f:p2", "fngate:q:f:p3", "fngate:q:f:1")
+    assert keys.levels("f", 3) == ("fngate:q:{f}", "fngate:q:{f}:p2", "fngate:q:{f}:p3", "fngate:q:{f}:1")
     table = [
         # priority, timeout (µs): level, its limit, queue timeout (ms), delay
         ((0, None), (2, 100, 5, False)),
@@ -145,7 +145,7 @@ def test_a_priority_and_a_timeout_place_an_invocation() -> None:
             delay,
         )
         assert placed.stream == keys.levels("f", 3)[level - 1]
-    assert queue.place("g", BatchingSpec(), 2, 10).stream == "fngate:q:g"
+    assert queue.place("g", BatchingSpec(), 2, 10).stream == "fngate:q:{g}"
     # A runner's room per level: what it holds of a lower level never fills a higher one's.
     assert queue.rooms(4, [2, 2, 2, 2], 4) == [4, 4, 0, 0]
     assert queue.rooms(4, [0, 1, 1], 3) == [3, 1, 1]

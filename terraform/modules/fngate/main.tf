@@ -7,7 +7,8 @@
 
 locals {
   redis_secret = "fngate-redis"
-  redis_url    = "rediss://:${var.redis_auth_token}@${var.redis_address}:${var.redis_port}/0"
+  redis_scheme = var.redis_cluster ? "rediss+cluster" : "rediss"
+  redis_url    = "${local.redis_scheme}://:${var.redis_auth_token}@${var.redis_address}:${var.redis_port}/0"
   https        = var.gateway_certificate_arn != ""
   service_annotations = merge(
     {
@@ -49,6 +50,7 @@ locals {
   ]
   render_args = concat(
     local.render_flags,
+    var.redis_cluster ? ["--redis-cluster"] : [],
     flatten([for key, value in local.service_annotations : ["--service-annotation", "${key}=${value}"]]),
     flatten([for cidr in var.gateway_allowed_cidrs : ["--source-range", cidr]]),
     flatten([for name in var.deployed_functions : ["--deployed", name]]),

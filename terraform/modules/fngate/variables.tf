@@ -48,6 +48,12 @@ variable "redis_port" {
   type        = number
 }
 
+variable "redis_cluster" {
+  description = "Redis is in cluster mode: redis_address is its configuration endpoint."
+  type        = bool
+  default     = false
+}
+
 variable "redis_auth_token" {
   description = "Redis AUTH token."
   type        = string

@@ -7,13 +7,19 @@ data "aws_caller_identity" "current" {}
 # an answer or a runner. Gateways refuse asynchronous submissions from 80% of maxmemory, before
 # Redis refuses writes (docs/deployment.md, "Redis's memory").
 resource "aws_elasticache_parameter_group" "this" {
-  name        = "${var.name}-redis7"
+  name        = "${var.name}-redis7${var.cluster_mode ? "-cluster" : ""}"
   family      = "redis7"
   description = "fngate: noeviction; gateways refuse asynchronous work first"
 
   parameter {
     name  = "maxmemory-policy"
     value = "noeviction"
+  }
+
+  # Cluster mode needs a group of its own (cluster-enabled yes); the family stays redis7.
+  parameter {
+    name  = "cluster-enabled"
+    value = var.cluster_mode ? "yes" : "no"
   }
 }
 
@@ -76,7 +82,11 @@ resource "aws_elasticache_replication_group" "this" {
   subnet_group_name    = aws_elasticache_subnet_group.this.name
   security_group_ids   = [aws_security_group.this.id]
 
-  num_cache_clusters         = var.replicas + 1
+  # One primary and its replicas, or in cluster mode `shards` of them (each shard's replicas in
+  # other zones; a shard's replica takes over when its primary fails).
+  num_cache_clusters         = var.cluster_mode ? null : var.replicas + 1
+  num_node_groups            = var.cluster_mode ? var.shards : null
+  replicas_per_node_group    = var.cluster_mode ? var.replicas : null
   automatic_failover_enabled = true
   multi_az_enabled           = true
 

@@ -1,6 +1,8 @@
 output "address" {
-  description = "Primary endpoint host name."
-  value       = aws_elasticache_replication_group.this.primary_endpoint_address
+  description = "Primary endpoint host name; in cluster mode the configuration endpoint, which names every node."
+  value = (var.cluster_mode
+    ? aws_elasticache_replication_group.this.configuration_endpoint_address
+  : aws_elasticache_replication_group.this.primary_endpoint_address)
 }
 
 output "port" {

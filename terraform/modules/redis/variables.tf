@@ -29,7 +29,17 @@ variable "node_type" {
 }
 
 variable "replicas" {
-  description = "Replicas beside the primary."
+  description = "Replicas beside the primary (of each shard, in cluster mode)."
+  type        = number
+}
+
+variable "cluster_mode" {
+  description = "Cluster mode: `shards` primaries, the slots spread over them."
+  type        = bool
+}
+
+variable "shards" {
+  description = "Shards (primaries) in cluster mode."
   type        = number
 }
 

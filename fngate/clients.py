@@ -1,0 +1,151 @@
+"""Redis clients by URL. `redis://`, `rediss://` and `unix://` name one Redis; `redis+cluster://`
+and `rediss+cluster://` a Redis Cluster, by one or more of its nodes (`redis+cluster://h1:7000,
+h2:7001`; the others are learnt from them). redis-py's clients for the slow paths, and the hot
+path's pipelined client (fngate.pipelined; routed by slot on a cluster, fngate.cluster).
+
+A cluster's redis-py client is a RedisCluster: the same commands as a Redis, typed as one here, so
+that callers stay as they are; the few that differ (transactions, pub/sub) ask `is_cluster_client`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, cast
+from urllib.parse import quote, unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
+from redis.cluster import ClusterNode as SyncClusterNode
+from redis.cluster import RedisCluster as SyncRedisCluster
+
+from fngate.cluster import ClusterPipelinedRedis
+from fngate.pipelined import PipelinedRedis
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+"""A cluster URL's scheme -> the scheme of each of its nodes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterURL:
+    """What a cluster URL says: how to reach each node, and the nodes to start from."""
+
+    scheme: str
+    """'redis' or 'rediss' (TLS)."""
+    username: str
+    password: str
+    seeds: tuple[tuple[str, int], ...]
+
+    def node_url(self, host: str, port: int) -> str:
+        """One node's URL, for a client of that node alone."""
+        credentials = ""
+        if self.password:
+            credentials = f"{quote(self.username, safe='')}:{quote(self.password, safe='')}@"
+        return f"{self.scheme}://{credentials}{host}:{port}/0"
+
+
+def is_cluster(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def parse_cluster(url: str) -> ClusterURL:
+    """A `redis+cluster://[user:password@]host:port[,host:port...][/0]` URL. Raises ValueError."""
+    parts = urlsplit(url)
+    scheme = CLUSTER_SCHEMES.get(parts.scheme.lower())
+    if scheme is None:
+        raise ValueError(f"not a Redis Cluster URL: {parts.scheme}://")
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError("a Redis Cluster has database 0 only")
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = credentials.partition(":")
+    seeds = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"a Redis Cluster URL names its nodes as host:port, not {item!r}")
+        seeds.append((host.strip("[]"), int(port)))
+    return ClusterURL(scheme, unquote(username), unquote(password), tuple(seeds))
+
+
+def connect(url: str, **options: Any) -> aioredis.Redis:
+    """redis-py's asyncio client of `url` (a RedisCluster for a cluster URL). `options`: redis-py's
+    connection options (socket_timeout, socket_connect_timeout, max_connections...)."""
+    if not is_cluster(url):
+        return aioredis.from_url(url, **options)
+    cluster = parse_cluster(url)
+    client = RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
+        username=cluster.username or None,
+        password=cluster.password or None,
+        ssl=cluster.scheme == "rediss",
+        **options,
+    )
+    return cast(aioredis.Redis, client)
+
+
+def connect_pool(url: str, max_connections: int, timeout_s: float, **options: Any) -> aioredis.Redis:
+    """A client of at most `max_connections` connections, on which a command waits up to
+    `timeout_s` for a free one rather than fail (one Redis; a cluster's client holds
+    `max_connections` per node)."""
+    if is_cluster(url):
+        return connect(url, max_connections=max_connections, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout_s, **options
+    )
+    return aioredis.Redis.from_pool(pool)  # closing it closes the connections
+
+
+def connect_sync(url: str, **options: Any) -> redis.Redis:
+    """redis-py's blocking client of `url` (a RedisCluster for a cluster URL), for the CLI."""
+    if not is_cluster(url):
+        return redis.Redis.from_url(url, **options)
+    cluster = parse_cluster(url)
+    seeds = [SyncClusterNode(host, port) for host, port in cluster.seeds]  # type: ignore[no-untyped-call]
+    client = SyncRedisCluster(
+        startup_nodes=seeds,
+        username=cluster.username or None,
+        password=cluster.password or None,
+        ssl=cluster.scheme == "rediss",
+        **options,
+    )
+    return cast(redis.Redis, client)
+
+
+def pipelined(url: str, timeout_s: float = 2.0) -> PipelinedRedis:
+    """The hot path's client of `url`: one pipelined connection, or one per primary of a cluster."""
+    if is_cluster(url):
+        cluster = parse_cluster(url)
+        return ClusterPipelinedRedis(cluster.seeds, cluster.node_url, timeout_s)
+    return PipelinedRedis(url, timeout_s)
+
+
+def is_cluster_client(client: Any) -> bool:
+    """A redis-py client of a Redis Cluster (connect's, connect_sync's)."""
+    return isinstance(client, RedisCluster | SyncRedisCluster)
+
+
+async def publish(client: aioredis.Redis, channel: str, message: str) -> int:
+    """PUBLISH, or on a cluster SPUBLISH: a shard channel lives on the primary of its slot, and the
+    answer (how many subscribers heard it) counts them all, which a cluster's PUBLISH does not (it
+    counts those of the node it reached)."""
+    if is_cluster_client(client):
+        return int(await client.spublish(channel, message))
+    return int(await client.publish(channel, message))
+
+
+async def subscribe(pubsub: Any, channel: str) -> None:
+    """SUBSCRIBE, or SSUBSCRIBE on a cluster's pub/sub (see publish)."""
+    if isinstance(pubsub, ClusterPubSub):
+        await pubsub.cluster.initialize()  # the slot map, which a first command would have fetched
+        await pubsub.ssubscribe(channel)
+    else:
+        await pubsub.subscribe(channel)
+
+
+async def next_message(pubsub: Any, timeout_s: float) -> dict[str, Any] | None:
+    """The next message `subscribe` asked for, waiting up to `timeout_s`; None if none came."""
+    if isinstance(pubsub, ClusterPubSub):
+        found: dict[str, Any] | None = await pubsub.get_sharded_message(True, timeout_s)
+    else:
+        found = await pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+    return found
