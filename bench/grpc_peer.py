@@ -5,9 +5,6 @@ at the same points comes from scenario T or S1; this one reports gRPC and its ra
 
 from __future__ import annotations
 
-import csv
-import io
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,28 +19,8 @@ def measure(
     command: list[str], address: str, model: str, concurrency: int, measure_s: float, logs: Path, label: str
 ) -> Row:
     """One perf_analyzer point: throughput and the client's latency percentiles (ms)."""
-    report = logs / f"perf-{label}-{model}-c{concurrency}.csv"
-    run = [
-        *command,
-        "-m", model, "-u", address, "-i", "grpc",
-        "--concurrency-range", str(concurrency),
-        "--measurement-interval", str(int(measure_s * 1000)),
-        "--stability-percentage", "999", "--max-trials", "3",
-        "--percentile", "99",
-        "-f", str(report),
-    ]  # fmt: skip
-    done = subprocess.run(run, capture_output=True, text=True, timeout=300, check=False)
-    (logs / f"perf-{label}-{model}-c{concurrency}.txt").write_text(done.stdout + done.stderr)
-    if done.returncode != 0 or not report.is_file():
-        return {"errors": 1, "error_sample": (done.stdout + done.stderr).strip()[-200:]}
-    (line,) = list(csv.DictReader(io.StringIO(report.read_text())))
-    return {
-        "req_per_s": float(line["Inferences/Second"]),
-        "p50_ms": float(line["p50 latency"]) / 1000,
-        "p90_ms": float(line["p90 latency"]) / 1000,
-        "p99_ms": float(line["p99 latency"]) / 1000,
-        "errors": 0,
-    }
+    args = ["-m", model, "-u", address, "-i", "grpc", "--concurrency-range", str(concurrency)]
+    return perf_analyzer.point(command, args, measure_s, logs, f"perf-{label}-{model}-c{concurrency}")
 
 
 def run(

@@ -7,9 +7,6 @@ latency percentiles at each rate it reached, and the highest reached rate whose 
 
 from __future__ import annotations
 
-import csv
-import io
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,33 +25,12 @@ def measure(
     command: list[str], url: str, model: str, rate: int, measure_s: float, logs: Path, label: str
 ) -> Row:
     """One rate: what was answered per second and the client's latency percentiles (ms)."""
-    report = logs / f"open-{label}-{model}-r{rate}.csv"
-    run = [
-        *command,
-        "-m", model, "-u", url, "-i", "http",
-        "--request-rate-range", str(rate),
-        "--request-distribution", "poisson",
-        "--max-threads", str(THREADS),
-        "--measurement-interval", str(int(measure_s * 1000)),
-        "--stability-percentage", "999", "--max-trials", "3",
-        "--percentile", "99",
-        "-f", str(report),
-    ]  # fmt: skip
-    done = subprocess.run(run, capture_output=True, text=True, timeout=300, check=False)
-    (logs / f"open-{label}-{model}-r{rate}.txt").write_text(done.stdout + done.stderr)
-    if done.returncode != 0 or not report.is_file():
-        return {"errors": 1, "error_sample": (done.stdout + done.stderr).strip()[-200:]}
-    (line,) = list(csv.DictReader(io.StringIO(report.read_text())))
-    answered = float(line["Inferences/Second"])
-    return {
-        "rate": rate,
-        "req_per_s": answered,
-        "reached": answered >= REACHED * rate,
-        "p50_ms": float(line["p50 latency"]) / 1000,
-        "p90_ms": float(line["p90 latency"]) / 1000,
-        "p99_ms": float(line["p99 latency"]) / 1000,
-        "errors": 0,
-    }
+    args = ["-m", model, "-u", url, "-i", "http", "--request-rate-range", str(rate)]
+    args += ["--request-distribution", "poisson", "--max-threads", str(THREADS)]
+    row = perf_analyzer.point(command, args, measure_s, logs, f"open-{label}-{model}-r{rate}")
+    if "req_per_s" in row:
+        row["reached"] = row["req_per_s"] >= REACHED * rate
+    return {"rate": rate, **row}
 
 
 def best_rate(rows: list[Row]) -> int:

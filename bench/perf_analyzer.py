@@ -7,12 +7,15 @@ their .deb files (never installed) and used through their own dynamic loader.
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 PACKAGE = "perf-analyzer"
 PLATFORM = "manylinux_2_38_x86_64"
@@ -124,3 +127,29 @@ if __name__ == "__main__":
         print(f"perf_analyzer: {why}", file=sys.stderr)
         sys.exit(1)
     sys.exit(subprocess.run([*prefix, *sys.argv[1:]], check=False).returncode)
+
+
+def point(command: list[str], args: list[str], measure_s: float, logs: Path, name: str) -> dict[str, Any]:
+    """One measured point (`args`: the model, server, protocol and load): what was answered per
+    second and the client's latency percentiles (ms), or the error; its CSV and output kept in
+    `logs` as `name`.csv and .txt."""
+    report = logs / f"{name}.csv"
+    run = [
+        *command, *args,
+        "--measurement-interval", str(int(measure_s * 1000)),
+        "--stability-percentage", "999", "--max-trials", "3",
+        "--percentile", "99",
+        "-f", str(report),
+    ]  # fmt: skip
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, check=False)
+    (logs / f"{name}.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not report.is_file():
+        return {"errors": 1, "error_sample": (done.stdout + done.stderr).strip()[-200:]}
+    (line,) = list(csv.DictReader(io.StringIO(report.read_text())))
+    return {
+        "req_per_s": float(line["Inferences/Second"]),
+        "p50_ms": float(line["p50 latency"]) / 1000,
+        "p90_ms": float(line["p90 latency"]) / 1000,
+        "p99_ms": float(line["p99 latency"]) / 1000,
+        "errors": 0,
+    }
