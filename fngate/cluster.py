@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,6 +63,19 @@ def placeheld(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*args[:3], *(key or tag for key in declared), *args[3 + count :])
 
 
+@dataclasses.dataclass(slots=True)
+class _Routed:
+    """One command on its way to the primary of its slot: what it needs when it is sent again
+    (after MOVED, ASK or TRYAGAIN, or once the slot map is known)."""
+
+    answer: asyncio.Future[Any]
+    args: tuple[Any, ...]
+    slot: int | None
+    timeout_s: float | None
+    deadline: float
+    redirects: int = 0
+
+
 class ClusterPipelinedRedis(PipelinedRedis):
     cluster = True
 
@@ -92,45 +106,27 @@ class ClusterPipelinedRedis(PipelinedRedis):
             return answer
         slot = keys.slot(key) if key is not None else None
         deadline = loop.time() + (timeout_s or self._timeout_s)
-        self._route(answer, args, slot, timeout_s, deadline, 0)
+        self._route(_Routed(answer, args, slot, timeout_s, deadline))
         return answer
 
-    def _route(
-        self,
-        answer: asyncio.Future[Any],
-        args: tuple[Any, ...],
-        slot: int | None,
-        timeout_s: float | None,
-        deadline: float,
-        redirects: int,
-        asking: Address | None = None,
-    ) -> None:
-        if answer.done():  # its caller stopped waiting
+    def _route(self, command: _Routed, asking: Address | None = None) -> None:
+        if command.answer.done():  # its caller stopped waiting
             return
-        address = asking or self._owner(slot)
+        address = asking or self._owner(command.slot)
         if address is None:  # the map is not known yet (the first command) or has a hole
-            self._background(self._route_when_known(answer, args, slot, timeout_s, deadline, redirects))
+            self._background(self._route_when_known(command))
             return
         node = self._node(address)
         sent: asyncio.Future[Any]
         if asking is not None:
-            sent = asyncio.ensure_future(node.execute_after(("ASKING",), *args, timeout_s=timeout_s))
+            execution = node.execute_after(("ASKING",), *command.args, timeout_s=command.timeout_s)
+            sent = asyncio.ensure_future(execution)
         else:
-            sent = node.send(*args, timeout_s=timeout_s)
-        sent.add_done_callback(
-            lambda future: self._answered(future, answer, args, slot, timeout_s, deadline, redirects)
-        )
+            sent = node.send(*command.args, timeout_s=command.timeout_s)
+        sent.add_done_callback(lambda future: self._answered(future, command))
 
-    def _answered(
-        self,
-        sent: asyncio.Future[Any],
-        answer: asyncio.Future[Any],
-        args: tuple[Any, ...],
-        slot: int | None,
-        timeout_s: float | None,
-        deadline: float,
-        redirects: int,
-    ) -> None:
+    def _answered(self, sent: asyncio.Future[Any], command: _Routed) -> None:
+        answer = command.answer
         if sent.cancelled():
             if not answer.done():
                 answer.cancel()
@@ -143,19 +139,20 @@ class ClusterPipelinedRedis(PipelinedRedis):
             return
         if isinstance(error, ResponseError):
             kind, _, rest = str(error).partition(" ")
-            if kind in ("MOVED", "ASK") and redirects < REDIRECTS:
+            if kind in ("MOVED", "ASK") and command.redirects < REDIRECTS:
                 moved_slot, _, target = rest.partition(" ")
                 address = _address(target)
+                command.redirects += 1
                 if kind == "MOVED":
                     self._slots[int(moved_slot)] = address
                     self._refresh_soon()
-                    self._route(answer, args, slot, timeout_s, deadline, redirects + 1)
+                    self._route(command)
                 else:
-                    self._route(answer, args, slot, timeout_s, deadline, redirects + 1, asking=address)
+                    self._route(command, asking=address)
                 return
             loop = asyncio.get_running_loop()
-            if kind == "TRYAGAIN" and loop.time() + TRY_AGAIN_S < deadline:
-                loop.call_later(TRY_AGAIN_S, self._route, answer, args, slot, timeout_s, deadline, redirects)
+            if kind == "TRYAGAIN" and loop.time() + TRY_AGAIN_S < command.deadline:
+                loop.call_later(TRY_AGAIN_S, self._route, command)
                 return
             if kind == "CLUSTERDOWN":
                 self._refresh_soon()
@@ -163,28 +160,22 @@ class ClusterPipelinedRedis(PipelinedRedis):
             self._refresh_soon()
         answer.set_exception(error)
 
-    async def _route_when_known(
-        self,
-        answer: asyncio.Future[Any],
-        args: tuple[Any, ...],
-        slot: int | None,
-        timeout_s: float | None,
-        deadline: float,
-        redirects: int,
-    ) -> None:
+    async def _route_when_known(self, command: _Routed) -> None:
+        answer = command.answer
         try:
-            async with asyncio.timeout_at(deadline):
-                while self._owner(slot) is None:
+            async with asyncio.timeout_at(command.deadline):
+                while self._owner(command.slot) is None:
                     await asyncio.shield(self._refresh_soon())
         except TimeoutError:
             if not answer.done():
-                answer.set_exception(RedisConnectionError(f"no node of the Redis Cluster serves slot {slot}"))
+                message = f"no node of the Redis Cluster serves slot {command.slot}"
+                answer.set_exception(RedisConnectionError(message))
             return
         except RedisError as exc:
             if not answer.done():
                 answer.set_exception(exc)
             return
-        self._route(answer, args, slot, timeout_s, deadline, redirects)
+        self._route(command)
 
     async def _everywhere(
         self, answer: asyncio.Future[Any], args: tuple[Any, ...], timeout_s: float | None
