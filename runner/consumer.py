@@ -338,6 +338,7 @@ class FunctionConsumer:
         started_ns = time.time_ns()
         ran_digest = ""
         failed = None
+        total_rows = sum(invocation.rows for invocation in invocations)
         alone = [entry for entry in batch if entry.alone]
         if alone:
             await self._reclaim.note_runs(alone)
@@ -357,9 +358,9 @@ class FunctionConsumer:
                     await self._models.release(model)
                 took_s = time.perf_counter() - computed
                 self._observer.compute_duration.observe(took_s)
-                self._cost.observe(sum(invocation.rows for invocation in invocations), took_s * 1e6)
+                self._cost.observe(total_rows, took_s * 1e6)
                 failed = failed_together(replies)
-            rows = sum(invocation.rows for invocation in invocations) if self.function.manifest.batched else 1
+            rows = total_rows if self.function.manifest.batched else 1
             if batch_span is not None:
                 batch_span.set_attributes(
                     {
