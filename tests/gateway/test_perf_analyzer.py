@@ -57,7 +57,7 @@ async def test_perf_analyzer_json_and_binary(
         *perf_command,
         "-m", "classifier", "-u", base.removeprefix("http://"), "-i", "http",
         "--measurement-mode", "count_windows", "--measurement-request-count", "10",
-        "--stability-percentage", "999", "--max-trials", "3",
+        "--stability-percentage", "999", "--max-trials", "10",
     ]  # fmt: skip
     binary = await run([*common, "--concurrency-range", "1:16"], tmp_path, "binary")
     json_format = ["--input-tensor-format", "json", "--output-tensor-format", "json"]
