@@ -11,13 +11,15 @@ import math
 import socket
 import time
 from http import HTTPStatus
-from typing import Any
+from typing import Any, ClassVar
 
 from fngate import telemetry
 from fngate.config import GatewaySettings
 
 SHUTDOWN_IDLE_GRACE_S = 1.0
 """How long an idle keep-alive connection stays open at shutdown for a request already on its way."""
+LINGER_S = 2.0
+"""How long a connection refused before its request was read drops what the client still sends."""
 
 
 async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio.Event) -> None:
@@ -36,7 +38,83 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
     config.h11_max_incomplete_size = settings.max_header_bytes
     config.h2_max_header_list_size = settings.max_header_bytes
     config.graceful_timeout = 10
-    await serve(app, config, shutdown_trigger=stopping.wait)
+    await serve(_AnswerThenDrain(app), config, shutdown_trigger=stopping.wait)
+
+
+class _AnswerThenDrain:
+    """Hypercorn's: a response that ends before its request's body was read whole (a refusal at
+    the first value past a tensor's shape, a 413 on the declared length) keeps its connection open
+    for up to LINGER_S while the rest of the body is read and dropped. Hypercorn closes the
+    connection as soon as such a response ends, with the client's bytes unread: the close is a
+    reset, and a client still sending loses the answer. The response's bytes leave at once; only
+    its end (and so the close, or the next request on the connection) waits."""
+
+    __slots__ = ("_app",)
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        read_whole = False
+        dropping: _Dropping | None = None
+
+        async def receiving() -> Any:
+            nonlocal read_whole
+            if dropping is not None:  # the rest of the body goes: the app hears only of the end
+                await dropping.left.wait()
+                return {"type": "http.disconnect"}
+            message = await receive()
+            read_whole = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def sending(message: Any) -> None:
+            nonlocal dropping
+            if message["type"] != "http.response.body" or message.get("more_body") or read_whole:
+                await send(message)
+                return
+            dropping = _Dropping(receive)
+            await send({**message, "more_body": True})
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LINGER_S):
+                    await dropping.over.wait()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self._app(scope, receiving, sending)
+
+
+class _Dropping:
+    """What is left of a request's body, read and dropped: `over` is set at its end or the
+    client's leaving, `left` at the stream's disconnect (the client's leaving, or the end of the
+    stream once the response ended). Reading goes on until then (for up to twice LINGER_S in all):
+    ending the response puts a disconnect on the app's queue of request messages, a queue of a few
+    that Hypercorn waits on when it is full; the disconnect is the app's too."""
+
+    __slots__ = ("left", "over")
+    _tasks: ClassVar[set[asyncio.Task[None]]] = set()
+
+    def __init__(self, receive: Any) -> None:
+        self.over, self.left = asyncio.Event(), asyncio.Event()
+        task = asyncio.ensure_future(self._drop(receive))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drop(self, receive: Any) -> None:
+        try:
+            async with asyncio.timeout(2 * LINGER_S):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body", False):
+                        self.over.set()
+                    if message["type"] != "http.request":
+                        return
+        except TimeoutError:
+            pass
+        finally:
+            self.over.set()
+            self.left.set()
 
 
 class _OneWrite:
@@ -74,10 +152,6 @@ class _OneWrite:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
-
-
-LINGER_S = 2.0
-"""How long a connection refused before its request was read drops what the client still sends."""
 
 
 def refusal(status: int, message: str, retry_after_s: int | None = None) -> bytes:
