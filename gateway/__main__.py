@@ -1,7 +1,8 @@
 """settings -> server (uvicorn or Hypercorn) -> serve the app until `stopping` is set.
 
-With workers > 1 this process binds the socket and supervises that many single-worker gateway
-processes sharing it (each with its own reply stream), restarting any that dies.
+With workers > 1 this process binds the port and supervises that many single-worker gateway
+processes serving it (each with its own reply stream and its own listening socket), restarting
+any that dies.
 """
 
 from __future__ import annotations
@@ -51,14 +52,32 @@ async def run(settings: GatewaySettings) -> None:
         await SERVERS[settings.server](app, settings, stopping)
 
 
+def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` sockets listening on one port with SO_REUSEPORT, one per worker: the kernel spreads
+    new connections over them by a hash of each connection's addresses, so every worker gets its
+    share. (On one shared socket, whichever worker's loop wakes first accepts: one busy worker
+    could take every connection of a burst while the other idles.)"""
+    # First a plain bind, which any other holder of the port refuses ("address in use"), another
+    # fngate among them: sockets with SO_REUSEPORT of one user would share the port instead.
+    with socket.create_server((host, port)) as probe:
+        port = probe.getsockname()[1]
+    return [_listener(host, port) for _ in range(count)]
+
+
+def _listener(host: str, port: int) -> socket.socket:
+    return socket.create_server((host, port), backlog=2048, reuse_port=True)
+
+
 def supervise(settings: GatewaySettings) -> int:
-    """Bind once, keep `workers` gateway processes serving the shared socket (a worker that dies is
-    started again, with backoff if it keeps dying), and stop them together when asked."""
-    sock = socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=False)
-    sock.set_inheritable(True)
+    """Bind the port, keep `workers` gateway processes serving it, each on a listening socket of
+    its own (a worker that dies is started again on its socket, where the connections that came
+    meanwhile wait; one that keeps dying is started with backoff, on a new socket, and the
+    connections its old one held are refused rather than left waiting), and stop them together
+    when asked."""
+    socks = listening_sockets(settings.host, settings.port, settings.workers)
+    port = socks[0].getsockname()[1]
     metrics_host = settings.metrics_host or settings.host
     metrics_sock = status_port.bind(metrics_host, settings.metrics_port, "metrics")  # every worker serves it
-    shared = [sock.fileno()] + ([metrics_sock.fileno()] if metrics_sock else [])
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -73,32 +92,27 @@ def supervise(settings: GatewaySettings) -> int:
         env = {
             "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
             **os.environ,
-            "FNGATE_BIND": f"fd://{sock.fileno()}",
             "FNGATE_WORKERS": "1",
             "FNGATE_GRPC_REUSE_PORT": "true",
             "FNGATE_METRICS_BIND": f"fd://{metrics_sock.fileno()}" if metrics_sock else "",
             "FNGATE_METRICS_PORT": "0" if metrics_sock is None else str(settings.metrics_port),
         }
 
-        def start() -> tuple[subprocess.Popen[bytes], float]:
+        def start(index: int) -> tuple[subprocess.Popen[bytes], float]:
+            sock = socks[index]
             child = subprocess.Popen(
                 module_command("gateway"),
-                env=env,
-                pass_fds=shared,
+                env={**env, "FNGATE_BIND": f"fd://{sock.fileno()}"},
+                pass_fds=[sock.fileno()] + ([metrics_sock.fileno()] if metrics_sock else []),
                 preexec_fn=ends_with_parent(signal.SIGKILL),  # noqa: PLW1509 (a prctl only)
             )
             return child, time.monotonic()
 
-        children = [start() for _ in range(settings.workers)]
+        children = [start(index) for index in range(settings.workers)]
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
-        log.info(
-            "gateway: %d workers (%s) on http://%s:%d",
-            settings.workers,
-            settings.server,
-            settings.host,
-            sock.getsockname()[1],
-        )
+        where = f"http://{settings.host}:{port}"
+        log.info("gateway: %d workers (%s) on %s", settings.workers, settings.server, where)
         failures = [0] * len(children)
         code = 0
         while True:
@@ -114,8 +128,11 @@ def supervise(settings: GatewaySettings) -> int:
                 log.warning(
                     "gateway worker %d exited with %s; starting another in %.1f s", child.pid, status, delay_s
                 )
-                time.sleep(delay_s)
-                children[index] = start()
+                if delay_s:  # not waiting on a worker that may not come: the others take the port
+                    socks[index].close()
+                    time.sleep(delay_s)
+                    socks[index] = _listener(settings.host, port)
+                children[index] = start(index)
             if stopping and all(child.poll() is not None for child, _ in children):
                 return code
             time.sleep(0.2)
