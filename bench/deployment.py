@@ -76,16 +76,17 @@ class Deployment:
         return env
 
     def start_gateway(self, workers: int = 0, **extra: str) -> str:
-        """A gateway of `workers` processes on one socket, as `fngate up` runs it (0: one per core,
-        at most 4, fngate up's default)."""
-        sock = socket.create_server(("127.0.0.1", 0), backlog=4096)
-        port = sock.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
+        """A gateway of `workers` processes on one port, each on a listening socket of its own, as
+        `fngate up` runs it (0: one per core, at most 4, fngate up's default)."""
+        from gateway.__main__ import listening_sockets
+
+        socks = listening_sockets("127.0.0.1", 0, workers or min(os.cpu_count() or 1, 4))
+        url = f"http://127.0.0.1:{socks[0].getsockname()[1]}"
         grpc_port = free_port()
         grpc = {"FNGATE_GRPC_PORT": str(grpc_port), "FNGATE_GRPC_REUSE_PORT": "true"}
         if not self.grpc_address:
             self.grpc_address = f"127.0.0.1:{grpc_port}"
-        for _ in range(workers or min(os.cpu_count() or 1, 4)):
+        for sock in socks:
             with open(self.logs / f"gateway-{len(self.gateways)}.log", "wb") as log:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "gateway"],
@@ -95,7 +96,7 @@ class Deployment:
                     stderr=subprocess.STDOUT,
                 )
             self.gateways.append((process, url))
-        sock.close()
+            sock.close()
         _wait_live(url)
         return url
 
