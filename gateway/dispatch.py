@@ -162,7 +162,7 @@ class Dispatcher:
             if self._slots is not None:  # a Redis Cluster: the script's work in per-slot steps
                 entries, outcome = await self._slots.submit(
                     call, record.encode(), invocation_id, deadline_ms, plan, steps, self.separate_cache,
-                    self._check_pools,
+                    self._check_pools, self._quota(call),
                 )  # fmt: skip
             else:
                 entries, outcome = await self._submit_one(call, record, deadline_ms, admission, plan, steps)

@@ -17,6 +17,7 @@ from fngate.errors import FunctionNotFound, InvalidArgument, Unavailable
 from fngate.pipelined import PipelinedRedis, Script
 from gateway.auth import ADMIN, INVOKE, Principal
 from gateway.catalog import Catalog
+from gateway.slots import SlotSteps
 
 MAX_WAIT_S = 60.0
 """The longest long-poll (`?wait=`) one request may hold."""
@@ -83,6 +84,8 @@ class AsyncInvocations:
         self.catalog = catalog
         self._read = Script(scripts, queue.READ_RESULT)
         self._cancel = Script(scripts, queue.CANCEL)
+        self._slots = SlotSteps(scripts) if scripts.cluster else None
+        """A Redis Cluster's: a pipeline's first steps cancelled slot by slot (gateway.slots)."""
         # Long-polls block their connection: a pool of their own, apart from the invocations'.
         self._polls = clients.connect_pool(
             redis_url,
@@ -116,9 +119,12 @@ class AsyncInvocations:
         """Cancel an invocation no runner has taken: 'cancelled', or 'running' / 'done' (too late)."""
         await self._read_once(invocation_id, principal)  # the caller's own, or not found
         try:
-            outcome = queue.cancel_outcome(
-                await self._cancel([keys.result(invocation_id)], [keys.RUNNER_GROUP])
-            )
+            if self._slots is not None:
+                outcome = await self._slots.cancel(invocation_id)
+            else:
+                outcome = queue.cancel_outcome(
+                    await self._cancel([keys.result(invocation_id)], [keys.RUNNER_GROUP])
+                )
         except (RedisError, OSError) as exc:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
         if outcome == "gone":

@@ -177,7 +177,9 @@ def asynchronous(
     its Idempotency-Key ('' for none); `cached`: a reply the dispatcher found in a cache Redis of its
     own; `lookup_in_queue` as for `synchronous`; `quota`: the result bytes its key may hold.
     `split` (a Redis Cluster) as for `synchronous`; and a callback of a `cached` reply is the
-    caller's to send (the callbacks stream is elsewhere)."""
+    caller's to send (the callbacks stream is elsewhere), the quota the caller's to check (it is
+    in the key's slot) and the storer's to charge, and the first steps of other slots the caller's
+    to queue and record (gateway.slots)."""
     later = call.later
     assert later is not None
     manifest = call.function.manifest
@@ -251,7 +253,9 @@ def asynchronous(
         cached,
         first.step,
         () if split else more,
-        quota,
+        None if split else quota,
+        quota_elsewhere=quota.key if split and quota else "",
+        others=len(more) if split else 0,
     )
     rest = tuple(more) if split else ()
     return Entries(invocation_id, script, deadline_ms, timeout_ms, names, pools, entry, rest)

@@ -203,9 +203,11 @@ FINISH_ITEM = 11
 # asynchronous result is kept result_ttl_s after it is done)), then the entry ids to acknowledge
 # and delete. Replies go only to reply streams that exist (NOMKSTREAM): a gateway that stopped took
 # its stream with it. A reply kept for a time (an asynchronous result's) is stored compactly
-# instead (fngate.queue.stored). One command per batch on one Redis. Answers n once done; or, when
-# waiters joined a 'counted' list beyond its count, {'more', {{i, the new waiters}, ...}} and does
-# nothing (a Redis Cluster's FINISH, fngate.delivery, answers them and calls again).
+# instead (fngate.queue.stored). One command per batch on one Redis. Answers n once done, or
+# {'charge', {{quota, bytes, ttl_ms}, ...}} once done when results it stored owe their bytes to
+# quotas in other slots (a Redis Cluster's: fngate.delivery charges them); or, when waiters joined
+# a 'counted' list beyond its count, {'more', {{i, the new waiters}, ...}} and does nothing (a Redis
+# Cluster's FINISH, fngate.delivery, answers them and calls again).
 FINISH = (
     STORE_RESULT_LUA
     + """
@@ -228,13 +230,14 @@ if ARGV[5] ~= '' then
   for j = 0, m - 1 do redis.call('HINCRBY', ARGV[5], ARGV[8 + j * 2], ARGV[9 + j * 2]) end
   redis.call('HSET', ARGV[5], 'last_inference', ARGV[6])
 end
+local owed = {}
 for i = 0, n - 1 do
   local at = first + i * 11
   local h, b = ARGV[at + 1], ARGV[at + 2]
   if ARGV[at] ~= '0' then
     local reply_to = KEYS[tonumber(ARGV[at])]
     if ARGV[at + 10] ~= '0' then
-      store_result(reply_to, h, b, ARGV[at + 10])
+      owed[#owed + 1] = store_result(reply_to, h, b, ARGV[at + 10])
     else
       redis.call('XADD', reply_to, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b)
     end
@@ -282,6 +285,7 @@ if #ids > 0 then
     redis.call('DECRBY', KEYS[2], ARGV[3])
   end
 end
+if #owed > 0 then return {'charge', owed} end
 return n
 """
 )

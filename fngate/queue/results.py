@@ -26,17 +26,21 @@ from fngate.queue.invocations import (
     queue_bytes,
     waiters,
 )
-from fngate.queue.stored import PACKED_LUA, STORE_RESULT_LUA
+from fngate.queue.stored import PACKED_LUA, STORE_RESULT_LUA, Charge, parse_charges
 
 # --- Asynchronous invocations -------------------------------------------------------------------
 # An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and
 # replies to a result stream of its own (keys.result), created here at submission with a TTL of
 # the invocation's deadline plus result_ttl_s; any gateway reads it. The result stream's first
 # entry holds the state `queued`, the queue entry (stream `q`, id `e`), the gateway's own record
-# (`m`, JSON) and the submitting key's result quota (`k`, a hash; '' for none); a cancellation adds
-# `s` = `cancelled`. An invocation with a callback URL names the callbacks stream as the one
-# waiter on a marker of its own, so that FINISH's 'share' copies its reply there, addressed `for`
-# it, exactly as it answers coalesced invocations.
+# (`m`, JSON) and the submitting key's result quota (`k`, a hash; '' for none); on a Redis Cluster,
+# where the quota is in another slot, it is `kc` instead (checked and charged in steps of their own,
+# fngate.queue.slots), and a pipeline's first steps queued on other slots after the script are
+# counted (`o`) and recorded in later entries (`f`: their index, stream and id, space-separated;
+# the last record of an index holds). A cancellation adds `s` = `cancelled`. An invocation with a
+# callback URL names the callbacks stream as the one waiter on a marker of its own, so that
+# FINISH's 'share' copies its reply there, addressed `for` it, exactly as it answers coalesced
+# invocations.
 # Once done, the result is kept compactly (fngate.queue.stored): FINISH packs the record and the
 # reply into one string (callback attempts are appended) for result_ttl_s, charges its bytes to the
 # key's quota, and adds `s` = `done` to the stream, which wakes long-polls and expires BELL_MS later.
@@ -67,18 +71,21 @@ end
 # ms while pending, the invocation id, the callback waiter, the request's digest, admit()'s six
 # arguments, then the result TTL in ms once done, and a cached reply's header and body that the
 # caller found itself (a cache Redis of its own; '' for none), the first entry's step context, the
-# quota's bytes, and the share of maxmemory (in thousandths, 0: off) from which submissions are
-# refused ({'pressure', used, maxmemory}); a key that holds its quota is refused {'limited',
-# 'quota', retry_after_ms}, before anything is queued. The idempotency key holds the first
-# invocation's id and its request's digest: a repeat answers that id while its result is kept
-# ('again'), or 'conflict' when the request differs; once the result expired the key is free again.
+# quota's bytes, the share of maxmemory (in thousandths, 0: off) from which submissions are refused
+# ({'pressure', used, maxmemory}), the key's quota in another slot ('' for none: a Redis Cluster's,
+# which the caller checked, and whoever stores the result charges), and the number of first steps
+# the caller queues on other slots after this script (a Redis Cluster's; 0 for none); a key that
+# holds its quota is refused {'limited', 'quota', retry_after_ms}, before anything is queued. The
+# idempotency key holds the first invocation's id and its request's digest: a repeat answers that
+# id while its result is kept ('again'), or 'conflict' when the request differs; once the result
+# expired the key is free again.
 # The result stream is named by the invocation id (keys.result), so the first one's name follows.
-# A cached answer is the result at once ('hit'): nothing is queued, and a callback gets it as from
-# FINISH.
+# A cached answer is the result at once ('hit', and what it owes a quota in another slot: {'hit',
+# quota, bytes, ttl_ms}): nothing is queued, and a callback gets it as from FINISH.
 # An asynchronous pipeline (fngate.plan) queues its first steps: ARGV[19] is the first entry's step
 # context (STEP; '' for a function's own invocation), and each further first step adds its stream
 # and byte counter to KEYS after the tenth (all streams, then all counters) and a group of
-# FORWARD's five arguments to ARGV after the twenty-first. All are queued or none ({'full', limit,
+# FORWARD's five arguments to ARGV after the twenty-third. All are queued or none ({'full', limit,
 # index of the entry refused}); the result stream's first entry names them all, space-separated
 # (`q`, `e`), for READ_RESULT and CANCEL.
 SUBMIT_ASYNC = (
@@ -115,33 +122,43 @@ if hit_h == '' and given(KEYS[9]) then
   local hit = redis.call('HMGET', KEYS[9], 'h', 'b')
   hit_h, hit_b = hit[1] or '', hit[2] or ''
 end
+local kept = {'m', ARGV[5], 'k', quota}
+if ARGV[22] ~= '' then
+  kept[#kept + 1] = 'kc'
+  kept[#kept + 1] = ARGV[22]
+end
 if hit_h ~= '' then
-  redis.call('XADD', KEYS[3], '*', 's', 'queued', 'm', ARGV[5], 'k', quota)
-  store_result(KEYS[3], hit_h, hit_b, ARGV[16])
+  redis.call('XADD', KEYS[3], '*', 's', 'queued', unpack(kept))
+  local owed = store_result(KEYS[3], hit_h, hit_b, ARGV[16])
   if given(KEYS[4]) then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[16]) end
   local callbacks, id = string.match(ARGV[8], '^(%S+) (%S+)')
   if callbacks then
     redis.call('XADD', callbacks, 'NOMKSTREAM', '*', 'h', hit_h, 'b', hit_b, 'for', id)
   end
+  if owed then return {'hit', owed[1], owed[2], owed[3]} end
   return {'hit'}
 end
 local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 if limit then return {'full', limit, 0} end
 local more = (#KEYS - 10) / 2
 for i = 1, more do
-  local at = 22 + (i - 1) * 5
+  local at = 24 + (i - 1) * 5
   limit = full(KEYS[10 + i], KEYS[10 + more + i], ARGV[at], ARGV[at + 1])
   if limit then return {'full', limit, i} end
 end
 local entry = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[19])
 local streams, entries = KEYS[1], entry
 for i = 1, more do
-  local at = 22 + (i - 1) * 5
+  local at = 24 + (i - 1) * 5
   local stream = KEYS[10 + i]
   streams = streams .. ' ' .. stream
   entries = entries .. ' ' .. push(stream, KEYS[10 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
 end
-redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, 'm', ARGV[5], 'k', quota)
+if tonumber(ARGV[23]) > 0 then
+  kept[#kept + 1] = 'o'
+  kept[#kept + 1] = ARGV[23]
+end
+redis.call('XADD', KEYS[3], '*', 's', 'queued', 'q', streams, 'e', entries, unpack(kept))
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
 if given(KEYS[4]) then redis.call('SET', KEYS[4], ARGV[7] .. ' ' .. ARGV[9], 'PX', ARGV[6]) end
 if given(KEYS[5]) then
@@ -209,24 +226,37 @@ return {entries, running}
 """
 )
 
+# settled(result) -> 'gone' (no such result), 'done' (it has a reply), 'cancelled', or nil while
+# it may still be cancelled.
+SETTLED_LUA = """
+local function settled(result)
+  if redis.call('EXISTS', result .. ':done') == 1 then return 'done' end
+  local entries = redis.call('XRANGE', result, '-', '+')
+  if #entries == 0 then return 'gone' end
+  for _, item in ipairs(entries) do
+    local fields = item[2]
+    for i = 1, #fields, 2 do
+      local name = fields[i]
+      if name == 'h' then return 'done' end
+      if name == 's' and fields[i + 1] == 'cancelled' then return 'cancelled' end
+    end
+  end
+  return nil
+end
+"""
+
 # KEYS[1]: the result stream. ARGV[1]: the runner group. Cancels an invocation no runner has taken:
 # its queue entry is deleted (so no runner ever reads it) and `cancelled` is recorded. Answers
 # 'gone' (no such result), 'done' (it has a reply), 'cancelled' (now or before) or 'running'.
 # A pipeline is cancelled only while none of its first steps was taken: then all their entries go.
+# (On a Redis Cluster, the first entry names only the entries of its own slot: gateway.slots sets
+# the others aside first, and this cancels the pipeline once they are.)
 CANCEL = (
     QUEUED_ENTRIES_LUA
+    + SETTLED_LUA
     + """
-if redis.call('EXISTS', KEYS[1] .. ':done') == 1 then return 'done' end
-local entries = redis.call('XRANGE', KEYS[1], '-', '+')
-if #entries == 0 then return 'gone' end
-for _, item in ipairs(entries) do
-  local fields = item[2]
-  for i = 1, #fields, 2 do
-    local name = fields[i]
-    if name == 'h' then return 'done' end
-    if name == 's' and fields[i + 1] == 'cancelled' then return 'cancelled' end
-  end
-end
+local state = settled(KEYS[1])
+if state then return state end
 local queued = queued_entries(KEYS[1])
 if #queued == 0 then return 'gone' end
 for _, item in ipairs(queued) do
@@ -295,6 +325,8 @@ def submit_async_call(
     more: Sequence[Forward] = (),
     quota: ResultQuota | None = None,
     memory_ratio: float = ASYNC_MEMORY_RATIO,
+    quota_elsewhere: str = "",
+    others: int = 0,
 ) -> ScriptCall:
     """SUBMIT_ASYNC's arguments. `ttl_ms`: how long the result stream (and the idempotency key)
     live while pending, `done_ttl_ms` once done; `callbacks`: the callbacks stream when the
@@ -303,7 +335,9 @@ def submit_async_call(
     the cached reply's fields the caller already found. For a pipeline, `step` is the first
     entry's step context and `more` the entries of its other first steps. `quota`: the result
     bytes the submitting key may hold (None: no limit); `memory_ratio`: the share of Redis's
-    maxmemory from which submissions are refused (0: never)."""
+    maxmemory from which submissions are refused (0: never). On a Redis Cluster, `quota_elsewhere`
+    names the key's quota that the caller checked and whoever stores the result charges, and
+    `others` counts the pipeline's first steps the caller queues on other slots afterwards."""
     if result_stream != keys.result(invocation_id) or " " in request_digest:
         raise ValueError("the result stream is named by its invocation id; a digest has no spaces")
     admit = admission or NO_ADMISSION
@@ -338,6 +372,8 @@ def submit_async_call(
             step,
             quota.max_bytes if quota else 0,
             round(memory_ratio * 1000),
+            quota_elsewhere,
+            others,
             *forward_args(more),
         ],
     )
@@ -385,6 +421,9 @@ class Conflict:
 class Done:
     """Answered from the response cache: the result is there already."""
 
+    charge: Charge | None = None
+    """What its stored result owes its key's quota in another slot (a Redis Cluster's)."""
+
 
 SubmitOutcome = Queued | Done | Again | Conflict | Full | Limited | Pressure
 
@@ -399,7 +438,7 @@ def parse_submit_async(raw: Sequence[Any]) -> SubmitOutcome:
     if raw[0] == b"conflict":
         return Conflict(raw[1].decode())
     if raw[0] == b"hit":
-        return Done()
+        return Done(parse_charges([raw[1:]])[0] if len(raw) > 1 else None)
     outcome = parse_enqueue(raw)
     if isinstance(outcome, Queued | Full | Limited):
         return outcome

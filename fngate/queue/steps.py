@@ -12,7 +12,8 @@ from fngate.queue.invocations import PUSH_LUA, Forward, ScriptCall, forward_args
 
 # KEYS: the streams of the entries to add, then their byte counters (same order). ARGV: n, then n
 # groups of (max queue size, max queue bytes (0: no limit), header, body, step context). All or
-# nothing: {'queued'}, or {'full', index (0-based), 'count'|'bytes'} and nothing is added.
+# nothing: {'queued', the id of each entry added}, or {'full', index (0-based), 'count'|'bytes'} and
+# nothing is added.
 FORWARD = (
     PUSH_LUA
     + """
@@ -22,11 +23,12 @@ for i = 0, n - 1 do
   local limit = full(KEYS[i + 1], KEYS[n + i + 1], ARGV[at], ARGV[at + 1])
   if limit then return {'full', i, limit} end
 end
+local queued = {'queued'}
 for i = 0, n - 1 do
   local at = 2 + i * 5
-  push(KEYS[i + 1], KEYS[n + i + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
+  queued[#queued + 1] = push(KEYS[i + 1], KEYS[n + i + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
 end
-return {'queued'}
+return queued
 """
 )
 
@@ -62,6 +64,11 @@ def parse_forward(raw: Sequence[Any]) -> tuple[int, str] | None:
     if raw[0] == b"queued":
         return None
     return int(raw[1]), raw[2].decode()
+
+
+def forwarded_ids(raw: Sequence[Any]) -> list[bytes]:
+    """The ids of the entries FORWARD queued, in its entries' order ([] when it refused them)."""
+    return list(raw[1:]) if raw[0] == b"queued" else []
 
 
 def join_call(

@@ -7,6 +7,10 @@ and RECORD_CALLBACK (fngate.queue.results)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
 BELL_MS = 5000
 """How long a result stream outlives its reply: a long-poll that read the state just before it
 still finds the reply's entry (one that comes later blocks on nothing, then reads the result)."""
@@ -61,9 +65,12 @@ local function unpacked(stored)
 end
 """
 
-# store_result(stream, h, b, ttl_ms): a reply to an asynchronous invocation, kept compactly (see
-# above); nothing when its stream has gone (expired, so nobody may read it) or it was stored before
-# (a redelivered entry answered twice: the first answer stays).
+# store_result(stream, h, b, ttl_ms) -> nil | {quota, bytes, ttl_ms}: a reply to an asynchronous
+# invocation, kept compactly (see above); nothing when its stream has gone (expired, so nobody may
+# read it) or it was stored before (a redelivered entry answered twice: the first answer stays).
+# Its bytes are charged to the quota its stream's first entry names: `k`, charged here (one Redis),
+# or `kc`, a quota in another slot (a Redis Cluster's), answered for the caller to charge in a step
+# of its own (fngate.queue.slots.CHARGE) once it is stored: only the call that stored it answers it.
 STORE_RESULT_LUA = (
     QUOTA_LUA
     + PACKED_LUA
@@ -72,10 +79,12 @@ local function store_result(stream, h, b, ttl_ms)
   local first = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
   local stored = stream .. ':done'
   if #first == 0 or redis.call('EXISTS', stored) == 1 then return end
-  local record, quota = '', ''
+  local record, quota, elsewhere = '', '', ''
   local fields = first[1][2]
   for i = 1, #fields, 2 do
-    if fields[i] == 'm' then record = fields[i + 1] elseif fields[i] == 'k' then quota = fields[i + 1] end
+    local name = fields[i]
+    if name == 'm' then record = fields[i + 1] elseif name == 'k' then quota = fields[i + 1]
+    elseif name == 'kc' then elsewhere = fields[i + 1] end
   end
   redis.call('SET', stored, packed(record) .. packed(h) .. packed(b), 'PX', ttl_ms)
   redis.call('XADD', stream, '*', 's', 'done')
@@ -83,9 +92,29 @@ local function store_result(stream, h, b, ttl_ms)
     + str(BELL_MS)
     + """, tonumber(ttl_ms)))
   if quota ~= '' then charge(quota, #record + #h + #b, tonumber(ttl_ms)) end
+  if elsewhere ~= '' then return {elsewhere, #record + #h + #b, tonumber(ttl_ms)} end
+  return nil
 end
 """
 )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Charge:
+    """A stored result's bytes, owed to its key's quota in another slot (store_result's answer)."""
+
+    quota: str
+    size: int
+    ttl_ms: int
+
+
+def parse_charges(raw: Sequence[Any]) -> list[Charge]:
+    """store_result's answers, as a script passes them on ({quota, bytes, ttl_ms} each)."""
+    return [Charge(_text(quota), int(size), int(ttl_ms)) for quota, size, ttl_ms in raw]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def stored_result(result_stream: str) -> str:

@@ -196,11 +196,18 @@ def deployment(
     _function(repo, "refuse", REJECT)
     _function(repo, "dormant", IDENTITY)
     _function(repo, "resting", IDENTITY)
+    _function(repo, "unheard", IDENTITY)
     _pipeline(repo, "chain", {"first": "echo request.x", "second": "echo first.y"}, {"y": "second.y"})
     _pipeline(
         repo,
         "waiting",
         {"one": "dormant request.x", "two": "resting request.x"},
+        {"y": "one.y", "z": "two.y"},
+    )
+    _pipeline(
+        repo,
+        "straddle",
+        {"one": "unheard request.x", "two": "slow request.x"},
         {"y": "one.y", "z": "two.y"},
     )
     _pipeline(repo, "doomed", {"first": "echo request.x", "check": "refuse first.y"}, {"y": "check.y"})
@@ -711,12 +718,13 @@ async def test_a_pipeline_answers_asynchronously_like_a_function(
     assert doc["outputs"][0]["name"] == "y" and doc["outputs"][0]["data"] == [7.0, 8.0]
 
 
+@on_cluster_too
 async def test_a_pipeline_cancelled_before_its_first_steps_start(
     client: httpx.AsyncClient, deployment: Deployment
 ) -> None:
     """`waiting` starts with two steps whose functions have no runner: both wait at the
     asynchronous level (synchronous traffic of those functions goes first), and a cancellation
-    takes both out of their queues."""
+    takes both out of their queues (on a cluster, each in its function's slot)."""
     invocation_id = await submit(client, "/v1/functions/waiting")
     streams = [keys.invocations(name, keys.ASYNC) for name in ("dormant", "resting")]
     queue = clients.connect_sync(deployment.redis_url)
@@ -732,6 +740,31 @@ async def test_a_pipeline_cancelled_before_its_first_steps_start(
         queue.close()
     gone = await client.get(f"/v1/invocations/{invocation_id}")
     assert gone.status_code == 410
+
+
+@on_cluster_too
+async def test_a_pipeline_whose_other_first_step_runs_is_not_cancelled(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    """`straddle` starts with a step no runner serves (`unheard`) and one that a runner takes
+    (`slow`, 1.5 s a batch): once the second is taken, a cancellation is too late (409 'running'),
+    and the first stays queued, its pipeline still pending."""
+    invocation_id = await submit(client, "/v1/functions/straddle")
+    waiting, taken = (keys.invocations(name, keys.ASYNC) for name in ("unheard", "slow"))
+    queue = clients.connect_sync(deployment.redis_url)
+    try:
+        deadline = time.monotonic() + 30
+        while queue.xlen(taken) > 0 and queue.xpending(taken, keys.RUNNER_GROUP)["pending"] == 0:
+            assert time.monotonic() < deadline, "no runner took the step of `slow`"
+            await asyncio.sleep(0.05)
+        late = await client.delete(f"/v1/invocations/{invocation_id}")
+        assert late.status_code == 409, late.text
+        assert late.json()["state"] == "running"
+        assert queue.xlen(waiting) == 1
+    finally:
+        queue.close()
+    pending = await client.get(f"/v1/invocations/{invocation_id}")
+    assert pending.status_code == 202 and pending.json()["state"] in ("queued", "running")
 
 
 @pytest.mark.parametrize("callback_receiver", [0], indirect=True)

@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
+from tests.conftest import on_cluster_too
+
 BODY = {"inputs": {"input": [[0.5] * 16]}}
 ASYNC = {"Prefer": "respond-async"}
 CLASSIFY = "/v1/functions/classifier"
@@ -20,13 +22,14 @@ async def collect(client: httpx.AsyncClient, invocation_id: str) -> httpx.Respon
     return await client.get(f"/v1/invocations/{invocation_id}", params={"wait": 20})
 
 
+@on_cluster_too
 async def test_a_key_past_its_result_quota_gets_429_and_loses_no_result(
-    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any]
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis: aioredis.Redis
 ) -> None:
     """Each done result counts against its key (with auth off, every caller is one key) until it
     expires. A burst that outruns the quota (2 KB here) is accepted while results are not yet done
     and gets every result; then the key holds more than its quota, and is refused with
-    Retry-After."""
+    Retry-After. On a cluster the quota is in the key's slot, the results in the function's."""
     base = await serve_gateway(result_quota_bytes=2000)
     await inprocess_runner(functions=("classifier",))
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:

@@ -53,8 +53,9 @@ def test_submit_async_call_plain() -> None:
     assert call.args[5] == 1  # never a TTL of 0
     assert call.args[7:9] == ["", ""]
     assert call.keys[8:] == ["", ""]  # no cache lookup, no result quota
-    # a done TTL of at least 1 ms, no cached answer, no step, no quota, refused from 80% of maxmemory
-    assert call.args[15:] == [1, "", "", b"", 0, 800]
+    # a done TTL of at least 1 ms, no cached answer, no step, no quota, refused from 80% of maxmemory,
+    # no quota in another slot and no first steps queued on others (a Redis Cluster's)
+    assert call.args[15:] == [1, "", "", b"", 0, 800, "", 0]
 
 
 @pytest.mark.parametrize(("result_stream", "digest"), [(keys.result("other"), ""), (keys.result("i"), "a b")])
@@ -230,9 +231,9 @@ def test_submit_async_call_of_a_pipelines_first_steps() -> None:
         "q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10, step=b"ctx", more=[other]
     )
     assert call.keys[10:] == ["q2", "q2:bytes"]
-    assert call.args[18:] == [b"ctx", 0, 800, 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
+    assert call.args[18:] == [b"ctx", 0, 800, "", 0, 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
     plain = queue.submit_async_call("q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10)
-    assert len(plain.keys) == 10 and len(plain.args) == 21
+    assert len(plain.keys) == 10 and len(plain.args) == 23
 
 
 async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_url: str) -> None:

@@ -1,6 +1,8 @@
 """ClusterPipelinedRedis and the per-slot steps against a real Redis Cluster on loopback (3 primaries,
-3 replicas): routing by slot, redirections while a slot moves, scripts loaded on every primary, and
-a batch's FINISH across slots (replies first, waiters that join meanwhile answered too)."""
+3 replicas): routing by slot, redirections while a slot moves, scripts loaded on every primary, a
+batch's FINISH across slots (replies first, waiters that join meanwhile answered too), results
+charged once to a key's quota in another slot, and an asynchronous pipeline's cancellation across
+slots finished or undone after one stopped midway."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import redis.asyncio as aioredis
 
 from fngate import clients, delivery, keys, queue
 from fngate.cluster import ClusterPipelinedRedis
-from fngate.pipelined import Script
+from fngate.pipelined import PipelinedRedis, Script
+from fngate.queue import slots
 from fngate.tools.local_cluster import LocalCluster
+from gateway.slots import SlotSteps
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("redis_url", ["cluster"], indirect=True)]
 REPLY = {queue.HEADER: b"h", queue.BODY: b"b"}
@@ -134,3 +138,114 @@ async def test_finish_across_slots_answers_waiters_that_join_meanwhile(
     assert await client.execute("XLEN", stream) == 0  # acknowledged and deleted once all were answered
     assert await client.execute("HGET", keys.cache_entry("tiny", "k"), "h") == b"h"
     await client.aclose()
+
+
+async def pipeline_on_two_slots(
+    client: PipelinedRedis, cluster: LocalCluster
+) -> tuple[str, str, slots.FirstStep]:
+    """An asynchronous pipeline submitted as the gateway submits it on a cluster: its first step
+    with its result (SUBMIT_ASYNC), its other on another primary (FORWARD), recorded on the
+    result's slot. Its id, its first step's stream, and its other step."""
+    first, second = list(tags_on_every_primary(cluster).values())[:2]
+    head, other = keys.invocations(first, keys.ASYNC), keys.invocations(second, keys.ASYNC)
+    for stream in (head, other):
+        await client.execute("XGROUP", "CREATE", stream, keys.RUNNER_GROUP, "0", "MKSTREAM")
+    invocation_id = keys.result_id(head)
+    result = keys.result(invocation_id)
+    call = queue.submit_async_call(
+        head, REPLY, result, b"{}", 60_000, invocation_id, 10, step=b"one", others=1
+    )
+    submitted = await Script(client, queue.SUBMIT_ASYNC)(call.keys, list(call.args))
+    assert isinstance(queue.parse_submit_async(submitted), queue.Queued)
+    queued: list[tuple[int, bytes]] = []
+    forwarded = queue.Forward(other, REPLY, b"two", 10, 0)
+    assert await delivery.forward(delivery.scripts(client), [forwarded], queued) is None
+    [(index, entry)] = queued
+    step = slots.FirstStep(index, other, entry.decode())
+    await client.execute("XADD", result, "NOMKSTREAM", "*", "f", slots.record([step]))
+    return invocation_id, head, step
+
+
+async def set_aside(client: PipelinedRedis, step: slots.FirstStep) -> None:
+    """What a cancellation that stopped midway did: the other step set aside, CANCEL not run."""
+    call = slots.aside_call([step], keys.RUNNER_GROUP, True, 60_000)
+    assert await Script(client, slots.ASIDE)(call.keys, list(call.args)) == b"untaken"
+
+
+async def test_a_cancellation_stopped_midway_is_finished_by_a_repeat(
+    redis_url: str, redis_cluster: LocalCluster, redis: aioredis.Redis
+) -> None:
+    client = clients.pipelined(redis_url)
+    invocation_id, head, step = await pipeline_on_two_slots(client, redis_cluster)
+    await set_aside(client, step)
+    assert await client.execute("XLEN", step.stream) == 0  # no runner can take it meanwhile
+    assert await SlotSteps(client).cancel(invocation_id) == "cancelled"
+    assert [await client.execute("XLEN", stream) for stream in (head, step.stream)] == [0, 0]
+    assert await client.execute("EXISTS", f"{step.stream}:aside:{step.entry}") == 0
+    assert await SlotSteps(client).cancel(invocation_id) == "cancelled"  # again: the same
+    await client.aclose()
+
+
+async def test_a_cancellation_too_late_puts_back_what_one_stopped_midway_set_aside(
+    redis_url: str, redis_cluster: LocalCluster, redis: aioredis.Redis
+) -> None:
+    """The first step taken by a runner after the other was set aside: the next cancellation
+    answers 'running' and queues the other again, as it was (its step context, its bytes), where
+    a cancellation after that finds it."""
+    client = clients.pipelined(redis_url)
+    invocation_id, head, step = await pipeline_on_two_slots(client, redis_cluster)
+    [(_, before)] = await client.execute("XRANGE", step.stream, "-", "+")
+    size = await client.execute("GET", queue.queue_bytes(step.stream))
+    await set_aside(client, step)
+    await client.execute("XREADGROUP", "GROUP", keys.RUNNER_GROUP, "runner", "STREAMS", head, ">")
+    assert await SlotSteps(client).cancel(invocation_id) == "running"
+    [(_, after)] = await client.execute("XRANGE", step.stream, "-", "+")
+    assert after == before
+    assert await client.execute("GET", queue.queue_bytes(step.stream)) == size
+    assert await client.execute("EXISTS", f"{step.stream}:aside:{step.entry}") == 0
+    assert await SlotSteps(client).cancel(invocation_id) == "running"
+    assert await client.execute("XLEN", step.stream) == 1  # queued once
+    await client.aclose()
+
+
+async def test_results_are_charged_once_to_a_quota_in_another_slot(
+    redis_url: str, redis_cluster: LocalCluster, redis: aioredis.Redis
+) -> None:
+    """Two asynchronous results answered by one batch: one in its stream's slot (stored by FINISH),
+    one in another function's (a pipeline's last step: stored by DELIVER). Each is charged to the
+    key's quota once stored; the batch finished again (a runner that died before its FINISH was
+    acknowledged, its entries run again) charges nothing more."""
+    client = clients.pipelined(redis_url)
+    first, second = list(tags_on_every_primary(redis_cluster).values())[:2]
+    stream, elsewhere = keys.invocations(first, keys.ASYNC), keys.invocations(second, keys.ASYNC)
+    quota = keys.result_quota("k1")
+    outgoing: list[queue.Outgoing] = []
+    entries: list[queue.SubmitOutcome] = []
+    for target in (stream, elsewhere):
+        invocation_id = keys.result_id(target)
+        result = keys.result(invocation_id)
+        call = queue.submit_async_call(
+            target, REPLY, result, b"{}", 60_000, invocation_id, 10, quota_elsewhere=quota
+        )
+        submitted = await Script(client, queue.SUBMIT_ASYNC)(call.keys, list(call.args))
+        entries.append(queue.parse_submit_async(submitted))
+        outgoing.append(queue.Outgoing(REPLY, result, reply_ttl_ms=60_000))
+    assert all(isinstance(outcome, queue.Queued) for outcome in entries)
+    ids = [entry for entry, _ in await client.execute("XRANGE", stream, "-", "+")]
+    run = delivery.scripts(client)
+    await delivery.finish(run, stream, keys.RUNNER_GROUP, outgoing, ids, 2, 1000)
+    each = len(b"{}") + len(REPLY[queue.HEADER]) + len(REPLY[queue.BODY])
+    assert await client.execute("HGET", quota, "total") == str(2 * each).encode()
+    await delivery.finish(run, stream, keys.RUNNER_GROUP, outgoing, ids, 2, 1000)
+    assert await client.execute("HGET", quota, "total") == str(2 * each).encode()
+    for item in outgoing:
+        assert await client.execute("EXISTS", queue.stored_result(item.reply_to)) == 1
+    held = await Script(client, slots.QUOTA)(*_quota(quota, 2 * each))
+    assert held >= 1000  # the key holds its quota: refused until some expires
+    assert await Script(client, slots.QUOTA)(*_quota(quota, 2 * each + 1)) == 0
+    await client.aclose()
+
+
+def _quota(quota: str, max_bytes: int) -> tuple[list[str], list[object]]:
+    call = slots.quota_call(queue.ResultQuota(quota, max_bytes))
+    return call.keys, list(call.args)
