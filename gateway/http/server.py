@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import socket
@@ -38,7 +39,56 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
     config.h11_max_incomplete_size = settings.max_header_bytes
     config.h2_max_header_list_size = settings.max_header_bytes
     config.graceful_timeout = 10
+    _limit_connections()
+    too_many = refusal(503, "this gateway process has too many connections open", settings.retry_after_s)
+    config.fngate_connections = _Connections(settings.max_connections, too_many)  # type: ignore[attr-defined]
     await serve(_AnswerThenDrain(app), config, shutdown_trigger=stopping.wait)
+
+
+@dataclasses.dataclass
+class _Connections:
+    """The open connections of one Hypercorn server, and their limit."""
+
+    limit: int
+    refusal: bytes
+    open: int = 0
+
+
+def _limit_connections() -> None:
+    """Give Hypercorn a limit on a server's open connections (it has none of its own: a client
+    holding thousands of half-sent request heads would hold thousands of connections until each
+    head timed out). Its handler of a new connection is wrapped, once per process: past the limit
+    of its server's config (`fngate_connections`), a connection is answered 503 and closed, after a
+    moment in which what the client sends is read and dropped (as on uvicorn)."""
+    from hypercorn.asyncio import run
+
+    serve_connection = run.TCPServer  # type: ignore[attr-defined]
+    if getattr(serve_connection, "fngate_limited", False):
+        return
+
+    async def limited(
+        app: Any, loop: Any, config: Any, context: Any, state: Any, reader: asyncio.StreamReader, writer: Any
+    ) -> None:
+        connections: _Connections | None = getattr(config, "fngate_connections", None)
+        if connections is None or connections.open < connections.limit:
+            if connections is not None:
+                connections.open += 1
+            try:
+                await serve_connection(app, loop, config, context, state, reader, writer)
+            finally:
+                if connections is not None:
+                    connections.open -= 1
+            return
+        with contextlib.suppress(OSError, TimeoutError):
+            writer.write(connections.refusal)
+            writer.write_eof()
+            async with asyncio.timeout(LINGER_S):
+                while await reader.read(65536):
+                    pass
+        writer.close()
+
+    limited.fngate_limited = True  # type: ignore[attr-defined]
+    run.TCPServer = limited  # type: ignore[attr-defined,assignment]
 
 
 class _AnswerThenDrain:

@@ -433,6 +433,23 @@ async def test_large_heads_many_headers_too_many_connections_and_decodes_are_ref
     await asyncio.sleep(0.2)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/v2/health/live")).status_code == 200  # places free again
+    # Eight connections holding half a request head each hold every place too.
+    held = []
+    try:
+        for _ in range(8):
+            _reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v2/models/classifier/infer HTTP/1.1\r\nhost: te")
+            await writer.drain()
+            held.append(writer)
+        await asyncio.sleep(0.2)
+        answer = await answer_while_sending(base, b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    finally:
+        for writer in held:
+            writer.close()
+    await asyncio.sleep(0.2)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await client.get("/v2/health/live")).status_code == 200
     # One body being decoded holds more than the decode budget (alone, it goes on); a second is 503.
     numbers = 400_000
     head = b'{"inputs":[{"name":"input","datatype":"FP32","shape":[1,%d],"data":[' % numbers
