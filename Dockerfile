@@ -114,8 +114,8 @@ RUN pip install --no-deps /wheels/fngate-*.whl && pip check
 FROM runtime AS gateway
 COPY --from=gateway-final-env /opt/fngate /opt/fngate
 ENV FNGATE_HOST=0.0.0.0 FNGATE_PORT=8000
-# One port a line here follows fngate/tools/k8s.py's GATEWAY_PORTS: HTTP, and gRPC as Triton's.
-EXPOSE 8000 8001
+# One port a line here follows fngate/tools/k8s.py's GATEWAY_PORTS: HTTP, gRPC and metrics as Triton's.
+EXPOSE 8000 8001 8002
 USER 10001:10001
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/live' % os.environ.get('FNGATE_PORT', '8000'), timeout=2)"]

@@ -39,8 +39,13 @@ class Port:
     public: bool = True
 
 
-GATEWAY_PORTS = (Port("http", 8000, "FNGATE_PORT"), Port("grpc", 8001, "FNGATE_GRPC_PORT"))
-"""The gateway's; the Service serves `http` on service_port and every other public port on its number."""
+GATEWAY_PORTS = (
+    Port("http", 8000, "FNGATE_PORT"),
+    Port("grpc", 8001, "FNGATE_GRPC_PORT"),
+    Port("metrics", 8002, "FNGATE_METRICS_PORT", public=False),
+)
+"""The gateway's; the Service serves `http` on service_port and every other public port on its
+number. `metrics` is Triton's metrics port (/metrics without a key), for Prometheus alone."""
 RUNNER_PORTS = (Port("metrics", 9100, "FNGATE_STATUS_PORT", public=False),)
 """The runner's metrics and health port: /healthz/ready answers while Redis does and it consumes."""
 GATEWAY_PORT = GATEWAY_PORTS[0].number
