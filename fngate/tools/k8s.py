@@ -558,8 +558,7 @@ FLAG_HELP = {
     "api_keys_secret": "a Secret whose key `admin` holds an admin key's '<id>:<sha256>' (`fngate keys "
     "hash`; default: fngate-api-keys, optional)",
     "prometheus_label": "KEY=VALUE of the Prometheus pods that may reach the runners' and gateways' metrics "
-    "(default: "
-    "app.kubernetes.io/name=prometheus)",
+    "(default: app.kubernetes.io/name=prometheus)",
 }
 """Each Options field's flag help (tests/deploy/test_k8s_render.py checks every flag has one)."""
 
