@@ -206,3 +206,24 @@ def test_the_example_functions_scan_as_before() -> None:
     functions = FolderRepository(ROOT / "functions").scan()
     assert {"classifier", "normalize"} <= functions.keys()
     assert all(list(record.versions) == ["1"] for record in functions.values())
+
+
+def test_a_manifest_changed_in_place_is_read_again_whatever_its_times(tmp_path: Path) -> None:
+    """Scans parse a manifest again only when its stat changes; an edit that keeps the size and
+    sets the modification time back is still seen (the change time moves)."""
+    import os
+    import shutil
+    import time
+
+    shutil.copytree(ROOT / "functions" / "classifier", tmp_path / "classifier")
+    manifest = tmp_path / "classifier" / MANIFEST_FILE
+    repository = FolderRepository(tmp_path)
+    time.sleep(2.1)  # past the settling time: from here the scans may keep what they read
+    assert repository.scan()["classifier"].newest().manifest.batching.max_queue_size == 1000
+    before = manifest.stat()
+    edited = manifest.read_text().replace("max_queue_size: 1000", "max_queue_size: 2000")
+    manifest.write_text(edited)
+    os.utime(manifest, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert manifest.stat().st_size == before.st_size
+    time.sleep(2.1)  # settled again: only the change time tells the edit apart
+    assert repository.scan()["classifier"].newest().manifest.batching.max_queue_size == 2000
