@@ -50,9 +50,10 @@ def test_network_policies_let_runners_take_traffic_only_from_prometheus() -> Non
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert runner["podSelector"]["matchLabels"].items() <= labels.items()
     gateway = named(objects, "NetworkPolicy", "fngate-gateway")["spec"]
-    # Clients reach the gateway's HTTP and gRPC ports, nothing else of it.
+    # Clients reach the gateway's HTTP and gRPC ports, Prometheus its metrics port, nothing else.
     assert gateway["ingress"] == [
-        {"ports": [{"port": "http", "protocol": "TCP"}, {"port": "grpc", "protocol": "TCP"}]}
+        {"ports": [{"port": "http", "protocol": "TCP"}, {"port": "grpc", "protocol": "TCP"}]},
+        {"from": rule["from"], "ports": [{"port": "metrics", "protocol": "TCP"}]},
     ]
     labels = named(objects, "Deployment", "fngate-gateway")["spec"]["template"]["metadata"]["labels"]
     assert gateway["podSelector"]["matchLabels"].items() <= labels.items()
