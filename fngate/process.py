@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import os
 import signal
 import subprocess
@@ -34,19 +33,6 @@ def run_forever(main: Coroutine[Any, Any, None]) -> None:
             uvloop.run(main)
     finally:
         telemetry.shutdown()
-
-
-def freeze_for_serving(collect: bool = True) -> None:
-    """Once a process has what it keeps for its life (modules, the app, settings): collect, then
-    move everything alive out of the collector's sight (gc.freeze), so that a full collection
-    walks only what came later. Over the gateway's 70,000 objects after its imports a full pass
-    takes 30 ms here, a pause in the latency of every request it lands on. Without `collect` (a
-    runner starting on its first invocation's time) the startup's garbage is frozen with the rest.
-    (Raising the young generation's threshold as well measured no better at the p99 of open-loop
-    traffic, within this machine's noise: left at Python's.)"""
-    if collect:
-        gc.collect()
-    gc.freeze()
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30) -> None:

@@ -21,7 +21,7 @@ import time
 from fngate import status_port, telemetry
 from fngate.backoff import backoff_s, until_done
 from fngate.config import GatewaySettings, unknown_variables
-from fngate.process import ends_with_parent, freeze_for_serving, module_command, run_forever
+from fngate.process import ends_with_parent, module_command, run_forever
 
 log = logging.getLogger("gateway")
 
@@ -48,7 +48,6 @@ async def run(settings: GatewaySettings) -> None:
         if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
             return
     app = create_app(settings, stopping)
-    freeze_for_serving()
     async with metrics_port.serving(settings):
         await SERVERS[settings.server](app, settings, stopping)
 

@@ -18,7 +18,7 @@ import sys  # noqa: E402
 
 from fngate import telemetry  # noqa: E402
 from fngate.config import RunnerSettings, unknown_variables  # noqa: E402
-from fngate.process import freeze_for_serving, run_forever  # noqa: E402
+from fngate.process import run_forever  # noqa: E402
 from runner.worker import main as worker_main  # noqa: E402
 
 IMPORTS_S = time.perf_counter() - IMPORTS_STARTED
@@ -29,7 +29,6 @@ async def run(settings: RunnerSettings, started_ms: int | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    freeze_for_serving(collect=False)
     await worker_main(settings, stopping, started_ms)
 
 
