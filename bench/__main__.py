@@ -565,6 +565,12 @@ def main(argv: list[str] | None = None) -> int:
         "(`SERVE_SH MODELS_DIR PORT batch`, serving tiny.onnx and wide.onnx), on the same load, "
         "and print fngate/Triton ratios; its first run installs Triton (nvidia-pytriton)",
     )
+    parser.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=0,
+        help="gateway processes of the main deployment (default 0: fngate up's, one per core, at most 4)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup_s, args.measure_s, args.cold_starts = 0.3, 1.0, 1
@@ -582,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         if wanted("inproc"):
             bench.in_process()
         with deployment(repo, Path(folder) / "logs") as deployed:
-            deployed.start_gateway()
+            deployed.start_gateway(workers=args.gateway_workers)
             deployed.start_runner()
             against_peers(deployed, bench, args.triton, wanted)
             if wanted("S0"):
