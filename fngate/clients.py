@@ -73,7 +73,7 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     if not is_cluster(url):
         return aioredis.from_url(url, **options)
     cluster = parse_cluster(url)
-    client = RedisCluster(
+    client = _RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
         username=cluster.username or None,
         password=cluster.password or None,
@@ -81,6 +81,20 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
         **options,
     )
     return cast(aioredis.Redis, client)
+
+
+class _RedisCluster(RedisCluster):
+    """redis-py's asyncio cluster client, whose commands fail as a lost connection does when its
+    connection is closed under them: in a failover redis-py (8.1) can close a node's connection
+    while a command is connecting on it, and the command then fails with an AttributeError
+    (`'NoneType' object has no attribute 'writelines'`), which every loop that waits out a Redis
+    outage would take for a bug and die of."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except AttributeError as exc:
+            raise redis.exceptions.ConnectionError(f"connection closed while in use ({exc})") from exc
 
 
 def connect_pool(url: str, max_connections: int, timeout_s: float, **options: Any) -> aioredis.Redis:
