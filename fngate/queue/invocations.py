@@ -52,6 +52,30 @@ local function push(stream, counter, h, b, step)
 end
 """
 
+# entry_bytes(fields): what push counted of an entry in its stream's byte counter (queue_bytes).
+# unqueue(stream, id): an entry no runner took, out of its stream (no runner ever reads it) and out
+# of the counter, which goes with the stream's last entry; answers its fields (nil: not there).
+UNQUEUE_LUA = """
+local function entry_bytes(fields)
+  local size = 0
+  for i = 1, #fields, 2 do
+    if fields[i] == 'h' or fields[i] == 'b' or fields[i] == 'p' then size = size + #fields[i + 1] end
+  end
+  return size
+end
+local function unqueue(stream, id)
+  local found = redis.call('XRANGE', stream, id, id)[1]
+  if not found then return nil end
+  redis.call('XDEL', stream, id)
+  if redis.call('XLEN', stream) == 0 then
+    redis.call('DEL', stream .. ':bytes')
+  else
+    redis.call('DECRBY', stream .. ':bytes', entry_bytes(found[2]))
+  end
+  return found[2]
+end
+"""
+
 # admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
 #   -> {'ok'} | {'busy'|'share'|'rate', retry_after_ms}
 # A token bucket (`burst` tokens, `rps` per second, Redis time) and two sorted sets of the key's

@@ -14,6 +14,7 @@ from fngate.queue.invocations import (
     HEADER,
     NO_ADMISSION,
     PUSH_LUA,
+    UNQUEUE_LUA,
     Admission,
     Forward,
     Full,
@@ -254,6 +255,7 @@ end
 CANCEL = (
     QUEUED_ENTRIES_LUA
     + SETTLED_LUA
+    + UNQUEUE_LUA
     + """
 local state = settled(KEYS[1])
 if state then return state end
@@ -263,20 +265,7 @@ for _, item in ipairs(queued) do
   if not item[2] then return 'gone' end
   if is_taken(item[1], item[2], ARGV[1]) then return 'running' end
 end
-for _, item in ipairs(queued) do
-  local stream, entry = item[1], item[2]
-  local size = 0
-  local fields = redis.call('XRANGE', stream, entry, entry)[1][2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 'h' or fields[i] == 'b' or fields[i] == 'p' then size = size + #fields[i + 1] end
-  end
-  redis.call('XDEL', stream, entry)
-  if redis.call('XLEN', stream) == 0 then
-    redis.call('DEL', stream .. ':bytes')
-  else
-    redis.call('DECRBY', stream .. ':bytes', size)
-  end
-end
+for _, item in ipairs(queued) do unqueue(item[1], item[2]) end
 redis.call('XADD', KEYS[1], '*', 's', 'cancelled')
 return 'cancelled'
 """

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fngate import keys
-from fngate.queue.invocations import BODY, HEADER, Forward, Outgoing, ScriptCall, Waiter
+from fngate.queue.invocations import BODY, HEADER, UNQUEUE_LUA, Forward, Outgoing, ScriptCall, Waiter
 from fngate.queue.results import QUEUED_ENTRIES_LUA, SETTLED_LUA, ResultQuota
 from fngate.queue.steps import forward_call
 from fngate.queue.stored import PACKED_LUA, QUOTA_LUA, STORE_RESULT_LUA, Charge, parse_charges
@@ -121,6 +121,7 @@ return {redis.call('PTTL', KEYS[1]), steps, taken}
 # that stopped midway) stays.
 ASIDE = (
     QUEUED_ENTRIES_LUA
+    + UNQUEUE_LUA
     + PACKED_LUA
     + """
 for i, stream in ipairs(KEYS) do
@@ -133,20 +134,11 @@ if ARGV[2] ~= '1' then return 'untaken' end
 for i, stream in ipairs(KEYS) do
   local id = ARGV[3 + i]
   local aside = stream .. ':aside:' .. id
-  if redis.call('EXISTS', aside) == 0 then
-    local fields = redis.call('XRANGE', stream, id, id)[1][2]
-    local kept, size = '', 0
-    for j = 1, #fields, 2 do
-      kept = kept .. packed(fields[j]) .. packed(fields[j + 1])
-      if fields[j] == 'h' or fields[j] == 'b' or fields[j] == 'p' then size = size + #fields[j + 1] end
-    end
+  local fields = redis.call('EXISTS', aside) == 0 and unqueue(stream, id)
+  if fields then
+    local kept = ''
+    for j = 1, #fields do kept = kept .. packed(fields[j]) end
     redis.call('SET', aside, kept, 'PX', ARGV[3])
-    redis.call('XDEL', stream, id)
-    if redis.call('XLEN', stream) == 0 then
-      redis.call('DEL', stream .. ':bytes')
-    else
-      redis.call('DECRBY', stream .. ':bytes', size)
-    end
   end
 end
 return 'untaken'
@@ -158,6 +150,7 @@ return 'untaken'
 # entry's new id ('' where nothing was set aside, or it was dropped).
 PUT_BACK = (
     PACKED_LUA
+    + UNQUEUE_LUA
     + """
 local ids = {}
 for i, stream in ipairs(KEYS) do
@@ -165,12 +158,9 @@ for i, stream in ipairs(KEYS) do
   local kept = redis.call('GET', aside)
   ids[i] = ''
   if kept and ARGV[1] == 'back' then
-    local fields, size = unpacked(kept), 0
-    for j = 1, #fields, 2 do
-      if fields[j] == 'h' or fields[j] == 'b' or fields[j] == 'p' then size = size + #fields[j + 1] end
-    end
+    local fields = unpacked(kept)
     ids[i] = redis.call('XADD', stream, '*', unpack(fields))
-    redis.call('INCRBY', stream .. ':bytes', size)
+    redis.call('INCRBY', stream .. ':bytes', entry_bytes(fields))
   end
   redis.call('DEL', aside)
 end
