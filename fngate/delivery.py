@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -116,15 +116,18 @@ async def deliver(run: Run, deliveries: Sequence[slots.Delivery], reply_maxlen: 
 
 async def _deliver(run: Run, deliveries: Sequence[slots.Delivery], reply_maxlen: int) -> list[Charge]:
     calls = slots.deliver_calls(deliveries, reply_maxlen)
-    done = await asyncio.gather(
-        *(run(slots.DELIVER, call.keys, list(call.args)) for call in calls), return_exceptions=True
-    )
-    owed: list[Charge] = []
+    done = await all_answered(run(slots.DELIVER, call.keys, list(call.args)) for call in calls)
+    return [charge for outcome in done for charge in parse_charges(outcome)]
+
+
+async def all_answered(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Each call's answer, all sent at once; the first error raised once every call answered (so
+    that none is still running when the caller undoes what the others did)."""
+    done = await asyncio.gather(*calls, return_exceptions=True)
     for outcome in done:
         if isinstance(outcome, BaseException):
             raise outcome
-        owed += parse_charges(outcome)
-    return owed
+    return list(done)
 
 
 async def charge(run: Run, charges: Sequence[Charge]) -> None:

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -180,15 +179,15 @@ class SlotSteps:
             return
         rest = entries.rest
         steps = [slots.FirstStep(index, rest[index].stream, entry.decode()) for index, entry in queued]
-        await self._note(entries.id, steps)
-
-    async def _note(self, invocation_id: str, steps: Sequence[slots.FirstStep]) -> None:
         try:
-            await self._redis.execute(
-                "XADD", keys.result(invocation_id), "NOMKSTREAM", "*", "f", slots.record(steps)
-            )
+            await self._note(entries.id, steps)
         except (RedisError, OSError) as exc:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
+
+    async def _note(self, invocation_id: str, steps: Sequence[slots.FirstStep]) -> None:
+        await self._redis.execute(
+            "XADD", keys.result(invocation_id), "NOMKSTREAM", "*", "f", slots.record(steps)
+        )
 
     async def cancel(self, invocation_id: str, whole: bool = True) -> str:
         """CANCEL across slots: 'gone', 'done', 'cancelled' or 'running', as on one Redis. A
@@ -236,7 +235,7 @@ class SlotSteps:
     async def _aside(self, grouped: list[list[slots.FirstStep]], set_aside: bool, ttl_ms: int) -> list[Any]:
         """ASIDE on each slot at once: each slot's answer. Raises the first error, once all answered."""
         calls = [slots.aside_call(steps, keys.RUNNER_GROUP, set_aside, ttl_ms) for steps in grouped]
-        return await _all(self._run(slots.ASIDE, *_args(call)) for call in calls)
+        return await delivery.all_answered(self._run(slots.ASIDE, *_args(call)) for call in calls)
 
     async def _put_back(
         self, invocation_id: str, grouped: list[list[slots.FirstStep]], quietly: bool = False
@@ -244,7 +243,7 @@ class SlotSteps:
         """PUT_BACK what was set aside, on each slot at once, and record where each step is now."""
         try:
             calls = [slots.put_back_call(steps, True) for steps in grouped]
-            answers = await _all(self._run(slots.PUT_BACK, *_args(call)) for call in calls)
+            answers = await delivery.all_answered(self._run(slots.PUT_BACK, *_args(call)) for call in calls)
             moved = [
                 slots.FirstStep(step.index, step.stream, entry.decode())
                 for steps, ids in zip(grouped, answers, strict=True)
@@ -253,16 +252,13 @@ class SlotSteps:
             ]
             if moved:
                 await self._note(invocation_id, moved)
-        except (RedisError, OSError, Unavailable) as exc:
-            if quietly:
-                return
-            if isinstance(exc, Unavailable):
-                raise
-            raise Unavailable(f"the queue is unavailable: {exc}") from exc
+        except (RedisError, OSError) as exc:
+            if not quietly:
+                raise Unavailable(f"the queue is unavailable: {exc}") from exc
 
     async def _drop(self, grouped: list[list[slots.FirstStep]]) -> None:
         calls = [slots.put_back_call(steps, False) for steps in grouped]
-        await _all(self._run(slots.PUT_BACK, *_args(call)) for call in calls)
+        await delivery.all_answered(self._run(slots.PUT_BACK, *_args(call)) for call in calls)
 
     async def _claim_key(
         self, call: Call, invocation_id: str
@@ -303,13 +299,3 @@ class SlotSteps:
 
 def _args(call: queue.ScriptCall) -> tuple[list[str], list[Any]]:
     return call.keys, list(call.args)
-
-
-async def _all(calls: Any) -> list[Any]:
-    """Each call's answer, all sent at once; the first error raised once every call answered (so
-    that none is still running when the caller undoes what the others did)."""
-    done = await asyncio.gather(*calls, return_exceptions=True)
-    for outcome in done:
-        if isinstance(outcome, BaseException):
-            raise outcome
-    return list(done)
