@@ -40,8 +40,8 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
     config.h2_max_header_list_size = settings.max_header_bytes
     config.graceful_timeout = 10
     _limit_connections()
-    too_many = refusal(503, "this gateway process has too many connections open", settings.retry_after_s)
-    config.fngate_connections = _Connections(settings.max_connections, too_many)  # type: ignore[attr-defined]
+    connections = _Connections(settings.max_connections, too_many_connections(settings))
+    config.fngate_connections = connections  # type: ignore[attr-defined]
     await serve(_AnswerThenDrain(app), config, shutdown_trigger=stopping.wait)
 
 
@@ -219,6 +219,11 @@ def refusal(status: int, message: str, retry_after_s: int | None = None) -> byte
     return head + retry + b"connection: close\r\n\r\n" + body
 
 
+def too_many_connections(settings: GatewaySettings) -> bytes:
+    """The refusal of a connection past max_connections (both servers)."""
+    return refusal(503, "this gateway process has too many connections open", settings.retry_after_s)
+
+
 def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol, with limits on a request's head: how long it may take (from
     the connection, or the previous response, to the end of the headers: uvicorn has none of its
@@ -235,7 +240,7 @@ def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type
     timeout_s = settings.header_timeout_s
     max_head_bytes, max_headers = settings.max_header_bytes, settings.max_headers
     too_large = refusal(431, f"the request head is over {max_head_bytes} bytes or {max_headers} headers")
-    too_many = refusal(503, "this gateway process has too many connections open", settings.retry_after_s)
+    too_many = too_many_connections(settings)
 
     class HeadTimeoutProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
