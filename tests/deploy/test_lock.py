@@ -45,7 +45,7 @@ def test_every_set_was_made_from_pyproject_as_it_is() -> None:
     lock = lock_script()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     digest = lock.dependency_digest(pyproject)
-    for name in [*lock.TARGETS, "build", "checkov"]:
+    for name in [*lock.TARGETS, "build", *lock.TOOLS]:
         header = (LOCK / f"{name}.txt").read_text(encoding="utf-8").split("\n", 3)[:3]
         assert f"pyproject.toml sha256: {digest}" in header[2], (
             f"requirements/{name}.txt is older than pyproject.toml's dependencies: run scripts/lock"
@@ -85,13 +85,14 @@ def test_one_version_of_each_package_across_the_sets() -> None:
     assert pins("gateway").items() <= pins("runner").items()
     assert pins("gateway").items() <= pins("gpu").items()
     assert "onnxruntime" not in pins("gateway")  # the gateway never imports it
-    assert pins("checkov")["checkov"] == lock_script().CHECKOV.split("==")[1]
+    for tool, pin in lock_script().TOOLS.items():
+        assert pins(tool)[tool] == pin.split("==")[1]
 
 
 def test_bootstrap_and_the_dockerfile_install_from_the_lock() -> None:
     bootstrap = (ROOT / "scripts" / "bootstrap").read_text(encoding="utf-8")
     assert "--require-hashes --no-deps" in bootstrap
-    for name in ("dev", "runner", "build", "checkov"):
+    for name in ("dev", "runner", "build", "checkov", "kserve"):
         assert f"requirements/{name}.txt" in bootstrap, name
     assert "pip install -q -e" not in bootstrap and "--upgrade pip" not in bootstrap
     dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")

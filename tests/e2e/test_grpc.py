@@ -1,10 +1,12 @@
 """The Open Inference Protocol over gRPC: tritonclient's gRPC clients (sync, callbacks, streams,
-asyncio) against a real gateway and runner, with the same keys, scopes, limits, deadlines and
-input checks as over HTTP."""
+asyncio) and KServe's clients (gRPC and REST) against a real gateway and runner, with the same keys,
+scopes, limits, deadlines and input checks as over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from tests.gateway.test_auth import (
     create_key,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 BATCH = np.random.default_rng(3).standard_normal((3, 16), dtype=np.float32)
 
 
@@ -141,6 +144,44 @@ async def test_tritonclients_grpc_clients_work_unchanged(
         assert raised.value.status() == "StatusCode.NOT_FOUND"
     finally:
         await client.close()
+
+
+async def test_kserves_clients_work_unchanged(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis_url: str, repo: Path
+) -> None:
+    """KServe's gRPC and REST clients, in their own environment and process (.venv/kserve, from
+    requirements/kserve.txt): KServe's generated messages and tritonclient's (which the gateway
+    uses) define the same `inference.*` names, which one protobuf descriptor pool refuses to hold
+    twice."""
+    python = os.environ.get("KSERVE_PYTHON") or str(ROOT / ".venv" / "kserve" / "bin" / "python")
+    if not os.access(python, os.X_OK):
+        pytest.skip(f"KServe's clients are not installed in {python}: scripts/bootstrap installs them")
+    port = free_port()
+    key, _ = create_key(redis_url, "invoke")
+    http_url = await serve_gateway(grpc_port=port, auth=True)
+    await inprocess_runner()
+    client = await asyncio.create_subprocess_exec(
+        python,
+        str(ROOT / "tests" / "e2e" / "kserve_clients.py"),
+        f"127.0.0.1:{port}",
+        http_url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(client.communicate(key.encode() + b"\n" + BATCH.tobytes()), 120)
+    assert client.returncode == 0, err.decode()[-3000:]
+    found = json.loads(out)
+    wanted = reference(repo, BATCH)
+    assert found["grpc_live"] is True and found["grpc_ready"] is True
+    assert found["grpc_id"] == "ks-1"
+    np.testing.assert_allclose(np.asarray(found["grpc_output"], np.float32), wanted, rtol=1e-5)
+    assert found["grpc_missing"][0] == "NOT_FOUND" and "not deployed" in found["grpc_missing"][1]
+    assert found["grpc_no_key"] == "UNAUTHENTICATED"
+    assert found["rest_ready"] is True
+    np.testing.assert_allclose(
+        np.asarray(found["rest_output"], np.float32).reshape(wanted.shape), wanted, rtol=1e-5
+    )
 
 
 def raw_call(port: int, request: service_pb2.ModelInferRequest, **kwargs: Any) -> grpc.RpcError:
