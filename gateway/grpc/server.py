@@ -1,47 +1,68 @@
-"""The gRPC front end's server: grpcio's asyncio server on the gateway's own event loop, serving
-GRPCInferenceService on `grpc_port` for as long as the gateway's lifespan lasts."""
+"""The gRPC front end's server: gateway.grpc.transport's connections on the gateway's own event
+loop, serving GRPCInferenceService on `grpc_port` for as long as the gateway's lifespan lasts."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import grpc
-from tritonclient.grpc import service_pb2_grpc
-
 from fngate.errors import Unavailable
 from gateway.grpc.service import GrpcInference
+from gateway.grpc.transport import GrpcConnection, Limits
 from gateway.state import Services
 
 log = logging.getLogger(__name__)
-MAX_CONCURRENT_RPCS = 4096
-"""RPCs one gateway process serves at once; past it grpc answers RESOURCE_EXHAUSTED."""
 STOP_GRACE_S = 5.0
+"""How long RPCs in flight at shutdown have to finish."""
+BACKLOG = 2048
 
 
 @contextlib.asynccontextmanager
 async def serving(services: Services) -> AsyncIterator[int]:
-    """Serve until the block ends, then let RPCs in flight finish for a moment; yields the port
-    (useful when `grpc_port` asked for any free one)."""
+    """Serve until the block ends, then take no new RPC and let those in flight finish for a
+    moment; yields the port (useful when `grpc_port` asked for any free one)."""
     settings = services.settings
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_send_message_length", -1),
-            ("grpc.so_reuseport", 1 if settings.grpc_reuse_port else 0),
-        ],
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+    service = GrpcInference(services)
+    methods = service.methods()
+    limits = Limits(
+        max_message_bytes=settings.max_body_bytes,
+        max_headers=settings.max_headers,
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        max_connections=settings.max_connections,
+        budget=services.budget,
+        failure=service.failure,
     )
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GrpcInference(services), server)
+    connections: set[GrpcConnection] = set()
+    loop = asyncio.get_running_loop()
     address = f"{settings.host}:{settings.grpc_port}"
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:  # the port is taken, or the address is not this host's
+        server = await loop.create_server(
+            lambda: GrpcConnection(methods, limits, connections),
+            settings.host,
+            settings.grpc_port,
+            reuse_port=settings.grpc_reuse_port or None,
+            backlog=BACKLOG,
+        )
+    except OSError as exc:  # the port is taken, or the address is not this host's
         raise Unavailable(f"cannot serve gRPC on {address}: {exc}") from exc
-    await server.start()
+    port = server.sockets[0].getsockname()[1]
     log.info("gRPC (GRPCInferenceService) on %s:%d", settings.host, port)
     try:
         yield port
     finally:
-        await server.stop(STOP_GRACE_S)
+        server.close()
+        for connection in list(connections):
+            connection.go_away()
+        waiting = [asyncio.ensure_future(connection.idle.wait()) for connection in connections]
+        if waiting:
+            await asyncio.wait(waiting, timeout=STOP_GRACE_S)
+            for pending in waiting:
+                pending.cancel()
+        for connection in list(connections):
+            if connection.transport is not None:
+                connection.transport.close()
+        await server.wait_closed()

@@ -1,31 +1,34 @@
-"""The GRPCInferenceService servicer: each RPC translated to the gateway's core, with the same keys
-(the `authorization` metadata, as tritonclient sends headers), scopes, limits, deadlines (the RPC's
-own) and traces (a `traceparent` in the metadata) as over HTTP. Shared-memory, trace and log
-settings RPCs answer UNIMPLEMENTED."""
+"""The GRPCInferenceService's handlers: each RPC translated to the gateway's core, with the same
+keys (the `authorization` metadata, as tritonclient sends headers), scopes, limits, deadlines (the
+RPC's own) and traces (a `traceparent` in the metadata) as over HTTP. Shared-memory, trace and log
+settings RPCs answer UNIMPLEMENTED. gateway.grpc.transport serves them."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any
 
-import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2
 
 from fngate import telemetry
 from fngate.errors import ErrorCode, FunctionError, Internal, PermissionDenied, RateLimited
+from fngate.manifest import FunctionManifest
+from fngate.wire import Reply, Tensors
 from gateway import control, metadata, metrics
-from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, OPEN, READ, Principal
+from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, Principal, UnknownKey
 from gateway.call import Call
 from gateway.grpc import protocol
-from gateway.grpc.status import CODES
+from gateway.grpc.status import CODES, Status
+from gateway.grpc.transport import Method, Rpc, RpcError
 from gateway.state import Services
-from gateway.validation import parse, shown
+from gateway.validation import OFF_LOOP_BYTES, parse, parse_now, shown
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("fngate.gateway")
@@ -35,107 +38,143 @@ SERVICE = "inference.GRPCInferenceService"
 _END = object()
 
 
-class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+class GrpcInference:
     def __init__(self, services: Services) -> None:
         self.services = services
         self._tracing = telemetry.tracing_active()
 
+    def methods(self) -> dict[bytes, Method]:
+        """Every RPC of the service by its name on the wire, with its request message's parser."""
+        table = {}
+        for method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+            parse = getattr(service_pb2, method.input_type.name).FromString
+            handler = getattr(self, method.name)
+            if method.client_streaming:
+                table[method.name.encode()] = Method(parse, streaming=handler)
+            else:
+                table[method.name.encode()] = Method(parse, unary=handler)
+        return table
+
+    def failure(self, exc: BaseException, rpc: Rpc) -> RpcError:
+        """The status an RPC ends with for its handler's exception (a bug: INTERNAL, logged)."""
+        if isinstance(exc, RpcError):
+            return exc
+        if isinstance(exc, FunctionError):
+            return RpcError(
+                CODES[exc.code], exc.message, _trailers(exc, self.services.settings.retry_after_s)
+            )
+        request_id = uuid.uuid4().hex
+        log.error("%s failed unexpectedly (request %s)", rpc.name[:160], request_id, exc_info=exc)
+        metrics.failed("", ErrorCode.INTERNAL.value)
+        return RpcError(Status.INTERNAL, f"internal error (request id {request_id})")
+
     # Health: open to every caller, as over HTTP.
 
-    async def ServerLive(self, request: Any, context: Any) -> Any:
+    async def ServerLive(self, request: Any, rpc: Rpc) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: Any, context: Any) -> Any:
+    async def ServerReady(self, request: Any, rpc: Rpc) -> Any:
         return service_pb2.ServerReadyResponse(ready=self.services.catalog.health.available)
 
     # Metadata: the `read` scope, or `invoke` of the function asked about.
 
-    async def ServerMetadata(self, request: Any, context: Any) -> Any:
-        async with self._answering(context, ANY, None):  # as GET /v2: any valid key
-            document = metadata.server()
-        return service_pb2.ServerMetadataResponse(**document)
+    async def ServerMetadata(self, request: Any, rpc: Rpc) -> Any:
+        await self._authorize(rpc, ANY, None)  # as GET /v2: any valid key
+        return service_pb2.ServerMetadataResponse(**metadata.server())
 
-    async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        async with self._answering(context, READ, request.name):
-            document = metadata.model(self.services.catalog, request.name, request.version or None)
-        return protocol.metadata(document)
+    async def ModelMetadata(self, request: Any, rpc: Rpc) -> Any:
+        await self._authorize(rpc, READ, request.name)
+        return protocol.metadata(metadata.model(self.services.catalog, request.name, request.version or None))
 
-    async def ModelReady(self, request: Any, context: Any) -> Any:
-        async with self._answering(context, READ, request.name):
-            _, ready = metadata.ready(self.services.catalog, request.name, request.version or None)
+    async def ModelReady(self, request: Any, rpc: Rpc) -> Any:
+        await self._authorize(rpc, READ, request.name)
+        _, ready = metadata.ready(self.services.catalog, request.name, request.version or None)
         return service_pb2.ModelReadyResponse(ready=ready)
 
-    async def ModelConfig(self, request: Any, context: Any) -> Any:
-        async with self._answering(context, READ, request.name):
-            document = metadata.configuration(self.services.catalog, request.name, request.version or None)
+    async def ModelConfig(self, request: Any, rpc: Rpc) -> Any:
+        await self._authorize(rpc, READ, request.name)
+        document = metadata.configuration(self.services.catalog, request.name, request.version or None)
         return service_pb2.ModelConfigResponse(config=protocol.model_config(document))
 
-    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+    async def ModelStatistics(self, request: Any, rpc: Rpc) -> Any:
         """Of one function, or of every function the key may read."""
         found = self.services
-        answering = self._answering(context, READ if request.name else BROWSE, request.name or None)
-        async with answering:
-            principal = answering.principal
-            document = await metadata.statistics(
-                found.catalog,
-                found.redis,
-                request.name or None,
-                request.version or None,
-                lambda name: principal.allows(READ, name),
-            )
+        principal = await self._authorize(rpc, READ if request.name else BROWSE, request.name or None)
+        document = await metadata.statistics(
+            found.catalog,
+            found.redis,
+            request.name or None,
+            request.version or None,
+            lambda name: principal.allows(READ, name),
+        )
         return protocol.statistics(document)
 
-    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
-        async with self._answering(context, READ, None):
-            entries = await control.repository_index(self.services.catalog, request.ready)
+    async def RepositoryIndex(self, request: Any, rpc: Rpc) -> Any:
+        await self._authorize(rpc, READ, None)
+        entries = await control.repository_index(self.services.catalog, request.ready)
         response = service_pb2.RepositoryIndexResponse()
         for entry in entries:
             response.models.add(**entry)
         return response
 
-    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+    async def RepositoryModelLoad(self, request: Any, rpc: Rpc) -> Any:
         found = self.services
-        async with self._answering(context, ADMIN, None):
-            await control.load(found.catalog, request.model_name, found.settings.load_timeout_s)
+        await self._authorize(rpc, ADMIN, None)
+        await control.load(found.catalog, request.model_name, found.settings.load_timeout_s)
         return service_pb2.RepositoryModelLoadResponse()
 
-    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+    async def RepositoryModelUnload(self, request: Any, rpc: Rpc) -> Any:
         found = self.services
-        async with self._answering(context, ADMIN, None):
-            await control.unload(found.catalog, request.model_name, found.settings.load_timeout_s)
+        await self._authorize(rpc, ADMIN, None)
+        await control.unload(found.catalog, request.model_name, found.settings.load_timeout_s)
         return service_pb2.RepositoryModelUnloadResponse()
 
     # Inference: the `invoke` scope of the function.
 
-    async def ModelInfer(self, request: Any, context: Any) -> Any:
+    def ModelInfer(self, request: Any, rpc: Rpc) -> Awaitable[Any]:
+        """A small request from a key the table holds is answered from the reply's future, with no
+        task; a traced one, a large one (parsed in a thread) or a new key's runs as a task."""
         started = time.perf_counter()
-        headers = _metadata(context)
-        retry_after_s = self.services.settings.retry_after_s
+        if self._tracing or protocol.held_bytes(request) >= OFF_LOOP_BYTES:
+            return self._infer_slowly(request, rpc, started)
         try:
-            principal = await self.services.keys.authorize_async(
-                headers.get("authorization"), INVOKE, request.model_name
+            principal = self.services.keys.authorize(
+                rpc.metadata.get("authorization"), INVOKE, request.model_name
             )
-        except FunctionError as exc:
-            await _abort(context, exc, retry_after_s)
-        with self._span("ModelInfer", headers) as traceparent:
-            try:
-                return await self._infer(request, principal, context.time_remaining(), traceparent, started)
-            except FunctionError as exc:
-                await _abort(context, exc, retry_after_s)
-            except Exception:
-                await _abort(context, _internal(request.model_name), retry_after_s)
-
-    async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        """Each request answered with its id as soon as it is done (not in order), errors included,
-        as Triton's decoupled stream does; at most STREAM_IN_FLIGHT at once."""
-        headers = _metadata(context)
+        except UnknownKey:
+            return self._infer_slowly(request, rpc, started)
         try:
-            principal = await self.services.keys.authorize_async(headers.get("authorization"), ANY)
+            manifest = self._manifest(request)
+            inputs = parse_now(protocol.inputs_of, request, manifest)
         except FunctionError as exc:
-            await _abort(context, exc, self.services.settings.retry_after_s)
+            self._refused(request, exc)
+            raise
+        call = self._call(request, rpc, principal, None, started, inputs)
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        reply = self.services.dispatcher.invoke(call)
+        reply.add_done_callback(functools.partial(_answer, answer, manifest, request.id))
+        return answer
+
+    async def _infer_slowly(self, request: Any, rpc: Rpc, started: float) -> Any:
+        principal = await self.services.keys.authorize_async(
+            rpc.metadata.get("authorization"), INVOKE, request.model_name
+        )
+        with self._span("ModelInfer", rpc.metadata.get("traceparent")) as traceparent:
+            return await self._infer(request, rpc, principal, traceparent, started)
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[Any], rpc: Rpc) -> AsyncIterator[Any]:
+        """Each request answered with its id as soon as it is done (not in order), errors included,
+        as Triton's decoupled stream does; at most STREAM_IN_FLIGHT at once. The key is checked
+        once the first request is in: a refusal sent sooner races the client's first write, which
+        grpc's clients then report as an INTERNAL error instead of the refusal."""
+        incoming = aiter(requests)
+        first = await anext(incoming, None)
+        principal = await self._authorize(rpc, ANY, None)
+        if first is None:
+            return
         answers: asyncio.Queue[Any] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
-        tracer_context = headers.get("traceparent")
+        traceparent = rpc.metadata.get("traceparent")
 
         async def answer(request: Any) -> None:
             try:
@@ -143,7 +182,7 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
                     raise PermissionDenied(
                         f"the API key {principal.key_id} lacks the scope {INVOKE}:{shown(request.model_name)}"
                     )
-                response = await self._infer(request, principal, None, tracer_context, time.perf_counter())
+                response = await self._infer(request, None, principal, traceparent, time.perf_counter())
                 answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
             except FunctionError as exc:
                 answers.put_nowait(_stream_error(request, exc.message))
@@ -154,7 +193,9 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
 
         async def read() -> None:
             async with asyncio.TaskGroup() as answering:
-                async for request in requests:
+                await slots.acquire()
+                answering.create_task(answer(first))
+                async for request in incoming:
                     await slots.acquire()
                     answering.create_task(answer(request))
             answers.put_nowait(_END)
@@ -167,32 +208,45 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
             reading.cancel()
 
     async def _infer(
+        self, request: Any, rpc: Rpc | None, principal: Principal, traceparent: str | None, started: float
+    ) -> Any:
+        try:
+            manifest = self._manifest(request)
+            inputs = await parse(protocol.inputs_of, request, protocol.held_bytes(request), manifest)
+        except FunctionError as exc:
+            self._refused(request, exc)
+            raise
+        reply = await self.services.dispatcher.invoke(
+            self._call(request, rpc, principal, traceparent, started, inputs)
+        )
+        return protocol.response_of(reply, manifest, request.id)
+
+    def _manifest(self, request: Any) -> FunctionManifest:
+        return self.services.catalog.get(request.model_name, request.model_version or None).manifest
+
+    def _refused(self, request: Any, exc: FunctionError) -> None:
+        """A failure before the core had the call (the core counts the rest)."""
+        name = request.model_name
+        metrics.failed(name if name in self.services.catalog.functions else "", exc.code.value)
+
+    def _call(
         self,
         request: Any,
+        rpc: Rpc | None,
         principal: Principal,
-        remaining_s: float | None,
         traceparent: str | None,
         started: float,
-    ) -> Any:
-        services = self.services
-        name = request.model_name
+        inputs: Tensors,
+    ) -> Call:
         try:
-            function = services.catalog.get(name, request.model_version or None)
-            manifest = function.manifest
+            function = self.services.catalog.get(request.model_name, request.model_version or None)
             params = protocol.parameters(request.parameters)
-            size = protocol.held_bytes(request)
-            hold = services.budget.hold()
-            try:
-                hold.add(size)
-                inputs = await parse(protocol.inputs_of, request, size, manifest)
-            finally:
-                hold.release()
-            call = Call(
+            return Call(
                 function,
                 inputs,
-                protocol.outputs_of(request, manifest),
+                protocol.outputs_of(request, function.manifest),
                 principal,
-                protocol.timeout_ms(params, remaining_s),
+                protocol.timeout_ms(params, rpc.time_remaining() if rpc is not None else None),
                 protocol.use_cache(params),
                 request.id or None,
                 traceparent,
@@ -202,16 +256,30 @@ class GrpcInference(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ign
                 queue_timeout_us=protocol.natural(params, "timeout"),
             )
         except FunctionError as exc:
-            metrics.failed(name if name in services.catalog.functions else "", exc.code.value)
+            self._refused(request, exc)
             raise
-        reply = await services.dispatcher.invoke(call)
-        return protocol.response_of(reply, manifest, request.id)
 
-    def _answering(self, context: Any, scope: str, function: str | None) -> _Answering:
-        return _Answering(self.services, context, scope, function)
+    async def _authorize(self, rpc: Rpc, scope: str, function: str | None) -> Principal:
+        return await self.services.keys.authorize_async(rpc.metadata.get("authorization"), scope, function)
 
-    def _span(self, method: str, headers: dict[str, str]) -> _ServerSpan:
-        return _ServerSpan(self._tracing, method, headers.get("traceparent"))
+    def _span(self, method: str, traceparent: str | None) -> _ServerSpan:
+        return _ServerSpan(self._tracing, method, traceparent)
+
+
+def _answer(
+    answer: asyncio.Future[Any], manifest: FunctionManifest, request_id: str, reply: asyncio.Future[Reply]
+) -> None:
+    if answer.done():
+        return
+    if reply.cancelled():
+        answer.cancel()
+    elif (error := reply.exception()) is not None:
+        answer.set_exception(error)
+    else:
+        try:
+            answer.set_result(protocol.response_of(reply.result(), manifest, request_id))
+        except Exception as exc:  # a bug: the transport logs it and answers INTERNAL
+            answer.set_exception(exc)
 
 
 UNIMPLEMENTED = (
@@ -228,10 +296,9 @@ UNIMPLEMENTED = (
 
 
 def _unimplemented(name: str) -> Any:
-    async def refuse(self: GrpcInference, request: Any, context: Any) -> Any:
-        async with self._answering(context, ANY, None):
-            pass
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not served by fngate")
+    async def refuse(self: GrpcInference, request: Any, rpc: Rpc) -> Any:
+        await self._authorize(rpc, ANY, None)
+        raise RpcError(Status.UNIMPLEMENTED, f"{name} is not served by fngate")
 
     refuse.__name__ = name
     return refuse
@@ -239,27 +306,6 @@ def _unimplemented(name: str) -> Any:
 
 for _name in UNIMPLEMENTED:
     setattr(GrpcInference, _name, _unimplemented(_name))
-
-
-class _Answering:
-    """A metadata RPC's key check, then its body: a FunctionError raised in it ends the RPC with
-    its status."""
-
-    def __init__(self, services: Services, context: Any, scope: str, function: str | None) -> None:
-        self._services, self._context, self._need = services, context, (scope, function)
-        self.principal = OPEN
-
-    async def __aenter__(self) -> None:
-        header = _metadata(self._context).get("authorization")
-        try:
-            self.principal = await self._services.keys.authorize_async(header, *self._need)
-        except FunctionError as exc:
-            await _abort(self._context, exc, self._services.settings.retry_after_s)
-
-    async def __aexit__(self, kind: Any, exc: BaseException | None, _tb: Any) -> bool:
-        if isinstance(exc, FunctionError):
-            await _abort(self._context, exc, self._services.settings.retry_after_s)
-        return False
 
 
 class _ServerSpan:
@@ -284,22 +330,16 @@ class _ServerSpan:
     def __exit__(self, kind: Any, exc: BaseException | None, _tb: Any) -> None:
         if self._span is not None:
             if exc is not None:
-                self._span.set_attribute("rpc.grpc.status_code", _code_of(exc).value[0])
+                self._span.set_attribute("rpc.grpc.status_code", _code_of(exc))
             self._span.end()
 
 
-def _metadata(context: Any) -> dict[str, str]:
-    found: dict[str, str] = {}
-    for key, value in context.invocation_metadata() or ():
-        if isinstance(value, str):
-            found[key] = value
-    return found
-
-
-def _code_of(exc: BaseException) -> grpc.StatusCode:
+def _code_of(exc: BaseException) -> int:
+    if isinstance(exc, RpcError):
+        return int(exc.status)
     if isinstance(exc, FunctionError):
-        return CODES[exc.code]
-    return grpc.StatusCode.UNKNOWN
+        return int(CODES[exc.code])
+    return int(Status.UNKNOWN)
 
 
 def _trailers(exc: FunctionError, retry_after_s: int) -> Iterator[tuple[str, str]]:
@@ -307,12 +347,6 @@ def _trailers(exc: FunctionError, retry_after_s: int) -> Iterator[tuple[str, str
         yield "retry-after", str(exc.retry_after_s)
     elif exc.code in (ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE):
         yield "retry-after", str(retry_after_s)
-
-
-async def _abort(context: Any, exc: FunctionError, retry_after_s: int) -> NoReturn:
-    context.set_trailing_metadata(tuple(_trailers(exc, retry_after_s)))
-    await context.abort(CODES[exc.code], exc.message)
-    raise AssertionError("unreachable: abort raises")
 
 
 def _stream_error(request: Any, message: str) -> Any:

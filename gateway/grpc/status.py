@@ -1,23 +1,46 @@
-"""ErrorCode -> gRPC status code: one table, as gateway.http.errors is for HTTP statuses. The
-messages are the same as over HTTP."""
+"""gRPC's status codes, and ErrorCode -> status: one table, as gateway.http.errors is for HTTP
+statuses. The messages are the same as over HTTP."""
 
 from __future__ import annotations
 
-import grpc
+import enum
 
 from fngate.errors import ErrorCode
 
-CODES: dict[ErrorCode, grpc.StatusCode] = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+
+class Status(enum.IntEnum):
+    """The protocol's status codes, by their values on the wire."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+CODES: dict[ErrorCode, Status] = {
+    ErrorCode.INVALID_ARGUMENT: Status.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: Status.NOT_FOUND,
     # A full queue, as Triton answers it: retry later.
-    ErrorCode.OVERLOADED: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorCode.MODEL_FAILED: grpc.StatusCode.INTERNAL,
-    ErrorCode.MODEL_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    ErrorCode.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.OVERLOADED: Status.UNAVAILABLE,
+    ErrorCode.UNAVAILABLE: Status.UNAVAILABLE,
+    ErrorCode.DEADLINE_EXCEEDED: Status.DEADLINE_EXCEEDED,
+    ErrorCode.MODEL_FAILED: Status.INTERNAL,
+    ErrorCode.MODEL_TIMEOUT: Status.DEADLINE_EXCEEDED,
+    ErrorCode.INTERNAL: Status.INTERNAL,
+    ErrorCode.UNAUTHENTICATED: Status.UNAUTHENTICATED,
+    ErrorCode.PERMISSION_DENIED: Status.PERMISSION_DENIED,
+    ErrorCode.RATE_LIMITED: Status.RESOURCE_EXHAUSTED,
 }

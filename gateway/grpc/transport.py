@@ -1,0 +1,588 @@
+"""gRPC over HTTP/2 on the gateway's event loop: one asyncio protocol per connection, h2 keeping the
+connection's state (frames, HPACK, stream states, flow control; nothing here parses HTTP/2 by
+hand), each stream one RPC. What is gRPC's own is here: the method table, the length-prefixed
+messages (identity, gzip or deflate), `grpc-timeout`, and the status in the trailers.
+
+A unary RPC whose handler answers a future (ModelInfer's) costs no task: the answer is written
+from the future's done callback. Everything a connection holds is bounded: message size, open
+streams, the bytes buffered (the gateway's decode budget), the header block (h2's HPACK limit),
+client resets per second, and how long a preface or a unary request may take to arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import struct
+import time
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+from urllib.parse import quote
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from fngate.errors import InvalidArgument
+from gateway.budget import DecodeBudget, Hold
+from gateway.grpc.status import Status
+
+log = logging.getLogger(__name__)
+
+PATH_PREFIX = b"/inference.GRPCInferenceService/"
+MAX_STREAMS = 1000
+"""RPCs open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+STREAM_WINDOW = 1 << 20
+"""Each stream's receive window: how much a client may send ahead of the gateway's reading."""
+CONNECTION_WINDOW = 16 << 20
+MAX_RESETS_PER_S = 200
+"""Streams a client may cancel per second before its connection is ended (the rapid-reset attack)."""
+MAX_QUEUED_MESSAGES = 1024
+"""Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
+_PREFIX = struct.Struct(">BI")
+
+
+class RpcError(Exception):
+    """Ends an RPC with this status (raised by a handler, or here for what the transport refuses)."""
+
+    def __init__(self, status: Status, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.trailers = tuple(trailers)
+
+
+Unary = Callable[[Any, "Rpc"], Awaitable[Any]]
+"""(request message, rpc) -> its answer: a future (answered from its callback) or a coroutine (run
+as a task)."""
+Streaming = Callable[[AsyncIterator[Any], "Rpc"], AsyncIterator[Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Method:
+    parse: Callable[[bytes], Any]
+    unary: Unary | None = None
+    streaming: Streaming | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int
+    max_headers: int
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    budget: DecodeBudget
+    failure: Callable[[BaseException, Rpc], RpcError]
+    """A handler's exception as the status it ends its RPC with (logged there when unexpected)."""
+
+
+class Rpc:
+    """One stream: its call's metadata and deadline for the handler, and what it has received."""
+
+    __slots__ = (
+        "answering",
+        "buffer",
+        "connection",
+        "deadline",
+        "encoding",
+        "ended",
+        "hold",
+        "messages",
+        "metadata",
+        "method",
+        "name",
+        "responded",
+        "stream_id",
+        "timer",
+        "trailers",
+    )
+
+    def __init__(self, connection: GrpcConnection, stream_id: int, name: str, method: Method) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self.name = name
+        self.method = method
+        self.metadata: dict[str, str] = {}
+        self.deadline: float | None = None
+        """time.monotonic() by which the client stops waiting (its `grpc-timeout`)."""
+        self.encoding = b"identity"
+        self.buffer = bytearray()
+        self.hold: Hold = connection.limits.budget.hold()
+        self.messages: asyncio.Queue[Any] | None = None
+        """A streaming RPC's requests, parsed, for its handler (None at their end)."""
+        self.answering: asyncio.Future[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.responded = False
+        """Response headers sent."""
+        self.ended = False
+        self.trailers: list[tuple[bytes, bytes]] | None = None
+        """Trailers that wait for the answer's bytes to leave (the client's window)."""
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def send(self, message: Any) -> None:
+        """One answer of a streaming RPC."""
+        self.connection.send_message(self, message.SerializeToString())
+
+
+class GrpcConnection(asyncio.Protocol):
+    def __init__(
+        self, methods: dict[bytes, Method], limits: Limits, connections: set[GrpcConnection]
+    ) -> None:
+        self.methods = methods
+        self.limits = limits
+        self.connections = connections
+        self.rpcs: dict[int, Rpc] = {}
+        self.transport: asyncio.Transport | None = None
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=False,
+                header_encoding=None,
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+                # Headers are read by name below, none is passed on as it came; h2's checks would
+                # end the whole connection over one value with a trailing space (grpc's clients
+                # send such values).
+                validate_inbound_headers=False,
+                normalize_inbound_headers=False,
+            )
+        )
+        self._pending: dict[int, bytearray] = {}
+        """Answer bytes each stream's flow-control window did not take yet."""
+        self._resets = 0
+        self._resets_since = 0.0
+        self._preface_timer: asyncio.TimerHandle | None = None
+        self._going_away = False
+        self.idle = asyncio.Event()
+
+    # asyncio's side
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        limits = self.limits
+        if len(self.connections) >= limits.max_connections:
+            self.h2.initiate_connection()
+            self.h2.close_connection(
+                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                additional_data=b"too many connections to this gateway process",
+            )
+            self._flush()
+            self._close()
+            return
+        self.connections.add(self)
+        self.h2.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_bytes,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            },
+        )
+        self.h2.initiate_connection()
+        self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        self._flush()
+        loop = asyncio.get_running_loop()
+        self._preface_timer = loop.call_later(limits.header_timeout_s, self._close)
+        self.idle.set()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            # Not the message: it can quote a header's value, and a header can hold a key.
+            log.debug("a gRPC client broke HTTP/2 (%s): its connection is ended", type(exc).__name__)
+            self._flush()
+            self._close()
+            return
+        if self._preface_timer is not None:
+            self._preface_timer.cancel()
+            self._preface_timer = None
+        for event in events:
+            if isinstance(event, h2.events.DataReceived):
+                self._data(event)
+            elif isinstance(event, h2.events.RequestReceived):
+                self._request(event)
+            elif isinstance(event, h2.events.StreamEnded):
+                self._ended(event.stream_id)
+            elif isinstance(event, h2.events.WindowUpdated):
+                self._window_opened(event.stream_id)
+            elif isinstance(event, h2.events.RemoteSettingsChanged):
+                self._window_opened(0)
+            elif isinstance(event, h2.events.StreamReset):
+                self._reset_by_client(event.stream_id)
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self._close()
+                return
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.connections.discard(self)
+        if self._preface_timer is not None:
+            self._preface_timer.cancel()
+        for rpc in list(self.rpcs.values()):
+            self._forget(rpc, cancel=True)
+        self.idle.set()
+
+    # shutdown
+
+    def go_away(self) -> None:
+        """Take no new RPC (refused streams, which clients retry elsewhere); once those open are
+        answered, GOAWAY and close."""
+        if self._going_away:
+            return
+        self._going_away = True
+        if not self.rpcs:
+            self._say_goodbye()
+
+    def _say_goodbye(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(last_stream_id=self.h2.highest_inbound_stream_id)
+        self._flush()
+        self._close()
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    # events
+
+    def _request(self, event: h2.events.RequestReceived) -> None:
+        stream_id = event.stream_id
+        headers: list[tuple[bytes, bytes]] = event.headers or []
+        if self._going_away:
+            self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        values = dict(headers)
+        path = values.get(b":path", b"")
+        if values.get(b":method") != b"POST":
+            self._refuse_http(stream_id, b"405")
+            return
+        if not values.get(b"content-type", b"").startswith(b"application/grpc"):
+            self._refuse_http(stream_id, b"415")
+            return
+        method = self.methods.get(path[len(PATH_PREFIX) :]) if path.startswith(PATH_PREFIX) else None
+        if method is None:
+            shown = path.decode("latin-1")[:200]
+            self._refuse(stream_id, Status.UNIMPLEMENTED, f"Method not found: {shown}")
+            return
+        rpc = Rpc(self, stream_id, path.decode("latin-1"), method)
+        self.rpcs[stream_id] = rpc
+        self.idle.clear()
+        try:
+            self._read_headers(rpc, headers)
+        except RpcError as exc:
+            self._finish(rpc, exc)
+            return
+        if method.streaming is not None:
+            rpc.messages = asyncio.Queue()
+            self._start(rpc, _streamed(rpc, method.streaming(_messages(rpc), rpc)))
+        else:
+            timeout_s = self.limits.body_timeout_s
+            rpc.timer = asyncio.get_running_loop().call_later(timeout_s, self._too_slow, rpc)
+
+    def _read_headers(self, rpc: Rpc, headers: list[Any]) -> None:
+        if len(headers) > self.limits.max_headers:
+            raise RpcError(Status.RESOURCE_EXHAUSTED, f"more than {self.limits.max_headers} headers")
+        metadata = rpc.metadata
+        for name, value in headers:
+            if name[:1] == b":" or name.endswith(b"-bin"):
+                continue
+            if name == b"grpc-timeout":
+                rpc.deadline = time.monotonic() + _timeout_s(value)
+            elif name == b"grpc-encoding":
+                if value not in (b"identity", b"gzip", b"deflate"):
+                    raise RpcError(
+                        Status.UNIMPLEMENTED,
+                        f"grpc-encoding {value.decode('latin-1')[:40]!r} is not supported: "
+                        "identity, gzip or deflate",
+                    )
+                rpc.encoding = value
+            else:
+                metadata[name.decode("latin-1")] = value.decode("latin-1")
+
+    def _data(self, event: h2.events.DataReceived) -> None:
+        stream_id = event.stream_id
+        self.h2.acknowledge_received_data(event.flow_controlled_length, stream_id)
+        rpc = self.rpcs.get(stream_id)
+        if rpc is None or rpc.ended or not event.data:
+            return
+        data = event.data
+        try:
+            rpc.hold.add(len(data))
+            buffer = rpc.buffer
+            buffer += data
+            while len(buffer) >= 5:
+                compressed, size = _PREFIX.unpack_from(buffer)
+                if size > self.limits.max_message_bytes:
+                    raise RpcError(
+                        Status.RESOURCE_EXHAUSTED,
+                        f"received message larger than max ({size} vs. {self.limits.max_message_bytes})",
+                    )
+                if len(buffer) < 5 + size:
+                    return
+                payload = bytes(buffer[5 : 5 + size])
+                del buffer[: 5 + size]
+                self._message(rpc, self._inflated(rpc, payload) if compressed else payload)
+                if rpc.ended:
+                    return
+        except RpcError as exc:
+            self._finish(rpc, exc)
+        except Exception as exc:  # a FunctionError of the handler's, or a bug
+            self._finish(rpc, self.limits.failure(exc, rpc))
+
+    def _inflated(self, rpc: Rpc, payload: bytes) -> bytes:
+        if rpc.encoding == b"identity":
+            raise RpcError(Status.INTERNAL, "a compressed message without grpc-encoding")
+        limit = self.limits.max_message_bytes
+        inflater = zlib.decompressobj(31 if rpc.encoding == b"gzip" else 15)
+        try:
+            plain = inflater.decompress(payload, limit + 1)
+        except zlib.error as exc:
+            raise RpcError(Status.INTERNAL, f"the message could not be decompressed: {exc}") from None
+        if len(plain) > limit:
+            raise RpcError(Status.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})")
+        rpc.hold.add(len(plain))
+        return plain
+
+    def _message(self, rpc: Rpc, payload: bytes) -> None:
+        try:
+            message = rpc.method.parse(payload)
+        except Exception as exc:  # protobuf's DecodeError, or a message nested too deep
+            raise InvalidArgument(f"the request message could not be parsed ({type(exc).__name__})") from exc
+        if rpc.messages is not None:
+            if rpc.messages.qsize() >= MAX_QUEUED_MESSAGES:
+                raise RpcError(Status.RESOURCE_EXHAUSTED, "too many requests waiting on this stream")
+            rpc.messages.put_nowait(message)
+            return
+        if rpc.answering is not None:
+            raise RpcError(Status.UNIMPLEMENTED, f"{rpc.name} takes one request message")
+        unary = rpc.method.unary
+        assert unary is not None
+        if rpc.timer is not None:
+            rpc.timer.cancel()
+            rpc.timer = None
+        self._start(rpc, unary(message, rpc))
+
+    def _ended(self, stream_id: int) -> None:
+        rpc = self.rpcs.get(stream_id)
+        if rpc is None or rpc.ended:
+            return
+        if rpc.messages is not None:
+            rpc.messages.put_nowait(None)
+        elif rpc.answering is None:
+            self._finish(rpc, RpcError(Status.INTERNAL, "the stream ended before a whole request message"))
+
+    def _start(self, rpc: Rpc, answer: Any) -> None:
+        if not isinstance(answer, asyncio.Future):
+            answer = asyncio.ensure_future(answer)
+        rpc.answering = answer
+        answer.add_done_callback(lambda done: self._answered(rpc, done))
+
+    def _answered(self, rpc: Rpc, done: asyncio.Future[Any]) -> None:
+        if rpc.ended:
+            return
+        if done.cancelled():
+            self._finish(rpc, RpcError(Status.CANCELLED, "the call was cancelled"))
+            return
+        error = done.exception()
+        if error is not None:
+            self._finish(rpc, error if isinstance(error, RpcError) else self.limits.failure(error, rpc))
+            return
+        answer = done.result()
+        if answer is not None:
+            self.send_message(rpc, answer.SerializeToString())
+        self._finish(rpc, None)
+
+    def _too_slow(self, rpc: Rpc) -> None:
+        rpc.timer = None
+        timeout_s = self.limits.body_timeout_s
+        self._finish(
+            rpc,
+            RpcError(Status.DEADLINE_EXCEEDED, f"the request did not arrive within {timeout_s:g} s"),
+        )
+
+    def _reset_by_client(self, stream_id: int) -> None:
+        rpc = self.rpcs.get(stream_id)
+        if rpc is not None:
+            self._forget(rpc, cancel=True)
+        now = time.monotonic()
+        if now - self._resets_since >= 1.0:
+            self._resets, self._resets_since = 0, now
+        self._resets += 1
+        if self._resets > MAX_RESETS_PER_S:
+            self.h2.close_connection(
+                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many resets"
+            )
+            self._flush()
+            self._close()
+
+    def _window_opened(self, stream_id: int) -> None:
+        for pending_id in [stream_id] if stream_id else list(self._pending):
+            rpc = self.rpcs.get(pending_id)
+            if rpc is not None and pending_id in self._pending:
+                self._send_pending(rpc)
+
+    # answers
+
+    def send_message(self, rpc: Rpc, payload: bytes) -> None:
+        if rpc.ended or self.transport is None or self.transport.is_closing():
+            return
+        if not rpc.responded:
+            rpc.responded = True
+            self.h2.send_headers(
+                rpc.stream_id,
+                [
+                    (b":status", b"200"),
+                    (b"content-type", b"application/grpc"),
+                    (b"grpc-accept-encoding", b"identity,deflate,gzip"),
+                ],
+            )
+        pending = self._pending.setdefault(rpc.stream_id, bytearray())
+        pending += _PREFIX.pack(0, len(payload))
+        pending += payload
+        self._send_pending(rpc)
+        self._flush()
+
+    def _send_pending(self, rpc: Rpc) -> None:
+        """What the stream's window takes of its answer bytes; then its trailers, if they wait."""
+        stream_id = rpc.stream_id
+        pending = self._pending.get(stream_id)
+        connection = self.h2
+        try:
+            while pending:
+                size = min(
+                    len(pending),
+                    connection.local_flow_control_window(stream_id),
+                    connection.max_outbound_frame_size,
+                )
+                if size <= 0:
+                    return
+                connection.send_data(stream_id, bytes(pending[:size]))
+                del pending[:size]
+            self._pending.pop(stream_id, None)
+            if rpc.trailers is not None:  # they waited for the data
+                self._send_trailers(rpc, rpc.trailers)
+        except h2.exceptions.ProtocolError:
+            self._pending.pop(stream_id, None)
+            self._forget(rpc, cancel=True)
+        self._flush()
+
+    def _finish(self, rpc: Rpc, error: RpcError | None) -> None:
+        """End the RPC with its status (OK without `error`)."""
+        if rpc.ended:
+            return
+        rpc.ended = True
+        if rpc.timer is not None:
+            rpc.timer.cancel()
+            rpc.timer = None
+        rpc.hold.release()
+        rpc.buffer = bytearray()
+        trailers: list[tuple[bytes, bytes]] = [(b"grpc-status", b"%d" % (error.status if error else 0))]
+        if error is not None:
+            trailers.append((b"grpc-message", _percent_encoded(error.message)))
+            trailers += [(name.encode(), value.encode()) for name, value in error.trailers]
+        if self.transport is None or self.transport.is_closing():
+            self._forget(rpc)
+            return
+        if rpc.stream_id in self._pending:  # the answer waits for the client's window: so do these
+            rpc.trailers = trailers
+            return
+        self._send_trailers(rpc, trailers)
+
+    def _send_trailers(self, rpc: Rpc, trailers: list[tuple[bytes, bytes]]) -> None:
+        """The status; a client still sending is then told to stop (RST_STREAM NO_ERROR), as
+        gRPC's HTTP/2 mapping asks."""
+        stream_id = rpc.stream_id
+        try:
+            if not rpc.responded:  # trailers only
+                trailers = [(b":status", b"200"), (b"content-type", b"application/grpc"), *trailers]
+            self.h2.send_headers(stream_id, trailers, end_stream=True)
+            stream = self.h2.streams.get(stream_id)
+            if stream is not None and not stream.closed:
+                self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.ProtocolError:
+            pass
+        self._forget(rpc)
+        self._flush()
+
+    def _forget(self, rpc: Rpc, cancel: bool = False) -> None:
+        rpc.ended = True
+        rpc.hold.release()
+        if rpc.timer is not None:
+            rpc.timer.cancel()
+            rpc.timer = None
+        if cancel and isinstance(rpc.answering, asyncio.Task):
+            rpc.answering.cancel()
+        self._pending.pop(rpc.stream_id, None)
+        if self.rpcs.pop(rpc.stream_id, None) is not None and not self.rpcs:
+            self.idle.set()
+            if self._going_away:
+                self._say_goodbye()
+
+    def _refuse(self, stream_id: int, status: Status, message: str) -> None:
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.send_headers(
+                stream_id,
+                [
+                    (b":status", b"200"),
+                    (b"content-type", b"application/grpc"),
+                    (b"grpc-status", b"%d" % status),
+                    (b"grpc-message", _percent_encoded(message)),
+                ],
+                end_stream=True,
+            )
+
+    def _refuse_http(self, stream_id: int, status: bytes) -> None:
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.send_headers(stream_id, [(b":status", status)], end_stream=True)
+
+    def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.reset_stream(stream_id, code)
+
+    def _flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+
+async def _streamed(rpc: Rpc, answers: AsyncIterator[Any]) -> None:
+    async for answer in answers:
+        rpc.send(answer)
+
+
+async def _messages(rpc: Rpc) -> AsyncIterator[Any]:
+    queue = rpc.messages
+    assert queue is not None
+    while (message := await queue.get()) is not None:
+        if queue.empty() and not rpc.buffer:
+            rpc.hold.release()  # what was received is taken: the budget has it back
+        yield message
+
+
+_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def _timeout_s(value: bytes) -> float:
+    """`grpc-timeout`: up to 8 digits and a unit."""
+    unit = _UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        raise RpcError(Status.INTERNAL, f"malformed grpc-timeout {value.decode('latin-1')[:20]!r}")
+    return int(digits) * unit
+
+
+def _percent_encoded(message: str) -> bytes:
+    """grpc-message: UTF-8, percent-encoded outside printable ASCII (and '%' itself)."""
+    return quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
