@@ -53,11 +53,18 @@ ACCESS_LOG_FORMAT = '%(h)s "%(r)s" %(s)s %(b)s bytes %(D)s us'
 """Hypercorn's access log line (on a terminal): client, request line, status, size, duration."""
 
 
+QUIET_LOGGERS = ("hpack", "h2")
+"""HTTP/2's libraries log every header block they decode, values (API keys) included, at DEBUG:
+never below INFO, whatever the level asked for."""
+
+
 def configure(service: str, level: str) -> None:
     """Logging and, where asked for, tracing for one process; call once from __main__."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(ConsoleFormatter(service) if interactive() else JsonFormatter(service))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.INFO, logging.getLogger().level))
     wanted = exporters()
     if not wanted or _has_sdk_provider():
         return

@@ -123,7 +123,10 @@ def test_gateway_runner_and_the_core_never_import_the_tooling() -> None:
     assert offenders == []
 
 
-FRONT_ENDS = {"gateway.http": {"starlette", "uvicorn", "hypercorn", "httptools"}, "gateway.grpc": {"grpc", "h2"}}
+FRONT_ENDS = {
+    "gateway.http": {"starlette", "uvicorn", "hypercorn", "httptools"},
+    "gateway.grpc": {"grpc", "h2"},
+}
 COMPOSITION_ROOTS = {"gateway/app.py", "gateway/__main__.py"}
 
 

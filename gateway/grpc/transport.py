@@ -187,6 +187,9 @@ class GrpcConnection(asyncio.Protocol):
                 h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
             },
         )
+        # h2 hands the advertised limit to its HPACK decoder only when it changes from h2's own
+        # default; set as the connection's first settings, it would never reach it.
+        self.h2.decoder.max_header_list_size = limits.max_header_bytes
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()

@@ -7,10 +7,7 @@ import asyncio
 import contextlib
 import gzip
 import logging
-import socket
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import ROOT, child_env, free_socket, wait_http
+from tests.conftest import wait_http
 
 INFER = "/v2/models/strings/infer"
 RSS_SLACK_BYTES = 64 * 2**20
@@ -31,34 +28,6 @@ def peak_rss_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM in /proc status")
-
-
-@pytest.fixture
-def gateway_with_pid(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """Factory: `python -m gateway` on a socket bound here; returns (base URL, process)."""
-    started: list[tuple[subprocess.Popen[bytes], socket.socket]] = []
-
-    def start(**env: str) -> tuple[str, subprocess.Popen[bytes]]:
-        sock = free_socket()
-        with open(tmp_path / f"gateway-{len(started)}.log", "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "gateway"],
-                env=child_env(
-                    redis_url, repo, FNGATE_AUTH="false", FNGATE_BIND=f"fd://{sock.fileno()}", **env
-                ),
-                pass_fds=[sock.fileno()],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        started.append((process, sock))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}", process
-
-    yield start
-    for process, sock in started:
-        process.terminate()
-        process.wait(timeout=15)
-        sock.close()
 
 
 def binary_body(shape: list[int], data: bytes) -> tuple[bytes, dict[str, str]]:

@@ -1,0 +1,284 @@
+"""The gRPC front end's HTTP/2 transport (gateway.grpc.transport): messages past the flow-control
+windows and compressed ones reach the function whole; hostile streams and connections are refused
+with a status or a GOAWAY, cost the gateway process little memory, and end alone."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2
+
+from tests.conftest import free_port
+from tests.gateway.test_bounds import peak_rss_bytes, reset_peak
+
+MiB = 2**20
+RSS_SLACK_BYTES = 48 * MiB
+"""Far below what the probes claim (a GiB message, 64 MiB inflated, hundreds of streams)."""
+INFER = b"/inference.GRPCInferenceService/ModelInfer"
+
+
+def unit_rows(batch: np.ndarray) -> np.ndarray:
+    """What normalize answers: each row scaled to unit L2 norm."""
+    result: np.ndarray = batch / np.linalg.norm(batch, axis=1, keepdims=True)
+    return result
+
+
+def infer_normalize(port: int, batch: np.ndarray, compression: str | None) -> np.ndarray:
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        item = triton.InferInput("input", list(batch.shape), "FP32")
+        item.set_data_from_numpy(batch)
+        result = client.infer("normalize", [item], client_timeout=60, compression_algorithm=compression)
+        answer: np.ndarray = result.as_numpy("normalized")
+        return answer
+    finally:
+        client.close()
+
+
+async def test_messages_past_the_windows_and_compressed_ones_arrive_whole(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], repo: Path
+) -> None:
+    """6 MB each way: several times the stream's receive window (1 MiB) and the client's (64 KiB
+    at first), so both directions wait on WINDOW_UPDATEs."""
+    port = free_port()
+    await serve_gateway(grpc_port=port)
+    await inprocess_runner()
+    batch = np.random.default_rng(5).standard_normal((4, 400_000), dtype=np.float32)
+    wanted = unit_rows(batch)
+    for compression in (None, "gzip", "deflate"):
+        answer = await asyncio.to_thread(infer_normalize, port, batch, compression)
+        np.testing.assert_allclose(answer, wanted, rtol=1e-5, err_msg=str(compression))
+
+
+class RawClient:
+    """A bare HTTP/2 client (h2) for what grpc's clients never send."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
+        self.h2.initiate_connection()
+        self.flush()
+        self.statuses: dict[int, dict[bytes, bytes]] = {}
+        self.goaway: h2.events.ConnectionTerminated | None = None
+        self.closed = False
+        self.settled = False
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        """Connected, with the server's settings and windows in."""
+        client = cls(*await asyncio.open_connection("127.0.0.1", port))
+        await client.read(lambda: client.settled)
+        return client
+
+    def flush(self) -> None:
+        self.writer.write(self.h2.data_to_send())
+
+    def open(self, path: bytes = INFER, extra: list[tuple[bytes, bytes]] | None = None) -> int:
+        stream_id = self.h2.get_next_available_stream_id()
+        headers = [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path),
+            (b":authority", b"127.0.0.1"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+            *(extra or []),
+        ]
+        self.h2.send_headers(stream_id, headers)
+        self.flush()
+        return stream_id
+
+    def send(self, stream_id: int, data: bytes, end: bool = False) -> None:
+        size = self.h2.max_outbound_frame_size
+        for start in range(0, len(data), size):
+            last = start + size >= len(data)
+            self.h2.send_data(stream_id, data[start : start + size], end_stream=end and last)
+        self.flush()
+
+    async def read(self, done: Callable[[], bool], timeout_s: float = 10) -> None:
+        """Take events until `done()` or the connection ends."""
+        async with asyncio.timeout(timeout_s):
+            while not done() and not self.closed:
+                try:
+                    data = await self.reader.read(65536)
+                except ConnectionResetError:  # closed with what this client sent still unread
+                    data = b""
+                if not data:
+                    self.closed = True
+                    return
+                for event in self.h2.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        self.statuses.setdefault(event.stream_id, {}).update(dict(event.headers or []))
+                    elif isinstance(event, h2.events.DataReceived):
+                        self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    elif isinstance(event, h2.events.ConnectionTerminated):
+                        self.goaway = event
+                    elif isinstance(event, h2.events.RemoteSettingsChanged):
+                        self.settled = True
+                self.flush()
+
+    async def status_of(self, stream_id: int, timeout_s: float = 10) -> dict[bytes, bytes]:
+        """The stream's response headers and trailers once it has a grpc-status or an HTTP error."""
+
+        def answered() -> bool:
+            found = self.statuses.get(stream_id, {})
+            return b"grpc-status" in found or found.get(b":status", b"200") != b"200"
+
+        await self.read(answered, timeout_s)
+        return self.statuses.get(stream_id, {})
+
+    async def ended(self, timeout_s: float = 10) -> None:
+        await self.read(lambda: False, timeout_s)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def message(payload: bytes, compressed: bool = False) -> bytes:
+    return struct.pack(">BI", 1 if compressed else 0, len(payload)) + payload
+
+
+def live_request() -> bytes:
+    return message(service_pb2.ServerLiveRequest().SerializeToString())
+
+
+async def still_serves(port: int) -> None:
+    client = await RawClient.connect(port)
+    stream_id = client.open(b"/inference.GRPCInferenceService/ServerLive")
+    client.send(stream_id, live_request(), end=True)
+    assert (await client.status_of(stream_id))[b"grpc-status"] == b"0"
+    client.close()
+
+
+@pytest.mark.timeout(120)
+async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little(
+    gateway_with_pid: Callable[..., Any],
+) -> None:
+    port = free_port()
+    base, process = gateway_with_pid(
+        FNGATE_GRPC_PORT=str(port),
+        FNGATE_MAX_BODY_BYTES=str(MiB),
+        FNGATE_BODY_TIMEOUT_S="1",
+        FNGATE_HEADER_TIMEOUT_S="1",
+        FNGATE_MAX_CONNECTIONS="8",
+    )
+    for _ in range(100):
+        try:
+            await still_serves(port)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    before = reset_peak(process.pid)
+    client = await RawClient.connect(port)
+
+    # A message that declares a GiB, one that inflates past the limit, and what is not a message.
+    huge = client.open()
+    client.send(huge, struct.pack(">BI", 0, 2**30) + b"\0" * 1000)
+    bomb = client.open(extra=[(b"grpc-encoding", b"gzip")])
+    client.send(bomb, message(gzip.compress(b"\0" * 64 * MiB), compressed=True), end=True)
+    garbage = client.open()
+    client.send(garbage, message(b"\xff" * 100), end=True)
+    unknown_encoding = client.open(extra=[(b"grpc-encoding", b"zstd")])
+    unknown_method = client.open(b"/inference.GRPCInferenceService/Nope")
+    not_grpc = client.open(extra=[(b"content-type", b"text/plain")])
+    crowded = client.open(extra=[(b"x-filler-%d" % index, b"1") for index in range(200)])
+    slow = client.open()  # a head and no message: cut at the body timeout
+    expected = {
+        huge: (b"8", b"larger than max"),
+        bomb: (b"8", b"decompressed message larger than max"),
+        garbage: (b"3", b"could not be parsed"),
+        unknown_encoding: (b"12", b"zstd"),
+        unknown_method: (b"12", b"Method not found"),
+        crowded: (b"8", b"more than 100 headers"),
+        slow: (b"4", b"did not arrive within 1 s"),
+    }
+    for stream_id, (status, words) in expected.items():
+        found = await client.status_of(stream_id)
+        assert found.get(b"grpc-status") == status, (stream_id, found)
+        assert words in found.get(b"grpc-message", b"").replace(b"%20", b" "), (stream_id, found)
+    assert (await client.status_of(not_grpc))[b":status"] == b"415"
+    assert client.goaway is None  # each was refused alone, on a connection that still serves
+    stream_id = client.open(b"/inference.GRPCInferenceService/ServerLive")
+    client.send(stream_id, live_request(), end=True)
+    assert (await client.status_of(stream_id))[b"grpc-status"] == b"0"
+
+    # A header block past max_header_bytes ends that connection (HPACK's limit), not the process.
+    client.open(extra=[(b"x-big", b"x" * 16_000), (b"x-big-2", b"y" * 16_000), (b"x-big-3", b"z" * 16_000)])
+    await client.ended()
+    assert client.closed or client.goaway is not None
+    client.close()
+
+    # Streams opened and cancelled as fast as they go (the rapid-reset attack): GOAWAY.
+    rapid = await RawClient.connect(port)
+    for _ in range(400):
+        stream_id = rapid.open()
+        rapid.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+    rapid.flush()
+    await rapid.ended()
+    assert rapid.closed
+    if rapid.goaway is not None:  # unless the close overtook it
+        assert rapid.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    rapid.close()
+
+    # A connection that never sends its preface is closed at the header timeout.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async with asyncio.timeout(10):
+        while await reader.read(65536):
+            pass
+    writer.close()
+
+    # Past max_connections (8), a new connection is sent away at once.
+    held = [await RawClient.connect(port) for _ in range(8)]
+    for each in held:
+        each.open(b"/inference.GRPCInferenceService/ServerLive")  # keeps it busy past the timeout
+    extra = await RawClient.connect(port)
+    await extra.ended()
+    assert extra.goaway is not None and extra.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    for each in [*held, extra]:
+        each.close()
+
+    await asyncio.sleep(1.5)  # the held connections' streams time out and free their places
+    await still_serves(port)
+    grown = peak_rss_bytes(process.pid) - before
+    print(f"gateway peak RSS grew {grown / MiB:.1f} MiB over the probes")
+    assert grown < RSS_SLACK_BYTES
+    assert base.startswith("http://")
+
+
+async def test_metadata_never_reaches_the_log_even_at_debug(
+    gateway_with_pid: Callable[..., Any], tmp_path: Path
+) -> None:
+    """HTTP/2's libraries log each header block they decode at DEBUG; a key in it must not follow."""
+    port = free_port()
+    _, process = gateway_with_pid(FNGATE_GRPC_PORT=str(port), FNGATE_LOG_LEVEL="DEBUG")
+    secret = "fng_0123456789ab_thisIsNotToBeLoggedAnywhere0123456789abcdef"
+    for _ in range(100):
+        try:
+            client = await RawClient.connect(port)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    stream_id = client.open(
+        b"/inference.GRPCInferenceService/ServerLive", [(b"authorization", f"Bearer {secret}".encode())]
+    )
+    client.send(stream_id, live_request(), end=True)
+    assert (await client.status_of(stream_id))[b"grpc-status"] == b"0"
+    client.close()
+    process.terminate()
+    process.wait(timeout=15)
+    log = (tmp_path / "gateway-0.log").read_text()
+    assert secret not in log
