@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2
 from fngate import telemetry
 from fngate.errors import ErrorCode, FunctionError, Internal, PermissionDenied, RateLimited
 from fngate.manifest import FunctionManifest
+from fngate.repository import FunctionVersion
 from fngate.wire import Reply, Tensors
 from gateway import control, metadata, metrics
 from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, Principal, UnknownKey
@@ -135,7 +136,7 @@ class GrpcInference:
         """A small request from a key the table holds is answered from the reply's future, with no
         task; a traced one, a large one (parsed in a thread) or a new key's runs as a task."""
         started = time.perf_counter()
-        if self._tracing or protocol.held_bytes(request) >= OFF_LOOP_BYTES:
+        if self._tracing or request.ByteSize() >= OFF_LOOP_BYTES:
             return self._infer_slowly(request, rpc, started)
         try:
             principal = self.services.keys.authorize(
@@ -144,12 +145,13 @@ class GrpcInference:
         except UnknownKey:
             return self._infer_slowly(request, rpc, started)
         try:
-            manifest = self._manifest(request)
+            function = self._function(request)
+            manifest = function.manifest
             inputs = parse_now(protocol.inputs_of, request, manifest)
         except FunctionError as exc:
             self._refused(request, exc)
             raise
-        call = self._call(request, rpc, principal, None, started, inputs)
+        call = self._call(request, function, rpc, principal, None, started, inputs)
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         reply = self.services.dispatcher.invoke(call)
         reply.add_done_callback(functools.partial(_answer, answer, manifest, request.id))
@@ -211,18 +213,18 @@ class GrpcInference:
         self, request: Any, rpc: Rpc | None, principal: Principal, traceparent: str | None, started: float
     ) -> Any:
         try:
-            manifest = self._manifest(request)
+            function = self._function(request)
+            manifest = function.manifest
             inputs = await parse(protocol.inputs_of, request, protocol.held_bytes(request), manifest)
         except FunctionError as exc:
             self._refused(request, exc)
             raise
-        reply = await self.services.dispatcher.invoke(
-            self._call(request, rpc, principal, traceparent, started, inputs)
-        )
+        call = self._call(request, function, rpc, principal, traceparent, started, inputs)
+        reply = await self.services.dispatcher.invoke(call)
         return protocol.response_of(reply, manifest, request.id)
 
-    def _manifest(self, request: Any) -> FunctionManifest:
-        return self.services.catalog.get(request.model_name, request.model_version or None).manifest
+    def _function(self, request: Any) -> FunctionVersion:
+        return self.services.catalog.get(request.model_name, request.model_version or None)
 
     def _refused(self, request: Any, exc: FunctionError) -> None:
         """A failure before the core had the call (the core counts the rest)."""
@@ -232,6 +234,7 @@ class GrpcInference:
     def _call(
         self,
         request: Any,
+        function: FunctionVersion,
         rpc: Rpc | None,
         principal: Principal,
         traceparent: str | None,
@@ -239,7 +242,6 @@ class GrpcInference:
         inputs: Tensors,
     ) -> Call:
         try:
-            function = self.services.catalog.get(request.model_name, request.model_version or None)
             params = protocol.parameters(request.parameters)
             return Call(
                 function,

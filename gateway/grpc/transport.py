@@ -46,6 +46,11 @@ MAX_RESETS_PER_S = 200
 MAX_QUEUED_MESSAGES = 1024
 """Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
 _PREFIX = struct.Struct(">BI")
+RESPONSE_HEADERS = [
+    (b":status", b"200"),
+    (b"content-type", b"application/grpc"),
+    (b"grpc-accept-encoding", b"identity,deflate,gzip"),
+]
 
 
 class RpcError(Exception):
@@ -162,6 +167,10 @@ class GrpcConnection(asyncio.Protocol):
         self._resets_since = 0.0
         self._preface_timer: asyncio.TimerHandle | None = None
         self._going_away = False
+        self._flush_soon = False
+        self._unarmed: list[Rpc] = []
+        """Unary RPCs opened in this data_received whose message may not be complete at its end."""
+        self._loop = asyncio.get_running_loop()
         self.idle = asyncio.Event()
 
     # asyncio's side
@@ -193,7 +202,7 @@ class GrpcConnection(asyncio.Protocol):
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self._preface_timer = loop.call_later(limits.header_timeout_s, self._close)
         self.idle.set()
 
@@ -225,6 +234,12 @@ class GrpcConnection(asyncio.Protocol):
             elif isinstance(event, h2.events.ConnectionTerminated):
                 self._close()
                 return
+        if self._unarmed:  # a request message still to come must come within the body timeout
+            timeout_s = self.limits.body_timeout_s
+            for rpc in self._unarmed:
+                if rpc.answering is None and not rpc.ended:
+                    rpc.timer = self._loop.call_later(timeout_s, self._too_slow, rpc)
+            self._unarmed.clear()
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -256,6 +271,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self._write()
             self.transport.close()
 
     # events
@@ -291,8 +307,7 @@ class GrpcConnection(asyncio.Protocol):
             rpc.messages = asyncio.Queue()
             self._start(rpc, _streamed(rpc, method.streaming(_messages(rpc), rpc)))
         else:
-            timeout_s = self.limits.body_timeout_s
-            rpc.timer = asyncio.get_running_loop().call_later(timeout_s, self._too_slow, rpc)
+            self._unarmed.append(rpc)
 
     def _read_headers(self, rpc: Rpc, headers: list[Any]) -> None:
         if len(headers) > self.limits.max_headers:
@@ -441,20 +456,18 @@ class GrpcConnection(asyncio.Protocol):
     def send_message(self, rpc: Rpc, payload: bytes) -> None:
         if rpc.ended or self.transport is None or self.transport.is_closing():
             return
+        connection, stream_id = self.h2, rpc.stream_id
         if not rpc.responded:
             rpc.responded = True
-            self.h2.send_headers(
-                rpc.stream_id,
-                [
-                    (b":status", b"200"),
-                    (b"content-type", b"application/grpc"),
-                    (b"grpc-accept-encoding", b"identity,deflate,gzip"),
-                ],
-            )
-        pending = self._pending.setdefault(rpc.stream_id, bytearray())
-        pending += _PREFIX.pack(0, len(payload))
-        pending += payload
-        self._send_pending(rpc)
+            connection.send_headers(stream_id, RESPONSE_HEADERS)
+        framed = _PREFIX.pack(0, len(payload)) + payload
+        if stream_id not in self._pending and len(framed) <= min(
+            connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size
+        ):
+            connection.send_data(stream_id, framed)  # the usual case: it fits, in one frame
+        else:
+            self._pending.setdefault(stream_id, bytearray()).extend(framed)
+            self._send_pending(rpc)
         self._flush()
 
     def _send_pending(self, rpc: Rpc) -> None:
@@ -555,6 +568,14 @@ class GrpcConnection(asyncio.Protocol):
             self.h2.reset_stream(stream_id, code)
 
     def _flush(self) -> None:
+        """What h2 has to send goes out once this event-loop turn ends: one write for all the
+        answers and window updates of the turn, not one for each frame."""
+        if not self._flush_soon:
+            self._flush_soon = True
+            self._loop.call_soon(self._write)
+
+    def _write(self) -> None:
+        self._flush_soon = False
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
