@@ -9,8 +9,9 @@ import logging
 from collections.abc import AsyncIterator
 
 from fngate.errors import Unavailable
+from gateway.grpc.rpc import Limits
 from gateway.grpc.service import GrpcInference
-from gateway.grpc.transport import GrpcConnection, Limits
+from gateway.grpc.transport import GrpcConnection
 from gateway.state import Services
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ from gateway import control, metadata, metrics
 from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, Principal, UnknownKey
 from gateway.call import Call
 from gateway.grpc import protocol
+from gateway.grpc.rpc import Method, Rpc, RpcError
 from gateway.grpc.status import CODES, Status
-from gateway.grpc.transport import Method, Rpc, RpcError
 from gateway.state import Services
 from gateway.validation import OFF_LOOP_BYTES, parse, parse_now, shown
 

@@ -1,0 +1,121 @@
+"""One RPC as gateway.grpc.transport serves it and the servicer sees it: its method, its
+metadata and deadline, its status when it fails, and the limits its connection holds it to. The
+gRPC-specific encodings of its headers (`grpc-timeout`, `grpc-message`) are here."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from gateway.budget import DecodeBudget, Hold
+from gateway.grpc.status import Status
+
+if TYPE_CHECKING:
+    from gateway.grpc.transport import GrpcConnection
+
+
+class RpcError(Exception):
+    """Ends an RPC with this status (raised by a handler, or here for what the transport refuses)."""
+
+    def __init__(self, status: Status, message: str, trailers: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.trailers = tuple(trailers)
+
+
+Unary = Callable[[Any, "Rpc"], Awaitable[Any]]
+"""(request message, rpc) -> its answer: a future (answered from its callback) or a coroutine (run
+as a task)."""
+Streaming = Callable[[AsyncIterator[Any], "Rpc"], AsyncIterator[Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Method:
+    parse: Callable[[bytes], Any]
+    unary: Unary | None = None
+    streaming: Streaming | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int
+    max_headers: int
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    budget: DecodeBudget
+    failure: Callable[[BaseException, Rpc], RpcError]
+    """A handler's exception as the status it ends its RPC with (logged there when unexpected)."""
+
+
+class Rpc:
+    """One stream: its call's metadata and deadline for the handler, and what it has received."""
+
+    __slots__ = (
+        "answering",
+        "buffer",
+        "connection",
+        "deadline",
+        "encoding",
+        "ended",
+        "hold",
+        "messages",
+        "metadata",
+        "method",
+        "name",
+        "responded",
+        "stream_id",
+        "timer",
+        "trailers",
+    )
+
+    def __init__(self, connection: GrpcConnection, stream_id: int, name: str, method: Method) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self.name = name
+        self.method = method
+        self.metadata: dict[str, str] = {}
+        self.deadline: float | None = None
+        """time.monotonic() by which the client stops waiting (its `grpc-timeout`)."""
+        self.encoding = b"identity"
+        self.buffer = bytearray()
+        self.hold: Hold = connection.limits.budget.hold()
+        self.messages: asyncio.Queue[Any] | None = None
+        """A streaming RPC's requests, parsed, for its handler (None at their end)."""
+        self.answering: asyncio.Future[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.responded = False
+        """Response headers sent."""
+        self.ended = False
+        self.trailers: list[tuple[bytes, bytes]] | None = None
+        """Trailers that wait for the answer's bytes to leave (the client's window)."""
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def send(self, message: Any) -> None:
+        """One answer of a streaming RPC."""
+        self.connection.send_message(self, message.SerializeToString())
+
+
+_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def timeout_s(value: bytes) -> float:
+    """`grpc-timeout`: up to 8 digits and a unit."""
+    unit = _UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        raise RpcError(Status.INTERNAL, f"malformed grpc-timeout {value.decode('latin-1')[:20]!r}")
+    return int(digits) * unit
+
+
+def percent_encoded(message: str) -> bytes:
+    """grpc-message: UTF-8, percent-encoded outside printable ASCII (and '%' itself)."""
+    return quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
