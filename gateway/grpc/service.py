@@ -151,7 +151,9 @@ class GrpcInference:
         except FunctionError as exc:
             self._refused(request, exc)
             raise
-        call = self._call(request, function, rpc, principal, None, started, inputs)
+        # Without tracing here, the caller's trace context still travels on to the runner.
+        traceparent = rpc.metadata.get("traceparent")
+        call = self._call(request, function, rpc, principal, traceparent, started, inputs)
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         reply = self.services.dispatcher.invoke(call)
         reply.add_done_callback(functools.partial(_answer, answer, manifest, request.id))

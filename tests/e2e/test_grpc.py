@@ -375,3 +375,25 @@ async def test_every_rpc_against_every_caller(serve_gateway: Callable[..., Any],
                 if not ok:
                     failures.append(f"{name}({fields}) as {caller}: {code}")
     assert failures == []
+
+
+def traced_call(port: int, traceparent: str) -> None:
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        client.infer("classifier", [tensor(BATCH)], client_timeout=0.5, headers={"traceparent": traceparent})
+    except InferenceServerException:
+        pass  # no runner: what matters is what was queued
+    finally:
+        client.close()
+
+
+async def test_a_traceparent_in_the_metadata_travels_with_the_invocation(
+    serve_gateway: Callable[..., Any], redis: Any
+) -> None:
+    """The caller's trace continues in the runner's spans, whether or not the gateway traces."""
+    port = free_port()
+    await serve_gateway(grpc_port=port)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    await asyncio.to_thread(traced_call, port, traceparent)
+    ((_, fields),) = await redis.xrange(keys.invocations("classifier"))
+    assert Invocation.decode(fields).traceparent == traceparent
