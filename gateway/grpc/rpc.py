@@ -49,6 +49,8 @@ class Limits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections: int
+    """Open connections of the process, and RPCs in flight over all of them (as HTTP's requests in
+    flight)."""
     budget: DecodeBudget
     failure: Callable[[BaseException, Rpc], RpcError]
     """A handler's exception as the status it ends its RPC with (logged there when unexpected)."""
@@ -119,3 +121,11 @@ def timeout_s(value: bytes) -> float:
 def percent_encoded(message: str) -> bytes:
     """grpc-message: UTF-8, percent-encoded outside printable ASCII (and '%' itself)."""
     return quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
+
+
+class Open:
+    """What one server's connections have open together."""
+
+    def __init__(self) -> None:
+        self.connections: set[GrpcConnection] = set()
+        self.rpcs = 0

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fngate.errors import Unavailable
-from gateway.grpc.rpc import Limits
+from gateway.grpc.rpc import Limits, Open
 from gateway.grpc.service import GrpcInference
 from gateway.grpc.transport import GrpcConnection
 from gateway.state import Services
@@ -37,12 +37,12 @@ async def serving(services: Services) -> AsyncIterator[int]:
         budget=services.budget,
         failure=service.failure,
     )
-    connections: set[GrpcConnection] = set()
+    open_ = Open()
     loop = asyncio.get_running_loop()
     address = f"{settings.host}:{settings.grpc_port}"
     try:
         server = await loop.create_server(
-            lambda: GrpcConnection(methods, limits, connections),
+            lambda: GrpcConnection(methods, limits, open_),
             settings.host,
             settings.grpc_port,
             reuse_port=settings.grpc_reuse_port or None,
@@ -56,14 +56,14 @@ async def serving(services: Services) -> AsyncIterator[int]:
         yield port
     finally:
         server.close()
-        for connection in list(connections):
+        for connection in list(open_.connections):
             connection.go_away()
-        waiting = [asyncio.ensure_future(connection.idle.wait()) for connection in connections]
+        waiting = [asyncio.ensure_future(connection.idle.wait()) for connection in open_.connections]
         if waiting:
             await asyncio.wait(waiting, timeout=STOP_GRACE_S)
             for pending in waiting:
                 pending.cancel()
-        for connection in list(connections):
+        for connection in list(open_.connections):
             if connection.transport is not None:
                 connection.transport.close()
         await server.wait_closed()

@@ -28,7 +28,7 @@ import h2.exceptions
 import h2.settings
 
 from fngate.errors import InvalidArgument
-from gateway.grpc.rpc import Limits, Method, Rpc, RpcError, percent_encoded, timeout_s
+from gateway.grpc.rpc import Limits, Method, Open, Rpc, RpcError, percent_encoded, timeout_s
 from gateway.grpc.status import Status
 
 log = logging.getLogger(__name__)
@@ -52,12 +52,10 @@ RESPONSE_HEADERS = [
 
 
 class GrpcConnection(asyncio.Protocol):
-    def __init__(
-        self, methods: dict[bytes, Method], limits: Limits, connections: set[GrpcConnection]
-    ) -> None:
+    def __init__(self, methods: dict[bytes, Method], limits: Limits, open_: Open) -> None:
         self.methods = methods
         self.limits = limits
-        self.connections = connections
+        self.open = open_
         self.rpcs: dict[int, Rpc] = {}
         self.transport: asyncio.Transport | None = None
         self.h2 = h2.connection.H2Connection(
@@ -90,7 +88,7 @@ class GrpcConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         limits = self.limits
-        if len(self.connections) >= limits.max_connections:
+        if len(self.open.connections) >= limits.max_connections:
             self.h2.initiate_connection()
             self.h2.close_connection(
                 h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
@@ -99,7 +97,7 @@ class GrpcConnection(asyncio.Protocol):
             self._flush()
             self._close()
             return
-        self.connections.add(self)
+        self.open.connections.add(self)
         self.h2.local_settings = h2.settings.Settings(
             client=False,
             initial_values={
@@ -155,7 +153,7 @@ class GrpcConnection(asyncio.Protocol):
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.connections.discard(self)
+        self.open.connections.discard(self)
         if self._preface_timer is not None:
             self._preface_timer.cancel()
         for rpc in list(self.rpcs.values()):
@@ -207,8 +205,15 @@ class GrpcConnection(asyncio.Protocol):
             shown = path.decode("latin-1")[:200]
             self._refuse(stream_id, Status.UNIMPLEMENTED, f"Method not found: {shown}")
             return
+        if self.open.rpcs >= self.limits.max_connections:
+            count = self.open.rpcs
+            self._refuse(
+                stream_id, Status.RESOURCE_EXHAUSTED, f"this gateway process has {count} RPCs in flight"
+            )
+            return
         rpc = Rpc(self, stream_id, path.decode("latin-1"), method)
         self.rpcs[stream_id] = rpc
+        self.open.rpcs += 1
         self.idle.clear()
         try:
             self._read_headers(rpc, headers)
@@ -453,7 +458,10 @@ class GrpcConnection(asyncio.Protocol):
         if cancel and isinstance(rpc.answering, asyncio.Task):
             rpc.answering.cancel()
         self._pending.pop(rpc.stream_id, None)
-        if self.rpcs.pop(rpc.stream_id, None) is not None and not self.rpcs:
+        if self.rpcs.pop(rpc.stream_id, None) is None:
+            return
+        self.open.rpcs -= 1
+        if not self.rpcs:
             self.idle.set()
             if self._going_away:
                 self._say_goodbye()

@@ -241,6 +241,14 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
             pass
     writer.close()
 
+    # RPCs in flight past max_connections (8), over all connections: RESOURCE_EXHAUSTED.
+    busy = await RawClient.connect(port)
+    opened = [busy.open() for _ in range(9)]
+    found = await busy.status_of(opened[-1])
+    assert found.get(b"grpc-status") == b"8" and b"8 RPCs in flight" in found[b"grpc-message"], found
+    assert all(b"grpc-status" not in busy.statuses.get(stream_id, {}) for stream_id in opened[:-1])
+    busy.close()
+
     # Past max_connections (8), a new connection is sent away at once.
     held = [await RawClient.connect(port) for _ in range(8)]
     for each in held:
