@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import signal
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,7 @@ class RawClient:
         self.goaway: h2.events.ConnectionTerminated | None = None
         self.closed = False
         self.settled = False
+        self.resets: dict[int, int] = {}
 
     @classmethod
     async def connect(cls, port: int) -> RawClient:
@@ -129,6 +131,8 @@ class RawClient:
                         self.goaway = event
                     elif isinstance(event, h2.events.RemoteSettingsChanged):
                         self.settled = True
+                    elif isinstance(event, h2.events.StreamReset):
+                        self.resets[event.stream_id] = event.error_code
                 self.flush()
 
     async def status_of(self, stream_id: int, timeout_s: float = 10) -> dict[bytes, bytes]:
@@ -290,3 +294,50 @@ async def test_metadata_never_reaches_the_log_even_at_debug(
     process.wait(timeout=15)
     log = (tmp_path / "gateway-0.log").read_text()
     assert secret not in log
+
+
+def classifier_request() -> bytes:
+    request = service_pb2.ModelInferRequest(model_name="classifier")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(np.linspace(0, 1, 16, dtype=np.float32).tobytes())
+    return message(request.SerializeToString())
+
+
+@pytest.mark.timeout(120)
+async def test_an_rpc_in_flight_when_the_gateway_stops_is_answered_then_the_connection_ends(
+    gateway_with_pid: Callable[..., Any], inprocess_runner: Callable[..., Any]
+) -> None:
+    """SIGTERM: RPCs already open are answered (here once a runner comes), new ones are refused
+    with REFUSED_STREAM (a client retries those elsewhere), then GOAWAY and the process exits."""
+    port = free_port()
+    _, process = gateway_with_pid(FNGATE_GRPC_PORT=str(port))
+    for _ in range(100):
+        try:
+            await still_serves(port)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    client = await RawClient.connect(port)
+    waiting = client.open(INFER)
+    client.send(waiting, classifier_request(), end=True)
+    await asyncio.sleep(0.5)  # queued, with no runner to answer it yet
+    process.send_signal(signal.SIGTERM)
+    refused = None
+    for _ in range(50):  # once the gateway's lifespan ends, the gRPC front end takes no new RPC
+        await asyncio.sleep(0.1)
+        probe = client.open(b"/inference.GRPCInferenceService/ServerLive")
+        client.send(probe, live_request(), end=True)
+        await client.read(
+            lambda probe=probe: probe in client.resets or b"grpc-status" in client.statuses.get(probe, {})
+        )
+        if probe in client.resets:
+            refused = client.resets[probe]
+            break
+    assert refused == h2.errors.ErrorCodes.REFUSED_STREAM
+    await inprocess_runner()
+    answered = await client.status_of(waiting, timeout_s=30)
+    assert answered[b"grpc-status"] == b"0", answered
+    await client.ended(timeout_s=30)
+    assert client.goaway is not None
+    client.close()
+    assert process.wait(timeout=30) == 0
