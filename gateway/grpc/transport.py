@@ -6,7 +6,7 @@ messages (identity, gzip or deflate), `grpc-timeout`, and the status in the trai
 A unary RPC whose handler answers a future (ModelInfer's) costs no task: the answer is written
 from the future's done callback. Everything a connection holds is bounded: message size, open
 streams, the bytes buffered (the gateway's decode budget), the header block (h2's HPACK limit),
-client resets per second, and how long a preface or a unary request may take to arrive.
+client resets and PINGs per second, and how long a preface or a unary request may take to arrive.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ STREAM_WINDOW = 1 << 20
 CONNECTION_WINDOW = 16 << 20
 MAX_RESETS_PER_S = 200
 """Streams a client may cancel per second before its connection is ended (the rapid-reset attack)."""
+MAX_CONTROL_PER_S = 100
+"""PING and SETTINGS frames (each answered with an ACK) a client may send per second before its
+connection is ended; grpc's clients send a few, to size their windows."""
 MAX_QUEUED_MESSAGES = 1024
 """Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
 _PREFIX = struct.Struct(">BI")
@@ -73,8 +76,8 @@ class GrpcConnection(asyncio.Protocol):
         )
         self._pending: dict[int, bytearray] = {}
         """Answer bytes each stream's flow-control window did not take yet."""
-        self._resets = 0
-        self._resets_since = 0.0
+        self._resets = _PerSecond(MAX_RESETS_PER_S)
+        self._control = _PerSecond(MAX_CONTROL_PER_S)
         self._preface_timer: asyncio.TimerHandle | None = None
         self._going_away = False
         self._flush_soon = False
@@ -128,7 +131,10 @@ class GrpcConnection(asyncio.Protocol):
         if self._preface_timer is not None:
             self._preface_timer.cancel()
             self._preface_timer = None
+        transport = self.transport
         for event in events:
+            if transport is None or transport.is_closing():  # ended by one of these events
+                return
             if isinstance(event, h2.events.DataReceived):
                 self._data(event)
             elif isinstance(event, h2.events.RequestReceived):
@@ -139,6 +145,13 @@ class GrpcConnection(asyncio.Protocol):
                 self._window_opened(event.stream_id)
             elif isinstance(event, h2.events.RemoteSettingsChanged):
                 self._window_opened(0)
+                if self._control.over():
+                    self._calm_down(b"too many SETTINGS")
+                    return
+            elif isinstance(event, h2.events.PingReceived):
+                if self._control.over():
+                    self._calm_down(b"too many PINGs")
+                    return
             elif isinstance(event, h2.events.StreamReset):
                 self._reset_by_client(event.stream_id)
             elif isinstance(event, h2.events.ConnectionTerminated):
@@ -351,16 +364,14 @@ class GrpcConnection(asyncio.Protocol):
         rpc = self.rpcs.get(stream_id)
         if rpc is not None:
             self._forget(rpc, cancel=True)
-        now = time.monotonic()
-        if now - self._resets_since >= 1.0:
-            self._resets, self._resets_since = 0, now
-        self._resets += 1
-        if self._resets > MAX_RESETS_PER_S:
-            self.h2.close_connection(
-                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many resets"
-            )
-            self._flush()
-            self._close()
+        if self._resets.over():
+            self._calm_down(b"too many resets")
+
+    def _calm_down(self, why: bytes) -> None:
+        """End a connection whose client sends what costs the gateway and serves nobody."""
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=why)
+        self._close()
 
     def _window_opened(self, stream_id: int) -> None:
         for pending_id in [stream_id] if stream_id else list(self._pending):
@@ -499,6 +510,23 @@ class GrpcConnection(asyncio.Protocol):
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+
+class _PerSecond:
+    """Events of one kind in the current second, against their limit."""
+
+    __slots__ = ("_count", "_limit", "_since")
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._count, self._since = limit, 0, 0.0
+
+    def over(self) -> bool:
+        """Count one more; whether that passes the limit."""
+        now = time.monotonic()
+        if now - self._since >= 1.0:
+            self._count, self._since = 0, now
+        self._count += 1
+        return self._count > self._limit
 
 
 async def _streamed(rpc: Rpc, answers: AsyncIterator[Any]) -> None:

@@ -238,6 +238,17 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
         assert rapid.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
     rapid.close()
 
+    # PINGs as fast as they go (each costs an ACK): GOAWAY.
+    pinging = await RawClient.connect(port)
+    for index in range(300):
+        pinging.h2.ping(b"%08d" % index)
+    pinging.flush()
+    await pinging.ended()
+    assert pinging.closed
+    if pinging.goaway is not None:
+        assert pinging.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    pinging.close()
+
     # A connection that never sends its preface is closed at the header timeout.
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     async with asyncio.timeout(10):
