@@ -90,7 +90,7 @@ class Deployment:
             with open(self.logs / f"gateway-{len(self.gateways)}.log", "wb") as log:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "gateway"],
-                    env=self.env(FNGATE_BIND=f"fd://{sock.fileno()}", **grpc, **extra),
+                    env=self.env(FNGATE_BIND=f"fd://{sock.fileno()}", **{**grpc, **extra}),
                     pass_fds=[sock.fileno()],
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -6,7 +6,9 @@ here should reach one). `python -m bench --only H`, or alone: `python -m bench.h
 Probes: a 65 KB gzip of a V2 body with 32 M one-digit numbers for a [1, 16] input, alone and 16 at
 once; the same body uncompressed (64 MiB); an asynchronous invocation whose callback names a
 loopback address; a 1 MiB .tar.gz of zeros deployed; a 1 MiB header; 10,000 headers; 3,000
-connections holding half-sent requests."""
+connections holding half-sent requests. Over gRPC (one gateway process): a message claiming a GiB,
+a gzip of 64 MiB of zeros, a 60 MiB message that is not protobuf, 400 streams opened and reset,
+400 PINGs, 1,000 streams held without a message."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import contextlib
 import gzip
 import io
 import os
+import struct
 import tarfile
 import tempfile
 import time
@@ -23,7 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.deployment import Deployment, deployment
+import h2.errors
+
+from bench.deployment import Deployment, deployment, free_port
+from bench.h2_client import INFER, RawClient, message
 from bench.models import build_repository
 
 Row = dict[str, Any]
@@ -31,6 +37,9 @@ MiB = 2**20
 NUMBERS = 32_000_000
 """As the issue's probe: 64 MB of text, under the 64 MiB body limit once decompressed."""
 HALF_SENT = 3000
+GRPC_FLOOD = 400
+"""Frames of a flood: past what a gateway takes in a second (200 resets, 100 PINGs)."""
+GRPC_HELD = 1000
 
 
 def proc_kib(pid: int, field: str) -> int:
@@ -194,12 +203,81 @@ async def probes(base: str, pid: int, server: str, record: Callable[[Row], None]
     )
 
 
+async def grpc_probes(port: int, pid: int, record: Callable[[Row], None]) -> None:
+    """What grpc's clients never send, to the gateway's gRPC port: each probe's outcome (the
+    RPC's grpc-status, or the connection's end), time and the process's peak memory."""
+    bomb = gzip.compress(b"\0" * 64 * MiB, compresslevel=9)
+
+    async def one_rpc(head: list[tuple[bytes, bytes]], body: bytes) -> str:
+        client = await RawClient.connect(port)
+        stream_id = client.open(INFER, head)
+        await client.send_all(stream_id, body, end=True)
+        found = await client.status_of(stream_id, timeout_s=30)
+        client.close()
+        return "grpc-status " + found.get(b"grpc-status", b"-").decode()
+
+    async def flood(what: str) -> str:
+        client = await RawClient.connect(port)
+        for index in range(GRPC_FLOOD):
+            if what == "reset":
+                client.h2.reset_stream(client.open(send=False), h2.errors.ErrorCodes.CANCEL)
+            else:
+                client.h2.ping(b"%08d" % index)
+        client.flush()
+        await client.ended(timeout_s=30)
+        client.close()
+        if client.goaway is None:
+            return "closed (before its GOAWAY was read)"
+        return f"GOAWAY {getattr(client.goaway.error_code, 'name', client.goaway.error_code)}"
+
+    async def held_streams() -> str:
+        client = await RawClient.connect(port)
+        for _ in range(GRPC_HELD):
+            client.open(send=False)  # a head, and no message: held until the body timeout
+        client.flush()
+        await asyncio.sleep(1.0)
+        client.close()
+        return f"{GRPC_HELD} held"
+
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        ("gRPC message claiming 1 GiB", lambda: one_rpc([], struct.pack(">BI", 0, 2**30) + b"\0" * 1024)),
+        ("gRPC gzip of 64 MiB of zeros", lambda: one_rpc([(b"grpc-encoding", b"gzip")], message(bomb, True))),
+        ("gRPC 60 MiB message of garbage", lambda: one_rpc([], message(b"\xff" * 60 * MiB))),
+        (f"gRPC {GRPC_FLOOD} streams opened and reset", lambda: flood("reset")),
+        (f"gRPC {GRPC_FLOOD} PINGs", lambda: flood("ping")),
+        (f"gRPC {GRPC_HELD} streams without a message", held_streams),
+    ]
+    for name, run in cases:
+        before_kib = reset_peak(pid)
+        started = time.perf_counter()
+        outcome = await run()
+        took = time.perf_counter() - started
+        await asyncio.sleep(0.2)
+        record(
+            {
+                "scenario": "H",
+                "server": "grpc",
+                "probe": name,
+                "status": outcome,
+                "time_s": round(took, 3),
+                "peak_mib": round((proc_kib(pid, "VmHWM") - before_kib) / 1024, 1),
+                "worker_peak_mib": round(proc_kib(pid, "VmHWM") / 1024, 1),
+            }
+        )
+
+
 def run(deployed: Deployment, record: Callable[[Row], None], at_once: int = 16) -> None:
-    """The probes against one single-process gateway on each server (no runner needed)."""
+    """The probes against one single-process gateway on each server (no runner needed); the gRPC
+    probes against the first one's gRPC port."""
     for server in ("uvicorn", "hypercorn"):
-        base = deployed.start_gateway(workers=1, FNGATE_SERVER=server, FNGATE_CALLBACK_SECRET="bench")
+        grpc_port = free_port()
+        base = deployed.start_gateway(
+            workers=1, FNGATE_SERVER=server, FNGATE_CALLBACK_SECRET="bench", FNGATE_GRPC_PORT=str(grpc_port)
+        )
         process = deployed.gateways[-1][0]
         asyncio.run(probes(base, process.pid, server, record, at_once))
+        if server == "uvicorn":
+            asyncio.run(grpc_probes(grpc_port, process.pid, record))
 
 
 def show(row: Row) -> None:

@@ -28,6 +28,7 @@ class RpcError(Exception):
         self.trailers = tuple(trailers)
 
 
+Buffer = bytes | bytearray | memoryview
 Unary = Callable[[Any, "Rpc"], Awaitable[Any]]
 """(request message, rpc) -> its answer: a future (answered from its callback) or a coroutine (run
 as a task)."""
@@ -36,7 +37,8 @@ Streaming = Callable[[AsyncIterator[Any], "Rpc"], AsyncIterator[Any]]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Method:
-    parse: Callable[[bytes], Any]
+    parse: Callable[[Buffer], Any]
+    """The request message from its bytes (protobuf's FromString)."""
     unary: Unary | None = None
     streaming: Streaming | None = None
 
@@ -62,6 +64,7 @@ class Rpc:
     __slots__ = (
         "answering",
         "buffer",
+        "compressed",
         "connection",
         "deadline",
         "encoding",
@@ -72,6 +75,7 @@ class Rpc:
         "method",
         "name",
         "responded",
+        "size",
         "stream_id",
         "timer",
         "trailers",
@@ -87,6 +91,10 @@ class Rpc:
         """time.monotonic() by which the client stops waiting (its `grpc-timeout`)."""
         self.encoding = b"identity"
         self.buffer = bytearray()
+        """The message being received (or its 5-byte prefix, while `size` is None)."""
+        self.size: int | None = None
+        """The size its prefix declared."""
+        self.compressed = False
         self.hold: Hold = connection.limits.budget.hold()
         self.messages: asyncio.Queue[Any] | None = None
         """A streaming RPC's requests, parsed, for its handler (None at their end)."""

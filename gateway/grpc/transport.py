@@ -28,7 +28,7 @@ import h2.exceptions
 import h2.settings
 
 from fngate.errors import InvalidArgument
-from gateway.grpc.rpc import Limits, Method, Open, Rpc, RpcError, percent_encoded, timeout_s
+from gateway.grpc.rpc import Buffer, Limits, Method, Open, Rpc, RpcError, percent_encoded, timeout_s
 from gateway.grpc.status import Status
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ connection is ended; grpc's clients send a few, to size their windows."""
 MAX_QUEUED_MESSAGES = 1024
 """Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
 _PREFIX = struct.Struct(">BI")
+INFLATE_CHUNK = 256 * 1024
 RESPONSE_HEADERS = [
     (b":status", b"200"),
     (b"content-type", b"application/grpc"),
@@ -263,47 +264,77 @@ class GrpcConnection(asyncio.Protocol):
         stream_id = event.stream_id
         self.h2.acknowledge_received_data(event.flow_controlled_length, stream_id)
         rpc = self.rpcs.get(stream_id)
-        if rpc is None or rpc.ended or not event.data:
-            return
         data = event.data
+        if rpc is None or rpc.ended or not data:
+            return
         try:
             rpc.hold.add(len(data))
-            buffer = rpc.buffer
-            buffer += data
-            while len(buffer) >= 5:
-                compressed, size = _PREFIX.unpack_from(buffer)
-                if size > self.limits.max_message_bytes:
-                    raise RpcError(
-                        Status.RESOURCE_EXHAUSTED,
-                        f"received message larger than max ({size} vs. {self.limits.max_message_bytes})",
-                    )
-                if len(buffer) < 5 + size:
+            if rpc.size is None and not rpc.buffer and len(data) >= 5:
+                compressed, size = _PREFIX.unpack_from(data)
+                if size == len(data) - 5 and size <= self.limits.max_message_bytes:
+                    # The usual case: one whole message in one frame, parsed where it lies.
+                    body = memoryview(data)[5:]
+                    self._message(rpc, self._inflated(rpc, body) if compressed else body)
                     return
-                payload = bytes(buffer[5 : 5 + size])
-                del buffer[: 5 + size]
-                self._message(rpc, self._inflated(rpc, payload) if compressed else payload)
-                if rpc.ended:
-                    return
+            self._take(rpc, memoryview(data))
         except RpcError as exc:
             self._finish(rpc, exc)
         except Exception as exc:  # a FunctionError of the handler's, or a bug
             self._finish(rpc, self.limits.failure(exc, rpc))
 
-    def _inflated(self, rpc: Rpc, payload: bytes) -> bytes:
+    def _take(self, rpc: Rpc, view: memoryview) -> None:
+        """A stream's bytes, read into messages: a 5-byte prefix, then the message in one buffer
+        that grows as it arrives (a size declared, not sent, allocates nothing)."""
+        while True:
+            if rpc.size is None:
+                if not view:
+                    return
+                need = 5 - len(rpc.buffer)
+                rpc.buffer += view[:need]
+                view = view[need:]
+                if len(rpc.buffer) < 5:
+                    return
+                compressed, size = _PREFIX.unpack_from(rpc.buffer)
+                limit = self.limits.max_message_bytes
+                if size > limit:
+                    raise RpcError(
+                        Status.RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {limit})"
+                    )
+                rpc.buffer, rpc.size, rpc.compressed = bytearray(), size, bool(compressed)
+            wanted = rpc.size - len(rpc.buffer)
+            rpc.buffer += view[:wanted]
+            view = view[wanted:]
+            if len(rpc.buffer) < rpc.size:
+                return
+            body, rpc.buffer, rpc.size = rpc.buffer, bytearray(), None
+            self._message(rpc, self._inflated(rpc, body) if rpc.compressed else body)
+            if rpc.ended:
+                return
+
+    def _inflated(self, rpc: Rpc, payload: Buffer) -> bytearray:
+        """A compressed message, inflated a chunk at a time and no further than the limit."""
         if rpc.encoding == b"identity":
             raise RpcError(Status.INTERNAL, "a compressed message without grpc-encoding")
         limit = self.limits.max_message_bytes
         inflater = zlib.decompressobj(31 if rpc.encoding == b"gzip" else 15)
+        plain = bytearray()
+        rest: Buffer = payload
         try:
-            plain = inflater.decompress(payload, limit + 1)
+            while True:
+                chunk = inflater.decompress(rest, INFLATE_CHUNK)
+                plain += chunk
+                if len(plain) > limit:
+                    raise RpcError(
+                        Status.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})"
+                    )
+                rpc.hold.add(len(chunk))
+                rest = inflater.unconsumed_tail
+                if not rest and len(chunk) < INFLATE_CHUNK:
+                    return plain
         except zlib.error as exc:
             raise RpcError(Status.INTERNAL, f"the message could not be decompressed: {exc}") from None
-        if len(plain) > limit:
-            raise RpcError(Status.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})")
-        rpc.hold.add(len(plain))
-        return plain
 
-    def _message(self, rpc: Rpc, payload: bytes) -> None:
+    def _message(self, rpc: Rpc, payload: Buffer) -> None:
         try:
             message = rpc.method.parse(payload)
         except Exception as exc:  # protobuf's DecodeError, or a message nested too deep
@@ -538,6 +569,6 @@ async def _messages(rpc: Rpc) -> AsyncIterator[Any]:
     queue = rpc.messages
     assert queue is not None
     while (message := await queue.get()) is not None:
-        if queue.empty() and not rpc.buffer:
+        if queue.empty() and rpc.size is None and not rpc.buffer:
             rpc.hold.release()  # what was received is taken: the budget has it back
         yield message

@@ -21,13 +21,13 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.grpc import service_pb2
 
+from bench.h2_client import INFER, RawClient, live_request, message
 from tests.conftest import free_port
 from tests.gateway.test_bounds import peak_rss_bytes, reset_peak
 
 MiB = 2**20
 RSS_SLACK_BYTES = 48 * MiB
 """Far below what the probes claim (a GiB message, 64 MiB inflated, hundreds of streams)."""
-INFER = b"/inference.GRPCInferenceService/ModelInfer"
 
 
 def unit_rows(batch: np.ndarray) -> np.ndarray:
@@ -61,103 +61,6 @@ async def test_messages_past_the_windows_and_compressed_ones_arrive_whole(
     for compression in (None, "gzip", "deflate"):
         answer = await asyncio.to_thread(infer_normalize, port, batch, compression)
         np.testing.assert_allclose(answer, wanted, rtol=1e-5, err_msg=str(compression))
-
-
-class RawClient:
-    """A bare HTTP/2 client (h2) for what grpc's clients never send."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.h2 = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=True, header_encoding=None)
-        )
-        self.h2.initiate_connection()
-        self.flush()
-        self.statuses: dict[int, dict[bytes, bytes]] = {}
-        self.goaway: h2.events.ConnectionTerminated | None = None
-        self.closed = False
-        self.settled = False
-        self.resets: dict[int, int] = {}
-
-    @classmethod
-    async def connect(cls, port: int) -> RawClient:
-        """Connected, with the server's settings and windows in."""
-        client = cls(*await asyncio.open_connection("127.0.0.1", port))
-        await client.read(lambda: client.settled)
-        return client
-
-    def flush(self) -> None:
-        self.writer.write(self.h2.data_to_send())
-
-    def open(self, path: bytes = INFER, extra: list[tuple[bytes, bytes]] | None = None) -> int:
-        stream_id = self.h2.get_next_available_stream_id()
-        headers = [
-            (b":method", b"POST"),
-            (b":scheme", b"http"),
-            (b":path", path),
-            (b":authority", b"127.0.0.1"),
-            (b"content-type", b"application/grpc"),
-            (b"te", b"trailers"),
-            *(extra or []),
-        ]
-        self.h2.send_headers(stream_id, headers)
-        self.flush()
-        return stream_id
-
-    def send(self, stream_id: int, data: bytes, end: bool = False) -> None:
-        size = self.h2.max_outbound_frame_size
-        for start in range(0, len(data), size):
-            last = start + size >= len(data)
-            self.h2.send_data(stream_id, data[start : start + size], end_stream=end and last)
-        self.flush()
-
-    async def read(self, done: Callable[[], bool], timeout_s: float = 10) -> None:
-        """Take events until `done()` or the connection ends."""
-        async with asyncio.timeout(timeout_s):
-            while not done() and not self.closed:
-                try:
-                    data = await self.reader.read(65536)
-                except ConnectionResetError:  # closed with what this client sent still unread
-                    data = b""
-                if not data:
-                    self.closed = True
-                    return
-                for event in self.h2.receive_data(data):
-                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                        self.statuses.setdefault(event.stream_id, {}).update(dict(event.headers or []))
-                    elif isinstance(event, h2.events.DataReceived):
-                        self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                    elif isinstance(event, h2.events.ConnectionTerminated):
-                        self.goaway = event
-                    elif isinstance(event, h2.events.RemoteSettingsChanged):
-                        self.settled = True
-                    elif isinstance(event, h2.events.StreamReset):
-                        self.resets[event.stream_id] = event.error_code
-                self.flush()
-
-    async def status_of(self, stream_id: int, timeout_s: float = 10) -> dict[bytes, bytes]:
-        """The stream's response headers and trailers once it has a grpc-status or an HTTP error."""
-
-        def answered() -> bool:
-            found = self.statuses.get(stream_id, {})
-            return b"grpc-status" in found or found.get(b":status", b"200") != b"200"
-
-        await self.read(answered, timeout_s)
-        return self.statuses.get(stream_id, {})
-
-    async def ended(self, timeout_s: float = 10) -> None:
-        await self.read(lambda: False, timeout_s)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def message(payload: bytes, compressed: bool = False) -> bytes:
-    return struct.pack(">BI", 1 if compressed else 0, len(payload)) + payload
-
-
-def live_request() -> bytes:
-    return message(service_pb2.ServerLiveRequest().SerializeToString())
 
 
 async def still_serves(port: int) -> None:
@@ -229,7 +132,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     # Streams opened and cancelled as fast as they go (the rapid-reset attack): GOAWAY.
     rapid = await RawClient.connect(port)
     for _ in range(400):
-        stream_id = rapid.open()
+        stream_id = rapid.open(send=False)
         rapid.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
     rapid.flush()
     await rapid.ended()
@@ -352,3 +255,33 @@ async def test_an_rpc_in_flight_when_the_gateway_stops_is_answered_then_the_conn
     assert client.goaway is not None
     client.close()
     assert process.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_large_message_costs_about_its_own_size_plain_or_inflated(
+    gateway_with_pid: Callable[..., Any],
+) -> None:
+    """A 48 MiB message (under the 64 MiB limit) that is not protobuf, sent plain and as a gzip,
+    each refused with INVALID_ARGUMENT; the gateway holds it once, not a copy per step."""
+    port = free_port()
+    _, process = gateway_with_pid(FNGATE_GRPC_PORT=str(port))
+    for _ in range(100):
+        try:
+            await still_serves(port)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    size = 48 * MiB
+    plain = message(b"\xff" * size)
+    packed = message(gzip.compress(b"\xff" * size, compresslevel=1), compressed=True)
+    for name, body, head in (("plain", plain, []), ("gzip", packed, [(b"grpc-encoding", b"gzip")])):
+        before = reset_peak(process.pid)
+        client = await RawClient.connect(port)
+        stream_id = client.open(INFER, head)
+        await client.send_all(stream_id, body, end=True)
+        found = await client.status_of(stream_id, timeout_s=60)
+        client.close()
+        assert found.get(b"grpc-status") == b"3", (name, found)
+        grown = peak_rss_bytes(process.pid) - before
+        print(f"{name}: the gateway's peak RSS grew {grown / MiB:.1f} MiB for a {size // MiB} MiB message")
+        assert grown < 1.5 * size, name
