@@ -4,6 +4,7 @@ from the repository (a folder) or the registry (an S3 repository); which version
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Mapping
@@ -157,7 +158,10 @@ class Catalog:
         backoff = Backoff()
         while True:
             try:
-                last = await self._wait(interval_s, last)
+                with contextlib.suppress(TimeoutError):
+                    # No news in time says nothing of Redis by itself (the cluster client may be
+                    # retrying on a failed-over slot): the refresh that follows tells.
+                    last = await self._wait(interval_s, last)
                 async with asyncio.timeout(interval_s + REFRESH_MARGIN_S):
                     await self.refresh()
             except (OSError, RedisError) as exc:  # OSError covers TimeoutError
