@@ -1,7 +1,7 @@
 """gRPC over HTTP/2 on the gateway's event loop: one asyncio protocol per connection, h2 keeping the
 connection's state (frames, HPACK, stream states, flow control; nothing here parses HTTP/2 by
-hand), each stream one RPC. What is gRPC's own is here: the method table, the length-prefixed
-messages (identity, gzip or deflate), `grpc-timeout`, and the status in the trailers.
+hand), each stream one RPC. What is gRPC's own is here: the method table, `grpc-timeout`, and
+the status in the trailers; its length-prefixed messages are gateway.grpc.messages'.
 
 A unary RPC whose handler answers a future (ModelInfer's) costs no task: the answer is written
 from the future's done callback. Everything a connection holds is bounded: message size, open
@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
-import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +26,7 @@ import h2.exceptions
 import h2.settings
 
 from fngate.errors import InvalidArgument
+from gateway.grpc import messages
 from gateway.grpc.rpc import Buffer, Limits, Method, Open, Rpc, RpcError, percent_encoded, timeout_s
 from gateway.grpc.status import Status
 
@@ -46,8 +45,6 @@ MAX_CONTROL_PER_S = 100
 connection is ended; grpc's clients send a few, to size their windows."""
 MAX_QUEUED_MESSAGES = 1024
 """Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
-_PREFIX = struct.Struct(">BI")
-INFLATE_CHUNK = 256 * 1024
 RESPONSE_HEADERS = [
     (b":status", b"200"),
     (b"content-type", b"application/grpc"),
@@ -267,72 +264,17 @@ class GrpcConnection(asyncio.Protocol):
         data = event.data
         if rpc is None or rpc.ended or not data:
             return
+        limit = self.limits.max_message_bytes
         try:
             rpc.hold.add(len(data))
-            if rpc.size is None and not rpc.buffer and len(data) >= 5:
-                compressed, size = _PREFIX.unpack_from(data)
-                if size == len(data) - 5 and size <= self.limits.max_message_bytes:
-                    # The usual case: one whole message in one frame, parsed where it lies.
-                    body = memoryview(data)[5:]
-                    self._message(rpc, self._inflated(rpc, body) if compressed else body)
+            for compressed, body in messages.read(rpc, data, limit):
+                self._message(rpc, messages.inflated(rpc, body, limit) if compressed else body)
+                if rpc.ended:
                     return
-            self._take(rpc, memoryview(data))
         except RpcError as exc:
             self._finish(rpc, exc)
         except Exception as exc:  # a FunctionError of the handler's, or a bug
             self._finish(rpc, self.limits.failure(exc, rpc))
-
-    def _take(self, rpc: Rpc, view: memoryview) -> None:
-        """A stream's bytes, read into messages: a 5-byte prefix, then the message in one buffer
-        that grows as it arrives (a size declared, not sent, allocates nothing)."""
-        while True:
-            if rpc.size is None:
-                if not view:
-                    return
-                need = 5 - len(rpc.buffer)
-                rpc.buffer += view[:need]
-                view = view[need:]
-                if len(rpc.buffer) < 5:
-                    return
-                compressed, size = _PREFIX.unpack_from(rpc.buffer)
-                limit = self.limits.max_message_bytes
-                if size > limit:
-                    raise RpcError(
-                        Status.RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {limit})"
-                    )
-                rpc.buffer, rpc.size, rpc.compressed = bytearray(), size, bool(compressed)
-            wanted = rpc.size - len(rpc.buffer)
-            rpc.buffer += view[:wanted]
-            view = view[wanted:]
-            if len(rpc.buffer) < rpc.size:
-                return
-            body, rpc.buffer, rpc.size = rpc.buffer, bytearray(), None
-            self._message(rpc, self._inflated(rpc, body) if rpc.compressed else body)
-            if rpc.ended:
-                return
-
-    def _inflated(self, rpc: Rpc, payload: Buffer) -> bytearray:
-        """A compressed message, inflated a chunk at a time and no further than the limit."""
-        if rpc.encoding == b"identity":
-            raise RpcError(Status.INTERNAL, "a compressed message without grpc-encoding")
-        limit = self.limits.max_message_bytes
-        inflater = zlib.decompressobj(31 if rpc.encoding == b"gzip" else 15)
-        plain = bytearray()
-        rest: Buffer = payload
-        try:
-            while True:
-                chunk = inflater.decompress(rest, INFLATE_CHUNK)
-                plain += chunk
-                if len(plain) > limit:
-                    raise RpcError(
-                        Status.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})"
-                    )
-                rpc.hold.add(len(chunk))
-                rest = inflater.unconsumed_tail
-                if not rest and len(chunk) < INFLATE_CHUNK:
-                    return plain
-        except zlib.error as exc:
-            raise RpcError(Status.INTERNAL, f"the message could not be decompressed: {exc}") from None
 
     def _message(self, rpc: Rpc, payload: Buffer) -> None:
         try:
@@ -419,7 +361,7 @@ class GrpcConnection(asyncio.Protocol):
         if not rpc.responded:
             rpc.responded = True
             connection.send_headers(stream_id, RESPONSE_HEADERS)
-        framed = _PREFIX.pack(0, len(payload)) + payload
+        framed = messages.framed(payload)
         if stream_id not in self._pending and len(framed) <= min(
             connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size
         ):
