@@ -64,10 +64,7 @@ class GrpcInference:
             return RpcError(
                 CODES[exc.code], exc.message, _trailers(exc, self.services.settings.retry_after_s)
             )
-        request_id = uuid.uuid4().hex
-        log.error("%s failed unexpectedly (request %s)", rpc.name[:160], request_id, exc_info=exc)
-        metrics.failed("", ErrorCode.INTERNAL.value)
-        return RpcError(Status.INTERNAL, f"internal error (request id {request_id})")
+        return RpcError(Status.INTERNAL, _internal(rpc.name, exc).message)
 
     # Health: open to every caller, as over HTTP.
 
@@ -190,8 +187,8 @@ class GrpcInference:
                 answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
             except FunctionError as exc:
                 answers.put_nowait(_stream_error(request, exc.message))
-            except Exception:
-                answers.put_nowait(_stream_error(request, _internal(request.model_name).message))
+            except Exception as exc:
+                answers.put_nowait(_stream_error(request, _internal(request.model_name, exc).message))
             finally:
                 slots.release()
 
@@ -358,8 +355,9 @@ def _stream_error(request: Any, message: str) -> Any:
     return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
 
 
-def _internal(name: str) -> Internal:
+def _internal(name: str, exc: BaseException) -> Internal:
+    """A bug's error for the caller, with a request id; logged once with its traceback."""
     request_id = uuid.uuid4().hex
-    log.exception("invocation of %s over gRPC failed unexpectedly (request %s)", name[:128], request_id)
+    log.error("%s over gRPC failed unexpectedly (request %s)", name[:160], request_id, exc_info=exc)
     metrics.failed("", ErrorCode.INTERNAL.value)
     return Internal(f"internal error (request id {request_id})")

@@ -45,6 +45,8 @@ MAX_CONTROL_PER_S = 100
 connection is ended; grpc's clients send a few, to size their windows."""
 MAX_QUEUED_MESSAGES = 1024
 """Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
+TRAILERS_ONLY = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+"""What precedes the status of an RPC that ends without an answer."""
 RESPONSE_HEADERS = [
     (b":status", b"200"),
     (b"content-type", b"application/grpc"),
@@ -405,10 +407,7 @@ class GrpcConnection(asyncio.Protocol):
             rpc.timer = None
         rpc.hold.release()
         rpc.buffer = bytearray()
-        trailers: list[tuple[bytes, bytes]] = [(b"grpc-status", b"%d" % (error.status if error else 0))]
-        if error is not None:
-            trailers.append((b"grpc-message", percent_encoded(error.message)))
-            trailers += [(name.encode(), value.encode()) for name, value in error.trailers]
+        trailers = [(b"grpc-status", b"0")] if error is None else _status_of(error)
         if self.transport is None or self.transport.is_closing():
             self._forget(rpc)
             return
@@ -418,20 +417,19 @@ class GrpcConnection(asyncio.Protocol):
         self._send_trailers(rpc, trailers)
 
     def _send_trailers(self, rpc: Rpc, trailers: list[tuple[bytes, bytes]]) -> None:
-        """The status; a client still sending is then told to stop (RST_STREAM NO_ERROR), as
-        gRPC's HTTP/2 mapping asks."""
-        stream_id = rpc.stream_id
-        try:
-            if not rpc.responded:  # trailers only
-                trailers = [(b":status", b"200"), (b"content-type", b"application/grpc"), *trailers]
-            self.h2.send_headers(stream_id, trailers, end_stream=True)
+        """The RPC's status: trailers after its answer, or the only headers of one that failed."""
+        self._end_stream(rpc.stream_id, trailers if rpc.responded else [*TRAILERS_ONLY, *trailers])
+        self._forget(rpc)
+        self._flush()
+
+    def _end_stream(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The stream's last headers; a client still sending is then told to stop (RST_STREAM
+        NO_ERROR), as gRPC's HTTP/2 mapping asks."""
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.send_headers(stream_id, headers, end_stream=True)
             stream = self.h2.streams.get(stream_id)
             if stream is not None and not stream.closed:
                 self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
-        except h2.exceptions.ProtocolError:
-            pass
-        self._forget(rpc)
-        self._flush()
 
     def _forget(self, rpc: Rpc, cancel: bool = False) -> None:
         rpc.ended = True
@@ -451,21 +449,12 @@ class GrpcConnection(asyncio.Protocol):
                 self._say_goodbye()
 
     def _refuse(self, stream_id: int, status: Status, message: str) -> None:
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.send_headers(
-                stream_id,
-                [
-                    (b":status", b"200"),
-                    (b"content-type", b"application/grpc"),
-                    (b"grpc-status", b"%d" % status),
-                    (b"grpc-message", percent_encoded(message)),
-                ],
-                end_stream=True,
-            )
+        """A stream that never became an RPC, answered with its status alone."""
+        self._end_stream(stream_id, [*TRAILERS_ONLY, *_status_of(RpcError(status, message))])
 
     def _refuse_http(self, stream_id: int, status: bytes) -> None:
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.send_headers(stream_id, [(b":status", status)], end_stream=True)
+        """A request that is not gRPC: an HTTP status alone."""
+        self._end_stream(stream_id, [(b":status", status)])
 
     def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
         with contextlib.suppress(h2.exceptions.ProtocolError):
@@ -483,6 +472,14 @@ class GrpcConnection(asyncio.Protocol):
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+
+def _status_of(error: RpcError) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"grpc-status", b"%d" % error.status),
+        (b"grpc-message", percent_encoded(error.message)),
+        *((name.encode(), value.encode()) for name, value in error.trailers),
+    ]
 
 
 class _PerSecond:
