@@ -40,17 +40,6 @@ CONTENTS = {
 }
 
 
-def held_bytes(request: service_pb2.ModelInferRequest) -> int:
-    """What decoding a request's tensors holds, for the decode budget: its raw buffers, and 8 bytes
-    for each typed value (at most what a tensor of them takes)."""
-    size = sum(len(buffer) for buffer in request.raw_input_contents)
-    for tensor in request.inputs:
-        field = CONTENTS.get(tensor.datatype)
-        if field is not None and tensor.HasField("contents"):
-            size += 8 * len(getattr(tensor.contents, field))
-    return size
-
-
 def inputs_of(request: service_pb2.ModelInferRequest, manifest: FunctionManifest) -> Tensors:
     """A ModelInferRequest's tensors, checked against the function."""
     raw = request.raw_input_contents

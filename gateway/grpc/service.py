@@ -214,7 +214,7 @@ class GrpcInference:
         try:
             function = self._function(request)
             manifest = function.manifest
-            inputs = await parse(protocol.inputs_of, request, protocol.held_bytes(request), manifest)
+            inputs = await parse(protocol.inputs_of, request, request.ByteSize(), manifest)
         except FunctionError as exc:
             self._refused(request, exc)
             raise
