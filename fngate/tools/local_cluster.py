@@ -24,6 +24,11 @@ BUS_OFFSET = 10000
 """A node's cluster bus listens on its port plus this."""
 
 
+PORTS_FROM = 12000
+EPHEMERAL_DEFAULT = (32768, 60999)
+"""Linux's default ip_local_port_range."""
+
+
 class ClusterError(Exception):
     pass
 
@@ -78,6 +83,12 @@ class LocalCluster:
             self.commands[port], stdout=subprocess.DEVNULL, start_new_session=True
         )
 
+    def restart(self, port: int, timeout_s: float = 10) -> None:
+        """Start a node that was killed and wait until it answers; a clear error if it exits (its
+        port taken meanwhile) instead of a cluster that waits on it."""
+        self.start(port)
+        _wait_answering(self, timeout_s, [port])
+
     def wait_until_healthy(self, timeout_s: float = 30) -> None:
         """Until every node that runs sees every slot served (cluster_state:ok)."""
         deadline = time.monotonic() + timeout_s
@@ -107,7 +118,11 @@ class LocalCluster:
             for port in self.ports:
                 if self.processes[port].poll() is not None:
                     continue
-                info = self.node(port).info("replication")
+                try:
+                    info = self.node(port).info("replication")
+                except (redis.RedisError, OSError):  # still loading what it synced
+                    lagging.append(port)
+                    continue
                 if info.get("role") == "slave" and info.get("master_link_status") != "up":
                     lagging.append(port)
             if not lagging:
@@ -153,15 +168,28 @@ class LocalCluster:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` loopback ports that are free, each with its bus port free too."""
+    """`count` loopback ports that are free, each with its bus port free too, both below the
+    kernel's ephemeral range: a node restarted after a kill must find its ports again, and one in
+    that range may meanwhile be taken by any process's outgoing connection."""
     found: list[int] = []
-    candidates = random.sample(range(20000, 50000 - BUS_OFFSET), 200)
+    candidates = random.sample(range(PORTS_FROM, ephemeral_ports()[0] - BUS_OFFSET), 200)
     for port in candidates:
         if all(_is_free(candidate) for candidate in (port, port + BUS_OFFSET)):
             found.append(port)
             if len(found) == count:
                 return found
     raise ClusterError("no free ports on loopback for a cluster")
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The range the kernel draws ports from for connections and binds to port 0."""
+    try:
+        low, high = (int(field) for field in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+    if low - BUS_OFFSET - PORTS_FROM < 1000:  # too few below it: the range's own low end is risked
+        return EPHEMERAL_DEFAULT
+    return low, high
 
 
 def _is_free(port: int) -> bool:
@@ -215,9 +243,9 @@ def start_cluster(
     return cluster
 
 
-def _wait_answering(cluster: LocalCluster, timeout_s: float = 10) -> None:
+def _wait_answering(cluster: LocalCluster, timeout_s: float = 10, ports: list[int] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    for port in cluster.ports:
+    for port in ports or cluster.ports:
         while True:
             if cluster.processes[port].poll() is not None:
                 raise ClusterError(f"redis-server on port {port} exited")

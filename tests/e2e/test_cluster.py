@@ -208,7 +208,8 @@ async def test_the_primary_of_a_functions_slot_killed_under_load(
                 [await async_outcome(client, invocation, value) for invocation, value in accepted]
             )
     finally:
-        redis_cluster.start(victim)  # back as a replica, for the tests after this one
+        # Back as a replica, for the tests after this one.
+        await asyncio.to_thread(redis_cluster.restart, victim)
         await asyncio.to_thread(redis_cluster.wait_until_healthy)
         await asyncio.to_thread(redis_cluster.wait_for_replicas)
     print(f"\nfailover: synchronous {dict(tally.outcomes)}; asynchronous {len(accepted)}: {dict(ended)}")
