@@ -90,9 +90,12 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
             continue
         met = value <= target if sign == "<=" else value >= target
         lines.append(f"| {what} | {value:.2f} | {sign} {target} | {'yes' if met else 'no'} |")
+    lines += _against_triton(rows)
     lines += _large_cold_starts(rows)
     lines += _robustness(rows)
-    rows = [row for row in rows if row.get("scenario") not in ROBUSTNESS]
+    lines += _hostile(rows)
+    rows = [row for row in rows if row.get("scenario") not in (*ROBUSTNESS, "H")]
+    rows = [row for row in rows if "p99_under_10ms_req_per_s" not in row]  # in the table above
     lines += ["", "## Every point", ""]
     columns = [
         "scenario",
@@ -142,6 +145,110 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
     ]
     (out / "results.md").write_text("\n".join(lines))
     _plot(out / "throughput.png", rows)
+
+
+TRITON = "@triton"
+"""The suffix of a Triton point's function: `tiny@triton` is Triton's `tiny`."""
+
+
+def pairs(rows: list[Row], scenario: str) -> list[tuple[Row, Row]]:
+    """Each fngate point of `scenario` with Triton's point on the same load (the same model, body,
+    concurrency and rate), in the order they ran."""
+
+    def load(row: Row) -> tuple[Any, ...]:
+        return (row.get("body"), row.get("concurrency"), row.get("rate"))
+
+    found: list[tuple[Row, Row]] = []
+    points = [row for row in rows if row.get("scenario") == scenario and "req_per_s" in row]
+    for ours in points:
+        if str(ours.get("function", "")).endswith(TRITON):
+            continue
+        theirs = next(
+            (
+                row
+                for row in points
+                if row.get("function") == f"{ours.get('function')}{TRITON}" and load(row) == load(ours)
+            ),
+            None,
+        )
+        if theirs is not None:
+            found.append((ours, theirs))
+    return found
+
+
+def _against_triton(rows: list[Row]) -> list[str]:
+    """T and G: fngate against Triton point by point, with the throughput ratio; O: the latency at
+    each arrival rate, and the highest rate each held with p99 under 10 ms."""
+    lines: list[str] = []
+    closed = [("HTTP, V2 JSON (T)", pair) for pair in pairs(rows, "T")]
+    closed += [("gRPC, perf_analyzer (G)", pair) for pair in pairs(rows, "G")]
+    if closed:
+        lines += [
+            "",
+            "## Against Triton, in the same run (closed loop)",
+            "",
+            "| protocol | model | concurrency | fngate req/s | Triton req/s | fngate/Triton "
+            "| fngate p50 / p99 ms | Triton p50 / p99 ms |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for protocol, (ours, theirs) in closed:
+            ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
+            lines.append(
+                f"| {protocol} | {ours['function']} | {ours['concurrency']} | {ours['req_per_s']:.0f} | "
+                f"{theirs['req_per_s']:.0f} | {ratio:.2f} | {_latency(ours)} | {_latency(theirs)} |"
+            )
+    open_loop = pairs(rows, "O")
+    if open_loop:
+        lines += [
+            "",
+            "## Against Triton, in the same run (open loop: Poisson arrivals, O)",
+            "",
+            "| rate (req/s) | fngate answered | fngate p50 / p99 ms | Triton answered "
+            "| Triton p50 / p99 ms |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for ours, theirs in open_loop:
+            lines.append(
+                f"| {ours['rate']} | {ours['req_per_s']:.0f} | {_latency(ours)} | "
+                f"{theirs['req_per_s']:.0f} | {_latency(theirs)} |"
+            )
+        best = {
+            str(row["function"]): row["p99_under_10ms_req_per_s"]
+            for row in rows
+            if row.get("scenario") == "O" and "p99_under_10ms_req_per_s" in row
+        }
+        if best:
+            held = ", ".join(
+                f"{'Triton' if name.endswith(TRITON) else 'fngate'} up to {rate} req/s"
+                for name, rate in best.items()
+            )
+            lines += ["", f"The highest rate reached with p99 under 10 ms: {held}."]
+    return lines
+
+
+def _latency(row: Row) -> str:
+    return f"{row.get('p50_ms', math.nan):.2f} / {row.get('p99_ms', math.nan):.2f}"
+
+
+def _hostile(rows: list[Row]) -> list[str]:
+    """H: what each hostile probe was answered, and what it cost the gateway."""
+    probes = [row for row in rows if row.get("scenario") == "H"]
+    if not probes:
+        return []
+    lines = [
+        "",
+        "## Hostile callers (H)",
+        "",
+        "| server | probe | answer | time (s) | peak RSS added (MiB) | worker's peak RSS (MiB) |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for row in probes:
+        lines.append(
+            f"| {row.get('server', '')} | {row.get('probe', '')} | {row.get('status', '')} | "
+            f"{_cell(row.get('time_s'))} | {_cell(row.get('peak_mib'))} | "
+            f"{_cell(row.get('worker_peak_mib'))} |"
+        )
+    return lines
 
 
 def _large_cold_starts(rows: list[Row]) -> list[str]:

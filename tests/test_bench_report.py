@@ -1,0 +1,76 @@
+"""The benchmark's report (bench/report.py): what a reader of results.md compares fngate with Triton
+by, the hostile probes' answers and costs, from the rows a run recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.report import pairs, write_report
+
+META = {
+    "date": "2026-12-03T00:00:00+00:00",
+    "machine": "x86_64, a CPU, 2 cores",
+    "python": "3.11",
+    "fngate": "0.1.0",
+    "onnxruntime": "1",
+    "duration_s": 1.0,
+    "warmup_s": 1.0,
+    "measure_s": 4.0,
+}
+
+
+def point(
+    scenario: str, function: str, body: str, concurrency: int, req_per_s: float, **more: Any
+) -> dict[str, Any]:
+    return {
+        "scenario": scenario,
+        "function": function,
+        "body": body,
+        "concurrency": concurrency,
+        "req_per_s": req_per_s,
+        "p50_ms": 1.0,
+        "p99_ms": 2.0,
+        **more,
+    }
+
+
+def test_each_fngate_point_meets_tritons_on_the_same_load() -> None:
+    rows = [
+        point("G", "tiny", "grpc", 16, 2000),
+        point("G", "tiny@triton", "grpc", 16, 4000),
+        point("G", "tiny", "grpc", 64, 3000),  # Triton's c=64 failed: no pair
+        point("G", "tiny@triton", "grpc", 1, 300),
+        point("O", "tiny", "binary", 32, 990, rate=1000),
+        point("O", "tiny@triton", "binary", 32, 480, rate=500),
+        point("O", "tiny@triton", "binary", 32, 1000, rate=1000),
+    ]
+    found = [
+        (ours["concurrency"], ours.get("rate"), theirs["req_per_s"]) for ours, theirs in pairs(rows, "G")
+    ]
+    assert found == [(16, None, 4000)]
+    assert [(ours["rate"], theirs["req_per_s"]) for ours, theirs in pairs(rows, "O")] == [(1000, 1000)]
+
+
+def test_the_report_shows_the_ratios_the_best_rates_and_the_hostile_probes(tmp_path: Path) -> None:
+    rows = [
+        point("T", "tiny", "json", 16, 4100),
+        point("T", "tiny@triton", "json", 16, 4827),
+        point("G", "wide", "grpc", 64, 2493),
+        point("G", "wide@triton", "grpc", 64, 4292),
+        point("O", "tiny", "binary", 32, 1006, rate=1000),
+        point("O", "tiny@triton", "binary", 32, 1006, rate=1000),
+        {"scenario": "O", "function": "tiny", "body": "binary", "p99_under_10ms_req_per_s": 1000},
+        {"scenario": "O", "function": "tiny@triton", "body": "binary", "p99_under_10ms_req_per_s": 5000},
+        {"scenario": "H", "server": "grpc", "probe": "gRPC 400 PINGs", "status": "GOAWAY ENHANCE_YOUR_CALM",
+         "time_s": 0.009, "peak_mib": 0.0, "worker_peak_mib": 131.0},
+    ]  # fmt: skip
+    write_report(tmp_path, META, rows)
+    text = (tmp_path / "results.md").read_text()
+    assert "| HTTP, V2 JSON (T) | tiny | 16 | 4100 | 4827 | 0.85 |" in text
+    assert "| gRPC, perf_analyzer (G) | wide | 64 | 2493 | 4292 | 0.58 |" in text
+    assert "| 1000 | 1006 | 1.00 / 2.00 | 1006 | 1.00 / 2.00 |" in text
+    assert "fngate up to 1000 req/s, Triton up to 5000 req/s" in text
+    assert "| grpc | gRPC 400 PINGs | GOAWAY ENHANCE_YOUR_CALM | 0.01 | 0.00 | 131 |" in text
+    every_point = text.split("## Every point", 1)[1]
+    assert "p99_under" not in every_point and "PINGs" not in every_point
