@@ -30,7 +30,7 @@ import redis
 
 import fngate
 from bench import cluster as cluster_scenario
-from bench import grpc_peer, inprocess, loadgen
+from bench import grpc_peer, inprocess, loadgen, wake
 from bench import open_loop as bench_open_loop
 from bench.deployment import Deployment, cpu_seconds, deployment, free_port, tree_cpu_seconds
 from bench.models import build_repository, write_poison_functions
@@ -227,6 +227,14 @@ class Bench:
                 )
 
     def http_floor(self, deployed: Deployment) -> None:
+        print("S0 the floors: a process waking another, on one CPU and across two", flush=True)
+        for where, figures in wake.both().items():
+            self.record({"scenario": "S0", "function": f"process wake, {where}", **figures})
+            print(
+                f"   {where}: {figures['round_trip_us']:.1f} µs a round trip, "
+                f"{figures['cpu_us_per_round_trip']:.1f} µs of CPU",
+                flush=True,
+            )
         print("S0 HTTP floor: a fixed answer from a plain ASGI app on each server, no fngate", flush=True)
         for server_name in ("uvicorn", "hypercorn"):
             sock = socket.create_server(("127.0.0.1", 0), backlog=4096)

@@ -116,6 +116,8 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         "cpu_us_runner",
         "cpu_us_redis",
         "cpu_us_loadgen",
+        "round_trip_us",
+        "cpu_us_per_round_trip",
         "runner",
         "status",
         "spawn_to_answer_ms",
@@ -141,6 +143,11 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         "",
         "cpu_us_*: CPU time per completed request of each kind of process during the measurement "
         "window (user + system, from /proc).",
+        "",
+        "process wake (S0): two processes passing a byte back and forth over a Unix socket pair, "
+        "pinned to one CPU or to two (bench/wake.py); round_trip_us is the wall time of a round trip, "
+        "cpu_us_per_round_trip the CPU time of both processes for it. Each hop of an invocation "
+        "between processes is such a wake.",
         "",
     ]
     (out / "results.md").write_text("\n".join(lines))

@@ -1,11 +1,14 @@
 """The benchmark's report (bench/report.py): what a reader of results.md compares fngate with Triton
-by, the hostile probes' answers and costs, from the rows a run recorded."""
+by, the hostile probes' answers and costs, from the rows a run recorded; and the wake probe of its
+floors (bench/wake.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from bench import wake
 from bench.report import pairs, write_report
 
 META = {
@@ -74,3 +77,30 @@ def test_the_report_shows_the_ratios_the_best_rates_and_the_hostile_probes(tmp_p
     assert "| grpc | gRPC 400 PINGs | GOAWAY ENHANCE_YOUR_CALM | 0.01 | 0.00 | 131 |" in text
     every_point = text.split("## Every point", 1)[1]
     assert "p99_under" not in every_point and "PINGs" not in every_point
+
+
+def test_the_wake_probe_leaves_its_caller_unpinned_and_its_child_reaped() -> None:
+    """The bench goes on after it: on every CPU it had, with no echo process left behind."""
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    figures = wake.measure((cpus[0], cpus[-1]), round_trips=200)
+    assert os.sched_getaffinity(0) == before
+    assert set(figures) == {"round_trip_us", "cpu_us_per_round_trip"}
+    assert all(value > 0 for value in figures.values()), figures
+    assert forks_of_this_process() == []  # the echo was reaped
+
+
+def forks_of_this_process() -> list[int]:
+    """Children of this process that run what it runs (forked, not started from a program)."""
+    ours = Path("/proc/self/cmdline").read_bytes()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == os.getpid() and (entry / "cmdline").read_bytes() == ours:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
