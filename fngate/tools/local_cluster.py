@@ -24,6 +24,7 @@ BUS_OFFSET = 10000
 """A node's cluster bus listens on its port plus this."""
 
 
+LOG = "redis.log"
 PORTS_FROM = 12000
 EPHEMERAL_DEFAULT = (32768, 60999)
 """Linux's default ip_local_port_range."""
@@ -109,6 +110,35 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"the cluster did not become healthy within {timeout_s:.0f} s")
             time.sleep(0.1)
+
+    def wait_for_failover(self, port: int, timeout_s: float = 30) -> None:
+        """After `port` was killed: until a replica serves every slot it served and the cluster is
+        healthy. Healthy alone is not enough: the nodes report every slot served until they mark the
+        dead one failed (cluster-node-timeout), so right after a kill the cluster still looks whole."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if port not in self.primaries():
+                    self.wait_until_healthy(max(0.1, deadline - time.monotonic()))
+                    return
+            except ClusterError:
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"no replica took over from {port} within {timeout_s:.0f} s; "
+                    f"the nodes' logs (under {self.folder}) end:\n{self.log_tails()}"
+                )
+            time.sleep(0.1)
+
+    def log_tails(self, lines: int = 8) -> str:
+        """The last lines of each node's log, for a failure's message."""
+        tails = []
+        for port in self.ports:
+            log = self.folder / str(port) / LOG
+            with contextlib.suppress(OSError):
+                tails.append(f"{port}:\n" + "\n".join(log.read_text().splitlines()[-lines:]))
+        return "\n".join(tails)
 
     def wait_for_replicas(self, timeout_s: float = 30) -> None:
         """Until each replica that runs is in step with its primary (master_link_status:up)."""
@@ -220,7 +250,9 @@ def start_cluster(
                 *("--cluster-node-timeout", str(node_timeout_ms)),
                 # Slots that lose their primary stop alone: the others serve on meanwhile.
                 *("--cluster-require-full-coverage", "no"),
-                *("--save", "", "--appendonly", "no", "--loglevel", "warning"),
+                *("--save", "", "--appendonly", "no"),
+                # Failovers are logged at notice: what went wrong in one is told by these logs.
+                *("--loglevel", "notice", "--logfile", str(home / LOG)),
             ]
             cluster.commands[port] = [server, *options]
             cluster.start(port)

@@ -11,6 +11,7 @@ import collections
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -66,6 +67,13 @@ class Tally:
     @property
     def total(self) -> int:
         return sum(self.outcomes.values())
+
+
+def tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"({exc})"
 
 
 async def load(client: httpx.AsyncClient, tally: Tally, until: Callable[[], bool]) -> None:
@@ -164,6 +172,7 @@ async def test_the_primary_of_a_functions_slot_killed_under_load(
     runner_process: Callable[..., Any],
     redis_cluster: LocalCluster,
     redis: aioredis.Redis,
+    tmp_path: Path,
 ) -> None:
     base = await serve_gateway()
     runner_process(**RUNNER)
@@ -187,7 +196,7 @@ async def test_the_primary_of_a_functions_slot_killed_under_load(
                     if found is not None:
                         accepted.append((found, 1000.0 + index))
                     await asyncio.sleep(0.05)
-                await asyncio.to_thread(redis_cluster.wait_until_healthy)  # the replica took over
+                await asyncio.to_thread(redis_cluster.wait_for_failover, victim)  # the replica took over
                 recovered.append(time.monotonic())
 
             def until() -> bool:  # a second of load after the failover
@@ -198,7 +207,10 @@ async def test_the_primary_of_a_functions_slot_killed_under_load(
             # machine that can take longer than the second of load above.
             probe, deadline = Tally(), time.monotonic() + RECOVERY_S
             while not await probe.invoke(client, 4000.0):
-                assert time.monotonic() < deadline, f"not served again: {dict(probe.outcomes)}"
+                assert time.monotonic() < deadline, (
+                    f"not served again: {dict(probe.outcomes)}; primaries {redis_cluster.primaries()}; "
+                    f"the runner's log ends:\n{tail(tmp_path / 'runner-0.log')}"
+                )
                 await asyncio.sleep(0.2)
             recovery_s = time.monotonic() - recovered[0]
             settled = Tally()  # once the replica took over, everything is served again
