@@ -117,19 +117,16 @@ class LocalCluster:
         dead one failed (cluster-node-timeout), so right after a kill the cluster still looks whole."""
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
+            with contextlib.suppress(ClusterError):  # no node answers for a moment
                 if port not in self.primaries():
-                    self.wait_until_healthy(max(0.1, deadline - time.monotonic()))
-                    return
-            except ClusterError:
-                if time.monotonic() > deadline:
-                    raise
+                    break
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"no replica took over from {port} within {timeout_s:.0f} s; "
                     f"the nodes' logs (under {self.folder}) end:\n{self.log_tails()}"
                 )
             time.sleep(0.1)
+        self.wait_until_healthy(max(1.0, deadline - time.monotonic()))
 
     def log_tails(self, lines: int = 8) -> str:
         """The last lines of each node's log, for a failure's message."""
