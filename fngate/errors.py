@@ -54,6 +54,13 @@ class InvalidArgument(FunctionError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class PayloadTooLarge(FunctionError):
+    """A body or message over its size limit, declared or once decompressed: HTTP answers it 413,
+    gRPC RESOURCE_EXHAUSTED (both front ends' tables otherwise read the code)."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
 class FunctionNotFound(FunctionError):
     code = ErrorCode.NOT_FOUND
 

@@ -1,19 +1,19 @@
 """gRPC's length-prefixed messages out of one stream's bytes, and into an answer's: a 5-byte
 prefix (compressed or not, the length), then the message. A message is held once, in a buffer that
 grows as it arrives, so that a size declared but not sent allocates nothing; a compressed one is
-inflated a chunk at a time and no further than the limit."""
+inflated a step at a time and no further than the limit."""
 
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterator
 
+from fngate.errors import InvalidArgument, PayloadTooLarge
+from gateway.decompression import Inflater
 from gateway.grpc.rpc import Buffer, Rpc, RpcError
 from gateway.grpc.status import Status
 
 PREFIX = struct.Struct(">BI")
-INFLATE_CHUNK = 256 * 1024
 
 
 def framed(payload: bytes) -> bytes:
@@ -57,22 +57,22 @@ def read(rpc: Rpc, data: bytes, limit: int) -> Iterator[tuple[bool, Buffer]]:
 
 
 def inflated(rpc: Rpc, payload: Buffer, limit: int) -> bytearray:
-    """A compressed message in the stream's `grpc-encoding`, its inflated bytes held in the
-    stream's share of the decode budget."""
+    """A compressed message in the stream's `grpc-encoding` (gateway.decompression, as HTTP bodies
+    are), its inflated bytes held in the stream's share of the decode budget."""
     if rpc.encoding == b"identity":
         raise RpcError(Status.INTERNAL, "a compressed message without grpc-encoding")
-    inflater = zlib.decompressobj(31 if rpc.encoding == b"gzip" else 15)
     plain = bytearray()
-    rest: Buffer = payload
+
+    def take(chunk: bytes) -> None:
+        rpc.hold.add(len(chunk))
+        plain.extend(chunk)
+
+    inflater = Inflater(rpc.encoding.decode("ascii"), limit, take, what="message")
     try:
-        while True:
-            chunk = inflater.decompress(rest, INFLATE_CHUNK)
-            plain += chunk
-            if len(plain) > limit:
-                raise RpcError(Status.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})")
-            rpc.hold.add(len(chunk))
-            rest = inflater.unconsumed_tail
-            if not rest and len(chunk) < INFLATE_CHUNK:
-                return plain
-    except zlib.error as exc:
-        raise RpcError(Status.INTERNAL, f"the message could not be decompressed: {exc}") from None
+        inflater.feed(payload)
+        inflater.close()
+    except PayloadTooLarge:
+        raise RpcError(Status.RESOURCE_EXHAUSTED, f"decompressed message larger than max ({limit})") from None
+    except InvalidArgument as exc:  # not the encoding it names, or cut short
+        raise RpcError(Status.INTERNAL, exc.message) from None
+    return plain

@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 from tritonclient.grpc import service_pb2
 
 from fngate import telemetry
-from fngate.errors import ErrorCode, FunctionError, Internal, PermissionDenied, RateLimited
+from fngate.errors import ErrorCode, FunctionError, Internal, PayloadTooLarge, PermissionDenied, RateLimited
 from fngate.manifest import FunctionManifest
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply, Tensors
@@ -61,9 +61,9 @@ class GrpcInference:
         if isinstance(exc, RpcError):
             return exc
         if isinstance(exc, FunctionError):
-            return RpcError(
-                CODES[exc.code], exc.message, _trailers(exc, self.services.settings.retry_after_s)
-            )
+            # Over a size limit is RESOURCE_EXHAUSTED in gRPC, as a message over its maximum is.
+            status = Status.RESOURCE_EXHAUSTED if isinstance(exc, PayloadTooLarge) else CODES[exc.code]
+            return RpcError(status, exc.message, _trailers(exc, self.services.settings.retry_after_s))
         return RpcError(Status.INTERNAL, _internal(rpc.name, exc).message)
 
     # Health: open to every caller, as over HTTP.

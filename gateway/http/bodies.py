@@ -15,12 +15,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import Message, Receive
 
-from fngate.errors import InvalidArgument
+from fngate.errors import InvalidArgument, PayloadTooLarge
 from fngate.manifest import FunctionManifest
 from gateway.budget import Hold
-from gateway.http.compression import INFLATE_STEP_BYTES, Inflater
+from gateway.decompression import INFLATE_STEP_BYTES, Inflater
 from gateway.http.decoding import JsonBodyDecoder
-from gateway.http.errors import BodyTimeout, PayloadTooLarge
+from gateway.http.errors import BodyTimeout
 from gateway.http.protocol import InferRequest, header_size, load_json, v1_request, v2_request
 from gateway.invocations import RequestDigest
 from gateway.validation import OFF_LOOP_BYTES, parse_now

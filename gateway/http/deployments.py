@@ -19,11 +19,10 @@ from starlette.routing import Route
 
 from fngate import deployment
 from fngate.config import GatewaySettings
-from fngate.errors import FunctionNotFound, InvalidArgument
+from fngate.errors import FunctionNotFound, InvalidArgument, PayloadTooLarge
 from fngate.repository import MANIFEST_FILE, Repository, check_name
 from gateway.auth import DEPLOY
 from gateway.http.bodies import control_json
-from gateway.http.errors import PayloadTooLarge
 from gateway.http.guard import Guarded, principal_of
 from gateway.http.rendering import json_response
 from gateway.state import services

@@ -6,7 +6,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fngate.errors import ErrorCode, FunctionError, RateLimited
+from fngate.errors import ErrorCode, FunctionError, PayloadTooLarge, RateLimited
 from gateway.auth import ANY
 from gateway.http.rendering import dumps
 from gateway.invocations import IdempotencyKeyReused
@@ -27,12 +27,6 @@ STATUS: dict[ErrorCode, int] = {
 RETRY = {ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE}
 """Answered with the gateway's Retry-After (a rate limit's own comes with it)."""
 CHALLENGE = ("WWW-Authenticate", 'Bearer realm="fngate"')
-
-
-class PayloadTooLarge(FunctionError):
-    """The body is over max_body_bytes; answered 413 rather than 400."""
-
-    code = ErrorCode.INVALID_ARGUMENT
 
 
 class BodyTimeout(FunctionError):

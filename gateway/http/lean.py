@@ -18,7 +18,7 @@ import gzip
 import logging
 from typing import Any
 
-from fngate.errors import FunctionError
+from fngate.errors import FunctionError, PayloadTooLarge
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply
 from gateway.auth import OPEN, Principal, UnknownKey
@@ -26,7 +26,7 @@ from gateway.budget import Hold
 from gateway.call import Call
 from gateway.http import invoke
 from gateway.http.bodies import STREAM_FROM_BYTES, StreamedBody
-from gateway.http.errors import BodyTimeout, PayloadTooLarge
+from gateway.http.errors import BodyTimeout
 from gateway.http.protocol import InferRequest
 from gateway.state import Services
 from gateway.validation import parse_now

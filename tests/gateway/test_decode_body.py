@@ -8,9 +8,8 @@ import zlib
 
 import pytest
 
-from fngate.errors import InvalidArgument
-from gateway.http.compression import INFLATE_STEP_BYTES, Inflater, decode_body
-from gateway.http.errors import PayloadTooLarge
+from fngate.errors import InvalidArgument, PayloadTooLarge
+from gateway.decompression import INFLATE_STEP_BYTES, Inflater, decode_body
 
 BODY = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}' * 20
 

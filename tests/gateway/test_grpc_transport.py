@@ -105,6 +105,10 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     client.send(bomb, message(gzip.compress(b"\0" * 64 * MiB), compressed=True), end=True)
     garbage = client.open()
     client.send(garbage, message(b"\xff" * 100), end=True)
+    # A whole request whose gzip trailer (CRC and length) is cut off: refused, not parsed.
+    truncated = client.open(b"/inference.GRPCInferenceService/ModelMetadata", [(b"grpc-encoding", b"gzip")])
+    request = service_pb2.ModelMetadataRequest(name="tiny").SerializeToString()
+    client.send(truncated, message(gzip.compress(request)[:-8], compressed=True), end=True)
     unknown_encoding = client.open(extra=[(b"grpc-encoding", b"zstd")])
     unknown_method = client.open(b"/inference.GRPCInferenceService/Nope")
     not_grpc = client.open(extra=[(b"content-type", b"text/plain")])
@@ -114,6 +118,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
         huge: (b"8", b"larger than max"),
         bomb: (b"8", b"decompressed message larger than max"),
         garbage: (b"3", b"could not be parsed"),
+        truncated: (b"13", b"gzip message is truncated"),
         unknown_encoding: (b"12", b"zstd"),
         unknown_method: (b"12", b"Method not found"),
         crowded: (b"8", b"more than 100 headers"),
