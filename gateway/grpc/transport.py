@@ -401,11 +401,7 @@ class GrpcConnection(asyncio.Protocol):
         """End the RPC with its status (OK without `error`)."""
         if rpc.ended:
             return
-        rpc.ended = True
-        if rpc.timer is not None:
-            rpc.timer.cancel()
-            rpc.timer = None
-        rpc.hold.release()
+        _settle(rpc)
         rpc.buffer = bytearray()
         trailers = [(b"grpc-status", b"0")] if error is None else _status_of(error)
         if self.transport is None or self.transport.is_closing():
@@ -432,11 +428,7 @@ class GrpcConnection(asyncio.Protocol):
                 self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
 
     def _forget(self, rpc: Rpc, cancel: bool = False) -> None:
-        rpc.ended = True
-        rpc.hold.release()
-        if rpc.timer is not None:
-            rpc.timer.cancel()
-            rpc.timer = None
+        _settle(rpc)
         if cancel and isinstance(rpc.answering, asyncio.Task):
             rpc.answering.cancel()
         self._pending.pop(rpc.stream_id, None)
@@ -472,6 +464,15 @@ class GrpcConnection(asyncio.Protocol):
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+
+def _settle(rpc: Rpc) -> None:
+    """An RPC that takes nothing more: no timer, and its bytes given back to the budget."""
+    rpc.ended = True
+    if rpc.timer is not None:
+        rpc.timer.cancel()
+        rpc.timer = None
+    rpc.hold.release()
 
 
 def _status_of(error: RpcError) -> list[tuple[bytes, bytes]]:
