@@ -37,13 +37,14 @@ class Inflater:
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._decoder is None:
-            self._head += data
-            if len(self._head) < 2:
-                return
-            if self.name == "deflate" and not _zlib_header(self._head):
+            if self._head or len(data) < 2:  # the two bytes that tell deflate's kind, when split
+                self._head += data
+                if len(self._head) < 2:
+                    return
+                data, self._head = self._head, b""
+            if self.name == "deflate" and not _zlib_header(data):
                 self._wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib header that RFC 9110 asks for
             self._decoder = zlib.decompressobj(self._wbits)
-            data, self._head = self._head, b""
         pending = data
         while True:
             decoder = self._decoder
@@ -73,7 +74,7 @@ class Inflater:
             raise InvalidArgument(f"the {self.name} {self.what} is truncated")
 
 
-def _zlib_header(body: bytes) -> bool:
+def _zlib_header(body: bytes | bytearray | memoryview) -> bool:
     """RFC 1950: method 8 (deflate) in the low bits of the first byte, both bytes a multiple of 31."""
     return len(body) >= 2 and body[0] & 0x0F == 8 and ((body[0] << 8) | body[1]) % 31 == 0
 

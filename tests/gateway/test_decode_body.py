@@ -73,3 +73,14 @@ def test_a_body_refused_early_is_not_decompressed_further() -> None:
     with pytest.raises(InvalidArgument):
         Inflater("gzip", 64 * 1024 * 1024, refuse).feed(bomb)
     assert steps == [INFLATE_STEP_BYTES]  # one step of 64 MiB, then nothing
+
+
+@pytest.mark.parametrize("sent", [zlib.compress(BODY), raw_deflate(BODY), gzip.compress(BODY, mtime=0)])
+def test_a_body_fed_a_byte_at_a_time_decodes(sent: bytes) -> None:
+    """The first two bytes (which tell zlib's deflate from raw deflate) may come apart."""
+    parts: list[bytes] = []
+    inflater = Inflater("gzip" if sent[:2] == b"\x1f\x8b" else "deflate", len(BODY), parts.append)
+    for index in range(len(sent)):
+        inflater.feed(memoryview(sent)[index : index + 1])
+    inflater.close()
+    assert b"".join(parts) == BODY
