@@ -30,6 +30,12 @@ HEARTBEAT_S = 2.0
 GONE_AFTER_S = 15.0
 """A gateway silent this long is gone: its reply stream is removed."""
 SWEEP_S = 30.0
+TRIM_EVERY_S = 0.05
+TRIM_EVERY_ENTRIES = 256
+"""Replies read are trimmed from the stream with the next read once this long has passed or this
+many were read since the last trim, whichever comes first, and with the first read after an idle
+one: not with every read, since Redis answers an XTRIM at once and that answer wakes this process
+a second time for each reply it reads."""
 
 
 class ReplyRouter:
@@ -70,6 +76,9 @@ class ReplyRouter:
         """Read replies until cancelled; a Redis outage is waited out with backoff. Needs a
         connection of its own: XREAD blocks it."""
         last_id = b"0-0"  # the stream is this process's own: nothing in it predates us
+        trimmed_id = last_id
+        untrimmed = 0
+        trim_at = 0.0
         failures = 0
         next_beat = 0.0
         while True:
@@ -81,11 +90,13 @@ class ReplyRouter:
                     *("XREAD", "COUNT", 1000, "BLOCK", self._block_ms, "STREAMS", self.stream, last_id),
                     timeout_s=self._block_ms / 1000 + self._timeout_s,
                 )
-                if last_id == b"0-0":
+                now = time.monotonic()
+                if last_id == trimmed_id or (untrimmed < TRIM_EVERY_ENTRIES and now < trim_at):
                     response = await read
                 else:  # what was read leaves Redis, in the same write as the next read
                     trim = self._reads.execute("XTRIM", self.stream, "MINID", _after(last_id))
                     _, response = await asyncio.gather(trim, read)
+                    trimmed_id, untrimmed, trim_at = last_id, 0, now + TRIM_EVERY_S
                 failures = 0
                 self.healthy = True
             except (RedisError, OSError) as exc:
@@ -97,8 +108,10 @@ class ReplyRouter:
                 continue
             entries = stream_entries(response)
             if not entries:
+                trim_at = 0.0  # idle: the next read trims what is left
                 continue
             last_id = entries[-1][0]
+            untrimmed += len(entries)
             for _entry_id, fields in entries:
                 if fields is not None:
                     self._resolve(fields)
