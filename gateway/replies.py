@@ -1,9 +1,10 @@
 """The one loop that reads this gateway's reply stream and resolves waiting invocations by id.
 
-Replies leave Redis as soon as they are read (XTRIM up to the last one read, sent with the next
-read in one round trip). The stream lives as long as its gateway: it is created at start and again
-after Redis lost it, runners write only to streams that exist, and a gateway that stops
-heart-beating has its stream removed by the others (sweep).
+Replies leave Redis soon after they are read (XTRIM up to the last one read, sent with a next read
+in one round trip, at most TRIM_EVERY_S or TRIM_EVERY_ENTRIES after it). The stream lives as long
+as its gateway: it is created at start and again after Redis lost it, runners write only to
+streams that exist, and a gateway that stops heart-beating has its stream removed by the others
+(sweep).
 """
 
 from __future__ import annotations
