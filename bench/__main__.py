@@ -32,7 +32,15 @@ import fngate
 from bench import cluster as cluster_scenario
 from bench import grpc_peer, inprocess, loadgen, wake
 from bench import open_loop as bench_open_loop
-from bench.deployment import Deployment, cpu_seconds, deployment, free_port, tree_cpu_seconds
+from bench.deployment import (
+    Deployment,
+    cpu_seconds,
+    deployment,
+    free_port,
+    process_meter,
+    tree_cpu_seconds,
+    tree_runqueue_seconds,
+)
 from bench.models import build_repository, write_poison_functions
 from bench.poison import poison_rounds
 from bench.soak import SOAK_S, soak
@@ -161,7 +169,7 @@ class Bench:
         """Drive with these requests: each used once, or over and over with `cycle` (cache hits)."""
         urls = gateways or deployed.urls()[:1]
         check = checker(inputs, features, self.reference(model))
-        before = deployed.cpu()
+        before, waited = deployed.cpu(), deployed.waits()
         limit = 200_000 if cycle else len(requests)
 
         async def drive_all() -> list[loadgen.Result]:
@@ -183,7 +191,7 @@ class Bench:
             )
 
         results = asyncio.run(drive_all())
-        after = deployed.cpu()
+        after, waits = deployed.cpu(), deployed.waits()
         completed = sum(result.completed for result in results)
         latencies = np.concatenate([result.latencies_ns for result in results]) / 1e6
         row: Row = {
@@ -202,6 +210,8 @@ class Bench:
         }
         for kind in before:
             row[f"cpu_us_{kind}"] = (after[kind] - before[kind]) / max(completed, 1) * 1e6
+        for kind in waited:
+            row[f"wait_us_{kind}"] = (waits[kind] - waited[kind]) / max(completed, 1) * 1e6
         samples = [result.error_sample for result in results if result.error_sample]
         if samples:
             row["error_sample"] = samples[0][:120]
@@ -326,11 +336,19 @@ class Bench:
                     self.args.measure_s,
                     self.logs,
                     self.record,
+                    deployed.meter(),
+                    process_meter(triton.pid, triton_url),
                 )
             if open_loop:
                 fngate_address = deployed.urls()[0].removeprefix("http://")
+                meters = {"fngate": deployed.meter(), "triton": process_meter(triton.pid, triton_url)}
                 bench_open_loop.run(
-                    fngate_address, f"127.0.0.1:{port}", self.args.measure_s, self.logs, self.record
+                    fngate_address,
+                    f"127.0.0.1:{port}",
+                    self.args.measure_s,
+                    self.logs,
+                    self.record,
+                    meters=meters,
                 )
         finally:
             triton.terminate()
@@ -347,13 +365,14 @@ class Bench:
     ) -> Row:
         requests, inputs = requests_for(name, features, 20_000, False, seed=concurrency, output=output)
         check = checker(inputs, features, self.reference(name))
-        before = tree_cpu_seconds(server.pid)
+        before, waited = tree_cpu_seconds(server.pid), tree_runqueue_seconds(server.pid)
         result = asyncio.run(
             loadgen.run(
                 "127.0.0.1", port, requests, concurrency, self.args.warmup_s, self.args.measure_s, check
             )
         )
         used = tree_cpu_seconds(server.pid) - before
+        waits = tree_runqueue_seconds(server.pid) - waited
         row: Row = {
             "scenario": "T",
             "function": f"{name}@triton",
@@ -366,6 +385,7 @@ class Bench:
             "errors": result.errors,
             "checked": result.checked,
             "cpu_us_server": used / max(result.completed, 1) * 1e6,
+            "wait_us_server": waits / max(result.completed, 1) * 1e6,
         }
         self.record(row)
         return row
@@ -667,7 +687,9 @@ def against_peers(
     if triton is not None and (wanted("T") or wanted("G") or wanted("O")):
         bench.peer(deployed, triton.resolve(), http=wanted("T"), grpc=wanted("G"), open_loop=wanted("O"))
     elif wanted("G"):
-        grpc_peer.run(deployed.grpc_address, None, bench.args.measure_s, bench.logs, bench.record)
+        grpc_peer.run(
+            deployed.grpc_address, None, bench.args.measure_s, bench.logs, bench.record, deployed.meter()
+        )
 
 
 def hostile_callers(deployed: Deployment, bench: Bench, wanted: bool) -> None:

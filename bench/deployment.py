@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -28,9 +29,23 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(value) for value in fields[11:15]) / CLOCK_TICKS
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU time of a process and every live descendant (a server that runs its models in child
-    processes, as Triton's Python backend does)."""
+def runqueue_seconds(pid: int) -> float:
+    """How long the live threads of a process have been runnable and waiting for a CPU (the run
+    queue), from /proc/PID/task/*/schedstat: the time an invocation waits on a busy machine that
+    is neither its own work nor idle."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and every live descendant (a server that runs its models in child processes, as
+    Triton's Python backend does)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -40,14 +55,29 @@ def tree_cpu_seconds(pid: int) -> float:
             except OSError:
                 continue
             children.setdefault(parent, []).append(int(entry))
-    total, todo = 0.0, [pid]
+    found, todo = [], [pid]
     while todo:
         current = todo.pop()
-        try:
-            total += cpu_seconds(current)
-        except OSError:
-            continue
+        found.append(current)
         todo += children.get(current, [])
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and every live descendant."""
+    return _sum_alive(cpu_seconds, tree_pids(pid))
+
+
+def tree_runqueue_seconds(pid: int) -> float:
+    """Run-queue wait of a process and every live descendant."""
+    return _sum_alive(runqueue_seconds, tree_pids(pid))
+
+
+def _sum_alive(measure: Callable[[int], float], pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += measure(pid)
     return total
 
 
@@ -131,6 +161,70 @@ class Deployment:
         times = os.times()
         out["loadgen"] = times.user + times.system
         return out
+
+    def waits(self) -> dict[str, float]:
+        """Run-queue seconds so far of each kind of process (gateways, runners, redis)."""
+        return {
+            "gateway": _sum_alive(runqueue_seconds, [process.pid for process, _ in self.gateways]),
+            "runner": _sum_alive(runqueue_seconds, [process.pid for process in self.runners]),
+            "redis": runqueue_seconds(redis_pid(self.redis_url)),
+        }
+
+    def meter(self) -> Meter:
+        """What this deployment uses while perf_analyzer drives it."""
+        return Meter(
+            cpu=lambda: {kind: value for kind, value in self.cpu().items() if kind != "loadgen"},
+            waits=self.waits,
+            served=lambda model: served(self.urls()[0], model),
+        )
+
+
+@dataclasses.dataclass
+class Meter:
+    """What a server used while a client in another process (perf_analyzer) drove it: CPU time and
+    run-queue wait of each kind of its processes, and the client's own CPU time, per inference
+    its statistics counted (the V2 statistics extension, which fngate and Triton both serve)."""
+
+    cpu: Callable[[], dict[str, float]]
+    waits: Callable[[], dict[str, float]]
+    served: Callable[[str], int]
+    """The inferences of a model counted so far."""
+
+    def around(self, model: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """`run()`'s row, with cpu_us_KIND, wait_us_KIND and cpu_us_loadgen per inference added."""
+        cpu, waits, count, client = self.cpu(), self.waits(), self.served(model), _children_cpu()
+        row = run()
+        inferences = self.served(model) - count
+        if inferences <= 0:
+            return row
+        client = _children_cpu() - client
+        for kind, seconds in self.cpu().items():
+            row[f"cpu_us_{kind}"] = (seconds - cpu[kind]) / inferences * 1e6
+        for kind, seconds in self.waits().items():
+            row[f"wait_us_{kind}"] = (seconds - waits[kind]) / inferences * 1e6
+        row["cpu_us_loadgen"] = client / inferences * 1e6
+        return row
+
+
+def served(url: str, model: str) -> int:
+    """Inferences of `model` that the server at `url` counted (V2 statistics extension)."""
+    stats = httpx.get(f"{url}/v2/models/{model}/stats", timeout=10).json()
+    return sum(int(version["inference_count"]) for version in stats["model_stats"])
+
+
+def process_meter(pid: int, url: str) -> Meter:
+    """A server of one process tree (Triton), its statistics at `url`."""
+    return Meter(
+        cpu=lambda: {"server": tree_cpu_seconds(pid)},
+        waits=lambda: {"server": tree_runqueue_seconds(pid)},
+        served=lambda model: served(url, model),
+    )
+
+
+def _children_cpu() -> float:
+    """CPU time of this process's reaped children (the perf_analyzer runs)."""
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 @contextlib.contextmanager

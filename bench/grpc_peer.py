@@ -5,11 +5,13 @@ at the same points comes from scenario T or S1; this one reports gRPC and its ra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import perf_analyzer
+from bench.deployment import Meter
 
 Row = dict[str, Any]
 POINTS = [("tiny", c) for c in (1, 16, 64)] + [("wide", c) for c in (1, 16, 64)]
@@ -29,7 +31,11 @@ def run(
     measure_s: float,
     logs: Path,
     record: Callable[[Row], None],
+    fngate_meter: Meter | None = None,
+    triton_meter: Meter | None = None,
 ) -> None:
+    """Each point on fngate, then on Triton; with a meter, each server's CPU and run-queue wait
+    per inference too."""
     command, why = perf_analyzer.provide()
     if not command:
         print(f"G  skipped: {why}", flush=True)
@@ -37,7 +43,15 @@ def run(
     print(f"G  gRPC with perf_analyzer: fngate {fngate_address}, Triton {triton_address or '-'}", flush=True)
     for model, concurrency in POINTS:
         ours: Row = {"scenario": "G", "function": model, "body": "grpc", "concurrency": concurrency}
-        ours.update(measure(command, fngate_address, model, concurrency, measure_s, logs, "fngate"))
+        ours.update(
+            metered(
+                fngate_meter,
+                model,
+                functools.partial(
+                    measure, command, fngate_address, model, concurrency, measure_s, logs, "fngate"
+                ),
+            )
+        )
         point = f"   {model} c={concurrency} over gRPC"
         if triton_address is not None:
             theirs: Row = {
@@ -46,7 +60,15 @@ def run(
                 "body": "grpc",
                 "concurrency": concurrency,
             }
-            theirs.update(measure(command, triton_address, model, concurrency, measure_s, logs, "triton"))
+            theirs.update(
+                metered(
+                    triton_meter,
+                    model,
+                    functools.partial(
+                        measure, command, triton_address, model, concurrency, measure_s, logs, "triton"
+                    ),
+                )
+            )
             if ours.get("req_per_s") and theirs.get("req_per_s"):
                 ratio = ours["req_per_s"] / theirs["req_per_s"]
                 ours["triton_ratio"] = ratio
@@ -57,3 +79,7 @@ def run(
             record(theirs)
         else:
             record(ours)
+
+
+def metered(meter: Meter | None, model: str, run: Callable[[], Row]) -> Row:
+    return run() if meter is None else meter.around(model, run)

@@ -7,11 +7,14 @@ latency percentiles at each rate it reached, and the highest reached rate whose 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import perf_analyzer
+from bench.deployment import Meter
+from bench.grpc_peer import metered
 
 Row = dict[str, Any]
 RATES = (500, 1000, 2000, 3000, 4000, 5000)
@@ -46,7 +49,10 @@ def run(
     logs: Path,
     record: Callable[[Row], None],
     model: str = "tiny",
+    meters: dict[str, Meter] | None = None,
 ) -> None:
+    """Rate by rate, fngate then Triton; with `meters` (by label), each server's CPU and run-queue
+    wait per inference too."""
     command, why = perf_analyzer.provide()
     if not command:
         print(f"O  skipped: {why}", flush=True)
@@ -58,7 +64,14 @@ def run(
         for label, url in servers:
             name = model if label == "fngate" else f"{model}@triton"
             row: Row = {"scenario": "O", "function": name, "body": "binary", "concurrency": THREADS}
-            row.update(measure(command, url, model, rate, measure_s, logs, label))
+            meter = (meters or {}).get(label)
+            row.update(
+                metered(
+                    meter,
+                    model,
+                    functools.partial(measure, command, url, model, rate, measure_s, logs, label),
+                )
+            )
             row.setdefault("rate", rate)
             record(row)
             seen[label].append(row)

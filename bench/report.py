@@ -116,6 +116,11 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         "cpu_us_runner",
         "cpu_us_redis",
         "cpu_us_loadgen",
+        "cpu_us_server",
+        "wait_us_gateway",
+        "wait_us_runner",
+        "wait_us_redis",
+        "wait_us_server",
         "round_trip_us",
         "cpu_us_per_round_trip",
         "runner",
@@ -142,7 +147,10 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
         "imports), loaded_at (the model was loaded); spawn_to_answer is the whole cold start.",
         "",
         "cpu_us_*: CPU time per completed request of each kind of process during the measurement "
-        "window (user + system, from /proc).",
+        "window (user + system, from /proc); for perf_analyzer's points (G, O), per inference the "
+        "server's statistics counted over the whole perf_analyzer run, and cpu_us_loadgen is "
+        "perf_analyzer's own. wait_us_*: time the process's threads were runnable but waited for "
+        "a CPU, per request (from /proc/PID/task/*/schedstat).",
         "",
         "process wake (S0): two processes passing a byte back and forth over a Unix socket pair, "
         "pinned to one CPU or to two (bench/wake.py); round_trip_us is the wall time of a round trip, "
@@ -195,14 +203,15 @@ def _against_triton(rows: list[Row]) -> list[str]:
             "## Against Triton, in the same run (closed loop)",
             "",
             "| protocol | model | concurrency | fngate req/s | Triton req/s | fngate/Triton "
-            "| fngate p50 / p99 ms | Triton p50 / p99 ms |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| fngate p50 / p99 ms | Triton p50 / p99 ms | server CPU µs/req, fngate / Triton |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for protocol, (ours, theirs) in closed:
             ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
             lines.append(
                 f"| {protocol} | {ours['function']} | {ours['concurrency']} | {ours['req_per_s']:.0f} | "
-                f"{theirs['req_per_s']:.0f} | {ratio:.2f} | {_latency(ours)} | {_latency(theirs)} |"
+                f"{theirs['req_per_s']:.0f} | {ratio:.2f} | {_latency(ours)} | {_latency(theirs)} | "
+                f"{_per_request(ours, theirs, 'cpu_us')} |"
             )
     open_loop = pairs(rows, "O")
     if open_loop:
@@ -211,13 +220,15 @@ def _against_triton(rows: list[Row]) -> list[str]:
             "## Against Triton, in the same run (open loop: Poisson arrivals, O)",
             "",
             "| rate (req/s) | fngate answered | fngate p50 / p99 ms | Triton answered "
-            "| Triton p50 / p99 ms |",
-            "| ---: | ---: | ---: | ---: | ---: |",
+            "| Triton p50 / p99 ms | server CPU µs/req, fngate / Triton "
+            "| run-queue wait µs/req, fngate / Triton |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for ours, theirs in open_loop:
             lines.append(
                 f"| {ours['rate']} | {ours['req_per_s']:.0f} | {_latency(ours)} | "
-                f"{theirs['req_per_s']:.0f} | {_latency(theirs)} |"
+                f"{theirs['req_per_s']:.0f} | {_latency(theirs)} | {_per_request(ours, theirs, 'cpu_us')} | "
+                f"{_per_request(ours, theirs, 'wait_us')} |"
             )
         best = {
             str(row["function"]): row["p99_under_10ms_req_per_s"]
@@ -231,6 +242,21 @@ def _against_triton(rows: list[Row]) -> list[str]:
             )
             lines += ["", f"The highest rate reached with p99 under 10 ms: {held}."]
     return lines
+
+
+SERVER_KINDS = ("gateway", "runner", "redis", "server")
+"""fngate's kinds of process, and Triton's one server."""
+
+
+def _server_total(row: Row, measure: str) -> float | None:
+    """`measure` (cpu_us or wait_us) summed over the server's processes; None when not measured."""
+    found = [row[key] for kind in SERVER_KINDS if (key := f"{measure}_{kind}") in row]
+    return sum(found) if found else None
+
+
+def _per_request(ours: Row, theirs: Row, measure: str) -> str:
+    both = [_server_total(ours, measure), _server_total(theirs, measure)]
+    return " / ".join("—" if value is None else f"{value:.0f}" for value in both)
 
 
 def _latency(row: Row) -> str:

@@ -5,10 +5,14 @@ floors (bench/wake.py)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from bench import wake
+from bench.deployment import Meter, process_meter, runqueue_seconds
 from bench.report import pairs, write_report
 
 META = {
@@ -77,6 +81,68 @@ def test_the_report_shows_the_ratios_the_best_rates_and_the_hostile_probes(tmp_p
     assert "| grpc | gRPC 400 PINGs | GOAWAY ENHANCE_YOUR_CALM | 0.01 | 0.00 | 131 |" in text
     every_point = text.split("## Every point", 1)[1]
     assert "p99_under" not in every_point and "PINGs" not in every_point
+
+
+def test_the_tables_against_triton_show_each_servers_cost_per_request(tmp_path: Path) -> None:
+    fngate = {"cpu_us_gateway": 300.0, "cpu_us_runner": 120.0, "cpu_us_redis": 80.0, "cpu_us_loadgen": 60.0}
+    waits = {"wait_us_gateway": 200.0, "wait_us_runner": 90.0, "wait_us_redis": 10.0}
+    rows = [
+        point("G", "tiny", "grpc", 16, 2000, **fngate),
+        point("G", "tiny@triton", "grpc", 16, 4000, cpu_us_server=110.0),
+        point("O", "tiny", "binary", 32, 1000, rate=1000, **fngate, **waits),
+        point("O", "tiny@triton", "binary", 32, 1000, rate=1000, cpu_us_server=700.0, wait_us_server=40.0),
+        point("O", "tiny", "binary", 32, 2000, rate=2000),  # not measured: shown as such
+        point("O", "tiny@triton", "binary", 32, 2000, rate=2000),
+    ]
+    write_report(tmp_path, META, rows)
+    text = (tmp_path / "results.md").read_text()
+    assert (
+        "| gRPC, perf_analyzer (G) | tiny | 16 | 2000 | 4000 | 0.50 | 1.00 / 2.00 | 1.00 / 2.00 | 500 / 110 |"
+        in text
+    )
+    assert "| 1000 | 1000 | 1.00 / 2.00 | 1000 | 1.00 / 2.00 | 500 / 700 | 300 / 40 |" in text
+    assert "| 2000 | 2000 | 1.00 / 2.00 | 2000 | 1.00 / 2.00 | — / — | — / — |" in text
+
+
+def test_a_meter_divides_what_the_server_used_by_the_inferences_it_counted() -> None:
+    """The server's CPU and wait per inference, and the client's CPU (a child process, reaped)."""
+    counted = iter([1_000, 1_400])
+    used = iter([{"gateway": 1.0}, {"gateway": 1.2}])
+    waited = iter([{"gateway": 0.5}, {"gateway": 0.54}])
+    meter = Meter(cpu=lambda: next(used), waits=lambda: next(waited), served=lambda _model: next(counted))
+
+    def client() -> dict[str, Any]:
+        subprocess.run([sys.executable, "-c", "sum(range(3_000_000))"], check=True)
+        return {"req_per_s": 100.0}
+
+    row = meter.around("tiny", client)
+    assert row["req_per_s"] == 100.0
+    assert abs(row["cpu_us_gateway"] - 500.0) < 1e-6  # 0.2 s over 400 inferences
+    assert abs(row["wait_us_gateway"] - 100.0) < 1e-6
+    assert row["cpu_us_loadgen"] > 0  # the child's CPU time, counted once it was reaped
+
+
+def test_the_run_queue_wait_counts_the_time_a_process_waited_for_a_busy_cpu() -> None:
+    """Two busy processes on one CPU: each waits for the other about half the time."""
+    cpu = min(os.sched_getaffinity(0))
+    spin = "\n".join(
+        [
+            "import os, time",
+            f"os.sched_setaffinity(0, {{{cpu}}})",
+            "end = time.time() + 0.6",
+            "while time.time() < end: pass",
+        ]
+    )
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        waited = [runqueue_seconds(process.pid) for process in busy]
+        meter = process_meter(busy[0].pid, "http://127.0.0.1:1")
+        assert meter.waits()["server"] >= waited[0]
+    finally:
+        for process in busy:
+            process.wait()
+    assert sum(waited) > 0.1, waited
 
 
 def test_the_wake_probe_leaves_its_caller_unpinned_and_its_child_reaped() -> None:
