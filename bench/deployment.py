@@ -102,6 +102,7 @@ class Deployment:
         env.update(FNGATE_REDIS_URL=self.redis_url, FNGATE_REPO=str(self.repo), FNGATE_LOG_LEVEL="WARNING")
         env.update(FNGATE_AUTH="false")  # the auth check's own cost: python -m bench.auth
         env.update(FNGATE_METRICS_PORT="0")  # many gateways on one machine; the port costs nothing idle
+        env.update(FNGATE_SCHED_BATCH="true")  # as fngate up runs them (--sched-batch)
         env.update(extra)
         return env
 
@@ -230,7 +231,7 @@ def _children_cpu() -> float:
 @contextlib.contextmanager
 def deployment(repo: Path, logs: Path) -> Iterator[Deployment]:
     logs.mkdir(parents=True, exist_ok=True)
-    with private_redis() as url:
+    with private_redis(batch=True) as url:
         deployed = Deployment(url, repo, logs)
         try:
             yield deployed

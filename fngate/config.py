@@ -25,6 +25,9 @@ class _Settings(BaseSettings):
     redis_timeout_s: Annotated[float, Field(gt=0)] = 2.0
     """A Redis command (or connection) that takes longer fails: a gateway answers 503 rather than
     wait out the invocation's deadline on a Redis that stopped answering; a runner retries."""
+    sched_batch: bool = False
+    """Run the process under Linux's SCHED_BATCH (fngate.process.batch_scheduling): fewer context
+    switches between fngate's own processes where they share CPUs; `fngate up` turns it on."""
 
 
 class GatewaySettings(_Settings):

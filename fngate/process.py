@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -21,6 +22,44 @@ def module_command(module: str, *args: str) -> list[str]:
     """The command line that runs one of fngate's components (`python -m gateway`) as installed:
     with -P, so that a `gateway.py` or `fngate/` in the current folder cannot stand in for it."""
     return [sys.executable, "-P", "-m", module, *args]
+
+
+def batch_scheduling(pid: int = 0) -> str:
+    """Put every thread of a process (this one by default) under Linux's SCHED_BATCH, at the nice
+    value it has; threads and children it starts afterwards inherit it. Answers why not, or ''.
+
+    A SCHED_BATCH thread that wakes does not preempt the thread that woke it. An invocation passes
+    from process to process (client, gateway, Redis, runner and back), each waking the next by a
+    write: under the default policy the woken one preempts the writer on its CPU, and each hop
+    costs two context switches and leaves the writer's work of that loop turn waiting. Measured
+    with `fngate up`'s processes on two cores (tiny, Poisson arrivals, five runs each way,
+    interleaved): p99 at 1,000 req/s 3.8-4.2 ms instead of 4.1-6.1, at 2,000 7.3-10.1 instead of
+    9.0-11.2; closed-loop throughput at 16 clients the same within the noise. The price: such a
+    process waits for its turn rather than preempting a busy neighbour, so this is for machines
+    that run fngate's processes together (`fngate up`), not a default where they share CPUs with
+    others."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return "this system has no SCHED_BATCH"
+    try:
+        threads = os.listdir(f"/proc/{pid or 'self'}/task")
+    except OSError as exc:
+        return f"the process's threads cannot be listed ({exc.strerror})"
+    for thread in threads:
+        try:
+            os.sched_setscheduler(int(thread), os.SCHED_BATCH, os.sched_param(0))
+        except ProcessLookupError:
+            continue  # it ended meanwhile
+        except OSError as exc:  # a policy this user may not leave (a real-time one, say)
+            return f"SCHED_BATCH was refused ({exc.strerror})"
+    return ""
+
+
+def schedule(batch: bool) -> None:
+    """A component's start: SCHED_BATCH when its settings ask for it (a warning where refused)."""
+    if batch:
+        why = batch_scheduling()
+        if why:
+            logging.getLogger("fngate.process").warning("not under SCHED_BATCH: %s", why)
 
 
 def run_forever(main: Coroutine[Any, Any, None]) -> None:

@@ -21,7 +21,7 @@ import time
 from fngate import status_port, telemetry
 from fngate.backoff import backoff_s, until_done
 from fngate.config import GatewaySettings, unknown_variables
-from fngate.process import ends_with_parent, module_command, run_forever
+from fngate.process import ends_with_parent, module_command, run_forever, schedule
 
 log = logging.getLogger("gateway")
 
@@ -145,6 +145,7 @@ def main(settings: GatewaySettings | None = None) -> int:
         return 2
     settings = settings or GatewaySettings()
     telemetry.configure("gateway", settings.log_level)
+    schedule(settings.sched_batch)  # before its threads and workers start: they inherit it
     if settings.workers > 1 and not settings.bind:
         return supervise(settings)
     run_forever(run(settings))

@@ -18,7 +18,7 @@ import sys  # noqa: E402
 
 from fngate import telemetry  # noqa: E402
 from fngate.config import RunnerSettings, unknown_variables  # noqa: E402
-from fngate.process import run_forever  # noqa: E402
+from fngate.process import run_forever, schedule  # noqa: E402
 from runner.worker import main as worker_main  # noqa: E402
 
 IMPORTS_S = time.perf_counter() - IMPORTS_STARTED
@@ -67,6 +67,7 @@ def main(settings: RunnerSettings | None = None) -> int:
         return 2
     settings = settings or RunnerSettings()
     telemetry.configure("runner", settings.log_level)
+    schedule(settings.sched_batch)  # before its backends start threads and processes: they inherit it
     # A cold start pays for these; keep them lean (backends import their runtime only when used).
     logging.getLogger("runner").info("imports took %.3f s", IMPORTS_S)
     run_forever(run(settings, started_ms))

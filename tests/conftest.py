@@ -155,6 +155,17 @@ def free_socket() -> socket.socket:
     return sock
 
 
+def policies(pid: int) -> set[int]:
+    """The scheduling policy of each live thread of a process."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.add(os.sched_getscheduler(int(task.name)))
+        except ProcessLookupError:
+            continue
+    return found
+
+
 def free_port() -> int:
     """A port free on loopback now (for servers that bind their own, such as gRPC's)."""
     with socket.create_server(("127.0.0.1", 0)) as sock:

@@ -29,7 +29,7 @@ import redis
 from fngate import apikeys, clients, telemetry
 from fngate.backoff import Backoff
 from fngate.errors import FunctionError
-from fngate.process import ends_with_parent, module_command, stop_processes
+from fngate.process import batch_scheduling, ends_with_parent, module_command, stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote, open_repository
 from fngate.tools.examples import example_body
@@ -63,12 +63,13 @@ def durable_options(max_memory: str) -> list[str]:
 
 
 def start_redis(
-    folder: Path, *args: str, keep_fds: tuple[int, ...] = ()
+    folder: Path, *args: str, keep_fds: tuple[int, ...] = (), batch: bool = False
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A redis-server on a unix socket in `folder`, no persistence unless `args` turn it on,
     answering; returns it and its URL. `args` are extra server options (a memory limit, say); it
-    holds `keep_fds` open (a lock) for as long as it runs, writes its files for its user alone, and
-    ends when this process dies."""
+    holds `keep_fds` open (a lock) for as long as it runs, writes its files for its user alone,
+    ends when this process dies, and runs under SCHED_BATCH with `batch` (as fngate up's gateway
+    and runners do: fngate.process.batch_scheduling)."""
     server = shutil.which("redis-server")
     if server is None:
         raise LocalError("redis-server is not installed: run scripts/bootstrap, or pass --redis URL")
@@ -91,6 +92,8 @@ def start_redis(
         preexec_fn=ends_with_parent(signal.SIGTERM),  # noqa: PLW1509 (a prctl only)
     )
     url = f"unix://{sock}"
+    if batch and (why := batch_scheduling(process.pid)):
+        log.warning("redis-server is not under SCHED_BATCH: %s", why)
     try:
         _wait_for_redis(url, process)
     except LocalError:
@@ -100,11 +103,11 @@ def start_redis(
 
 
 @contextlib.contextmanager
-def private_redis() -> Iterator[str]:
+def private_redis(batch: bool = False) -> Iterator[str]:
     """A throwaway redis-server in a private folder, stopped and deleted on exit (the benchmark's).
     Yields its URL."""
     with tempfile.TemporaryDirectory(prefix="fngate-redis-") as folder:
-        process, url = start_redis(Path(folder))
+        process, url = start_redis(Path(folder), batch=batch)
         try:
             yield url
         finally:
@@ -251,10 +254,11 @@ def run_local(args: argparse.Namespace) -> int:
                 folder, lock = stack.enter_context(state_folder(Path(args.state_dir)))
                 options = durable_options(args.redis_max_memory)
                 # Redis holds the lock too: a new fngate up waits until this one's Redis is gone.
-                process, redis_url = start_redis(folder / "redis", *options, keep_fds=(lock,))
+                batch = args.sched_batch
+                process, redis_url = start_redis(folder / "redis", *options, keep_fds=(lock,), batch=batch)
                 redis_server = Supervised(
                     "redis-server",
-                    lambda: start_redis(folder / "redis", *options, keep_fds=(lock,))[0],
+                    lambda: start_redis(folder / "redis", *options, keep_fds=(lock,), batch=batch)[0],
                     process,
                 )
             state = stack.enter_context(_state(args, repo, redis_url))
@@ -274,6 +278,7 @@ def _run(args: argparse.Namespace, state: UpState, redis_server: Supervised | No
         "FNGATE_REDIS_URL": state.redis_url,
         "FNGATE_REPO": state.repo,
         "FNGATE_LOG_LEVEL": args.log_level,
+        "FNGATE_SCHED_BATCH": str(args.sched_batch).lower(),
     }
     api_key = _auth(args, state.redis_url, env)
     gateway_env = {

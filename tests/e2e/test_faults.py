@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
-from tests.conftest import ROOT, free_port, start_redis, wait_http
+from tests.conftest import ROOT, free_port, policies, start_redis, wait_http
 
 PROBE = "/v2/models/probe/infer"
 CROWD = "/v2/models/crowd/infer"
@@ -224,7 +224,9 @@ async def test_redis_killed_under_load(fngate_up: Callable[..., Any]) -> None:
     outcomes = await load.stop()
     report("redis SIGKILL", check_answered(outcomes), back_at - killed_at)
     assert up.alive()
-    assert await up.redis_pid() != before  # restarted by fngate up
+    after = await up.redis_pid()
+    assert after != before  # restarted by fngate up
+    assert policies(after) == {os.SCHED_BATCH}  # as it first was (fngate up --sched-batch)
     assert up.children("gateway"), "the gateway is gone"
 
 
@@ -268,6 +270,7 @@ async def test_runner_killed_comes_back(fngate_up: Callable[..., Any]) -> None:
             assert response.json()["outputs"][0]["data"][:1] == [index * 2.0]
         runners = up.children("runner")
         assert runners and victim not in runners  # another runner took the killed one's place
+        assert policies(runners[0]) == {os.SCHED_BATCH}  # its threads too (onnxruntime's)
         names: Any = await client.zrange(keys.runners(), 0, -1)
         assert any(f"-{runners[0]}-" in name.decode() for name in names)  # and heart-beats
     assert "died (signal 9)" in up.log.read_text()
@@ -323,6 +326,7 @@ async def test_a_gateway_worker_killed_is_started_again(fngate_up: Callable[...,
         await asyncio.sleep(0.1)
     assert len(now) == 2 and workers[0] not in now, now
     assert up.children("gateway") == [gateway]  # the supervisor itself went on
+    assert all(policies(worker) == {os.SCHED_BATCH} for worker in now)  # the new one too
     await first_success(up.base, timeout_s=30)
 
 
