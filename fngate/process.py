@@ -5,6 +5,7 @@ end with it when it dies without stopping them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -52,6 +53,21 @@ def batch_scheduling(pid: int = 0) -> str:
         except OSError as exc:  # a policy this user may not leave (a real-time one, say)
             return f"SCHED_BATCH was refused ({exc.strerror})"
     return ""
+
+
+def batch_at_exec(also: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A `preexec_fn` that puts the child under SCHED_BATCH before it runs anything (so before any
+    thread of its own starts), after `also` (another preexec_fn, or None). Where refused, the
+    child runs as it would have; `batch_scheduling(pid)` after the start says why."""
+
+    def prepare() -> None:
+        if also is not None:
+            also()
+        if hasattr(os, "SCHED_BATCH"):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+    return prepare
 
 
 def schedule(batch: bool) -> None:

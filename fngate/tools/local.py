@@ -29,7 +29,13 @@ import redis
 from fngate import apikeys, clients, telemetry
 from fngate.backoff import Backoff
 from fngate.errors import FunctionError
-from fngate.process import batch_scheduling, ends_with_parent, module_command, stop_processes
+from fngate.process import (
+    batch_at_exec,
+    batch_scheduling,
+    ends_with_parent,
+    module_command,
+    stop_processes,
+)
 from fngate.registry import function_source
 from fngate.repository import is_remote, open_repository
 from fngate.tools.examples import example_body
@@ -83,16 +89,17 @@ def start_redis(
     if "--appendonly" not in args:
         options += ["--save", "", "--appendonly", "no"]
     options += ["--dir", str(folder), "--loglevel", "warning", *args]
+    arm = ends_with_parent(signal.SIGTERM)
     process = subprocess.Popen(
         [server, *options],
         stdout=subprocess.DEVNULL,
         start_new_session=True,
         pass_fds=keep_fds,
         umask=0o077,
-        preexec_fn=ends_with_parent(signal.SIGTERM),  # noqa: PLW1509 (a prctl only)
+        preexec_fn=batch_at_exec(arm) if batch else arm,  # noqa: PLW1509 (a prctl and a policy only)
     )
     url = f"unix://{sock}"
-    if batch and (why := batch_scheduling(process.pid)):
+    if batch and (why := batch_scheduling(process.pid)):  # set before exec; this says why not
         log.warning("redis-server is not under SCHED_BATCH: %s", why)
     try:
         _wait_for_redis(url, process)
