@@ -104,6 +104,19 @@ def test_the_tables_against_triton_show_each_servers_cost_per_request(tmp_path: 
     assert "| 2000 | 2000 | 1.00 / 2.00 | 2000 | 1.00 / 2.00 | — / — | — / — |" in text
 
 
+def test_the_targets_table_shows_only_when_a_point_of_it_ran(tmp_path: Path) -> None:
+    """A run beside Triton alone (T, G, O) measures none of fngate's own targets: one line says so
+    instead of a table of "not measured"; a run with S1 shows the table, with what it missed."""
+    write_report(tmp_path, META, [point("T", "tiny", "json", 16, 4100)])
+    text = (tmp_path / "results.md").read_text()
+    assert "## Against the targets" not in text
+    assert "measured none of fngate's own targets" in text
+    write_report(tmp_path, META, [point("S1", "tiny", "binary", 16, 4100)])
+    text = (tmp_path / "results.md").read_text()
+    assert "| tiny, c=16, throughput (req/s) | 4100.00 | >= 5000 | no |" in text
+    assert "| cold start, request to answer (ms) | not measured | <= 1500 | |" in text
+
+
 def test_a_meter_divides_what_the_server_used_by_the_inferences_it_counted() -> None:
     """The server's CPU and wait per inference, and the client's CPU (a child process, reaped)."""
     counted = iter([1_000, 1_400])
