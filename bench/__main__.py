@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import re
 import shutil
@@ -34,12 +35,11 @@ from bench import grpc_peer, inprocess, loadgen, wake
 from bench import open_loop as bench_open_loop
 from bench.deployment import (
     Deployment,
+    Meter,
     cpu_seconds,
     deployment,
     free_port,
     process_meter,
-    tree_cpu_seconds,
-    tree_runqueue_seconds,
 )
 from bench.models import build_repository, write_poison_functions
 from bench.poison import poison_rounds
@@ -169,7 +169,8 @@ class Bench:
         """Drive with these requests: each used once, or over and over with `cycle` (cache hits)."""
         urls = gateways or deployed.urls()[:1]
         check = checker(inputs, features, self.reference(model))
-        before, waited = deployed.cpu(), deployed.waits()
+        meter = deployed.meter()
+        since, loadgen_before = meter.read(), _own_cpu()
         limit = 200_000 if cycle else len(requests)
 
         async def drive_all() -> list[loadgen.Result]:
@@ -191,7 +192,7 @@ class Bench:
             )
 
         results = asyncio.run(drive_all())
-        after, waits = deployed.cpu(), deployed.waits()
+        loadgen_s = _own_cpu() - loadgen_before
         completed = sum(result.completed for result in results)
         latencies = np.concatenate([result.latencies_ns for result in results]) / 1e6
         row: Row = {
@@ -208,10 +209,8 @@ class Bench:
             "errors": sum(result.errors for result in results),
             "checked": sum(result.checked for result in results),
         }
-        for kind in before:
-            row[f"cpu_us_{kind}"] = (after[kind] - before[kind]) / max(completed, 1) * 1e6
-        for kind in waited:
-            row[f"wait_us_{kind}"] = (waits[kind] - waited[kind]) / max(completed, 1) * 1e6
+        row.update(meter.per_request(since, completed))
+        row["cpu_us_loadgen"] = loadgen_s / max(completed, 1) * 1e6  # the load generator is this process
         samples = [result.error_sample for result in results if result.error_sample]
         if samples:
             row["error_sample"] = samples[0][:120]
@@ -320,12 +319,15 @@ class Bench:
             triton_url = f"http://127.0.0.1:{port}"
             for name in ("tiny", "wide"):
                 wait_live(triton_url, path=f"/v2/models/{name}/ready", timeout_s=900)
+            meters = {"fngate": deployed.meter(), "triton": process_meter(triton.pid, triton_url)}
             if http:
                 points = [("tiny", 16, "output", 1), ("tiny", 16, "output", 16)]
                 points += [("wide", 512, "probabilities", c) for c in (1, 16, 64)]
                 for name, features, triton_output, concurrency in points:
                     ours = self.drive(deployed, "T", name, name, features, concurrency, False)
-                    theirs = self.drive_peer(triton, port, name, features, triton_output, concurrency)
+                    theirs = self.drive_peer(
+                        meters["triton"], port, name, features, triton_output, concurrency
+                    )
                     ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
                     ours["triton_ratio"] = ratio
                     print(f"   {name} c={concurrency}: fngate/Triton throughput x{ratio:.2f}", flush=True)
@@ -336,12 +338,11 @@ class Bench:
                     self.args.measure_s,
                     self.logs,
                     self.record,
-                    deployed.meter(),
-                    process_meter(triton.pid, triton_url),
+                    meters["fngate"],
+                    meters["triton"],
                 )
             if open_loop:
                 fngate_address = deployed.urls()[0].removeprefix("http://")
-                meters = {"fngate": deployed.meter(), "triton": process_meter(triton.pid, triton_url)}
                 bench_open_loop.run(
                     fngate_address,
                     f"127.0.0.1:{port}",
@@ -356,7 +357,7 @@ class Bench:
 
     def drive_peer(
         self,
-        server: subprocess.Popen[bytes],
+        meter: Meter,
         port: int,
         name: str,
         features: int,
@@ -365,14 +366,12 @@ class Bench:
     ) -> Row:
         requests, inputs = requests_for(name, features, 20_000, False, seed=concurrency, output=output)
         check = checker(inputs, features, self.reference(name))
-        before, waited = tree_cpu_seconds(server.pid), tree_runqueue_seconds(server.pid)
+        since = meter.read()
         result = asyncio.run(
             loadgen.run(
                 "127.0.0.1", port, requests, concurrency, self.args.warmup_s, self.args.measure_s, check
             )
         )
-        used = tree_cpu_seconds(server.pid) - before
-        waits = tree_runqueue_seconds(server.pid) - waited
         row: Row = {
             "scenario": "T",
             "function": f"{name}@triton",
@@ -384,8 +383,7 @@ class Bench:
             "p99_ms": result.percentile_ms(99),
             "errors": result.errors,
             "checked": result.checked,
-            "cpu_us_server": used / max(result.completed, 1) * 1e6,
-            "wait_us_server": waits / max(result.completed, 1) * 1e6,
+            **meter.per_request(since, result.completed),
         }
         self.record(row)
         return row
@@ -706,6 +704,12 @@ def _with_deployments_of_their_own(bench: Bench, folder: Path, wanted: Callable[
     """Scenarios that start deployments of their own, after the shared one has stopped."""
     if wanted("C"):  # one Redis against a Redis Cluster
         cluster_scenario.run(folder, requests_for, bench.args.measure_s, bench.record)
+
+
+def _own_cpu() -> float:
+    """CPU seconds of this process so far (the load generator runs in it)."""
+    times = os.times()
+    return times.user + times.system
 
 
 def _cpu_model() -> str:

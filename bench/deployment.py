@@ -29,18 +29,34 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(value) for value in fields[11:15]) / CLOCK_TICKS
 
 
-def runqueue_seconds(pid: int) -> float:
-    """How long the live threads of a process have been runnable and waiting for a CPU (the run
-    queue), from /proc/PID/task/*/schedstat: the time an invocation waits on a busy machine that
-    is neither its own work nor idle."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
+Waits = dict[int, float]
+"""Run-queue seconds so far of each live thread, by thread id."""
+
+
+def runqueue_waits(*pids: int) -> Waits:
+    """How long each live thread of these processes has been runnable and waiting for a CPU (the
+    run queue), from /proc/PID/task/*/schedstat: the time an invocation waits on a busy machine
+    that is neither its own work nor idle. By thread, since a thread that ends takes its figure
+    with it: see waited()."""
+    found: Waits = {}
+    for pid in pids:
         try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
-                total += int(stat.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total / 1e9
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # it ended
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                    found[int(task)] = int(stat.read().split()[1]) / 1e9
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def waited(since: Waits, now: Waits) -> float:
+    """Run-queue seconds between two readings: of the threads alive at the second (a thread that
+    started between them counts whole; one that ended loses its last part, never more)."""
+    return sum(seconds - since.get(thread, 0.0) for thread, seconds in now.items())
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -65,19 +81,10 @@ def tree_pids(pid: int) -> list[int]:
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU time of a process and every live descendant."""
-    return _sum_alive(cpu_seconds, tree_pids(pid))
-
-
-def tree_runqueue_seconds(pid: int) -> float:
-    """Run-queue wait of a process and every live descendant."""
-    return _sum_alive(runqueue_seconds, tree_pids(pid))
-
-
-def _sum_alive(measure: Callable[[int], float], pids: list[int]) -> float:
     total = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            total += measure(pid)
+    for each in tree_pids(pid):
+        with contextlib.suppress(OSError):  # it ended
+            total += cpu_seconds(each)
     return total
 
 
@@ -153,58 +160,73 @@ class Deployment:
         self.stop_runners()
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far of each kind of process (gateways, runners, redis, this process)."""
-        out = {
+        """CPU seconds so far of each kind of process (gateways, runners, redis)."""
+        return {
             "gateway": sum(cpu_seconds(process.pid) for process, _ in self.gateways),
             "runner": sum(cpu_seconds(process.pid) for process in self.runners if process.poll() is None),
             "redis": cpu_seconds(redis_pid(self.redis_url)),
         }
-        times = os.times()
-        out["loadgen"] = times.user + times.system
-        return out
 
-    def waits(self) -> dict[str, float]:
-        """Run-queue seconds so far of each kind of process (gateways, runners, redis)."""
+    def waits(self) -> dict[str, Waits]:
+        """Run-queue seconds so far of the threads of each kind of process (gateways, runners, redis)."""
         return {
-            "gateway": _sum_alive(runqueue_seconds, [process.pid for process, _ in self.gateways]),
-            "runner": _sum_alive(runqueue_seconds, [process.pid for process in self.runners]),
-            "redis": runqueue_seconds(redis_pid(self.redis_url)),
+            "gateway": runqueue_waits(*(process.pid for process, _ in self.gateways)),
+            "runner": runqueue_waits(*(process.pid for process in self.runners)),
+            "redis": runqueue_waits(redis_pid(self.redis_url)),
         }
 
     def meter(self) -> Meter:
-        """What this deployment uses while perf_analyzer drives it."""
-        return Meter(
-            cpu=lambda: {kind: value for kind, value in self.cpu().items() if kind != "loadgen"},
-            waits=self.waits,
-            served=lambda model: served(self.urls()[0], model),
-        )
+        """What this deployment uses while it is driven."""
+        return Meter(cpu=self.cpu, waits=self.waits, served=lambda model: served(self.urls()[0], model))
+
+
+Reading = tuple[dict[str, float], dict[str, Waits]]
+"""A meter's CPU and run-queue seconds at one moment, by kind of process."""
 
 
 @dataclasses.dataclass
 class Meter:
-    """What a server used while a client in another process (perf_analyzer) drove it: CPU time and
-    run-queue wait of each kind of its processes, and the client's own CPU time, per inference
-    its statistics counted (the V2 statistics extension, which fngate and Triton both serve)."""
+    """What a server uses: CPU time and run-queue wait of each kind of its processes, per request
+    (per inference its statistics counted, for a client in another process such as perf_analyzer:
+    the V2 statistics extension, which fngate and Triton both serve)."""
 
     cpu: Callable[[], dict[str, float]]
-    waits: Callable[[], dict[str, float]]
+    waits: Callable[[], dict[str, Waits]]
     served: Callable[[str], int]
     """The inferences of a model counted so far."""
 
+    def read(self) -> Reading:
+        return self.cpu(), self.waits()
+
+    def per_request(self, since: Reading, requests: int) -> dict[str, float]:
+        """cpu_us_KIND and wait_us_KIND per request since `since`."""
+        cpu, waits = since
+        requests = max(requests, 1)
+        row = {f"cpu_us_{kind}": (now - cpu[kind]) / requests * 1e6 for kind, now in self.cpu().items()}
+        row.update(
+            {
+                f"wait_us_{kind}": waited(waits[kind], now) / requests * 1e6
+                for kind, now in self.waits().items()
+            }
+        )
+        return row
+
     def around(self, model: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """`run()`'s row, with cpu_us_KIND, wait_us_KIND and cpu_us_loadgen per inference added."""
-        cpu, waits, count, client = self.cpu(), self.waits(), self.served(model), _children_cpu()
+        """`run()`'s row (a client in another process), with cpu_us_KIND, wait_us_KIND and the
+        client's cpu_us_loadgen per inference counted added."""
+        since, count, client = self.read(), self.served(model), _children_cpu()
         row = run()
         inferences = self.served(model) - count
         if inferences <= 0:
             return row
-        client = _children_cpu() - client
-        for kind, seconds in self.cpu().items():
-            row[f"cpu_us_{kind}"] = (seconds - cpu[kind]) / inferences * 1e6
-        for kind, seconds in self.waits().items():
-            row[f"wait_us_{kind}"] = (seconds - waits[kind]) / inferences * 1e6
-        row["cpu_us_loadgen"] = client / inferences * 1e6
+        row.update(self.per_request(since, inferences))
+        row["cpu_us_loadgen"] = (_children_cpu() - client) / inferences * 1e6
         return row
+
+
+def metered(meter: Meter | None, model: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`run()`'s row, measured by `meter` where there is one."""
+    return run() if meter is None else meter.around(model, run)
 
 
 def served(url: str, model: str) -> int:
@@ -217,7 +239,7 @@ def process_meter(pid: int, url: str) -> Meter:
     """A server of one process tree (Triton), its statistics at `url`."""
     return Meter(
         cpu=lambda: {"server": tree_cpu_seconds(pid)},
-        waits=lambda: {"server": tree_runqueue_seconds(pid)},
+        waits=lambda: {"server": runqueue_waits(*tree_pids(pid))},
         served=lambda model: served(url, model),
     )
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import perf_analyzer
-from bench.deployment import Meter
+from bench.deployment import Meter, metered
 
 Row = dict[str, Any]
 POINTS = [("tiny", c) for c in (1, 16, 64)] + [("wide", c) for c in (1, 16, 64)]
@@ -79,7 +79,3 @@ def run(
             record(theirs)
         else:
             record(ours)
-
-
-def metered(meter: Meter | None, model: str, run: Callable[[], Row]) -> Row:
-    return run() if meter is None else meter.around(model, run)

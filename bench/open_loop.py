@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import perf_analyzer
-from bench.deployment import Meter
-from bench.grpc_peer import metered
+from bench.deployment import Meter, metered
 
 Row = dict[str, Any]
 RATES = (500, 1000, 2000, 3000, 4000, 5000)

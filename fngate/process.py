@@ -47,7 +47,7 @@ def batch_scheduling(pid: int = 0) -> str:
         return f"the process's threads cannot be listed ({exc.strerror})"
     for thread in threads:
         try:
-            os.sched_setscheduler(int(thread), os.SCHED_BATCH, os.sched_param(0))
+            _batch(int(thread))
         except ProcessLookupError:
             continue  # it ended meanwhile
         except OSError as exc:  # a policy this user may not leave (a real-time one, say)
@@ -58,16 +58,20 @@ def batch_scheduling(pid: int = 0) -> str:
 def batch_at_exec(also: Callable[[], None] | None = None) -> Callable[[], None]:
     """A `preexec_fn` that puts the child under SCHED_BATCH before it runs anything (so before any
     thread of its own starts), after `also` (another preexec_fn, or None). Where refused, the
-    child runs as it would have; `batch_scheduling(pid)` after the start says why."""
+    child runs as it would have (`os.sched_getscheduler(pid)` tells)."""
 
     def prepare() -> None:
         if also is not None:
             also()
         if hasattr(os, "SCHED_BATCH"):
             with contextlib.suppress(OSError):
-                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+                _batch(0)
 
     return prepare
+
+
+def _batch(thread: int) -> None:
+    os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0))
 
 
 def schedule(batch: bool) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import wake
-from bench.deployment import Meter, process_meter, runqueue_seconds
+from bench.deployment import Meter, process_meter, runqueue_waits
 from bench.report import pairs, write_report
 
 META = {
@@ -121,8 +121,10 @@ def test_a_meter_divides_what_the_server_used_by_the_inferences_it_counted() -> 
     """The server's CPU and wait per inference, and the client's CPU (a child process, reaped)."""
     counted = iter([1_000, 1_400])
     used = iter([{"gateway": 1.0}, {"gateway": 1.2}])
-    waited = iter([{"gateway": 0.5}, {"gateway": 0.54}])
-    meter = Meter(cpu=lambda: next(used), waits=lambda: next(waited), served=lambda _model: next(counted))
+    # By thread: 11 waited 0.03 s more, 12 started meanwhile and waited 0.01 s, 13 ended (and with
+    # it what it had waited): 0.04 s, never less than nothing.
+    waits = iter([{"gateway": {11: 0.5, 13: 0.9}}, {"gateway": {11: 0.53, 12: 0.01}}])
+    meter = Meter(cpu=lambda: next(used), waits=lambda: next(waits), served=lambda _model: next(counted))
 
     def client() -> dict[str, Any]:
         subprocess.run([sys.executable, "-c", "sum(range(3_000_000))"], check=True)
@@ -149,9 +151,9 @@ def test_the_run_queue_wait_counts_the_time_a_process_waited_for_a_busy_cpu() ->
     busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
     try:
         time.sleep(0.5)
-        waited = [runqueue_seconds(process.pid) for process in busy]
+        waited = [sum(runqueue_waits(process.pid).values()) for process in busy]
         meter = process_meter(busy[0].pid, "http://127.0.0.1:1")
-        assert meter.waits()["server"] >= waited[0]
+        assert sum(meter.waits()["server"].values()) >= waited[0]
     finally:
         for process in busy:
             process.wait()

@@ -29,13 +29,7 @@ import redis
 from fngate import apikeys, clients, telemetry
 from fngate.backoff import Backoff
 from fngate.errors import FunctionError
-from fngate.process import (
-    batch_at_exec,
-    batch_scheduling,
-    ends_with_parent,
-    module_command,
-    stop_processes,
-)
+from fngate.process import batch_at_exec, ends_with_parent, module_command, stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote, open_repository
 from fngate.tools.examples import example_body
@@ -75,7 +69,7 @@ def start_redis(
     answering; returns it and its URL. `args` are extra server options (a memory limit, say); it
     holds `keep_fds` open (a lock) for as long as it runs, writes its files for its user alone,
     ends when this process dies, and runs under SCHED_BATCH with `batch` (as fngate up's gateway
-    and runners do: fngate.process.batch_scheduling)."""
+    and runners do: fngate.process.batch_at_exec)."""
     server = shutil.which("redis-server")
     if server is None:
         raise LocalError("redis-server is not installed: run scripts/bootstrap, or pass --redis URL")
@@ -99,8 +93,8 @@ def start_redis(
         preexec_fn=batch_at_exec(arm) if batch else arm,  # noqa: PLW1509 (a prctl and a policy only)
     )
     url = f"unix://{sock}"
-    if batch and (why := batch_scheduling(process.pid)):  # set before exec; this says why not
-        log.warning("redis-server is not under SCHED_BATCH: %s", why)
+    if batch and hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(process.pid) != os.SCHED_BATCH:
+        log.warning("redis-server is not under SCHED_BATCH: this system refused it")
     try:
         _wait_for_redis(url, process)
     except LocalError:
