@@ -595,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         "--gateway-workers",
         type=int,
         default=0,
-        help="gateway processes of the main deployment (default 0: fngate up's, one per core, at most 4)",
+        help="gateway processes of the main deployment (default 0: fngate up's, one per two cores, at most "
+        "4)",
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from fngate.process import stop_processes
+from fngate.tools.cli import gateway_workers
 from fngate.tools.local import private_redis
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -115,10 +116,10 @@ class Deployment:
 
     def start_gateway(self, workers: int = 0, **extra: str) -> str:
         """A gateway of `workers` processes on one port, each on a listening socket of its own, as
-        `fngate up` runs it (0: one per core, at most 4, fngate up's default)."""
+        `fngate up` runs it (0: fngate up's default, one per two cores, at most 4)."""
         from gateway.__main__ import listening_sockets
 
-        socks = listening_sockets("127.0.0.1", 0, workers or min(os.cpu_count() or 1, 4))
+        socks = listening_sockets("127.0.0.1", 0, workers or gateway_workers())
         url = f"http://127.0.0.1:{socks[0].getsockname()[1]}"
         grpc_port = free_port()
         grpc = {"FNGATE_GRPC_PORT": str(grpc_port), "FNGATE_GRPC_REUSE_PORT": "true"}

@@ -69,6 +69,18 @@ def test_up_keeps_a_standby_runner_unless_told_not_to() -> None:
     assert parser.parse_args(["up", "--no-standby-runner"]).standby_runner is False
 
 
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (64, 4)])
+def test_up_starts_a_gateway_process_per_two_cpus(cpus: int, workers: int) -> None:
+    """The runners and Redis keep the other half of the machine; never none, never more than 4."""
+    assert cli.gateway_workers(cpus) == workers
+
+
+def test_up_sizes_its_gateway_to_the_cpus_it_may_use() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["up"]).gateway_workers == cli.gateway_workers(len(os.sched_getaffinity(0)))
+    assert parser.parse_args(["up", "--gateway-workers", "3"]).gateway_workers == 3
+
+
 def test_user_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, err = run(capsys, "ls", "--repo", str(tmp_path / "missing"))
     assert (code, out) == (2, "")
