@@ -223,7 +223,7 @@ def _against_triton(rows: list[Row]) -> list[str]:
                 f"{theirs['req_per_s']:.0f} | {ratio:.2f} | {_latency(ours)} | {_latency(theirs)} | "
                 f"{_per_request(ours, theirs, 'cpu_us')} |"
             )
-    open_loop = pairs(rows, "O")
+    open_loop = _open_loop(rows)
     if open_loop:
         lines += [
             "",
@@ -234,12 +234,17 @@ def _against_triton(rows: list[Row]) -> list[str]:
             "| run-queue wait µs/req, fngate / Triton |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-        for ours, theirs in open_loop:
+        for rate, ours, theirs in open_loop:
             lines.append(
-                f"| {ours['rate']} | {ours['req_per_s']:.0f} | {_latency(ours)} | "
-                f"{theirs['req_per_s']:.0f} | {_latency(theirs)} | {_per_request(ours, theirs, 'cpu_us')} | "
-                f"{_per_request(ours, theirs, 'wait_us')} |"
+                f"| {rate} | {_answered(ours)} | {_answered(theirs)} | "
+                f"{_per_request(ours, theirs, 'cpu_us')} | {_per_request(ours, theirs, 'wait_us')} |"
             )
+        if any(ours is None or theirs is None for _, ours, theirs in open_loop):
+            lines += [
+                "",
+                "—: not driven at that rate, since the server could not answer a lower one (or the "
+                "point failed; see `results.json`).",
+            ]
         best = {
             str(row["function"]): row["p99_under_10ms_req_per_s"]
             for row in rows
@@ -254,6 +259,25 @@ def _against_triton(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _open_loop(rows: list[Row]) -> list[tuple[int, Row | None, Row | None]]:
+    """O's points by rate, fngate's and Triton's (None where a server was not driven at that rate,
+    or its point failed); empty unless Triton ran."""
+    points = [row for row in rows if row.get("scenario") == "O" and "rate" in row]
+    by_server: dict[tuple[bool, int], Row] = {}
+    for row in points:
+        if "req_per_s" in row:
+            by_server[(str(row.get("function", "")).endswith(TRITON), row["rate"])] = row
+    if not any(triton for triton, _ in by_server):
+        return []
+    rates = sorted({row["rate"] for row in points})
+    return [(rate, by_server.get((False, rate)), by_server.get((True, rate))) for rate in rates]
+
+
+def _answered(row: Row | None) -> str:
+    """A server's cells of the open-loop table: what it answered per second, and its latency."""
+    return "— | —" if row is None else f"{row['req_per_s']:.0f} | {_latency(row)}"
+
+
 SERVER_KINDS = ("gateway", "runner", "redis", "server")
 """fngate's kinds of process, and Triton's one server."""
 
@@ -264,8 +288,8 @@ def _server_total(row: Row, measure: str) -> float | None:
     return sum(found) if found else None
 
 
-def _per_request(ours: Row, theirs: Row, measure: str) -> str:
-    both = [_server_total(ours, measure), _server_total(theirs, measure)]
+def _per_request(ours: Row | None, theirs: Row | None, measure: str) -> str:
+    both = [None if row is None else _server_total(row, measure) for row in (ours, theirs)]
     return " / ".join("—" if value is None else f"{value:.0f}" for value in both)
 
 

@@ -104,6 +104,23 @@ def test_the_tables_against_triton_show_each_servers_cost_per_request(tmp_path: 
     assert "| 2000 | 2000 | 1.00 / 2.00 | 2000 | 1.00 / 2.00 | — / — | — / — |" in text
 
 
+def test_the_open_loop_table_goes_on_with_the_server_that_still_answers(tmp_path: Path) -> None:
+    """fngate stopped being driven after a rate it could not answer; Triton's higher rates still
+    show, beside an empty cell."""
+    rows = [
+        point("O", "tiny", "binary", 64, 5980, rate=6000, reached=True),
+        point("O", "tiny@triton", "binary", 64, 6010, rate=6000, reached=True),
+        point("O", "tiny", "binary", 64, 6100, rate=8000, reached=False),
+        point("O", "tiny@triton", "binary", 64, 8020, rate=8000, reached=True),
+        point("O", "tiny@triton", "binary", 64, 10010, rate=10000, reached=True),
+    ]
+    write_report(tmp_path, META, rows)
+    text = (tmp_path / "results.md").read_text()
+    assert "| 8000 | 6100 | 1.00 / 2.00 | 8020 | 1.00 / 2.00 |" in text
+    assert "| 10000 | — | — | 10010 | 1.00 / 2.00 | — / — | — / — |" in text
+    assert "—: not driven at that rate" in text
+
+
 def test_the_targets_table_shows_only_when_a_point_of_it_ran(tmp_path: Path) -> None:
     """A run beside Triton alone (T, G, O) measures none of fngate's own targets: one line says so
     instead of a table of "not measured"; a run with S1 shows the table, with what it missed."""
