@@ -234,12 +234,13 @@ def _against_triton(rows: list[Row]) -> list[str]:
             "| run-queue wait µs/req, fngate / Triton |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-        for rate, ours, theirs in open_loop:
+        for rate, at_fngate, at_triton in open_loop:
             lines.append(
-                f"| {rate} | {_answered(ours)} | {_answered(theirs)} | "
-                f"{_per_request(ours, theirs, 'cpu_us')} | {_per_request(ours, theirs, 'wait_us')} |"
+                f"| {rate} | {_answered(at_fngate)} | {_answered(at_triton)} | "
+                f"{_per_request(at_fngate, at_triton, 'cpu_us')} | "
+                f"{_per_request(at_fngate, at_triton, 'wait_us')} |"
             )
-        if any(ours is None or theirs is None for _, ours, theirs in open_loop):
+        if any(at_fngate is None or at_triton is None for _, at_fngate, at_triton in open_loop):
             lines += [
                 "",
                 "—: not driven at that rate, since the server could not answer a lower one (or the "
