@@ -38,6 +38,12 @@ def measure(
     return {"rate": rate, **row}
 
 
+def still_driven(rows: list[Row]) -> bool:
+    """Whether a server goes on to the next rate after these: not once it could not answer one (a
+    point that failed says nothing of the server, and the ladder goes on)."""
+    return not rows or rows[-1].get("reached") is not False
+
+
 def best_rate(rows: list[Row]) -> int:
     """The highest rate reached with p99 under P99_TARGET_MS (0: none)."""
     held = [row["rate"] for row in rows if row.get("reached") and row.get("p99_ms", 1e9) < P99_TARGET_MS]
@@ -64,8 +70,8 @@ def run(
     seen: dict[str, list[Row]] = {label: [] for label, _ in servers}
     for rate in RATES:
         for label, url in servers:
-            if seen[label] and not seen[label][-1].get("reached"):
-                continue  # it could not answer a lower rate
+            if not still_driven(seen[label]):
+                continue
             name = model if label == "fngate" else f"{model}@triton"
             row: Row = {"scenario": "O", "function": name, "body": "binary", "concurrency": THREADS}
             meter = (meters or {}).get(label)

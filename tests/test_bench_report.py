@@ -13,6 +13,7 @@ from typing import Any
 
 from bench import wake
 from bench.deployment import Meter, process_meter, runqueue_waits
+from bench.open_loop import still_driven
 from bench.report import pairs, write_report
 
 META = {
@@ -119,6 +120,13 @@ def test_the_open_loop_table_goes_on_with_the_server_that_still_answers(tmp_path
     assert "| 8000 | 6100 | 1.00 / 2.00 | 8020 | 1.00 / 2.00 |" in text
     assert "| 10000 | — | — | 10010 | 1.00 / 2.00 | — / — | — / — |" in text
     assert "—: not driven at that rate" in text
+
+
+def test_the_open_loop_ladder_stops_a_server_only_at_a_rate_it_could_not_answer() -> None:
+    assert still_driven([])
+    assert still_driven([{"rate": 500, "req_per_s": 497, "reached": True}])
+    assert still_driven([{"rate": 500, "errors": 1}])  # perf_analyzer failed: try the next rate
+    assert not still_driven([{"rate": 8000, "req_per_s": 7000, "reached": False}])
 
 
 def test_the_targets_table_shows_only_when_a_point_of_it_ran(tmp_path: Path) -> None:
