@@ -1,6 +1,7 @@
 """gRPC over HTTP/2 on the gateway's event loop: one asyncio protocol per connection, h2 keeping the
 connection's state (frames, HPACK, stream states, flow control; nothing here parses HTTP/2 by
-hand), each stream one RPC. What is gRPC's own is here: the method table, `grpc-timeout`, and
+hand; gateway.grpc.hpack_memo spares it re-encoding the header blocks every call repeats), each
+stream one RPC. What is gRPC's own is here: the method table, `grpc-timeout`, and
 the status in the trailers; its length-prefixed messages are gateway.grpc.messages'.
 
 A unary RPC whose handler answers a future (ModelInfer's) costs no task: the answer is written
@@ -26,7 +27,7 @@ import h2.exceptions
 import h2.settings
 
 from fngate.errors import InvalidArgument
-from gateway.grpc import messages
+from gateway.grpc import hpack_memo, messages
 from gateway.grpc.rpc import Buffer, Limits, Method, Open, Rpc, RpcError, percent_encoded, timeout_s
 from gateway.grpc.status import Status
 
@@ -74,6 +75,7 @@ class GrpcConnection(asyncio.Protocol):
                 normalize_inbound_headers=False,
             )
         )
+        hpack_memo.install(self.h2)
         self._pending: dict[int, bytearray] = {}
         """Answer bytes each stream's flow-control window did not take yet."""
         self._resets = _PerSecond(MAX_RESETS_PER_S)
