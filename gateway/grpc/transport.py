@@ -55,6 +55,25 @@ RESPONSE_HEADERS = [
 ]
 
 
+def server_connection() -> h2.connection.H2Connection:
+    """The server side of one HTTP/2 connection as the gateway keeps it."""
+    connection = h2.connection.H2Connection(
+        h2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+            # Headers are read by name (GrpcConnection._read_headers), none is passed on as it
+            # came; h2's checks would end the whole connection over one value with a trailing
+            # space (grpc's clients send such values).
+            validate_inbound_headers=False,
+            normalize_inbound_headers=False,
+        )
+    )
+    hpack_memo.install(connection)
+    return connection
+
+
 class GrpcConnection(asyncio.Protocol):
     def __init__(self, methods: dict[bytes, Method], limits: Limits, open_: Open) -> None:
         self.methods = methods
@@ -62,20 +81,7 @@ class GrpcConnection(asyncio.Protocol):
         self.open = open_
         self.rpcs: dict[int, Rpc] = {}
         self.transport: asyncio.Transport | None = None
-        self.h2 = h2.connection.H2Connection(
-            h2.config.H2Configuration(
-                client_side=False,
-                header_encoding=None,
-                validate_outbound_headers=False,
-                normalize_outbound_headers=False,
-                # Headers are read by name below, none is passed on as it came; h2's checks would
-                # end the whole connection over one value with a trailing space (grpc's clients
-                # send such values).
-                validate_inbound_headers=False,
-                normalize_inbound_headers=False,
-            )
-        )
-        hpack_memo.install(self.h2)
+        self.h2 = server_connection()
         self._pending: dict[int, bytearray] = {}
         """Answer bytes each stream's flow-control window did not take yet."""
         self._resets = _PerSecond(MAX_RESETS_PER_S)
