@@ -8,17 +8,8 @@ import random
 
 import hpack
 
+from bench.h2_cost import REQUEST_HEADERS
 from gateway.grpc import hpack_memo
-
-REQUEST = [
-    (b":method", b"POST"),
-    (b":scheme", b"http"),
-    (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
-    (b":authority", b"127.0.0.1:8001"),
-    (b"content-type", b"application/grpc"),
-    (b"te", b"trailers"),
-    (b"user-agent", b"grpc-python/1.67.1 grpc-c/44.0.0 (linux; chttp2)"),
-]
 
 
 def header_lists(seed: int, count: int) -> list[list[tuple[bytes, bytes]]]:
@@ -27,7 +18,7 @@ def header_lists(seed: int, count: int) -> list[list[tuple[bytes, bytes]]]:
     rng = random.Random(seed)
     lists = []
     for _ in range(count):
-        headers = list(REQUEST)
+        headers = list(REQUEST_HEADERS)
         draw = rng.random()
         if draw < 0.2:
             headers.append((b"x-request-id", str(rng.randrange(10**6)).encode()))
