@@ -12,9 +12,10 @@ MAX_REMEMBERED_BYTES, at most MAX_REMEMBERED of them per connection.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
+import h2.connection
 import hpack
 from hpack.table import HeaderTable
 
@@ -22,50 +23,63 @@ MAX_REMEMBERED = 32
 MAX_REMEMBERED_BYTES = 512
 
 
-def _state(table: HeaderTable) -> tuple[int, int, object]:
-    """What says the table changed: an add puts a new tuple first, an eviction or resize changes
-    the count or the size."""
-    entries = table.dynamic_entries
-    return len(entries), table.maxsize, entries[0] if entries else None
+class _Memory:
+    """Answers kept for as long as one HPACK table stays as it was: an add puts a new tuple first,
+    an eviction or a resize changes the count or the size, and any of them forgets all."""
 
+    def __init__(self, table: HeaderTable) -> None:
+        self._table = table
+        self._known: dict[Hashable, Any] = {}
 
-def _same(before: tuple[int, int, object], after: tuple[int, int, object]) -> bool:
-    return before[0] == after[0] and before[1] == after[1] and before[2] is after[2]
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def recall(self, key: Hashable) -> Any:
+        return self._known.get(key)
+
+    def state(self) -> tuple[int, int, object]:
+        entries = self._table.dynamic_entries
+        return len(entries), self._table.maxsize, entries[0] if entries else None
+
+    def keep(self, key: Hashable, answer: Any, before: tuple[int, int, object], size: int) -> None:
+        """Remember `answer` (of `size` bytes) if the table is as it was `before` it was worked out."""
+        after = self.state()
+        if before[:2] != after[:2] or before[2] is not after[2]:
+            self._known.clear()
+        elif size <= MAX_REMEMBERED_BYTES:
+            if len(self._known) >= MAX_REMEMBERED:
+                self._known.clear()
+            self._known[key] = answer
+
+    def forget(self) -> None:
+        self._known.clear()
 
 
 class Decoder(hpack.Decoder):
     def __init__(self, max_header_list_size: int) -> None:
         super().__init__(max_header_list_size)
-        self._known: dict[tuple[bytes, bool, int, int], list[Any]] = {}
+        self._memory = _Memory(self.header_table)
 
     def decode(self, data: bytes, raw: bool = False) -> Iterable[hpack.HeaderTuple]:
-        if len(data) > MAX_REMEMBERED_BYTES:
-            self._known.clear()  # it may change the table; nothing depends on remembering it
-            return super().decode(data, raw)
         # The limits are part of the key: a block decoded under one may be refused under another.
         key = (bytes(data), raw, self.max_header_list_size, self.max_allowed_table_size)
-        known = self._known.get(key)
+        known = self._memory.recall(key)
         if known is not None:
             return list(known)
-        before = _state(self.header_table)
+        before = self._memory.state()
         try:
-            headers = list(super().decode(data, raw))
+            headers = tuple(super().decode(data, raw))
         except Exception:
-            self._known.clear()  # a partly decoded block may have changed the table
+            self._memory.forget()  # a partly decoded block may have changed the table
             raise
-        if not _same(before, _state(self.header_table)):
-            self._known.clear()
-        else:
-            if len(self._known) >= MAX_REMEMBERED:
-                self._known.clear()
-            self._known[key] = headers
+        self._memory.keep(key, headers, before, len(data))
         return list(headers)
 
 
 class Encoder(hpack.Encoder):
     def __init__(self) -> None:
         super().__init__()
-        self._known: dict[tuple[tuple[bytes, bytes], ...], bytes] = {}
+        self._memory = _Memory(self.header_table)
 
     def encode(self, headers: Any, huffman: bool = True) -> bytes:
         fields = tuple(headers)
@@ -76,23 +90,18 @@ class Encoder(hpack.Encoder):
             for field in fields
         )
         if not plain or self.header_table.resized:
-            self._known.clear()
+            self._memory.forget()
             return super().encode(fields, huffman)
-        known = self._known.get(fields)
+        known: bytes | None = self._memory.recall(fields)
         if known is not None:
             return known
-        before = _state(self.header_table)
+        before = self._memory.state()
         block = super().encode(fields, huffman)
-        if not _same(before, _state(self.header_table)):
-            self._known.clear()
-        elif len(block) <= MAX_REMEMBERED_BYTES:
-            if len(self._known) >= MAX_REMEMBERED:
-                self._known.clear()
-            self._known[fields] = block
+        self._memory.keep(fields, block, before, len(block))
         return block
 
 
-def install(connection: Any) -> None:
+def install(connection: h2.connection.H2Connection) -> None:
     """Give a new h2 connection (before its first frame) the remembering encoder and decoder,
     with the limits h2 set on its own."""
     decoder = Decoder(connection.decoder.max_header_list_size)

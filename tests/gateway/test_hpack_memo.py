@@ -40,7 +40,7 @@ def test_the_decoder_answers_what_hpack_answers_as_the_table_changes() -> None:
             client.header_table_size = size
         block = client.encode(headers)
         assert remembering.decode(block, raw=True) == plain.decode(block, raw=True) == headers
-        assert len(remembering._known) <= hpack_memo.MAX_REMEMBERED
+        assert len(remembering._memory) <= hpack_memo.MAX_REMEMBERED
 
 
 def test_the_encoder_writes_what_hpack_writes_as_the_table_changes() -> None:
@@ -67,4 +67,4 @@ def test_the_encoder_writes_what_hpack_writes_as_the_table_changes() -> None:
         block = encoder.encode(headers)
         assert block == plain.encode(headers)
         assert client.decode(block, raw=True) == headers
-        assert len(encoder._known) <= hpack_memo.MAX_REMEMBERED
+        assert len(encoder._memory) <= hpack_memo.MAX_REMEMBERED
