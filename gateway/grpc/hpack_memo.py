@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-import h2.connection
 import hpack
 from hpack.table import HeaderTable
 
@@ -99,16 +98,3 @@ class Encoder(hpack.Encoder):
         block = super().encode(fields, huffman)
         self._memory.keep(fields, block, before, len(block))
         return block
-
-
-def install(connection: h2.connection.H2Connection) -> None:
-    """Give a new h2 connection (before its first frame) the remembering encoder and decoder,
-    with the limits h2 set on its own."""
-    decoder = Decoder(connection.decoder.max_header_list_size)
-    decoder.max_allowed_table_size = connection.decoder.max_allowed_table_size
-    decoder.header_table_size = connection.decoder.header_table_size
-    connection.decoder = decoder
-    encoder = Encoder()
-    encoder.header_table_size = connection.encoder.header_table_size
-    encoder.header_table.resized = connection.encoder.header_table.resized
-    connection.encoder = encoder

@@ -1,33 +1,25 @@
-"""gRPC over HTTP/2 on the gateway's event loop: one asyncio protocol per connection, h2 keeping the
-connection's state (frames, HPACK, stream states, flow control; nothing here parses HTTP/2 by
-hand; gateway.grpc.hpack_memo spares it re-encoding the header blocks every call repeats), each
-stream one RPC. What is gRPC's own is here: the method table, `grpc-timeout`, and
-the status in the trailers; its length-prefixed messages are gateway.grpc.messages'.
+"""gRPC over HTTP/2 on the gateway's event loop: one asyncio protocol per connection,
+gateway.grpc.http2 keeping the connection's state (frames, HPACK, stream states, flow control),
+each stream one RPC. What is gRPC's own is here: the method table, `grpc-timeout`, and the status
+in the trailers; its length-prefixed messages are gateway.grpc.messages'.
 
 A unary RPC whose handler answers a future (ModelInfer's) costs no task: the answer is written
 from the future's done callback. Everything a connection holds is bounded: message size, open
-streams, the bytes buffered (the gateway's decode budget), the header block (h2's HPACK limit),
+streams, the bytes buffered (the gateway's decode budget), the header block (HPACK's limit),
 client resets and PINGs per second, and how long a preface or a unary request may take to arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-
 from fngate.errors import InvalidArgument
-from gateway.grpc import hpack_memo, messages
+from gateway.grpc import messages
+from gateway.grpc.http2 import ErrorCode, Event, ProtocolError, ServerConnection
 from gateway.grpc.rpc import Buffer, Limits, Method, Open, Rpc, RpcError, percent_encoded, timeout_s
 from gateway.grpc.status import Status
 
@@ -55,23 +47,14 @@ RESPONSE_HEADERS = [
 ]
 
 
-def server_connection() -> h2.connection.H2Connection:
+def server_connection(max_header_list_size: int) -> ServerConnection:
     """The server side of one HTTP/2 connection as the gateway keeps it."""
-    connection = h2.connection.H2Connection(
-        h2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-            # Headers are read by name (GrpcConnection._read_headers), none is passed on as it
-            # came; h2's checks would end the whole connection over one value with a trailing
-            # space (grpc's clients send such values).
-            validate_inbound_headers=False,
-            normalize_inbound_headers=False,
-        )
+    return ServerConnection(
+        max_streams=MAX_STREAMS,
+        stream_window=STREAM_WINDOW,
+        connection_window=CONNECTION_WINDOW,
+        max_header_list_size=max_header_list_size,
     )
-    hpack_memo.install(connection)
-    return connection
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -81,7 +64,7 @@ class GrpcConnection(asyncio.Protocol):
         self.open = open_
         self.rpcs: dict[int, Rpc] = {}
         self.transport: asyncio.Transport | None = None
-        self.h2 = server_connection()
+        self.h2 = server_connection(limits.max_header_bytes)
         self._pending: dict[int, bytearray] = {}
         """Answer bytes each stream's flow-control window did not take yet."""
         self._resets = _PerSecond(MAX_RESETS_PER_S)
@@ -99,29 +82,14 @@ class GrpcConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         limits = self.limits
+        self.h2.initiate()
         if len(self.open.connections) >= limits.max_connections:
-            self.h2.initiate_connection()
             self.h2.close_connection(
-                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
-                additional_data=b"too many connections to this gateway process",
+                ErrorCode.ENHANCE_YOUR_CALM, additional_data=b"too many connections to this gateway process"
             )
-            self._flush()
             self._close()
             return
         self.open.connections.add(self)
-        self.h2.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_bytes,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-            },
-        )
-        # h2 hands the advertised limit to its HPACK decoder only when it changes from h2's own
-        # default; set as the connection's first settings, it would never reach it.
-        self.h2.decoder.max_header_list_size = limits.max_header_bytes
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()
         loop = self._loop
         self._preface_timer = loop.call_later(limits.header_timeout_s, self._close)
@@ -129,40 +97,38 @@ class GrpcConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            # Not the message: it can quote a header's value, and a header can hold a key.
-            log.debug("a gRPC client broke HTTP/2 (%s): its connection is ended", type(exc).__name__)
-            self._flush()
+            events = self.h2.receive(data)
+        except ProtocolError as exc:
+            log.debug("a gRPC client broke HTTP/2 (%s: %s): its connection is ended", exc.code.name, exc)
             self._close()
             return
-        if self._preface_timer is not None:
+        if self._preface_timer is not None and self.h2.settled:  # its preface and SETTINGS are in
             self._preface_timer.cancel()
             self._preface_timer = None
         transport = self.transport
-        for event in events:
+        for kind, stream_id, value in events:
             if transport is None or transport.is_closing():  # ended by one of these events
                 return
-            if isinstance(event, h2.events.DataReceived):
-                self._data(event)
-            elif isinstance(event, h2.events.RequestReceived):
-                self._request(event)
-            elif isinstance(event, h2.events.StreamEnded):
-                self._ended(event.stream_id)
-            elif isinstance(event, h2.events.WindowUpdated):
-                self._window_opened(event.stream_id)
-            elif isinstance(event, h2.events.RemoteSettingsChanged):
+            if kind is Event.DATA:
+                self._data(stream_id, value)  # type: ignore[arg-type]
+            elif kind is Event.REQUEST:
+                self._request(stream_id, value)  # type: ignore[arg-type]
+            elif kind is Event.ENDED:
+                self._ended(stream_id)
+            elif kind is Event.WINDOW:
+                self._window_opened(stream_id)
+            elif kind is Event.SETTINGS:
                 self._window_opened(0)
                 if self._control.over():
                     self._calm_down(b"too many SETTINGS")
                     return
-            elif isinstance(event, h2.events.PingReceived):
+            elif kind is Event.PING:
                 if self._control.over():
                     self._calm_down(b"too many PINGs")
                     return
-            elif isinstance(event, h2.events.StreamReset):
-                self._reset_by_client(event.stream_id)
-            elif isinstance(event, h2.events.ConnectionTerminated):
+            elif kind is Event.RESET:
+                self._reset_by_client(stream_id)
+            elif kind is Event.GOAWAY:
                 self._close()
                 return
         if self._unarmed:  # a request message still to come must come within the body timeout
@@ -195,9 +161,7 @@ class GrpcConnection(asyncio.Protocol):
     def _say_goodbye(self) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.close_connection(last_stream_id=self.h2.highest_inbound_stream_id)
-        self._flush()
+        self.h2.close_connection()
         self._close()
 
     def _close(self) -> None:
@@ -207,11 +171,9 @@ class GrpcConnection(asyncio.Protocol):
 
     # events
 
-    def _request(self, event: h2.events.RequestReceived) -> None:
-        stream_id = event.stream_id
-        headers: list[tuple[bytes, bytes]] = event.headers or []
+    def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self._going_away:
-            self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self.h2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)
             return
         values = dict(headers)
         path = values.get(b":path", b"")
@@ -267,12 +229,9 @@ class GrpcConnection(asyncio.Protocol):
             else:
                 metadata[name.decode("latin-1")] = value.decode("latin-1")
 
-    def _data(self, event: h2.events.DataReceived) -> None:
-        stream_id = event.stream_id
-        self.h2.acknowledge_received_data(event.flow_controlled_length, stream_id)
+    def _data(self, stream_id: int, data: bytes) -> None:
         rpc = self.rpcs.get(stream_id)
-        data = event.data
-        if rpc is None or rpc.ended or not data:
+        if rpc is None or rpc.ended:
             return
         limit = self.limits.max_message_bytes
         try:
@@ -352,8 +311,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _calm_down(self, why: bytes) -> None:
         """End a connection whose client sends what costs the gateway and serves nobody."""
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, additional_data=why)
+        self.h2.close_connection(ErrorCode.ENHANCE_YOUR_CALM, additional_data=why)
         self._close()
 
     def _window_opened(self, stream_id: int) -> None:
@@ -373,7 +331,7 @@ class GrpcConnection(asyncio.Protocol):
             connection.send_headers(stream_id, RESPONSE_HEADERS)
         framed = messages.framed(payload)
         if stream_id not in self._pending and len(framed) <= min(
-            connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size
+            connection.window(stream_id), connection.max_outbound_frame_size
         ):
             connection.send_data(stream_id, framed)  # the usual case: it fits, in one frame
         else:
@@ -386,23 +344,15 @@ class GrpcConnection(asyncio.Protocol):
         stream_id = rpc.stream_id
         pending = self._pending.get(stream_id)
         connection = self.h2
-        try:
-            while pending:
-                size = min(
-                    len(pending),
-                    connection.local_flow_control_window(stream_id),
-                    connection.max_outbound_frame_size,
-                )
-                if size <= 0:
-                    return
-                connection.send_data(stream_id, bytes(pending[:size]))
-                del pending[:size]
-            self._pending.pop(stream_id, None)
-            if rpc.trailers is not None:  # they waited for the data
-                self._send_trailers(rpc, rpc.trailers)
-        except h2.exceptions.ProtocolError:
-            self._pending.pop(stream_id, None)
-            self._forget(rpc, cancel=True)
+        while pending:
+            size = min(len(pending), connection.window(stream_id), connection.max_outbound_frame_size)
+            if size <= 0:
+                return
+            connection.send_data(stream_id, bytes(pending[:size]))
+            del pending[:size]
+        self._pending.pop(stream_id, None)
+        if rpc.trailers is not None:  # they waited for the data
+            self._send_trailers(rpc, rpc.trailers)
         self._flush()
 
     def _finish(self, rpc: Rpc, error: RpcError | None) -> None:
@@ -429,11 +379,9 @@ class GrpcConnection(asyncio.Protocol):
     def _end_stream(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The stream's last headers; a client still sending is then told to stop (RST_STREAM
         NO_ERROR), as gRPC's HTTP/2 mapping asks."""
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.send_headers(stream_id, headers, end_stream=True)
-            stream = self.h2.streams.get(stream_id)
-            if stream is not None and not stream.closed:
-                self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        self.h2.send_headers(stream_id, headers, end_stream=True)
+        if self.h2.remote_open(stream_id):
+            self.h2.reset_stream(stream_id, ErrorCode.NO_ERROR)
 
     def _forget(self, rpc: Rpc, cancel: bool = False) -> None:
         _settle(rpc)
@@ -456,12 +404,8 @@ class GrpcConnection(asyncio.Protocol):
         """A request that is not gRPC: an HTTP status alone."""
         self._end_stream(stream_id, [(b":status", status)])
 
-    def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.reset_stream(stream_id, code)
-
     def _flush(self) -> None:
-        """What h2 has to send goes out once this event-loop turn ends: one write for all the
+        """What the connection has to send goes out once this event-loop turn ends: one write for all the
         answers and window updates of the turn, not one for each frame."""
         if not self._flush_soon:
             self._flush_soon = True

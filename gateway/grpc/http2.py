@@ -1,0 +1,506 @@
+"""The server side of one HTTP/2 connection (RFC 9113), without I/O, made for what gRPC needs of it:
+bytes in, events out (`receive`), frames queued for the transport to write (`data_to_send`).
+
+Why the gateway has its own: h2, a general implementation in pure Python, spent 65 µs of a unary
+call's CPU on frame objects, stream state machines and flow-control bookkeeping, more than the rest
+of the gRPC front end's own work (`python -m bench.h2_cost` measures both). This one parses a frame
+header with one struct call, keeps a stream as five slots, and hands events on as tuples.
+
+What it keeps to, and how it answers a peer that does not:
+- Frames: the preface first, then SETTINGS; no frame over SETTINGS_MAX_FRAME_SIZE (16 KiB, the
+  default, which it never raises), so at most one frame is ever buffered; CONTINUATION only right
+  after its HEADERS; lengths and stream ids each type requires; padding within its frame. A breach
+  is a connection error: GOAWAY with its code, then `ProtocolError` for the transport to close.
+  (RFC 9113 5.4.1 lets an endpoint treat any stream error as a connection error; one that sends
+  broken frames is not a client worth keeping.)
+- Streams: client-initiated (odd, ascending ids); past `max_streams` open at once a new one is
+  refused (RST_STREAM REFUSED_STREAM, its header block still decoded to keep HPACK's table);
+  frames on a stream that ended are ignored (it may have been reset by this side while they flew).
+- Flow control: the peer's windows are kept per stream and for the connection
+  (`send_window`); received bytes are counted against the windows advertised and given back with
+  WINDOW_UPDATE once half of a window is used (so a client's sends never stall on the gateway's
+  reading: the transport bounds what it holds with its decode budget instead).
+- HPACK: hpack's encoder and decoder (gateway.grpc.hpack_memo's, which remember the blocks gRPC
+  repeats), the header list bounded by `max_header_list_size` and the compressed block by twice it.
+- PING is answered, PRIORITY ignored, PUSH_PROMISE refused, frames of unknown types ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import hpack
+
+from gateway.grpc import hpack_memo
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+MAX_FRAME_SIZE = 16_384
+"""The largest frame payload taken (the protocol's default, never raised)."""
+DEFAULT_WINDOW = 65_535
+MAX_WINDOW = 2**31 - 1
+
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    range(10)
+)
+END_STREAM = 0x1
+ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+
+SETTINGS_HEADER_TABLE_SIZE = 0x1
+SETTINGS_ENABLE_PUSH = 0x2
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
+SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+SETTINGS_MAX_FRAME_SIZE = 0x5
+SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
+
+
+class Event(enum.IntEnum):
+    """What `receive` reports, as (event, stream id, value) tuples."""
+
+    REQUEST = 0
+    """A stream opened; its value is its header list, (name, value) pairs of bytes."""
+    DATA = 1
+    """Bytes of a stream's body (never empty)."""
+    ENDED = 2
+    """The client ended its side of the stream (END_STREAM)."""
+    WINDOW = 3
+    """The peer opened a flow-control window: a stream's, or the connection's (stream id 0)."""
+    SETTINGS = 4
+    """The peer sent SETTINGS (acknowledged already)."""
+    PING = 5
+    """The peer sent a PING (answered already)."""
+    RESET = 6
+    """The peer reset a stream (RST_STREAM); its value is the error code."""
+    GOAWAY = 7
+    """The peer is going away."""
+
+
+class ErrorCode(enum.IntEnum):
+    NO_ERROR = 0x0
+    PROTOCOL_ERROR = 0x1
+    INTERNAL_ERROR = 0x2
+    FLOW_CONTROL_ERROR = 0x3
+    SETTINGS_TIMEOUT = 0x4
+    STREAM_CLOSED = 0x5
+    FRAME_SIZE_ERROR = 0x6
+    REFUSED_STREAM = 0x7
+    CANCEL = 0x8
+    COMPRESSION_ERROR = 0x9
+    CONNECT_ERROR = 0xA
+    ENHANCE_YOUR_CALM = 0xB
+    INADEQUATE_SECURITY = 0xC
+    HTTP_1_1_REQUIRED = 0xD
+
+
+class ProtocolError(Exception):
+    """The peer broke HTTP/2: a GOAWAY with `code` is queued, and the connection must end."""
+
+    def __init__(self, code: ErrorCode, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+_HEAD = struct.Struct(">HBBBI")
+"""A frame header: the 24-bit length as 16 + 8 bits, type, flags, stream id (and its reserved bit)."""
+_SETTING = struct.Struct(">HI")
+_U32 = struct.Struct(">I")
+_GOAWAY = struct.Struct(">II")
+
+
+class _Stream:
+    __slots__ = ("local_open", "receive_window", "received", "remote_open", "send_window")
+
+    def __init__(self, send_window: int, receive_window: int) -> None:
+        self.send_window = send_window
+        self.receive_window = receive_window
+        self.received = 0
+        """Bytes received since the stream's window was last given back."""
+        self.remote_open = True
+        self.local_open = True
+
+
+class ServerConnection:
+    def __init__(
+        self, *, max_streams: int, stream_window: int, connection_window: int, max_header_list_size: int
+    ) -> None:
+        self.max_streams = max_streams
+        self.stream_window = stream_window
+        self.connection_window = connection_window
+        self.max_header_list_size = max_header_list_size
+        self.streams: dict[int, _Stream] = {}
+        """Streams not yet closed on both sides."""
+        self.highest_stream_id = 0
+        self.send_window = DEFAULT_WINDOW
+        """The connection's window for what this side sends."""
+        self.max_outbound_frame_size = MAX_FRAME_SIZE
+        self.encoder = hpack_memo.Encoder()
+        self.decoder = hpack_memo.Decoder(max_header_list_size)
+        self.ended = False
+        """A GOAWAY was queued: nothing more is received."""
+        self._out = bytearray()
+        self._in = b""
+        self._preface = False
+        self.settled = False
+        """The peer's preface and first SETTINGS arrived (the first frame after it must be one)."""
+        self._initial_send_window = DEFAULT_WINDOW
+        self._receive_window = connection_window
+        self._received = 0
+        self._block: bytearray | None = None
+        """A header block waiting for its CONTINUATION frames, with its stream and END_STREAM."""
+        self._block_stream = 0
+        self._block_ends = False
+
+    # what the transport calls
+
+    def initiate(self) -> None:
+        """This side's preface: its SETTINGS and the connection's receive window."""
+        settings = b"".join(
+            _SETTING.pack(code, value)
+            for code, value in (
+                (SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams),
+                (SETTINGS_INITIAL_WINDOW_SIZE, self.stream_window),
+                (SETTINGS_MAX_HEADER_LIST_SIZE, self.max_header_list_size),
+            )
+        )
+        self._frame(SETTINGS, 0, 0, settings)
+        if self.connection_window > DEFAULT_WINDOW:
+            self._frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.connection_window - DEFAULT_WINDOW))
+
+    def data_to_send(self) -> bytearray:
+        out, self._out = self._out, bytearray()
+        return out
+
+    def send_headers(
+        self, stream_id: int, headers: list[tuple[bytes, bytes]], end_stream: bool = False
+    ) -> None:
+        """A stream's headers (or trailers, with `end_stream`); nothing for a stream that ended."""
+        stream = self.streams.get(stream_id)
+        if stream is None or not stream.local_open:
+            return
+        block = self.encoder.encode(headers)
+        flags = END_STREAM if end_stream else 0
+        size = self.max_outbound_frame_size
+        if len(block) <= size:
+            self._frame(HEADERS, flags | END_HEADERS, stream_id, block)
+        else:
+            self._frame(HEADERS, flags, stream_id, block[:size])
+            for start in range(size, len(block), size):
+                last = start + size >= len(block)
+                self._frame(CONTINUATION, END_HEADERS if last else 0, stream_id, block[start : start + size])
+        if end_stream:
+            self._end_local(stream_id, stream)
+
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        """A frame of body: the caller keeps it within `window(stream_id)` and the frame size."""
+        stream = self.streams.get(stream_id)
+        if stream is None or not stream.local_open:
+            return
+        size = len(data)
+        assert size <= min(self.send_window, stream.send_window, self.max_outbound_frame_size)
+        self.send_window -= size
+        stream.send_window -= size
+        self._frame(DATA, END_STREAM if end_stream else 0, stream_id, data)
+        if end_stream:
+            self._end_local(stream_id, stream)
+
+    def window(self, stream_id: int) -> int:
+        """How much body the peer takes on this stream now (0 for a stream that ended)."""
+        stream = self.streams.get(stream_id)
+        return 0 if stream is None else min(self.send_window, stream.send_window)
+
+    def remote_open(self, stream_id: int) -> bool:
+        """Whether the client may still send on the stream."""
+        stream = self.streams.get(stream_id)
+        return stream is not None and stream.remote_open
+
+    def reset_stream(self, stream_id: int, code: ErrorCode) -> None:
+        self.streams.pop(stream_id, None)
+        self._frame(RST_STREAM, 0, stream_id, _U32.pack(code))
+
+    def close_connection(
+        self,
+        code: ErrorCode = ErrorCode.NO_ERROR,
+        additional_data: bytes = b"",
+        last_stream_id: int | None = None,
+    ) -> None:
+        """GOAWAY: no stream past `last_stream_id` (by default the last opened) will be served."""
+        if self.ended:
+            return
+        self.ended = True
+        last = self.highest_stream_id if last_stream_id is None else last_stream_id
+        self._frame(GOAWAY, 0, 0, _GOAWAY.pack(last, code) + additional_data)
+
+    # what the peer sends
+
+    def receive(self, data: bytes) -> list[tuple[Event, int, object]]:
+        """The events of the frames `data` completes; raises ProtocolError (GOAWAY queued)."""
+        if self.ended:
+            return []
+        buffer = self._in + data if self._in else data
+        events: list[tuple[Event, int, object]] = []
+        try:
+            position = 0
+            if not self._preface:
+                if len(buffer) < len(PREFACE):
+                    if not PREFACE.startswith(buffer):
+                        raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 preface")
+                    self._in = buffer
+                    return events
+                if not buffer.startswith(PREFACE):
+                    raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 preface")
+                self._preface = True
+                position = len(PREFACE)
+            end = len(buffer)
+            unpack = _HEAD.unpack_from
+            while end - position >= 9:
+                high, low, kind, flags, stream_id = unpack(buffer, position)
+                length = high << 8 | low
+                if length > MAX_FRAME_SIZE:
+                    raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                start = position + 9
+                if end - start < length:
+                    break
+                position = start + length
+                self._dispatch(kind, flags, stream_id & MAX_WINDOW, buffer[start:position], events)
+                if self.ended:
+                    return events
+            self._in = buffer[position:] if position < end else b""
+        except ProtocolError as exc:
+            self.close_connection(exc.code)
+            self._in = b""
+            raise
+        return events
+
+    def _dispatch(self, kind: int, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+        if self._block is not None and kind != CONTINUATION:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+        if not self.settled:
+            if kind != SETTINGS or flags & ACK:
+                raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "the preface's SETTINGS did not come first")
+            self.settled = True
+        if kind == HEADERS:
+            self._headers(flags, stream_id, payload, events)
+        elif kind == DATA:
+            self._data(flags, stream_id, payload, events)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(stream_id, payload, events)
+        elif kind == CONTINUATION:
+            self._continuation(flags, stream_id, payload, events)
+        elif kind == SETTINGS:
+            self._settings(flags, stream_id, payload, events)
+        elif kind == PING:
+            if len(payload) != 8 or stream_id:
+                raise ProtocolError(
+                    ErrorCode.FRAME_SIZE_ERROR if stream_id == 0 else ErrorCode.PROTOCOL_ERROR, "PING"
+                )
+            if not flags & ACK:
+                self._frame(PING, ACK, 0, payload)
+                events.append((Event.PING, 0, None))
+        elif kind == RST_STREAM:
+            if len(payload) != 4 or stream_id == 0:
+                raise ProtocolError(
+                    ErrorCode.FRAME_SIZE_ERROR if stream_id else ErrorCode.PROTOCOL_ERROR, "RST_STREAM"
+                )
+            self._known(stream_id)
+            self.streams.pop(stream_id, None)
+            events.append((Event.RESET, stream_id, _U32.unpack(payload)[0]))
+        elif kind == PRIORITY:
+            if len(payload) != 5 or stream_id == 0:
+                raise ProtocolError(
+                    ErrorCode.FRAME_SIZE_ERROR if stream_id else ErrorCode.PROTOCOL_ERROR, "PRIORITY"
+                )
+        elif kind == GOAWAY:
+            if stream_id or len(payload) < 8:
+                raise ProtocolError(
+                    ErrorCode.PROTOCOL_ERROR if stream_id else ErrorCode.FRAME_SIZE_ERROR, "GOAWAY"
+                )
+            events.append((Event.GOAWAY, 0, None))
+        elif kind == PUSH_PROMISE:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+        # any other type is an extension this side does not know: ignored
+
+    def _headers(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+        if stream_id == 0:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
+        start, end = 0, len(payload)
+        if flags & PADDED:
+            if not payload:
+                raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "HEADERS without its pad length")
+            start, end = 1, end - payload[0]
+        if flags & PRIORITY_FLAG:
+            start += 5
+        if end < start:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "HEADERS padding past its frame")
+        fragment = payload[start:end]
+        if flags & END_HEADERS:
+            self._header_block(stream_id, fragment, bool(flags & END_STREAM), events)
+        else:
+            self._block = bytearray(fragment)
+            self._block_stream, self._block_ends = stream_id, bool(flags & END_STREAM)
+            self._check_block_size()
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+        block = self._block
+        if block is None or stream_id != self._block_stream:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+        block += payload
+        self._check_block_size()
+        if flags & END_HEADERS:
+            self._block = None
+            self._header_block(stream_id, bytes(block), self._block_ends, events)
+
+    def _check_block_size(self) -> None:
+        if self._block is not None and len(self._block) > 2 * self.max_header_list_size:
+            raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM, "a header block past the header list's limit")
+
+    def _header_block(self, stream_id: int, block: bytes, end_stream: bool, events: list) -> None:  # type: ignore[type-arg]
+        try:  # always decoded, even for a stream refused or ended: HPACK's table must follow the peer's
+            headers = self.decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError as exc:
+            raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM, "a header list past its limit") from exc
+        except Exception as exc:  # hpack's HPACKDecodingError, InvalidTableIndex, ...
+            raise ProtocolError(
+                ErrorCode.COMPRESSION_ERROR, f"a header block HPACK cannot decode ({type(exc).__name__})"
+            ) from exc
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # trailers: they must end the stream
+            if not end_stream:
+                raise ProtocolError(
+                    ErrorCode.PROTOCOL_ERROR, "a second header block that does not end its stream"
+                )
+            if stream.remote_open:
+                stream.remote_open = False
+                events.append((Event.ENDED, stream_id, None))
+                if not stream.local_open:
+                    del self.streams[stream_id]
+            return
+        if stream_id <= self.highest_stream_id:
+            return  # a stream that ended
+        if not stream_id & 1:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client opened an even-numbered stream")
+        self.highest_stream_id = stream_id
+        if len(self.streams) >= self.max_streams:
+            self._frame(RST_STREAM, 0, stream_id, _U32.pack(ErrorCode.REFUSED_STREAM))
+            return
+        stream = self.streams[stream_id] = _Stream(self._initial_send_window, self.stream_window)
+        events.append((Event.REQUEST, stream_id, headers))
+        if end_stream:
+            stream.remote_open = False
+            events.append((Event.ENDED, stream_id, None))
+
+    def _data(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+        if stream_id == 0:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+        size = len(payload)  # padding included: all of it counts against the windows
+        self._receive_window -= size
+        if self._receive_window < 0:
+            raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the connection's window")
+        self._received += size
+        if self._received >= self.connection_window // 2:
+            self._frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._received))
+            self._receive_window += self._received
+            self._received = 0
+        start, end = 0, size
+        if flags & PADDED:
+            if not payload:
+                raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "DATA without its pad length")
+            start, end = 1, size - payload[0]
+            if end < start:
+                raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA padding past its frame")
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            self._known(stream_id)
+            return  # a stream that ended (perhaps reset by this side while the frame flew)
+        if not stream.remote_open:
+            raise ProtocolError(ErrorCode.STREAM_CLOSED, "DATA after the end of its stream")
+        stream.receive_window -= size
+        if stream.receive_window < 0:
+            raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the stream's window")
+        if end > start:
+            events.append((Event.DATA, stream_id, payload[start:end] if end - start < size else payload))
+        if flags & END_STREAM:
+            stream.remote_open = False
+            events.append((Event.ENDED, stream_id, None))
+            if not stream.local_open:
+                del self.streams[stream_id]
+            return
+        stream.received += size
+        if stream.received >= self.stream_window // 2:
+            self._frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(stream.received))
+            stream.receive_window += stream.received
+            stream.received = 0
+
+    def _window_update(self, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+        if len(payload) != 4:
+            raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE")
+        increment = _U32.unpack(payload)[0] & MAX_WINDOW
+        if increment == 0:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+        if stream_id == 0:
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "the connection's window past 2^31-1")
+        else:
+            stream = self.streams.get(stream_id)
+            if stream is None:
+                self._known(stream_id)
+                return
+            stream.send_window += increment
+            if stream.send_window > MAX_WINDOW:
+                raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1")
+        events.append((Event.WINDOW, stream_id, None))
+
+    def _settings(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+        if stream_id:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
+        for offset in range(0, len(payload), 6):
+            code, value = _SETTING.unpack_from(payload, offset)
+            if code == SETTINGS_HEADER_TABLE_SIZE:
+                self.encoder.header_table_size = value
+            elif code == SETTINGS_ENABLE_PUSH:
+                if value > 1:
+                    raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH past 1")
+            elif code == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ProtocolError(
+                        ErrorCode.FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE past 2^31-1"
+                    )
+                delta = value - self._initial_send_window
+                self._initial_send_window = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+                    if stream.send_window > MAX_WINDOW:
+                        raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1")
+            elif code == SETTINGS_MAX_FRAME_SIZE:
+                if not MAX_FRAME_SIZE <= value <= 2**24 - 1:
+                    raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
+                self.max_outbound_frame_size = value
+        self._frame(SETTINGS, ACK, 0, b"")
+        events.append((Event.SETTINGS, 0, None))
+
+    # helpers
+
+    def _known(self, stream_id: int) -> None:
+        """A frame for a stream not open: one that ended is fine, one never opened is not."""
+        if stream_id > self.highest_stream_id:
+            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a frame for a stream never opened")
+
+    def _end_local(self, stream_id: int, stream: _Stream) -> None:
+        stream.local_open = False
+        if not stream.remote_open:
+            del self.streams[stream_id]
+
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes | bytearray) -> None:
+        size = len(payload)
+        out = self._out
+        out += _HEAD.pack(size >> 8, size & 0xFF, kind, flags, stream_id)
+        out += payload
