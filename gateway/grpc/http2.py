@@ -17,9 +17,9 @@ What it keeps to, and how it answers a peer that does not:
   refused (RST_STREAM REFUSED_STREAM, its header block still decoded to keep HPACK's table);
   frames on a stream that ended are ignored (it may have been reset by this side while they flew).
 - Flow control: the peer's windows are kept per stream and for the connection
-  (`send_window`); received bytes are counted against the windows advertised and given back with
-  WINDOW_UPDATE once half of a window is used (so a client's sends never stall on the gateway's
-  reading: the transport bounds what it holds with its decode budget instead).
+  (`send_window`), and nothing is sent past them. Received bytes are given back with WINDOW_UPDATE
+  as they arrive, once half of a window is used: a client's sends never stall on the gateway's
+  reading, and no window can be overrun; the transport bounds what it holds with its decode budget.
 - HPACK: hpack's encoder and decoder (gateway.grpc.hpack_memo's, which remember the blocks gRPC
   repeats), the header list bounded by `max_header_list_size` and the compressed block by twice it.
 - PING is answered, PRIORITY ignored, PUSH_PROMISE refused, frames of unknown types ignored.
@@ -111,11 +111,10 @@ _GOAWAY = struct.Struct(">II")
 
 
 class _Stream:
-    __slots__ = ("local_open", "receive_window", "received", "remote_open", "send_window")
+    __slots__ = ("local_open", "received", "remote_open", "send_window")
 
-    def __init__(self, send_window: int, receive_window: int) -> None:
+    def __init__(self, send_window: int) -> None:
         self.send_window = send_window
-        self.receive_window = receive_window
         self.received = 0
         """Bytes received since the stream's window was last given back."""
         self.remote_open = True
@@ -146,8 +145,8 @@ class ServerConnection:
         self.settled = False
         """The peer's preface and first SETTINGS arrived (the first frame after it must be one)."""
         self._initial_send_window = DEFAULT_WINDOW
-        self._receive_window = connection_window
         self._received = 0
+        """Bytes received on the connection since its window was last given back."""
         self._block: bytearray | None = None
         """A header block waiting for its CONTINUATION frames, with its stream and END_STREAM."""
         self._block_stream = 0
@@ -385,7 +384,7 @@ class ServerConnection:
         if len(self.streams) >= self.max_streams:
             self._frame(RST_STREAM, 0, stream_id, _U32.pack(ErrorCode.REFUSED_STREAM))
             return
-        stream = self.streams[stream_id] = _Stream(self._initial_send_window, self.stream_window)
+        stream = self.streams[stream_id] = _Stream(self._initial_send_window)
         events.append((Event.REQUEST, stream_id, headers))
         if end_stream:
             stream.remote_open = False
@@ -395,13 +394,9 @@ class ServerConnection:
         if stream_id == 0:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # padding included: all of it counts against the windows
-        self._receive_window -= size
-        if self._receive_window < 0:
-            raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the connection's window")
         self._received += size
         if self._received >= self.connection_window // 2:
             self._frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._received))
-            self._receive_window += self._received
             self._received = 0
         start, end = 0, size
         if flags & PADDED:
@@ -416,9 +411,6 @@ class ServerConnection:
             return  # a stream that ended (perhaps reset by this side while the frame flew)
         if not stream.remote_open:
             raise ProtocolError(ErrorCode.STREAM_CLOSED, "DATA after the end of its stream")
-        stream.receive_window -= size
-        if stream.receive_window < 0:
-            raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "DATA past the stream's window")
         if end > start:
             events.append((Event.DATA, stream_id, payload[start:end] if end - start < size else payload))
         if flags & END_STREAM:
@@ -430,7 +422,6 @@ class ServerConnection:
         stream.received += size
         if stream.received >= self.stream_window // 2:
             self._frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(stream.received))
-            stream.receive_window += stream.received
             stream.received = 0
 
     def _window_update(self, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
