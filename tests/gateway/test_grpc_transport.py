@@ -163,6 +163,17 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
         assert pinging.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
     pinging.close()
 
+    # A frame past 16 KiB (what the gateway advertises): GOAWAY FRAME_SIZE_ERROR, then the close.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+    writer.write(bytes([0, 0x50, 0, 0, 0, 0, 0, 0, 1]) + b"x" * 100)
+    received = b""
+    async with asyncio.timeout(10):
+        while chunk := await reader.read(65536):
+            received += chunk
+    writer.close()
+    assert received[-14] == 7 and received.endswith(struct.pack(">I", 6))  # GOAWAY, its code last
+
     # A connection that never sends its preface is closed at the header timeout.
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     async with asyncio.timeout(10):

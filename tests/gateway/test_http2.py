@@ -5,6 +5,7 @@ holds both ways, and each breach of the protocol ends the connection with GOAWAY
 
 from __future__ import annotations
 
+import random
 import struct
 
 import h2.config
@@ -282,3 +283,48 @@ def test_what_is_merely_unusual_is_taken() -> None:
     events = connection.receive(wire)
     assert [kind for kind, _, _ in events] == [Event.SETTINGS, Event.REQUEST]
     assert not connection.ended
+
+
+def test_mangled_traffic_ends_in_events_or_a_goaway_never_a_crash() -> None:
+    """A client's real traffic (prefaces, requests with CONTINUATION, padding, trailers, resets,
+    PINGs, window updates) with bytes flipped, cut or repeated: every outcome is events or
+    ProtocolError with a GOAWAY queued, and what the server holds stays within one frame."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    for index in range(6):
+        stream_id = client.get_next_available_stream_id()
+        extra = [(b"x-filler-%d" % n, b"v" * 500) for n in range(40)] if index == 2 else []
+        client.send_headers(stream_id, [*REQUEST, (b"x-call", b"%d" % index), *extra])
+        client.send_data(stream_id, b"m" * (index * 3000), pad_length=index * 7 if index % 2 else None)
+        if index == 3:
+            client.reset_stream(stream_id)
+        elif index == 4:
+            client.send_headers(stream_id, [(b"x-trailer", b"t")], end_stream=True)
+        else:
+            client.send_data(stream_id, b"", end_stream=True)
+        client.ping(b"%08d" % index)
+        client.increment_flow_control_window(1000)
+    wire = client.data_to_send()
+    rng = random.Random(20261204)
+    outcomes = {"events": 0, "goaway": 0}
+    for _ in range(1500):
+        mangled = bytearray(wire)
+        for _ in range(rng.randrange(1, 4)):
+            action, at = rng.random(), rng.randrange(len(mangled))
+            if action < 0.6:
+                mangled[at] = rng.randrange(256)
+            elif action < 0.8:
+                del mangled[at : at + rng.randrange(1, 40)]
+            else:
+                mangled[at:at] = mangled[at : at + rng.randrange(1, 40)]
+        connection = server(max_header_list_size=64 << 10)
+        cut = rng.randrange(len(mangled))
+        try:
+            connection.receive(bytes(mangled[:cut]))
+            connection.receive(bytes(mangled[cut:]))
+            outcomes["events"] += 1
+            assert len(connection._in) < 9 + 16_384
+        except ProtocolError as exc:
+            assert goaway_code(connection) == exc.code
+            outcomes["goaway"] += 1
+    assert outcomes["events"] > 100 and outcomes["goaway"] > 100, outcomes
