@@ -328,3 +328,26 @@ def test_mangled_traffic_ends_in_events_or_a_goaway_never_a_crash() -> None:
             assert goaway_code(connection) == exc.code
             outcomes["goaway"] += 1
     assert outcomes["events"] > 100 and outcomes["goaway"] > 100, outcomes
+
+
+@pytest.mark.parametrize("table_size", [0, 100, 65_536])
+def test_answers_decode_whatever_table_size_the_client_sets(table_size: int) -> None:
+    """A client may shrink or grow the table the server's encoder fills (SETTINGS_HEADER_TABLE_SIZE):
+    the size update reaches the client's decoder first, and every answer decodes the same."""
+    client, connection = connected()
+    client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: table_size})
+    connection.receive(client.data_to_send())
+    client.receive_data(bytes(connection.data_to_send()))
+    answers = []
+    for index in range(5):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, REQUEST, end_stream=True)
+        connection.receive(client.data_to_send())
+        connection.send_headers(stream_id, [(b":status", b"200"), (b"x-answer", b"%d" % (index % 2))])
+        connection.send_headers(stream_id, [(b"grpc-status", b"0")], end_stream=True)
+        events = client.receive_data(bytes(connection.data_to_send()))
+        answers.append([event.headers for event in events if hasattr(event, "headers")])
+    assert answers == [
+        [[(b":status", b"200"), (b"x-answer", b"%d" % (index % 2))], [(b"grpc-status", b"0")]]
+        for index in range(5)
+    ]
