@@ -125,7 +125,7 @@ def test_gateway_runner_and_the_core_never_import_the_tooling() -> None:
 
 FRONT_ENDS = {
     "gateway.http": {"starlette", "uvicorn", "hypercorn", "httptools"},
-    "gateway.grpc": {"grpc", "h2"},
+    "gateway.grpc": {"grpc", "h2", "hpack"},
 }
 COMPOSITION_ROOTS = {"gateway/app.py", "gateway/__main__.py"}
 
