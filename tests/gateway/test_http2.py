@@ -14,16 +14,10 @@ import h2.events
 import h2.settings
 import pytest
 
+from bench.h2_cost import REQUEST_HEADERS
 from gateway.grpc.http2 import PREFACE, ErrorCode, Event, ProtocolError, ServerConnection
 
-REQUEST = [
-    (b":method", b"POST"),
-    (b":scheme", b"http"),
-    (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
-    (b":authority", b"127.0.0.1:8001"),
-    (b"content-type", b"application/grpc"),
-    (b"te", b"trailers"),
-]
+REQUEST = REQUEST_HEADERS
 STREAM_WINDOW = 1 << 20
 
 
