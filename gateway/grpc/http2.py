@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Any
 
 import hpack
 
@@ -76,6 +77,10 @@ class Event(enum.IntEnum):
     """The peer reset a stream (RST_STREAM); its value is the error code."""
     GOAWAY = 7
     """The peer is going away."""
+
+
+Events = list[tuple[Event, int, Any]]
+"""(event, stream id, value): the value is the event's (a REQUEST's header list, DATA's bytes...)."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -219,27 +224,21 @@ class ServerConnection:
         self.streams.pop(stream_id, None)
         self._frame(RST_STREAM, 0, stream_id, _U32.pack(code))
 
-    def close_connection(
-        self,
-        code: ErrorCode = ErrorCode.NO_ERROR,
-        additional_data: bytes = b"",
-        last_stream_id: int | None = None,
-    ) -> None:
-        """GOAWAY: no stream past `last_stream_id` (by default the last opened) will be served."""
+    def close_connection(self, code: ErrorCode = ErrorCode.NO_ERROR, additional_data: bytes = b"") -> None:
+        """GOAWAY: no stream past the last one opened will be served."""
         if self.ended:
             return
         self.ended = True
-        last = self.highest_stream_id if last_stream_id is None else last_stream_id
-        self._frame(GOAWAY, 0, 0, _GOAWAY.pack(last, code) + additional_data)
+        self._frame(GOAWAY, 0, 0, _GOAWAY.pack(self.highest_stream_id, code) + additional_data)
 
     # what the peer sends
 
-    def receive(self, data: bytes) -> list[tuple[Event, int, object]]:
+    def receive(self, data: bytes) -> Events:
         """The events of the frames `data` completes; raises ProtocolError (GOAWAY queued)."""
         if self.ended:
             return []
         buffer = self._in + data if self._in else data
-        events: list[tuple[Event, int, object]] = []
+        events: Events = []
         try:
             position = 0
             if not self._preface:
@@ -273,7 +272,7 @@ class ServerConnection:
             raise
         return events
 
-    def _dispatch(self, kind: int, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+    def _dispatch(self, kind: int, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if self._block is not None and kind != CONTINUATION:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
         if not self.settled:
@@ -321,7 +320,7 @@ class ServerConnection:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
         # any other type is an extension this side does not know: ignored
 
-    def _headers(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+    def _headers(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if stream_id == 0:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
         start, end = 0, len(payload)
@@ -341,7 +340,7 @@ class ServerConnection:
             self._block_stream, self._block_ends = stream_id, bool(flags & END_STREAM)
             self._check_block_size()
 
-    def _continuation(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+    def _continuation(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         block = self._block
         if block is None or stream_id != self._block_stream:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
@@ -355,7 +354,7 @@ class ServerConnection:
         if self._block is not None and len(self._block) > 2 * self.max_header_list_size:
             raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM, "a header block past the header list's limit")
 
-    def _header_block(self, stream_id: int, block: bytes, end_stream: bool, events: list) -> None:  # type: ignore[type-arg]
+    def _header_block(self, stream_id: int, block: bytes, end_stream: bool, events: Events) -> None:
         try:  # always decoded, even for a stream refused or ended: HPACK's table must follow the peer's
             headers = self.decoder.decode(block, raw=True)
         except hpack.OversizedHeaderListError as exc:
@@ -390,7 +389,7 @@ class ServerConnection:
             stream.remote_open = False
             events.append((Event.ENDED, stream_id, None))
 
-    def _data(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+    def _data(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if stream_id == 0:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # padding included: all of it counts against the windows
@@ -424,7 +423,7 @@ class ServerConnection:
             self._frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(stream.received))
             stream.received = 0
 
-    def _window_update(self, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+    def _window_update(self, stream_id: int, payload: bytes, events: Events) -> None:
         if len(payload) != 4:
             raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE")
         increment = _U32.unpack(payload)[0] & MAX_WINDOW
@@ -444,7 +443,7 @@ class ServerConnection:
                 raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1")
         events.append((Event.WINDOW, stream_id, None))
 
-    def _settings(self, flags: int, stream_id: int, payload: bytes, events: list) -> None:  # type: ignore[type-arg]
+    def _settings(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if stream_id:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:

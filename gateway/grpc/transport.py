@@ -64,7 +64,7 @@ class GrpcConnection(asyncio.Protocol):
         self.open = open_
         self.rpcs: dict[int, Rpc] = {}
         self.transport: asyncio.Transport | None = None
-        self.h2 = server_connection(limits.max_header_bytes)
+        self.http2 = server_connection(limits.max_header_bytes)
         self._pending: dict[int, bytearray] = {}
         """Answer bytes each stream's flow-control window did not take yet."""
         self._resets = _PerSecond(MAX_RESETS_PER_S)
@@ -82,9 +82,9 @@ class GrpcConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         limits = self.limits
-        self.h2.initiate()
+        self.http2.initiate()
         if len(self.open.connections) >= limits.max_connections:
-            self.h2.close_connection(
+            self.http2.close_connection(
                 ErrorCode.ENHANCE_YOUR_CALM, additional_data=b"too many connections to this gateway process"
             )
             self._close()
@@ -97,12 +97,12 @@ class GrpcConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.h2.receive(data)
+            events = self.http2.receive(data)
         except ProtocolError as exc:
             log.debug("a gRPC client broke HTTP/2 (%s: %s): its connection is ended", exc.code.name, exc)
             self._close()
             return
-        if self._preface_timer is not None and self.h2.settled:  # its preface and SETTINGS are in
+        if self._preface_timer is not None and self.http2.settled:  # its preface and SETTINGS are in
             self._preface_timer.cancel()
             self._preface_timer = None
         transport = self.transport
@@ -110,9 +110,9 @@ class GrpcConnection(asyncio.Protocol):
             if transport is None or transport.is_closing():  # ended by one of these events
                 return
             if kind is Event.DATA:
-                self._data(stream_id, value)  # type: ignore[arg-type]
+                self._data(stream_id, value)
             elif kind is Event.REQUEST:
-                self._request(stream_id, value)  # type: ignore[arg-type]
+                self._request(stream_id, value)
             elif kind is Event.ENDED:
                 self._ended(stream_id)
             elif kind is Event.WINDOW:
@@ -161,7 +161,7 @@ class GrpcConnection(asyncio.Protocol):
     def _say_goodbye(self) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        self.h2.close_connection()
+        self.http2.close_connection()
         self._close()
 
     def _close(self) -> None:
@@ -173,7 +173,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self._going_away:
-            self.h2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)
+            self.http2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)
             return
         values = dict(headers)
         path = values.get(b":path", b"")
@@ -311,7 +311,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _calm_down(self, why: bytes) -> None:
         """End a connection whose client sends what costs the gateway and serves nobody."""
-        self.h2.close_connection(ErrorCode.ENHANCE_YOUR_CALM, additional_data=why)
+        self.http2.close_connection(ErrorCode.ENHANCE_YOUR_CALM, additional_data=why)
         self._close()
 
     def _window_opened(self, stream_id: int) -> None:
@@ -325,7 +325,7 @@ class GrpcConnection(asyncio.Protocol):
     def send_message(self, rpc: Rpc, payload: bytes) -> None:
         if rpc.ended or self.transport is None or self.transport.is_closing():
             return
-        connection, stream_id = self.h2, rpc.stream_id
+        connection, stream_id = self.http2, rpc.stream_id
         if not rpc.responded:
             rpc.responded = True
             connection.send_headers(stream_id, RESPONSE_HEADERS)
@@ -343,7 +343,7 @@ class GrpcConnection(asyncio.Protocol):
         """What the stream's window takes of its answer bytes; then its trailers, if they wait."""
         stream_id = rpc.stream_id
         pending = self._pending.get(stream_id)
-        connection = self.h2
+        connection = self.http2
         while pending:
             size = min(len(pending), connection.window(stream_id), connection.max_outbound_frame_size)
             if size <= 0:
@@ -379,9 +379,9 @@ class GrpcConnection(asyncio.Protocol):
     def _end_stream(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The stream's last headers; a client still sending is then told to stop (RST_STREAM
         NO_ERROR), as gRPC's HTTP/2 mapping asks."""
-        self.h2.send_headers(stream_id, headers, end_stream=True)
-        if self.h2.remote_open(stream_id):
-            self.h2.reset_stream(stream_id, ErrorCode.NO_ERROR)
+        self.http2.send_headers(stream_id, headers, end_stream=True)
+        if self.http2.remote_open(stream_id):
+            self.http2.reset_stream(stream_id, ErrorCode.NO_ERROR)
 
     def _forget(self, rpc: Rpc, cancel: bool = False) -> None:
         _settle(rpc)
@@ -413,7 +413,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _write(self) -> None:
         self._flush_soon = False
-        data = self.h2.data_to_send()
+        data = self.http2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 

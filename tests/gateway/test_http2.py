@@ -15,7 +15,7 @@ import h2.settings
 import pytest
 
 from bench.h2_cost import REQUEST_HEADERS
-from gateway.grpc.http2 import PREFACE, ErrorCode, Event, ProtocolError, ServerConnection
+from gateway.grpc.http2 import PREFACE, ErrorCode, Event, Events, ProtocolError, ServerConnection
 
 REQUEST = REQUEST_HEADERS
 STREAM_WINDOW = 1 << 20
@@ -47,7 +47,7 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, stream_id) + payload
 
 
-def received(events: list[tuple[Event, int, object]]) -> tuple[list[object], bytes, bool]:
+def received(events: Events) -> tuple[list[object], bytes, bool]:
     """A stream's headers, its body, whether it ended."""
     headers = [value for kind, _, value in events if kind is Event.REQUEST]
     body = b"".join(value for kind, _, value in events if kind is Event.DATA)  # type: ignore[misc]
