@@ -290,31 +290,19 @@ class ServerConnection:
         elif kind == SETTINGS:
             self._settings(flags, stream_id, payload, events)
         elif kind == PING:
-            if len(payload) != 8 or stream_id:
-                raise ProtocolError(
-                    ErrorCode.FRAME_SIZE_ERROR if stream_id == 0 else ErrorCode.PROTOCOL_ERROR, "PING"
-                )
+            _shaped("PING", stream_id == 0, len(payload) == 8)
             if not flags & ACK:
                 self._frame(PING, ACK, 0, payload)
                 events.append((Event.PING, 0, None))
         elif kind == RST_STREAM:
-            if len(payload) != 4 or stream_id == 0:
-                raise ProtocolError(
-                    ErrorCode.FRAME_SIZE_ERROR if stream_id else ErrorCode.PROTOCOL_ERROR, "RST_STREAM"
-                )
+            _shaped("RST_STREAM", stream_id != 0, len(payload) == 4)
             self._known(stream_id)
             self.streams.pop(stream_id, None)
             events.append((Event.RESET, stream_id, _U32.unpack(payload)[0]))
         elif kind == PRIORITY:
-            if len(payload) != 5 or stream_id == 0:
-                raise ProtocolError(
-                    ErrorCode.FRAME_SIZE_ERROR if stream_id else ErrorCode.PROTOCOL_ERROR, "PRIORITY"
-                )
+            _shaped("PRIORITY", stream_id != 0, len(payload) == 5)
         elif kind == GOAWAY:
-            if stream_id or len(payload) < 8:
-                raise ProtocolError(
-                    ErrorCode.PROTOCOL_ERROR if stream_id else ErrorCode.FRAME_SIZE_ERROR, "GOAWAY"
-                )
+            _shaped("GOAWAY", stream_id == 0, len(payload) >= 8)
             events.append((Event.GOAWAY, 0, None))
         elif kind == PUSH_PROMISE:
             raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
@@ -494,3 +482,12 @@ class ServerConnection:
         out = self._out
         out += _HEAD.pack(size >> 8, size & 0xFF, kind, flags, stream_id)
         out += payload
+
+
+def _shaped(name: str, on_its_stream: bool, of_its_length: bool) -> None:
+    """A control frame on the stream its type requires (PROTOCOL_ERROR) and of its length
+    (FRAME_SIZE_ERROR)."""
+    if not on_its_stream:
+        raise ProtocolError(ErrorCode.PROTOCOL_ERROR, f"{name} on the wrong stream")
+    if not of_its_length:
+        raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, f"{name} of the wrong length")
