@@ -114,7 +114,7 @@ RUN pip install --no-deps /wheels/fngate-*.whl && pip check
 FROM runtime AS gateway
 COPY --from=gateway-final-env /opt/fngate /opt/fngate
 ENV FNGATE_HOST=0.0.0.0 FNGATE_PORT=8000
-# One port a line here follows fngate/tools/k8s.py's GATEWAY_PORTS: HTTP, gRPC and metrics as Triton's.
+# One port a line here follows fngate/k8s.py's GATEWAY_PORTS: HTTP, gRPC and metrics as Triton's.
 EXPOSE 8000 8001 8002
 USER 10001:10001
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
@@ -130,7 +130,7 @@ FROM runtime AS runner
 COPY --from=runner-final-env /opt/fngate /opt/fngate
 # Model files go to the cache volume (the root filesystem is read-only), as the rendered objects say.
 ENV FNGATE_ARTIFACT_DIR=/var/cache/fngate/artifacts
-# 9100: metrics and health (fngate/tools/k8s.py's RUNNER_PORTS); /healthz/ready answers while
+# 9100: metrics and health (fngate/k8s.py's RUNNER_PORTS); /healthz/ready answers while
 # Redis does and the runner consumes.
 EXPOSE 9100
 USER 10001:10001

@@ -51,7 +51,7 @@ Row = dict[str, Any]
 
 def requests_for(
     function: str, features: int, count: int, binary: bool, seed: int, output: str = "output"
-) -> tuple[list[loadgen.Request], np.ndarray]:
+) -> tuple[list[loadgen.Outgoing], np.ndarray]:
     """`count` requests of one row each, every one with distinct random input."""
     rng = np.random.default_rng(seed)
     inputs = rng.standard_normal((count, 1, features), dtype=np.float32)
@@ -73,7 +73,7 @@ def requests_for(
                 }
             )
             out.append(
-                loadgen.Request(
+                loadgen.Outgoing(
                     path, header + x.tobytes(), (("inference-header-content-length", str(len(header))),)
                 )
             )
@@ -90,7 +90,7 @@ def requests_for(
                     ]
                 }
             )
-            out.append(loadgen.Request(path, body))
+            out.append(loadgen.Outgoing(path, body))
     return out, inputs
 
 
@@ -160,7 +160,7 @@ class Bench:
         model: str,
         features: int,
         concurrency: int,
-        requests: list[loadgen.Request],
+        requests: list[loadgen.Outgoing],
         inputs: np.ndarray,
         gateways: list[str] | None = None,
         extra: dict[str, Any] | None = None,
@@ -433,7 +433,7 @@ class Bench:
         command = [
             sys.executable,
             "-m",
-            "fngate.tools.cli",
+            "fngate.cli.main",
             "up",
             "--redis",
             deployed.redis_url,

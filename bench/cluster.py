@@ -23,13 +23,13 @@ from bench import loadgen
 from bench.deployment import Deployment, cpu_seconds, redis_pid
 from bench.models import tiny, write_function
 from fngate import keys
-from fngate.tools.local import private_redis
-from fngate.tools.local_cluster import LocalCluster, running
+from fngate.up.redis_cluster import LocalCluster, running
+from fngate.up.supervisor import private_redis
 
 FUNCTIONS = [f"tiny-{index}" for index in range(8)]
 CONCURRENCY = 16
 Row = dict[str, Any]
-Requests = Callable[[str, int, int, bool, int], tuple[list[loadgen.Request], np.ndarray]]
+Requests = Callable[[str, int, int, bool, int], tuple[list[loadgen.Outgoing], np.ndarray]]
 Record = Callable[[Row], None]
 
 
@@ -57,7 +57,7 @@ def run(folder: Path, requests_for: Requests, measure_s: float, record: Record) 
         record({"scenario": "C", "redis": "cluster", **row, **spread(cluster)})
 
 
-def interleaved(requests_for: Requests) -> tuple[list[loadgen.Request], np.ndarray]:
+def interleaved(requests_for: Requests) -> tuple[list[loadgen.Outgoing], np.ndarray]:
     """Requests of each function in turn, 2,000 of each, with inputs of their own."""
     made = [requests_for(name, 16, 2000, True, index) for index, name in enumerate(FUNCTIONS)]
     turns = zip(*(found for found, _ in made), strict=True)
@@ -78,7 +78,7 @@ def started(deployed: Deployment) -> Iterator[Deployment]:
 
 def measure(
     deployed: Deployment,
-    requests: list[loadgen.Request],
+    requests: list[loadgen.Outgoing],
     inputs: np.ndarray,
     measure_s: float,
     cpu: Callable[[], dict[str, float]],

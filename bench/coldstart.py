@@ -76,7 +76,7 @@ def large_cold_starts(
         deploy = [
             sys.executable,
             "-m",
-            "fngate.tools.cli",
+            "fngate.cli.main",
             "deploy",
             str(function / "function.yaml"),
             "--repo",
@@ -139,7 +139,7 @@ def fngate_up(
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"fngate-up-{name}{'-standby' if standby else ''}.log"
     port = free_port()
-    command = [sys.executable, "-m", "fngate.tools.cli", "up", "--repo", repo]
+    command = [sys.executable, "-m", "fngate.cli.main", "up", "--repo", repo]
     command += ["--redis", redis_url] if redis_url is not None else []
     command += ["--port", str(port), "--grpc-port", "0", "--metrics-port", "0"]
     command += ["--idle-shutdown-s", "1"]

@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 
+from fngate.cli.main import gateway_workers
 from fngate.process import stop_processes
-from fngate.tools.cli import gateway_workers
-from fngate.tools.local import private_redis
+from fngate.up.supervisor import private_redis
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -39,6 +39,7 @@ import yaml
 from bench.models import CONV_CLASSES, CONV_INPUT, conv, wide, write_function
 from fngate.errors import FunctionError
 from fngate.manifest import FunctionManifest, load_manifest
+from fngate.tensors import Tensors
 from runner import gpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +49,6 @@ FUNCTION_BATCHES = (1, 4, 16, 64, 256, 1024)
 PROVIDER_BATCHES = (1, 32, 256, 1024)
 CONCURRENCIES = (1, 16, 64)
 UNLOAD_WAIT_S = 10.0
-Tensors = dict[str, np.ndarray[Any, Any]]
 
 
 def timing(call: Callable[[Tensors], object], inputs: Sequence[Tensors], seconds: float) -> dict[str, float]:

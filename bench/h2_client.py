@@ -1,5 +1,5 @@
 """A bare HTTP/2 client (h2) for what grpc's clients never send: the hostile streams and frames
-that tests/gateway/test_grpc_transport.py and scenario H (bench.hostile) put to a gateway's gRPC
+that tests/gateway/grpc/test_transport.py and scenario H (bench.hostile) put to a gateway's gRPC
 port. It records each stream's headers and trailers, resets and the connection's GOAWAY."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A closed-loop HTTP/1.1 load generator on raw asyncio protocols: N keep-alive connections, each
-sending its next request as soon as the previous answer arrives. Request bodies are encoded before
+sending its next request as soon as the previous answer arrives. Outgoing bodies are encoded before
 the run, so the generator spends its CPU on sockets only."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Request:
+class Outgoing:
     path: str
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
@@ -98,7 +98,7 @@ class _Connection(asyncio.Protocol):
 async def run(
     host: str,
     port: int,
-    requests: Sequence[Request],
+    requests: Sequence[Outgoing],
     concurrency: int,
     warmup_s: float,
     measure_s: float,

@@ -19,7 +19,7 @@ import hiredis
 import redis.asyncio as aioredis
 
 from fngate.process import run_forever
-from fngate.tools.local import private_redis
+from fngate.up.supervisor import private_redis
 
 SCRIPT = "return {'queued'}"
 KEYS = ["fngate:q:tiny", "fngate:q:tiny:bytes", "", "", ""]

@@ -21,7 +21,7 @@ import redis
 
 from bench.deployment import Deployment
 from fngate import keys, queue
-from fngate.tools.local import start_redis
+from fngate.up.supervisor import start_redis
 
 Row = dict[str, Any]
 BODY = {"inputs": {"input": [[0.5] * 16]}}

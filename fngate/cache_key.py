@@ -7,8 +7,7 @@ import hashlib
 
 import numpy as np
 
-from fngate.tensors import datatype_of, to_bytes
-from fngate.wire import Tensors
+from fngate.tensors import Tensors, datatype_of, to_bytes
 
 
 def cache_key(

@@ -1,7 +1,7 @@
 """Redis clients by URL. `redis://`, `rediss://` and `unix://` name one Redis; `redis+cluster://`
 and `rediss+cluster://` a Redis Cluster, by one or more of its nodes (`redis+cluster://h1:7000,
 h2:7001`; the others are learnt from them). redis-py's clients for the slow paths, and the hot
-path's pipelined client (fngate.pipelined; routed by slot on a cluster, fngate.cluster).
+path's pipelined client (fngate.fastredis; routed by slot on a cluster, fngate.fastredis_cluster).
 
 A cluster's redis-py client is a RedisCluster: the same commands as a Redis, typed as one here, so
 that callers stay as they are; the few that differ (transactions, pub/sub) ask `is_cluster_client`.
@@ -19,8 +19,8 @@ from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
 
-from fngate.cluster import ClusterPipelinedRedis
-from fngate.pipelined import PipelinedRedis
+from fngate.fastredis import FastRedis
+from fngate.fastredis_cluster import ClusterFastRedis
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """A cluster URL's scheme -> the scheme of each of its nodes."""
@@ -125,12 +125,12 @@ def connect_sync(url: str, **options: Any) -> redis.Redis:
     return cast(redis.Redis, client)
 
 
-def pipelined(url: str, timeout_s: float = 2.0) -> PipelinedRedis:
+def fastredis(url: str, timeout_s: float = 2.0) -> FastRedis:
     """The hot path's client of `url`: one pipelined connection, or one per primary of a cluster."""
     if is_cluster(url):
         cluster = parse_cluster(url)
-        return ClusterPipelinedRedis(cluster.seeds, cluster.node_url, timeout_s)
-    return PipelinedRedis(url, timeout_s)
+        return ClusterFastRedis(cluster.seeds, cluster.node_url, timeout_s)
+    return FastRedis(url, timeout_s)
 
 
 def is_cluster_client(client: Any) -> bool:

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys, queue
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 from fngate.queue import slots
 from fngate.queue.steps import forwarded_ids
 from fngate.queue.stored import Charge, parse_charges
@@ -39,8 +39,8 @@ Run = Callable[[str, list[str], list[Any]], Awaitable[Any]]
 """Runs a script (its source) with KEYS and ARGV, loading it where Redis has not yet."""
 
 
-def scripts(redis: PipelinedRedis) -> Run:
-    """Run with the hot path's client (one fngate.pipelined.Script per source)."""
+def scripts(redis: FastRedis) -> Run:
+    """Run with the hot path's client (one fngate.fastredis.Script per source)."""
     loaded: dict[str, Script] = {}
 
     async def run(source: str, keys: list[str], args: list[Any]) -> Any:

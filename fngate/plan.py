@@ -14,10 +14,8 @@ import orjson
 from fngate import keys, queue
 from fngate.manifest import FunctionManifest
 from fngate.pipeline import Reference, order
-from fngate.tensors import datatype_of, from_bytes, to_bytes
+from fngate.tensors import Tensors, datatype_of, from_bytes, to_bytes
 from fngate.wire import Invocation
-
-Tensors = dict[str, np.ndarray[Any, Any]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

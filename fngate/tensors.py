@@ -15,6 +15,9 @@ import numpy as np
 
 from fngate.errors import InvalidArgument
 
+Tensors = dict[str, np.ndarray[Any, Any]]
+"""Tensors by name: what every codec, backend and queue entry carries."""
+
 DATATYPES: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype("<u1"),

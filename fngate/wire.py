@@ -10,15 +10,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import orjson
 
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.queue import AS, BODY, BY, HEADER, TO
-from fngate.tensors import datatype_of, from_bytes, to_bytes
+from fngate.tensors import Tensors, datatype_of, from_bytes, to_bytes
 
 WIRE_VERSION = 1
-Tensors = dict[str, np.ndarray[Any, Any]]
 Fields = dict[Any, Any]
 """Stream-entry fields: bytes keys on the way in, and what redis-py's xadd accepts on the way out."""
 

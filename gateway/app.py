@@ -19,8 +19,8 @@ from fngate.backoff import Health, until_done
 from fngate.config import GatewaySettings
 from fngate.registry import function_source
 from gateway.activation import Activator
+from gateway.allowance import DecodeAllowance
 from gateway.auth import KeyTable
-from gateway.budget import DecodeBudget
 from gateway.cache import CacheHealth, SeparateCache
 from gateway.catalog import Catalog
 from gateway.destinations import CallbackPolicy
@@ -80,8 +80,8 @@ async def serving(
     # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies, so
     # that the invocations' connections stay the invocations'.
     catalog = Catalog(function_source(settings.repo, reader), reader, health)
-    pipelined = clients.pipelined(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
-    reply_reads = clients.pipelined(settings.redis_url, settings.redis_timeout_s)
+    pipelined = clients.fastredis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
+    reply_reads = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
     replies = ReplyRouter(reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s)
     separate = _separate_cache(settings)
     limiter = Limiter(settings.in_flight_ttl_s, pipelined) if settings.auth else None
@@ -107,7 +107,7 @@ async def serving(
         key_table,
         redis,
         Deployer(settings),
-        DecodeBudget(settings.max_decode_bytes),
+        DecodeAllowance(settings.max_decode_bytes),
         destinations,
     )
     async with redis, reader:

@@ -15,7 +15,8 @@ from redis.exceptions import RedisError
 
 from fngate.cache_key import cache_key
 from fngate.repository import FunctionVersion
-from fngate.wire import Fields, Tensors
+from fngate.tensors import Tensors
+from fngate.wire import Fields
 from gateway.metrics import CACHE_FAILURES
 
 # cache_key lives in fngate: runners use it too.

@@ -10,7 +10,7 @@ from opentelemetry.trace import Span
 
 from fngate import queue
 from fngate.repository import FunctionVersion
-from fngate.wire import Tensors
+from fngate.tensors import Tensors
 from gateway.auth import OPEN, Principal
 
 
@@ -19,7 +19,7 @@ class Later:
     """An asynchronous call: answered at once with an id, its result read (or sent to a callback)
     later."""
 
-    shape: str
+    dialect: str
     """How its result is rendered when read: 'v1' or 'v2'."""
     callback_url: str = ""
     idempotency_key: str = ""

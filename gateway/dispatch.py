@@ -4,7 +4,7 @@ outcome settled by one table, its pools woken once, and (synchronous) its reply 
 A synchronous call's answer is a future: the enqueue's outcome and the reply settle it from done
 callbacks, and its deadline is a timer, so that a front end pays one await per invocation (or
 none: it may add a done callback). The enqueue scripts of all invocations that arrive in one
-event-loop turn go to Redis in one write (fngate.pipelined).
+event-loop turn go to Redis in one write (fngate.fastredis).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from redis.exceptions import NoScriptError, RedisError
 from fngate import keys, queue, telemetry
 from fngate.backoff import Health
 from fngate.errors import DeadlineExceeded, FunctionError, Internal, Overloaded, Unavailable
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 from fngate.plan import Plan
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply
@@ -31,7 +31,7 @@ from gateway.activation import Activator
 from gateway.cache import SeparateCache
 from gateway.call import Call
 from gateway.catalog import Catalog
-from gateway.invocations import Accepted, IdempotencyKeyReused, Submission
+from gateway.invocations import Accepted, AsyncInvocation, IdempotencyKeyReused
 from gateway.limits import Limiter, refusal
 from gateway.replies import ReplyRouter
 from gateway.slots import SlotSteps
@@ -64,7 +64,7 @@ def settle(outcome: queue.EnqueueOutcome | queue.SubmitOutcome, entries: Entries
 class Dispatcher:
     def __init__(
         self,
-        redis: PipelinedRedis,
+        redis: FastRedis,
         replies: ReplyRouter,
         catalog: Catalog,
         limiter: Limiter | None = None,
@@ -147,11 +147,11 @@ class Dispatcher:
             manifest = call.function.manifest
             invocation_id = submission.new_async_id(call, plan)
             deadline_ms = _now_ms() + submission.timeout_of(call)
-            record = Submission(
+            record = AsyncInvocation(
                 invocation_id,
                 manifest.name,
                 call.function.version,
-                later.shape,
+                later.dialect,
                 call.principal.key_id,
                 deadline_ms,
                 call.request_id,
@@ -183,7 +183,7 @@ class Dispatcher:
     async def _submit_one(
         self,
         call: Call,
-        record: Submission,
+        record: AsyncInvocation,
         deadline_ms: int,
         admission: queue.Admission | None,
         plan: Plan | None,

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from fngate import clients, keys, queue
 from fngate.errors import FunctionNotFound, InvalidArgument, Unavailable
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 from gateway.auth import ADMIN, INVOKE, Principal
 from gateway.catalog import Catalog
 from gateway.slots import SlotSteps
@@ -30,14 +30,14 @@ LONG_POLLS = 128
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Submission:
+class AsyncInvocation:
     """An asynchronous invocation as the gateway records it: what answering it later needs."""
 
     id: str
     function: str
     version: str
-    route: str
-    """'v1' or 'v2': the shape its result is rendered in."""
+    dialect: str
+    """'v1' or 'v2': how its result is rendered."""
     key_id: str
     """The API key that submitted it: the only one (besides admins) that may read it."""
     deadline_ms: int
@@ -54,11 +54,13 @@ class Submission:
         return orjson.dumps(doc)
 
     @classmethod
-    def decode(cls, raw: bytes) -> Submission:
+    def decode(cls, raw: bytes) -> AsyncInvocation:
         doc = orjson.loads(raw)
         doc["binary_outputs"] = tuple(doc.get("binary_outputs", ()))
         if doc.get("outputs") is not None:
             doc["outputs"] = tuple(doc["outputs"])
+        if "route" in doc:  # a record written before the field was named `dialect`
+            doc["dialect"] = doc.pop("route")
         return cls(**doc)
 
 
@@ -78,9 +80,7 @@ class IdempotencyKeyReused(InvalidArgument):
 class AsyncInvocations:
     """Reads, waits on and cancels asynchronous invocations."""
 
-    def __init__(
-        self, scripts: PipelinedRedis, redis_url: str, redis_timeout_s: float, catalog: Catalog
-    ) -> None:
+    def __init__(self, scripts: FastRedis, redis_url: str, redis_timeout_s: float, catalog: Catalog) -> None:
         self.catalog = catalog
         self._read = Script(scripts, queue.READ_RESULT)
         self._cancel = Script(scripts, queue.CANCEL)
@@ -139,22 +139,22 @@ class AsyncInvocations:
         except (RedisError, OSError) as exc:
             raise Unavailable(f"the queue is unavailable: {exc}") from exc
         result = queue.parse_result(raw)
-        if result is None or not _may_read(principal, Submission.decode(result.record)):
+        if result is None or not _may_read(principal, AsyncInvocation.decode(result.record)):
             raise _not_found(invocation_id)
         return result
 
 
 class RequestDigest:
-    """What an Idempotency-Key is bound to: the function, the route (its body's shape) and the body,
+    """What an Idempotency-Key is bound to: the function, the dialect (v1 or v2) and the body,
     fed a chunk at a time as it arrives; the first two length-prefixed and the body's length after
     it, so that no two requests share a preimage."""
 
     __slots__ = ("_hash", "_size")
 
-    def __init__(self, function: str, route: str) -> None:
+    def __init__(self, function: str, dialect: str) -> None:
         self._hash = hashlib.blake2b(digest_size=16, person=b"fngate-idem-v2")
         self._size = 0
-        for part in (function.encode(), route.encode()):
+        for part in (function.encode(), dialect.encode()):
             self._hash.update(len(part).to_bytes(8, "little"))
             self._hash.update(part)
 
@@ -168,9 +168,9 @@ class RequestDigest:
         return final.hexdigest()
 
 
-def request_digest(function: str, route: str, body: bytes) -> str:
+def request_digest(function: str, dialect: str, body: bytes) -> str:
     """RequestDigest of a body received whole."""
-    digest = RequestDigest(function, route)
+    digest = RequestDigest(function, dialect)
     digest.update(body)
     return digest.hexdigest()
 
@@ -179,10 +179,10 @@ def is_pending(result: queue.Result) -> bool:
     """Queued or running, before its deadline: a reply may still come."""
     if result.state not in ("queued", "running"):
         return False
-    return Submission.decode(result.record).deadline_ms > time.time() * 1000
+    return AsyncInvocation.decode(result.record).deadline_ms > time.time() * 1000
 
 
-def _may_read(principal: Principal, submission: Submission) -> bool:
+def _may_read(principal: Principal, submission: AsyncInvocation) -> bool:
     if ADMIN in principal.scopes:
         return True
     return principal.key_id == submission.key_id and principal.allows(INVOKE, submission.function)

@@ -11,7 +11,7 @@ from typing import Any
 
 from fngate import keys, queue
 from fngate.errors import RateLimited
-from fngate.pipelined import PipelinedRedis
+from fngate.fastredis import FastRedis
 from fngate.queue import ADMIT_LUA
 from gateway.auth import Principal
 
@@ -70,7 +70,7 @@ class Limiter:
     """Makes each limited invocation's admission (which the enqueue script checks first, in the same
     round trip) and takes the invocation out of the key's sets when it is over."""
 
-    def __init__(self, in_flight_ttl_s: float, redis: PipelinedRedis) -> None:
+    def __init__(self, in_flight_ttl_s: float, redis: FastRedis) -> None:
         self._redis = redis
         """The enqueue's connection: a release goes to Redis ahead of the caller's next enqueue."""
         self._ttl_ms = int(in_flight_ttl_s * 1000)

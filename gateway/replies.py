@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from fngate import keys, queue
 from fngate.backoff import backoff_s
-from fngate.pipelined import PipelinedRedis, stream_entries
+from fngate.fastredis import FastRedis, stream_entries
 from fngate.wire import Fields, Reply
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ a second time for each reply it reads."""
 
 class ReplyRouter:
     def __init__(
-        self, redis: aioredis.Redis, reads: PipelinedRedis, gateway_id: str, block_ms: int, timeout_s: float
+        self, redis: aioredis.Redis, reads: FastRedis, gateway_id: str, block_ms: int, timeout_s: float
     ) -> None:
         self._redis = redis
         self._reads = reads

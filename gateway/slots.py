@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from fngate import delivery, keys, queue
 from fngate.errors import Overloaded, Unavailable
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 from fngate.plan import Plan
 from fngate.queue import slots
 from fngate.repository import FunctionVersion
@@ -42,9 +42,9 @@ CLAIM_ATTEMPTS = 3
 
 
 class SlotSteps:
-    """The per-slot steps, on the enqueue's connection (fngate.cluster routes each by its slot)."""
+    """The per-slot steps, on the enqueue's connection (fngate.fastredis_cluster routes each by its slot)."""
 
-    def __init__(self, redis: PipelinedRedis) -> None:
+    def __init__(self, redis: FastRedis) -> None:
         self._redis = redis
         self._admit = Script(redis, limits.ADMIT_SCRIPT)
         self._claim = Script(redis, slots.CLAIM)

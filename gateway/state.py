@@ -9,8 +9,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from fngate.config import GatewaySettings
+from gateway.allowance import DecodeAllowance
 from gateway.auth import KeyTable
-from gateway.budget import DecodeBudget
 from gateway.catalog import Catalog
 from gateway.destinations import CallbackPolicy
 from gateway.dispatch import Dispatcher
@@ -28,7 +28,7 @@ class Services:
     """redis-py's client of the queue's Redis, for what is not on the hot path."""
     deployer: Any = None
     """The deploy API's repository (gateway.http.deployments.Deployer)."""
-    budget: DecodeBudget = dataclasses.field(default_factory=lambda: DecodeBudget(256 * 1024 * 1024))
+    budget: DecodeAllowance = dataclasses.field(default_factory=lambda: DecodeAllowance(256 * 1024 * 1024))
     """The bytes of bodies being decoded at once (max_decode_bytes)."""
     destinations: CallbackPolicy = dataclasses.field(default_factory=CallbackPolicy)
     """Where callbacks may go (callback_allow)."""

@@ -173,7 +173,7 @@ def asynchronous(
 ) -> Entries:
     """An asynchronous call's SUBMIT_ASYNC, at level keys.ASYNC and replying to its result stream:
     the function's own entry or a pipeline's first steps (whose successors the runners queue at that
-    level too). `record`: the gateway's record of it (gateway.invocations.Submission); `idempotency`:
+    level too). `record`: the gateway's record of it (gateway.invocations.AsyncInvocation); `idempotency`:
     its Idempotency-Key ('' for none); `cached`: a reply the dispatcher found in a cache Redis of its
     own; `lookup_in_queue` as for `synchronous`; `quota`: the result bytes its key may hold.
     `split` (a Redis Cluster) as for `synchronous`; and a callback of a `cached` reply is the

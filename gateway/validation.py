@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, TensorSpec
-from fngate.wire import Tensors
+from fngate.tensors import Tensors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

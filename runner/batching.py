@@ -45,7 +45,7 @@ class Burst:
     """A pause this long means the burst is in (Arrivals.gap_us)."""
 
 
-def plan(
+def choose(
     rows: Sequence[int],
     oldest_age_us: int,
     policy: BatchingSpec,
@@ -137,7 +137,7 @@ def _prefix_within(rows: Sequence[int], limit: int) -> int:
 
 
 @dataclasses.dataclass(slots=True)  # not frozen: made for every waiting invocation at every step
-class Waiting:
+class Pending:
     """What the batcher knows of one invocation read from the stream."""
 
     deadline_ms: int
@@ -152,7 +152,7 @@ class Waiting:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Step:
+class Decision:
     expired: tuple[int, ...] = ()
     """Indices past their deadline: answered deadline_exceeded, never run."""
     batch: tuple[int, ...] = ()
@@ -161,27 +161,27 @@ class Step:
     """With no batch: wait this long for more invocations (None: nothing is waiting)."""
 
 
-def next_step(
-    waiting: Sequence[Waiting],
+def decide(
+    waiting: Sequence[Pending],
     now_ms: int,
     policy: BatchingSpec,
     batched: bool,
     contended: bool,
     burst: Burst | None = None,
-) -> Step:
+) -> Decision:
     """The batcher's one decision. `waiting` is oldest first; `contended` says the last batch or
-    the queue held more than one invocation (see plan)."""
+    the queue held more than one invocation (see choose)."""
     expired = tuple(index for index, item in enumerate(waiting) if item.deadline_ms <= now_ms)
     live = [index for index, item in enumerate(waiting) if item.deadline_ms > now_ms]
     if not live:
-        return Step(expired)
+        return Decision(expired)
     first = waiting[live[0]]
     if first.alone:
-        return Step(expired, (live[0],))
+        return Decision(expired, (live[0],))
     candidates = [index for index in live if waiting[index].group == first.group and not waiting[index].alone]
     rows = [waiting[index].rows if batched else 1 for index in candidates]
     oldest_age_us = max(0, now_ms - first.queued_ms) * 1000
-    decision = plan(rows, oldest_age_us, policy, contended or len(live) > 1, burst)
+    decision = choose(rows, oldest_age_us, policy, contended or len(live) > 1, burst)
     if isinstance(decision, Run):
-        return Step(expired, tuple(candidates[: decision.count]))
-    return Step(expired, (), decision.us)
+        return Decision(expired, tuple(candidates[: decision.count]))
+    return Decision(expired, (), decision.us)

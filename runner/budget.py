@@ -51,7 +51,7 @@ NOTHING = Cost(0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Limits:
+class MemoryLimits:
     """What models may take of each memory; None: that memory is not held to a budget."""
 
     host_bytes: int | None
@@ -70,7 +70,7 @@ class Held:
     """No batch uses it: it may be unloaded."""
 
 
-def make_room(need: Cost, limits: Limits, held: Sequence[Held]) -> list[Key] | None:
+def make_room(need: Cost, limits: MemoryLimits, held: Sequence[Held]) -> list[Key] | None:
     """The idle models to unload, least recently used first, for `need` to fit beside the models
     that stay: [] when it fits as it is, None when unloading every idle model is not enough. A
     model is unloaded only for a memory that is still over its budget and that it holds."""
@@ -90,7 +90,7 @@ def make_room(need: Cost, limits: Limits, held: Sequence[Held]) -> list[Key] | N
     return unload
 
 
-def too_large(need: Cost, limits: Limits) -> str | None:
+def too_large(need: Cost, limits: MemoryLimits) -> str | None:
     """Why a model can never fit this runner's budget (it alone is over it), or None."""
     for memory, wanted, limit in (
         ("host memory", need.loading_host_bytes, limits.host_bytes),
@@ -192,17 +192,17 @@ def runner_limits(
     base_bytes: int,
     device: gpu.Device | gpu.NoDevice,
     gpu_index: int = 0,
-) -> Limits:
+) -> MemoryLimits:
     """The runner's budget from its settings: a byte count where set, else `share` of what the
     pod or machine has (less `base_bytes`, what the runner holds before any model) and of the
     GPU's memory as NVML reports it; no GPU budget without a GPU that NVML sees."""
     if not enabled:
-        return Limits(None, None, gpu_index)
+        return MemoryLimits(None, None, gpu_index)
     host = host_budget_bytes or max(int(host_limit_bytes() * share) - base_bytes, 0)
     device_bytes = None
     if isinstance(device, gpu.Device):
         device_bytes = gpu_budget_bytes or int(device.total_bytes * share)
-    return Limits(host, device_bytes, gpu_index)
+    return MemoryLimits(host, device_bytes, gpu_index)
 
 
 def rss_bytes(pid: int | str = "self") -> int:

@@ -22,11 +22,11 @@ from fngate import clients, keys, queue
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError
-from fngate.pipelined import Script
+from fngate.fastredis import Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
-from runner.batching import Arrivals, BatchCost, Waiting, next_step
+from runner.batching import Arrivals, BatchCost, Pending, decide
 from runner.execution import failed_together, run_batch, shape_key
 from runner.metrics import INVOCATIONS, MEMORY_REFUSALS
 from runner.models import LoadedModels
@@ -73,8 +73,8 @@ class FunctionConsumer:
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
-        self._reads = clients.pipelined(settings.redis_url, settings.redis_timeout_s)
-        self._writes = clients.pipelined(settings.redis_url, settings.redis_timeout_s)
+        self._reads = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
+        self._writes = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
         self._outboxes = [Outbox(self._writes, stream, settings) for stream in self._streams]
         self._read_levels = Script(self._reads, queue.READ_LEVELS)
         self._lower_levels_empty = False
@@ -275,7 +275,7 @@ class FunctionConsumer:
         if any(entry.invocation.delay for entry in self._pending):
             # DELAY: past its queue timeout, an invocation goes behind its level's others.
             self._pending.sort(key=lambda entry: (entry.level, is_delayed(entry.invocation, now_ms)))
-        step = next_step(
+        step = decide(
             [self._waiting(entry, now_ms) for entry in self._pending],
             now_ms,
             manifest.batching,
@@ -298,7 +298,7 @@ class FunctionConsumer:
             await self._execute(batch)
         return step.wait_us
 
-    def _waiting(self, entry: Entry, now_ms: int) -> Waiting:
+    def _waiting(self, entry: Entry, now_ms: int) -> Pending:
         """What the batching policy knows of an entry; what does not change is worked out once."""
         invocation = entry.invocation
         known = self._known.get(entry.id)
@@ -310,7 +310,7 @@ class FunctionConsumer:
         deadline_ms = self._models.deadline_ms(
             self.function.name, invocation.version, start_deadline_ms(invocation), queued_ms, now_ms
         )
-        return Waiting(deadline_ms, queued_ms, group, rows, entry.alone)
+        return Pending(deadline_ms, queued_ms, group, rows, entry.alone)
 
     async def _execute(self, batch: Sequence[Entry]) -> None:
         """Run the batch; with several instances, in a task of its own beside the others."""

@@ -16,8 +16,8 @@ import numpy as np
 
 from fngate.errors import FunctionError, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest, TensorSpec
-from fngate.tensors import DATATYPES
-from fngate.wire import Invocation, Reply, Tensors
+from fngate.tensors import DATATYPES, Tensors
+from fngate.wire import Invocation, Reply
 from runner.backends import Backend, MemberErrors
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from fngate.telemetry import LATENCY_BUCKETS
 from runner import gpu
 
 if TYPE_CHECKING:
-    from runner.budget import Cost, Limits
+    from runner.budget import Cost, MemoryLimits
     from runner.models import LoadedModel
 
 INFERENCE_COUNT = Counter(
@@ -134,13 +134,13 @@ def _memories(gpu_index: int) -> tuple[str, str]:
     return ("host", f"gpu{gpu_index}")
 
 
-def memory_budget(limits: Limits) -> None:
+def memory_budget(limits: MemoryLimits) -> None:
     for memory, limit in zip(_memories(limits.gpu_index), (limits.host_bytes, limits.gpu_bytes), strict=True):
         if limit is not None:
             MEMORY_BUDGET.labels(memory).set(limit)
 
 
-def memory_used(limits: Limits | None, models: Iterable[LoadedModel]) -> None:
+def memory_used(limits: MemoryLimits | None, models: Iterable[LoadedModel]) -> None:
     costs = [model.cost for model in models]
     host, device = _memories(limits.gpu_index if limits is not None else 0)
     MEMORY_USED.labels(host).set(sum(cost.host_bytes for cost in costs))

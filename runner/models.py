@@ -23,7 +23,7 @@ from runner import budget, gpu
 from runner.artifacts import Artifacts
 from runner.backends import Backend, Load, load_instances
 from runner.backends.providers import Acceleration
-from runner.budget import Cost, Held, Limits
+from runner.budget import Cost, Held, MemoryLimits
 from runner.metrics import (
     CPU_DEVICES,
     MEMORY_EVICTIONS,
@@ -34,7 +34,7 @@ from runner.metrics import (
     model_loaded,
     model_unloaded,
 )
-from runner.slots import Slots
+from runner.rate_limiter import RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,12 @@ class LoadedModels:
         retry_s: float = 30.0,
         accel: Acceleration | None = None,
         started_ms: int | None = None,
-        limits: Limits | None = None,
+        limits: MemoryLimits | None = None,
         slots: Mapping[str, int] | None = None,
     ) -> None:
         """`started_ms`: when this runner started (wall clock; by default now), for the loading rule.
         `limits`: the memory budget (runner.budget); None: none. `slots`: the device's execution
-        slots (runner.slots), which batches hold while they run."""
+        slots (runner.rate_limiter), which batches hold while they run."""
         self._threads = threads
         self._started_ms = _now_ms() if started_ms is None else started_ms
         self._loading_since: dict[Key, int] = {}
@@ -98,7 +98,7 @@ class LoadedModels:
         self._failures: dict[Key, tuple[float, Unavailable]] = {}
         self._stuck: set[asyncio.Task[None]] = set()
         self._limits = limits
-        self.slots = Slots(slots)
+        self.slots = RateLimiter(slots)
         self.costs = budget.Costs()
         self._admission = asyncio.Lock()
         """Under a budget, one load at a time: each load's measure is its own."""
@@ -320,7 +320,7 @@ class LoadedModels:
             for key, model in self._models.items()
         ]
 
-    async def _make_room(self, function: FunctionVersion, limits: Limits) -> None:
+    async def _make_room(self, function: FunctionVersion, limits: MemoryLimits) -> None:
         """Unload idle models, least recently used first, until `function`'s cost fits; while the
         models in use leave too little, wait for one to be released, up to its load_timeout_s.
         Raises Unavailable when it can never fit, or did not within that time."""
@@ -351,7 +351,7 @@ class LoadedModels:
         if keys:
             await asyncio.to_thread(budget.give_back_memory)
 
-    async def _settle(self, model: LoadedModel, limits: Limits) -> None:
+    async def _settle(self, model: LoadedModel, limits: MemoryLimits) -> None:
         """After a load, with its measured cost: unload more idle models if the measure came out
         over the estimate and the budget; a model that alone is over the budget is unloaded again
         and refused."""

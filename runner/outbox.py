@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from fngate import clients, delivery, keys, queue
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 from fngate.wire import Fields, Invocation, Reply
 from runner.metrics import CACHE_STORE_FAILURES
 from runner.pipeline import Finished, Steps
@@ -32,7 +32,7 @@ class Entry:
     """What it counts against max_queue_bytes (fngate.queue.entry_bytes)."""
     alone: bool = False
     """Redelivered, or split out of a batch that failed: runs in a batch of its own
-    (runner.batching.Waiting)."""
+    (runner.batching.Pending)."""
     level: int = 0
     """The priority level whose stream it came from (fngate.keys.levels)."""
     step: bytes = b""
@@ -40,7 +40,7 @@ class Entry:
 
 
 class Outbox:
-    def __init__(self, redis: PipelinedRedis, stream: str, settings: RunnerSettings) -> None:
+    def __init__(self, redis: FastRedis, stream: str, settings: RunnerSettings) -> None:
         self._stream = stream
         self._reply_maxlen = settings.reply_maxlen
         self._finish = Script(redis, queue.FINISH)

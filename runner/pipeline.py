@@ -19,7 +19,7 @@ from prometheus_client import Counter
 from fngate import delivery, keys, queue, telemetry
 from fngate.cache_key import cache_key
 from fngate.errors import FunctionError, Internal, Overloaded
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 from fngate.plan import (
     StepContext,
     carried_for,
@@ -29,7 +29,8 @@ from fngate.plan import (
     step_entry,
     step_inputs,
 )
-from fngate.wire import Invocation, Reply, Tensors
+from fngate.tensors import Tensors
+from fngate.wire import Invocation, Reply
 
 log = logging.getLogger(__name__)
 Available = Mapping[str, np.ndarray[Any, Any]]
@@ -53,7 +54,7 @@ class Finished:
 class Steps:
     """The forwarding of one runner's finished steps, on the outbox's connection."""
 
-    def __init__(self, redis: PipelinedRedis, caching: bool = True) -> None:
+    def __init__(self, redis: FastRedis, caching: bool = True) -> None:
         self._redis = redis
         self._caching = caching
         """Steps whose function has its cache on are looked up and stored (in the queue's Redis)."""

@@ -25,10 +25,9 @@ import numpy as np
 import orjson
 
 from fngate.errors import ErrorCode, FunctionError
-from fngate.tensors import DATATYPES, datatype_of, from_bytes, to_bytes
+from fngate.tensors import DATATYPES, Tensors, datatype_of, from_bytes, to_bytes
 from runner.confinement import Confinement, confine
 
-Tensors = dict[str, np.ndarray[Any, Any]]
 Header = dict[str, Any]
 Buffer = bytes | memoryview
 
@@ -49,7 +48,7 @@ def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if not SECRET.search(name.upper())}
 
 
-def encode_tensors(tensors: Mapping[str, np.ndarray[Any, Any]]) -> tuple[list[list[Any]], list[Buffer]]:
+def pack_tensors(tensors: Mapping[str, np.ndarray[Any, Any]]) -> tuple[list[list[Any]], list[Buffer]]:
     """Each tensor as [name, datatype, shape, byte length], and its buffer (a view, not a copy, for a
     C-contiguous little-endian array)."""
     specs: list[list[Any]] = []
@@ -69,7 +68,7 @@ def encode_tensors(tensors: Mapping[str, np.ndarray[Any, Any]]) -> tuple[list[li
     return specs, buffers
 
 
-def decode_tensors(specs: Sequence[Sequence[Any]], body: np.ndarray[Any, Any]) -> Tensors:
+def unpack_tensors(specs: Sequence[Sequence[Any]], body: np.ndarray[Any, Any]) -> Tensors:
     """Arrays over `body`, a uint8 array (no copy for fixed-size datatypes)."""
     tensors: Tensors = {}
     offset = 0
@@ -179,9 +178,9 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
         if header.get("op") == "close":
             return
         try:
-            inputs = decode_tensors(header["tensors"], body)
+            inputs = unpack_tensors(header["tensors"], body)
             outputs = _infer(model, name, inputs, header["outputs"], header.get("rows"))
-            specs, buffers = encode_tensors(outputs)
+            specs, buffers = pack_tensors(outputs)
         except FunctionError as exc:
             send(replies, {"error": exc.message, "code": exc.code.value})
             continue

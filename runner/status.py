@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from fngate import status_port, triton_metrics
+from fngate import nv_metrics, status_port
 from fngate.nvml import read_gpus
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class StatusServer:
 
     async def _route(self, path: str) -> tuple[str, str, bytes]:
         if path == "/metrics":
-            gpus = triton_metrics.render(triton_metrics.gpu_families(await asyncio.to_thread(read_gpus)))
+            gpus = nv_metrics.render(nv_metrics.gpu_families(await asyncio.to_thread(read_gpus)))
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest() + gpus
         if path == "/healthz/live":
             return "200 OK", "text/plain", b"live\n"

@@ -23,7 +23,7 @@ from fngate.registry import ModelState, StateBoard, function_source
 from runner import budget, gpu, idle
 from runner.artifacts import Artifacts
 from runner.backends.providers import Acceleration
-from runner.budget import Limits
+from runner.budget import MemoryLimits
 from runner.lifecycle import Lifecycle
 from runner.models import LoadedModels
 from runner.status import StatusServer, redis_ready
@@ -100,7 +100,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
     log.info("runner %s stopped", name)
 
 
-def memory_limits(settings: RunnerSettings) -> Limits | None:
+def memory_limits(settings: RunnerSettings) -> MemoryLimits | None:
     """The memory budget from the settings (runner.budget.runner_limits); None when it is off.
     Blocking (NVML): run it in a thread."""
     if not settings.memory_budget:
@@ -116,7 +116,7 @@ def memory_limits(settings: RunnerSettings) -> Limits | None:
     )
 
 
-def describe_limits(limits: Limits | None) -> str:
+def describe_limits(limits: MemoryLimits | None) -> str:
     if limits is None:
         return "no memory budget"
     parts = [f"memory budget {(limits.host_bytes or 0) / budget.MIB:.0f} MiB"]

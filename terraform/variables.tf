@@ -307,7 +307,7 @@ variable "registry_sync_schedule" {
 }
 
 variable "fngate_python" {
-  description = "Python interpreter with fngate installed; Terraform runs `python -m fngate.tools.k8s` with it to render the Kubernetes objects."
+  description = "Python interpreter with fngate installed; Terraform runs `python -m fngate.k8s` with it to render the Kubernetes objects."
   type        = string
   default     = "../.venv/bin/python"
 }

@@ -25,7 +25,8 @@ import redis.asyncio as aioredis
 from fngate import clients
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
-from fngate.tools import local, local_cluster
+from fngate.up import supervisor
+from fngate.up.redis_cluster import ClusterError, LocalCluster, start_cluster
 from gateway.app import create_app
 from gateway.http.server import SERVERS
 from runner.worker import main as runner_main
@@ -68,8 +69,8 @@ def suite_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def start_redis(folder: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     try:
-        return local.start_redis(folder, *args)
-    except local.LocalError as exc:
+        return supervisor.start_redis(folder, *args)
+    except supervisor.LocalError as exc:
         pytest.fail(str(exc))
 
 
@@ -82,11 +83,11 @@ def single_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_cluster.LocalCluster]:
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """3 primaries and 3 replicas of `redis-server --cluster-enabled yes` on loopback."""
     try:
-        cluster = local_cluster.start_cluster(tmp_path_factory.mktemp("cluster"))
-    except local_cluster.ClusterError as exc:
+        cluster = start_cluster(tmp_path_factory.mktemp("cluster"))
+    except ClusterError as exc:
         pytest.fail(str(exc))
     yield cluster
     cluster.stop()
@@ -97,7 +98,7 @@ def redis_url(request: pytest.FixtureRequest) -> str:
     """The queue's URL: the session's Redis, or its Redis Cluster where the test is parametrized
     so (on_cluster_too)."""
     if getattr(request, "param", "redis") == "cluster":
-        cluster: local_cluster.LocalCluster = request.getfixturevalue("redis_cluster")
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
         return cluster.url
     url: str = request.getfixturevalue("single_redis_url")
     return url

@@ -17,14 +17,14 @@ import redis
 
 from fngate import keys
 from fngate.process import stop_processes
-from fngate.tools.state import read_up, state_dir
+from fngate.up.state import read_up, state_dir
 from tests.conftest import ROOT, SUITE_VARIABLES_KEPT, free_socket
 from tests.e2e.deployments import cli, scale_function
 
 UP_TIMEOUT_S = 60
 INNER = [
     "tests/test_isolation.py::test_the_suite_has_its_own_home",
-    "tests/fngate/test_cli.py::test_invoke_sends_ups_admin_key_to_ups_gateway_only",
+    "tests/fngate/cli/test_main.py::test_invoke_sends_ups_admin_key_to_ups_gateway_only",
 ]
 """Tests that read what a running up leaves (its state, FNGATE_API_KEY): run inside a user's setting."""
 
@@ -70,7 +70,7 @@ def test_a_users_running_up_is_invisible_to_the_suite(tmp_path: Path) -> None:
     }
     environ["HOME"] = str(user)
     port = free_port()
-    command = [sys.executable, "-m", "fngate.tools.cli", "up", "--repo", str(user / "functions")]
+    command = [sys.executable, "-m", "fngate.cli.main", "up", "--repo", str(user / "functions")]
     command += ["--port", str(port), "--metrics-port", str(free_port()), "--grpc-port", "0"]
     command += ["--gateway-workers", "1"]
     command += ["--no-standby-runner"]

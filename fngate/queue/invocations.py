@@ -22,7 +22,7 @@ AS, TO, BY = b"as", b"to", b"by"
 runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
 
 # given(key): a key the caller passed. One that is not given is '' on one Redis; on a Redis Cluster
-# it is the hash tag of the call's first key alone ('{tiny}': fngate.cluster.placeheld), since a
+# it is the hash tag of the call's first key alone ('{tiny}': fngate.fastredis_cluster.placeheld), since a
 # declared key of another slot (slot 0, for '') would refuse the whole call. No key fngate names
 # starts with '{'.
 GIVEN_LUA = """
@@ -437,7 +437,7 @@ class Queued:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Waiting:
+class Coalesced:
     """An identical invocation is in flight: its reply will come, addressed `for` this one."""
 
 
@@ -463,7 +463,7 @@ class Limited:
     retry_after_ms: int
 
 
-EnqueueOutcome = Queued | Waiting | Hit | Full | Limited
+EnqueueOutcome = Queued | Coalesced | Hit | Full | Limited
 
 
 def full_message(what: str, limit: str, asynchronous: bool = False) -> str:
@@ -481,7 +481,7 @@ def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
     if kind == b"queued":
         return Queued()
     if kind == b"wait":
-        return Waiting()
+        return Coalesced()
     if kind == b"hit":
         return Hit({HEADER: raw[1], BODY: raw[2] or b""})
     if kind == b"full":

@@ -29,7 +29,7 @@ Signature = Callable[[], "ModelSignature"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Tensor:
+class TensorConfig:
     name: str
     datatype: str
     dims: tuple[int, ...]
@@ -38,8 +38,8 @@ class Tensor:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelSignature:
-    inputs: tuple[Tensor, ...]
-    outputs: tuple[Tensor, ...]
+    inputs: tuple[TensorConfig, ...]
+    outputs: tuple[TensorConfig, ...]
 
 
 def _name_of(value: int) -> str:

@@ -13,7 +13,7 @@ from fngate.triton.config import (
     CONFIG_FILE,
     MODEL_FILES,
     ModelSignature,
-    Tensor,
+    TensorConfig,
     complete,
     map_config,
     parse_config,
@@ -45,7 +45,7 @@ class TritonVersion:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class TritonModel:
+class ModelFolder:
     name: str
     """The model's name in Triton (its folder's)."""
     versions: tuple[TritonVersion, ...]
@@ -69,7 +69,7 @@ def version_folders(folder: Path) -> list[str]:
     return sorted((item.name for item in _numbered(folder)), key=int)
 
 
-def read_model(folder: Path) -> TritonModel:
+def read_model(folder: Path) -> ModelFolder:
     """Read and map a model folder; raises ManifestError when it cannot be served at all."""
     source = str(folder / CONFIG_FILE)
     config_path = folder / CONFIG_FILE
@@ -105,7 +105,7 @@ def read_model(folder: Path) -> TritonModel:
     if not found:
         raise ManifestError(source, [("", f"no version folder holds {mapped.model_file}")])
     warnings += [f"{source}: {note}" for note in notes]
-    return TritonModel(folder.name, tuple(found), tuple(warnings))
+    return ModelFolder(folder.name, tuple(found), tuple(warnings))
 
 
 def onnx_signature(path: Path) -> ModelSignature:
@@ -126,13 +126,13 @@ def onnx_signature(path: Path) -> ModelSignature:
     return ModelSignature(inputs, tuple(_onnx_tensor(item) for item in graph.output))
 
 
-def _onnx_tensor(value: object) -> Tensor:
+def _onnx_tensor(value: object) -> TensorConfig:
     tensor_type = value.type.tensor_type  # type: ignore[attr-defined]
     datatype = ONNX_DATATYPES.get(tensor_type.elem_type)
     if datatype is None:
         raise ValueError(f"'{value.name}': ONNX type {tensor_type.elem_type} has no datatype")  # type: ignore[attr-defined]
     dims = tuple(dim.dim_value if dim.HasField("dim_value") else -1 for dim in tensor_type.shape.dim)
-    return Tensor(value.name, datatype, dims)  # type: ignore[attr-defined]
+    return TensorConfig(value.name, datatype, dims)  # type: ignore[attr-defined]
 
 
 def _ort_signature(path: Path) -> ModelSignature:
@@ -145,12 +145,12 @@ def _ort_signature(path: Path) -> ModelSignature:
     except Exception as exc:  # onnxruntime's own exception types are not importable by name
         raise ValueError(f"onnxruntime cannot read it: {exc}") from exc
 
-    def tensor(item: object) -> Tensor:
+    def tensor(item: object) -> TensorConfig:
         kind = str(item.type).removeprefix("tensor(").removesuffix(")")  # type: ignore[attr-defined]
         if kind not in ORT_TYPES:
             raise ValueError(f"'{item.name}': {item.type} has no datatype")  # type: ignore[attr-defined]
         dims = tuple(dim if isinstance(dim, int) else -1 for dim in item.shape)  # type: ignore[attr-defined]
-        return Tensor(item.name, ORT_TYPES[kind], dims)  # type: ignore[attr-defined]
+        return TensorConfig(item.name, ORT_TYPES[kind], dims)  # type: ignore[attr-defined]
 
     return ModelSignature(
         tuple(tensor(item) for item in session.get_inputs()),

@@ -19,7 +19,7 @@ What it keeps to, and how it answers a peer that does not:
 - Flow control: the peer's windows are kept per stream and for the connection
   (`send_window`), and nothing is sent past them. Received bytes are given back with WINDOW_UPDATE
   as they arrive, once half of a window is used: a client's sends never stall on the gateway's
-  reading, and no window can be overrun; the transport bounds what it holds with its decode budget.
+  reading, and no window can be overrun; the transport bounds what it holds with its decode allowance.
 - HPACK: hpack's encoder and decoder (gateway.grpc.hpack_memo's, which remember the blocks gRPC
   repeats), the header list bounded by `max_header_list_size` and the compressed block by twice it.
 - PING is answered, PRIORITY ignored, PUSH_PROMISE refused, frames of unknown types ignored.
@@ -83,7 +83,7 @@ Events = list[tuple[Event, int, Any]]
 """(event, stream id, value): the value is the event's (a REQUEST's header list, DATA's bytes...)."""
 
 
-class ErrorCode(enum.IntEnum):
+class Http2ErrorCode(enum.IntEnum):
     NO_ERROR = 0x0
     PROTOCOL_ERROR = 0x1
     INTERNAL_ERROR = 0x2
@@ -103,7 +103,7 @@ class ErrorCode(enum.IntEnum):
 class ProtocolError(Exception):
     """The peer broke HTTP/2: a GOAWAY with `code` is queued, and the connection must end."""
 
-    def __init__(self, code: ErrorCode, why: str) -> None:
+    def __init__(self, code: Http2ErrorCode, why: str) -> None:
         super().__init__(why)
         self.code = code
 
@@ -220,11 +220,13 @@ class ServerConnection:
         stream = self.streams.get(stream_id)
         return stream is not None and stream.remote_open
 
-    def reset_stream(self, stream_id: int, code: ErrorCode) -> None:
+    def reset_stream(self, stream_id: int, code: Http2ErrorCode) -> None:
         self.streams.pop(stream_id, None)
         self._frame(RST_STREAM, 0, stream_id, _U32.pack(code))
 
-    def close_connection(self, code: ErrorCode = ErrorCode.NO_ERROR, additional_data: bytes = b"") -> None:
+    def close_connection(
+        self, code: Http2ErrorCode = Http2ErrorCode.NO_ERROR, additional_data: bytes = b""
+    ) -> None:
         """GOAWAY: no stream past the last one opened will be served."""
         if self.ended:
             return
@@ -244,11 +246,11 @@ class ServerConnection:
             if not self._preface:
                 if len(buffer) < len(PREFACE):
                     if not PREFACE.startswith(buffer):
-                        raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 preface")
+                        raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 preface")
                     self._in = buffer
                     return events
                 if not buffer.startswith(PREFACE):
-                    raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 preface")
+                    raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "not the HTTP/2 preface")
                 self._preface = True
                 position = len(PREFACE)
             end = len(buffer)
@@ -257,7 +259,7 @@ class ServerConnection:
                 high, low, kind, flags, stream_id = unpack(buffer, position)
                 length = high << 8 | low
                 if length > MAX_FRAME_SIZE:
-                    raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                    raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
                 start = position + 9
                 if end - start < length:
                     break
@@ -274,10 +276,12 @@ class ServerConnection:
 
     def _dispatch(self, kind: int, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if self._block is not None and kind != CONTINUATION:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a frame inside a header block")
         if not self.settled:
             if kind != SETTINGS or flags & ACK:
-                raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "the preface's SETTINGS did not come first")
+                raise ProtocolError(
+                    Http2ErrorCode.PROTOCOL_ERROR, "the preface's SETTINGS did not come first"
+                )
             self.settled = True
         if kind == HEADERS:
             self._headers(flags, stream_id, payload, events)
@@ -305,21 +309,21 @@ class ServerConnection:
             _shaped("GOAWAY", stream_id == 0, len(payload) >= 8)
             events.append((Event.GOAWAY, 0, None))
         elif kind == PUSH_PROMISE:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
         # any other type is an extension this side does not know: ignored
 
     def _headers(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if stream_id == 0:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
         start, end = 0, len(payload)
         if flags & PADDED:
             if not payload:
-                raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "HEADERS without its pad length")
+                raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "HEADERS without its pad length")
             start, end = 1, end - payload[0]
         if flags & PRIORITY_FLAG:
             start += 5
         if end < start:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "HEADERS padding past its frame")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "HEADERS padding past its frame")
         fragment = payload[start:end]
         if flags & END_HEADERS:
             self._header_block(stream_id, fragment, bool(flags & END_STREAM), events)
@@ -331,7 +335,7 @@ class ServerConnection:
     def _continuation(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         block = self._block
         if block is None or stream_id != self._block_stream:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
         block += payload
         self._check_block_size()
         if flags & END_HEADERS:
@@ -340,22 +344,24 @@ class ServerConnection:
 
     def _check_block_size(self) -> None:
         if self._block is not None and len(self._block) > 2 * self.max_header_list_size:
-            raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM, "a header block past the header list's limit")
+            raise ProtocolError(
+                Http2ErrorCode.ENHANCE_YOUR_CALM, "a header block past the header list's limit"
+            )
 
     def _header_block(self, stream_id: int, block: bytes, end_stream: bool, events: Events) -> None:
         try:  # always decoded, even for a stream refused or ended: HPACK's table must follow the peer's
             headers = self.decoder.decode(block, raw=True)
         except hpack.OversizedHeaderListError as exc:
-            raise ProtocolError(ErrorCode.ENHANCE_YOUR_CALM, "a header list past its limit") from exc
+            raise ProtocolError(Http2ErrorCode.ENHANCE_YOUR_CALM, "a header list past its limit") from exc
         except Exception as exc:  # hpack's HPACKDecodingError, InvalidTableIndex, ...
             raise ProtocolError(
-                ErrorCode.COMPRESSION_ERROR, f"a header block HPACK cannot decode ({type(exc).__name__})"
+                Http2ErrorCode.COMPRESSION_ERROR, f"a header block HPACK cannot decode ({type(exc).__name__})"
             ) from exc
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers: they must end the stream
             if not end_stream:
                 raise ProtocolError(
-                    ErrorCode.PROTOCOL_ERROR, "a second header block that does not end its stream"
+                    Http2ErrorCode.PROTOCOL_ERROR, "a second header block that does not end its stream"
                 )
             if stream.remote_open:
                 stream.remote_open = False
@@ -366,10 +372,10 @@ class ServerConnection:
         if stream_id <= self.highest_stream_id:
             return  # a stream that ended
         if not stream_id & 1:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a client opened an even-numbered stream")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a client opened an even-numbered stream")
         self.highest_stream_id = stream_id
         if len(self.streams) >= self.max_streams:
-            self._frame(RST_STREAM, 0, stream_id, _U32.pack(ErrorCode.REFUSED_STREAM))
+            self._frame(RST_STREAM, 0, stream_id, _U32.pack(Http2ErrorCode.REFUSED_STREAM))
             return
         stream = self.streams[stream_id] = _Stream(self._initial_send_window)
         events.append((Event.REQUEST, stream_id, headers))
@@ -379,7 +385,7 @@ class ServerConnection:
 
     def _data(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if stream_id == 0:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # padding included: all of it counts against the windows
         self._received += size
         if self._received >= self.connection_window // 2:
@@ -388,16 +394,16 @@ class ServerConnection:
         start, end = 0, size
         if flags & PADDED:
             if not payload:
-                raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "DATA without its pad length")
+                raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "DATA without its pad length")
             start, end = 1, size - payload[0]
             if end < start:
-                raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "DATA padding past its frame")
+                raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "DATA padding past its frame")
         stream = self.streams.get(stream_id)
         if stream is None:
             self._known(stream_id)
             return  # a stream that ended (perhaps reset by this side while the frame flew)
         if not stream.remote_open:
-            raise ProtocolError(ErrorCode.STREAM_CLOSED, "DATA after the end of its stream")
+            raise ProtocolError(Http2ErrorCode.STREAM_CLOSED, "DATA after the end of its stream")
         if end > start:
             events.append((Event.DATA, stream_id, payload[start:end] if end - start < size else payload))
         if flags & END_STREAM:
@@ -413,14 +419,14 @@ class ServerConnection:
 
     def _window_update(self, stream_id: int, payload: bytes, events: Events) -> None:
         if len(payload) != 4:
-            raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE")
+            raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE")
         increment = _U32.unpack(payload)[0] & MAX_WINDOW
         if increment == 0:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
         if stream_id == 0:
             self.send_window += increment
             if self.send_window > MAX_WINDOW:
-                raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "the connection's window past 2^31-1")
+                raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "the connection's window past 2^31-1")
         else:
             stream = self.streams.get(stream_id)
             if stream is None:
@@ -428,39 +434,41 @@ class ServerConnection:
                 return
             stream.send_window += increment
             if stream.send_window > MAX_WINDOW:
-                raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1")
+                raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1")
         events.append((Event.WINDOW, stream_id, None))
 
     def _settings(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if stream_id:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
             if payload:
-                raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS ACK with a payload")
+                raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "a SETTINGS ACK with a payload")
             return
         if len(payload) % 6:
-            raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
+            raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
         for offset in range(0, len(payload), 6):
             code, value = _SETTING.unpack_from(payload, offset)
             if code == SETTINGS_HEADER_TABLE_SIZE:
                 self.encoder.header_table_size = value
             elif code == SETTINGS_ENABLE_PUSH:
                 if value > 1:
-                    raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH past 1")
+                    raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH past 1")
             elif code == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ProtocolError(
-                        ErrorCode.FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE past 2^31-1"
+                        Http2ErrorCode.FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE past 2^31-1"
                     )
                 delta = value - self._initial_send_window
                 self._initial_send_window = value
                 for stream in self.streams.values():
                     stream.send_window += delta
                     if stream.send_window > MAX_WINDOW:
-                        raise ProtocolError(ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1")
+                        raise ProtocolError(
+                            Http2ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1"
+                        )
             elif code == SETTINGS_MAX_FRAME_SIZE:
                 if not MAX_FRAME_SIZE <= value <= 2**24 - 1:
-                    raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
+                    raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
                 self.max_outbound_frame_size = value
         self._frame(SETTINGS, ACK, 0, b"")
         events.append((Event.SETTINGS, 0, None))
@@ -470,7 +478,7 @@ class ServerConnection:
     def _known(self, stream_id: int) -> None:
         """A frame for a stream not open: one that ended is fine, one never opened is not."""
         if stream_id > self.highest_stream_id:
-            raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "a frame for a stream never opened")
+            raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a frame for a stream never opened")
 
     def _end_local(self, stream_id: int, stream: _Stream) -> None:
         stream.local_open = False
@@ -488,6 +496,6 @@ def _shaped(name: str, on_its_stream: bool, of_its_length: bool) -> None:
     """A control frame on the stream its type requires (PROTOCOL_ERROR) and of its length
     (FRAME_SIZE_ERROR)."""
     if not on_its_stream:
-        raise ProtocolError(ErrorCode.PROTOCOL_ERROR, f"{name} on the wrong stream")
+        raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, f"{name} on the wrong stream")
     if not of_its_length:
-        raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, f"{name} of the wrong length")
+        raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, f"{name} of the wrong length")

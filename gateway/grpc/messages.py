@@ -58,7 +58,7 @@ def read(rpc: Rpc, data: bytes, limit: int) -> Iterator[tuple[bool, Buffer]]:
 
 def inflated(rpc: Rpc, payload: Buffer, limit: int) -> bytearray:
     """A compressed message in the stream's `grpc-encoding` (gateway.decompression, as HTTP bodies
-    are), its inflated bytes held in the stream's share of the decode budget."""
+    are), its inflated bytes held in the stream's share of the decode allowance."""
     if rpc.encoding == b"identity":
         raise RpcError(Status.INTERNAL, "a compressed message without grpc-encoding")
     plain = bytearray()

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from gateway.budget import DecodeBudget, Hold
+from gateway.allowance import DecodeAllowance, Hold
 from gateway.grpc.status import Status
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class Method:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Limits:
+class RpcLimits:
     max_message_bytes: int
     max_headers: int
     max_header_bytes: int
@@ -53,7 +53,7 @@ class Limits:
     max_connections: int
     """Open connections of the process, and RPCs in flight over all of them (as HTTP's requests in
     flight)."""
-    budget: DecodeBudget
+    budget: DecodeAllowance
     failure: Callable[[BaseException, Rpc], RpcError]
     """A handler's exception as the status it ends its RPC with (logged there when unexpected)."""
 

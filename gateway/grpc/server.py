@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fngate.errors import Unavailable
-from gateway.grpc.rpc import Limits, Open
+from gateway.grpc.rpc import Open, RpcLimits
 from gateway.grpc.service import GrpcInference
 from gateway.grpc.transport import GrpcConnection
 from gateway.state import Services
@@ -27,7 +27,7 @@ async def serving(services: Services) -> AsyncIterator[int]:
     settings = services.settings
     service = GrpcInference(services)
     methods = service.methods()
-    limits = Limits(
+    limits = RpcLimits(
         max_message_bytes=settings.max_body_bytes,
         max_headers=settings.max_headers,
         max_header_bytes=settings.max_header_bytes,

@@ -21,11 +21,12 @@ from fngate import telemetry
 from fngate.errors import ErrorCode, FunctionError, Internal, PayloadTooLarge, PermissionDenied, RateLimited
 from fngate.manifest import FunctionManifest
 from fngate.repository import FunctionVersion
-from fngate.wire import Reply, Tensors
+from fngate.tensors import Tensors
+from fngate.wire import Reply
 from gateway import control, metadata, metrics
 from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, Principal, UnknownKey
 from gateway.call import Call
-from gateway.grpc import protocol
+from gateway.grpc import codec
 from gateway.grpc.rpc import Method, Rpc, RpcError
 from gateway.grpc.status import CODES, Status
 from gateway.state import Services
@@ -82,7 +83,7 @@ class GrpcInference:
 
     async def ModelMetadata(self, request: Any, rpc: Rpc) -> Any:
         await self._authorize(rpc, READ, request.name)
-        return protocol.metadata(metadata.model(self.services.catalog, request.name, request.version or None))
+        return codec.metadata(metadata.model(self.services.catalog, request.name, request.version or None))
 
     async def ModelReady(self, request: Any, rpc: Rpc) -> Any:
         await self._authorize(rpc, READ, request.name)
@@ -92,7 +93,7 @@ class GrpcInference:
     async def ModelConfig(self, request: Any, rpc: Rpc) -> Any:
         await self._authorize(rpc, READ, request.name)
         document = metadata.configuration(self.services.catalog, request.name, request.version or None)
-        return service_pb2.ModelConfigResponse(config=protocol.model_config(document))
+        return service_pb2.ModelConfigResponse(config=codec.model_config(document))
 
     async def ModelStatistics(self, request: Any, rpc: Rpc) -> Any:
         """Of one function, or of every function the key may read."""
@@ -105,7 +106,7 @@ class GrpcInference:
             request.version or None,
             lambda name: principal.allows(READ, name),
         )
-        return protocol.statistics(document)
+        return codec.statistics(document)
 
     async def RepositoryIndex(self, request: Any, rpc: Rpc) -> Any:
         await self._authorize(rpc, READ, None)
@@ -144,7 +145,7 @@ class GrpcInference:
         try:
             function = self._function(request)
             manifest = function.manifest
-            inputs = parse_now(protocol.inputs_of, request, manifest)
+            inputs = parse_now(codec.inputs_of, request, manifest)
         except FunctionError as exc:
             self._refused(request, exc)
             raise
@@ -214,13 +215,13 @@ class GrpcInference:
         try:
             function = self._function(request)
             manifest = function.manifest
-            inputs = await parse(protocol.inputs_of, request, request.ByteSize(), manifest)
+            inputs = await parse(codec.inputs_of, request, request.ByteSize(), manifest)
         except FunctionError as exc:
             self._refused(request, exc)
             raise
         call = self._call(request, function, rpc, principal, traceparent, started, inputs)
         reply = await self.services.dispatcher.invoke(call)
-        return protocol.response_of(reply, manifest, request.id)
+        return codec.response_of(reply, manifest, request.id)
 
     def _function(self, request: Any) -> FunctionVersion:
         return self.services.catalog.get(request.model_name, request.model_version or None)
@@ -241,20 +242,20 @@ class GrpcInference:
         inputs: Tensors,
     ) -> Call:
         try:
-            params = protocol.parameters(request.parameters)
+            params = codec.parameters(request.parameters)
             return Call(
                 function,
                 inputs,
-                protocol.outputs_of(request, function.manifest),
+                codec.outputs_of(request, function.manifest),
                 principal,
-                protocol.timeout_ms(params, rpc.time_remaining() if rpc is not None else None),
-                protocol.use_cache(params),
+                codec.timeout_ms(params, rpc.time_remaining() if rpc is not None else None),
+                codec.use_cache(params),
                 request.id or None,
                 traceparent,
                 None,
                 started,
-                priority=protocol.natural(params, "priority") or 0,
-                queue_timeout_us=protocol.natural(params, "timeout"),
+                priority=codec.natural(params, "priority") or 0,
+                queue_timeout_us=codec.natural(params, "timeout"),
             )
         except FunctionError as exc:
             self._refused(request, exc)
@@ -278,7 +279,7 @@ def _answer(
         answer.set_exception(error)
     else:
         try:
-            answer.set_result(protocol.response_of(reply.result(), manifest, request_id))
+            answer.set_result(codec.response_of(reply.result(), manifest, request_id))
         except Exception as exc:  # a bug: the transport logs it and answers INTERNAL
             answer.set_exception(exc)
 

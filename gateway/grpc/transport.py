@@ -5,7 +5,7 @@ in the trailers; its length-prefixed messages are gateway.grpc.messages'.
 
 A unary RPC whose handler answers a future (ModelInfer's) costs no task: the answer is written
 from the future's done callback. Everything a connection holds is bounded: message size, open
-streams, the bytes buffered (the gateway's decode budget), the header block (HPACK's limit),
+streams, the bytes buffered (the gateway's decode allowance), the header block (HPACK's limit),
 client resets and PINGs per second, and how long a preface or a unary request may take to arrive.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from fngate.errors import InvalidArgument
 from gateway.grpc import messages
-from gateway.grpc.http2 import ErrorCode, Event, ProtocolError, ServerConnection
-from gateway.grpc.rpc import Buffer, Limits, Method, Open, Rpc, RpcError, percent_encoded, timeout_s
+from gateway.grpc.http2 import Event, Http2ErrorCode, ProtocolError, ServerConnection
+from gateway.grpc.rpc import Buffer, Method, Open, Rpc, RpcError, RpcLimits, percent_encoded, timeout_s
 from gateway.grpc.status import Status
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def server_connection(max_header_list_size: int) -> ServerConnection:
 
 
 class GrpcConnection(asyncio.Protocol):
-    def __init__(self, methods: dict[bytes, Method], limits: Limits, open_: Open) -> None:
+    def __init__(self, methods: dict[bytes, Method], limits: RpcLimits, open_: Open) -> None:
         self.methods = methods
         self.limits = limits
         self.open = open_
@@ -85,7 +85,8 @@ class GrpcConnection(asyncio.Protocol):
         self.http2.initiate()
         if len(self.open.connections) >= limits.max_connections:
             self.http2.close_connection(
-                ErrorCode.ENHANCE_YOUR_CALM, additional_data=b"too many connections to this gateway process"
+                Http2ErrorCode.ENHANCE_YOUR_CALM,
+                additional_data=b"too many connections to this gateway process",
             )
             self._close()
             return
@@ -173,7 +174,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self._going_away:
-            self.http2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)
+            self.http2.reset_stream(stream_id, Http2ErrorCode.REFUSED_STREAM)
             return
         values = dict(headers)
         path = values.get(b":path", b"")
@@ -311,7 +312,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _calm_down(self, why: bytes) -> None:
         """End a connection whose client sends what costs the gateway and serves nobody."""
-        self.http2.close_connection(ErrorCode.ENHANCE_YOUR_CALM, additional_data=why)
+        self.http2.close_connection(Http2ErrorCode.ENHANCE_YOUR_CALM, additional_data=why)
         self._close()
 
     def _window_opened(self, stream_id: int) -> None:
@@ -381,7 +382,7 @@ class GrpcConnection(asyncio.Protocol):
         NO_ERROR), as gRPC's HTTP/2 mapping asks."""
         self.http2.send_headers(stream_id, headers, end_stream=True)
         if self.http2.remote_open(stream_id):
-            self.http2.reset_stream(stream_id, ErrorCode.NO_ERROR)
+            self.http2.reset_stream(stream_id, Http2ErrorCode.NO_ERROR)
 
     def _forget(self, rpc: Rpc, cancel: bool = False) -> None:
         _settle(rpc)

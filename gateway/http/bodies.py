@@ -2,7 +2,7 @@
 part at a time into a decoder), within the body limit and timeout; decompressed in steps of
 INFLATE_STEP_BYTES (never more than the body limit in all); its JSON fed to gateway.http.decoding
 as it comes (the JSON header alone, for the binary tensor data extension, whose binary part is kept
-as it is); the bytes it holds counted against the process's decode budget; and the digest an
+as it is); the bytes it holds counted against the process's decode allowance; and the digest an
 Idempotency-Key is bound to computed on the way."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from starlette.types import Message, Receive
 
 from fngate.errors import InvalidArgument, PayloadTooLarge
 from fngate.manifest import FunctionManifest
-from gateway.budget import Hold
+from gateway.allowance import Hold
 from gateway.decompression import INFLATE_STEP_BYTES, Inflater
+from gateway.http.codec import InferRequest, header_size, load_json, v1_request, v2_request
 from gateway.http.decoding import JsonBodyDecoder
 from gateway.http.errors import BodyTimeout
-from gateway.http.protocol import InferRequest, header_size, load_json, v1_request, v2_request
 from gateway.invocations import RequestDigest
 from gateway.validation import OFF_LOOP_BYTES, parse_now
 
@@ -38,19 +38,19 @@ class StreamedBody:
 
     def __init__(
         self,
-        route: str,
+        dialect: str,
         manifest: FunctionManifest,
         header_length: str | None,
         hold: Hold,
         most_bytes: int,
         digest: RequestDigest | None = None,
     ) -> None:
-        self._route = route
+        self._dialect = dialect
         self._manifest = manifest
         self._hold = hold
-        self._json_bytes = header_size(header_length) if route == "v2" else None
+        self._json_bytes = header_size(header_length) if dialect == "v2" else None
         # A number takes at least one character and a comma: the most elements `most_bytes` hold.
-        self._decoder = JsonBodyDecoder(manifest, route, hold.add, most_bytes // 2 + 1)
+        self._decoder = JsonBodyDecoder(manifest, dialect, hold.add, most_bytes // 2 + 1)
         self._binary = bytearray()
         self._seen = 0
         self.digest = digest
@@ -78,7 +78,7 @@ class StreamedBody:
         if self._seen == 0:
             raise InvalidArgument("the request body is empty")
         doc = self._decoder.finish()
-        if self._route == "v1":
+        if self._dialect == "v1":
             return v1_request(doc, self._manifest, self._decoder.decoded)
         return v2_request(doc, memoryview(self._binary), self._manifest, self._decoder.decoded)
 

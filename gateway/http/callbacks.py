@@ -23,11 +23,11 @@ from redis.exceptions import RedisError, ResponseError
 from fngate import keys, queue
 from fngate.backoff import backoff_s
 from fngate.errors import InvalidArgument
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 from gateway.catalog import Catalog
 from gateway.destinations import CallbackPolicy, Destination
 from gateway.http.results import render
-from gateway.invocations import Submission
+from gateway.invocations import AsyncInvocation
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class CallbackSender:
     def __init__(
         self,
         reader: aioredis.Redis,
-        scripts: PipelinedRedis,
+        scripts: FastRedis,
         gateway_id: str,
         catalog: Catalog,
         secret: bytes,
@@ -195,7 +195,7 @@ class CallbackSender:
         result = queue.parse_result(await self._read([result_key], [keys.RUNNER_GROUP]))
         if result is None or result.reply is None:
             return  # expired meanwhile; nothing to send
-        submission = Submission.decode(result.record)
+        submission = AsyncInvocation.decode(result.record)
         status, headers, body = render(result, self._catalog)
         headers = {
             "Content-Type": headers.get("content-type", "application/json"),

@@ -56,12 +56,12 @@ class JsonBodyDecoder:
     def __init__(
         self,
         manifest: FunctionManifest,
-        route: str,
+        dialect: str,
         reserve: Callable[[int], None],
         max_elements: int,
     ) -> None:
         self.manifest = manifest
-        self.route = route
+        self.dialect = dialect
         """'v2' (the tensors under inputs[i].data) or 'v1' (under inputs.<name>)."""
         self._reserve = reserve
         self._max_elements = max_elements
@@ -216,7 +216,7 @@ class JsonBodyDecoder:
         """inputs[i] of a V2 body: the frame about to open under root -> "inputs" -> array."""
         stack = self._stack
         return (
-            self.route == "v2"
+            self.dialect == "v2"
             and frame.is_object
             and len(stack) == 2
             and stack[0].is_object
@@ -229,7 +229,7 @@ class JsonBodyDecoder:
         stack = self._stack
         if mark != b"[" or not stack or not stack[0].is_object or stack[0].key != "inputs":
             return False
-        if self.route == "v1":
+        if self.dialect == "v1":
             if len(stack) != 2 or not stack[1].is_object or not isinstance(stack[1].key, str):
                 return False
             slot: Any = stack[1].key

@@ -1,6 +1,6 @@
 """The invocation routes as a plain ASGI app in front of Starlette: POST /v2/models/{name}/infer,
 /v2/models/{name}/versions/{v}/infer and /v1/functions/{name}. They carry the traffic, so they
-need no Request and Response objects, no router and no middleware stack: the path is split once,
+need no InvokeHead and Response objects, no router and no middleware stack: the path is split once,
 the headers scanned once (the key checked from here), the body read into one buffer, the call
 handed to the core, and the answer sent as two ASGI messages. Everything else goes to the
 Starlette app behind.
@@ -23,12 +23,12 @@ from fngate.errors import ErrorCode, FunctionError, Internal, InvalidArgument
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply
 from gateway import metrics
+from gateway.allowance import Hold
 from gateway.auth import INVOKE, Principal
-from gateway.budget import Hold
 from gateway.call import Call, Later
 from gateway.http.bodies import STREAM_FROM_BYTES, AsgiBody, ClientDisconnected, StreamedBody, decode_streamed
+from gateway.http.codec import InferRequest, parse_v1, parse_v2, render_v1, render_v2
 from gateway.http.errors import error_body, headers_of, status_of
-from gateway.http.protocol import InferRequest, parse_v1, parse_v2, render_v1, render_v2
 from gateway.http.results import accepted_response
 from gateway.invocations import RequestDigest, check_callback_url, check_idempotency_key
 from gateway.state import Services
@@ -46,17 +46,20 @@ class Route:
     """What TracingMiddleware reads as `scope["route"]` to name the server span."""
 
     path: str
+    dialect: str
+    """'v1' (the serverless body) or 'v2' (the Open Inference Protocol): how bodies and results
+    of the route are written."""
 
 
-V2 = Route("/v2/models/{name}/infer")
-V2_PINNED = Route("/v2/models/{name}/versions/{version}/infer")
-V1 = Route("/v1/functions/{name}")
+V2 = Route("/v2/models/{name}/infer", "v2")
+V2_PINNED = Route("/v2/models/{name}/versions/{version}/infer", "v2")
+V1 = Route("/v1/functions/{name}", "v1")
 ROUTES = (V2, V2_PINNED, V1)
 """The invocation routes (POST): each needs the `invoke` scope of the function it names."""
 
 
 @dataclasses.dataclass(slots=True)
-class Request:
+class InvokeHead:
     """What the invoke path reads of an invocation's request line and headers, in one pass."""
 
     route: Route
@@ -92,14 +95,14 @@ class Request:
                 self.idempotency_key = value.decode("latin-1")
 
 
-def match(method: str, path: str) -> Request | None:
+def match(method: str, path: str) -> InvokeHead | None:
     if method != "POST":
         return None
     parts = path.split("/")
     if len(parts) == 5 and parts[1] == "v2" and parts[2] == "models" and parts[4] == "infer" and parts[3]:
-        return Request(V2, parts[3], None)
+        return InvokeHead(V2, parts[3], None)
     if len(parts) == 4 and parts[1] == "v1" and parts[2] == "functions" and parts[3]:
-        return Request(V1, parts[3], None)
+        return InvokeHead(V1, parts[3], None)
     if (
         len(parts) == 7
         and parts[1] == "v2"
@@ -109,7 +112,7 @@ def match(method: str, path: str) -> Request | None:
         and parts[3]
         and parts[5]
     ):
-        return Request(V2_PINNED, parts[3], parts[5])
+        return InvokeHead(V2_PINNED, parts[3], parts[5])
     return None
 
 
@@ -177,19 +180,22 @@ async def _send(send: Send, status: int, message: bytes, retry_after_s: int | No
 
 
 def streamed_body(
-    services: Services, request: Request, function: FunctionVersion, hold: Hold, digest: RequestDigest | None
+    services: Services,
+    request: InvokeHead,
+    function: FunctionVersion,
+    hold: Hold,
+    digest: RequestDigest | None,
 ) -> StreamedBody:
     """The decoder of an uncompressed body that is large, or of unknown length."""
     settings = services.settings
     header_length = request.header_length.decode("latin-1") if request.header_length is not None else None
     most = request.content_length if request.content_length is not None else settings.max_body_bytes
-    route = "v1" if request.route is V1 else "v2"
-    return StreamedBody(route, function.manifest, header_length, hold, most, digest)
+    return StreamedBody(request.route.dialect, function.manifest, header_length, hold, most, digest)
 
 
 async def decode_whole(
     services: Services,
-    request: Request,
+    request: InvokeHead,
     function: FunctionVersion,
     raw: bytes,
     hold: Hold,
@@ -210,14 +216,14 @@ async def decode_whole(
     )
 
 
-def authorize(services: Services, request: Request) -> Principal:
+def authorize(services: Services, request: InvokeHead) -> Principal:
     """The caller, if its key may invoke the function (checked before the body is read)."""
     return services.keys.authorize(request.authorization, INVOKE, request.name)
 
 
 async def answer(
     services: Services,
-    request: Request,
+    request: InvokeHead,
     body: AsgiBody | bytes,
     started: float | None = None,
     principal: Principal | None = None,
@@ -253,7 +259,7 @@ async def answer(
 
 async def submit(
     services: Services,
-    request: Request,
+    request: InvokeHead,
     function: FunctionVersion,
     parsed: InferRequest,
     principal: Principal,
@@ -280,7 +286,7 @@ async def submit(
         return internal_answer(request)
 
 
-async def check_callback(services: Services, request: Request) -> None:
+async def check_callback(services: Services, request: InvokeHead) -> None:
     """An X-Callback-Url the gateway may call (its host resolved and checked now, as it is again
     for each attempt), and a secret to sign with."""
     url = check_callback_url(request.callback_url)
@@ -291,16 +297,16 @@ async def check_callback(services: Services, request: Request) -> None:
     await services.destinations.resolve_async(url)
 
 
-def idempotency_digest(request: Request) -> RequestDigest | None:
+def idempotency_digest(request: InvokeHead) -> RequestDigest | None:
     """What the body of an asynchronous call with an Idempotency-Key is bound to, fed as it is read."""
     if not request.respond_async or not request.idempotency_key:
         return None
-    return RequestDigest(request.name, "v1" if request.route is V1 else "v2")
+    return RequestDigest(request.name, request.route.dialect)
 
 
 def call_now(
     services: Services,
-    request: Request,
+    request: InvokeHead,
     function: FunctionVersion,
     principal: Principal,
     raw: bytes,
@@ -313,7 +319,7 @@ def call_now(
 
 
 def _parser(
-    request: Request, function: FunctionVersion
+    request: InvokeHead, function: FunctionVersion
 ) -> tuple[Callable[..., InferRequest], tuple[Any, ...]]:
     manifest = function.manifest
     if request.route is V1:
@@ -323,7 +329,7 @@ def _parser(
 
 
 def call_of(
-    request: Request,
+    request: InvokeHead,
     function: FunctionVersion,
     parsed: InferRequest,
     principal: Principal,
@@ -346,10 +352,10 @@ def call_of(
     )
 
 
-def _later(request: Request, parsed: InferRequest, digest: RequestDigest | None) -> Later:
+def _later(request: InvokeHead, parsed: InferRequest, digest: RequestDigest | None) -> Later:
     idempotency = check_idempotency_key(request.idempotency_key)
     return Later(
-        "v1" if request.route is V1 else "v2",
+        request.route.dialect,
         check_callback_url(request.callback_url),
         idempotency,
         digest.hexdigest() if digest is not None and idempotency else "",
@@ -357,7 +363,7 @@ def _later(request: Request, parsed: InferRequest, digest: RequestDigest | None)
     )
 
 
-def rendered(request: Request, call: Call, parsed: InferRequest, reply: Reply) -> Answer:
+def rendered(request: InvokeHead, call: Call, parsed: InferRequest, reply: Reply) -> Answer:
     function = call.function
     cache_state = _cache_state(function, reply.cached)
     if request.route is V1:
@@ -374,7 +380,7 @@ def _cache_state(function: FunctionVersion, cached: bool) -> bytes:
     return b"hit" if cached else b"miss"
 
 
-def count_refusal(services: Services, request: Request, exc: FunctionError, started: float) -> None:
+def count_refusal(services: Services, request: InvokeHead, exc: FunctionError, started: float) -> None:
     """A failure before the core had the call (the core counts the rest); a name that is no
     function's is counted as ''."""
     label = request.name if request.name in services.catalog.functions else ""
@@ -389,7 +395,7 @@ def error_answer(services: Services, exc: FunctionError) -> Answer:
     return status_of(exc), headers, error_body(exc)
 
 
-def internal_answer(request: Request, logged: bool = False) -> Answer:
+def internal_answer(request: InvokeHead, logged: bool = False) -> Answer:
     """A 500 with a request id, for a bug; logged with its traceback (from an except block) unless
     `logged`."""
     request_id = uuid.uuid4().hex

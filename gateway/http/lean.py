@@ -21,13 +21,13 @@ from typing import Any
 from fngate.errors import FunctionError, PayloadTooLarge
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply
+from gateway.allowance import Hold
 from gateway.auth import OPEN, Principal, UnknownKey
-from gateway.budget import Hold
 from gateway.call import Call
 from gateway.http import invoke
 from gateway.http.bodies import STREAM_FROM_BYTES, StreamedBody
+from gateway.http.codec import InferRequest
 from gateway.http.errors import BodyTimeout
-from gateway.http.protocol import InferRequest
 from gateway.state import Services
 from gateway.validation import parse_now
 
@@ -61,7 +61,7 @@ class Exchange:
     )
 
     def __init__(
-        self, protocol: Any, cycle: Any, request: invoke.Request, services: Services, started: float
+        self, protocol: Any, cycle: Any, request: invoke.InvokeHead, services: Services, started: float
     ) -> None:
         self.protocol = protocol
         self.cycle = cycle

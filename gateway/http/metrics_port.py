@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from fngate import clients, keys, status_port, triton_metrics
+from fngate import clients, keys, nv_metrics, status_port
 from fngate.backoff import Health
 from fngate.config import GatewaySettings
 from fngate.nvml import read_gpus
@@ -42,20 +42,20 @@ class MetricsPort:
 
     async def scrape(self) -> bytes:
         """fngate's families, then Triton's. With Redis down: the families that need none."""
-        families: list[triton_metrics.Family] = []
+        families: list[nv_metrics.Family] = []
         try:
             families += await self._inference()
             self._health.succeeded()
         except (RedisError, OSError) as exc:
             self._health.failed("scrape", exc)
         collected = metrics.registry()
-        families += triton_metrics.cache_families(
+        families += nv_metrics.cache_families(
             metrics.counts(collected, "fngate_cache_hits"), metrics.counts(collected, "fngate_cache_misses")
         )
-        families += triton_metrics.gpu_families(await asyncio.to_thread(read_gpus))
-        return generate_latest(collected) + triton_metrics.render(families)
+        families += nv_metrics.gpu_families(await asyncio.to_thread(read_gpus))
+        return generate_latest(collected) + nv_metrics.render(families)
 
-    async def _inference(self) -> list[triton_metrics.Family]:
+    async def _inference(self) -> list[nv_metrics.Family]:
         """nv_inference_* of every served version of every function (pipelines have no batches of
         their own), and the queue gauges /metrics refreshes too."""
         redis = self._client()
@@ -77,7 +77,7 @@ class MetricsPort:
             levels = records[name].versions[version].manifest.batching.priorities
             priorities[name] = max(priorities.get(name, 1), levels)
         await metrics.refresh_queue_gauges(redis, priorities)
-        return triton_metrics.inference_families(
+        return nv_metrics.inference_families(
             [(name, version, raw) for (name, version), raw in zip(wanted, hashes, strict=True)]
         )
 

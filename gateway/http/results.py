@@ -18,18 +18,18 @@ from fngate.manifest import FunctionManifest
 from fngate.wire import Reply
 from gateway.auth import ANY, Principal
 from gateway.catalog import Catalog
+from gateway.http.codec import InferRequest, render_v1, render_v2
 from gateway.http.errors import error_body, status_of
 from gateway.http.guard import Guarded, principal_of
-from gateway.http.protocol import InferRequest, render_v1, render_v2
 from gateway.http.rendering import dumps, json_response
-from gateway.invocations import MAX_WAIT_S, Accepted, AsyncInvocations, Submission, is_pending
+from gateway.invocations import MAX_WAIT_S, Accepted, AsyncInvocation, AsyncInvocations, is_pending
 from gateway.state import services
 
 
 def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str], bytes]:
     """The answer of GET /v1/invocations/{id}: the synchronous call's status, headers and body once
     done; 202 and the state while pending; 410 once cancelled."""
-    submission = Submission.decode(result.record)
+    submission = AsyncInvocation.decode(result.record)
     headers = {"x-fngate-state": result.state, **_callback_headers(result)}
     if result.reply is None:
         if result.cancelled:
@@ -45,7 +45,7 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
         return _failure(headers, reply.error)
     if submission.outputs is not None:
         reply = dataclasses.replace(reply, outputs={name: reply.outputs[name] for name in submission.outputs})
-    if submission.route == "v1":
+    if submission.dialect == "v1":
         return 200, headers | {"content-type": "application/json"}, render_v1(reply)
     request = InferRequest({}, None, frozenset(submission.binary_outputs), submission.request_id, None)
     content, extra = render_v2(request, reply, _manifest(catalog, submission))
@@ -53,7 +53,7 @@ def render(result: queue.Result, catalog: Catalog) -> tuple[int, dict[str, str],
 
 
 def state_document(result: queue.Result) -> dict[str, Any]:
-    submission = Submission.decode(result.record)
+    submission = AsyncInvocation.decode(result.record)
     doc: dict[str, Any] = {"id": submission.id, "function": submission.function, "state": result.state}
     if submission.callback_url:
         doc["callback"] = {"attempts": [orjson.loads(attempt) for attempt in result.callbacks]}
@@ -71,7 +71,7 @@ def _callback_headers(result: queue.Result) -> dict[str, str]:
     return {"x-fngate-callback-attempts": str(len(result.callbacks)), "x-fngate-callback": last["outcome"]}
 
 
-def _manifest(catalog: Catalog, submission: Submission) -> FunctionManifest:
+def _manifest(catalog: Catalog, submission: AsyncInvocation) -> FunctionManifest:
     try:
         return catalog.get(submission.function, submission.version).manifest
     except FunctionError:  # removed since: the newest known manifest still names the datatypes

@@ -14,17 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from fngate.errors import FunctionError
 from fngate.manifest import FunctionManifest
+from fngate.tensors import Tensors
 
 if TYPE_CHECKING:  # the GPU modules load only with a backend that needs them
     from runner.backends.providers import Acceleration
-
-Tensors = dict[str, np.ndarray[Any, Any]]
 
 
 class MemberErrors(Exception):

@@ -8,7 +8,8 @@ import contextlib
 import queue
 from collections.abc import Sequence
 
-from runner.backends import Backend, Tensors
+from fngate.tensors import Tensors
+from runner.backends import Backend
 
 
 class Instances:

@@ -20,9 +20,8 @@ import numpy as np
 from fngate.errors import InvalidArgument, Unavailable
 from fngate.manifest import FunctionManifest
 from fngate.repository import MANIFEST_FILE, SHA256, hash_file
-from fngate.tensors import DATATYPES
+from fngate.tensors import DATATYPES, Tensors
 from runner import gpu
-from runner.backends import Tensors
 from runner.backends.engine_cache import EngineCache, EngineKey, options_fingerprint
 from runner.backends.providers import (
     CPU,

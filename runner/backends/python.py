@@ -34,8 +34,9 @@ from typing import IO, Any
 import runner
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest
+from fngate.tensors import Tensors
 from runner import budget, confinement, gpu, sandbox
-from runner.backends import MemberErrors, Tensors
+from runner.backends import MemberErrors
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.cgroup import MemoryCgroup
 from runner.metrics import FUNCTION_RESTARTS, PYTHON_GPU
@@ -140,7 +141,7 @@ class PythonBackend:
     def run(self, inputs: Tensors, outputs: list[str], rows: list[int] | None = None) -> Tensors:
         """Raises MemberErrors when some invocations of the batch failed alone."""
         timeout_s = self._manifest.execution_timeout_s
-        specs, buffers = sandbox.encode_tensors(inputs)
+        specs, buffers = sandbox.pack_tensors(inputs)
         child = self._running_child(time.monotonic() + timeout_s)
         deadline = time.monotonic() + timeout_s
         request = {"tensors": specs, "outputs": outputs, **({"rows": rows} if rows is not None else {})}
@@ -148,7 +149,7 @@ class PythonBackend:
         try:
             sandbox.send(child.requests, request, buffers, deadline)
             header, body = sandbox.receive(child.replies, deadline)
-            results = {} if "error" in header else sandbox.decode_tensors(header["tensors"], body)
+            results = {} if "error" in header else sandbox.unpack_tensors(header["tensors"], body)
         except TimeoutError:
             held = child.at_memory_limit()  # the kernel may still be reclaiming, or about to end it
             self._fail(

@@ -23,9 +23,8 @@ import numpy as np
 
 from fngate.errors import InvalidArgument, ModelFailed, Unavailable
 from fngate.manifest import FunctionManifest
-from fngate.tensors import DATATYPES
+from fngate.tensors import DATATYPES, Tensors
 from runner import gpu
-from runner.backends import Tensors
 from runner.backends.providers import Acceleration, batch_range, profile
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from typing import Any
 import kubernetes_validate
 from deploy_files import ROOT, Module
 
+from fngate import k8s
 from fngate.config import GatewaySettings
-from fngate.tools import k8s
 
 KUBERNETES_VERSION = "1.33"
 

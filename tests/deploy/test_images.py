@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from deploy_files import ROOT, find_tool
 
-from fngate.tools import k8s
+from fngate import k8s
 
 DOCKERFILE = ROOT / "Dockerfile"
 BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|make|build-essential|[\w.-]+-dev|cmake|git)\b")

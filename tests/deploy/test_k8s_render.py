@@ -1,4 +1,4 @@
-"""fngate.tools.k8s: the objects it renders from manifests, checked against their schemas (Kubernetes'
+"""fngate.k8s: the objects it renders from manifests, checked against their schemas (Kubernetes'
 built-ins with kubernetes-validate, KEDA's with the subset in keda.schema.json) and for what
 fngate counts on: pools, GPU placement, stream-length and lag triggers, settings the processes accept."""
 
@@ -15,10 +15,9 @@ import pytest
 import yaml
 from deploy_files import ROOT
 
-from fngate import keys
+from fngate import k8s, keys
 from fngate.config import ENV_PREFIX, GatewaySettings, RunnerSettings
 from fngate.manifest import FunctionManifest, parse_manifest
-from fngate.tools import k8s
 
 KUBERNETES_VERSION = "1.33"
 """The newest Kubernetes whose schemas kubernetes-validate ships here (terraform/variables.tf pins

@@ -24,9 +24,8 @@ import redis
 from deploy_files import ROOT
 from keda_scaler import NIL_LAG, Decision, Trigger, decide
 
-from fngate import keys
+from fngate import k8s, keys
 from fngate.manifest import FunctionManifest, load_manifest
-from fngate.tools import k8s
 from tests.conftest import free_socket
 
 CROWD = ROOT / "tests" / "functions" / "crowd"
@@ -56,7 +55,7 @@ def scaled_object(manifest: FunctionManifest, deployed: tuple[str, ...]) -> dict
 
 
 def deploy(manifest_file: Path, repo: Path, redis_url: str) -> None:
-    command = [sys.executable, "-m", "fngate.tools.cli", "deploy", str(manifest_file), "--repo", str(repo)]
+    command = [sys.executable, "-m", "fngate.cli.main", "deploy", str(manifest_file), "--repo", str(repo)]
     done = subprocess.run(
         [*command, "--redis", redis_url],
         capture_output=True,

@@ -14,8 +14,7 @@ import pytest
 import redis
 from deploy_files import ROOT
 
-from fngate import keys
-from fngate.tools import k8s
+from fngate import k8s, keys
 from tests.e2e.deployments import scale_function
 from tests.s3 import Bucket
 
@@ -33,7 +32,7 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 def fngate(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     environment = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
     return subprocess.run(
-        [sys.executable, "-m", "fngate.tools.cli", *args],
+        [sys.executable, "-m", "fngate.cli.main", *args],
         capture_output=True,
         text=True,
         env=environment | env,

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from deploy_files import ROOT, TERRAFORM, Module, find_tool, load_hcl
 
+from fngate import k8s
 from fngate.manifest import parse_manifest
-from fngate.tools import k8s
 from runner.backends import engine_cache
 
 TERRAFORM_TIMEOUT_S = 300
@@ -283,7 +283,7 @@ def test_workloads_come_from_the_renderer_with_the_scaling_variables(modules: di
     program = fngate.resource("external", "objects", section="data")["program"]
     assert program.startswith("${concat([var.python]")
     args = fngate.locals["render_flags"]
-    assert args[:4] == ["-m", "fngate.tools.k8s", "--format", "terraform"]
+    assert args[:4] == ["-m", "fngate.k8s", "--format", "terraform"]
     flags = dict(zip(args[4::2], args[5::2], strict=True))
     assert flags["--polling-interval"] == "${tostring(var.polling_interval_s)}"
     assert flags["--cooldown"] == "${tostring(var.cooldown_s)}"

@@ -57,7 +57,7 @@ async def cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Co
     environment.update(env or {})
     return await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "fngate.tools.cli", *args],
+        [sys.executable, "-m", "fngate.cli.main", *args],
         capture_output=True,
         text=True,
         env=environment,

@@ -34,7 +34,7 @@ from fngate import apikeys, clients, keys
 from fngate.process import stop_processes
 from fngate.queue import entry_runs
 from fngate.registry import function_source
-from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.up.scaler import LocalScaler, PoolSpec, pool_specs
 from tests.conftest import ROOT, child_env, free_socket, start_redis, wait_http
 
 SECRET = "test-callback-secret"
@@ -606,7 +606,7 @@ async def test_cli_submits_and_fetches(deployment: Deployment) -> None:
         env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
         env["FNGATE_API_KEY"] = deployment.user
         return subprocess.run(
-            [sys.executable, "-m", "fngate.tools.cli", *argv, "--gateway", deployment.base],
+            [sys.executable, "-m", "fngate.cli.main", *argv, "--gateway", deployment.base],
             capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env=env,
         )  # fmt: skip
 

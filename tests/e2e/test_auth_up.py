@@ -25,7 +25,7 @@ def start_up(
     redis_url: str, repo: Path, state: Path, port: int, log: Path, *extra: str
 ) -> subprocess.Popen[bytes]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
-    command = [sys.executable, "-m", "fngate.tools.cli", "up", "--redis", redis_url, "--repo", str(repo)]
+    command = [sys.executable, "-m", "fngate.cli.main", "up", "--redis", redis_url, "--repo", str(repo)]
     command += ["--port", str(port), "--grpc-port", "0", "--metrics-port", "0", "--state-dir", str(state)]
     command += ["--gateway-workers", "1", *extra]
     with log.open("wb") as output:

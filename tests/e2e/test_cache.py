@@ -55,7 +55,7 @@ async def test_hit_across_two_gateway_processes(
     command = [
         sys.executable,
         "-m",
-        "fngate.tools.cli",
+        "fngate.cli.main",
         "cache",
         "clear",
         "memo",

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from fngate import keys
-from fngate.tools.local_cluster import LocalCluster
+from fngate.up.redis_cluster import LocalCluster
 from tests.conftest import wait_http
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("redis_url", ["cluster"], indirect=True)]

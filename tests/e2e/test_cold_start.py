@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 
 from fngate import apikeys, keys
 from fngate.registry import LOADING, read_runners
-from fngate.tools.scaler import LocalScaler
+from fngate.up.scaler import LocalScaler
 from runner.lifecycle import PREFETCH_MIN_BYTES
 from tests.conftest import ROOT, child_env, wait_http
 from tests.e2e.deployments import cli, runner_env, scale_function

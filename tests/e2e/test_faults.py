@@ -79,7 +79,7 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
         port = port or free_port()
         state = tmp_path / "state"
         log = tmp_path / f"up-{len(started)}.log"
-        command = [sys.executable, "-m", "fngate.tools.cli", "up", "--repo", str(repo), "--port", str(port)]
+        command = [sys.executable, "-m", "fngate.cli.main", "up", "--repo", str(repo), "--port", str(port)]
         command += ["--grpc-port", "0"]
         command += [
             "--state-dir",
@@ -334,7 +334,7 @@ async def test_one_fngate_up_per_state_folder(fngate_up: Callable[..., Any], rep
     up = await serving(fngate_up())
     state = Path(up.redis_url.removeprefix("unix://")).parent.parent
     second = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fngate.tools.cli", "up", "--repo", str(repo), "--port", str(free_port()),
+        sys.executable, "-m", "fngate.cli.main", "up", "--repo", str(repo), "--port", str(free_port()),
         "--grpc-port", "0", "--metrics-port", "0", "--state-dir", str(state), "--no-auth",
         cwd=ROOT, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

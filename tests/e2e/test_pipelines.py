@@ -19,9 +19,9 @@ import yaml
 from prometheus_client import REGISTRY
 
 from fngate import keys
+from fngate.cli.deploy import deploy
 from fngate.repository import FolderRepository
-from fngate.tools.deploy import deploy
-from fngate.tools.scaler import LocalScaler
+from fngate.up.scaler import LocalScaler
 from tests.conftest import on_cluster_too, wait_http
 from tests.e2e.deployments import ROW, invoke, scale_function
 from tests.e2e.test_observability import Receiver, receiver

@@ -46,7 +46,7 @@ async def until_factor(
 
 
 def start_up(repo: Path, port: int, tmp_path: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "fngate.tools.cli", "up", "--reload", "--repo", str(repo)]
+    command = [sys.executable, "-m", "fngate.cli.main", "up", "--reload", "--repo", str(repo)]
     command += ["--port", str(port), "--metrics-port", "0", "--state-dir", str(tmp_path / "state")]
     command += ["--gateway-workers", "1", "--no-standby-runner", "--no-auth", "--grpc-port", "0"]
     environ = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}

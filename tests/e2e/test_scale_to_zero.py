@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from fngate import clients
 from fngate.registry import function_source
-from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.up.scaler import LocalScaler, PoolSpec, pool_specs
 from tests.conftest import child_env, on_cluster_too
 
 ROW = [0.5] * 16

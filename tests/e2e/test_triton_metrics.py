@@ -21,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from fngate import triton_metrics
+from fngate import nv_metrics
 from fngate.nvml import read_gpus
 from fngate.process import stop_processes
 from tests.conftest import ROOT, free_socket
@@ -155,7 +155,7 @@ def test_the_metrics_port_has_tritons_names_beside_fngates_without_a_key(scraped
     assert value(after, "nv_inference_request_failure", **misshapen) == FAILED
     assert value(after, "nv_inference_count", **classifier) == SUCCEEDED  # one row each
     assert 1 <= value(after, "nv_inference_exec_count", **classifier) <= SUCCEEDED
-    durations = {name: value(after, name, **classifier) for name, *_ in triton_metrics.INFERENCE}
+    durations = {name: value(after, name, **classifier) for name, *_ in nv_metrics.INFERENCE}
     # Microseconds: a request's duration covers its queue time and its batch's.
     request_us = durations["nv_inference_request_duration_us"]
     assert request_us >= durations["nv_inference_queue_duration_us"] > 0
@@ -270,7 +270,7 @@ def test_the_dashboard_reads_what_the_metrics_port_exports(scraped: Scraped, tmp
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
     assert exprs and all(panel["datasource"]["uid"] == "${datasource}" for panel in dashboard["panels"])
     families = set(re.findall(r"^# TYPE (\S+) ", scraped.after, re.MULTILINE))
-    exported = families | {name for name, _, _ in triton_metrics.GPU}
+    exported = families | {name for name, _, _ in nv_metrics.GPU}
     used = {name for expr in exprs for name in re.findall(r"\bnv_[a-z_]+\b", expr)}
     assert used <= exported, used - exported
     assert {"nv_inference_request_success", "nv_inference_queue_duration_us", "nv_gpu_utilization"} <= used

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from fngate import keys, queue
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 
 FIELDS = {queue.HEADER: b"h" * 10, queue.BODY: b"b" * 10}
 
@@ -107,7 +107,7 @@ def test_level_entries_of_the_script_and_of_a_blocking_read() -> None:
 async def test_scripts_on_redis(redis_url: str) -> None:
     """A runner's read fills its room from the synchronous level first; a queued asynchronous
     invocation cancels (and leaves its queue), one a runner holds does not."""
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     submit, read_levels = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.READ_LEVELS)
     read, cancel = Script(client, queue.READ_RESULT), Script(client, queue.CANCEL)
@@ -152,7 +152,7 @@ async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) ->
     """A result submitted with a long TTL (its deadline) is kept result_ttl_s from the moment the
     reply is written, in a hash of its own; its stream says `done` and goes BELL_MS later. A reply
     without a TTL leaves its stream's as it was."""
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     submit, finish = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.FINISH)
     later = keys.invocations("f", keys.ASYNC)
@@ -188,7 +188,7 @@ async def test_finish_keeps_a_result_its_ttl_after_it_is_done(redis_url: str) ->
 async def test_submit_answers_from_the_cache_at_once(redis_url: str) -> None:
     """A cached answer (read by the script, or found by the caller in a cache of its own) is the
     result at once, kept its done TTL; nothing is queued, and a callback gets its copy."""
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     submit = Script(client, queue.SUBMIT_ASYNC)
     later = keys.invocations("f", keys.ASYNC)
@@ -240,7 +240,7 @@ async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_
     """Two first steps on two streams: both queued or neither (the full one named by its index),
     `running` once a runner took one or one left its stream, cancelled only while none was taken,
     and then both leave their queues, their byte counts with them."""
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     submit, read = Script(client, queue.SUBMIT_ASYNC), Script(client, queue.READ_RESULT)
     cancel = Script(client, queue.CANCEL)
@@ -294,7 +294,7 @@ async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_
 
 
 async def submitted_and_done(
-    client: PipelinedRedis, invocation_id: str, output_bytes: int, **options: Any
+    client: FastRedis, invocation_id: str, output_bytes: int, **options: Any
 ) -> queue.SubmitOutcome:
     """Submit an asynchronous invocation; once queued, a runner's FINISH answers it with a reply
     of `output_bytes`, kept an hour."""
@@ -322,7 +322,7 @@ async def submitted_and_done(
 
 async def test_a_done_result_is_stored_in_an_eighth_of_a_stream(redis_url: str) -> None:
     """Kept for its TTL: its record, its reply and a little more, not a stream's 4 KiB node."""
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     assert await submitted_and_done(client, "a" * 32, 64) == queue.Queued()
     stored = int(await client.execute("MEMORY", "USAGE", queue.stored_result(keys.result("a" * 32))))
@@ -336,7 +336,7 @@ async def test_a_key_over_its_result_quota_is_refused_until_its_results_expire(r
     """Each done result charges its bytes to its key; a key that holds its quota gets
     Limited('quota') before anything is queued, another key does not; bytes whose minute has passed
     are freed (here an expired minute, written as the script writes one)."""
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     quota = queue.ResultQuota(keys.result_quota("k1"), 400)
     assert await submitted_and_done(client, "1" * 32, 300, quota=quota) == queue.Queued()
@@ -363,7 +363,7 @@ async def test_submissions_are_refused_under_memory_pressure(
     """Past ASYNC_MEMORY_RATIO of maxmemory an asynchronous submission is refused (nothing queued,
     nothing stored); below it, or with no maxmemory, it is queued."""
     _process, url = extra_redis("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")
-    client = PipelinedRedis(url)
+    client = FastRedis(url)
     assert await submitted_and_done(client, "5" * 32, 10) == queue.Queued()
     for index in range(40):  # to 85% of maxmemory, a piece at a time (a client's buffer counts too)
         memory = (await client.execute("INFO", "memory")).decode()
@@ -380,7 +380,7 @@ async def test_submissions_are_refused_under_memory_pressure(
 
 
 async def test_callback_attempts_are_kept_with_their_result(redis_url: str) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     assert await submitted_and_done(client, "8" * 32, 10) == queue.Queued()
     record = Script(client, queue.RECORD_CALLBACK)

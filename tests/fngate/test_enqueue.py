@@ -6,7 +6,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from fngate import queue
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
 
 FIELDS = {queue.HEADER: b"{}", queue.BODY: b"xy"}
 
@@ -17,7 +17,7 @@ def call(stream: str, max_size: int, invocation: str, **extra: object) -> queue.
 
 async def test_a_bundle_is_decided_in_order_as_each_alone(redis_url: str, redis: aioredis.Redis) -> None:
     await redis.hset("cached", mapping={"h": b"head", "b": b"body"})
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     try:
         calls = [
             call("s1", 1, "a"),  # queued: s1 holds one

@@ -139,7 +139,7 @@ def test_validate_command_prints_every_problem(tmp_path: Path) -> None:
     bad = tmp_path / "function.yaml"
     bad.write_text(yaml.safe_dump(with_(name="Bad", batching={"max_batch_size": -1}, extra=True)))
     result = subprocess.run(
-        [sys.executable, "-m", "fngate.tools.cli", "validate", str(good), str(bad)],
+        [sys.executable, "-m", "fngate.cli.main", "validate", str(good), str(bad)],
         capture_output=True,
         text=True,
         check=False,
@@ -154,7 +154,7 @@ def test_validate_command_prints_every_problem(tmp_path: Path) -> None:
 
 def test_validate_command_succeeds_on_the_examples() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fngate.tools.cli", "validate", *map(str, EXAMPLES)],
+        [sys.executable, "-m", "fngate.cli.main", "validate", *map(str, EXAMPLES)],
         capture_output=True,
         text=True,
         check=False,

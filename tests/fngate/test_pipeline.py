@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from fngate import keys
+from fngate.cli.deploy import deploy, deploy_all, list_functions
+from fngate.cli.validation import check
 from fngate.manifest import FunctionManifest, ManifestError, parse_manifest
 from fngate.pipeline import (
     deploy_problems,
@@ -33,8 +35,6 @@ from fngate.repository import (
     encode_version,
     make_record,
 )
-from fngate.tools.deploy import deploy, deploy_all, list_functions
-from fngate.tools.validation import check
 from fngate.wire import Invocation
 
 ROOT = Path(__file__).resolve().parents[2]

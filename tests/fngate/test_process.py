@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fngate.process import batch_scheduling
-from fngate.tools.local import start_redis
+from fngate.up.supervisor import start_redis
 from tests.conftest import ROOT, policies
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's SCHED_BATCH only")

@@ -41,7 +41,7 @@ def test_enqueue_call_with_an_admission() -> None:
     ("raw", "outcome"),
     [
         ([b"queued"], queue.Queued()),
-        ([b"wait"], queue.Waiting()),
+        ([b"wait"], queue.Coalesced()),
         ([b"hit", b"head", None], queue.Hit({queue.HEADER: b"head", queue.BODY: b""})),
         ([b"full", b"count"], queue.Full("count")),
         ([b"full", b"bytes"], queue.Full("bytes")),

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from fngate import keys, queue
+from fngate.cli.triton import import_repository, validate_repository
+from fngate.cli.validation import validate_files
 from fngate.manifest import BatchingSpec, ManifestError, load_manifest
-from fngate.tools.triton import import_repository, validate_repository
-from fngate.tools.validation import validate_files
 from fngate.triton.config import complete, map_config, parse_config
 from tests.triton_repository import CLASSIFIER, DETECTOR, guide_repository
 

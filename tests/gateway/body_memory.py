@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import orjson
 
-from fngate.tools.local import start_redis
+from fngate.up.supervisor import start_redis
 from tests.conftest import ROOT, child_env, free_socket, wait_http
 
 MiB = 2**20

@@ -14,8 +14,8 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 
 from fngate import apikeys, keys
+from fngate.cli import main as cli
 from fngate.errors import PermissionDenied, RateLimited, Unauthenticated
-from fngate.tools import cli
 from gateway import auth, limits
 from gateway.http import app as http_app
 from gateway.http import invoke

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from fngate import keys
 from fngate.backoff import Health
 from fngate.errors import DeadlineExceeded, Overloaded, Unavailable
-from fngate.pipelined import PipelinedRedis
+from fngate.fastredis import FastRedis
 from fngate.repository import FunctionVersion, open_repository
 from fngate.wire import Invocation, Reply
 from gateway.activation import Activator
@@ -46,7 +46,7 @@ async def dispatching(
     redis_url: str, health: Health | None = None, activator: Activator | None = None
 ) -> AsyncIterator[tuple[Dispatcher, ReplyRouter]]:
     client = aioredis.from_url(redis_url)
-    reads, writes = PipelinedRedis(redis_url), PipelinedRedis(redis_url)
+    reads, writes = FastRedis(redis_url), FastRedis(redis_url)
     replies = ReplyRouter(client, reads, "test", 200, 1.0)
     await replies.start()
     loop = asyncio.create_task(replies.run())

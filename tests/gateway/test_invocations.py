@@ -14,7 +14,7 @@ from fngate import queue
 from fngate.wire import Reply
 from gateway.catalog import Catalog
 from gateway.http.results import render
-from gateway.invocations import Submission, request_digest
+from gateway.invocations import AsyncInvocation, request_digest
 
 
 @pytest.mark.parametrize(
@@ -35,8 +35,8 @@ def test_another_request_has_another_digest(other: tuple[str, str, bytes]) -> No
 
 def test_a_pipelines_result_holds_only_the_outputs_asked_for() -> None:
     """A pipeline's last step answers every output; the submission records the ones asked for."""
-    submission = Submission("0" * 32, "p", "1", "v1", "k", 2**62, outputs=("b",))
-    assert Submission.decode(submission.encode()) == submission
+    submission = AsyncInvocation("0" * 32, "p", "1", "v1", "k", 2**62, outputs=("b",))
+    assert AsyncInvocation.decode(submission.encode()) == submission
     outputs = {"a": np.ones((1, 2), np.float32), "b": np.zeros((1, 2), np.float32)}
     reply = Reply("0" * 32, "1", outputs, None)
     result = queue.Result(submission.encode(), False, dict(reply.encode()))

@@ -3,7 +3,18 @@ from __future__ import annotations
 import pytest
 
 from fngate.manifest import BatchingSpec
-from runner.batching import MIN_GAP_US, Arrivals, BatchCost, Burst, Run, Step, Wait, Waiting, next_step, plan
+from runner.batching import (
+    MIN_GAP_US,
+    Arrivals,
+    BatchCost,
+    Burst,
+    Decision,
+    Pending,
+    Run,
+    Wait,
+    choose,
+    decide,
+)
 
 POLICY = BatchingSpec(max_batch_size=8, preferred_batch_sizes=(4,), max_queue_delay_us=1000)
 
@@ -24,47 +35,47 @@ POLICY = BatchingSpec(max_batch_size=8, preferred_batch_sizes=(4,), max_queue_de
     ],
 )
 def test_plan(rows: list[int], age_us: int, contended: bool, expected: Run | Wait) -> None:
-    assert plan(rows, age_us, POLICY, contended) == expected
+    assert choose(rows, age_us, POLICY, contended) == expected
 
 
 def test_batching_off_runs_one_at_a_time() -> None:
     policy = BatchingSpec(max_batch_size=0)
-    assert plan([3, 3], 0, policy, True) == Run(1)
+    assert choose([3, 3], 0, policy, True) == Run(1)
 
 
 def test_no_delay_never_waits() -> None:
     policy = BatchingSpec(max_batch_size=32, max_queue_delay_us=0)
-    assert plan([1, 1, 1], 0, policy, True) == Run(3)
+    assert choose([1, 1, 1], 0, policy, True) == Run(3)
 
 
 def waiting(
     deadline_ms: int = 10_000, queued_ms: int = 0, group: str = "v1", rows: int = 1, alone: bool = False
-) -> Waiting:
-    return Waiting(deadline_ms, queued_ms, group, rows, alone)
+) -> Pending:
+    return Pending(deadline_ms, queued_ms, group, rows, alone)
 
 
 @pytest.mark.parametrize(
     ("items", "now_ms", "contended", "expected"),
     [
-        ([], 0, False, Step()),
-        ([waiting()], 0, False, Step(batch=(0,))),  # idle: run at once
-        ([waiting(), waiting()], 0, False, Step(wait_us=1000)),  # two waiting: fill for up to 1 ms
-        ([waiting(), waiting()], 1, False, Step(batch=(0, 1))),  # the oldest waited 1 ms
-        ([waiting(deadline_ms=5), waiting()], 5, False, Step(expired=(0,), batch=(1,))),
-        ([waiting(deadline_ms=5), waiting(deadline_ms=4)], 5, True, Step(expired=(0, 1))),
-        ([waiting(group="v1"), waiting(group="v2"), waiting(group="v1")], 1, True, Step(batch=(0, 2))),
-        ([waiting(alone=True), waiting(), waiting()], 0, True, Step(batch=(0,))),  # redelivered: alone
-        ([waiting(), waiting(alone=True), waiting()], 1, True, Step(batch=(0, 2))),
-        ([waiting(rows=4), waiting(rows=4), waiting(rows=4)], 0, True, Step(batch=(0, 1))),  # max 8 rows
+        ([], 0, False, Decision()),
+        ([waiting()], 0, False, Decision(batch=(0,))),  # idle: run at once
+        ([waiting(), waiting()], 0, False, Decision(wait_us=1000)),  # two waiting: fill for up to 1 ms
+        ([waiting(), waiting()], 1, False, Decision(batch=(0, 1))),  # the oldest waited 1 ms
+        ([waiting(deadline_ms=5), waiting()], 5, False, Decision(expired=(0,), batch=(1,))),
+        ([waiting(deadline_ms=5), waiting(deadline_ms=4)], 5, True, Decision(expired=(0, 1))),
+        ([waiting(group="v1"), waiting(group="v2"), waiting(group="v1")], 1, True, Decision(batch=(0, 2))),
+        ([waiting(alone=True), waiting(), waiting()], 0, True, Decision(batch=(0,))),  # redelivered: alone
+        ([waiting(), waiting(alone=True), waiting()], 1, True, Decision(batch=(0, 2))),
+        ([waiting(rows=4), waiting(rows=4), waiting(rows=4)], 0, True, Decision(batch=(0, 1))),  # max 8 rows
     ],
 )
-def test_next_step(items: list[Waiting], now_ms: int, contended: bool, expected: Step) -> None:
-    assert next_step(items, now_ms, POLICY, True, contended) == expected
+def test_next_step(items: list[Pending], now_ms: int, contended: bool, expected: Decision) -> None:
+    assert decide(items, now_ms, POLICY, True, contended) == expected
 
 
 def test_next_step_counts_invocations_when_batching_is_off() -> None:
     policy = BatchingSpec(max_batch_size=0)
-    assert next_step([waiting(rows=3), waiting(rows=3)], 0, policy, False, True) == Step(batch=(0,))
+    assert decide([waiting(rows=3), waiting(rows=3)], 0, policy, False, True) == Decision(batch=(0,))
 
 
 @pytest.mark.parametrize(
@@ -79,7 +90,7 @@ def test_next_step_counts_invocations_when_batching_is_off() -> None:
 def test_plan_stops_waiting_once_the_burst_is_in(
     rows: list[int], age_us: int, burst: Burst | None, expected: Run | Wait
 ) -> None:
-    assert plan(rows, age_us, POLICY, True, burst) == expected
+    assert choose(rows, age_us, POLICY, True, burst) == expected
 
 
 def test_the_burst_gap_is_a_few_median_gaps_and_at_least_a_batchs_cost() -> None:

@@ -17,7 +17,7 @@ from runner.budget import (
     PROCESS_BYTES,
     Cost,
     Held,
-    Limits,
+    MemoryLimits,
     estimate,
     host_limit_bytes,
     make_room,
@@ -30,8 +30,8 @@ def held(name: str, host_mib: int, last_used: float, idle: bool = True, gpu_mib:
     return Held((name, "1"), Cost(host_mib * MIB, gpu_mib * MIB, True), last_used, idle)
 
 
-HOST = Limits(1000 * MIB)
-GPU = Limits(None, 1000 * MIB)
+HOST = MemoryLimits(1000 * MIB)
+GPU = MemoryLimits(None, 1000 * MIB)
 """A GPU's budget alone: 1000 MiB of device memory as NVML would report it."""
 
 
@@ -81,7 +81,7 @@ GPU = Limits(None, 1000 * MIB)
             None,
             "GPU: the one there is in use",
         ),
-        (Cost(5000 * MIB), Limits(None), [held("a", 400, 1)], [], "no budget"),
+        (Cost(5000 * MIB), MemoryLimits(None), [held("a", 400, 1)], [], "no budget"),
         (
             Cost(300 * MIB, load_host_bytes=500 * MIB),
             HOST,
@@ -92,7 +92,7 @@ GPU = Limits(None, 1000 * MIB)
     ],
 )
 def test_make_room_unloads_idle_models_least_recently_used_first(
-    need: Cost, limits: Limits, models: list[Held], expected: list[tuple[str, str]] | None, case: str
+    need: Cost, limits: MemoryLimits, models: list[Held], expected: list[tuple[str, str]] | None, case: str
 ) -> None:
     assert make_room(need, limits, models) == expected, case
 
@@ -153,6 +153,6 @@ def test_the_default_budget_is_a_share_of_the_cgroup_limit_or_the_machine_and_of
 
     device = gpu.Device(0, "H100", "GPU-a", "9.0", 80 * 1024 * MIB, 1024 * MIB)
     limits = runner_limits(True, 2000 * MIB, 0, 0.5, 300 * MIB, device)
-    assert limits == Limits(2000 * MIB, 40 * 1024 * MIB, 0)
+    assert limits == MemoryLimits(2000 * MIB, 40 * 1024 * MIB, 0)
     assert runner_limits(True, 0, 10 * MIB, 0.5, 0, gpu.NoDevice("no NVML")).gpu_bytes is None
-    assert runner_limits(False, 2000 * MIB, 0, 0.5, 0, device) == Limits(None, None, 0)
+    assert runner_limits(False, 2000 * MIB, 0, 0.5, 0, device) == MemoryLimits(None, None, 0)

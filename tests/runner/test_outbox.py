@@ -8,14 +8,14 @@ import redis.asyncio as aioredis
 from fngate import keys, queue
 from fngate.config import RunnerSettings
 from fngate.errors import ModelFailed
-from fngate.pipelined import PipelinedRedis, stream_entries
+from fngate.fastredis import FastRedis, stream_entries
 from fngate.wire import Invocation, Reply
 from runner.outbox import Entry, Outbox
 
 STREAM = keys.invocations("f")
 
 
-async def queued(redis: aioredis.Redis, client: PipelinedRedis, invocation: Invocation) -> Entry:
+async def queued(redis: aioredis.Redis, client: FastRedis, invocation: Invocation) -> Entry:
     """Queue `invocation` as a gateway would, and read it as a runner does."""
     fields = invocation.encode()
     await redis.xadd(STREAM, fields)
@@ -34,7 +34,7 @@ def invocation(id: str, reply_to: str, **extra: object) -> Invocation:
 async def test_a_batch_is_answered_stored_shared_and_acknowledged_in_one_call(
     redis_url: str, redis: aioredis.Redis
 ) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await redis.xgroup_create(STREAM, keys.RUNNER_GROUP, id="0", mkstream=True)
     for stream in ("fngate:r:a", "fngate:r:b"):
         await redis.xgroup_create(stream, "alive", id="$", mkstream=True)  # as a live gateway does
@@ -71,7 +71,7 @@ async def test_a_batch_is_answered_stored_shared_and_acknowledged_in_one_call(
 async def test_an_answer_from_other_files_than_the_gateway_keyed_on_is_not_cached(
     redis_url: str, redis: aioredis.Redis
 ) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await redis.xgroup_create(STREAM, keys.RUNNER_GROUP, id="0", mkstream=True)
     entry = await queued(
         redis, client, invocation("i1", "fngate:r:a", digest="new", cache_key="fngate:c:f:k2", cache_ttl_s=60)

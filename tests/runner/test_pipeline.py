@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from fngate import keys, queue
 from fngate.config import RunnerSettings
 from fngate.errors import ModelFailed
+from fngate.fastredis import FastRedis
 from fngate.manifest import parse_manifest
-from fngate.pipelined import PipelinedRedis
 from fngate.plan import StepContext, make_plan
 from fngate.wire import Invocation, Reply
 from runner.outbox import Entry, Outbox
@@ -42,7 +42,7 @@ async def test_a_join_queues_the_step_after_it_once_its_last_predecessor_finishe
     left = StepContext("p1", REPLIES, 2**62, plan, 1, {"norm.normalized": normalized}, None)
     right = StepContext("p1", REPLIES, 2**62, plan, 2, {"norm.normalized": normalized}, None)
     assert (base.step.name, left.step.name, right.step.name) == ("norm", "left", "right")
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     steps = Steps(client)
     assert await steps.finish([finished(left, {"probabilities": np.ones((1, 4), np.float32)})]) == []
     assert await redis.xlen(keys.invocations("merge")) == 0  # `right` has not finished yet
@@ -68,7 +68,7 @@ async def test_a_step_context_that_does_not_decode_answers_the_gateway(
     await redis.xadd(stream, fields)
     read = await redis.xreadgroup(keys.RUNNER_GROUP, "r", {stream: ">"}, count=1)
     entry_id = read[0][1][0][0]
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     entry = Entry(entry_id, invocation, queue.entry_bytes(fields), step=fields[queue.STEP])
     reply = Reply("p2", "1", {"y": np.ones((1, 16), np.float32)}, None, "b", 1)
     await Outbox(client, stream, RunnerSettings(redis_url=redis_url)).send([entry], [reply])
@@ -91,7 +91,7 @@ async def test_an_asynchronous_pipelines_steps_stay_at_its_level_and_its_answer_
     result = keys.result("p3")
     callback = queue.callback_marker(result)
     norm = StepContext("p3", result, 2**62, plan, 0, {}, None, "", 0, keys.ASYNC, 60, callback)
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     steps = Steps(client)
     normalized = np.full((1, 16), 0.25, np.float32)
     assert await steps.finish([finished(norm, {"normalized": normalized})]) == []

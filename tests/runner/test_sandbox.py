@@ -29,7 +29,7 @@ def test_tensors_round_trip_through_a_pipe() -> None:
     tensors["big"] = big
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
-    specs, buffers = sandbox.encode_tensors(tensors)
+    specs, buffers = sandbox.pack_tensors(tensors)
     writer = threading.Thread(target=sandbox.send, args=(write_end, {"tensors": specs}, buffers, None))
     writer.start()
     try:
@@ -38,7 +38,7 @@ def test_tensors_round_trip_through_a_pipe() -> None:
         writer.join(10)
         os.close(read_end)
         os.close(write_end)
-    decoded = sandbox.decode_tensors(header["tensors"], body)
+    decoded = sandbox.unpack_tensors(header["tensors"], body)
     assert decoded.keys() == tensors.keys()
     for name, array in tensors.items():
         assert decoded[name].shape == array.shape, name

@@ -11,7 +11,7 @@ data "aws_partition" "current" {}
 locals {
   account = data.aws_caller_identity.current.account_id
   region  = data.aws_region.current.region
-  # Must match fngate/tools/k8s.py (GPU_NODE_LABEL, GPU_TAINT_KEY): runner pods of GPU pools select this
+  # Must match fngate/k8s.py (GPU_NODE_LABEL, GPU_TAINT_KEY): runner pods of GPU pools select this
   # label and tolerate this taint.
   gpu_label = { key = "nvidia.com/gpu.present", value = "true" }
   gpu_taint = { key = "nvidia.com/gpu", value = "true", effect = "NO_SCHEDULE" }
@@ -289,7 +289,7 @@ resource "aws_autoscaling_group_tag" "gpu_template" {
 
 # ---------------------------------------------------------------- network policy enforcement
 # The VPC CNI enforces NetworkPolicies only with its network policy agent on, which is off by
-# default; fngate's objects (fngate/tools/k8s.py) restrict what reaches gateways and runners.
+# default; fngate's objects (fngate/k8s.py) restrict what reaches gateways and runners.
 # The add-on replaces the CNI that EKS installs unmanaged (OVERWRITE takes over its settings).
 data "aws_eks_addon_version" "vpc_cni" {
   addon_name         = "vpc-cni"

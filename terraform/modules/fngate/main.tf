@@ -1,7 +1,7 @@
 # fngate's workloads. The Kubernetes objects (gateway Deployment, Service, PDB and HPA; per runner
 # pool of the deployed functions a Deployment, PDB and KEDA ScaledObject; the service accounts and
-# the registry-sync job) come from one renderer, fngate/tools/k8s.py, which Terraform runs here and which
-# users without Terraform run themselves (`python -m fngate.tools.k8s`): one source for both paths. They
+# the registry-sync job) come from one renderer, fngate/k8s.py, which Terraform runs here and which
+# users without Terraform run themselves (`python -m fngate.k8s`): one source for both paths. They
 # are applied as one Helm release, so a pool removed from the manifests is removed from the cluster.
 # What the release needs first (namespace, Redis Secret) is made here with the Kubernetes provider.
 
@@ -24,7 +24,7 @@ locals {
     } : {},
   )
   render_flags = [
-    "-m", "fngate.tools.k8s", "--format", "terraform",
+    "-m", "fngate.k8s", "--format", "terraform",
     "--functions", abspath(var.functions_dir),
     "--namespace", var.namespace,
     "--image", var.gateway_image,

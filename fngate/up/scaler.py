@@ -28,7 +28,7 @@ from fngate.backoff import Backoff, Health, backoff_s
 from fngate.process import ends_with_parent, module_command, stop_processes
 from fngate.registry import LOADING, read_runners
 
-log = logging.getLogger("fngate.tools.scaler")
+log = logging.getLogger("fngate.up.scaler")
 TICK_TIMEOUT_S = 5.0
 """A scaling pass that takes longer failed: a paused Redis answers nothing at all."""
 CRASH_BACKOFF_S = 0.5

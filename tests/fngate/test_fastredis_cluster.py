@@ -1,4 +1,4 @@
-"""ClusterPipelinedRedis and the per-slot steps against a real Redis Cluster on loopback (3 primaries,
+"""ClusterFastRedis and the per-slot steps against a real Redis Cluster on loopback (3 primaries,
 3 replicas): routing by slot, redirections while a slot moves, scripts loaded on every primary, a
 batch's FINISH across slots (replies first, waiters that join meanwhile answered too), results
 charged once to a key's quota in another slot, and an asynchronous pipeline's cancellation across
@@ -13,10 +13,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from fngate import clients, delivery, keys, queue
-from fngate.cluster import ClusterPipelinedRedis
-from fngate.pipelined import PipelinedRedis, Script
+from fngate.fastredis import FastRedis, Script
+from fngate.fastredis_cluster import ClusterFastRedis
 from fngate.queue import slots
-from fngate.tools.local_cluster import LocalCluster
+from fngate.up.redis_cluster import LocalCluster
 from gateway.slots import SlotSteps
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("redis_url", ["cluster"], indirect=True)]
@@ -35,8 +35,8 @@ def tags_on_every_primary(cluster: LocalCluster) -> dict[int, str]:
 
 
 async def test_commands_go_to_the_primary_of_their_slot(redis_url: str, redis_cluster: LocalCluster) -> None:
-    client = clients.pipelined(redis_url)
-    assert isinstance(client, ClusterPipelinedRedis) and client.cluster
+    client = clients.fastredis(redis_url)
+    assert isinstance(client, ClusterFastRedis) and client.cluster
     names = tags_on_every_primary(redis_cluster)
     await asyncio.gather(
         *(client.execute("SET", keys.invocations(name) + ":x", port) for port, name in names.items())
@@ -52,7 +52,7 @@ async def test_commands_go_to_the_primary_of_their_slot(redis_url: str, redis_cl
 
 
 async def test_a_script_with_absent_keys_stays_in_its_slot(redis_url: str, redis: aioredis.Redis) -> None:
-    client = clients.pipelined(redis_url)
+    client = clients.fastredis(redis_url)
     call = queue.enqueue_call(keys.invocations("tiny"), REPLY, queue.Waiter("r", "i", 9), 500, 100)
     assert "" in call.keys  # no cache, no coalescing, no limits
     outcome = queue.parse_enqueue(await Script(client, queue.ENQUEUE)(call.keys, call.args))
@@ -64,7 +64,7 @@ async def test_a_script_with_absent_keys_stays_in_its_slot(redis_url: str, redis
 async def test_commands_follow_a_slot_that_moves(
     redis_url: str, redis_cluster: LocalCluster, redis: aioredis.Redis
 ) -> None:
-    client = clients.pipelined(redis_url)
+    client = clients.fastredis(redis_url)
     stream = keys.invocations("moving")
     await client.execute("XADD", stream, "*", "h", "1")
     slot, source = keys.slot(stream), redis_cluster.primary_of(stream)
@@ -103,7 +103,7 @@ async def test_commands_follow_a_slot_that_moves(
 async def test_finish_across_slots_answers_waiters_that_join_meanwhile(
     redis_url: str, redis: aioredis.Redis
 ) -> None:
-    client = clients.pipelined(redis_url)
+    client = clients.fastredis(redis_url)
     stream = keys.invocations("tiny")
     gateways = [keys.replies("gw-a"), keys.replies("gw-b")]
     for reply_stream in gateways:
@@ -140,9 +140,7 @@ async def test_finish_across_slots_answers_waiters_that_join_meanwhile(
     await client.aclose()
 
 
-async def pipeline_on_two_slots(
-    client: PipelinedRedis, cluster: LocalCluster
-) -> tuple[str, str, slots.FirstStep]:
+async def pipeline_on_two_slots(client: FastRedis, cluster: LocalCluster) -> tuple[str, str, slots.FirstStep]:
     """An asynchronous pipeline submitted as the gateway submits it on a cluster: its first step
     with its result (SUBMIT_ASYNC), its other on another primary (FORWARD), recorded on the
     result's slot. Its id, its first step's stream, and its other step."""
@@ -166,7 +164,7 @@ async def pipeline_on_two_slots(
     return invocation_id, head, step
 
 
-async def set_aside(client: PipelinedRedis, step: slots.FirstStep) -> None:
+async def set_aside(client: FastRedis, step: slots.FirstStep) -> None:
     """What a cancellation that stopped midway did: the other step set aside, CANCEL not run."""
     call = slots.aside_call([step], keys.RUNNER_GROUP, True, 60_000)
     assert await Script(client, slots.ASIDE)(call.keys, list(call.args)) == b"untaken"
@@ -175,7 +173,7 @@ async def set_aside(client: PipelinedRedis, step: slots.FirstStep) -> None:
 async def test_a_cancellation_stopped_midway_is_finished_by_a_repeat(
     redis_url: str, redis_cluster: LocalCluster, redis: aioredis.Redis
 ) -> None:
-    client = clients.pipelined(redis_url)
+    client = clients.fastredis(redis_url)
     invocation_id, head, step = await pipeline_on_two_slots(client, redis_cluster)
     await set_aside(client, step)
     assert await client.execute("XLEN", step.stream) == 0  # no runner can take it meanwhile
@@ -192,7 +190,7 @@ async def test_a_cancellation_too_late_puts_back_what_one_stopped_midway_set_asi
     """The first step taken by a runner after the other was set aside: the next cancellation
     answers 'running' and queues the other again, as it was (its step context, its bytes), where
     a cancellation after that finds it."""
-    client = clients.pipelined(redis_url)
+    client = clients.fastredis(redis_url)
     invocation_id, head, step = await pipeline_on_two_slots(client, redis_cluster)
     [(_, before)] = await client.execute("XRANGE", step.stream, "-", "+")
     size = await client.execute("GET", queue.queue_bytes(step.stream))
@@ -215,7 +213,7 @@ async def test_results_are_charged_once_to_a_quota_in_another_slot(
     one in another function's (a pipeline's last step: stored by DELIVER). Each is charged to the
     key's quota once stored; the batch finished again (a runner that died before its FINISH was
     acknowledged, its entries run again) charges nothing more."""
-    client = clients.pipelined(redis_url)
+    client = clients.fastredis(redis_url)
     first, second = list(tags_on_every_primary(redis_cluster).values())[:2]
     stream, elsewhere = keys.invocations(first, keys.ASYNC), keys.invocations(second, keys.ASYNC)
     quota = keys.result_quota("k1")

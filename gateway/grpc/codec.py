@@ -19,8 +19,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from fngate.errors import InvalidArgument
 from fngate.manifest import FunctionManifest
-from fngate.tensors import DATATYPES, element_count, from_bytes, to_bytes
-from fngate.wire import Reply, Tensors
+from fngate.tensors import DATATYPES, Tensors, element_count, from_bytes, to_bytes
+from fngate.wire import Reply
 from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
 
 # The typed field of InferTensorContents that carries each datatype (FP16 only travels raw).

@@ -13,10 +13,10 @@ import orjson
 from redis.exceptions import RedisError
 
 from fngate import clients
+from fngate.cli.deploy import call_gateway
 from fngate.deployment import previous_version, route
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument
 from fngate.repository import FunctionRecord, Repository
-from fngate.tools.deploy import call_gateway
 
 
 class RolloutError(Exception):

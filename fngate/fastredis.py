@@ -1,4 +1,4 @@
-"""PipelinedRedis: one Redis connection on an asyncio protocol with hiredis's reply parser, for the
+"""FastRedis: one Redis connection on an asyncio protocol with hiredis's reply parser, for the
 hot path's few commands (EVALSHA, XREADGROUP). Every command issued in one event-loop turn goes
 out in one write, and replies are matched to callers in order: auto-pipelining for free.
 
@@ -132,9 +132,9 @@ class _Protocol(asyncio.Protocol):
             self.closed.set_result(None)
 
 
-class PipelinedRedis:
+class FastRedis:
     cluster = False
-    """A Redis Cluster's client (fngate.cluster): callers split what would span slots."""
+    """A Redis Cluster's client (fngate.fastredis_cluster): callers split what would span slots."""
 
     def __init__(self, url: str, timeout_s: float = 2.0) -> None:
         self._options = parse_url(url)  # type: ignore[no-untyped-call]
@@ -239,7 +239,7 @@ class PipelinedRedis:
 class Script:
     """A Lua script called by EVALSHA; loaded on the first NOSCRIPT (a new or restarted Redis)."""
 
-    def __init__(self, redis: PipelinedRedis, source: str) -> None:
+    def __init__(self, redis: FastRedis, source: str) -> None:
         self._redis = redis
         self._source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 
 
-class Slots:
+class RateLimiter:
     def __init__(self, counts: Mapping[str, int] | None = None) -> None:
         self._counts = dict(counts or {})
         self._free = dict(self._counts)

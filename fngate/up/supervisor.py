@@ -28,13 +28,13 @@ import redis
 
 from fngate import apikeys, clients, telemetry
 from fngate.backoff import Backoff
+from fngate.cli.examples import example_body
 from fngate.errors import FunctionError
 from fngate.process import batch_at_exec, ends_with_parent, module_command, stop_processes
 from fngate.registry import function_source
 from fngate.repository import is_remote, open_repository
-from fngate.tools.examples import example_body
-from fngate.tools.scaler import LocalScaler, PoolSpec, pool_specs
-from fngate.tools.state import UpState, clear_up, read_up, state_dir, write_up
+from fngate.up.scaler import LocalScaler, PoolSpec, pool_specs
+from fngate.up.state import UpState, clear_up, read_up, state_dir, write_up
 
 log = logging.getLogger("fngate.up")
 POLL_S = 0.5
@@ -346,7 +346,7 @@ async def _serve(
         if redis_server is not None:
             tasks.create_task(redis_server.watch(stopping))
         if getattr(args, "reload", False):
-            from fngate.tools.reload import ReloadWatch
+            from fngate.up.reload import ReloadWatch
 
             tasks.create_task(ReloadWatch(open_repository(env["FNGATE_REPO"]), client).run(stopping))
 

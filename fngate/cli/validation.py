@@ -19,7 +19,7 @@ def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
     notes: set[str] = set()
     for path in files:
         if path.is_dir():  # a Triton model repository, or one model's folder
-            from fngate.tools.triton import validate_repository
+            from fngate.cli.triton import validate_repository
 
             try:
                 import onnx  # noqa: F401 (only whether it is installed)

@@ -1,15 +1,15 @@
-"""Execution slots (runner.slots): a holder waits until what it needs is free and every earlier
+"""Execution slots (runner.rate_limiter): a holder waits until what it needs is free and every earlier
 waiter is served; a resource the runner does not name has as much as the largest need."""
 
 from __future__ import annotations
 
 import asyncio
 
-from runner.slots import Slots
+from runner.rate_limiter import RateLimiter
 
 
 async def test_waiters_are_served_in_order_when_what_they_need_is_free() -> None:
-    slots = Slots({"GPU_EXEC_SLOTS": 8})
+    slots = RateLimiter({"GPU_EXEC_SLOTS": 8})
     order: list[str] = []
     release = {name: asyncio.Event() for name in ("heavy-1", "heavy-2", "heavy-3", "light")}
 
@@ -37,7 +37,7 @@ async def test_waiters_are_served_in_order_when_what_they_need_is_free() -> None
 
 
 async def test_an_unnamed_resource_has_the_largest_need_and_a_cancelled_waiter_leaves_its_place() -> None:
-    slots = Slots()
+    slots = RateLimiter()
     async with slots.hold({"MEMORY_BW": 2}):
         waiter = asyncio.create_task(slots.hold({"MEMORY_BW": 1}).__aenter__())
         await asyncio.sleep(0.01)

@@ -17,8 +17,8 @@ import orjson
 
 from fngate.errors import InvalidArgument
 from fngate.manifest import FunctionManifest, TensorSpec
-from fngate.tensors import DATATYPES, element_count, from_bytes, from_json, to_bytes, to_json_data
-from fngate.wire import Reply, Tensors
+from fngate.tensors import DATATYPES, Tensors, element_count, from_bytes, from_json, to_bytes, to_json_data
+from fngate.wire import Reply
 from gateway.http.tensor_data import Decoded, outline_of, shape_of_outline
 from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import orjson
 
+from fngate.cli.deploy import LARGE_BYTES, ProgressBar, example_body, load_warning
 from fngate.manifest import FunctionManifest, load_manifest
-from fngate.tools.deploy import LARGE_BYTES, ProgressBar, example_body, load_warning
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Terminal(io.StringIO):

@@ -19,6 +19,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from fngate import clients
+from fngate.cli.examples import example_body, example_v2_body
 from fngate.deployment import RUNNER_START_S, deploy_files, policy_check, warm, withdraw
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
@@ -39,7 +40,6 @@ from fngate.repository import (
     is_remote,
     make_record,
 )
-from fngate.tools.examples import example_body, example_v2_body
 
 LARGE_BYTES = 8 * 1024 * 1024
 """Uploads from this size on get a progress bar (on a terminal)."""

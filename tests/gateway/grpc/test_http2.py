@@ -15,7 +15,7 @@ import h2.settings
 import pytest
 
 from bench.h2_cost import REQUEST_HEADERS
-from gateway.grpc.http2 import PREFACE, ErrorCode, Event, Events, ProtocolError, ServerConnection
+from gateway.grpc.http2 import PREFACE, Event, Events, Http2ErrorCode, ProtocolError, ServerConnection
 
 REQUEST = REQUEST_HEADERS
 STREAM_WINDOW = 1 << 20
@@ -154,15 +154,15 @@ def test_streams_past_the_limit_are_refused_and_hpack_stays_in_step() -> None:
         opened.append(stream_id)
     events = connection.receive(client.data_to_send())
     assert [stream_id for kind, stream_id, _ in events if kind is Event.REQUEST] == opened[:2]
-    connection.reset_stream(opened[0], ErrorCode.CANCEL)  # one place freed
+    connection.reset_stream(opened[0], Http2ErrorCode.CANCEL)  # one place freed
     resets = [
         event
         for event in client.receive_data(bytes(connection.data_to_send()))
         if isinstance(event, h2.events.StreamReset)
     ]
     assert [(event.stream_id, event.error_code) for event in resets] == [
-        (opened[2], ErrorCode.REFUSED_STREAM),
-        (opened[0], ErrorCode.CANCEL),
+        (opened[2], Http2ErrorCode.REFUSED_STREAM),
+        (opened[0], Http2ErrorCode.CANCEL),
     ]
     # The refused stream's header block added to the table: the next one, indexing it, still decodes.
     stream_id = client.get_next_available_stream_id()
@@ -178,7 +178,7 @@ def test_a_client_reset_and_pings_are_reported_and_pings_answered() -> None:
     client.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
     client.ping(b"12345678")
     events = connection.receive(client.data_to_send())
-    assert (Event.RESET, stream_id, ErrorCode.CANCEL) in events and (Event.PING, 0, None) in events
+    assert (Event.RESET, stream_id, Http2ErrorCode.CANCEL) in events and (Event.PING, 0, None) in events
     assert stream_id not in connection.streams
     acks = [
         e
@@ -193,60 +193,69 @@ def test_a_client_reset_and_pings_are_reported_and_pings_answered() -> None:
 SETTINGS_FRAME = frame(4, 0, 0, b"")
 HEADERS_OPEN = frame(1, 0x4, 1, bytes([0x83, 0x86, 0x84]))  # :method POST, :scheme http, :path /
 BREACHES = {
-    "not the preface": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", ErrorCode.PROTOCOL_ERROR),
-    "a frame before SETTINGS": (PREFACE + frame(6, 0, 0, b"12345678"), ErrorCode.PROTOCOL_ERROR),
+    "not the preface": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", Http2ErrorCode.PROTOCOL_ERROR),
+    "a frame before SETTINGS": (PREFACE + frame(6, 0, 0, b"12345678"), Http2ErrorCode.PROTOCOL_ERROR),
     "a frame over 16 KiB": (
         PREFACE + SETTINGS_FRAME + frame(0, 0, 1, b"x" * 16_385),
-        ErrorCode.FRAME_SIZE_ERROR,
+        Http2ErrorCode.FRAME_SIZE_ERROR,
     ),
     "a frame inside a header block": (
         PREFACE + SETTINGS_FRAME + frame(1, 0, 1, bytes([0x83])) + frame(6, 0, 0, b"12345678"),
-        ErrorCode.PROTOCOL_ERROR,
+        Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "CONTINUATION without HEADERS": (
         PREFACE + SETTINGS_FRAME + frame(9, 0x4, 1, b""),
-        ErrorCode.PROTOCOL_ERROR,
+        Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "an even stream id": (
         PREFACE + SETTINGS_FRAME + frame(1, 0x4, 2, bytes([0x83])),
-        ErrorCode.PROTOCOL_ERROR,
+        Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "DATA on a stream never opened": (
         PREFACE + SETTINGS_FRAME + frame(0, 0, 3, b"x"),
-        ErrorCode.PROTOCOL_ERROR,
+        Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "DATA after END_STREAM": (
         PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83])) + frame(0, 0, 1, b"x"),
-        ErrorCode.STREAM_CLOSED,
+        Http2ErrorCode.STREAM_CLOSED,
     ),
     "DATA padding past its frame": (
         PREFACE + SETTINGS_FRAME + HEADERS_OPEN + frame(0, 0x8, 1, bytes([9]) + b"abc"),
-        ErrorCode.PROTOCOL_ERROR,
+        Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "a header block HPACK cannot decode": (
         PREFACE + SETTINGS_FRAME + frame(1, 0x4, 1, bytes([0xFF, 0xFF, 0xFF, 0xFF, 0x7F])),
-        ErrorCode.COMPRESSION_ERROR,
+        Http2ErrorCode.COMPRESSION_ERROR,
     ),
     "a header block past the limit": (
         PREFACE + SETTINGS_FRAME + frame(1, 0, 1, b"\0" * 16_384) + frame(9, 0, 1, b"\0" * 16_384) * 2,
-        ErrorCode.ENHANCE_YOUR_CALM,
+        Http2ErrorCode.ENHANCE_YOUR_CALM,
     ),
-    "WINDOW_UPDATE of 0": (PREFACE + SETTINGS_FRAME + frame(8, 0, 0, bytes(4)), ErrorCode.PROTOCOL_ERROR),
+    "WINDOW_UPDATE of 0": (
+        PREFACE + SETTINGS_FRAME + frame(8, 0, 0, bytes(4)),
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
     "the connection's window past 2^31-1": (
         PREFACE + SETTINGS_FRAME + frame(8, 0, 0, struct.pack(">I", 2**31 - 1)),
-        ErrorCode.FLOW_CONTROL_ERROR,
+        Http2ErrorCode.FLOW_CONTROL_ERROR,
     ),
     "SETTINGS of a bad length": (
         PREFACE + SETTINGS_FRAME + frame(4, 0, 0, b"12345"),
-        ErrorCode.FRAME_SIZE_ERROR,
+        Http2ErrorCode.FRAME_SIZE_ERROR,
     ),
     "SETTINGS_MAX_FRAME_SIZE too small": (
         PREFACE + frame(4, 0, 0, struct.pack(">HI", 5, 100)),
-        ErrorCode.PROTOCOL_ERROR,
+        Http2ErrorCode.PROTOCOL_ERROR,
     ),
-    "PING of a bad length": (PREFACE + SETTINGS_FRAME + frame(6, 0, 0, b"1234"), ErrorCode.FRAME_SIZE_ERROR),
-    "RST_STREAM on stream 0": (PREFACE + SETTINGS_FRAME + frame(3, 0, 0, bytes(4)), ErrorCode.PROTOCOL_ERROR),
-    "PUSH_PROMISE": (PREFACE + SETTINGS_FRAME + frame(5, 0x4, 1, bytes(4)), ErrorCode.PROTOCOL_ERROR),
+    "PING of a bad length": (
+        PREFACE + SETTINGS_FRAME + frame(6, 0, 0, b"1234"),
+        Http2ErrorCode.FRAME_SIZE_ERROR,
+    ),
+    "RST_STREAM on stream 0": (
+        PREFACE + SETTINGS_FRAME + frame(3, 0, 0, bytes(4)),
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
+    "PUSH_PROMISE": (PREFACE + SETTINGS_FRAME + frame(5, 0x4, 1, bytes(4)), Http2ErrorCode.PROTOCOL_ERROR),
 }
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from fngate.tools.validation import validate_files
+from fngate.cli.validation import validate_files
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def classifier(tmp_path: Path, **changes: object) -> Path:

@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 import fngate
+from fngate.cli import main as cli
 from fngate.manifest import schema_json
-from fngate.tools import cli, local
-from fngate.tools.state import UpState, read_up, state_dir, write_up
+from fngate.up import supervisor
+from fngate.up.state import UpState, read_up, state_dir, write_up
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)
@@ -169,10 +170,10 @@ def test_state_of_a_dead_up_is_ignored(private_state: Path) -> None:
 
 def test_the_banner_suggests_a_function_that_exists(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "functions" / "normalize", tmp_path / "normalize")
-    example = local.example_invocation(str(tmp_path))
+    example = supervisor.example_invocation(str(tmp_path))
     assert example is not None
     assert example[0] == "normalize"
-    assert local.example_invocation(str(tmp_path / "normalize")) is None
+    assert supervisor.example_invocation(str(tmp_path / "normalize")) is None
 
 
 def test_schema_is_published_and_every_key_documented(capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,7 +223,7 @@ async def test_invoke_json_and_npy(
 
     def invoke(*argv: str) -> tuple[int, str, str]:
         result = subprocess.run(
-            [sys.executable, "-m", "fngate.tools.cli", "invoke", *argv, "--gateway", base],
+            [sys.executable, "-m", "fngate.cli.main", "invoke", *argv, "--gateway", base],
             capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
         )  # fmt: skip
         return result.returncode, result.stdout, result.stderr
@@ -271,7 +272,7 @@ async def test_invoke_sends_ups_admin_key_to_ups_gateway_only(
 
     def invoke(*argv: str) -> tuple[int, str, str]:
         result = subprocess.run(
-            [sys.executable, "-m", "fngate.tools.cli", "invoke", "classifier", body, *argv],
+            [sys.executable, "-m", "fngate.cli.main", "invoke", "classifier", body, *argv],
             capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
         )  # fmt: skip
         return result.returncode, result.stdout, result.stderr
@@ -298,7 +299,7 @@ def invoke_on_a_terminal(*argv: str) -> tuple[int, str, str]:
     """`fngate invoke ARGV` with stderr on a terminal, as a user at one sees it."""
     primary, secondary = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "fngate.tools.cli", "invoke", *argv],
+        [sys.executable, "-m", "fngate.cli.main", "invoke", *argv],
         stdout=subprocess.PIPE,
         stderr=secondary,
         cwd=ROOT,

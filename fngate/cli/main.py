@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import fngate
-from fngate.tools.state import UpState, read_up, state_dir
+from fngate.up.state import UpState, read_up, state_dir
 
 GATEWAY_WORKERS_MAX = 4
 
@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "k8s", help="render Kubernetes objects (KEDA ScaledObjects per pool) from manifests"
     )
     k8s.add_argument("action", choices=["render"], help="render: print the objects as YAML")
-    k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.tools.k8s --help`")
+    k8s.add_argument("rest", nargs=argparse.REMAINDER, help="options of `python -m fngate.k8s --help`")
     return parser
 
 
@@ -226,7 +226,7 @@ def _add_metrics_port(parser: argparse.ArgumentParser, where: str, default: int 
 
 def _call_gateway(args: argparse.Namespace) -> int:
     """`fngate invoke` and `fngate result`: fngate up's gateway (with its admin key) unless told."""
-    from fngate.tools.invoke import InvokeError, invoke, result
+    from fngate.cli.invoke import InvokeError, invoke, result
 
     up_gateway = _from_up("gateway_url")
     gateway = args.gateway or up_gateway or DEFAULT_GATEWAY
@@ -252,11 +252,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "cache":
         return _clear_cache(args.function, args.redis)
     if args.command == "k8s":
-        from fngate.tools.k8s import main as k8s_main
+        from fngate.k8s import main as k8s_main
 
         return k8s_main(args.rest)
     if args.command == "validate":
-        from fngate.tools.validation import validate_files
+        from fngate.cli.validation import validate_files
 
         return validate_files(args.files, sys.stdout, sys.stderr)
     if args.command == "import-triton":
@@ -269,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("invoke", "result"):
         return _call_gateway(args)
     if args.command == "up":
-        from fngate.tools.local import run_local
+        from fngate.up.supervisor import run_local
 
         return run_local(args)
     if args.command == "gateway":
@@ -289,7 +289,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
         if not settings.bind:
-            from fngate.tools.local import port_problem
+            from fngate.up.supervisor import port_problem
 
             for port, flag in ((settings.port, "--port"), (settings.grpc_port, "--grpc-port")):
                 busy = port_problem(settings.host, port, flag)
@@ -447,8 +447,8 @@ def _validation_parsers(commands: Any) -> None:
 
 
 def _import_triton(repo: Path, out: Path) -> int:
+    from fngate.cli.triton import import_repository, is_triton_repository
     from fngate.manifest import ManifestError
-    from fngate.tools.triton import import_repository, is_triton_repository
 
     if not is_triton_repository(repo):
         raise UsageError(f"{repo} holds no Triton model (a folder with config.pbtxt or N/model.onnx)")
@@ -464,8 +464,8 @@ def _import_triton(repo: Path, out: Path) -> int:
 
 def _rollout_command(args: argparse.Namespace) -> int:
     """traffic and rollback: through a gateway's deploy API, or on the repository and Redis."""
+    from fngate.cli import rollout
     from fngate.errors import FunctionError
-    from fngate.tools import rollout
 
     try:
         weights = rollout.parse_weights(args.weights) if args.command == "traffic" else None
@@ -510,13 +510,13 @@ def _open_target(args: argparse.Namespace) -> tuple[Any, str]:
 
 def _repository_command(args: argparse.Namespace) -> int:
     """deploy, ls and rm."""
+    from fngate.cli import deploy
     from fngate.manifest import ManifestError
-    from fngate.tools import deploy
 
     repository, redis_url = _open_target(args)
     url = repository.url
     if args.command == "deploy":
-        from fngate.tools.triton import deploy_paths, is_triton_repository
+        from fngate.cli.triton import deploy_paths, is_triton_repository
 
         for file in args.files:
             if not file.is_file() and not is_triton_repository(file):
@@ -705,7 +705,7 @@ def _key_command(args: argparse.Namespace) -> int:
 
 
 def _deploy_through(args: argparse.Namespace) -> int:
-    from fngate.tools import deploy
+    from fngate.cli import deploy
 
     api_key = os.environ.get("FNGATE_API_KEY", "")
     if not api_key:

@@ -1,4 +1,4 @@
-"""ClusterPipelinedRedis: the hot path's client (fngate.pipelined) on a Redis Cluster. One pipelined
+"""ClusterFastRedis: the hot path's client (fngate.fastredis) on a Redis Cluster. One pipelined
 connection per primary; each command goes to the primary that serves its key's slot (keys.slot),
 auto-pipelined with the others bound there.
 
@@ -23,7 +23,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fngate import keys
-from fngate.pipelined import PipelinedRedis
+from fngate.fastredis import FastRedis
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
@@ -76,17 +76,17 @@ class _Routed:
     redirects: int = 0
 
 
-class ClusterPipelinedRedis(PipelinedRedis):
+class ClusterFastRedis(FastRedis):
     cluster = True
 
     def __init__(
         self, seeds: Sequence[Address], node_url: Callable[[str, int], str], timeout_s: float
     ) -> None:
-        # No PipelinedRedis.__init__: this client holds one of them per node instead of a connection.
+        # No FastRedis.__init__: this client holds one of them per node instead of a connection.
         self._seeds = list(seeds)
         self._node_url = node_url
         self._timeout_s = timeout_s
-        self._nodes: dict[Address, PipelinedRedis] = {}
+        self._nodes: dict[Address, FastRedis] = {}
         self._slots: list[Address | None] = [None] * keys.SLOTS
         self._refreshing: asyncio.Task[None] | None = None
         self._last_refresh = float("-inf")
@@ -207,10 +207,10 @@ class ClusterPipelinedRedis(PipelinedRedis):
             return next((address for address in self._slots if address is not None), None)
         return self._slots[slot]
 
-    def _node(self, address: Address) -> PipelinedRedis:
+    def _node(self, address: Address) -> FastRedis:
         node = self._nodes.get(address)
         if node is None:
-            node = self._nodes[address] = PipelinedRedis(self._node_url(*address), self._timeout_s)
+            node = self._nodes[address] = FastRedis(self._node_url(*address), self._timeout_s)
         return node
 
     def _refresh_soon(self) -> asyncio.Task[None]:

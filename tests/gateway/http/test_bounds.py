@@ -419,7 +419,7 @@ async def test_large_heads_many_headers_too_many_connections_and_decodes_are_ref
     await asyncio.sleep(0.2)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/v2/health/live")).status_code == 200
-    # One body being decoded holds more than the decode budget (alone, it goes on); a second is 503.
+    # One body being decoded holds more than the decode allowance (alone, it goes on); a second is 503.
     numbers = 400_000
     head = b'{"inputs":[{"name":"input","datatype":"FP32","shape":[1,%d],"data":[' % numbers
     first = head + b"1," * (numbers // 2)

@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2
 
 from bench.h2_client import INFER, RawClient, live_request, message
 from tests.conftest import free_port
-from tests.gateway.test_bounds import peak_rss_bytes, reset_peak
+from tests.gateway.http.test_bounds import peak_rss_bytes, reset_peak
 
 MiB = 2**20
 RSS_SLACK_BYTES = 48 * MiB

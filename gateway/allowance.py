@@ -1,4 +1,4 @@
-"""The decode budget: the bytes one gateway process holds at once for invocation bodies being
+"""The decode allowance: the bytes one gateway process holds at once for invocation bodies being
 decoded (compressed bodies, binary tensor data, the tensors a JSON body fills), whatever the front
 end. A body that would take it past its limit is refused (Overloaded: 503 with Retry-After over
 HTTP, UNAVAILABLE with a retry-after over gRPC) rather than allocated; one body alone is never
@@ -11,7 +11,7 @@ import threading
 from fngate.errors import Overloaded
 
 
-class DecodeBudget:
+class DecodeAllowance:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.used_bytes = 0
@@ -25,7 +25,7 @@ class DecodeBudget:
 class Hold:
     __slots__ = ("_budget", "bytes")
 
-    def __init__(self, budget: DecodeBudget) -> None:
+    def __init__(self, budget: DecodeAllowance) -> None:
         self._budget = budget
         self.bytes = 0
 

@@ -1,4 +1,4 @@
-"""PipelinedRedis against a real redis-server: order, errors, scripts, and a server that goes away."""
+"""FastRedis against a real redis-server: order, errors, scripts, and a server that goes away."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fngate import clients
-from fngate.pipelined import PipelinedRedis, Script, stream_entries
-from fngate.tools.local import start_redis
+from fngate.fastredis import FastRedis, Script, stream_entries
+from fngate.up.supervisor import start_redis
 
 Start = Callable[..., tuple[subprocess.Popen[bytes], str]]
 
 
 async def test_concurrent_commands_get_their_own_replies(redis_url: str) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("DEL", "n")
     replies = await asyncio.gather(*(client.execute("INCR", "n") for _ in range(200)))
     assert replies == list(range(1, 201))  # one write per event-loop turn, replies in order
@@ -28,7 +28,7 @@ async def test_concurrent_commands_get_their_own_replies(redis_url: str) -> None
 
 
 async def test_reply_errors_are_redis_py_errors(redis_url: str) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("SET", "text", "x")
     with pytest.raises(ResponseError, match="WRONGTYPE"):
         await client.execute("LPUSH", "text", "y")
@@ -37,7 +37,7 @@ async def test_reply_errors_are_redis_py_errors(redis_url: str) -> None:
 
 
 async def test_a_script_is_loaded_when_redis_does_not_know_it(redis_url: str) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("SCRIPT", "FLUSH")
     script = Script(client, "return {KEYS[1], ARGV[1]}")
     assert await script(["k"], ["v"]) == [b"k", b"v"]
@@ -45,7 +45,7 @@ async def test_a_script_is_loaded_when_redis_does_not_know_it(redis_url: str) ->
 
 
 async def test_every_kind_of_argument_reaches_redis_as_written(redis_url: str) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     values = [b"\x00raw\r\n", "text \u00e9", 42, -7, 2.5, memoryview(b"view"), bytearray(b"array")]
     keys = [f"arg:{index}" for index in range(len(values))]
     for key, value in zip(keys, values, strict=True):
@@ -56,7 +56,7 @@ async def test_every_kind_of_argument_reaches_redis_as_written(redis_url: str) -
 
 
 async def test_stream_entries(redis_url: str) -> None:
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("DEL", "s")
     entry_id = await client.execute("XADD", "s", "*", "h", "1", "b", "2")
     reply = await client.execute("XREAD", "COUNT", 10, "STREAMS", "s", "0-0")
@@ -68,7 +68,7 @@ async def test_stream_entries(redis_url: str) -> None:
 async def test_a_restarted_redis_is_reconnected(tmp_path_factory: pytest.TempPathFactory) -> None:
     folder = tmp_path_factory.mktemp("restarted")
     process, url = start_redis(folder)
-    client = PipelinedRedis(url, timeout_s=1)
+    client = FastRedis(url, timeout_s=1)
     try:
         assert await client.execute("PING") == b"PONG"
         process.kill()
@@ -85,7 +85,7 @@ async def test_a_restarted_redis_is_reconnected(tmp_path_factory: pytest.TempPat
 
 async def test_a_paused_redis_times_out_and_recovers(extra_redis: Start) -> None:
     process, url = extra_redis()
-    client = PipelinedRedis(url, timeout_s=0.5)
+    client = FastRedis(url, timeout_s=0.5)
     assert await client.execute("SET", "k", "1")
     process.send_signal(signal.SIGSTOP)
     try:
@@ -98,7 +98,7 @@ async def test_a_paused_redis_times_out_and_recovers(extra_redis: Start) -> None
 
 
 async def test_a_cancelled_caller_is_cancelled_and_later_replies_stay_in_step(redis_url: str) -> None:
-    client = PipelinedRedis(redis_url, timeout_s=5)
+    client = FastRedis(redis_url, timeout_s=5)
     waiting = asyncio.create_task(client.execute("BLPOP", "nothing-here", 0.3, timeout_s=5))
     await asyncio.sleep(0.05)
     waiting.cancel()
@@ -113,7 +113,7 @@ async def test_queue_bytes_bound_and_release(redis_url: str) -> None:
     the bytes back, and a reply to a gateway whose stream is gone is dropped, not kept."""
     from fngate import queue
 
-    client = PipelinedRedis(redis_url)
+    client = FastRedis(redis_url)
     await client.execute("FLUSHALL")
     enqueue, finish = Script(client, queue.ENQUEUE), Script(client, queue.FINISH)
     fields = {queue.HEADER: b"h" * 40, queue.BODY: b"b" * 40}
@@ -142,8 +142,8 @@ async def test_queue_bytes_bound_and_release(redis_url: str) -> None:
 
 
 async def test_a_lone_redis_client_is_not_a_cluster_one(single_redis_url: str) -> None:
-    client = clients.pipelined(single_redis_url)
-    assert type(client) is PipelinedRedis and not client.cluster
+    client = clients.fastredis(single_redis_url)
+    assert type(client) is FastRedis and not client.cluster
     with pytest.raises(ValueError, match="database 0 only"):
         clients.parse_cluster("redis+cluster://127.0.0.1:7000/2")
     parsed = clients.parse_cluster("rediss+cluster://user:p%40ss@h1:7000,h2:7001")

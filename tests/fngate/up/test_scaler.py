@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from fngate.tools.scaler import PoolSpec, to_start
+from fngate.up.scaler import PoolSpec, to_start
 
 SPEC = PoolSpec("default", ("f",), min_replicas=0, max_replicas=3, rows_per_runner=64)
 WARM = PoolSpec("warm", ("f",), min_replicas=2, max_replicas=3, rows_per_runner=64)
