@@ -183,9 +183,9 @@ def test_schema_is_published_and_every_key_documented(capsys: pytest.CaptureFixt
     assert (ROOT / "docs" / "function.schema.json").read_text() == out, (
         "run: fngate schema > docs/function.schema.json"
     )
-    readme = (ROOT / "README.md").read_text()
+    reference = (ROOT / "docs" / "reference" / "manifest.md").read_text()
     doc = json.loads(out)
-    missing = [path for path in key_paths(doc, doc) if f"`{path}`" not in readme]
+    missing = [path for path in key_paths(doc, doc) if f"`{path}`" not in reference]
     assert missing == []
 
 
