@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import time
 from typing import Any
 
 import hpack
@@ -39,6 +40,15 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MAX_FRAME_SIZE = 16_384
 """The largest frame payload taken (the protocol's default, never raised)."""
 DEFAULT_WINDOW = 65_535
+MAX_ENCODER_TABLE = 4096
+"""The most of a client's SETTINGS_HEADER_TABLE_SIZE this side's HPACK encoder uses (RFC 7541 4.2
+lets an encoder use less): a table of 2^32-1 would make every answer's encoding search it."""
+MAX_CONTINUATIONS = 32
+"""CONTINUATION frames one header block may take (each carries at least nothing: a stream of
+empty ones would otherwise never end)."""
+MAX_IDLE_FRAMES_PER_S = 1000
+"""Frames that serve no request a client may send per second (PRIORITY, unknown types, empty DATA,
+WINDOW_UPDATE of a closed stream) before its connection is ended with ENHANCE_YOUR_CALM."""
 MAX_WINDOW = 2**31 - 1
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
@@ -156,6 +166,9 @@ class ServerConnection:
         """A header block waiting for its CONTINUATION frames, with its stream and END_STREAM."""
         self._block_stream = 0
         self._block_ends = False
+        self._block_frames = 0
+        self._idle_frames = 0
+        self._idle_since = 0.0
 
     # what the transport calls
 
@@ -305,12 +318,14 @@ class ServerConnection:
             events.append((Event.RESET, stream_id, _U32.unpack(payload)[0]))
         elif kind == PRIORITY:
             _shaped("PRIORITY", stream_id != 0, len(payload) == 5)
+            self._idle_frame()
         elif kind == GOAWAY:
             _shaped("GOAWAY", stream_id == 0, len(payload) >= 8)
             events.append((Event.GOAWAY, 0, None))
         elif kind == PUSH_PROMISE:
             raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
-        # any other type is an extension this side does not know: ignored
+        else:  # an extension this side does not know: ignored, and counted
+            self._idle_frame()
 
     def _headers(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if stream_id == 0:
@@ -330,6 +345,7 @@ class ServerConnection:
         else:
             self._block = bytearray(fragment)
             self._block_stream, self._block_ends = stream_id, bool(flags & END_STREAM)
+            self._block_frames = 0
             self._check_block_size()
 
     def _continuation(self, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
@@ -337,6 +353,9 @@ class ServerConnection:
         if block is None or stream_id != self._block_stream:
             raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
         block += payload
+        self._block_frames += 1
+        if self._block_frames > MAX_CONTINUATIONS:
+            raise ProtocolError(Http2ErrorCode.ENHANCE_YOUR_CALM, "a header block of too many CONTINUATIONs")
         self._check_block_size()
         if flags & END_HEADERS:
             self._block = None
@@ -388,6 +407,8 @@ class ServerConnection:
             raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # padding included: all of it counts against the windows
         self._received += size
+        if self._received > self.connection_window:
+            raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "DATA past the connection's window")
         if self._received >= self.connection_window // 2:
             self._frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._received))
             self._received = 0
@@ -404,8 +425,12 @@ class ServerConnection:
             return  # a stream that ended (perhaps reset by this side while the frame flew)
         if not stream.remote_open:
             raise ProtocolError(Http2ErrorCode.STREAM_CLOSED, "DATA after the end of its stream")
+        if stream.received + size > self.stream_window:
+            raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "DATA past its stream's window")
         if end > start:
             events.append((Event.DATA, stream_id, payload[start:end] if end - start < size else payload))
+        elif not flags & END_STREAM:
+            self._idle_frame()
         if flags & END_STREAM:
             stream.remote_open = False
             events.append((Event.ENDED, stream_id, None))
@@ -431,6 +456,7 @@ class ServerConnection:
             stream = self.streams.get(stream_id)
             if stream is None:
                 self._known(stream_id)
+                self._idle_frame()
                 return
             stream.send_window += increment
             if stream.send_window > MAX_WINDOW:
@@ -449,7 +475,7 @@ class ServerConnection:
         for offset in range(0, len(payload), 6):
             code, value = _SETTING.unpack_from(payload, offset)
             if code == SETTINGS_HEADER_TABLE_SIZE:
-                self.encoder.header_table_size = value
+                self.encoder.header_table_size = min(value, MAX_ENCODER_TABLE)
             elif code == SETTINGS_ENABLE_PUSH:
                 if value > 1:
                     raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH past 1")
@@ -474,6 +500,14 @@ class ServerConnection:
         events.append((Event.SETTINGS, 0, None))
 
     # helpers
+
+    def _idle_frame(self) -> None:
+        now = time.monotonic()
+        if now - self._idle_since >= 1.0:
+            self._idle_frames, self._idle_since = 0, now
+        self._idle_frames += 1
+        if self._idle_frames > MAX_IDLE_FRAMES_PER_S:
+            raise ProtocolError(Http2ErrorCode.ENHANCE_YOUR_CALM, "too many frames that serve no request")
 
     def _known(self, stream_id: int) -> None:
         """A frame for a stream not open: one that ended is fine, one never opened is not."""

@@ -41,6 +41,17 @@ class Method:
     """The request message from its bytes (protobuf's FromString)."""
     unary: Unary | None = None
     streaming: Streaming | None = None
+    open: bool = False
+    """Served without a key (health); its request message may be at most OPEN_MESSAGE_BYTES."""
+    nested: dict[int, Any] | None = None
+    """The request message's field numbers that hold messages, each with its own such table
+    (gateway.grpc.messages.count_fields walks a large message with it before protobuf builds it)."""
+
+
+OPEN_MESSAGE_BYTES = 4096
+Authenticate = Callable[[str | None], "asyncio.Future[Any] | None"]
+"""The `authorization` metadata -> None for a key the table holds, a future for one to look up
+(its exception the refusal); raises the refusal itself for no key or a wrong one."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +67,15 @@ class RpcLimits:
     budget: DecodeAllowance
     failure: Callable[[BaseException, Rpc], RpcError]
     """A handler's exception as the status it ends its RPC with (logged there when unexpected)."""
+    authenticate: Authenticate | None = None
+    """The key check made on an RPC's headers, before any of its messages is read (None: auth off)."""
+    idle_timeout_s: float = 120.0
+    """A connection with no RPC for this long is sent away (GOAWAY); clients reconnect."""
+    drain_timeout_s: float = 30.0
+    """An answer the client takes none of for this long is cancelled (RST_STREAM) and let go."""
+    max_parked_bytes: int = 128 << 20
+    """Answer bytes waiting for clients' flow-control windows, on one connection; four times it over
+    the process's. An answer past either fails its RPC (RESOURCE_EXHAUSTED)."""
 
 
 class Rpc:
@@ -66,14 +86,20 @@ class Rpc:
         "buffer",
         "compressed",
         "connection",
+        "counted",
         "deadline",
+        "drain_timer",
+        "early",
         "encoding",
         "ended",
+        "gate",
         "hold",
         "messages",
         "metadata",
         "method",
         "name",
+        "progress_at",
+        "refusal",
         "responded",
         "size",
         "stream_id",
@@ -105,6 +131,17 @@ class Rpc:
         self.ended = False
         self.trailers: list[tuple[bytes, bytes]] | None = None
         """Trailers that wait for the answer's bytes to leave (the client's window)."""
+        self.counted = True
+        """It holds one of the process's RPC places (given back once it is answered)."""
+        self.gate: asyncio.Future[Any] | None = None
+        """The key's look-up, while it lasts: nothing received is read before it ends."""
+        self.early: list[bytes | None] | None = None
+        """What arrived during the look-up, as it came (None: the end of the stream)."""
+        self.refusal: RpcError | None = None
+        """The key was refused: the RPC ends with this once the client's request is in."""
+        self.drain_timer: asyncio.TimerHandle | None = None
+        self.progress_at = 0.0
+        """time.monotonic() when the client last took bytes of a parked answer."""
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -137,3 +174,5 @@ class Open:
     def __init__(self) -> None:
         self.connections: set[GrpcConnection] = set()
         self.rpcs = 0
+        self.parked_bytes = 0
+        """Answer bytes of every connection waiting for their clients' windows."""

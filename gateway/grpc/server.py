@@ -36,6 +36,7 @@ async def serving(services: Services) -> AsyncIterator[int]:
         max_connections=settings.max_connections,
         budget=services.budget,
         failure=service.failure,
+        authenticate=service.authenticate if services.keys.enabled else None,
     )
     open_ = Open()
     loop = asyncio.get_running_loop()

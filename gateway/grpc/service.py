@@ -27,6 +27,7 @@ from gateway import control, metadata, metrics
 from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, Principal, UnknownKey
 from gateway.call import Call
 from gateway.grpc import codec
+from gateway.grpc.messages import nested_fields
 from gateway.grpc.rpc import Method, Rpc, RpcError
 from gateway.grpc.status import CODES, Status
 from gateway.state import Services
@@ -46,16 +47,32 @@ class GrpcInference:
         self._tracing = telemetry.tracing_active()
 
     def methods(self) -> dict[bytes, Method]:
-        """Every RPC of the service by its name on the wire, with its request message's parser."""
+        """Every RPC of the service by its name on the wire, with its request message's parser and
+        the map of its nested messages (walked before a large message is built)."""
         table = {}
         for method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
             parse = getattr(service_pb2, method.input_type.name).FromString
             handler = getattr(self, method.name)
-            if method.client_streaming:
-                table[method.name.encode()] = Method(parse, streaming=handler)
-            else:
-                table[method.name.encode()] = Method(parse, unary=handler)
+            table[method.name.encode()] = Method(
+                parse,
+                unary=None if method.client_streaming else handler,
+                streaming=handler if method.client_streaming else None,
+                open=method.name in HEALTH,
+                nested=nested_fields(method.input_type),
+            )
         return table
+
+    def authenticate(self, header: str | None) -> asyncio.Future[Any] | None:
+        """The key check the transport makes on an RPC's headers, before it reads a byte of its
+        messages: any valid key passes (each handler then checks its scope). None for a key the
+        table holds; a look-up in Redis for one it does not hold yet; raises for no key or a wrong
+        one."""
+        keys = self.services.keys
+        try:
+            keys.authorize(header, ANY, None)
+        except UnknownKey:
+            return asyncio.ensure_future(keys.authorize_async(header, ANY, None))
+        return None
 
     def failure(self, exc: BaseException, rpc: Rpc) -> RpcError:
         """The status an RPC ends with for its handler's exception (a bug: INTERNAL, logged)."""
@@ -67,7 +84,7 @@ class GrpcInference:
             return RpcError(status, exc.message, _trailers(exc, self.services.settings.retry_after_s))
         return RpcError(Status.INTERNAL, _internal(rpc.name, exc).message)
 
-    # Health: open to every caller, as over HTTP.
+    # Health: open to every caller, as over HTTP (HEALTH).
 
     async def ServerLive(self, request: Any, rpc: Rpc) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -155,6 +172,7 @@ class GrpcInference:
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         reply = self.services.dispatcher.invoke(call)
         reply.add_done_callback(functools.partial(_answer, answer, manifest, request.id))
+        answer.add_done_callback(functools.partial(_cancelled, reply))
         return answer
 
     async def _infer_slowly(self, request: Any, rpc: Rpc, started: float) -> Any:
@@ -268,6 +286,12 @@ class GrpcInference:
         return _ServerSpan(self._tracing, method, traceparent)
 
 
+def _cancelled(reply: asyncio.Future[Reply], answer: asyncio.Future[Any]) -> None:
+    """A cancelled RPC (the client's RST_STREAM, its connection lost) lets go of its invocation."""
+    if answer.cancelled():
+        reply.cancel()
+
+
 def _answer(
     answer: asyncio.Future[Any], manifest: FunctionManifest, request_id: str, reply: asyncio.Future[Reply]
 ) -> None:
@@ -284,6 +308,8 @@ def _answer(
             answer.set_exception(exc)
 
 
+HEALTH = ("ServerLive", "ServerReady")
+"""Served to every caller, without a key."""
 UNIMPLEMENTED = (
     "SystemSharedMemoryStatus",
     "SystemSharedMemoryRegister",

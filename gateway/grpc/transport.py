@@ -20,13 +20,23 @@ from typing import Any
 from fngate.errors import InvalidArgument
 from gateway.grpc import messages
 from gateway.grpc.http2 import Event, Http2ErrorCode, ProtocolError, ServerConnection
-from gateway.grpc.rpc import Buffer, Method, Open, Rpc, RpcError, RpcLimits, percent_encoded, timeout_s
+from gateway.grpc.rpc import (
+    OPEN_MESSAGE_BYTES,
+    Buffer,
+    Method,
+    Open,
+    Rpc,
+    RpcError,
+    RpcLimits,
+    percent_encoded,
+    timeout_s,
+)
 from gateway.grpc.status import Status
 
 log = logging.getLogger(__name__)
 
 PATH_PREFIX = b"/inference.GRPCInferenceService/"
-MAX_STREAMS = 1000
+MAX_STREAMS = 256
 """RPCs open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)."""
 STREAM_WINDOW = 1 << 20
 """Each stream's receive window: how much a client may send ahead of the gateway's reading."""
@@ -38,6 +48,11 @@ MAX_CONTROL_PER_S = 100
 connection is ended; grpc's clients send a few, to size their windows."""
 MAX_QUEUED_MESSAGES = 1024
 """Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
+CONNECTION_HEADERS = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
+)
+"""Connection-specific fields: a request that carries one is malformed in HTTP/2 (RFC 9113 8.2.2)."""
+PSEUDO_HEADERS = frozenset({b":method", b":scheme", b":path", b":authority"})
 TRAILERS_ONLY = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 """What precedes the status of an RPC that ends without an answer."""
 RESPONSE_HEADERS = [
@@ -76,6 +91,14 @@ class GrpcConnection(asyncio.Protocol):
         """Unary RPCs opened in this data_received whose message may not be complete at its end."""
         self._loop = asyncio.get_running_loop()
         self.idle = asyncio.Event()
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self.last_active = self._loop.time()
+        """When its last RPC ended (or it opened): the idle timeout counts from here."""
+        self._parked = 0
+        """Answer bytes of this connection waiting for the client's windows."""
+        self._starved: dict[int, None] = {}
+        """Streams with answer bytes held by the connection's window alone (their own has room), in
+        the order they ran out: a connection WINDOW_UPDATE wakes them, and only them."""
 
     # asyncio's side
 
@@ -83,7 +106,7 @@ class GrpcConnection(asyncio.Protocol):
         self.transport = transport
         limits = self.limits
         self.http2.initiate()
-        if len(self.open.connections) >= limits.max_connections:
+        if len(self.open.connections) >= limits.max_connections and not self._evict_idle():
             self.http2.close_connection(
                 Http2ErrorCode.ENHANCE_YOUR_CALM,
                 additional_data=b"too many connections to this gateway process",
@@ -94,7 +117,30 @@ class GrpcConnection(asyncio.Protocol):
         self._flush()
         loop = self._loop
         self._preface_timer = loop.call_later(limits.header_timeout_s, self._close)
+        self._idle_timer = loop.call_later(limits.idle_timeout_s, self._idle_check)
         self.idle.set()
+
+    def _evict_idle(self) -> bool:
+        """Make room for a new connection by sending away the longest idle one (no RPC open), if
+        any: connections that hold nothing cannot lock others out."""
+        idle = [each for each in self.open.connections if not each.rpcs and not each._going_away]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda each: each.last_active)
+        oldest.go_away()
+        self.open.connections.discard(oldest)
+        return True
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        waited = self._loop.time() - self.last_active
+        timeout_s = self.limits.idle_timeout_s
+        if not self.rpcs and waited >= timeout_s:
+            self.go_away()
+            return
+        self._idle_timer = self._loop.call_later(max(timeout_s - waited, 0.1), self._idle_check)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -144,6 +190,8 @@ class GrpcConnection(asyncio.Protocol):
         self.open.connections.discard(self)
         if self._preface_timer is not None:
             self._preface_timer.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         for rpc in list(self.rpcs.values()):
             self._forget(rpc, cancel=True)
         self.idle.set()
@@ -204,18 +252,70 @@ class GrpcConnection(asyncio.Protocol):
         except RpcError as exc:
             self._finish(rpc, exc)
             return
-        if method.streaming is not None:
+        except ProtocolError:  # a malformed request (RFC 9113 8.1.1): a stream error
+            self._forget(rpc)
+            self.http2.reset_stream(stream_id, Http2ErrorCode.PROTOCOL_ERROR)
+            return
+        self._unarmed.append(rpc)  # its first message must come within the body timeout
+        authenticate = self.limits.authenticate
+        if authenticate is not None and not method.open:
+            try:
+                gate = authenticate(rpc.metadata.get("authorization"))
+            except Exception as exc:  # no key, or a wrong one: answered once its request is in
+                rpc.refusal = self.limits.failure(exc, rpc)
+                return
+            if gate is not None:
+                rpc.gate, rpc.early = gate, []
+                gate.add_done_callback(lambda done: self._gate_ended(rpc, done))
+                return
+        self._serve(rpc)
+
+    def _serve(self, rpc: Rpc) -> None:
+        """The key is good (or none is needed): a streaming RPC's handler starts now, a unary
+        one's once its message is in."""
+        streaming = rpc.method.streaming
+        if streaming is not None:
             rpc.messages = asyncio.Queue()
-            self._start(rpc, _streamed(rpc, method.streaming(_messages(rpc), rpc)))
-        else:
-            self._unarmed.append(rpc)
+            self._start(rpc, _streamed(rpc, streaming(_messages(rpc), rpc)))
+
+    def _gate_ended(self, rpc: Rpc, gate: asyncio.Future[Any]) -> None:
+        early, rpc.gate, rpc.early = rpc.early or [], None, None
+        if rpc.ended:
+            return
+        error = None if gate.cancelled() else gate.exception()
+        if gate.cancelled() or error is not None:
+            rpc.refusal = self.limits.failure(error or RpcError(Status.CANCELLED, "cancelled"), rpc)
+            if early:  # the client's request is in, or part of it
+                self._finish(rpc, rpc.refusal)
+            self._flush()
+            return
+        self._serve(rpc)
+        rpc.hold.release()  # what came is counted again as it is read now
+        for data in early:
+            if rpc.ended:
+                break
+            if data is None:
+                self._ended(rpc.stream_id)
+            else:
+                self._data(rpc.stream_id, data)
+        self._flush()
 
     def _read_headers(self, rpc: Rpc, headers: list[Any]) -> None:
+        """Raises ProtocolError for a malformed request (RFC 9113 8.1.1), RpcError for one gRPC
+        refuses."""
         if len(headers) > self.limits.max_headers:
             raise RpcError(Status.RESOURCE_EXHAUSTED, f"more than {self.limits.max_headers} headers")
         metadata = rpc.metadata
+        regular = False
         for name, value in headers:
-            if name[:1] == b":" or name.endswith(b"-bin"):
+            if name[:1] == b":":
+                if regular or name not in PSEUDO_HEADERS:
+                    raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a misplaced or unknown pseudo-header")
+                continue
+            regular = True
+            if name in CONNECTION_HEADERS or (name == b"te" and value != b"trailers") or not name.islower():
+                raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a malformed header field")
+            if name.endswith(b"-bin"):
                 continue
             if name == b"grpc-timeout":
                 rpc.deadline = time.monotonic() + timeout_s(value)
@@ -234,7 +334,18 @@ class GrpcConnection(asyncio.Protocol):
         rpc = self.rpcs.get(stream_id)
         if rpc is None or rpc.ended:
             return
-        limit = self.limits.max_message_bytes
+        if rpc.refusal is not None:  # nothing of a refused key's request is read
+            self._finish(rpc, rpc.refusal)
+            return
+        if rpc.early is not None:  # its key is being looked up: kept as it came, not read yet
+            try:
+                rpc.hold.add(len(data))
+            except Exception as exc:
+                self._finish(rpc, self.limits.failure(exc, rpc))
+                return
+            rpc.early.append(data)
+            return
+        limit = OPEN_MESSAGE_BYTES if rpc.method.open else self.limits.max_message_bytes
         try:
             rpc.hold.add(len(data))
             for compressed, body in messages.read(rpc, data, limit):
@@ -247,10 +358,16 @@ class GrpcConnection(asyncio.Protocol):
             self._finish(rpc, self.limits.failure(exc, rpc))
 
     def _message(self, rpc: Rpc, payload: Buffer) -> None:
+        method = rpc.method
+        if len(payload) >= messages.SCAN_FROM_BYTES and method.nested is not None:
+            messages.count_fields(payload, method.nested)
         try:
-            message = rpc.method.parse(payload)
+            message = method.parse(payload)
         except Exception as exc:  # protobuf's DecodeError, or a message nested too deep
             raise InvalidArgument(f"the request message could not be parsed ({type(exc).__name__})") from exc
+        if rpc.timer is not None:  # the first message is in
+            rpc.timer.cancel()
+            rpc.timer = None
         if rpc.messages is not None:
             if rpc.messages.qsize() >= MAX_QUEUED_MESSAGES:
                 raise RpcError(Status.RESOURCE_EXHAUSTED, "too many requests waiting on this stream")
@@ -258,16 +375,19 @@ class GrpcConnection(asyncio.Protocol):
             return
         if rpc.answering is not None:
             raise RpcError(Status.UNIMPLEMENTED, f"{rpc.name} takes one request message")
-        unary = rpc.method.unary
+        unary = method.unary
         assert unary is not None
-        if rpc.timer is not None:
-            rpc.timer.cancel()
-            rpc.timer = None
         self._start(rpc, unary(message, rpc))
 
     def _ended(self, stream_id: int) -> None:
         rpc = self.rpcs.get(stream_id)
         if rpc is None or rpc.ended:
+            return
+        if rpc.refusal is not None:
+            self._finish(rpc, rpc.refusal)
+            return
+        if rpc.early is not None:
+            rpc.early.append(None)
             return
         if rpc.messages is not None:
             rpc.messages.put_nowait(None)
@@ -297,6 +417,9 @@ class GrpcConnection(asyncio.Protocol):
 
     def _too_slow(self, rpc: Rpc) -> None:
         rpc.timer = None
+        if rpc.refusal is not None:
+            self._finish(rpc, rpc.refusal)
+            return
         timeout_s = self.limits.body_timeout_s
         self._finish(
             rpc,
@@ -316,9 +439,17 @@ class GrpcConnection(asyncio.Protocol):
         self._close()
 
     def _window_opened(self, stream_id: int) -> None:
-        for pending_id in [stream_id] if stream_id else list(self._pending):
-            rpc = self.rpcs.get(pending_id)
-            if rpc is not None and pending_id in self._pending:
+        if stream_id:
+            rpc = self.rpcs.get(stream_id)
+            if rpc is not None and stream_id in self._pending:
+                self._send_pending(rpc)
+            return
+        connection = self.http2
+        while self._starved and connection.send_window > 0:  # O(streams it serves), not O(parked)
+            starved_id = next(iter(self._starved))
+            del self._starved[starved_id]
+            rpc = self.rpcs.get(starved_id)
+            if rpc is not None and starved_id in self._pending:
                 self._send_pending(rpc)
 
     # answers
@@ -336,8 +467,39 @@ class GrpcConnection(asyncio.Protocol):
         ):
             connection.send_data(stream_id, framed)  # the usual case: it fits, in one frame
         else:
-            self._pending.setdefault(stream_id, bytearray()).extend(framed)
-            self._send_pending(rpc)
+            self._park(rpc, framed)
+        self._flush()
+
+    def _park(self, rpc: Rpc, framed: bytes) -> None:
+        """Answer bytes past the client's window wait for it, within the connection's and the
+        process's bounds, and no longer than the drain timeout without progress."""
+        size, cap = len(framed), self.limits.max_parked_bytes
+        if self._parked + size > cap or self.open.parked_bytes + size > 4 * cap:
+            self._finish(
+                rpc,
+                RpcError(Status.RESOURCE_EXHAUSTED, "answers wait for clients that do not read them"),
+            )
+            return
+        self._parked += size
+        self.open.parked_bytes += size
+        self._pending.setdefault(rpc.stream_id, bytearray()).extend(framed)
+        rpc.progress_at = self._loop.time()
+        if rpc.drain_timer is None:
+            rpc.drain_timer = self._loop.call_later(self.limits.drain_timeout_s, self._drain_check, rpc)
+        self._send_pending(rpc)
+
+    def _drain_check(self, rpc: Rpc) -> None:
+        rpc.drain_timer = None
+        if rpc.stream_id not in self._pending or self.rpcs.get(rpc.stream_id) is not rpc:
+            return
+        waited = self._loop.time() - rpc.progress_at
+        timeout_s = self.limits.drain_timeout_s
+        if waited < timeout_s:
+            rpc.drain_timer = self._loop.call_later(timeout_s - waited, self._drain_check, rpc)
+            return
+        log.debug("a gRPC client took nothing of an answer for %g s: its stream is reset", timeout_s)
+        self._forget(rpc, cancel=True)
+        self.http2.reset_stream(rpc.stream_id, Http2ErrorCode.CANCEL)
         self._flush()
 
     def _send_pending(self, rpc: Rpc) -> None:
@@ -345,12 +507,23 @@ class GrpcConnection(asyncio.Protocol):
         stream_id = rpc.stream_id
         pending = self._pending.get(stream_id)
         connection = self.http2
+        sent = 0
         while pending:
             size = min(len(pending), connection.window(stream_id), connection.max_outbound_frame_size)
             if size <= 0:
-                return
+                if connection.send_window <= 0:
+                    self._starved[stream_id] = None
+                break
             connection.send_data(stream_id, bytes(pending[:size]))
             del pending[:size]
+            sent += size
+        if sent:
+            self._parked -= sent
+            self.open.parked_bytes -= sent
+            rpc.progress_at = self._loop.time()
+            self._flush()
+        if pending:
+            return
         self._pending.pop(stream_id, None)
         if rpc.trailers is not None:  # they waited for the data
             self._send_trailers(rpc, rpc.trailers)
@@ -368,6 +541,7 @@ class GrpcConnection(asyncio.Protocol):
             return
         if rpc.stream_id in self._pending:  # the answer waits for the client's window: so do these
             rpc.trailers = trailers
+            self._give_back_place(rpc)  # answered: bytes in wait hold no place of the process's
             return
         self._send_trailers(rpc, trailers)
 
@@ -386,16 +560,31 @@ class GrpcConnection(asyncio.Protocol):
 
     def _forget(self, rpc: Rpc, cancel: bool = False) -> None:
         _settle(rpc)
-        if cancel and isinstance(rpc.answering, asyncio.Task):
-            rpc.answering.cancel()
-        self._pending.pop(rpc.stream_id, None)
+        if cancel and rpc.answering is not None and not rpc.answering.done():
+            rpc.answering.cancel()  # a task, or a future whose cancel reaches the invocation
+        if rpc.gate is not None:
+            rpc.early = None
+        if rpc.drain_timer is not None:
+            rpc.drain_timer.cancel()
+            rpc.drain_timer = None
+        pending = self._pending.pop(rpc.stream_id, None)
+        if pending:
+            self._parked -= len(pending)
+            self.open.parked_bytes -= len(pending)
+        self._starved.pop(rpc.stream_id, None)
         if self.rpcs.pop(rpc.stream_id, None) is None:
             return
-        self.open.rpcs -= 1
+        self._give_back_place(rpc)
         if not self.rpcs:
+            self.last_active = self._loop.time()
             self.idle.set()
             if self._going_away:
                 self._say_goodbye()
+
+    def _give_back_place(self, rpc: Rpc) -> None:
+        if rpc.counted:
+            rpc.counted = False
+            self.open.rpcs -= 1
 
     def _refuse(self, stream_id: int, status: Status, message: str) -> None:
         """A stream that never became an RPC, answered with its status alone."""
