@@ -45,6 +45,15 @@ class GatewaySettings(_Settings):
     """Bind the gRPC port with SO_REUSEPORT: set for the worker processes of `workers` > 1, which
     share it (the kernel spreads connections over them). Off otherwise, so that a second gateway
     on the same port fails to start instead of sharing it."""
+    grpc_idle_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """A gRPC connection with no RPC for this long is sent away (GOAWAY; clients reconnect at their
+    next call). When a process is at max_connections, the longest idle one goes first."""
+    grpc_drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """An answer a gRPC client takes none of (its flow-control window stays shut) for this long is
+    cancelled (RST_STREAM CANCEL) and its bytes let go."""
+    grpc_max_parked_bytes: Annotated[int, Field(ge=1024)] = 128 * 1024 * 1024
+    """Answer bytes waiting for gRPC clients' windows, on one connection (four times it over the
+    process): an answer past it fails its RPC with RESOURCE_EXHAUSTED."""
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     max_decode_bytes: Annotated[int, Field(ge=1024)] = 256 * 1024 * 1024
     """What one gateway process holds at once for invocation bodies being decoded (compressed

@@ -37,6 +37,9 @@ async def serving(services: Services) -> AsyncIterator[int]:
         budget=services.budget,
         failure=service.failure,
         authenticate=service.authenticate if services.keys.enabled else None,
+        idle_timeout_s=settings.grpc_idle_timeout_s,
+        drain_timeout_s=settings.grpc_drain_timeout_s,
+        max_parked_bytes=settings.grpc_max_parked_bytes,
     )
     open_ = Open()
     loop = asyncio.get_running_loop()

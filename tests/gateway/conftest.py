@@ -25,7 +25,7 @@ def gateway_with_pid(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Cal
             process = subprocess.Popen(
                 [sys.executable, "-m", "gateway"],
                 env=child_env(
-                    redis_url, repo, FNGATE_AUTH="false", FNGATE_BIND=f"fd://{sock.fileno()}", **env
+                    redis_url, repo, **{"FNGATE_AUTH": "false", "FNGATE_BIND": f"fd://{sock.fileno()}", **env}
                 ),
                 pass_fds=[sock.fileno()],
                 cwd=ROOT,
