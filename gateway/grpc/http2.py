@@ -126,12 +126,15 @@ _GOAWAY = struct.Struct(">II")
 
 
 class _Stream:
-    __slots__ = ("local_open", "received", "remote_open", "send_window")
+    __slots__ = ("allowance", "local_open", "received", "remote_open", "send_window")
 
-    def __init__(self, send_window: int) -> None:
+    def __init__(self, send_window: int, allowance: int) -> None:
         self.send_window = send_window
         self.received = 0
         """Bytes received since the stream's window was last given back."""
+        self.allowance = allowance
+        """What the peer may still send on it, as far as it can know: a WINDOW_UPDATE given back
+        counts from the end of the read that gave it."""
         self.remote_open = True
         self.local_open = True
 
@@ -169,6 +172,10 @@ class ServerConnection:
         self._block_frames = 0
         self._idle_frames = 0
         self._idle_since = 0.0
+        self._allowance = connection_window
+        """What the peer may still send on the connection, as far as it can know."""
+        self._granted: list[tuple[_Stream | None, int]] = []
+        """Windows given back during this read: the peer can count on them only after it."""
 
     # what the transport calls
 
@@ -285,7 +292,18 @@ class ServerConnection:
             self.close_connection(exc.code)
             self._in = b""
             raise
+        finally:
+            if self._granted:
+                self._grant()
         return events
+
+    def _grant(self) -> None:
+        for stream, size in self._granted:
+            if stream is None:
+                self._allowance += size
+            else:
+                stream.allowance += size
+        self._granted.clear()
 
     def _dispatch(self, kind: int, flags: int, stream_id: int, payload: bytes, events: Events) -> None:
         if self._block is not None and kind != CONTINUATION:
@@ -396,7 +414,7 @@ class ServerConnection:
         if len(self.streams) >= self.max_streams:
             self._frame(RST_STREAM, 0, stream_id, _U32.pack(Http2ErrorCode.REFUSED_STREAM))
             return
-        stream = self.streams[stream_id] = _Stream(self._initial_send_window)
+        stream = self.streams[stream_id] = _Stream(self._initial_send_window, self.stream_window)
         events.append((Event.REQUEST, stream_id, headers))
         if end_stream:
             stream.remote_open = False
@@ -407,10 +425,12 @@ class ServerConnection:
             raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # padding included: all of it counts against the windows
         self._received += size
-        if self._received > self.connection_window:
+        self._allowance -= size
+        if self._allowance < 0:
             raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "DATA past the connection's window")
         if self._received >= self.connection_window // 2:
             self._frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._received))
+            self._granted.append((None, self._received))
             self._received = 0
         start, end = 0, size
         if flags & PADDED:
@@ -425,7 +445,8 @@ class ServerConnection:
             return  # a stream that ended (perhaps reset by this side while the frame flew)
         if not stream.remote_open:
             raise ProtocolError(Http2ErrorCode.STREAM_CLOSED, "DATA after the end of its stream")
-        if stream.received + size > self.stream_window:
+        stream.allowance -= size
+        if stream.allowance < 0:
             raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "DATA past its stream's window")
         if end > start:
             events.append((Event.DATA, stream_id, payload[start:end] if end - start < size else payload))
@@ -440,6 +461,7 @@ class ServerConnection:
         stream.received += size
         if stream.received >= self.stream_window // 2:
             self._frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(stream.received))
+            self._granted.append((stream, stream.received))
             stream.received = 0
 
     def _window_update(self, stream_id: int, payload: bytes, events: Events) -> None:

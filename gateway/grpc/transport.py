@@ -224,6 +224,9 @@ class GrpcConnection(asyncio.Protocol):
         if self._going_away:
             self.http2.reset_stream(stream_id, Http2ErrorCode.REFUSED_STREAM)
             return
+        if not _well_formed(headers):  # RFC 9113 8.1.1: malformed, a stream error
+            self.http2.reset_stream(stream_id, Http2ErrorCode.PROTOCOL_ERROR)
+            return
         values = dict(headers)
         path = values.get(b":path", b"")
         if values.get(b":method") != b"POST":
@@ -251,10 +254,6 @@ class GrpcConnection(asyncio.Protocol):
             self._read_headers(rpc, headers)
         except RpcError as exc:
             self._finish(rpc, exc)
-            return
-        except ProtocolError:  # a malformed request (RFC 9113 8.1.1): a stream error
-            self._forget(rpc)
-            self.http2.reset_stream(stream_id, Http2ErrorCode.PROTOCOL_ERROR)
             return
         self._unarmed.append(rpc)  # its first message must come within the body timeout
         authenticate = self.limits.authenticate
@@ -301,21 +300,11 @@ class GrpcConnection(asyncio.Protocol):
         self._flush()
 
     def _read_headers(self, rpc: Rpc, headers: list[Any]) -> None:
-        """Raises ProtocolError for a malformed request (RFC 9113 8.1.1), RpcError for one gRPC
-        refuses."""
         if len(headers) > self.limits.max_headers:
             raise RpcError(Status.RESOURCE_EXHAUSTED, f"more than {self.limits.max_headers} headers")
         metadata = rpc.metadata
-        regular = False
         for name, value in headers:
-            if name[:1] == b":":
-                if regular or name not in PSEUDO_HEADERS:
-                    raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a misplaced or unknown pseudo-header")
-                continue
-            regular = True
-            if name in CONNECTION_HEADERS or (name == b"te" and value != b"trailers") or not name.islower():
-                raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a malformed header field")
-            if name.endswith(b"-bin"):
+            if name[:1] == b":" or name.endswith(b"-bin"):
                 continue
             if name == b"grpc-timeout":
                 rpc.deadline = time.monotonic() + timeout_s(value)
@@ -606,6 +595,25 @@ class GrpcConnection(asyncio.Protocol):
         data = self.http2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+
+def _well_formed(headers: list[tuple[bytes, bytes]]) -> bool:
+    """No uppercase or connection-specific field, TE only as `trailers`, the pseudo-headers known
+    and first (RFC 9113 8.2 and 8.3)."""
+    regular = False
+    for name, value in headers:
+        if name[:1] == b":":
+            if regular or name not in PSEUDO_HEADERS:
+                return False
+        elif (
+            name in CONNECTION_HEADERS
+            or (name == b"te" and value != b"trailers")
+            or (not name.islower() and name.lower() != name)
+        ):
+            return False
+        else:
+            regular = True
+    return True
 
 
 def _settle(rpc: Rpc) -> None:

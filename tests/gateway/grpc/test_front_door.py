@@ -242,3 +242,55 @@ async def test_a_cancelled_rpc_lets_go_of_its_invocation(
     else:
         raise AssertionError("the cancelled call still holds the key's place")
     client.close()
+
+
+def hpack_literal(name: bytes, value: bytes) -> bytes:
+    """A header field literal without indexing, its name a literal too (RFC 7541 6.2.2)."""
+    return bytes([0, len(name)]) + name + bytes([len(value)]) + value
+
+
+@pytest.mark.parametrize(
+    "field",
+    [(b"X-Upper", b"1"), (b"connection", b"close"), (b"te", b"gzip"), (b":unknown", b"1")],
+)
+@pytest.mark.timeout(60)
+async def test_a_malformed_request_is_reset_alone(
+    gateway_with_pid: Callable[..., Any], field: tuple[bytes, bytes]
+) -> None:
+    """RFC 9113 8.1.1: a request with an uppercase field name, a connection-specific field, a TE
+    other than trailers or an unknown pseudo-header is malformed: its stream is reset with
+    PROTOCOL_ERROR, and the connection serves on (a PING is answered)."""
+    port, _ = await grpc_gateway(gateway_with_pid)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    path = b"/inference.GRPCInferenceService/ServerLive"
+    block = (
+        b"\x83\x86"
+        + bytes([0x44, len(path)])
+        + path
+        + hpack_literal(b"content-type", b"application/grpc")
+        + hpack_literal(*field)
+    )
+    head = struct.pack(">HBBBI", 0, len(block), 1, 0x4, 1)
+    writer.write(
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+        + head
+        + block
+        + struct.pack(">HBBBI", 0, 8, 6, 0, 0)
+        + b"pingpong"
+    )
+    frames: list[tuple[int, int, int, bytes]] = []
+    received = b""
+    async with asyncio.timeout(10):
+        while not any(kind == 6 and flags & 1 for kind, flags, _, _ in frames):
+            received += await reader.read(65536)
+            frames, position = [], 0
+            while position + 9 <= len(received):
+                high, low, kind, flags, stream_id = struct.unpack_from(">HBBBI", received, position)
+                size = high << 8 | low
+                frames.append((kind, flags, stream_id, received[position + 9 : position + 9 + size]))
+                position += 9 + size
+    writer.close()
+    resets = [payload for kind, _, stream_id, payload in frames if kind == 3 and stream_id == 1]
+    assert resets == [struct.pack(">I", 1)], frames
+    assert not any(kind == 7 for kind, _, _, _ in frames)

@@ -256,7 +256,37 @@ BREACHES = {
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "PUSH_PROMISE": (PREFACE + SETTINGS_FRAME + frame(5, 0x4, 1, bytes(4)), Http2ErrorCode.PROTOCOL_ERROR),
+    "DATA past its stream's window": (
+        PREFACE + SETTINGS_FRAME + HEADERS_OPEN + frame(0, 0, 1, b"x" * 16_384) * 65,  # > 1 MiB in one read
+        Http2ErrorCode.FLOW_CONTROL_ERROR,
+    ),
+    "a header block of too many CONTINUATIONs": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0, 1, bytes([0x83])) + frame(9, 0, 1, b"") * 33,
+        Http2ErrorCode.ENHANCE_YOUR_CALM,
+    ),
+    "frames that serve no request, by the thousand": (
+        PREFACE + SETTINGS_FRAME + frame(2, 0, 3, bytes(5)) * 1001,
+        Http2ErrorCode.ENHANCE_YOUR_CALM,
+    ),
 }
+
+
+def test_a_stream_may_send_its_whole_window_again_once_it_is_given_back() -> None:
+    """The window given back in one read counts from the next: a client that waits for the
+    WINDOW_UPDATEs sends far more than one window on a stream."""
+    connection = server()
+    connection.receive(PREFACE + SETTINGS_FRAME + HEADERS_OPEN)
+    chunk = frame(0, 0, 1, b"x" * 16_384)
+    for _ in range(8):  # 8 MiB in reads of 1 MiB, each as the last one's WINDOW_UPDATE allows
+        events = connection.receive(chunk * 64)
+        assert sum(len(value) for kind, _, value in events if kind is Event.DATA) == 1 << 20
+    assert not connection.ended
+
+
+def test_the_encoders_table_stays_small_whatever_the_client_offers() -> None:
+    connection = server()
+    connection.receive(PREFACE + frame(4, 0, 0, struct.pack(">HI", 1, 2**32 - 1)))
+    assert connection.encoder.header_table_size == 4096
 
 
 @pytest.mark.parametrize("breach", list(BREACHES))
