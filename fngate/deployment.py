@@ -22,6 +22,7 @@ from fngate.registry import (
     UNAVAILABLE,
     ControlOp,
     Registry,
+    create_stream,
     priorities_of,
     read_runners,
     send_control,
@@ -185,31 +186,74 @@ async def withdraw(
     return answered + await answer_queued(redis, record.name, priorities)
 
 
+def check(
+    path: Path,
+    repository: Repository,
+    manifest: FunctionManifest,
+    upcoming: Sequence[FunctionManifest] = (),
+) -> tuple[list[tuple[ArtifactFile, Path]], list[str]]:
+    """Step one of deploying (blocking: it reads the folder and the repository): the files the
+    manifest at `path` deploys, and every problem that stops it (the version policy, a pipeline's
+    steps against the functions deployed now or about to be, as the next version of their function
+    when deployed in the same command: `upcoming`)."""
+    files = deploy_files(path, manifest)
+    return files, policy_check(repository, manifest) + steps_check(repository, manifest, upcoming)
+
+
+def steps_check(
+    repository: Repository, manifest: FunctionManifest, upcoming: Sequence[FunctionManifest] = ()
+) -> list[str]:
+    """A pipeline's graph, and its steps against the functions deployed now (each must exist) or
+    about to be (`upcoming`); nothing for a function."""
+    if manifest.pipeline is None:
+        return []
+    records = repository.scan()
+    for other in upcoming:
+        stored = list(records[other.name].versions.values()) if other.name in records else []
+        records[other.name] = make_record(
+            [*stored, FunctionVersion(other, repository.next_version(other.name), Path())]
+        )
+    return [f"{where}: {problem}" for where, problem in deploy_problems(manifest, records)]
+
+
+def store(
+    repository: Repository,
+    manifest: FunctionManifest,
+    files: list[tuple[ArtifactFile, Path]],
+    progress: Any = lambda count: None,
+) -> tuple[FunctionVersion, FunctionRecord]:
+    """Step two (blocking): the files stored as the function's next version; its record after."""
+    version = repository.add_version(manifest, files, progress)
+    return version, repository.get(manifest.name)
+
+
+async def announce(redis: aioredis.Redis, repository_url: str, record: FunctionRecord) -> None:
+    """Step three: the registry records the function (S3 repositories; a folder is its own
+    record), its invocation streams and runner group exist, and the runners are told to look."""
+    if is_remote(repository_url):
+        await Registry(redis, repository_url).put(record)
+    else:
+        await create_stream(redis, record.name, priorities_of(record))
+    await send_control(redis, ControlOp("deploy", record.name))
+
+
 async def publish(
     path: Path, repository: Repository, redis: aioredis.Redis, name: str | None = None
 ) -> tuple[FunctionVersion, FunctionRecord]:
-    """What `fngate deploy` does, for the deploy API: validate the manifest at `path` and its
-    folder, store them as the next version, record it and tell the runners. Raises FunctionError;
-    nothing is stored for a manifest (not named `name`, when given) or a version policy that fails
-    its check."""
+    """The deploy API's deploy, the same three steps as `fngate deploy` (fngate.cli.deploy):
+    check, store, announce. Raises FunctionError; nothing is stored for a manifest (not named
+    `name`, when given) or a version policy that fails its check."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
         raise InvalidArgument("; ".join(line.removeprefix(f"{path}: ") for line in exc.lines())) from None
     if name is not None and manifest.name != name:
         raise InvalidArgument(f"the manifest names '{manifest.name}', not '{name}'")
-    files = deploy_files(path, manifest)
-    problems = await asyncio.to_thread(policy_check, repository, manifest)
-    if manifest.pipeline is not None:  # its steps against the functions deployed now
-        records = await asyncio.to_thread(repository.scan)
-        problems += [f"{where}: {problem}" for where, problem in deploy_problems(manifest, records)]
+    files, problems = await asyncio.to_thread(check, path, repository, manifest)
     if problems:
         raise InvalidArgument("; ".join(problems))
-    version = await asyncio.to_thread(repository.add_version, manifest, files, lambda count: None)
-    record = await asyncio.to_thread(repository.get, manifest.name)
-    if is_remote(repository.url):
-        await Registry(redis, repository.url).put(record)
-    await send_control(redis, ControlOp("deploy", record.name))
+    version, record = await asyncio.to_thread(store, repository, manifest, files)
+    await announce(redis, repository.url, record)
     return version, record
 
 

@@ -18,12 +18,12 @@ from typing import Any, TextIO
 import orjson
 from redis.exceptions import RedisError
 
-from fngate import clients
+from fngate import clients, deployment
 from fngate.cli.examples import example_body, example_v2_body
-from fngate.deployment import RUNNER_START_S, deploy_files, policy_check, warm, withdraw
+from fngate.deployment import RUNNER_START_S, warm, withdraw
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
-from fngate.pipeline import deploy_problems, order
+from fngate.pipeline import order
 from fngate.registry import (
     ControlOp,
     Registry,
@@ -38,7 +38,6 @@ from fngate.repository import (
     FunctionVersion,
     Repository,
     is_remote,
-    make_record,
 )
 
 LARGE_BYTES = 8 * 1024 * 1024
@@ -109,8 +108,7 @@ def deploy(
         return 2
     remote = is_remote(repository.url)
     try:
-        files = deploy_files(path, manifest)
-        problems = policy_check(repository, manifest) + pipeline_check(repository, manifest)
+        files, problems = deployment.check(path, repository, manifest)
         if problems:
             for problem in problems:
                 print(f"{path}: {problem}", file=err)
@@ -125,10 +123,9 @@ def deploy(
         print(f"{manifest.name}: uploading {len(files)} files ({_size(total)}) to {repository.url}", file=out)
         bar = ProgressBar(total, err, f"{manifest.name}: uploading")
         try:
-            version = repository.add_version(manifest, files, bar)
+            version, record = deployment.store(repository, manifest, files, bar)
         finally:
             bar.close()
-        record = repository.get(manifest.name)
     except FunctionError as exc:
         print(f"fngate deploy: {exc.message}", file=err)
         return 2 if isinstance(exc, InvalidArgument) else 1  # the user's mistake, or a service's
@@ -146,7 +143,7 @@ def deploy(
         )
         return 0
     try:
-        asyncio.run(_announce(redis_url, repository.url, record, remote))
+        asyncio.run(_announce(redis_url, repository.url, record))
     except (RedisError, OSError) as exc:
         if remote:
             print(
@@ -174,22 +171,6 @@ def deploy(
     return 0
 
 
-def pipeline_check(
-    repository: Repository, manifest: FunctionManifest, upcoming: Sequence[FunctionManifest] = ()
-) -> list[str]:
-    """A pipeline's graph, and its steps against the functions deployed now (each must exist) or
-    about to be, as the next version of their function (`upcoming`: deployed in the same command)."""
-    if manifest.pipeline is None:
-        return []
-    records = repository.scan()
-    for other in upcoming:
-        stored = list(records[other.name].versions.values()) if other.name in records else []
-        records[other.name] = make_record(
-            [*stored, FunctionVersion(other, repository.next_version(other.name), Path())]
-        )
-    return [f"{where}: {problem}" for where, problem in deploy_problems(manifest, records)]
-
-
 def deploy_all(
     paths: Sequence[Path],
     repository: Repository,
@@ -213,7 +194,7 @@ def deploy_all(
                 print(line, file=err)
     functions = [manifest for manifest in manifests.values() if manifest.pipeline is None]
     for path, manifest in manifests.items():
-        for problem in pipeline_check(repository, manifest, functions):
+        for problem in deployment.steps_check(repository, manifest, functions):
             failed = True
             print(f"{path}: {problem}", file=err)
     if failed:
@@ -267,7 +248,7 @@ def deploy_through(
     With `warm`, then the gateway's model-control load (an `admin` key), which waits for it."""
     try:
         manifest = load_manifest(path)
-        files = deploy_files(path, manifest)
+        files = deployment.deploy_files(path, manifest)
     except ManifestError as exc:
         for line in exc.lines():
             print(line, file=err)
@@ -402,15 +383,9 @@ async def _ping(redis_url: str) -> None:
         await redis.ping()
 
 
-async def _announce(redis_url: str, repo_url: str, record: FunctionRecord, remote: bool) -> None:
-    """Record the function (S3 repositories), create its stream and runner group, and tell runners
-    to look now."""
+async def _announce(redis_url: str, repo_url: str, record: FunctionRecord) -> None:
     async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
-        if remote:
-            await Registry(redis, repo_url).put(record)
-        else:
-            await create_stream(redis, record.name, priorities_of(record))
-        await send_control(redis, ControlOp("deploy", record.name))
+        await deployment.announce(redis, repo_url, record)
 
 
 def list_functions(repository: Repository, redis_url: str, sync: bool, out: TextIO, err: TextIO) -> int:
