@@ -41,7 +41,7 @@ from bench.deployment import (
     free_port,
     process_meter,
 )
-from bench.models import build_repository, write_poison_functions
+from bench.models import PEER_DELAYS_US, build_repository, peer_function, write_poison_functions
 from bench.poison import poison_rounds
 from bench.soak import SOAK_S, soak
 from fngate import keys
@@ -290,17 +290,36 @@ class Bench:
         grpc: bool = True,
         open_loop: bool = False,
     ) -> None:
-        """fngate beside the real Triton server on the same models and load, point by point (each
-        fngate point right before the same Triton point, so that drift hits both alike): over HTTP
-        with this bench's load generator (T), over gRPC with perf_analyzer (G), and open-loop
-        Poisson arrivals with perf_analyzer (O)."""
-        print(f"T  fngate against Triton ({serve_sh})", flush=True)
+        """fngate beside the real Triton server on the same models, the same batching (max 32 rows,
+        the same max_queue_delay_us) and the same load, point by point (each fngate point right
+        before the same Triton point, so that drift hits both alike), at each of the delays
+        (--peer-delays): over HTTP with this bench's load generator (T), over gRPC with
+        perf_analyzer (G), and open-loop Poisson arrivals with perf_analyzer (O). The report gives
+        each point like for like and each server at its better delay."""
         models = self.logs / "triton-models"
         models.mkdir(parents=True, exist_ok=True)
         for name, output in (("tiny", "output"), ("wide", "probabilities")):
             onnx.save(
                 renamed_output(onnx.load(self.repo / name / "model.onnx"), output), models / f"{name}.onnx"
             )
+        for delay_us in self.args.peer_delays:
+            print(
+                f"T  fngate against Triton ({serve_sh}), both batching with a delay of {delay_us} µs",
+                flush=True,
+            )
+            self._peer_at(deployed, serve_sh, models, delay_us, http, grpc, open_loop)
+
+    def _peer_at(
+        self,
+        deployed: Deployment,
+        serve_sh: Path,
+        models: Path,
+        delay_us: int,
+        http: bool,
+        grpc: bool,
+        open_loop: bool,
+    ) -> None:
+        extra = {"delay_us": delay_us}
         port, grpc_port = free_port(), free_port()
         with open(self.logs / "triton.log", "wb") as log:
             triton = subprocess.Popen(
@@ -311,6 +330,7 @@ class Bench:
                     str(port),
                     "batch",
                     str(grpc_port),
+                    str(delay_us),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -324,9 +344,23 @@ class Bench:
                 points = [("tiny", 16, "output", 1), ("tiny", 16, "output", 16)]
                 points += [("wide", 512, "probabilities", c) for c in (1, 16, 64)]
                 for name, features, triton_output, concurrency in points:
-                    ours = self.drive(deployed, "T", name, name, features, concurrency, False)
+                    requests, inputs = requests_for(
+                        peer_function(name, delay_us), features, 20_000, False, seed=concurrency
+                    )
+                    ours = self.drive_requests(
+                        deployed,
+                        "T",
+                        name,
+                        name,
+                        features,
+                        concurrency,
+                        requests,
+                        inputs,
+                        None,
+                        {**extra, "body": "json"},
+                    )
                     theirs = self.drive_peer(
-                        meters["triton"], port, name, features, triton_output, concurrency
+                        meters["triton"], port, name, features, triton_output, concurrency, extra
                     )
                     ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
                     ours["triton_ratio"] = ratio
@@ -340,6 +374,8 @@ class Bench:
                     self.record,
                     meters["fngate"],
                     meters["triton"],
+                    lambda model: peer_function(model, delay_us),
+                    extra,
                 )
             if open_loop:
                 fngate_address = deployed.urls()[0].removeprefix("http://")
@@ -350,6 +386,8 @@ class Bench:
                     self.logs,
                     self.record,
                     meters=meters,
+                    fngate_model=peer_function("tiny", delay_us),
+                    extra=extra,
                 )
         finally:
             triton.terminate()
@@ -363,6 +401,7 @@ class Bench:
         features: int,
         output: str,
         concurrency: int,
+        extra: Row | None = None,
     ) -> Row:
         requests, inputs = requests_for(name, features, 20_000, False, seed=concurrency, output=output)
         check = checker(inputs, features, self.reference(name))
@@ -375,6 +414,7 @@ class Bench:
         row: Row = {
             "scenario": "T",
             "function": f"{name}@triton",
+            **(extra or {}),
             "body": "json",
             "concurrency": concurrency,
             "req_per_s": result.throughput,
@@ -590,6 +630,14 @@ def main(argv: list[str] | None = None) -> int:
         help="scenario T: also run the real Triton server, started by this script "
         "(`SERVE_SH MODELS_DIR PORT batch`, serving tiny.onnx and wide.onnx), on the same load, "
         "and print fngate/Triton ratios; its first run installs Triton (nvidia-pytriton)",
+    )
+    parser.add_argument(
+        "--peer-delays",
+        type=lambda text: [int(part) for part in text.split(",") if part],
+        default=list(PEER_DELAYS_US),
+        metavar="US,US",
+        help="the dynamic batcher's max_queue_delay_us at which fngate and Triton are compared, the "
+        "same on both sides at each point (default: 0,2000)",
     )
     parser.add_argument(
         "--gateway-workers",

@@ -33,22 +33,27 @@ def run(
     record: Callable[[Row], None],
     fngate_meter: Meter | None = None,
     triton_meter: Meter | None = None,
+    fngate_model: Callable[[str], str] = str,
+    extra: Row | None = None,
 ) -> None:
     """Each point on fngate, then on Triton; with a meter, each server's CPU and run-queue wait
-    per inference too."""
+    per inference too. `fngate_model` names the function that serves a model at fngate (its
+    batching as Triton's); `extra` goes into every row (the batching delay of the comparison)."""
     command, why = perf_analyzer.provide()
     if not command:
         print(f"G  skipped: {why}", flush=True)
         return
     print(f"G  gRPC with perf_analyzer: fngate {fngate_address}, Triton {triton_address or '-'}", flush=True)
     for model, concurrency in POINTS:
-        ours: Row = {"scenario": "G", "function": model, "body": "grpc", "concurrency": concurrency}
+        ours: Row = {"scenario": "G", "function": model, **(extra or {}), "body": "grpc"}
+        ours["concurrency"] = concurrency
+        served = fngate_model(model)
         ours.update(
             metered(
                 fngate_meter,
-                model,
+                served,
                 functools.partial(
-                    measure, command, fngate_address, model, concurrency, measure_s, logs, "fngate"
+                    measure, command, fngate_address, served, concurrency, measure_s, logs, "fngate"
                 ),
             )
         )
@@ -57,6 +62,7 @@ def run(
             theirs: Row = {
                 "scenario": "G",
                 "function": f"{model}@triton",
+                **(extra or {}),
                 "body": "grpc",
                 "concurrency": concurrency,
             }

@@ -139,14 +139,37 @@ def write_function(
     return folder
 
 
+PEER_DELAYS_US = (0, 2000)
+"""The dynamic batcher's max_queue_delay_us at which fngate and Triton are compared: each point runs
+with the same delay on both sides, and each server's better delay is reported beside it."""
+PEER_MAX_BATCH = 32
+"""max_batch_size of the models on both sides of a comparison (Triton's peer repository's)."""
+
+
+def peer_function(model: str, delay_us: int) -> str:
+    """fngate's function for `model` (tiny, wide) with the batching Triton is given at `delay_us`."""
+    return f"{model}-d{delay_us}"
+
+
 def build_repository(repo: Path) -> None:
     """tiny and wide with batching (max 64 rows, no fixed wait), tiny-cached (response cache on),
-    and wide-nobatch (one row a batch)."""
-    write_function(repo, "tiny", tiny(), 16, max_batch_size=64, max_queue_delay_us=0)
-    write_function(repo, "tiny-cached", tiny(), 16, cache=True, max_batch_size=64, max_queue_delay_us=0)
-    wide_model = wide()
+    wide-nobatch (one row a batch), and for the comparisons with Triton each of tiny and wide at
+    Triton's settings: max 32 rows, waiting at most each of PEER_DELAYS_US (peer_function)."""
+    tiny_model, wide_model = tiny(), wide()
+    write_function(repo, "tiny", tiny_model, 16, max_batch_size=64, max_queue_delay_us=0)
+    write_function(repo, "tiny-cached", tiny_model, 16, cache=True, max_batch_size=64, max_queue_delay_us=0)
     write_function(repo, "wide", wide_model, 512, max_batch_size=64, max_queue_delay_us=0)
     write_function(repo, "wide-nobatch", wide_model, 512, max_batch_size=1, max_queue_delay_us=0)
+    for delay_us in PEER_DELAYS_US:
+        for name, model, features in (("tiny", tiny_model, 16), ("wide", wide_model, 512)):
+            write_function(
+                repo,
+                peer_function(name, delay_us),
+                model,
+                features,
+                max_batch_size=PEER_MAX_BATCH,
+                max_queue_delay_us=delay_us,
+            )
 
 
 POISON_ROWS = 16

@@ -62,8 +62,8 @@ def test_each_fngate_point_meets_tritons_on_the_same_load() -> None:
 
 def test_the_report_shows_the_ratios_the_best_rates_and_the_hostile_probes(tmp_path: Path) -> None:
     rows = [
-        point("T", "tiny", "json", 16, 4100),
-        point("T", "tiny@triton", "json", 16, 4827),
+        point("T", "tiny", "json", 16, 4100, delay_us=0),
+        point("T", "tiny@triton", "json", 16, 4827, delay_us=0),
         point("G", "wide", "grpc", 64, 2493),
         point("G", "wide@triton", "grpc", 64, 4292),
         point("O", "tiny", "binary", 32, 1006, rate=1000),
@@ -75,8 +75,8 @@ def test_the_report_shows_the_ratios_the_best_rates_and_the_hostile_probes(tmp_p
     ]  # fmt: skip
     write_report(tmp_path, META, rows)
     text = (tmp_path / "results.md").read_text()
-    assert "| HTTP, V2 JSON (T) | tiny | 16 | 4100 | 4827 | 0.85 |" in text
-    assert "| gRPC, perf_analyzer (G) | wide | 64 | 2493 | 4292 | 0.58 |" in text
+    assert "| HTTP, V2 JSON (T) | tiny | 16 | 0 | 4100 | 4827 | 0.85 |" in text
+    assert "| gRPC, perf_analyzer (G) | wide | 64 |  | 2493 | 4292 | 0.58 |" in text
     assert "| 1000 | 1006 | 1.00 / 2.00 | 1006 | 1.00 / 2.00 |" in text
     assert "fngate up to 1000 req/s, Triton up to 5000 req/s" in text
     assert "| grpc | gRPC 400 PINGs | GOAWAY ENHANCE_YOUR_CALM | 0.01 | 0.00 | 131 |" in text
@@ -98,8 +98,8 @@ def test_the_tables_against_triton_show_each_servers_cost_per_request(tmp_path: 
     write_report(tmp_path, META, rows)
     text = (tmp_path / "results.md").read_text()
     assert (
-        "| gRPC, perf_analyzer (G) | tiny | 16 | 2000 | 4000 | 0.50 | 1.00 / 2.00 | 1.00 / 2.00 | 500 / 110 |"
-        in text
+        "| gRPC, perf_analyzer (G) | tiny | 16 |  | 2000 | 4000 | 0.50 | 1.00 / 2.00 | 1.00 / 2.00 "
+        "| 500 / 110 |" in text
     )
     assert "| 1000 | 1000 | 1.00 / 2.00 | 1000 | 1.00 / 2.00 | 500 / 700 | 300 / 40 |" in text
     assert "| 2000 | 2000 | 1.00 / 2.00 | 2000 | 1.00 / 2.00 | — / — | — / — |" in text
@@ -210,3 +210,28 @@ def forks_of_this_process() -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return found
+
+
+def test_each_point_is_like_for_like_and_each_server_at_its_better_delay(tmp_path: Path) -> None:
+    """Points at two batching delays: each pairs with Triton's at the same delay (never across
+    delays), and a second table sets each server's better delay against the other's."""
+    rows = [
+        point("T", "tiny", "json", 16, 3651, delay_us=0),
+        point("T", "tiny@triton", "json", 16, 9282, delay_us=0),
+        point("T", "tiny", "json", 16, 3609, delay_us=2000),
+        point("T", "tiny@triton", "json", 16, 5212, delay_us=2000),
+        point("O", "tiny", "binary", 128, 1000, rate=1000, delay_us=0),
+        point("O", "tiny@triton", "binary", 128, 1000, rate=1000, delay_us=0),
+        point("O", "tiny", "binary", 128, 990, rate=1000, delay_us=2000),
+        point("O", "tiny@triton", "binary", 128, 1000, rate=1000, delay_us=2000),
+    ]
+    assert [(ours["req_per_s"], theirs["req_per_s"]) for ours, theirs in pairs(rows, "T")] == [
+        (3651, 9282),
+        (3609, 5212),
+    ]
+    write_report(tmp_path, META, rows)
+    text = (tmp_path / "results.md").read_text()
+    assert "| HTTP, V2 JSON (T) | tiny | 16 | 0 | 3651 | 9282 | 0.39 |" in text
+    assert "| HTTP, V2 JSON (T) | tiny | 16 | 2000 | 3609 | 5212 | 0.69 |" in text
+    assert "| HTTP, V2 JSON (T) | tiny | 16 | 3651 (0) | 9282 (0) | 0.39 |" in text
+    assert "| 0 | 1000 | 1000 |" in text and "| 2000 | 1000 | 990 |" in text
