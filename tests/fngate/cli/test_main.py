@@ -176,17 +176,14 @@ def test_the_banner_suggests_a_function_that_exists(tmp_path: Path) -> None:
     assert supervisor.example_invocation(str(tmp_path / "normalize")) is None
 
 
-def test_schema_is_published_and_every_key_documented(capsys: pytest.CaptureFixture[str]) -> None:
+def test_schema_is_published(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every key is documented too: tests/test_docs.py checks the manifest reference against it."""
     code, out, _ = run(capsys, "schema")
     assert code == 0
     assert out == schema_json()
     assert (ROOT / "docs" / "function.schema.json").read_text() == out, (
         "run: fngate schema > docs/function.schema.json"
     )
-    reference = (ROOT / "docs" / "reference" / "manifest.md").read_text()
-    doc = json.loads(out)
-    missing = [path for path in key_paths(doc, doc) if f"`{path}`" not in reference]
-    assert missing == []
 
 
 def test_editors_accept_the_examples_with_the_schema() -> None:
@@ -197,19 +194,6 @@ def test_editors_accept_the_examples_with_the_schema() -> None:
     for path in sorted((ROOT / "functions").glob("*/function.yaml")):
         assert list(validator.iter_errors(yaml.safe_load(path.read_text()))) == [], path
     assert list(validator.iter_errors({"name": "x", "modle": {}}))
-
-
-def key_paths(schema: dict[str, Any], node: dict[str, Any], prefix: str = "") -> Iterator[str]:
-    if "$ref" in node:
-        node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]]
-    for option in node.get("anyOf", []):
-        yield from key_paths(schema, option, prefix)
-    if node.get("type") == "array" and isinstance(node.get("items"), dict):
-        yield from key_paths(schema, node["items"], f"{prefix}[]")
-    for key, child in node.get("properties", {}).items():
-        path = f"{prefix}.{key}" if prefix else key
-        nested = list(key_paths(schema, child, path))
-        yield from nested or [path]
 
 
 async def test_invoke_json_and_npy(
