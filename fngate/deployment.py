@@ -66,7 +66,9 @@ def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactF
     if manifest.pipeline is not None:
         return files[:1]  # a pipeline is its manifest alone
     if not any(item.path == manifest.model.path for item, _ in files):
-        raise InvalidArgument(f"{manifest_file.parent / manifest.model.path} does not exist (model.path)")
+        # Named from the function's folder: a deploy through the gateway unpacks it in a scratch
+        # folder of the gateway's, which is no business of the caller's.
+        raise InvalidArgument(f"{manifest.model.path} does not exist in the function's folder (model.path)")
     return files
 
 

@@ -127,7 +127,7 @@ def deploy(
         finally:
             bar.close()
     except FunctionError as exc:
-        print(f"fngate deploy: {exc.message}", file=err)
+        print(f"fngate deploy: {path}: {exc.message}", file=err)
         return 2 if isinstance(exc, InvalidArgument) else 1  # the user's mistake, or a service's
     except (RedisError, OSError) as exc:
         print(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import io
 import os
 import tarfile
 import tempfile
@@ -23,7 +24,7 @@ import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
 from fngate import apikeys, clients, keys
-from tests.conftest import wait_http
+from tests.conftest import ROOT, wait_http
 from tests.e2e.deployments import cli, invoke, runner_env, scale_function
 from tests.e2e.test_observability import Receiver, receiver
 from tests.s3 import Bucket
@@ -263,6 +264,17 @@ async def test_a_deploy_over_the_size_limit_is_refused(
         response = await client.put("/v1/functions/big", content=bomb)
         assert response.status_code == 413 and "unpacks to more than" in response.json()["error"]
         assert await asyncio.to_thread(deploy_scratch) <= scratch
+        # A folder without its model: refused in the caller's words, not the gateway's scratch paths.
+        manifest = (ROOT / "functions" / "classifier" / "function.yaml").read_bytes()
+        info = tarfile.TarInfo("function.yaml")
+        info.size = len(manifest)
+        packed = io.BytesIO()
+        with tarfile.open(fileobj=packed, mode="w:gz") as tar:
+            tar.addfile(info, io.BytesIO(manifest))
+        response = await client.put("/v1/functions/classifier", content=packed.getvalue())
+        error = response.json()["error"]
+        assert response.status_code == 400 and "model.onnx does not exist" in error, error
+        assert tempfile.gettempdir() not in error and "fngate-deploy" not in error, error
     assert os.listdir(tmp_path) == []
 
 

@@ -108,7 +108,10 @@ def test_a_model_file_missing_at_deploy_is_a_user_error(
     (folder / "model.onnx").unlink()
     code, _, err = run(capsys, "deploy", str(folder / "function.yaml"), "--repo", str(tmp_path / "repo"))
     assert code == 2
-    assert err == f"fngate deploy: {folder / 'model.onnx'} does not exist (model.path)\n"
+    assert err == (
+        f"fngate deploy: {folder / 'function.yaml'}: model.onnx does not exist in the function's folder "
+        "(model.path)\n"
+    )
 
 
 def test_an_unreachable_redis_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
