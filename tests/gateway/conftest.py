@@ -38,5 +38,11 @@ def gateway_with_pid(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Cal
     yield start
     for process, sock in started:
         process.terminate()
-        process.wait(timeout=15)
-        sock.close()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:  # a gateway that does not stop is a failure, never a leftover
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            sock.close()
