@@ -75,6 +75,15 @@ class RateLimiterSpec(_Frozen):
     resources); a batch waits until they are free (docs/memory.md)."""
 
 
+DEFAULT_MAX_OUTPUT_BYTES = 64 * 2**20
+"""The gateway's own limit on a message (GatewaySettings.max_body_bytes, which bounds a request's
+body and a gRPC message): an answer no larger than the largest request it takes."""
+DEFAULT_MEMORY_LIMIT_MB = 4096
+"""A python function's cgroup limit when its manifest sets no memory_limit_mb."""
+MAX_OUTPUT_BYTES = 512 * 2**20
+"""Redis's proto-max-bulk-len by default: a reply entry's tensors travel in one field."""
+
+
 class ModelSpec(_Frozen):
     """The model and where it runs."""
 
@@ -90,7 +99,20 @@ class ModelSpec(_Frozen):
     execution_timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] | None = None
     """Longest a batch may run; None: the batching timeout (no invocation waits longer anyway)."""
     memory_limit_mb: Annotated[int, Field(ge=1)] | None = None
-    """python backend: the function's process is restarted, between batches, once its RSS is over this."""
+    """python backend: the memory its process and every process it starts may use together (its
+    cgroup's limit), and its process is restarted, between batches, once its RSS is over this.
+    None: the cgroup's limit is 4096 MiB, and there is no limit where the runner makes no cgroups
+    (docs/isolation.md)."""
+    pids_limit: Annotated[int, Field(ge=8, le=65536)] = 1024
+    """python backend: the most processes and threads its process and every process it starts may
+    have at once (its cgroup's pids.max); a batch that reaches it is answered as it went, then
+    the process and all it started are stopped and it starts again for the next batch."""
+    working_folder_limit_mb: Annotated[int, Field(ge=1, le=1_048_576)] = 512
+    """python backend: the size of its working folder (TMPDIR), a tmpfs of its own whose files
+    count against its memory limit; a write past it fails with ENOSPC."""
+    max_output_bytes: Annotated[int, Field(ge=1, le=MAX_OUTPUT_BYTES)] = DEFAULT_MAX_OUTPUT_BYTES
+    """The most bytes an invocation's outputs may take (the tensors' data as they are sent back);
+    an invocation whose outputs pass it is answered model_failed, its batch mates as usual."""
     load_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     """Longest an invocation waits for its model to load (runner start and download included)
     before its own deadline starts to run (docs/cold-start.md)."""
@@ -114,8 +136,10 @@ class ModelSpec(_Frozen):
                 "accelerator tensorrt applies to the onnxruntime and tensorrt backends only; a python "
                 "function takes cpu or cuda"
             )
-        if self.backend != "python" and self.memory_limit_mb is not None:
-            raise ValueError("memory_limit_mb applies to the python backend only (its own process)")
+        if self.backend != "python":  # a stored manifest carries every default: only others count
+            for field in ("memory_limit_mb", "pids_limit", "working_folder_limit_mb"):
+                if getattr(self, field) != ModelSpec.model_fields[field].default:
+                    raise ValueError(f"{field} applies to the python backend only (its own process)")
         return self
 
 

@@ -90,6 +90,13 @@ def to_bytes(array: np.ndarray[Any, Any]) -> bytes:
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
+def encoded_bytes(array: np.ndarray[Any, Any]) -> int:
+    """How many bytes `to_bytes` makes of `array`, without making them."""
+    if array.dtype.kind not in "OSU":
+        return int(array.nbytes)
+    return sum(4 + len(item if isinstance(item, bytes) else str(item).encode()) for item in array.ravel())
+
+
 def from_json(datatype: str, shape: Sequence[int], data: Any, where: str) -> np.ndarray[Any, Any]:
     """Decode the `data` of a JSON tensor (flat or nested, row-major) and check it against `shape`."""
     count = element_count(shape)

@@ -16,7 +16,7 @@ import numpy as np
 
 from fngate.errors import FunctionError, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest, TensorSpec
-from fngate.tensors import DATATYPES, Tensors
+from fngate.tensors import DATATYPES, Tensors, encoded_bytes
 from fngate.wire import Invocation, Reply
 from runner.backends import Backend, MemberErrors
 
@@ -229,8 +229,25 @@ def execute(
             for name in wanted
         }
         offset += count
+        too_large = _too_large(manifest, own)
+        if too_large is not None:
+            replies.append(_failed(invocation, too_large, batch_id, total))
+            continue
         replies.append(Reply(invocation.id, invocation.version, own, None, batch_id, total))
     return replies
+
+
+def _too_large(manifest: FunctionManifest, outputs: Tensors) -> ModelFailed | None:
+    """The error of an invocation whose outputs pass the function's max_output_bytes; None when
+    they do not."""
+    limit = manifest.model.max_output_bytes
+    size = sum(encoded_bytes(array) for array in outputs.values())
+    if size <= limit:
+        return None
+    return ModelFailed(
+        f"function '{manifest.name}': the outputs of this invocation are {size} bytes, over its "
+        f"max_output_bytes of {limit}"
+    )
 
 
 def _run(

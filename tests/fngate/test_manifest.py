@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fngate.config import GatewaySettings
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest, parse_manifest
 from fngate.tensors import DATATYPES
 
@@ -70,6 +71,21 @@ def test_datatypes_match_the_tensor_table() -> None:
             with_(model={"backend": "onnxruntime", "path": "m", "memory_limit_mb": 512}),
             "model",
             "python backend",
+        ),
+        (
+            with_(model={"backend": "onnxruntime", "path": "m", "pids_limit": 64}),
+            "model",
+            "pids_limit applies to the python backend only",
+        ),
+        (
+            with_(model={"backend": "tensorrt", "path": "m", "working_folder_limit_mb": 64}),
+            "model",
+            "working_folder_limit_mb applies to the python backend only",
+        ),
+        (
+            with_(model={"backend": "python", "path": "m.py", "max_output_bytes": 2**29 + 1}),
+            "model.max_output_bytes",
+            "less than or equal to 536870912",
         ),
         (
             with_(model={"backend": "python", "path": "m.py", "execution_timeout_ms": 0}),
@@ -167,3 +183,14 @@ def test_manifest_is_frozen() -> None:
     with pytest.raises(ValueError, match="frozen"):
         manifest.name = "other"  # type: ignore[misc]
     assert isinstance(manifest, FunctionManifest)
+
+
+def test_outputs_are_bounded_by_default_as_the_gateway_bounds_a_message() -> None:
+    manifest = parse_manifest(VALID, "f.yaml")
+    assert manifest.model.max_output_bytes == GatewaySettings.model_fields["max_body_bytes"].default
+
+
+def test_a_stored_manifest_with_every_default_written_out_reads_back() -> None:
+    """The repository stores a manifest as JSON with its defaults (the python backend's own included)."""
+    manifest = parse_manifest(VALID, "f.yaml")
+    assert parse_manifest(manifest.model_dump(mode="json"), "1.json") == manifest
