@@ -6,7 +6,7 @@ the start of a confined process as the runner makes it (spawn to ready). Opt-in:
 Mechanisms: the runner made non-dumpable (PR_SET_DUMPABLE), an unprivileged user for the process
 (setuid at spawn; root only), a network namespace of its own (unshare(CLONE_NEWNET), through
 ctypes as Python 3.11 has no os.unshare; root only), the seccomp filter, the Landlock ruleset,
-every capability dropped (uid 0's fallback), RLIMIT_DATA, and a memory cgroup (root only)."""
+RLIMIT_DATA, and a function process's cgroups, made, joined, killed and removed (root only)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from runner import confinement
 from runner.backends.python import CODE, PythonBackend
-from runner.cgroup import MemoryCgroup
+from runner.cgroup import FunctionCgroup
 
 CLONE_NEWNET = 0x40000000
 MODEL = """class Model:
@@ -49,7 +49,6 @@ def _probe(mechanism: str) -> float:
     steps: dict[str, Callable[[], object]] = {
         "PR_SET_DUMPABLE": confinement.make_undumpable,
         "RLIMIT_DATA": lambda: resource.setrlimit(resource.RLIMIT_DATA, (2**33, 2**33)),
-        "capabilities dropped": confinement.drop_capabilities,
         "landlock": lambda: confinement.restrict_files(confinement.landlock_abi(), plan),
         "seccomp": confinement.install_seccomp_filter,
         "network namespace": _unshare_network,
@@ -110,14 +109,17 @@ def _spawn_us_of(command: list[str], runs: int) -> float:
 def _cgroup_us(runs: int) -> float | None:
     timings = []
     for _ in range(runs):
+        process = subprocess.Popen(["sleep", "60"])
         started = time.perf_counter()
-        cgroup = MemoryCgroup.create("bench", 2**30)
+        cgroup = FunctionCgroup.create("bench", 2**30, 1024)
         if cgroup is None:
+            process.kill()
+            process.wait()
             return None
-        cgroup.add(os.getpid())  # and back out, so that it can go
-        (cgroup.path.parent.parent / "cgroup.procs").write_text(str(os.getpid()))
-        cgroup.remove()
+        cgroup.add(process.pid)
+        cgroup.remove()  # the process killed with it
         timings.append((time.perf_counter() - started) * 1e6)
+        process.wait()
     return statistics.median(timings)
 
 
@@ -162,7 +164,7 @@ def main() -> int:
     rows.append(("load libc through ctypes (once)", f"{_in_fresh_processes('libc', args.runs):.0f} us"))
     mechanisms = ["PR_SET_DUMPABLE", "RLIMIT_DATA", "seccomp", "landlock"]
     if root:
-        mechanisms += ["capabilities dropped", "network namespace"]
+        mechanisms += ["network namespace"]
     for mechanism in mechanisms:
         rows.append((mechanism, f"{_in_fresh_processes(mechanism, args.runs):.0f} us"))
     if root:
@@ -176,7 +178,7 @@ def main() -> int:
         )
         cgroup = _cgroup_us(args.runs)
         rows.append(
-            ("memory cgroup (made, joined, removed)", "none here" if cgroup is None else f"{cgroup:.0f} us")
+            ("cgroups (made, joined, killed, removed)", "none here" if cgroup is None else f"{cgroup:.0f} us")
         )
     rows.append(("a confined process, spawn to ready", f"{_backend_start_ms(max(3, args.runs // 4)):.0f} ms"))
     print(

@@ -1,16 +1,18 @@
-"""What a function's process may reach, and the Linux mechanisms that hold it there: Landlock (the
-files it may read and write, no TCP, no signals or abstract sockets beyond itself), a seccomp filter
-(no sockets, no other process's memory, no io_uring), resource limits (its memory, no core dumps)
-and no ptrace of it by its neighbours. The process applies them to itself (runner.sandbox) before it
-loads the function's code; the runner describes them (runner.backends.python) and, when it runs as
-root, starts the process under an unprivileged user (FUNCTION_UID)."""
+"""What a function's process may reach, and the Linux mechanisms that hold it there: an
+unprivileged user under a root runner (FUNCTION_UID; never uid 0), with the Python it runs shown to
+it in a mount namespace of its own where that user cannot reach it; Landlock (the files it may read
+and write, no TCP, no signals or abstract sockets beyond itself); a seccomp filter (runner.seccomp:
+no sockets, keyrings, namespaces, other processes' memory or io_uring); resource limits (its memory,
+its files' size, no core dumps) and no ptrace of it by its neighbours. The process applies them to
+itself (runner.sandbox) before it loads the function's code; the runner describes them
+(runner.backends.python)."""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import os
-import platform
 import resource
 import stat
 import struct
@@ -20,6 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import orjson
+
+from runner import seccomp
 
 FUNCTION_UID = 65534
 FUNCTION_GID = 65534
@@ -34,16 +38,12 @@ GPU_DEVICE_PREFIX = "nvidia"
 """/dev/nvidia*: read, written and ioctl'd by CUDA, when the host has them."""
 
 PR_SET_DUMPABLE = 4
-PR_SET_SECCOMP = 22
-PR_CAPBSET_DROP = 24
-PR_SET_SECUREBITS = 28
 PR_SET_NO_NEW_PRIVS = 38
-PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-SECCOMP_MODE_FILTER = 2
-_SECBITS_NO_ROOT = 0xC3
-"""noroot, no ambient raise, both locked: an exec never gives uid 0 its capabilities back."""
-_CAPSET = {"x86_64": 126, "aarch64": 91}
-_CAPABILITY_VERSION_3 = 0x20080522
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+MNT_DETACH = 2
+_OPEN_TREE, _MOVE_MOUNT = 428, 429  # the same number on every architecture
+_OPEN_TREE_CLONE, _AT_RECURSIVE, _AT_FDCWD, _MOVE_MOUNT_F_EMPTY_PATH = 0x1, 0x8000, -100, 0x4
 
 _LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446
 _LANDLOCK_CREATE_RULESET_VERSION = 1
@@ -57,17 +57,6 @@ _FS_READ = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
 
-# seccomp: the architecture's audit id and its numbers of the system calls the filter refuses
-# (socket, ptrace, process_vm_readv, process_vm_writev, io_uring_setup/enter/register).
-_SECCOMP_ARCHES = {
-    "x86_64": (0xC000003E, (41, 101, 310, 311, 425, 426, 427)),
-    "aarch64": (0xC00000B7, (198, 117, 270, 271, 425, 426, 427)),
-}
-_X32_SYSCALL_BIT = 0x40000000
-_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
-_SECCOMP_RET_KILL_PROCESS, _SECCOMP_RET_ERRNO, _SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-_EPERM = 1
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Confinement:
@@ -79,6 +68,13 @@ class Confinement:
     """Folders it may also write, create and remove in (its working folder)."""
     memory_limit_bytes: int | None = None
     """RLIMIT_DATA: what it may map for data (heap, anonymous and private writable mappings)."""
+    user: tuple[int, int] | None = None
+    """The user and group it becomes before anything else (a root runner's FUNCTION_UID)."""
+    shown: tuple[str, ...] = ()
+    """Folders (of the Python it runs) that `user` cannot reach: shown to it at their own paths, in a
+    mount namespace of its own, over a tmpfs that hides the rest of the folder that kept them out."""
+    max_file_bytes: int | None = None
+    """RLIMIT_FSIZE: the largest file it may write (the size of its working folder)."""
 
     def encode(self) -> str:
         return orjson.dumps(dataclasses.asdict(self)).decode()
@@ -86,7 +82,15 @@ class Confinement:
     @classmethod
     def decode(cls, raw: str) -> Confinement:
         doc = orjson.loads(raw)
-        return cls(tuple(doc["readable"]), tuple(doc["writable"]), doc.get("memory_limit_bytes"))
+        user = doc.get("user")
+        return cls(
+            tuple(doc["readable"]),
+            tuple(doc["writable"]),
+            doc.get("memory_limit_bytes"),
+            None if user is None else (int(user[0]), int(user[1])),
+            tuple(doc.get("shown", ())),
+            doc.get("max_file_bytes"),
+        )
 
 
 def function_confinement(
@@ -95,16 +99,46 @@ def function_confinement(
     code: Iterable[Path],
     memory_limit_bytes: int | None,
     linked: Iterable[str] = (),
+    user: tuple[int, int] | None = None,
+    max_file_bytes: int | None = None,
 ) -> Confinement:
     """The confinement of a function's process: it reads the system, the Python installation,
     fngate's own code (`code`: the packages it imports), its function's folder and the files its
     links lead to (`linked`: link_targets, relative to that folder), and writes only its working
-    folder."""
+    folder; under `user`, with what of the Python and the code that user cannot reach shown to it."""
+    readable = [
+        *SYSTEM_READABLE,
+        *sorted(python_paths()),
+        *(str(path) for path in code),
+        str(function_directory),
+    ]
+    readable += [str(function_directory / target) for target in linked]  # each file alone
+    shown = tuple(hidden([*python_paths(), *code])) if user is not None else ()
+    return Confinement(tuple(readable), (str(workdir),), memory_limit_bytes, user, shown, max_file_bytes)
+
+
+def python_paths() -> set[str]:
+    """The folders of the Python installation this process runs (and its virtual environment)."""
     python = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     python |= {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
-    readable = [*SYSTEM_READABLE, *sorted(python), *(str(path) for path in code), str(function_directory)]
-    readable += [str(function_directory / target) for target in linked]  # each file alone
-    return Confinement(tuple(readable), (str(workdir),), memory_limit_bytes)
+    return python | {str(Path(sys.executable).resolve().parent)}
+
+
+def hidden(paths: Iterable[str | Path]) -> list[str]:
+    """Of `paths` (their real paths), those that another, unprivileged user cannot reach from /,
+    none inside another."""
+    found = sorted({str(Path(path).resolve()) for path in paths if not searchable_by_others(Path(path))})
+    return [
+        path
+        for path in found
+        if not any(Path(path).is_relative_to(other) for other in found if other != path)
+    ]
+
+
+def unshowable(paths: Iterable[str]) -> list[str]:
+    """Of the folders to show (`hidden`), those another user could not read even shown: not
+    readable and searchable by others themselves."""
+    return [path for path in paths if (os.stat(path).st_mode & 0o005) != 0o005]
 
 
 def make_undumpable() -> None:
@@ -125,22 +159,32 @@ def landlock_abi() -> int:
 
 
 def seccomp_available() -> bool:
-    return platform.machine() in _SECCOMP_ARCHES
+    return seccomp.available()
 
 
 def confine(confinement: Confinement) -> list[str]:
     """Apply `confinement` to this process, for good (nothing here can be undone by it): the
-    mechanisms now in force, in words. Raises OSError when one the kernel offers fails."""
-    applied = ["no ptrace by neighbours"]
-    make_undumpable()
+    mechanisms now in force, in words. Raises OSError when one the kernel offers fails, and when
+    the process would run as uid 0."""
+    applied = []
+    if confinement.shown:
+        show(confinement.shown)
+        applied.append("its Python shown in a mount namespace of its own")
+    if confinement.user is not None:
+        become(*confinement.user)
+    if os.geteuid() == 0 or os.getuid() == 0:
+        raise OSError(errno.EPERM, "a function's process never runs as uid 0")
+    applied.append("no ptrace by neighbours")
+    make_undumpable()  # after the user changed, which sets it again
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     limit = confinement.memory_limit_bytes
     if limit is not None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
         applied.append(f"RLIMIT_DATA {limit // 2**20} MiB")
-    if os.geteuid() == 0:  # a root runner whose Python FUNCTION_UID cannot read: root, powerless
-        drop_capabilities()
-        applied.append("no capabilities")
+    if confinement.max_file_bytes is not None:
+        size = confinement.max_file_bytes
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        applied.append(f"RLIMIT_FSIZE {size // 2**20} MiB")
     set_no_new_privs()  # what both below need of an unprivileged process
     abi = landlock_abi()
     if abi:
@@ -152,35 +196,87 @@ def confine(confinement: Confinement) -> list[str]:
     return applied
 
 
+def show(paths: Iterable[str]) -> None:
+    """Give this process (root) a mount namespace of its own where every folder of `paths` is
+    reachable by any user at its own path: each folder that hides one (the topmost folder above it
+    that others cannot search, /root for a pyenv) is covered by a small tmpfs, searchable by
+    everyone, that holds only those paths, bound from the originals. The host's mounts do not
+    change (the namespace's are private)."""
+    libc = _libc()
+    if libc.unshare(ctypes.c_int(CLONE_NEWNS)) != 0:
+        _raise("unshare(CLONE_NEWNS)")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    trees: list[tuple[str, bool, int]] = []
+    try:
+        for path in paths:
+            flags = _OPEN_TREE_CLONE | _AT_RECURSIVE | os.O_CLOEXEC
+            tree = libc.syscall(
+                ctypes.c_long(_OPEN_TREE), ctypes.c_int(_AT_FDCWD), path.encode(), ctypes.c_uint(flags)
+            )
+            if tree < 0:
+                _raise(f"open_tree {path}")
+            trees.append((path, os.path.isdir(path), int(tree)))
+        for folder in sorted({_hiding(Path(path)) for path, _, _ in trees}):
+            mount("fngate-shown", folder, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+        for path, is_folder, tree in trees:
+            if is_folder:
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+                Path(path).touch(0o644)
+            moved = libc.syscall(
+                ctypes.c_long(_MOVE_MOUNT),
+                ctypes.c_int(tree),
+                b"",
+                ctypes.c_int(_AT_FDCWD),
+                path.encode(),
+                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+            )
+            if moved < 0:
+                _raise(f"move_mount {path}")
+    finally:
+        for _path, _is_folder, tree in trees:
+            os.close(tree)
+
+
+def _hiding(path: Path) -> str:
+    """The topmost folder above `path` that others cannot search."""
+    for folder in reversed(path.parents):
+        if not os.stat(folder).st_mode & stat.S_IXOTH:
+            return str(folder)
+    raise OSError(errno.EINVAL, f"nothing hides {path}")
+
+
+def become(uid: int, gid: int) -> None:
+    """Become `uid`:`gid` with no other groups, for good (every capability goes with uid 0)."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+
+
+def mount(source: str | None, target: str, kind: str | None, flags: int, data: str | None = None) -> None:
+    """mount(2); raises OSError."""
+    encoded = [None if value is None else value.encode() for value in (source, target, kind, data)]
+    if _libc().mount(encoded[0], encoded[1], encoded[2], ctypes.c_ulong(flags), encoded[3]) != 0:
+        _raise(f"mount {kind or ''} {target}")
+
+
+def unmount(target: str) -> None:
+    """Detach the mount at `target` (it goes once nothing uses it); raises OSError."""
+    if _libc().umount2(target.encode(), ctypes.c_int(MNT_DETACH)) != 0:
+        _raise(f"umount {target}")
+
+
 def set_no_new_privs() -> None:
     """Nothing this process executes gains privileges (setuid bits, file capabilities)."""
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
-def drop_capabilities() -> None:
-    """Every capability gone from this process (uid 0 included) and from whatever it executes."""
-    _prctl(PR_SET_SECUREBITS, _SECBITS_NO_ROOT)
-    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
-    for capability in range(last + 1):
-        _prctl(PR_CAPBSET_DROP, capability)
-    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
-    header = ctypes.create_string_buffer(struct.pack("<Ii", _CAPABILITY_VERSION_3, 0), 8)
-    data = ctypes.create_string_buffer(bytes(24), 24)  # effective, permitted, inheritable: x2, all 0
-    number = _CAPSET.get(platform.machine())
-    if number is None or _libc().syscall(ctypes.c_long(number), header, data) != 0:
-        _raise("capset")
-
-
-def function_user(paths: Iterable[Path]) -> tuple[int, int] | None:
-    """The user and group a root runner starts a function's process as: FUNCTION_UID, when it can
-    reach every one of `paths` (the Python installation it runs); else None (it stays uid 0 and
-    drops every capability instead)."""
-    if os.geteuid() != 0:
-        return None
-    for path in paths:
-        if not searchable_by_others(path):
-            return None
-    return FUNCTION_UID, FUNCTION_GID
+def function_user() -> tuple[int, int] | None:
+    """The user and group a function's process becomes: FUNCTION_UID under a root runner (what of
+    the runner's Python that user cannot reach is shown to it: `hidden`); None under any other
+    user (the process stays the runner's user)."""
+    return (FUNCTION_UID, FUNCTION_GID) if os.geteuid() == 0 else None
 
 
 def link_targets(folder: Path) -> list[str]:
@@ -279,36 +375,8 @@ def _gpu_devices() -> list[str]:
         return []
 
 
-def seccomp_program() -> bytes:
-    """The filter: refuse socket, ptrace, process_vm_readv/writev and io_uring with EPERM, allow
-    everything else, and kill the process for a system call of another ABI (x32, i386), which
-    would bypass the numbers checked."""
-    audit_arch, refused = _SECCOMP_ARCHES[platform.machine()]
-    errno_at = 3 + (platform.machine() == "x86_64") + len(refused) + 1
-    kill_at = errno_at + 1
-    program = [(_BPF_LD_W_ABS, 0, 0, 4)]  # seccomp_data.arch
-    program.append((_BPF_JEQ_K, 0, kill_at - 2, audit_arch))
-    program.append((_BPF_LD_W_ABS, 0, 0, 0))  # seccomp_data.nr
-    if platform.machine() == "x86_64":
-        program.append((_BPF_JGE_K, errno_at - len(program) - 1, 0, _X32_SYSCALL_BIT))
-    for number in refused:
-        program.append((_BPF_JEQ_K, errno_at - len(program) - 1, 0, number))
-    program.append((_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW))
-    program.append((_BPF_RET_K, 0, 0, _SECCOMP_RET_ERRNO | _EPERM))
-    program.append((_BPF_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS))
-    assert len(program) == kill_at + 1
-    return b"".join(struct.pack("<HBBI", *instruction) for instruction in program)
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
 def install_seccomp_filter() -> None:
-    code = seccomp_program()
-    buffer = ctypes.create_string_buffer(code, len(code))
-    program = _SockFprog(len(code) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(program))
+    seccomp.install(_prctl)
 
 
 def _prctl(option: int, *args: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from fngate.errors import ErrorCode, FunctionError
+from fngate.errors import ErrorCode, FunctionError, ModelFailed
 from fngate.tensors import DATATYPES, Tensors, datatype_of, from_bytes, to_bytes
 from runner.confinement import Confinement, confine
 
@@ -42,6 +42,15 @@ MAX_HEADER_BYTES = 16 * 2**20
 
 class ChannelClosed(Exception):
     """The other end of the pipe is gone (the process exited or closed it)."""
+
+
+class FrameTooLarge(Exception):
+    """A frame's prefix declares a body past what its reader takes (nothing of it was read)."""
+
+    def __init__(self, body_bytes: int, max_body_bytes: int) -> None:
+        super().__init__(f"a frame of {body_bytes} bytes, over {max_body_bytes}")
+        self.body_bytes = body_bytes
+        self.max_body_bytes = max_body_bytes
 
 
 def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -118,9 +127,12 @@ def _write(fd: int, parts: Sequence[Buffer], deadline: float | None) -> int:
             raise ChannelClosed(str(exc)) from exc
 
 
-def receive(fd: int, deadline: float | None = None) -> tuple[Header, np.ndarray[Any, Any]]:
+def receive(
+    fd: int, deadline: float | None = None, max_body_bytes: int | None = None
+) -> tuple[Header, np.ndarray[Any, Any]]:
     """Read one frame: its header and its body (a uint8 array), in two system calls when it has
-    all arrived."""
+    all arrived. Raises FrameTooLarge, having read only its prefix, for a body past
+    `max_body_bytes`: the body is never allocated."""
     if deadline is not None:
         _wait(fd, select.POLLIN, deadline)  # rather than a first read that fails with EAGAIN
     prefix = bytearray(PREFIX.size)
@@ -128,6 +140,8 @@ def receive(fd: int, deadline: float | None = None) -> tuple[Header, np.ndarray[
     header_bytes, body_bytes = PREFIX.unpack(prefix)
     if header_bytes > MAX_HEADER_BYTES:
         raise ValueError(f"a frame header of {header_bytes} bytes")
+    if max_body_bytes is not None and body_bytes > max_body_bytes:
+        raise FrameTooLarge(body_bytes, max_body_bytes)
     raw = bytearray(header_bytes)
     body = np.empty(body_bytes, dtype=np.uint8)  # not zeroed: every byte is read into
     _read_into(fd, [memoryview(raw), body.data], deadline)
@@ -181,6 +195,7 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
             inputs = unpack_tensors(header["tensors"], body)
             outputs = _infer(model, name, inputs, header["outputs"], header.get("rows"))
             specs, buffers = pack_tensors(outputs)
+            _check_size(name, sum(len(buffer) for buffer in buffers), header)
         except FunctionError as exc:
             send(replies, {"error": exc.message, "code": exc.code.value})
             continue
@@ -197,6 +212,26 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
             continue
         errors = getattr(model, "member_errors", None)  # invocations that failed alone (runner.triton)
         send(replies, {"tensors": specs, **({"errors": errors} if errors else {})}, buffers)
+
+
+def _check_size(name: str, size: int, request: Header) -> None:
+    """The runner reads no more than max_output_bytes an invocation (and stops a process that
+    sends more): a batch past it is refused here, and its process stays."""
+    limit = request.get("max_output_bytes")
+    if limit is None:
+        return
+    invocations = len(request.get("rows") or ()) or 1
+    if size <= limit * invocations:
+        return
+    if invocations == 1:
+        raise ModelFailed(
+            f"function '{name}': the outputs of this invocation are {size} bytes, over its "
+            f"max_output_bytes of {limit}"
+        )
+    raise ModelFailed(
+        f"function '{name}': the outputs of the batch are {size} bytes, over the {limit * invocations} "
+        f"its {invocations} invocations may answer (max_output_bytes {limit} each)"
+    )
 
 
 def out_of_memory(name: str, memory_limit_bytes: int | None, exc: BaseException | None = None) -> str:
@@ -261,7 +296,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prints", required=True, type=int, help="where stdout goes: a pipe to the runner")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when its functions stop
-    threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     # The frames own stdin and the original stdout; what the model prints goes to the runner on
     # pipes of their own (runner.output), never where its answers go.
     requests, replies = 0, os.dup(1)
@@ -269,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.close(args.prints)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each print when it happens
     try:
-        # Once the runner has placed this process (its memory cgroup): what to load, and how confined.
+        # Once the runner has placed this process (its cgroups): what to load, and how confined.
         header, _body = receive(requests)
     except ChannelClosed:
         return 1
@@ -280,6 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = {"error": f"could not confine its process: {exc}", "code": ErrorCode.MODEL_FAILED.value}
         send(replies, failed)
         return 1
+    # Started once confined: a thread started before would be outside the mount namespace, the
+    # seccomp filter and Landlock's domain, which hold the thread that applies them and its own.
+    threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     try:
         model = load_model(Path(header["module"]), Path(header["directory"]), header.get("triton_config"))
     except Exception as exc:

@@ -23,6 +23,7 @@ from fngate.registry import ModelState, StateBoard, function_source
 from runner import budget, gpu, idle
 from runner.artifacts import Artifacts
 from runner.backends.providers import Acceleration
+from runner.backends.python import prepare as prepare_function_processes
 from runner.budget import MemoryLimits
 from runner.lifecycle import Lifecycle
 from runner.models import LoadedModels
@@ -54,6 +55,10 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
     accel = Acceleration.from_settings(settings, artifacts.engine_store())
     threads = settings.intra_op_threads or min(usable_cpus(), 4)
     limits = await asyncio.to_thread(memory_limits, settings)
+    try:
+        await asyncio.to_thread(prepare_function_processes)
+    except OSError as exc:
+        log.warning("Python function processes cannot start here: %s", exc)
     models = LoadedModels(
         threads,
         artifacts,

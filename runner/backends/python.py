@@ -19,13 +19,13 @@ its batch and is started again for a later one, after a backoff.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,14 +33,18 @@ from typing import IO, Any
 
 import runner
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
-from fngate.manifest import FunctionManifest
+from fngate.manifest import DEFAULT_MEMORY_LIMIT_MB, FunctionManifest
 from fngate.tensors import Tensors
 from runner import budget, confinement, gpu, sandbox
 from runner.backends import MemberErrors
 from runner.backends.providers import Acceleration, refuse_fallback
-from runner.cgroup import MemoryCgroup
+from runner.cgroup import FunctionCgroup, current_layout
+from runner.cgroup import reap as reap_cgroups
+from runner.confinement import Confinement
 from runner.metrics import FUNCTION_RESTARTS, PYTHON_GPU
 from runner.output import Output
+from runner.workdir import WorkingFolder, runner_folder
+from runner.workdir import reap as reap_folders
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,12 @@ class PythonBackend:
         limit_mb = manifest.model.memory_limit_mb
         self._memory_limit_mb = limit_mb
         self._memory_limit_bytes = limit_mb * 2**20 if limit_mb else None
+        self._limits = _Limits(
+            self._memory_limit_bytes,
+            (limit_mb or DEFAULT_MEMORY_LIMIT_MB) * 2**20,
+            manifest.model.pids_limit,
+            manifest.model.working_folder_limit_mb * 2**20,
+        )
         self._lock = threading.Lock()
         self._child: _Child | None = None
         self._closed = False
@@ -144,12 +154,23 @@ class PythonBackend:
         specs, buffers = sandbox.pack_tensors(inputs)
         child = self._running_child(time.monotonic() + timeout_s)
         deadline = time.monotonic() + timeout_s
-        request = {"tensors": specs, "outputs": outputs, **({"rows": rows} if rows is not None else {})}
+        per_invocation = self._manifest.model.max_output_bytes
+        request = {"tensors": specs, "outputs": outputs, "max_output_bytes": per_invocation}
+        if rows is not None:
+            request["rows"] = rows
+        invocations = len(rows) if rows else 1
         child.output.batch_started()
         try:
             sandbox.send(child.requests, request, buffers, deadline)
-            header, body = sandbox.receive(child.replies, deadline)
+            header, body = sandbox.receive(child.replies, deadline, per_invocation * invocations)
             results = {} if "error" in header else sandbox.unpack_tensors(header["tensors"], body)
+        except sandbox.FrameTooLarge as exc:  # past the process's own check: never read, and it is stopped
+            self._fail(child, "output", f"answered {exc.body_bytes} bytes")
+            raise ModelFailed(
+                f"function '{self._name}': its process answered {exc.body_bytes} bytes of outputs, over the "
+                f"{exc.max_body_bytes} its {invocations} invocation(s) may have (max_output_bytes "
+                f"{per_invocation} each); it was stopped and starts again for the next batch"
+            ) from None
         except TimeoutError:
             held = child.at_memory_limit()  # the kernel may still be reclaiming, or about to end it
             self._fail(
@@ -159,7 +180,7 @@ class PythonBackend:
             )
             if held:
                 raise ModelFailed(
-                    f"{sandbox.out_of_memory(self._name, self._memory_limit_bytes)}: its process was held at "
+                    f"{self._out_of_memory()}: its process was held at "
                     "the limit past its execution timeout and stopped; it starts again for the next batch"
                 ) from None
             raise ModelTimeout(
@@ -170,7 +191,7 @@ class PythonBackend:
             exit_text = self._fail(child, "exited", "")
             if child.out_of_memory():
                 raise ModelFailed(
-                    f"{sandbox.out_of_memory(self._name, self._memory_limit_bytes)}: the kernel stopped its "
+                    f"{self._out_of_memory()}: the kernel stopped its "
                     "process at the limit; it starts again for the next batch"
                 ) from None
             raise ModelFailed(
@@ -186,9 +207,11 @@ class PythonBackend:
         finally:
             child.output.batch_ended()
         self._failures = 0
+        stopped = self._check_pids(child)
         if "error" in header:
-            raise FunctionError.from_code(header["code"], header["error"])
-        self._check_memory(child)
+            raise FunctionError.from_code(header["code"], header["error"] + stopped)
+        if not stopped:
+            self._check_memory(child)
         if header.get("errors"):
             errors = {
                 int(index): FunctionError.from_code(code, text)
@@ -238,7 +261,7 @@ class PythonBackend:
                 self._version,
                 self._module,
                 self._directory,
-                self._memory_limit_bytes,
+                self._limits,
                 self._environment,
                 triton.config if triton else None,
             )
@@ -270,6 +293,38 @@ class PythonBackend:
     def _backoff_s(self) -> float:
         return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2.0 ** max(0, self._failures - 1))
 
+    def _out_of_memory(self) -> str:
+        if self._memory_limit_bytes is not None:
+            return sandbox.out_of_memory(self._name, self._memory_limit_bytes)
+        return (
+            f"function '{self._name}': the batch needed more memory than the default limit of "
+            f"{DEFAULT_MEMORY_LIMIT_MB} MiB (its manifest sets no memory_limit_mb)"
+        )
+
+    def _check_pids(self, child: _Child) -> str:
+        """After a batch: a process whose processes and threads reached pids_limit is stopped with
+        all it started (what holds them would hold every later batch); what to add to the batch's
+        error, in words ("" when they did not)."""
+        refused = child.cgroup.pids_refused() if child.cgroup is not None else 0
+        if not refused:
+            return ""
+        limit = self._limits.pids
+        log.warning(
+            "function %s: its processes reached pids_limit %d (%d forks or threads refused); restarting it",
+            self._name,
+            limit,
+            refused,
+        )
+        FUNCTION_RESTARTS.labels(self._name, "pids").inc()
+        with self._lock:
+            if self._child is child:
+                self._child = None
+        child.stop(graceful=False)
+        return (
+            f" (its processes reached its pids_limit of {limit}: they were stopped, and it starts again "
+            "for the next batch)"
+        )
+
     def _check_memory(self, child: _Child) -> None:
         if self._memory_limit_bytes is None:
             return
@@ -291,15 +346,32 @@ class PythonBackend:
         child.stop(graceful=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+    """What a function's process and everything it starts may use."""
+
+    memory_bytes: int | None
+    """The manifest's memory_limit_mb: RLIMIT_DATA where no cgroup holds its memory."""
+    cgroup_memory_bytes: int
+    """Its cgroup's memory limit: memory_limit_mb, or DEFAULT_MEMORY_LIMIT_MB."""
+    pids: int
+    folder_bytes: int
+
+
 class _Child:
-    """One `python -m runner.sandbox` process, its pipes, its output's reader and its cgroup."""
+    """One `python -m runner.sandbox` process, its pipes, its output's reader, its working folder
+    and its cgroups."""
 
     device = "cpu"
     """Where its Model says it runs, and why not on the GPU (`reason`), from its first frame."""
     reason: str | None = None
 
     def __init__(
-        self, process: subprocess.Popen[bytes], workdir: Path, output: Output, cgroup: MemoryCgroup | None
+        self,
+        process: subprocess.Popen[bytes],
+        workdir: WorkingFolder,
+        output: Output,
+        cgroup: FunctionCgroup | None,
     ) -> None:
         self.process = process
         self.workdir = workdir
@@ -321,20 +393,17 @@ class _Child:
         version: str,
         module: Path,
         directory: Path,
-        memory_limit_bytes: int | None,
+        limits: _Limits,
         environment: dict[str, str],
         triton_config: dict[str, Any] | None = None,
     ) -> _Child:
         """Start the process (`environment` added to the runner's, less its secrets), confine it and
         wait until its Model (or Triton model, with its configuration `triton_config`) is
-        constructed. Raises
-        InvalidArgument when model.py does not load, ModelFailed when the process dies or takes too
-        long."""
-        workdir = Path(tempfile.mkdtemp(prefix=f"fngate-{name}-"))
-        cgroup = MemoryCgroup.create(name, memory_limit_bytes) if memory_limit_bytes else None
+        constructed. Raises InvalidArgument when model.py does not load, ModelFailed when the
+        process dies or takes too long, or cannot run as an unprivileged user."""
         user = _function_user()
-        if user is not None:  # root's files, and every other user's processes, out of its reach
-            os.chown(workdir, *user)
+        folder = WorkingFolder.make(name, limits.folder_bytes, user)
+        cgroup = FunctionCgroup.create(name, limits.cgroup_memory_bytes, limits.pids)
         seen = directory
         passed: list[int] = []
         if user is not None and not confinement.searchable_by_others(directory):
@@ -342,19 +411,22 @@ class _Child:
             passed.append(os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
             seen = Path(f"/proc/self/fd/{passed[-1]}")
         try:
-            child = cls._spawn(name, version, workdir, user, cgroup, passed, environment)
+            child = cls._spawn(name, version, folder, cgroup, passed, environment)
         except OSError:
-            shutil.rmtree(workdir, ignore_errors=True)
+            folder.remove()
             if cgroup is not None:
                 cgroup.remove()
             raise
+        held = cgroup is not None and cgroup.layout.memory is not None
         # With a cgroup the kernel counts what the process uses; RLIMIT_DATA (what it maps) is the fallback.
         plan = confinement.function_confinement(
             seen,
-            workdir,
+            folder.path,
             CODE,
-            None if cgroup is not None else memory_limit_bytes,
+            None if held else limits.memory_bytes,
             confinement.link_targets(directory),
+            user,
+            None if folder.mounted else limits.folder_bytes,  # a plain folder: each file capped at least
         )
         load: dict[str, Any] = {
             "op": "load",
@@ -366,9 +438,13 @@ class _Child:
             load["triton_config"] = triton_config
         header = child._load(name, load, user)
         child.device, child.reason = str(header.get("device", "cpu")), header.get("reason")
-        limits = [*header.get("confined", ())]
-        if cgroup is not None and memory_limit_bytes is not None:
-            limits.append(f"memory cgroup (v{cgroup.version}) {memory_limit_bytes // 2**20} MiB")
+        limits_text = [*header.get("confined", ())]
+        if held:
+            limits_text.append(f"memory cgroup {limits.cgroup_memory_bytes // 2**20} MiB")
+        if cgroup is not None and cgroup.layout.pids is not None:
+            limits_text.append(f"pids.max {limits.pids}")
+        if folder.mounted:
+            limits_text.append(f"working folder a tmpfs of {limits.folder_bytes // 2**20} MiB")
         who = f"uid {user[0]}" if user is not None else f"uid {os.geteuid()}, as its runner"
         log.info(
             "function %s runs in process %d (%s) as %s: %s",
@@ -376,7 +452,7 @@ class _Child:
             child.process.pid,
             child.device,
             who,
-            ", ".join(limits),
+            ", ".join(limits_text),
         )
         return child
 
@@ -385,19 +461,19 @@ class _Child:
         cls,
         name: str,
         version: str,
-        workdir: Path,
-        user: tuple[int, int] | None,
-        cgroup: MemoryCgroup | None,
+        workdir: WorkingFolder,
+        cgroup: FunctionCgroup | None,
         passed: list[int],
         environment: dict[str, str],
     ) -> _Child:
         env = sandbox.clean_environment(os.environ) | environment
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-        env["TMPDIR"] = str(workdir)
+        env["TMPDIR"] = str(workdir.path)
         prints, prints_write = os.pipe()
         passed.append(prints_write)
         try:
-            # Never a fork of the runner: a fresh interpreter holds none of its sockets, threads or loop.
+            # Never a fork of the runner: a fresh interpreter holds none of its sockets, threads or
+            # loop. Under a root runner it starts as root and becomes its user itself (runner.confinement).
             process = subprocess.Popen(
                 [
                     sys.executable,
@@ -408,13 +484,10 @@ class _Child:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                cwd=workdir,
+                cwd=workdir.path,
                 env=env,
                 start_new_session=True,
                 pass_fds=passed,
-                user=user[0] if user else None,
-                group=user[1] if user else None,
-                extra_groups=[] if user else None,
             )
         finally:
             for fd in passed:
@@ -427,7 +500,7 @@ class _Child:
         return cls(process, workdir, output, cgroup)
 
     def _load(self, name: str, load: dict[str, Any], user: tuple[int, int] | None) -> sandbox.Header:
-        """Place the process (its cgroup), hand it its function and confinement, and wait for it."""
+        """Place the process (its cgroups), hand it its function and confinement, and wait for it."""
         try:
             if self.cgroup is not None:
                 self.cgroup.add(self.process.pid)  # before it loads anything of the function's
@@ -446,7 +519,13 @@ class _Child:
         if "error" in header:
             self.stop(graceful=False)
             if header.get("code") == "model_failed":
-                raise ModelFailed(f"function '{name}': {header['error']}")
+                shown = Confinement.decode(load["confinement"]).shown
+                why = (
+                    f" ({_SHOWN_FAILED.format(uid=user[0], paths=', '.join(shown))})"
+                    if user and shown
+                    else ""
+                )
+                raise ModelFailed(f"function '{name}': {header['error']}{why}")
             raise InvalidArgument(header["error"])
         return header
 
@@ -465,8 +544,9 @@ class _Child:
 
     def stop(self, graceful: bool) -> None:
         """Graceful: close its stdin (it calls Model.close and exits), kill it if it takes longer
-        than STOP_TIMEOUT_S. Else kill it now. Either way wait for it, log the rest of its output
-        and remove its working folder and cgroup."""
+        than STOP_TIMEOUT_S. Else kill it now. Either way wait for it, kill whatever it started
+        (its cgroup, else its process group), log the rest of its output and remove its working
+        folder and cgroups."""
         if not graceful:
             self._kill()
         for pipe in self._pipes:
@@ -476,8 +556,13 @@ class _Child:
         except subprocess.TimeoutExpired:
             self._kill()
             self.process.wait()
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        else:
+            with contextlib.suppress(OSError):  # its session's leader: the group is still its own
+                os.killpg(self.process.pid, signal.SIGKILL)
         self.output.join(OUTPUT_DRAIN_S)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.remove()
         if self.cgroup is not None:
             self._out_of_memory = self.cgroup.out_of_memory()
             self.cgroup.remove()
@@ -487,22 +572,77 @@ class _Child:
             self.process.send_signal(signal.SIGKILL)
 
 
+_SHOWN_FAILED = (
+    "uid {uid} cannot reach this runner's Python at {paths}, and it could not be shown to the "
+    "function's process: a function's process never runs as uid 0; install Python where other users "
+    "can read it, or run the runner as a plain user"
+)
 _USER: list[tuple[int, int] | None] = []
 
 
 def _function_user() -> tuple[int, int] | None:
-    """FUNCTION_UID for a root runner whose Python that user can run (decided once), else None."""
+    """FUNCTION_UID for a root runner (decided once; raises ModelFailed where that user could not
+    run this runner's Python even shown to it), else None."""
     if not _USER:
-        python = [Path(sys.executable), Path(sys.base_prefix), Path(sys.prefix), *CODE]
-        _USER.append(confinement.function_user(python))
-        if _USER[0] is None and os.geteuid() == 0:
-            log.warning(
-                "uid %d cannot reach this runner's Python (%s): function processes run as uid 0 "
-                "without capabilities",
+        user = confinement.function_user()
+        shown = confinement.hidden([*confinement.python_paths(), *CODE]) if user is not None else []
+        if shown:
+            log.info(
+                "uid %d cannot reach this runner's Python (%s): each function process is shown it in "
+                "a mount namespace of its own",
                 confinement.FUNCTION_UID,
-                Path(sys.executable).resolve(),
+                ", ".join(shown),
             )
+        closed = confinement.unshowable(shown)
+        if closed:
+            raise ModelFailed(
+                f"Python functions are refused: uid {confinement.FUNCTION_UID} cannot read "
+                f"{', '.join(closed)} (not readable by others), and a function's process never runs as uid 0"
+            )
+        _USER.append(user)
     return _USER[0]
+
+
+def prepare() -> None:
+    """At a runner's start: kill and remove what runners that died left (processes, cgroups,
+    working folders), and say what will hold its function processes, as a warning where something
+    is not held. Blocking."""
+    killed, removed = reap_cgroups()
+    folders = reap_folders()
+    if killed or removed or folders:
+        log.warning(
+            "removed what runners that are gone left: %d processes killed, %d cgroups and %d runner "
+            "folders removed",
+            killed,
+            removed,
+            folders,
+        )
+    user = confinement.function_user()
+    shown = confinement.hidden([*confinement.python_paths(), *CODE]) if user is not None else []
+    closed = confinement.unshowable(shown)
+    if user is None:
+        who = f"as uid {os.geteuid()}, the runner's (a user of their own needs a root runner)"
+    elif closed:
+        who = (
+            f"nowhere: Python functions are refused, as uid {user[0]} cannot read {', '.join(closed)} "
+            "and a function's process never runs as uid 0"
+        )
+    elif shown:
+        python = ", ".join(shown)
+        who = f"as uid {user[0]}, shown the runner's Python ({python}) in mount namespaces of their own"
+    else:
+        who = f"as uid {user[0]}"
+    layout = current_layout()
+    _base, unmounted = runner_folder()
+    folder = "working folders on tmpfs" if not unmounted else f"working folders not capped: {unmounted}"
+    degraded = bool(closed or layout.missing or unmounted or user is None)
+    log.log(
+        logging.WARNING if degraded else logging.INFO,
+        "Python function processes run %s; %s; %s",
+        who,
+        layout.describe(),
+        folder,
+    )
 
 
 def _describe_exit(returncode: int | None) -> str:

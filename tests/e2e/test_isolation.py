@@ -496,3 +496,96 @@ async def test_a_stuck_in_process_model_gets_no_more_work_and_unload_says_so(
         assert state["reason"].startswith("unloading: a batch has run for")
     runner.kill()  # its thread is still in the loop: it could only be killed at the drain timeout
     runner.wait()
+
+
+def escapee_body(*rows: tuple[float, float]) -> dict[str, Any]:
+    """tests/functions/escapee: each row's x[0] says what it tries, x[1] how much."""
+    return {"inputs": {"x": [list(row) for row in rows]}}
+
+
+async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its_runner_is_killed(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    base = await serve_gateway()
+    runner = runner_process(FNGATE_FUNCTIONS='["escapee"]')
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        started = await until_ok(lambda: client.post("/v1/functions/escapee", json=escapee_body((1, 0))))
+    assert started.status_code == 200, started.text
+    daemon = int(started.json()["outputs"]["y"][0][0])
+    assert alive(daemon) and daemon not in children(runner.pid)
+
+    runner.send_signal(signal.SIGKILL)
+    runner.wait(timeout=10)
+    runner_process(FNGATE_FUNCTIONS="[]")  # the next runner on this machine
+    for _ in range(300):
+        if not alive(daemon):
+            break
+        await asyncio.sleep(0.1)
+    assert not alive(daemon)
+    assert (
+        "removed what runners that are gone left: 1 processes killed"
+        in (tmp_path / "runner-1.log").read_text()
+    )
+
+
+async def test_forks_stop_at_pids_limit_and_fail_their_batch_while_other_functions_answer(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    base = await serve_gateway()
+    runner_process(FNGATE_FUNCTIONS='["escapee", "classifier"]')
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+
+        def classify() -> Awaitable[httpx.Response]:
+            return client.post("/v1/functions/classifier", json={"inputs": {"input": [[0.5] * 16]}})
+
+        assert (await until_ok(classify)).status_code == 200
+        assert (
+            await until_ok(lambda: client.post("/v1/functions/escapee", json=escapee_body((0, 0))))
+        ).status_code == 200
+        bomb = client.post("/v1/functions/escapee", json=escapee_body((2, 100_000)))
+        *classified, bombed = await asyncio.gather(*(classify() for _ in range(40)), bomb)
+        again = await client.post("/v1/functions/escapee", json=escapee_body((0, 0)))
+    assert [response.status_code for response in classified] == [200] * 40
+    assert bombed.status_code == 500, bombed.text
+    assert bombed.json()["code"] == "model_failed"
+    message = bombed.json()["error"]
+    found = re.search(r"forked (\d+) processes, then: \[Errno 11\] Resource temporarily unavailable", message)
+    assert found is not None and int(found.group(1)) < 32, message
+    assert "its processes reached its pids_limit of 32: they were stopped" in message
+    assert again.status_code == 200 and again.json()["outputs"]["y"] == [["ok"]]
+
+
+async def test_an_answer_past_max_output_bytes_fails_alone_and_its_batch_mates_are_answered(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    redis: aioredis.Redis,
+) -> None:
+    """escapee's max_output_bytes is 1 MiB: one invocation answers 2 MB (its batch passes the
+    process's own check: the runner refuses it alone), another 10 MB (its batch is refused in the
+    process, then split: each alone)."""
+    base = await serve_gateway()
+    runner = runner_process(FNGATE_FUNCTIONS='["escapee"]')
+    sizes = [100, 2_000_000, 100, 10_000_000, 100, 100]
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        assert (
+            await until_ok(lambda: client.post("/v1/functions/escapee", json=escapee_body((0, 0))))
+        ).status_code == 200
+        answers = await asyncio.gather(
+            *(client.post("/v1/functions/escapee", json=escapee_body((3, size))) for size in sizes)
+        )
+    for size, response in zip(sizes, answers, strict=True):
+        if size == 100:
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"]["y"] == [["x" * 100]]
+            continue
+        assert response.status_code == 500
+        assert response.json() == {
+            "error": f"function 'escapee': the outputs of this invocation are {size + 4} bytes, over its "
+            "max_output_bytes of 1048576",
+            "code": "model_failed",
+        }
+    assert runner.poll() is None
+    assert await redis.xlen(keys.dead_letters("escapee")) == 0

@@ -3,9 +3,14 @@ the environment a function sees."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
+import shutil
+import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from fngate.errors import InvalidArgument, ModelFailed, ModelTimeout, Unavailable
 from fngate.manifest import load_manifest, parse_manifest
-from runner import gpu, sandbox
+from runner import cgroup, gpu, sandbox, workdir
 from runner.backends import load_backend
 from runner.backends.providers import Acceleration
 from runner.backends.python import PythonBackend
@@ -59,13 +64,22 @@ class Model:
 '''
 
 
+X = {"name": "x", "datatype": "FP32", "shape": [-1, 4]}
+Y = {"name": "y", "datatype": "FP32", "shape": [-1, 4]}
+
+
 @pytest.fixture
 def backend(tmp_path: Path) -> Iterator[Callable[..., PythonBackend]]:
     """Factory: a PythonBackend of the steered model (or `source`), closed at the end."""
     started: list[PythonBackend] = []
     folders = iter(range(100))
 
-    def start(source: str = STEERED, accel: Acceleration | None = None, **model: Any) -> PythonBackend:
+    def start(
+        source: str = STEERED,
+        accel: Acceleration | None = None,
+        tensors: tuple[dict[str, Any], dict[str, Any]] = (X, Y),
+        **model: Any,
+    ) -> PythonBackend:
         folder = tmp_path / f"f{next(folders)}"
         folder.mkdir()
         (folder / "model.py").write_text(source)
@@ -73,8 +87,8 @@ def backend(tmp_path: Path) -> Iterator[Callable[..., PythonBackend]]:
             {
                 "name": "f",
                 "model": {"backend": "python", "path": "model.py", **model},
-                "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
-                "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+                "inputs": [tensors[0]],
+                "outputs": [tensors[1]],
             },
             "f.yaml",
         )
@@ -283,3 +297,161 @@ def test_the_gpu_example_answers_on_the_cpu_without_a_gpu_and_says_so() -> None:
     refused = r"asks for accelerator cuda and this runner requires it.*(CuPy|CUDA)"
     with pytest.raises(Unavailable, match=refused):
         load_backend(manifest, GPU_MLP, 1, Acceleration(require=True))
+
+
+ESCAPEE = (ROOT / "tests" / "functions" / "escapee" / "model.py").read_text()
+ESCAPEE_TENSORS = (
+    {"name": "x", "datatype": "FP32", "shape": [-1, 2]},
+    {"name": "y", "datatype": "BYTES", "shape": [-1, 1]},
+)
+"""tests/functions/escapee: x[0, 0] says what it tries, x[0, 1] how much."""
+needs_cgroups = pytest.mark.skipif(
+    cgroup.current_layout().kill is None or cgroup.current_layout().pids is None,
+    reason=f"no cgroup kill and pids.max here: {cgroup.current_layout().describe()}",
+)
+
+
+def escapee(what: int, size: float = 0, rows: int = 1) -> dict[str, np.ndarray[Any, Any]]:
+    return {"x": np.array([[what, size]] * rows, dtype=np.float32)}
+
+
+def answer(outputs: dict[str, np.ndarray[Any, Any]]) -> Any:
+    return json.loads(outputs["y"][0, 0])
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting for whoever adopted it to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def gone(pids: list[int], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(pid) for pid in pids)
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes below `pid` (children, theirs, ...)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return [child for child in found if alive(child)]
+
+
+@needs_cgroups
+def test_a_daemon_a_function_starts_goes_with_its_unload(backend: Callable[..., PythonBackend]) -> None:
+    python = backend(ESCAPEE, tensors=ESCAPEE_TENSORS)
+    daemon = int(python.run(escapee(1), ["y"], [1])["y"][0, 0])
+    assert alive(daemon) and daemon not in descendants(python.pid or 0)  # out of its process's tree
+    python.close()
+    assert gone([daemon])
+
+
+@needs_cgroups
+def test_forks_stop_at_pids_limit_and_the_process_starts_again_without_them(
+    backend: Callable[..., PythonBackend],
+) -> None:
+    python = backend(ESCAPEE, tensors=ESCAPEE_TENSORS, pids_limit=16)
+    pid = python.pid
+    assert pid is not None
+    with pytest.raises(ModelFailed) as failed:
+        python.run(escapee(2, 10_000), ["y"], [1])
+    forked = int(re.search(r"forked (\d+) processes, then", failed.value.message).group(1))  # type: ignore[union-attr]
+    assert forked < 16
+    assert "its processes reached its pids_limit of 16: they were stopped" in failed.value.message
+    assert gone([pid])  # and every process it forked with it
+    assert descendants(pid) == []
+    assert python.run(escapee(0), ["y"], [1])["y"][0, 0] == b"ok"  # a new process, not held by them
+    assert python.pid != pid
+
+
+def test_the_working_folder_is_capped(backend: Callable[..., PythonBackend]) -> None:
+    if workdir.runner_folder()[1]:
+        pytest.skip(f"working folders are not tmpfs here: {workdir.runner_folder()[1]}")
+    python = backend(ESCAPEE, tensors=ESCAPEE_TENSORS, working_folder_limit_mb=8)
+    filled = answer(python.run(escapee(4, 2048), ["y"], [1]))  # tries 2 GiB
+    assert filled["written"] <= 8 * 2**20
+    assert filled["error"] == "OSError: [Errno 28] No space left on device"
+
+
+def test_the_process_reaches_no_secret_keyring_namespace_or_host_socket(
+    backend: Callable[..., PythonBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever runs the runner: uid 65534 under root (never uid 0), the seccomp filter for all."""
+    place = Path(tempfile.mkdtemp(prefix="fngate-host-"))
+    place.chmod(0o755)
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    host.bind(str(place / "host.sock"))
+    (place / "host.sock").chmod(0o777)  # any user may write to it: only the filter stands between
+    monkeypatch.setenv("ESCAPEE_SOCKET", str(place / "host.sock"))
+    try:
+        python = backend(ESCAPEE, tensors=ESCAPEE_TENSORS)
+        report = answer(python.run(escapee(5), ["y"], [1]))
+        host.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            host.recv(64)
+    finally:
+        host.close()
+        shutil.rmtree(place)
+    assert report == {
+        "read /etc/shadow": "refused: PermissionError: [Errno 13] Permission denied: '/etc/shadow'",
+        "join a session keyring": "refused: PermissionError: [Errno 1] Operation not permitted",
+        "unshare a user namespace": "refused: PermissionError: [Errno 1] Operation not permitted",
+        "send a datagram to the host's socket": "refused: PermissionError: [Errno 1] Operation not permitted",
+    }
+
+
+def test_an_answer_past_max_output_bytes_is_refused_and_the_process_stays(
+    backend: Callable[..., PythonBackend],
+) -> None:
+    python = backend(ESCAPEE, tensors=ESCAPEE_TENSORS, max_output_bytes=1000)
+    pid = python.pid
+    assert python.run(escapee(3, 990), ["y"], [1])["y"][0, 0] == b"x" * 990  # 994 bytes as sent
+    with pytest.raises(ModelFailed) as failed:
+        python.run(escapee(3, 2000), ["y"], [1])
+    assert failed.value.message == (
+        "function 'f': the outputs of this invocation are 2004 bytes, over its max_output_bytes of 1000"
+    )
+    with pytest.raises(
+        ModelFailed, match="the outputs of the batch are 6012 bytes, over the 3000 its 3 invocations"
+    ):
+        python.run(escapee(3, 2000, rows=3), ["y"], [1, 1, 1])
+    assert python.pid == pid
+
+
+def test_a_process_that_sends_1_gib_past_its_own_check_is_stopped_unread(
+    backend: Callable[..., PythonBackend],
+) -> None:
+    """The runner reads an answer's size first, and never makes room for more than max_output_bytes
+    an invocation: its peak memory stays where it was."""
+    python = backend(ESCAPEE, tensors=ESCAPEE_TENSORS, execution_timeout_ms=30_000)
+    pid = python.pid
+    Path("/proc/self/clear_refs").write_text("5")  # the peak RSS starts again from here
+    before = peak_rss_bytes()
+    with pytest.raises(ModelFailed) as failed:
+        python.run(escapee(6, 1024), ["y"], [1])
+    assert peak_rss_bytes() - before < 64 * 2**20
+    assert failed.value.message == (
+        "function 'f': its process answered 1073741824 bytes of outputs, over the 67108864 its 1 "
+        "invocation(s) may have (max_output_bytes 67108864 each); it was stopped and starts again for "
+        "the next batch"
+    )
+    assert gone([pid]) and restarts("output") >= 1
+
+
+def peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
