@@ -4,9 +4,11 @@ the start of a confined process as the runner makes it (spawn to ready). Opt-in:
 `python -m bench`; docs/isolation.md quotes a run.
 
 Mechanisms: the runner made non-dumpable (PR_SET_DUMPABLE), an unprivileged user for the process
-(setuid at spawn; root only), a network namespace of its own (unshare(CLONE_NEWNET), through
-ctypes as Python 3.11 has no os.unshare; root only), the seccomp filter, the Landlock ruleset,
-RLIMIT_DATA, and a function process's cgroups, made, joined, killed and removed (root only)."""
+(setuid at spawn, and the process becoming FUNCTION_UID itself, as the sandbox does; root only),
+the runner's Python shown in a mount namespace of the process's own (root only), a network
+namespace (unshare(CLONE_NEWNET), through ctypes as Python 3.11 has no os.unshare; root only), the
+seccomp filter, the Landlock ruleset, RLIMIT_DATA, a working folder's tmpfs, and a function
+process's cgroups, made, joined, killed and removed (root only)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from runner import confinement
 from runner.backends.python import CODE, PythonBackend
 from runner.cgroup import FunctionCgroup
+from runner.workdir import WorkingFolder
 
 CLONE_NEWNET = 0x40000000
 MODEL = """class Model:
@@ -52,6 +55,8 @@ def _probe(mechanism: str) -> float:
         "landlock": lambda: confinement.restrict_files(confinement.landlock_abi(), plan),
         "seccomp": confinement.install_seccomp_filter,
         "network namespace": _unshare_network,
+        "Python shown in a mount namespace": _show_python,
+        "become FUNCTION_UID": lambda: confinement.become(confinement.FUNCTION_UID, confinement.FUNCTION_GID),
     }
     confinement.landlock_abi()  # libc loaded (once per process, for all of them), not timed here
     if mechanism in ("landlock", "seccomp"):
@@ -59,6 +64,12 @@ def _probe(mechanism: str) -> float:
     started = time.perf_counter()
     steps[mechanism]()
     return (time.perf_counter() - started) * 1e6
+
+
+def _show_python() -> None:
+    """What the sandbox does when FUNCTION_UID cannot reach the Python (a pyenv in /root); where it
+    can, nothing is shown and this costs the unshare and the remount alone."""
+    confinement.show(confinement.hidden([*confinement.python_paths(), *CODE]))
 
 
 def _unshare_network() -> None:
@@ -123,10 +134,21 @@ def _cgroup_us(runs: int) -> float | None:
     return statistics.median(timings)
 
 
+def _tmpfs_us(runs: int) -> float:
+    timings = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        folder = WorkingFolder.make("bench", 2**26, (confinement.FUNCTION_UID, confinement.FUNCTION_GID))
+        folder.remove()
+        timings.append((time.perf_counter() - started) * 1e6)
+    return statistics.median(timings)
+
+
 def _backend_start_ms(runs: int) -> float:
     from fngate.manifest import parse_manifest
 
     folder = Path(tempfile.mkdtemp())
+    folder.chmod(0o755)  # its process's user (FUNCTION_UID under root) reads it
     (folder / "model.py").write_text(MODEL)
     manifest = parse_manifest(
         {
@@ -164,7 +186,7 @@ def main() -> int:
     rows.append(("load libc through ctypes (once)", f"{_in_fresh_processes('libc', args.runs):.0f} us"))
     mechanisms = ["PR_SET_DUMPABLE", "RLIMIT_DATA", "seccomp", "landlock"]
     if root:
-        mechanisms += ["network namespace"]
+        mechanisms += ["network namespace", "Python shown in a mount namespace", "become FUNCTION_UID"]
     for mechanism in mechanisms:
         rows.append((mechanism, f"{_in_fresh_processes(mechanism, args.runs):.0f} us"))
     if root:
@@ -176,6 +198,7 @@ def main() -> int:
         rows.append(
             ("network namespace, made and torn down", f"{_network_namespace_exit_us(args.runs):.0f} us")
         )
+        rows.append(("working folder: a tmpfs mounted and unmounted", f"{_tmpfs_us(args.runs):.0f} us"))
         cgroup = _cgroup_us(args.runs)
         rows.append(
             ("cgroups (made, joined, killed, removed)", "none here" if cgroup is None else f"{cgroup:.0f} us")

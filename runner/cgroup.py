@@ -27,7 +27,8 @@ PREFIX = "fngate-runner-"
 """A runner's folder of function cgroups: PREFIX + `{pid}-{start time}` (/proc/PID/stat's)."""
 KILL_TIMEOUT_S = 5.0
 FREEZE_TIMEOUT_S = 1.0
-_POLL_S = 0.01
+_POLL_S = (0.0005, 0.01)
+"""Waits for the kernel (a killed process gone, a cgroup freed): from the first, doubling to the second."""
 _counter = itertools.count()
 
 
@@ -292,7 +293,7 @@ def kill_all(folder: Path, how: str) -> int:
             _signal(pid)
         _frozen(folder, how, False)  # a frozen process takes its SIGKILL once thawed
     deadline = time.monotonic() + KILL_TIMEOUT_S
-    while True:
+    for pause in _pauses():
         left = _procs(folder)
         if not left:
             return len(held)
@@ -302,7 +303,8 @@ def kill_all(folder: Path, how: str) -> int:
         if how not in ("cgroup.kill",):  # without an atomic kill: whatever forked meanwhile
             for pid in left:
                 _signal(pid)
-        time.sleep(_POLL_S)
+        time.sleep(pause)
+    return len(held)  # not reached: _pauses never ends
 
 
 def _frozen(folder: Path, how: str, freeze: bool) -> None:
@@ -311,8 +313,17 @@ def _frozen(folder: Path, how: str, freeze: bool) -> None:
     else:
         _write(folder / "freezer.state", "FROZEN" if freeze else "THAWED")
     deadline = time.monotonic() + FREEZE_TIMEOUT_S
-    while not _is_frozen(folder, how, freeze) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+    for pause in _pauses():
+        if _is_frozen(folder, how, freeze) or time.monotonic() > deadline:
+            return
+        time.sleep(pause)
+
+
+def _pauses() -> Iterator[float]:
+    pause = _POLL_S[0]
+    while True:
+        yield pause
+        pause = min(pause * 2, _POLL_S[1])
 
 
 def _is_frozen(folder: Path, how: str, freeze: bool) -> bool:
@@ -351,8 +362,6 @@ def owner_alive(name: str) -> bool:
     pid, _, started = name.removeprefix(PREFIX).partition("-")
     if not pid.isdigit():
         return True  # not ours to judge
-    if int(pid) == os.getpid():
-        return True
     now = start_time(int(pid))
     return now is not None and (not started or started == now)
 
@@ -388,14 +397,17 @@ def _children(folder: Path) -> list[Path]:
 def _remove(folder: Path) -> int:
     """Remove an empty cgroup (the kernel frees one a moment after its last process): 1 if it
     went."""
-    for _ in range(100):
+    deadline = time.monotonic() + KILL_TIMEOUT_S
+    for pause in _pauses():
         try:
             folder.rmdir()
             return 1
         except FileNotFoundError:
             return 0
         except OSError:
-            time.sleep(_POLL_S)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(pause)
     log.warning("cgroup %s is still busy; left behind", folder)
     return 0
 

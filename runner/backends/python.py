@@ -10,10 +10,12 @@ attribute ("cuda", or "cpu" and why not in `fallback_reason`); the backend repor
 memory the process holds once its Model is constructed.
 
 The model lives in a child process (runner.sandbox) with a clean environment and a working folder
-of its own, confined (runner.confinement): under an unprivileged user when the runner is root, in a
-memory cgroup of its own where one can be made (runner.cgroup), its output logged within a budget
-(runner.output). A child that dies, runs past the execution timeout or past memory_limit_mb fails
-its batch and is started again for a later one, after a backoff.
+of its own (runner.workdir: a capped tmpfs under a root runner), confined (runner.confinement):
+under an unprivileged user when the runner is root (never uid 0), in cgroups of its own where they
+can be made (runner.cgroup: memory, pids, and one kill for everything it starts), its output logged
+within a budget (runner.output), its answers read only up to max_output_bytes an invocation. A
+child that dies, runs past the execution timeout, past memory_limit_mb or pids_limit, or answers
+past max_output_bytes fails its batch and is started again for a later one, after a backoff.
 """
 
 from __future__ import annotations

@@ -530,6 +530,21 @@ async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its
     )
 
 
+async def test_a_daemon_a_function_starts_goes_with_its_runners_exit(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    base = await serve_gateway()
+    runner = runner_process(FNGATE_FUNCTIONS='["escapee"]')
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        started = await until_ok(lambda: client.post("/v1/functions/escapee", json=escapee_body((1, 0))))
+    daemon = int(started.json()["outputs"]["y"][0][0])
+    assert alive(daemon)
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=60) == 0
+    assert not alive(daemon)
+
+
 async def test_forks_stop_at_pids_limit_and_fail_their_batch_while_other_functions_answer(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
