@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -335,13 +336,16 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="fngate-bench-lifetime-"))
     folder.chmod(0o755)
     print(f"as uid {os.geteuid()}")
-    print(f"  setsid daemon, after its unload:          {daemon_after_unload(folder)}")
-    print(f"  setsid daemon, after its runner's SIGKILL: {daemon_after_runner_kill(folder)}")
-    print(f"  forks:                                    {fork_count(folder, args.forks)}")
-    print(f"  working folder:                           {folder_write(folder, args.write_mib)}")
-    for what, outcome in reach(folder).items():
-        print(f"  {what + ':':<42}{outcome}")
-    print(f"  a {args.answer_mib} MiB answer: runner {big_answer(folder, args.answer_mib)}")
+    try:
+        print(f"  setsid daemon, after its unload:          {daemon_after_unload(folder)}")
+        print(f"  setsid daemon, after its runner's SIGKILL: {daemon_after_runner_kill(folder)}")
+        print(f"  forks:                                    {fork_count(folder, args.forks)}")
+        print(f"  working folder:                           {folder_write(folder, args.write_mib)}")
+        for what, outcome in reach(folder).items():
+            print(f"  {what + ':':<42}{outcome}")
+        print(f"  a {args.answer_mib} MiB answer: runner {big_answer(folder, args.answer_mib)}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
