@@ -1,9 +1,12 @@
 """Where a callback may go: an http(s) URL whose host is a public address, or a name whose every
 address is public. Loopback, private, link-local (the cloud metadata range), shared, multicast,
 reserved and unspecified addresses are refused, unless the operator allows them
-(`callback_allow`: networks such as 10.1.0.0/16 or 127.0.0.1, and host names). A name is resolved
-once per check, and a sender connects to the address it checked, so that a name cannot answer
-the check with one address and the connection with another."""
+(`callback_allow`: networks such as 10.1.0.0/16 or 127.0.0.1, and host names). An IPv6 address
+that embeds or translates an IPv4 one (IPv4-mapped, IPv4-compatible, NAT64, 6to4, Teredo) is
+judged by the IPv4 addresses it carries, as a plain IPv4 target is; the local-use NAT64 prefix
+64:ff9b:1::/48, whose embedding its operator chooses, is refused whole. A name is resolved once
+per check, and a sender connects to the address it checked, so that a name cannot answer the
+check with one address and the connection with another."""
 
 from __future__ import annotations
 
@@ -20,6 +23,16 @@ from fngate.errors import InvalidArgument
 RESOLVE_TIMEOUT_S = 5.0
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+"""RFC 6052's well-known prefix: the IPv4 address in the last 32 bits."""
+LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+"""RFC 8215's local-use prefix: the IPv4 address wherever its operator's prefix length puts it."""
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+"""::a.b.c.d (deprecated, still routed to the IPv4 address by some stacks); :: and ::1 among them."""
+
+
+class Unresolved(InvalidArgument):
+    """The callback URL's host does not resolve (now)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,17 +69,21 @@ class CallbackPolicy:
                 self.names.add(item.lower().rstrip("."))
 
     def allows(self, address: IPAddress) -> bool:
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
         if any(address in network for network in self.networks):
             return True
+        if isinstance(address, ipaddress.IPv6Address):
+            if address in LOCAL_NAT64:
+                return False
+            carried = embedded_ipv4(address)
+            if carried:
+                return all(self.allows(inner) for inner in carried)
         return address.is_global and not address.is_multicast
 
     def check(self, target: Target, addresses: list[str]) -> Destination:
         """The destination, connecting to the first address; refused unless every address of the
         host is one it may reach (a host on the allow-list may reach any)."""
         if not addresses:
-            raise InvalidArgument("X-Callback-Url names a host that does not resolve")
+            raise Unresolved("X-Callback-Url names a host that does not resolve")
         if target.host.lower().rstrip(".") not in self.names:
             for raw in addresses:
                 if not self.allows(ipaddress.ip_address(raw.split("%")[0])):
@@ -76,21 +93,15 @@ class CallbackPolicy:
                     )
         return Destination(target.scheme, target.host, target.port, target.target, addresses[0])
 
-    def resolve(self, url: str) -> Destination:
-        """`check` of the URL's host, resolved now. Blocks (name resolution): run it in a thread."""
-        target = parse(url)
-        return self.check(
-            target, _addresses(socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM))
-        )
-
     async def resolve_async(self, url: str) -> Destination:
+        """`check` of the URL's host, resolved now (within RESOLVE_TIMEOUT_S)."""
         target = parse(url)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(RESOLVE_TIMEOUT_S):
                 infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-        except (TimeoutError, OSError):
-            raise InvalidArgument("X-Callback-Url names a host that does not resolve") from None
+        except (TimeoutError, OSError, ValueError):  # ValueError: a name IDNA cannot encode
+            raise Unresolved("X-Callback-Url names a host that does not resolve") from None
         return self.check(target, _addresses(infos))
 
 
@@ -104,10 +115,30 @@ def parse(url: str) -> Target:
         raise InvalidArgument("X-Callback-Url must be an http(s) URL with a host")
     if parts.username is not None or parts.password is not None:
         raise InvalidArgument("X-Callback-Url must not carry credentials")
+    try:  # what name resolution would fail on later, refused now (`a..b`, a label over 63 bytes)
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise InvalidArgument("X-Callback-Url's host is not a valid host name") from None
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
+    if not target.isascii() or not target.isprintable() or " " in target:
+        raise InvalidArgument("X-Callback-Url's path must be printable ASCII (percent-encode the rest)")
     return Target(parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), target)
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address embeds or is translated to (a Teredo address: its
+    server's and its client's); none for a plain IPv6 address."""
+    if address.ipv4_mapped is not None:
+        return [address.ipv4_mapped]
+    if address.teredo is not None:
+        return list(address.teredo)
+    if address.sixtofour is not None:
+        return [address.sixtofour]
+    if address in NAT64 or address in IPV4_COMPATIBLE:
+        return [ipaddress.IPv4Address(int(address) & 0xFFFF_FFFF)]
+    return []
 
 
 def _addresses(infos: Sequence[tuple[Any, ...]]) -> list[str]:

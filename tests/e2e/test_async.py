@@ -557,6 +557,70 @@ async def test_callback_of_an_invocation_that_expired_in_the_queue(
     assert fetched.content == body
 
 
+class SlowReceiver:
+    """A receiver on loopback that reads each callback, then sends its status line one byte a
+    second (for at most a minute): it holds every attempt for as long as the sender lets it."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.ended = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        self._tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            for byte in (b"HTTP/1.1 204 No Content\r\n" + b"X: " + b"y" * 60)[:60]:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(1.0)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.ended += 1
+            writer.close()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/slow"
+        finally:
+            server.close()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await server.wait_closed()
+
+
+@pytest.mark.parametrize("callback_receiver", [0], indirect=True)
+async def test_slow_receivers_hold_only_their_own_tenants_callbacks(
+    client: httpx.AsyncClient, deployment: Deployment, callback_receiver: tuple[CallbackReceiver, str]
+) -> None:
+    """40 callbacks of one key to a receiver that trickles its answer take that key's turns at
+    every gateway; another key's callback is delivered at once, while every slow attempt is still
+    held (each ends at its deadline, 10 s). Before, 16 such receivers held every callback of the
+    gateway, for as long as they trickled."""
+    receiver, url = callback_receiver
+    slow = SlowReceiver()
+    async with (
+        slow.serving() as slow_url,
+        httpx.AsyncClient(base_url=deployment.base, timeout=30, headers=bearer(deployment.other)) as other,
+    ):
+        for _ in range(40):
+            await submit(other, "/v1/functions/echo", **{"X-Callback-Url": slow_url})
+        deadline = time.monotonic() + 30
+        while slow.accepted < 4 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        assert slow.accepted >= 4  # they hold their attempts
+        invocation_id = await submit(client, "/v1/functions/echo", **{"X-Callback-Url": url})
+        [(headers, _body)] = await calls(receiver, 1)
+        assert headers["x-fngate-invocation"] == invocation_id
+        assert slow.ended == 0, "the other key's callback waited for a slow attempt to end"
+        assert slow.accepted <= 8 * len(deployment.gateways)  # one key's turns at each gateway
+
+
 async def test_sync_served_ahead_of_an_async_backlog(
     client: httpx.AsyncClient, deployment: Deployment
 ) -> None:
