@@ -109,7 +109,13 @@ class GatewaySettings(_Settings):
     address is refused, and so is a name that resolves to one."""
     result_quota_bytes: Annotated[int, Field(ge=0)] = 256 * 2**20
     """What one API key's asynchronous results may hold in Redis at once (their records and
-    replies, until each expires); past it, its asynchronous submissions get 429. 0: no quota."""
+    replies, until each expires or is fetched with ?delete=true); past it, its asynchronous
+    submissions get 429. 0: no quota of bytes."""
+    result_memory_share: Annotated[float, Field(ge=0, le=1)] = 0.25
+    """The share of the memory from which Redis refuses asynchronous submissions to everyone (80%
+    of its maxmemory) that one API key's results may hold: a key's quota is the smaller of this and
+    result_quota_bytes, so that no key's results lock the others out. 0: no share; no effect
+    on a Redis without maxmemory."""
     # The metrics port (gateway/http/metrics_port.py): Prometheus scrapes it without a key.
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 8002
     """GET /metrics without an API key, with Triton's nv_* names beside fngate's (Triton's port);

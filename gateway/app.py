@@ -86,7 +86,15 @@ async def serving(
     separate = _separate_cache(settings)
     limiter = Limiter(settings.in_flight_ttl_s, pipelined) if settings.auth else None
     dispatcher = Dispatcher(
-        pipelined, replies, catalog, limiter, separate, activator, health, settings.result_quota_bytes
+        pipelined,
+        replies,
+        catalog,
+        limiter,
+        separate,
+        activator,
+        health,
+        settings.result_quota_bytes,
+        settings.result_memory_share,
     )
     destinations = CallbackPolicy(settings.callback_allow)
     callbacks = CallbackSender(
@@ -98,7 +106,13 @@ async def serving(
         settings.reply_block_ms,
         destinations,
     )
-    asyncs = AsyncInvocations(pipelined, settings.redis_url, settings.redis_timeout_s, catalog)
+    asyncs = AsyncInvocations(
+        pipelined,
+        settings.redis_url,
+        settings.redis_timeout_s,
+        catalog,
+        quotas=bool(settings.result_quota_bytes or settings.result_memory_share),
+    )
     services = Services(
         settings,
         catalog,

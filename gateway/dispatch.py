@@ -72,9 +72,11 @@ class Dispatcher:
         activator: Activator | None = None,
         health: Health | None = None,
         result_quota_bytes: int = 0,
+        result_memory_share: float = 0.0,
     ) -> None:
         self._replies = replies
         self._result_quota_bytes = result_quota_bytes
+        self._result_memory_share = result_memory_share
         self._catalog = catalog
         self._limiter = limiter
         self._health = health
@@ -233,9 +235,11 @@ class Dispatcher:
 
     def _quota(self, call: Call) -> queue.ResultQuota | None:
         """The result bytes the caller's key may hold (with auth off, every caller is one key)."""
-        if not self._result_quota_bytes:
+        if not self._result_quota_bytes and not self._result_memory_share:
             return None
-        return queue.ResultQuota(keys.result_quota(call.principal.key_id), self._result_quota_bytes)
+        return queue.ResultQuota(
+            keys.result_quota(call.principal.key_id), self._result_quota_bytes, self._result_memory_share
+        )
 
     def wake(self, entries: Entries) -> None:
         """Queued: wake each of its pools that has no runner."""

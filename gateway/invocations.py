@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from fngate import clients, keys, queue
 from fngate.errors import FunctionNotFound, InvalidArgument, Unavailable
 from fngate.fastredis import FastRedis, Script
+from fngate.queue import slots
 from gateway.auth import ADMIN, INVOKE, Principal
 from gateway.catalog import Catalog
 from gateway.slots import SlotSteps
@@ -80,10 +81,22 @@ class IdempotencyKeyReused(InvalidArgument):
 class AsyncInvocations:
     """Reads, waits on and cancels asynchronous invocations."""
 
-    def __init__(self, scripts: FastRedis, redis_url: str, redis_timeout_s: float, catalog: Catalog) -> None:
+    def __init__(
+        self,
+        scripts: FastRedis,
+        redis_url: str,
+        redis_timeout_s: float,
+        catalog: Catalog,
+        quotas: bool = False,
+    ) -> None:
+        """`quotas`: results are charged to their keys' quotas (result_quota_bytes or
+        result_memory_share), and a dropped one is freed from its key's."""
         self.catalog = catalog
         self._read = Script(scripts, queue.READ_RESULT)
         self._cancel = Script(scripts, queue.CANCEL)
+        self._drop = Script(scripts, queue.DROP_RESULT)
+        self._uncharge = Script(scripts, slots.UNCHARGE)
+        self._quotas = quotas
         self._slots = SlotSteps(scripts) if scripts.cluster else None
         """A Redis Cluster's: a pipeline's first steps cancelled slot by slot (gateway.slots)."""
         # Long-polls block their connection: a pool of their own, apart from the invocations'.
@@ -130,6 +143,23 @@ class AsyncInvocations:
         if outcome == "gone":
             raise _not_found(invocation_id)
         return outcome
+
+    async def drop(self, invocation_id: str, result: queue.Result) -> None:
+        """Drop a result its caller has read (no longer pending), before its TTL: its bytes are
+        freed from its key's quota; a callback not yet sent is not sent; its Idempotency-Key is
+        free again."""
+        result_key = keys.result(invocation_id)
+        key_id = AsyncInvocation.decode(result.record).key_id
+        quota = keys.result_quota(key_id) if self._quotas else ""
+        try:
+            if self._slots is None:
+                await self._drop([result_key, quota], [])
+                return
+            owed = await self._drop([result_key, ""], [])  # the quota is in the key's slot
+            if owed and quota:
+                await self._uncharge([quota], [int(owed[0]), int(owed[1])])
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the queue is unavailable: {exc}") from exc
 
     async def _read_once(self, invocation_id: str, principal: Principal) -> queue.Result:
         if not _is_id(invocation_id):

@@ -53,8 +53,9 @@ def refusal(principal: Principal, function: str, verdict: str, retry_after_ms: i
         )
     elif verdict == "quota":
         message = (
-            f"{who} holds as many bytes of asynchronous results as it may (result_quota_bytes); "
-            f"they free as they expire: retry in {retry_after_s} s"
+            f"{who} holds as many bytes of asynchronous results as it may (result_quota_bytes, "
+            "or its result_memory_share of what Redis may hold); they free as they expire or are "
+            f"fetched with ?delete=true: retry in {retry_after_s} s"
         )
     elif verdict == "share":
         message = (

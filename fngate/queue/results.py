@@ -27,7 +27,7 @@ from fngate.queue.invocations import (
     queue_bytes,
     waiters,
 )
-from fngate.queue.stored import PACKED_LUA, STORE_RESULT_LUA, Charge, parse_charges
+from fngate.queue.stored import PACKED_LUA, QUOTA_LUA, STORE_RESULT_LUA, Charge, parse_charges
 
 # --- Asynchronous invocations -------------------------------------------------------------------
 # An asynchronous invocation waits in its function's stream of priority level keys.ASYNC and
@@ -51,16 +51,26 @@ ASYNC_MEMORY_RATIO = 0.8
 """From this share of Redis's maxmemory on, asynchronous submissions are refused (503): what they
 would keep must not crowd out what the queue needs (noeviction: past maxmemory writes fail)."""
 
-# pressure(ratio) -> nil | {used, maxmemory}: Redis's memory past `ratio` (in thousandths) of its
-# maxmemory (none set: never).
+# memory() -> used, maxmemory (nil where INFO does not say; 0: none set).
+# pressure(ratio, used, limit) -> nil | {used, maxmemory}: Redis's memory past `ratio` (in
+# thousandths) of its maxmemory (none set: never).
+# key_limit(max_bytes, ratio, share, limit) -> the bytes one key's results may hold: the smaller of
+# `max_bytes` (0: no limit of its own, math.huge) and `share` (in thousandths) of the memory from
+# which submissions are refused (`ratio` of maxmemory `limit`; no maxmemory: no share).
 PRESSURE_LUA = """
-local function pressure(ratio)
-  if ratio <= 0 then return nil end
+local function memory()
   local info = redis.call('INFO', 'memory')
-  local used = tonumber(string.match(info, 'used_memory:(%d+)'))
-  local limit = tonumber(string.match(info, 'maxmemory:(%d+)'))
+  return tonumber(string.match(info, 'used_memory:(%d+)')), tonumber(string.match(info, 'maxmemory:(%d+)'))
+end
+local function pressure(ratio, used, limit)
+  if ratio <= 0 then return nil end
   if used and limit and limit > 0 and used * 1000 >= limit * ratio then return {used, limit} end
   return nil
+end
+local function key_limit(max_bytes, ratio, share, limit)
+  local bytes = max_bytes > 0 and max_bytes or math.huge
+  if ratio <= 0 or share <= 0 or not limit or limit <= 0 then return bytes end
+  return math.min(bytes, math.floor(limit * ratio / 1000 * share / 1000))
 end
 """
 
@@ -75,8 +85,10 @@ end
 # quota's bytes, the share of maxmemory (in thousandths, 0: off) from which submissions are refused
 # ({'pressure', used, maxmemory}), the key's quota in another slot ('' for none: a Redis Cluster's,
 # which the caller checked, and whoever stores the result charges), and the number of first steps
-# the caller queues on other slots after this script (a Redis Cluster's; 0 for none); a key that
-# holds its quota is refused {'limited', 'quota', retry_after_ms}, before anything is queued. The
+# the caller queues on other slots after this script (a Redis Cluster's; 0 for none), and the share
+# (in thousandths) of the memory from which submissions are refused that one key's results may hold
+# (0: none, the quota's bytes alone); a key that holds its quota (the smaller of the two) is
+# refused {'limited', 'quota', retry_after_ms}, before anything is queued. The
 # idempotency key holds the first invocation's id and its request's digest: a repeat answers that
 # id while its result is kept ('again'), or 'conflict' when the request differs; once the result
 # expired the key is free again.
@@ -86,7 +98,7 @@ end
 # An asynchronous pipeline (fngate.plan) queues its first steps: ARGV[19] is the first entry's step
 # context (STEP; '' for a function's own invocation), and each further first step adds its stream
 # and byte counter to KEYS after the tenth (all streams, then all counters) and a group of
-# FORWARD's five arguments to ARGV after the twenty-third. All are queued or none ({'full', limit,
+# FORWARD's five arguments to ARGV after the twenty-fourth. All are queued or none ({'full', limit,
 # index of the entry refused}); the result stream's first entry names them all, space-separated
 # (`q`, `e`), for READ_RESULT and CANCEL.
 SUBMIT_ASYNC = (
@@ -106,12 +118,17 @@ if given(KEYS[4]) then
     return {'again', id}
   end
 end
-local tight = pressure(tonumber(ARGV[21]))
+local ratio = tonumber(ARGV[21])
+local used, limit = nil, nil
+if ratio > 0 then used, limit = memory() end
+local tight = pressure(ratio, used, limit)
 if tight then return {'pressure', tight[1], tight[2]} end
 local quota = given(KEYS[10]) and KEYS[10] or ''
 if quota ~= '' then
   local bytes, wait = held(quota, now_ms())
-  if bytes >= tonumber(ARGV[20]) then return {'limited', 'quota', math.max(1000, wait)} end
+  if bytes >= key_limit(tonumber(ARGV[20]), ratio, tonumber(ARGV[24]), limit) then
+    return {'limited', 'quota', math.max(1000, wait)}
+  end
 end
 if given(KEYS[6]) then
   local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
@@ -143,14 +160,14 @@ local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 if limit then return {'full', limit, 0} end
 local more = (#KEYS - 10) / 2
 for i = 1, more do
-  local at = 24 + (i - 1) * 5
+  local at = 25 + (i - 1) * 5
   limit = full(KEYS[10 + i], KEYS[10 + more + i], ARGV[at], ARGV[at + 1])
   if limit then return {'full', limit, i} end
 end
 local entry = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[19])
 local streams, entries = KEYS[1], entry
 for i = 1, more do
-  local at = 24 + (i - 1) * 5
+  local at = 25 + (i - 1) * 5
   local stream = KEYS[10 + i]
   streams = streams .. ' ' .. stream
   entries = entries .. ' ' .. push(stream, KEYS[10 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
@@ -288,6 +305,33 @@ return 0
 )
 
 
+# KEYS[1]: the result stream, KEYS[2]: its key's result quota ('' for none, or for one in another
+# slot). Drops a result that is no longer pending, early: its stream and the result kept beside it,
+# whose bytes are freed from the quota. Answers {bytes, ms it had left} for a quota in another slot
+# to free (fngate.queue.slots.UNCHARGE), or {} (nothing was stored, or its quota was given).
+DROP_RESULT = (
+    GIVEN_LUA
+    + QUOTA_LUA
+    + PACKED_LUA
+    + """
+local stored = KEYS[1] .. ':done'
+local value = redis.call('GET', stored)
+local owed = {}
+if value then
+  local parts = unpacked(value)
+  local size = #(parts[1] or '') + #(parts[2] or '') + #(parts[3] or '')
+  local left = redis.call('PTTL', stored)
+  redis.call('DEL', stored)
+  if left > 0 then
+    if given(KEYS[2]) then uncharge(KEYS[2], size, left) else owed = {size, left} end
+  end
+end
+redis.call('DEL', KEYS[1])
+return owed
+"""
+)
+
+
 def callback_marker(result_stream: str) -> str:
     """The in-flight marker of an asynchronous invocation with a callback URL: its waiters list
     names the callbacks stream, so that FINISH copies the reply there (see SUBMIT_ASYNC)."""
@@ -323,7 +367,7 @@ def submit_async_call(
     must match (no spaces); `lookup`: the cache entry to answer from ('' for none), or `cached`:
     the cached reply's fields the caller already found. For a pipeline, `step` is the first
     entry's step context and `more` the entries of its other first steps. `quota`: the result
-    bytes the submitting key may hold (None: no limit); `memory_ratio`: the share of Redis's
+    bytes the submitting key may hold (None: no limit, nor charge); `memory_ratio`: the share of Redis's
     maxmemory from which submissions are refused (0: never). On a Redis Cluster, `quota_elsewhere`
     names the key's quota that the caller checked and whoever stores the result charges, and
     `others` counts the pipeline's first steps the caller queues on other slots afterwards."""
@@ -363,6 +407,7 @@ def submit_async_call(
             round(memory_ratio * 1000),
             quota_elsewhere,
             others,
+            round(quota.memory_share * 1000) if quota else 0,
             *forward_args(more),
         ],
     )
@@ -370,11 +415,16 @@ def submit_async_call(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResultQuota:
-    """What one API key's asynchronous results may hold in Redis, in bytes (records and replies)."""
+    """What one API key's asynchronous results may hold in Redis, in bytes (records and replies):
+    the smaller of `max_bytes` and `memory_share` of the memory from which asynchronous submissions
+    are refused (ASYNC_MEMORY_RATIO of maxmemory), so that no key's results lock the others out."""
 
     key: str
     """The quota's hash (keys.result_quota)."""
     max_bytes: int
+    """0: no limit of its own (the share alone)."""
+    memory_share: float = 0.0
+    """0: no share (max_bytes alone)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,7 +14,13 @@ from typing import Any
 
 from fngate import keys
 from fngate.queue.invocations import BODY, HEADER, UNQUEUE_LUA, Forward, Outgoing, ScriptCall, Waiter
-from fngate.queue.results import QUEUED_ENTRIES_LUA, SETTLED_LUA, ResultQuota
+from fngate.queue.results import (
+    ASYNC_MEMORY_RATIO,
+    PRESSURE_LUA,
+    QUEUED_ENTRIES_LUA,
+    SETTLED_LUA,
+    ResultQuota,
+)
 from fngate.queue.steps import forward_call
 from fngate.queue.stored import PACKED_LUA, QUOTA_LUA, STORE_RESULT_LUA, Charge, parse_charges
 
@@ -47,14 +53,20 @@ return owed
 )
 
 # KEYS[1]: an API key's result quota (keys.result_quota), in another slot than the results it
-# counts. ARGV[1]: the bytes the key may hold. Checked before SUBMIT_ASYNC, as it checks the quota
-# on one Redis: answers 0 while the key holds less, else the ms until some of it is freed (at least
-# 1000), SUBMIT_ASYNC's {'limited', 'quota', retry_after_ms}.
+# counts. ARGV: the bytes the key may hold (0: no limit of its own), the share of maxmemory (in
+# thousandths) from which submissions are refused, and the key's share of that (in thousandths; 0:
+# none), read on the quota's node. Checked before SUBMIT_ASYNC, as it checks the quota on one Redis:
+# answers 0 while the key holds less, else the ms until some of it is freed (at least 1000),
+# SUBMIT_ASYNC's {'limited', 'quota', retry_after_ms}.
 QUOTA = (
     QUOTA_LUA
+    + PRESSURE_LUA
     + """
+local ratio, share = tonumber(ARGV[2]), tonumber(ARGV[3])
+local limit = nil
+if ratio > 0 and share > 0 then limit = select(2, memory()) end
 local bytes, wait = held(KEYS[1], now_ms())
-if bytes >= tonumber(ARGV[1]) then return math.max(1000, wait) end
+if bytes >= key_limit(tonumber(ARGV[1]), ratio, share, limit) then return math.max(1000, wait) end
 return 0
 """
 )
@@ -66,6 +78,16 @@ CHARGE = (
     QUOTA_LUA
     + """
 for at = 1, #ARGV, 2 do charge(KEYS[1], tonumber(ARGV[at]), tonumber(ARGV[at + 1])) end
+return 1
+"""
+)
+
+# KEYS[1]: an API key's result quota. ARGV: the bytes of a result dropped early (DROP_RESULT's
+# answer on the result's slot) and the ms it had left: freed as one Redis frees them.
+UNCHARGE = (
+    QUOTA_LUA
+    + """
+uncharge(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
 return 1
 """
 )
@@ -285,9 +307,11 @@ def claim_call(idempotency_key: str, holds: str, ttl_ms: int, seen: str) -> Scri
     return ScriptCall([idempotency_key], [holds, max(ttl_ms, 1), seen])
 
 
-def quota_call(quota: ResultQuota) -> ScriptCall:
+def quota_call(quota: ResultQuota, memory_ratio: float = ASYNC_MEMORY_RATIO) -> ScriptCall:
     """QUOTA's arguments."""
-    return ScriptCall([quota.key], [quota.max_bytes])
+    return ScriptCall(
+        [quota.key], [quota.max_bytes, round(memory_ratio * 1000), round(quota.memory_share * 1000)]
+    )
 
 
 def charge_calls(charges: Sequence[Charge]) -> list[ScriptCall]:

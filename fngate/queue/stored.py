@@ -16,6 +16,8 @@ BELL_MS = 5000
 still finds the reply's entry (one that comes later blocks on nothing, then reads the result)."""
 
 # charge(quota, size, ttl_ms): `size` bytes held by `quota`'s key until ttl_ms from now.
+# uncharge(quota, size, ttl_ms): `size` bytes it was charged until ttl_ms from now, freed now (a
+# result dropped early); never below what its minute holds.
 # held(quota, now_ms) -> bytes, ms until some are freed: what the key holds now (expired minutes
 # dropped first). A quota is a hash (minute -> bytes, and 'total') and a sorted set of its minutes
 # (`quota:at`), both kept as long as its last minute.
@@ -34,6 +36,17 @@ local function charge(quota, size, ttl_ms)
   if redis.call('PTTL', quota) < keep then
     redis.call('PEXPIRE', quota, keep)
     redis.call('PEXPIRE', quota .. ':at', keep)
+  end
+end
+local function uncharge(quota, size, ttl_ms)  -- `size` bytes charged to expire ttl_ms from now, freed
+  local minute = math.ceil((now_ms() + ttl_ms) / 60000)
+  for m = minute - 1, minute + 1 do  -- its minute, or one beside it (a charge made a moment apart)
+    local take = math.min(size, tonumber(redis.call('HGET', quota, m) or '0'))
+    if take > 0 then
+      redis.call('HINCRBY', quota, m, -take)
+      redis.call('HINCRBY', quota, 'total', -take)
+      size = size - take
+    end
   end
 end
 local function held(quota, now)  -- a key's bytes count until the end of the minute they expire in

@@ -115,14 +115,27 @@ def _wait_s(request: Request) -> float:
     return wait_s
 
 
+def _delete(request: Request) -> bool:
+    raw = request.query_params.get("delete", "false")
+    if raw not in ("true", "false"):
+        raise InvalidArgument(f"delete must be true or false, not {raw[:32]!r}")
+    return raw == "true"
+
+
 async def get_invocation(request: Request) -> Response:
+    """The result; with ?delete=true, a result that is no longer pending is dropped once read (its
+    bytes leave its key's quota at once, rather than at its result_ttl_s)."""
     service = _service(request)
-    result = await service.read(request.path_params["id"], _principal(request), _wait_s(request))
+    delete = _delete(request)
+    invocation_id = request.path_params["id"]
+    result = await service.read(invocation_id, _principal(request), _wait_s(request))
     if request.query_params.get("view") == "state":
         return json_response(state_document(result))
     status, headers, content = render(result, service.catalog)
     if status == 202:
         headers["retry-after"] = "1"
+    elif delete:
+        await service.drop(invocation_id, result)
     media = headers.pop("content-type", "application/json")
     return Response(content, status, headers, media_type=media)
 

@@ -197,6 +197,7 @@ def deployment(
     _function(repo, "dormant", IDENTITY)
     _function(repo, "resting", IDENTITY)
     _function(repo, "unheard", IDENTITY)
+    _function(repo, "kept", IDENTITY)  # no runner: what is submitted stays pending
     _pipeline(repo, "chain", {"first": "echo request.x", "second": "echo first.y"}, {"y": "second.y"})
     _pipeline(
         repo,
@@ -424,6 +425,38 @@ async def test_a_result_is_kept_its_ttl_after_it_is_done(client: httpx.AsyncClie
         assert time.monotonic() < deadline, "the result outlived its result_ttl_s"
         await asyncio.sleep(0.2)
     assert response.status_code == 404
+
+
+@on_cluster_too
+async def test_a_result_fetched_with_delete_is_dropped(
+    client: httpx.AsyncClient, deployment: Deployment
+) -> None:
+    """GET ?delete=true answers the result, then it is gone (404), and its bytes leave the key's
+    quota at once; a pending one is answered 202 and kept; a foreign key drops nothing."""
+    pending = await submit(client, "/v1/functions/kept")
+    response = await client.get(f"/v1/invocations/{pending}", params={"delete": "true"})
+    assert response.status_code == 202
+    assert (await client.get(f"/v1/invocations/{pending}")).status_code == 202
+    assert (await client.get(f"/v1/invocations/{pending}", params={"delete": "yes"})).status_code == 400
+
+    invocation_id = await submit(client, "/v1/functions/echo")
+    assert (await result(client, invocation_id)).status_code == 200
+    redis = clients.connect_sync(deployment.redis_url)
+    try:
+        quota = keys.result_quota(apikeys.key_id(deployment.user) or "")
+        charged = int(redis.hget(quota, "total") or 0)
+        assert charged > 0
+        foreign = await client.get(
+            f"/v1/invocations/{invocation_id}", params={"delete": "true"}, headers=bearer(deployment.other)
+        )
+        assert foreign.status_code == 404
+        fetched = await client.get(f"/v1/invocations/{invocation_id}", params={"delete": "true"})
+        assert fetched.status_code == 200
+        assert fetched.json()["outputs"]["y"] == [[1.0, 2.0]]
+        assert (await client.get(f"/v1/invocations/{invocation_id}")).status_code == 404
+        assert int(redis.hget(quota, "total") or 0) < charged
+    finally:
+        redis.close()
 
 
 @on_cluster_too

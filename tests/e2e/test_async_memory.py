@@ -44,7 +44,7 @@ async def test_a_key_past_its_result_quota_gets_429_and_loses_no_result(
     assert refused.status_code == 429, refused.text
     assert refused.json()["code"] == "rate_limited"
     assert (
-        "holds as many bytes of asynchronous results as it may (result_quota_bytes)"
+        "holds as many bytes of asynchronous results as it may (result_quota_bytes"
         in (refused.json()["error"])
     )
     assert int(refused.headers["retry-after"]) >= 1

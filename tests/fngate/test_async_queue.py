@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from fngate import keys, queue
 from fngate.fastredis import FastRedis, Script
+from fngate.queue import slots
 
 FIELDS = {queue.HEADER: b"h" * 10, queue.BODY: b"b" * 10}
 
@@ -54,8 +56,8 @@ def test_submit_async_call_plain() -> None:
     assert call.args[7:9] == ["", ""]
     assert call.keys[8:] == ["", ""]  # no cache lookup, no result quota
     # a done TTL of at least 1 ms, no cached answer, no step, no quota, refused from 80% of maxmemory,
-    # no quota in another slot and no first steps queued on others (a Redis Cluster's)
-    assert call.args[15:] == [1, "", "", b"", 0, 800, "", 0]
+    # no quota in another slot and no first steps queued on others (a Redis Cluster's), no share
+    assert call.args[15:] == [1, "", "", b"", 0, 800, "", 0, 0]
 
 
 @pytest.mark.parametrize(("result_stream", "digest"), [(keys.result("other"), ""), (keys.result("i"), "a b")])
@@ -231,9 +233,9 @@ def test_submit_async_call_of_a_pipelines_first_steps() -> None:
         "q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10, step=b"ctx", more=[other]
     )
     assert call.keys[10:] == ["q2", "q2:bytes"]
-    assert call.args[18:] == [b"ctx", 0, 800, "", 0, 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
+    assert call.args[18:] == [b"ctx", 0, 800, "", 0, 0, 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
     plain = queue.submit_async_call("q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10)
-    assert len(plain.keys) == 10 and len(plain.args) == 23
+    assert len(plain.keys) == 10 and len(plain.args) == 24
 
 
 async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_url: str) -> None:
@@ -354,6 +356,69 @@ async def test_a_key_over_its_result_quota_is_refused_until_its_results_expire(r
             await client.execute("ZADD", quota.key + ":at", 60_000, field)
     assert await submitted_and_done(client, "4" * 32, 10, quota=quota) == queue.Queued()
     assert int(await client.execute("HGET", quota.key, "total")) == 2 + 100 + 10
+    await client.aclose()
+
+
+async def test_one_keys_results_hold_at_most_their_share_and_others_still_submit(
+    extra_redis: Callable[..., tuple[Any, str]],
+) -> None:
+    """A key whose quota of bytes (256 MiB) is far above what Redis may hold (8 MiB) holds at most
+    its share (a quarter) of the memory from which submissions are refused: past it, that key is
+    refused 'quota', and another key still submits, well before the pressure that would refuse
+    every key. QUOTA (a Redis Cluster's check on the key's slot) answers the same."""
+    _process, url = extra_redis("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")
+    client = FastRedis(url)
+    greedy = queue.ResultQuota(keys.result_quota("greedy"), 256 * 2**20, memory_share=0.25)
+    outcomes = []
+    for index in range(40):  # 256 KiB a result: the share (1.6 MiB) is passed in 7
+        outcomes.append(await submitted_and_done(client, f"{index:032x}", 2**18, quota=greedy))
+        if outcomes[-1] != queue.Queued():
+            break
+    refused = outcomes[-1]
+    assert isinstance(refused, queue.Limited) and refused.limit == "quota", outcomes
+    assert 5 <= len(outcomes) <= 9
+    held = int(await client.execute("HGET", greedy.key, "total"))
+    assert 0.25 * 0.8 * 8 * 2**20 <= held < 0.25 * 0.8 * 8 * 2**20 + 2**18 + 200
+    other = queue.ResultQuota(keys.result_quota("other"), 256 * 2**20, memory_share=0.25)
+    assert await submitted_and_done(client, "f" * 32, 2**18, quota=other) == queue.Queued()
+    check = Script(client, slots.QUOTA)
+    assert await check(*_call(slots.quota_call(greedy))) >= 1000
+    assert await check(*_call(slots.quota_call(other))) == 0
+    no_share = dataclasses.replace(greedy, memory_share=0.0)  # the quota's bytes alone
+    assert await check(*_call(slots.quota_call(no_share))) == 0
+    await client.aclose()
+
+
+def _call(call: queue.ScriptCall) -> tuple[list[str], list[Any]]:
+    return call.keys, list(call.args)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+async def test_a_dropped_result_is_gone_and_freed_from_its_quota(redis_url: str, elsewhere: bool) -> None:
+    """DROP_RESULT removes the result and frees its bytes from its key's quota at once, on one
+    Redis or (`elsewhere`: the quota in another slot) through UNCHARGE with what it answers; the
+    key, refused while it held its quota, submits again."""
+    client = FastRedis(redis_url)
+    await client.execute("FLUSHALL")
+    quota = queue.ResultQuota(keys.result_quota("k1"), 400)
+    assert await submitted_and_done(client, "1" * 32, 300, quota=quota) == queue.Queued()
+    refused = await submitted_and_done(client, "2" * 32, 300, quota=quota)
+    assert isinstance(refused, queue.Limited) and refused.limit == "quota"
+    assert await submitted_and_done(client, "3" * 32, 10) == queue.Queued()  # charged to no quota
+    result = keys.result("1" * 32)
+    drop = Script(client, queue.DROP_RESULT)
+    if elsewhere:
+        size, left_ms = await drop([result, ""], [])
+        assert size == 2 + 100 + 300 and 3_500_000 < left_ms <= 3_600_000
+        await Script(client, slots.UNCHARGE)([quota.key], [size, left_ms])
+    else:
+        assert await drop([result, quota.key], []) == []
+    assert int(await client.execute("HGET", quota.key, "total")) == 0
+    read = Script(client, queue.READ_RESULT)
+    assert queue.parse_result(await read([result], ["runners"])) is None
+    assert queue.parse_result(await read([keys.result("3" * 32)], ["runners"])) is not None
+    assert await drop([result, quota.key], []) == []  # dropped twice: nothing more is freed
+    assert await submitted_and_done(client, "4" * 32, 300, quota=quota) == queue.Queued()
     await client.aclose()
 
 
