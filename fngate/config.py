@@ -34,13 +34,18 @@ class GatewaySettings(_Settings):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     bind: str = ""
-    """A Hypercorn bind (`fd://3`, `unix:/path`); overrides host and port when set."""
+    """A Hypercorn bind (`fd://3`, `unix:/path`); overrides host and port when set. `fd://N` is a
+    socket already listening (a supervisor's, that outlives this process: `fngate up`'s; with
+    workers > 1, they all serve it)."""
     workers: Annotated[int, Field(ge=1)] = 1
     server: Literal["uvicorn", "hypercorn"] = "uvicorn"
     """The HTTP server: uvicorn (httptools, uvloop; the fastest on the benchmark) or Hypercorn (HTTP/2)."""
     grpc_port: Annotated[int, Field(ge=0, le=65535)] = 8001
     """The Open Inference Protocol over gRPC (GRPCInferenceService) on `host`, as Triton's 8001; 0:
     no gRPC front end."""
+    grpc_bind: str = ""
+    """`fd://N`: a socket already bound and listening for gRPC (a supervisor's, that outlives this
+    process: `fngate up`'s); overrides host and grpc_port when set."""
     grpc_reuse_port: bool = False
     """Bind the gRPC port with SO_REUSEPORT: set for the worker processes of `workers` > 1, which
     share it (the kernel spreads connections over them). Off otherwise, so that a second gateway

@@ -2,7 +2,8 @@
 
 With workers > 1 this process binds the port and supervises that many single-worker gateway
 processes serving it (each with its own reply stream and its own listening socket), restarting
-any that dies.
+any that dies. Given listening sockets (`bind` and `grpc_bind` as `fd://N`: `fngate up`'s, which
+outlive this process), its workers all serve those instead.
 """
 
 from __future__ import annotations
@@ -68,14 +69,30 @@ def _listener(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), backlog=2048, reuse_port=True)
 
 
+def inherited(bind: str) -> socket.socket | None:
+    """The listening socket an `fd://N` bind names, or None."""
+    if not bind.startswith("fd://"):
+        return None
+    return socket.socket(fileno=int(bind.removeprefix("fd://")))
+
+
 def supervise(settings: GatewaySettings) -> int:
     """Bind the port, keep `workers` gateway processes serving it, each on a listening socket of
     its own (a worker that dies is started again on its socket, where the connections that came
     meanwhile wait; one that keeps dying is started with backoff, on a new socket, and the
     connections its old one held are refused rather than left waiting), and stop them together
-    when asked."""
-    socks = listening_sockets(settings.host, settings.port, settings.workers)
+    when asked. Given a listening socket (`fd://N`), every worker serves that one, and so does
+    gRPC's (`grpc_bind`) when given."""
+    shared = inherited(settings.bind)
+    socks = (
+        [shared] * settings.workers
+        if shared
+        else listening_sockets(settings.host, settings.port, settings.workers)
+    )
     port = socks[0].getsockname()[1]
+    grpc_fds = (
+        [int(settings.grpc_bind.removeprefix("fd://"))] if settings.grpc_bind.startswith("fd://") else []
+    )
     metrics_host = settings.metrics_host or settings.host
     metrics_sock = status_port.bind(metrics_host, settings.metrics_port, "metrics")  # every worker serves it
     stopping = False
@@ -93,7 +110,7 @@ def supervise(settings: GatewaySettings) -> int:
             "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
             **os.environ,
             "FNGATE_WORKERS": "1",
-            "FNGATE_GRPC_REUSE_PORT": "true",
+            "FNGATE_GRPC_REUSE_PORT": "false" if grpc_fds else "true",
             "FNGATE_METRICS_BIND": f"fd://{metrics_sock.fileno()}" if metrics_sock else "",
             "FNGATE_METRICS_PORT": "0" if metrics_sock is None else str(settings.metrics_port),
         }
@@ -103,7 +120,7 @@ def supervise(settings: GatewaySettings) -> int:
             child = subprocess.Popen(
                 module_command("gateway"),
                 env={**env, "FNGATE_BIND": f"fd://{sock.fileno()}"},
-                pass_fds=[sock.fileno()] + ([metrics_sock.fileno()] if metrics_sock else []),
+                pass_fds=[sock.fileno(), *grpc_fds] + ([metrics_sock.fileno()] if metrics_sock else []),
                 preexec_fn=ends_with_parent(signal.SIGKILL),  # noqa: PLW1509 (a prctl only)
             )
             return child, time.monotonic()
@@ -128,7 +145,9 @@ def supervise(settings: GatewaySettings) -> int:
                 log.warning(
                     "gateway worker %d exited with %s; starting another in %.1f s", child.pid, status, delay_s
                 )
-                if delay_s:  # not waiting on a worker that may not come: the others take the port
+                if delay_s and shared:  # one socket: the other workers serve it meanwhile
+                    time.sleep(delay_s)
+                elif delay_s:  # not waiting on a worker that may not come: the others take the port
                     socks[index].close()
                     time.sleep(delay_s)
                     socks[index] = _listener(settings.host, port)
@@ -146,7 +165,7 @@ def main(settings: GatewaySettings | None = None) -> int:
     settings = settings or GatewaySettings()
     telemetry.configure("gateway", settings.log_level)
     schedule(settings.sched_batch)  # before its threads and workers start: they inherit it
-    if settings.workers > 1 and not settings.bind:
+    if settings.workers > 1 and (not settings.bind or settings.bind.startswith("fd://")):
         return supervise(settings)
     run_forever(run(settings))
     return 0

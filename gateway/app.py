@@ -144,7 +144,7 @@ async def serving(
         running = [asyncio.create_task(loop) for loop in loops]
         try:
             async with contextlib.AsyncExitStack() as front_ends:
-                if settings.grpc_port:
+                if settings.grpc_port or settings.grpc_bind:
                     await front_ends.enter_async_context(grpc_server.serving(services))
                 yield services
         finally:

@@ -2,7 +2,9 @@
 URL) that keeps its data in an append-only file in the state folder, the gateway, and the local
 scaler, which starts runner processes when work arrives and reaps them when they stop idle. A Redis
 or gateway that dies is restarted with backoff; Ctrl-C or SIGTERM stops everything in order: the
-gateway first, then the runners drain, then Redis."""
+gateway first, then the runners drain, then Redis. The gateway's HTTP and gRPC ports are listened
+on here and handed to each gateway process it starts: a gateway that dies leaves them open, and
+the connections that arrive while it restarts wait in their backlog for the next one."""
 
 from __future__ import annotations
 
@@ -217,15 +219,40 @@ def _wait_for_redis(url: str, process: subprocess.Popen[bytes], timeout_s: float
     raise LocalError(f"redis-server did not answer within {timeout_s:.0f} s")
 
 
-def _spawn(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _spawn(module: str, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     # A session of its own: Ctrl-C reaches only us, and we stop the children in order. Killed
     # with us, so that a restart finds the port free.
     return subprocess.Popen(
         module_command(module),
         env=env,
         start_new_session=True,
+        pass_fds=pass_fds,
         preexec_fn=ends_with_parent(signal.SIGKILL),  # noqa: PLW1509 (a prctl only)
     )
+
+
+BACKLOG = 2048
+"""Connections a listening port holds for the gateway: those that arrive while it restarts wait
+here (a second or two), then the new process accepts them."""
+
+
+def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A socket listening on host:port for the gateway processes to come (port 0: any free one);
+    LocalError with port_problem's message when it cannot be."""
+    try:
+        return socket.create_server((host, port), family=_family(host), backlog=BACKLOG)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise LocalError(
+            f"cannot listen on {host}:{port} ({reason}); is another fngate running? pass {flag} N"
+        ) from None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:  # a name: what it resolves to first
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -236,18 +263,22 @@ def run_local(args: argparse.Namespace) -> int:
     if getattr(args, "reload", False) and is_remote(repo):
         print(f"fngate up: --reload watches a folder; {repo} is not one", file=sys.stderr)
         return 2
-    ports = ((args.port, "--port"), (args.grpc_port, "--grpc-port"))
-    for host, port, flag in [
-        *((args.host, *item) for item in ports),
-        ("127.0.0.1", args.metrics_port, "--metrics-port"),
-    ]:
-        busy = port_problem(host, port, flag)
-        if busy:
-            print(f"fngate up: {busy}", file=sys.stderr)
-            return 2
+    busy = port_problem("127.0.0.1", args.metrics_port, "--metrics-port")
+    try:
+        # Before anything starts: a port in use stops fngate up at once, by its flag.
+        listeners = [listen(args.host, args.port)]
+        if args.grpc_port:
+            listeners.append(listen(args.host, args.grpc_port, "--grpc-port"))
+    except LocalError as exc:
+        busy = busy or str(exc)
+    if busy:
+        print(f"fngate up: {busy}", file=sys.stderr)
+        return 2
     telemetry.configure("up", args.log_level)
     try:
         with contextlib.ExitStack() as stack:
+            for listener in listeners:
+                stack.enter_context(listener)
             redis_server: Supervised | None = None
             if args.redis:
                 redis_url = args.redis
@@ -262,9 +293,10 @@ def run_local(args: argparse.Namespace) -> int:
                     lambda: start_redis(folder / "redis", *options, keep_fds=(lock,), batch=batch)[0],
                     process,
                 )
-            state = stack.enter_context(_state(args, repo, redis_url))
+            port = listeners[0].getsockname()[1]
+            state = stack.enter_context(_state(args, repo, redis_url, port))
             try:
-                return _run(args, state, redis_server)
+                return _run(args, state, redis_server, listeners)
             finally:
                 if redis_server is not None:
                     stop_processes([redis_server.process], timeout_s=10)
@@ -273,7 +305,10 @@ def run_local(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace, state: UpState, redis_server: Supervised | None) -> int:
+def _run(
+    args: argparse.Namespace, state: UpState, redis_server: Supervised | None, listeners: list[socket.socket]
+) -> int:
+    """`listeners`: the HTTP port's socket, then gRPC's when it has one."""
     env = {
         **os.environ,
         "FNGATE_REDIS_URL": state.redis_url,
@@ -286,16 +321,20 @@ def _run(args: argparse.Namespace, state: UpState, redis_server: Supervised | No
         **env,
         **_callbacks(args),
         "FNGATE_HOST": args.host,
-        "FNGATE_PORT": str(args.port),
+        "FNGATE_PORT": str(listeners[0].getsockname()[1]),
+        "FNGATE_BIND": f"fd://{listeners[0].fileno()}",
         "FNGATE_GRPC_PORT": str(args.grpc_port),
+        "FNGATE_GRPC_BIND": f"fd://{listeners[1].fileno()}" if len(listeners) > 1 else "",
         "FNGATE_WORKERS": str(args.gateway_workers),
         "FNGATE_SERVER": args.server,
         "FNGATE_METRICS_PORT": str(args.metrics_port),
         "FNGATE_METRICS_HOST": "127.0.0.1",  # no key on it: this machine only
     }
-    gateway = Supervised("the gateway", lambda: _spawn("gateway", gateway_env))
+    fds = tuple(listener.fileno() for listener in listeners)
+    gateway = Supervised("the gateway", lambda: _spawn("gateway", gateway_env, fds))
     try:
-        _banner(state, api_key, args.grpc_port, args.metrics_port)
+        grpc_port = listeners[1].getsockname()[1] if len(listeners) > 1 else 0
+        _banner(state, api_key, grpc_port, args.metrics_port)
         asyncio.run(_serve(gateway, redis_server, env, args))
         return 0
     finally:
@@ -364,11 +403,12 @@ def port_problem(host: str, port: int, flag: str = "--port") -> str:
 
 
 @contextlib.contextmanager
-def _state(args: argparse.Namespace, repo: str, redis_url: str) -> Iterator[UpState]:
+def _state(args: argparse.Namespace, repo: str, redis_url: str, port: int) -> Iterator[UpState]:
     """Leave the gateway, Redis and repository in the state folder while we run, for other commands."""
     folder = state_dir(getattr(args, "state_dir", None))
+    host = f"[{args.host}]" if ":" in args.host else args.host
     state = UpState(
-        gateway_url=f"http://{args.host}:{args.port}",
+        gateway_url=f"http://{host}:{port}",
         redis_url=redis_url,
         repo=repo if is_remote(repo) else str(Path(repo).resolve()),
         pid=os.getpid(),

@@ -1,11 +1,13 @@
 """The gRPC front end's server: gateway.grpc.transport's connections on the gateway's own event
-loop, serving GRPCInferenceService on `grpc_port` for as long as the gateway's lifespan lasts."""
+loop, serving GRPCInferenceService on `grpc_port` (or the listening socket `grpc_bind` names) for as
+long as the gateway's lifespan lasts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator
 
 from fngate.errors import Unavailable
@@ -43,19 +45,25 @@ async def serving(services: Services) -> AsyncIterator[int]:
     )
     open_ = Open()
     loop = asyncio.get_running_loop()
-    address = f"{settings.host}:{settings.grpc_port}"
+    address = settings.grpc_bind or f"{settings.host}:{settings.grpc_port}"
     try:
-        server = await loop.create_server(
-            lambda: GrpcConnection(methods, limits, open_),
-            settings.host,
-            settings.grpc_port,
-            reuse_port=settings.grpc_reuse_port or None,
-            backlog=BACKLOG,
-        )
-    except OSError as exc:  # the port is taken, or the address is not this host's
+        if settings.grpc_bind.startswith("fd://"):  # a supervisor's socket, which outlives this process
+            sock = socket.socket(fileno=int(settings.grpc_bind.removeprefix("fd://")))
+            server = await loop.create_server(
+                lambda: GrpcConnection(methods, limits, open_), sock=sock, backlog=BACKLOG
+            )
+        else:
+            server = await loop.create_server(
+                lambda: GrpcConnection(methods, limits, open_),
+                settings.host,
+                settings.grpc_port,
+                reuse_port=settings.grpc_reuse_port or None,
+                backlog=BACKLOG,
+            )
+    except (OSError, ValueError) as exc:  # the port is taken, the address not this host's, no such fd
         raise Unavailable(f"cannot serve gRPC on {address}: {exc}") from exc
-    port = server.sockets[0].getsockname()[1]
-    log.info("gRPC (GRPCInferenceService) on %s:%d", settings.host, port)
+    host, port = server.sockets[0].getsockname()[:2]
+    log.info("gRPC (GRPCInferenceService) on %s:%d", host, port)
     try:
         yield port
     finally:

@@ -6,6 +6,7 @@ and service resumes."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import os
@@ -75,12 +76,12 @@ def fngate_up(repo: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Factory: `fngate up` as a subprocess, with its state folder in tmp_path; stopped with SIGTERM."""
     started: list[Up] = []
 
-    def start(workers: int = 1, port: int = 0, **env: str) -> Up:
+    def start(workers: int = 1, port: int = 0, grpc_port: int = 0, **env: str) -> Up:
         port = port or free_port()
         state = tmp_path / "state"
         log = tmp_path / f"up-{len(started)}.log"
         command = [sys.executable, "-m", "fngate.cli.main", "up", "--repo", str(repo), "--port", str(port)]
-        command += ["--grpc-port", "0"]
+        command += ["--grpc-port", str(grpc_port)]
         command += [
             "--state-dir",
             str(state),
@@ -311,6 +312,92 @@ async def test_gateway_killed_comes_back(fngate_up: Callable[..., Any]) -> None:
     assert up.alive()
     assert up.children("gateway") not in ([], [gateway])
     assert "the gateway exited with signal SIGKILL; restarting it" in up.log.read_text()
+
+
+class Connections:
+    """Clients that each open a new connection per request, in a loop, to the HTTP port (GET
+    /v2/health/live) and to the gRPC port (the server's first SETTINGS frame): what a gateway
+    restart costs a client that connects meanwhile. Each outcome is counted: 'served', 'refused'
+    (the connection itself), or 'cut' (accepted, then lost: in flight on a process killed)."""
+
+    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+    def __init__(self, http_port: int, grpc_port: int) -> None:
+        self.ports = {"http": http_port, "grpc": grpc_port}
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.served_at: list[float] = []
+        self.longest_s = 0.0
+        """The longest a connection took to be served (one that waited out the restart)."""
+        self._stop = asyncio.Event()
+
+    async def _once(self, kind: str) -> str:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.ports[kind])
+        except ConnectionRefusedError:
+            return "refused"
+        try:
+            async with asyncio.timeout(30):
+                if kind == "http":
+                    writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+                    answer = await reader.read()
+                    return "served" if answer.startswith(b"HTTP/1.1 200") else "cut"
+                writer.write(self.PREFACE)
+                frame = await reader.readexactly(9)
+                return "served" if frame[3] == 4 else "cut"  # SETTINGS
+        except (OSError, asyncio.IncompleteReadError):
+            return "cut"
+        finally:
+            writer.close()
+
+    async def _client(self, kind: str) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            outcome = await self._once(kind)
+            self.outcomes[f"{kind} {outcome}"] += 1
+            if outcome == "served":
+                self.served_at.append(time.monotonic())
+                self.longest_s = max(self.longest_s, self.served_at[-1] - started)
+            else:
+                await asyncio.sleep(0.01)
+
+    async def run_until(self, done: Callable[[], bool], timeout_s: float) -> None:
+        clients = [asyncio.create_task(self._client(kind)) for kind in ["http"] * 6 + ["grpc"] * 2]
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        self._stop.set()
+        await asyncio.gather(*clients)
+
+
+async def test_a_gateway_killed_refuses_no_connection(fngate_up: Callable[..., Any]) -> None:
+    """fngate up holds the gateway's listening sockets: SIGKILL the gateway under a loopback load
+    of new connections (HTTP and gRPC), and none is refused while it restarts; they wait in the
+    backlog and the next gateway serves them. Only connections in flight on the killed process
+    may be cut (at most one per client)."""
+    grpc_port = free_port()
+    up = await serving(fngate_up(grpc_port=grpc_port))
+    [gateway] = up.children("gateway")
+    load = Connections(int(up.base.rsplit(":", 1)[1]), grpc_port)
+    killed: list[float] = []
+
+    async def kill_then_wait() -> None:
+        await asyncio.sleep(1.0)
+        os.kill(gateway, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    def served_again() -> bool:  # 2 s of load after the first connection the new gateway served
+        after = [at for at in load.served_at if killed and at > killed[0]]
+        return bool(after) and time.monotonic() > after[0] + 2.0
+
+    killing = asyncio.create_task(kill_then_wait())
+    await load.run_until(served_again, timeout_s=60)
+    await killing
+    print(f"\ngateway SIGKILL under new connections: {dict(load.outcomes)}; longest {load.longest_s:.2f} s")
+    assert up.children("gateway") not in ([], [gateway])  # a new gateway serves
+    assert load.outcomes["http refused"] == 0 and load.outcomes["grpc refused"] == 0, load.outcomes
+    assert load.outcomes["http cut"] + load.outcomes["grpc cut"] <= 8, load.outcomes  # in flight at the kill
+    after = [at for at in load.served_at if at > killed[0]]
+    assert len(after) > 10, load.outcomes
 
 
 async def test_a_gateway_worker_killed_is_started_again(fngate_up: Callable[..., Any]) -> None:
