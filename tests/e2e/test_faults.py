@@ -369,13 +369,15 @@ class Connections:
         await asyncio.gather(*clients)
 
 
-async def test_a_gateway_killed_refuses_no_connection(fngate_up: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_gateway_killed_refuses_no_connection(fngate_up: Callable[..., Any], workers: int) -> None:
     """fngate up holds the gateway's listening sockets: SIGKILL the gateway under a loopback load
     of new connections (HTTP and gRPC), and none is refused while it restarts; they wait in the
     backlog and the next gateway serves them. Only connections in flight on the killed process
-    may be cut (at most one per client)."""
+    may be cut (at most one per client). With 2 workers, both serve fngate up's sockets, and the
+    gateway killed is their supervisor (they end with it)."""
     grpc_port = free_port()
-    up = await serving(fngate_up(grpc_port=grpc_port))
+    up = await serving(fngate_up(workers=workers, grpc_port=grpc_port))
     [gateway] = up.children("gateway")
     load = Connections(int(up.base.rsplit(":", 1)[1]), grpc_port)
     killed: list[float] = []
