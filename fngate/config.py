@@ -77,6 +77,12 @@ class GatewaySettings(_Settings):
     max_connections: Annotated[int, Field(ge=1)] = 2048
     """Open HTTP connections per gateway process; past it, a new one is answered 503 with
     Retry-After and closed (on uvicorn; on Hypercorn, requests past it are answered so)."""
+    max_client_connections: Annotated[int, Field(ge=0)] = 1024
+    """Open HTTP connections per gateway process from one client (an IPv4 address, an IPv6 /64);
+    past it, a new one is answered 503 with Retry-After and closed, so that one client cannot
+    hold all of max_connections. 0: no limit of its own. Behind a proxy that does not keep
+    clients' addresses (an HTTP load balancer, an ingress), its connections all count as one
+    client: raise this to max_connections there."""
     redis_connections: Annotated[int, Field(ge=2)] = 256
     """Connections to the queue's Redis per gateway process; invocations wait for one when all are busy."""
     reply_block_ms: Annotated[int, Field(ge=1, le=10_000)] = 1000

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import math
 import socket
@@ -40,7 +41,12 @@ async def serve_hypercorn(app: Any, settings: GatewaySettings, stopping: asyncio
     config.h2_max_header_list_size = settings.max_header_bytes
     config.graceful_timeout = 10
     _limit_connections()
-    connections = _Connections(settings.max_connections, too_many_connections(settings))
+    connections = _Connections(
+        settings.max_connections,
+        too_many_connections(settings),
+        ClientConnections(settings.max_client_connections),
+        too_many_client_connections(settings),
+    )
     config.fngate_connections = connections  # type: ignore[attr-defined]
     await serve(_AnswerThenDrain(app), config, shutdown_trigger=stopping.wait)
 
@@ -51,7 +57,57 @@ class _Connections:
 
     limit: int
     refusal: bytes
+    clients: ClientConnections
+    client_refusal: bytes
     open: int = 0
+
+
+class ClientConnections:
+    """The open connections of one server by client (an IPv4 address, or an IPv6 /64: what one
+    host holds), and the most one client may hold (0: no limit of its own)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def admit(self, peer: Any) -> str | None:
+        """The client of a new connection (its peername), counted; None when it holds its limit
+        (or has no address to count by: a unix socket's, counted as admitted with ''). Release
+        what this returns when the connection ends."""
+        client = client_of(peer)
+        if not self.limit or not client:
+            return ""
+        held = self._open.get(client, 0)
+        if held >= self.limit:
+            return None
+        self._open[client] = held + 1
+        return client
+
+    def release(self, client: str) -> None:
+        if not client:
+            return
+        held = self._open.get(client, 0) - 1
+        if held > 0:
+            self._open[client] = held
+        else:
+            self._open.pop(client, None)
+
+
+def client_of(peer: Any) -> str:
+    """What a connection from `peer` (a socket's peername) counts against: its IPv4 address, or
+    its IPv6 address's /64 (a host has a /64 of them); '' for none."""
+    if not isinstance(peer, tuple) or not peer:
+        return ""
+    address = str(peer[0]).partition("%")[0]
+    if ":" not in address:
+        return address
+    try:
+        ipv6 = ipaddress.IPv6Address(address)
+    except ValueError:
+        return address
+    if ipv6.ipv4_mapped is not None:  # a dual-stack socket's IPv4 client
+        return str(ipv6.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ipv6, 64), strict=False))
 
 
 def _limit_connections() -> None:
@@ -70,17 +126,23 @@ def _limit_connections() -> None:
         app: Any, loop: Any, config: Any, context: Any, state: Any, reader: asyncio.StreamReader, writer: Any
     ) -> None:
         connections: _Connections | None = getattr(config, "fngate_connections", None)
-        if connections is None or connections.open < connections.limit:
-            if connections is not None:
-                connections.open += 1
+        if connections is None:
+            await serve_connection(app, loop, config, context, state, reader, writer)
+            return
+        client = connections.clients.admit(writer.get_extra_info("peername"))
+        if connections.open < connections.limit and client is not None:
+            connections.open += 1
             try:
                 await serve_connection(app, loop, config, context, state, reader, writer)
             finally:
-                if connections is not None:
-                    connections.open -= 1
+                connections.open -= 1
+                connections.clients.release(client)
             return
+        if client is not None:
+            connections.clients.release(client)
+        refusal = connections.client_refusal if client is None else connections.refusal
         with contextlib.suppress(OSError, TimeoutError):
-            writer.write(connections.refusal)
+            writer.write(refusal)
             writer.write_eof()
             async with asyncio.timeout(LINGER_S):
                 while await reader.read(65536):
@@ -224,6 +286,16 @@ def too_many_connections(settings: GatewaySettings) -> bytes:
     return refusal(503, "this gateway process has too many connections open", settings.retry_after_s)
 
 
+def too_many_client_connections(settings: GatewaySettings) -> bytes:
+    """The refusal of a connection past max_client_connections (both servers)."""
+    return refusal(
+        503,
+        f"this gateway process has {settings.max_client_connections} connections open from your "
+        "address (max_client_connections)",
+        settings.retry_after_s,
+    )
+
+
 def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol, with limits on a request's head: how long it may take (from
     the connection, or the previous response, to the end of the headers: uvicorn has none of its
@@ -241,6 +313,8 @@ def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type
     max_head_bytes, max_headers = settings.max_header_bytes, settings.max_headers
     too_large = refusal(431, f"the request head is over {max_head_bytes} bytes or {max_headers} headers")
     too_many = too_many_connections(settings)
+    too_many_from_client = too_many_client_connections(settings)
+    clients = ClientConnections(settings.max_client_connections)
 
     class HeadTimeoutProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
@@ -250,6 +324,7 @@ def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type
         _header_count = 0
         _head_refused = False
         _discarding: asyncio.TimerHandle | None = None
+        _client: str | None = None
 
         def data_received(self, data: bytes) -> None:
             if self._discarding is not None:
@@ -341,6 +416,10 @@ def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type
             if len(self.connections) > settings.max_connections:
                 self._refuse(too_many)
                 return
+            self._client = clients.admit(transport.get_extra_info("peername"))
+            if self._client is None:
+                self._refuse(too_many_from_client)
+                return
             self._arm()
 
         def on_headers_complete(self) -> None:
@@ -359,6 +438,9 @@ def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._client is not None:
+                clients.release(self._client)
+                self._client = None
             if self._discarding is not None:
                 self._discarding.cancel()
             super().connection_lost(exc)

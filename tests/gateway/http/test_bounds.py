@@ -441,6 +441,54 @@ async def test_large_heads_many_headers_too_many_connections_and_decodes_are_ref
         writer.close()
 
 
+@pytest.mark.parametrize("server", SERVERS)
+async def test_one_client_holds_at_most_its_share_of_the_connections(
+    gateway_with_pid: Callable[..., Any], server: str
+) -> None:
+    """One client (127.0.0.3) holding 4 connections with half-sent request heads holds all it may
+    (max_client_connections 4 of max_connections 16): its fifth is answered 503 and closed, while
+    another client (127.0.0.2) is served; once it lets one go, it is served again. (Not 127.0.0.1:
+    Hypercorn counts the connection wait_http closed until its keep-alive timeout.)"""
+    base, _process = gateway_with_pid(
+        FNGATE_SERVER=server, FNGATE_MAX_CONNECTIONS="16", FNGATE_MAX_CLIENT_CONNECTIONS="4"
+    )
+    await wait_http(base)
+    host, port = base.removeprefix("http://").split(":")
+    request = b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n"
+
+    async def answer_from(source: str) -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        try:
+            writer.write(request)
+            async with asyncio.timeout(20):
+                return await reader.read()
+        finally:
+            writer.close()
+
+    held = []
+    try:
+        for _ in range(4):
+            _reader, writer = await asyncio.open_connection(host, int(port), local_addr=("127.0.0.3", 0))
+            writer.write(b"POST /v2/models/classifier/infer HTTP/1.1\r\nhost: te")
+            await writer.drain()
+            held.append(writer)
+        await asyncio.sleep(0.2)
+        refused = await answer_from("127.0.0.3")
+        assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
+        assert b"max_client_connections" in refused
+        assert (await answer_from("127.0.0.2")).startswith(b"HTTP/1.1 200")
+        held.pop().close()
+        for _ in range(50):  # once the server has seen it go (Hypercorn ends a connection a moment later)
+            await asyncio.sleep(0.1)
+            again = await answer_from("127.0.0.3")
+            if again.startswith(b"HTTP/1.1 200"):
+                break
+        assert again.startswith(b"HTTP/1.1 200"), again[:200]
+    finally:
+        for writer in held:
+            writer.close()
+
+
 async def test_long_names_are_cut_in_errors_and_an_invalid_one_is_400_on_deploy(
     serve_gateway: Callable[..., Any],
 ) -> None:
