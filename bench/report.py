@@ -89,6 +89,7 @@ def write_report(out: Path, meta: dict[str, Any], rows: list[Row]) -> None:
     columns = [
         "scenario",
         "function",
+        "delay_us",
         "body",
         "cache",
         "concurrency",
