@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import struct
 import time
-from typing import Any
+from typing import Literal, cast
 
 import hpack
 
@@ -89,8 +89,14 @@ class Event(enum.IntEnum):
     """The peer is going away."""
 
 
-Events = list[tuple[Event, int, Any]]
-"""(event, stream id, value): the value is the event's (a REQUEST's header list, DATA's bytes...)."""
+Headers = list[tuple[bytes, bytes]]
+RequestEvent = tuple[Literal[Event.REQUEST], int, Headers]
+DataEvent = tuple[Literal[Event.DATA], int, bytes]
+ResetEvent = tuple[Literal[Event.RESET], int, int]
+SignalEvent = tuple[Literal[Event.ENDED, Event.WINDOW, Event.SETTINGS, Event.PING, Event.GOAWAY], int, None]
+Events = list[RequestEvent | DataEvent | ResetEvent | SignalEvent]
+"""(event, stream id, value), each kind with its value's type: the type checker follows an event
+from its first item (`if event[0] is Event.DATA:` makes `event[2]` bytes)."""
 
 
 class Http2ErrorCode(enum.IntEnum):
@@ -387,7 +393,7 @@ class ServerConnection:
 
     def _header_block(self, stream_id: int, block: bytes, end_stream: bool, events: Events) -> None:
         try:  # always decoded, even for a stream refused or ended: HPACK's table must follow the peer's
-            headers = self.decoder.decode(block, raw=True)
+            headers = cast(Headers, self.decoder.decode(block, raw=True))  # raw: pairs of bytes, a list
         except hpack.OversizedHeaderListError as exc:
             raise ProtocolError(Http2ErrorCode.ENHANCE_YOUR_CALM, "a header list past its limit") from exc
         except Exception as exc:  # hpack's HPACKDecodingError, InvalidTableIndex, ...

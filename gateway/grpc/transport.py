@@ -153,13 +153,14 @@ class GrpcConnection(asyncio.Protocol):
             self._preface_timer.cancel()
             self._preface_timer = None
         transport = self.transport
-        for kind, stream_id, value in events:
+        for event in events:
             if transport is None or transport.is_closing():  # ended by one of these events
                 return
-            if kind is Event.DATA:
-                self._data(stream_id, value)
-            elif kind is Event.REQUEST:
-                self._request(stream_id, value)
+            kind, stream_id = event[0], event[1]
+            if event[0] is Event.DATA:
+                self._data(stream_id, event[2])
+            elif event[0] is Event.REQUEST:
+                self._request(stream_id, event[2])
             elif kind is Event.ENDED:
                 self._ended(stream_id)
             elif kind is Event.WINDOW:
