@@ -519,15 +519,14 @@ async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its
     runner.send_signal(signal.SIGKILL)
     runner.wait(timeout=10)
     runner_process(FNGATE_FUNCTIONS="[]")  # the next runner on this machine
-    for _ in range(300):
-        if not alive(daemon):
+    reaped = "removed what runners that are gone left: 1 processes killed"
+    log = tmp_path / "runner-1.log"
+    for _ in range(300):  # the reap kills first and says so once it is done: wait for both
+        if not alive(daemon) and reaped in log.read_text():
             break
         await asyncio.sleep(0.1)
     assert not alive(daemon)
-    assert (
-        "removed what runners that are gone left: 1 processes killed"
-        in (tmp_path / "runner-1.log").read_text()
-    )
+    assert reaped in log.read_text()
 
 
 async def test_a_daemon_a_function_starts_goes_with_its_runners_exit(
