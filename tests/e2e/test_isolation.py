@@ -506,7 +506,6 @@ def escapee_body(*rows: tuple[float, float]) -> dict[str, Any]:
 async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its_runner_is_killed(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
-    tmp_path: Path,
 ) -> None:
     base = await serve_gateway()
     runner = runner_process(FNGATE_FUNCTIONS='["escapee"]')
@@ -519,14 +518,14 @@ async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its
     runner.send_signal(signal.SIGKILL)
     runner.wait(timeout=10)
     runner_process(FNGATE_FUNCTIONS="[]")  # the next runner on this machine
-    reaped = "removed what runners that are gone left: 1 processes killed"
-    log = tmp_path / "runner-1.log"
-    for _ in range(300):  # the reap kills first and says so once it is done: wait for both
-        if not alive(daemon) and reaped in log.read_text():
+    # Any runner that starts on the machine reaps what a dead runner left (in a parallel test run
+    # another test's runner may be first), so the daemon's end is what is asserted, not whose log
+    # says it.
+    for _ in range(300):
+        if not alive(daemon):
             break
         await asyncio.sleep(0.1)
     assert not alive(daemon)
-    assert reaped in log.read_text()
 
 
 async def test_a_daemon_a_function_starts_goes_with_its_runners_exit(
