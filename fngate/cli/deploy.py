@@ -102,10 +102,7 @@ def deploy(
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
-        for line in exc.lines():
-            print(line, file=err)
-        print("fngate deploy: nothing was uploaded", file=err)
-        return 2
+        return _nothing_uploaded(exc, err)
     remote = is_remote(repository.url)
     try:
         files, problems = deployment.check(path, repository, manifest)
@@ -169,6 +166,14 @@ def deploy(
         print(f"fngate deploy --warm: {version.name} version {version.version} {failure}", file=err)
         return 1
     return 0
+
+
+def _nothing_uploaded(exc: ManifestError, err: TextIO) -> int:
+    """A manifest that fails its check: every problem, and the user's-mistake exit code."""
+    for line in exc.lines():
+        print(line, file=err)
+    print("fngate deploy: nothing was uploaded", file=err)
+    return 2
 
 
 def deploy_all(
@@ -250,10 +255,7 @@ def deploy_through(
         manifest = load_manifest(path)
         files = deployment.deploy_files(path, manifest)
     except ManifestError as exc:
-        for line in exc.lines():
-            print(line, file=err)
-        print("fngate deploy: nothing was uploaded", file=err)
-        return 2
+        return _nothing_uploaded(exc, err)
     except FunctionError as exc:
         print(f"fngate deploy: {exc.message}", file=err)
         return 2
