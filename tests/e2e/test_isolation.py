@@ -503,10 +503,11 @@ def escapee_body(*rows: tuple[float, float]) -> dict[str, Any]:
     return {"inputs": {"x": [list(row) for row in rows]}}
 
 
-async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its_runner_is_killed(
-    serve_gateway: Callable[..., Any],
-    runner_process: Callable[..., subprocess.Popen[bytes]],
-) -> None:
+async def daemon_of_a_runner(
+    serve_gateway: Callable[..., Any], runner_process: Callable[..., subprocess.Popen[bytes]]
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A runner serving escapee, and the pid of the setsid daemon its function started (alive, and
+    no child of the runner's)."""
     base = await serve_gateway()
     runner = runner_process(FNGATE_FUNCTIONS='["escapee"]')
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
@@ -514,6 +515,14 @@ async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its
     assert started.status_code == 200, started.text
     daemon = int(started.json()["outputs"]["y"][0][0])
     assert alive(daemon) and daemon not in children(runner.pid)
+    return runner, daemon
+
+
+async def test_a_daemon_a_function_starts_is_killed_by_the_next_runner_after_its_runner_is_killed(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    runner, daemon = await daemon_of_a_runner(serve_gateway, runner_process)
 
     runner.send_signal(signal.SIGKILL)
     runner.wait(timeout=10)
@@ -532,12 +541,7 @@ async def test_a_daemon_a_function_starts_goes_with_its_runners_exit(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
 ) -> None:
-    base = await serve_gateway()
-    runner = runner_process(FNGATE_FUNCTIONS='["escapee"]')
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-        started = await until_ok(lambda: client.post("/v1/functions/escapee", json=escapee_body((1, 0))))
-    daemon = int(started.json()["outputs"]["y"][0][0])
-    assert alive(daemon)
+    runner, daemon = await daemon_of_a_runner(serve_gateway, runner_process)
     runner.send_signal(signal.SIGTERM)
     assert runner.wait(timeout=60) == 0
     assert not alive(daemon)
