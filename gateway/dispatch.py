@@ -83,6 +83,7 @@ class Dispatcher:
         self._activator = activator
         self._enqueue = Script(redis, queue.ENQUEUE)
         self._enqueue_many = Script(redis, queue.ENQUEUE_MANY)
+        self._withdraw = Script(redis, queue.WITHDRAW)
         self._submit_async = Script(redis, queue.SUBMIT_ASYNC)
         self._slots = SlotSteps(redis) if redis.cluster else None
         """A Redis Cluster's: what the scripts would do across slots, in steps (gateway.slots)."""
@@ -346,6 +347,18 @@ class Dispatcher:
         for flight, raw in zip(flights, outcomes, strict=True):
             flight.outcome(raw)
 
+    async def withdraw(self, flight: _Flight) -> None:
+        """A queued synchronous invocation whose caller left: its entry taken back unless a runner
+        read it (or identical invocations wait on it), so that no runner spends a batch on it."""
+        script = flight.entries.script
+        call = queue.withdraw_call(script.keys[0], flight.entry_id, script.keys[3], keys.RUNNER_GROUP)
+        try:
+            outcome = (await self._withdraw(call.keys, call.args)).decode()
+        except (RedisError, OSError) as exc:  # it runs, and its reply finds no one
+            log.debug("could not withdraw %s: %s", flight.entries.id, exc)
+            outcome = "failed"
+        metrics.WITHDRAWN.labels(flight.call.function.manifest.name, outcome).inc()
+
     def _background(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._loading.add(task)
@@ -355,7 +368,17 @@ class Dispatcher:
 class _Flight:
     """One synchronous invocation between its enqueue and its answer."""
 
-    __slots__ = ("_span", "answer", "call", "dispatcher", "entries", "pipeline", "queued", "timer")
+    __slots__ = (
+        "_span",
+        "answer",
+        "call",
+        "dispatcher",
+        "entries",
+        "entry_id",
+        "pipeline",
+        "queued",
+        "timer",
+    )
 
     def __init__(
         self,
@@ -371,6 +394,8 @@ class _Flight:
         self.answer = answer
         self.pipeline = pipeline
         self.queued = False
+        self.entry_id = b""
+        """Its entry on its function's stream, once queued (not when it waits on an identical one)."""
         self._span: Span | None = None
         loop = asyncio.get_running_loop()
         self.timer = loop.call_later(entries.timeout_ms / 1000, self._deadline)
@@ -462,8 +487,9 @@ class _Flight:
             self._span.end()
         if self.answer.done():  # the deadline passed first
             return
+        outcome = queue.parse_enqueue(raw)
         try:
-            cached = settle(queue.parse_enqueue(raw), self.entries, self.call)
+            cached = settle(outcome, self.entries, self.call)
         except FunctionError as exc:
             self._fail(exc)
             return
@@ -471,6 +497,8 @@ class _Flight:
             self._succeed(cached)
             return
         self.queued = True
+        if isinstance(outcome, queue.Queued):
+            self.entry_id = outcome.entry_id
         self.dispatcher.wake(self.entries)
         if self.entries.rest and self.dispatcher._slots is not None:
             self.dispatcher._background(self._forward_rest(self.dispatcher._slots))
@@ -543,7 +571,9 @@ class _Flight:
         if call.span is not None:
             call.span.end()
         name = call.function.manifest.name
-        if answer.cancelled():
+        if answer.cancelled():  # the caller left (a reset RPC, a closed connection)
+            if self.entry_id and not self.pipeline:
+                dispatcher._background(dispatcher.withdraw(self))
             return
         error = answer.exception()
         if error is None:

@@ -41,6 +41,12 @@ CACHE_MISSES = Counter(
     "fngate_cache_misses", "Cacheable invocations the cache could not answer", ["function"]
 )
 CACHE_FAILURES = Counter("fngate_cache_failures", "Cache lookups that failed (the request went on)")
+WITHDRAWN = Counter(
+    "fngate_withdrawn",
+    "Synchronous invocations whose caller left while queued, by what became of their entry:"
+    " withdrawn (no runner runs it), running, shared (it runs for identical ones), gone, failed",
+    ["function", "outcome"],
+)
 QUEUE_DEPTH = Gauge(
     "fngate_queue_depth",
     "Invocations queued or in flight, per priority level (sync, async)",

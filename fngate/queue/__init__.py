@@ -22,6 +22,7 @@ from fngate.queue.invocations import (
     NO_ADMISSION,
     STEP,
     TO,
+    WITHDRAW,
     Admission,
     Coalesced,
     EnqueueOutcome,
@@ -45,6 +46,7 @@ from fngate.queue.invocations import (
     parse_enqueue,
     queue_bytes,
     waiters,
+    withdraw_call,
 )
 from fngate.queue.levels import (
     READ_LEVELS,
@@ -124,6 +126,7 @@ __all__ = [
     "STEP",
     "SUBMIT_ASYNC",
     "TO",
+    "WITHDRAW",
     "Admission",
     "Again",
     "Coalesced",
@@ -169,4 +172,5 @@ __all__ = [
     "stored_result",
     "submit_async_call",
     "waiters",
+    "withdraw_call",
 ]

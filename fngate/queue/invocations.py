@@ -117,13 +117,14 @@ local function admit(bucket, busy, share, rps, burst, cap, share_cap, member, tt
 end
 """
 
-# One round trip for the whole decision. KEYS: the stream, its byte counter, the cache entry ('' to
-# skip the lookup), the in-flight marker and its waiters list ('' for no coalescing), then the
-# caller's admission keys (bucket, busy, share; '' for a caller without limits). ARGV: max queue
-# size, max queue bytes (0: no limit), header, body, this invocation as a waiter, marker TTL in ms,
-# then admit()'s rps, burst, cap, share_cap, member and ttl_ms, then a pipeline step's context
-# (STEP; absent or '' for an invocation of its own). Entries leave the stream when a runner
-# acknowledges them, so XLEN counts queued or in flight.
+# One round trip for the whole decision; a queued invocation's answer names its entry ({'queued',
+# id}), which WITHDRAW takes back if its caller leaves before a runner reads it. KEYS: the stream,
+# its byte counter, the cache entry ('' to skip the lookup), the in-flight marker and its waiters
+# list ('' for no coalescing), then the caller's admission keys (bucket, busy, share; '' for a caller
+# without limits). ARGV: max queue size, max queue bytes (0: no limit), header, body, this
+# invocation as a waiter, marker TTL in ms, then admit()'s rps, burst, cap, share_cap, member and
+# ttl_ms, then a pipeline step's context (STEP; absent or '' for an invocation of its own). Entries
+# leave the stream when a runner acknowledges them, so XLEN counts queued or in flight.
 # A pipeline queues its first steps together: each further first step adds its stream and byte
 # counter to KEYS after the eighth (all streams, then all counters) and a group of FORWARD's five
 # arguments to ARGV after the thirteenth. All are queued or none ({'full', limit, index of the
@@ -166,12 +167,12 @@ local function enqueue(KEYS, ARGV)
     limit = full(KEYS[8 + i], KEYS[8 + more + i], ARGV[at], ARGV[at + 1])
     if limit then return refuse(limit, i) end
   end
-  push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
+  local id = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
   for i = 1, more do
     local at = 14 + (i - 1) * 5
     push(KEYS[8 + i], KEYS[8 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
   end
-  return {'queued'}
+  return {'queued', id}
 end
 """
 )
@@ -198,6 +199,30 @@ end
 return outcomes
 """
 )
+
+# KEYS[1]: an invocation stream, KEYS[2]: the invocation's in-flight marker ('' for none), KEYS[3]:
+# its waiters list. ARGV[1]: the runner group, ARGV[2]: the invocation's entry id. Takes back a
+# synchronous invocation whose caller left (a reset RPC, a closed connection) while no runner has
+# read it: its entry leaves the stream unread, so no runner runs it. Answers 'withdrawn'; 'running'
+# (a runner read it: it runs, its reply finds no one); 'shared' (identical invocations wait on it:
+# it runs for them); 'gone' (answered or removed already).
+WITHDRAW = (
+    GIVEN_LUA
+    + UNQUEUE_LUA
+    + """
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if type(pending) == 'table' and #pending > 0 then return 'running' end
+if given(KEYS[2]) and redis.call('LLEN', KEYS[3]) > 0 then return 'shared' end
+if not unqueue(KEYS[1], ARGV[2]) then return 'gone' end
+if given(KEYS[2]) then redis.call('DEL', KEYS[2], KEYS[3]) end
+return 'withdrawn'
+"""
+)
+
+
+def withdraw_call(stream: str, entry_id: bytes, in_flight: str, group: str) -> ScriptCall:
+    """WITHDRAW's arguments for the invocation queued as `entry_id` on `stream`."""
+    return ScriptCall([stream, in_flight, waiters(in_flight) if in_flight else ""], [group, entry_id])
 
 
 def enqueue_many_call(calls: Sequence[ScriptCall]) -> ScriptCall:
@@ -435,6 +460,9 @@ def enqueue_call(
 class Queued:
     """On the stream; the reply will come to the reply stream."""
 
+    entry_id: bytes = dataclasses.field(default=b"", compare=False)
+    """Its entry on the stream (WITHDRAW takes it back); outcomes compare without it."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Coalesced:
@@ -479,7 +507,7 @@ def full_message(what: str, limit: str, asynchronous: bool = False) -> str:
 def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
     kind = raw[0]
     if kind == b"queued":
-        return Queued()
+        return Queued(raw[1] if len(raw) > 1 else b"")
     if kind == b"wait":
         return Coalesced()
     if kind == b"hit":

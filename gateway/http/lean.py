@@ -42,6 +42,7 @@ class Exchange:
 
     __slots__ = (
         "_accepts_gzip",
+        "_answer",
         "_body_timer",
         "_call",
         "_function",
@@ -71,6 +72,8 @@ class Exchange:
         self.principal: Principal = OPEN
         self._body_timer: asyncio.TimerHandle | None = None
         self._call: Call | None = None
+        self._answer: asyncio.Future[Reply] | None = None
+        """The dispatched invocation's answer, until it comes (caller_left cancels it)."""
         self._parsed: InferRequest | None = None
         self._accepts_gzip = False
         self._function: FunctionVersion | None = None
@@ -231,7 +234,14 @@ class Exchange:
 
     def _dispatch(self, call: Call, parsed: InferRequest) -> None:
         self._call, self._parsed = call, parsed
-        self.services.dispatcher.invoke(call).add_done_callback(self._answered)
+        self._answer = self.services.dispatcher.invoke(call)
+        self._answer.add_done_callback(self._answered)
+
+    def caller_left(self) -> None:
+        """The connection closed before the answer: the invocation is let go (taken back from the
+        queue if no runner read it yet)."""
+        if self._answer is not None:
+            self._answer.cancel()
 
     def _in_task(self, work: Any) -> None:
         task = self.protocol.loop.create_task(work)
@@ -247,6 +257,7 @@ class Exchange:
         self._respond(*answer)
 
     def _answered(self, future: asyncio.Future[Reply]) -> None:
+        self._answer = None
         if future.cancelled():
             return
         error = future.exception()

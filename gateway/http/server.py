@@ -443,6 +443,9 @@ def head_timeout_protocol(settings: GatewaySettings, lean: bool = False) -> type
                 self._client = None
             if self._discarding is not None:
                 self._discarding.cancel()
+            exchange = getattr(self.cycle, "lean", None)
+            if exchange is not None and not self.cycle.response_complete:
+                exchange.caller_left()
             super().connection_lost(exc)
 
         def shutdown(self) -> None:

@@ -1,5 +1,6 @@
 """ENQUEUE and ENQUEUE_MANY on a real Redis: each invocation of a bundle is decided as ENQUEUE alone
-would decide it, in order; a pipeline's first steps are queued all or none."""
+would decide it, in order; a pipeline's first steps are queued all or none. WITHDRAW takes back an
+entry no runner read, unless identical invocations wait on it."""
 
 from __future__ import annotations
 
@@ -33,13 +34,57 @@ async def test_a_bundle_is_decided_in_order_as_each_alone(redis_url: str, redis:
         ]
     finally:
         await client.aclose()
+    ((s1_id, _),) = await redis.xrange("s1")
+    ((s2_id, _),) = await redis.xrange("s2")
+    assert [outcome.entry_id for outcome in outcomes if isinstance(outcome, queue.Queued)] == [s1_id, s2_id]
     assert outcomes == [
-        queue.Queued(),
+        queue.Queued(s1_id),
         queue.Full("count", 0),
         queue.Hit({queue.HEADER: b"head", queue.BODY: b"body"}),
-        queue.Queued(),
+        queue.Queued(s2_id),
         queue.Full("count", 1),
     ]
     assert [await redis.xlen(stream) for stream in ("s1", "s2", "s3")] == [1, 1, 1]
     ((_, fields),) = await redis.xrange("s3")
     assert fields[queue.STEP] == b"q"
+
+
+async def test_withdraw_takes_back_only_what_no_runner_read_and_no_one_waits_on(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    client = FastRedis(redis_url)
+    enqueue, withdraw = Script(client, queue.ENQUEUE), Script(client, queue.WITHDRAW)
+
+    async def queued(invocation: str, in_flight: str = "") -> bytes:
+        script = call("s", 10, invocation, in_flight=in_flight)
+        outcome = queue.parse_enqueue(await enqueue(script.keys, script.args))
+        assert isinstance(outcome, queue.Queued)
+        return outcome.entry_id
+
+    async def withdrawn(entry_id: bytes, in_flight: str = "") -> bytes:
+        script = queue.withdraw_call("s", entry_id, in_flight, "runners")
+        answer: bytes = await withdraw(script.keys, script.args)
+        return answer
+
+    try:
+        await redis.xgroup_create("s", "runners", "$", mkstream=True)
+        read = await queued("read")
+        await redis.xreadgroup("runners", "r1", {"s": ">"}, count=1)
+        alone, shared = await queued("alone", in_flight="f1"), await queued("shared", in_flight="f2")
+        again = queue.parse_enqueue(await enqueue(*_args(call("s", 10, "twin", in_flight="f2"))))
+        assert again == queue.Coalesced()  # "twin" waits on "shared"
+
+        assert await withdrawn(read) == b"running"
+        assert await withdrawn(shared, "f2") == b"shared"
+        assert await withdrawn(alone, "f1") == b"withdrawn"
+        assert await withdrawn(alone, "f1") == b"gone"
+        assert [entry_id for entry_id, _ in await redis.xrange("s")] == [read, shared]
+        assert int(await redis.get(queue.queue_bytes("s"))) == 2 * len(b"{}xy")
+        assert not await redis.exists("f1", queue.waiters("f1"))  # an identical call queues anew
+        assert await redis.exists("f2", queue.waiters("f2")) == 2
+    finally:
+        await client.aclose()
+
+
+def _args(script: queue.ScriptCall) -> tuple[list[str], list[bytes | str | int | float]]:
+    return script.keys, script.args
