@@ -9,8 +9,10 @@ CPU time (from /proc), the wall time and the canary's worst wait.
 for a before-and-after comparison. Attacks: bomb (a 65 KB gzip ModelInfer of 64 MiB of empty
 `inputs`, no key), window (250 answers parked on a zero window, then 100,000 connection
 WINDOW_UPDATEs), table (SETTINGS_HEADER_TABLE_SIZE 2^32-1, then 4,000 calls answered with distinct
-grpc-messages), idle (40 connections that send their preface and SETTINGS, then a new client).
-Loopback only; every attack is bounded and ends by itself."""
+grpc-messages), idle (40 connections that send their preface and SETTINGS, then a new client),
+reset (with a key: 10 rounds of 32 ModelInfer calls queued, no runner up, then each reset by its client; what
+counts is how many of them stay queued for a runner to run). Loopback only; every attack is bounded
+and ends by itself."""
 
 from __future__ import annotations
 
@@ -28,12 +30,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+import h2.errors
 import h2.exceptions
 import h2.settings
+import redis
 from tritonclient.grpc import service_pb2
 
 from bench.deployment import free_port
 from bench.h2_client import INFER, LIVE, RawClient, live_request, message
+from fngate import apikeys, keys
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +71,7 @@ async def canary(port: int, stop: asyncio.Event, waits: list[float]) -> None:
         await asyncio.sleep(0.05)
 
 
-async def bomb(port: int) -> str:
+async def bomb(port: int, _redis_url: str) -> str:
     number = service_pb2.ModelInferRequest.DESCRIPTOR.fields_by_name["inputs"].number
     body = message(gzip.compress(bytes([number << 3 | 2, 0]) * (32 * MiB - 1024), 9), compressed=True)
     client = await RawClient.connect(port)
@@ -77,7 +82,7 @@ async def bomb(port: int) -> str:
     return f"{len(body)} bytes sent, grpc-status {found.get(b'grpc-status', b'-').decode()}"
 
 
-async def window(port: int) -> str:
+async def window(port: int, _redis_url: str) -> str:
     client = await RawClient.connect(port)
     client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
     client.flush()
@@ -101,7 +106,7 @@ def answered(client: RawClient, opened: list[int]) -> bool:
     return all(b"grpc-status" in client.statuses.get(each, {}) for each in opened)
 
 
-async def table(port: int) -> str:
+async def table(port: int, _redis_url: str) -> str:
     client = await RawClient.connect(port)
     client.h2.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 2**32 - 1})
     client.flush()
@@ -116,7 +121,7 @@ async def table(port: int) -> str:
     return "4,000 calls, each answered with its own grpc-message"
 
 
-async def idle(port: int) -> str:
+async def idle(port: int, _redis_url: str) -> str:
     held = []
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
     for _ in range(40):
@@ -138,11 +143,55 @@ async def idle(port: int) -> str:
     return f"a new client after 40 idle connections: {outcome}"
 
 
-ATTACKS: dict[str, Callable[[int], Awaitable[str]]] = {
+def added(client: redis.Redis, stream: str) -> int:
+    """The entries ever added to the stream (withdrawn ones too)."""
+    try:
+        info: dict[str, int] = client.xinfo_stream(stream)
+    except redis.ResponseError:  # not made yet
+        return 0
+    return int(info["entries-added"])
+
+
+async def reset(port: int, redis_url: str) -> str:
+    rounds, calls = 10, 32  # within the gateway's 40 RPCs in flight (max_connections), beside the canary's
+    with redis.Redis.from_url(redis_url) as client:
+        key, _ = apikeys.create(client, ["invoke:*"])
+        stream = keys.invocations("classifier")
+        request = service_pb2.ModelInferRequest(model_name="classifier")
+        request.inputs.add(name="input", datatype="FP32", shape=[1, 16])
+        request.raw_input_contents.append(bytes(64))
+        body = message(request.SerializeToString())
+        headers = [(b"authorization", b"Bearer " + key.encode()), (b"grpc-timeout", b"60S")]
+        queued = 0
+        for _ in range(rounds):
+            caller = await RawClient.connect(port)
+            before = added(client, stream)
+            streams = [caller.open(INFER, headers, send=False) for _ in range(calls)]
+            for stream_id in streams:
+                caller.h2.send_data(stream_id, body, end_stream=True)
+            caller.flush()
+            for _ in range(500):  # until the round is queued, 10 s at most
+                if added(client, stream) >= before + calls:
+                    break
+                await asyncio.sleep(0.02)
+            queued += added(client, stream) - before
+            for stream_id in streams:
+                caller.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            caller.flush()
+            await asyncio.sleep(0.3)  # under the gateway's reset limit, and its places given back
+            caller.close()
+        await asyncio.sleep(1)  # what the gateway does about the last resets is done by then
+        left = int(client.xlen(stream))
+        client.delete(stream)
+    return f"{queued} calls queued, then reset by their clients: {left} still queued for a runner"
+
+
+ATTACKS: dict[str, Callable[[int, str], Awaitable[str]]] = {
     "bomb": bomb,
     "window": window,
     "table": table,
     "idle": idle,
+    "reset": reset,
 }
 
 
@@ -152,12 +201,12 @@ def reset_peak(pid: int) -> int:
     return memory_bytes(pid, "VmRSS:")
 
 
-async def attack(name: str, port: int, pid: int) -> None:
+async def attack(name: str, port: int, pid: int, redis_url: str) -> None:
     rss, cpu, started = reset_peak(pid), cpu_s(pid), time.perf_counter()
     stop, waits = asyncio.Event(), list[float]()
     watching = asyncio.create_task(canary(port, stop, waits))
     try:
-        outcome = await ATTACKS[name](port)
+        outcome = await ATTACKS[name](port, redis_url)
     except (OSError, TimeoutError, RuntimeError) as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     stop.set()
@@ -171,8 +220,9 @@ async def attack(name: str, port: int, pid: int) -> None:
 
 
 @contextlib.contextmanager
-def gateway_of(checkout: Path) -> Iterator[tuple[int, int]]:
-    """A private redis-server and the checkout's gateway, auth on: (its gRPC port, its pid)."""
+def gateway_of(checkout: Path) -> Iterator[tuple[int, int, str]]:
+    """A private redis-server and the checkout's gateway, auth on: (its gRPC port, its pid, the
+    Redis URL)."""
     with tempfile.TemporaryDirectory(prefix="fngate-front-door-") as folder:
         socket_path = Path(folder) / "redis.sock"
         redis = subprocess.Popen(
@@ -196,7 +246,7 @@ def gateway_of(checkout: Path) -> Iterator[tuple[int, int]]:
                 [sys.executable, "-m", "gateway"], env=env, cwd=checkout, stdout=log, stderr=subprocess.STDOUT
             )
         try:
-            yield port, gateway.pid
+            yield port, gateway.pid, f"unix://{socket_path}"
         finally:
             gateway.terminate()
             gateway.wait(timeout=30)
@@ -204,7 +254,7 @@ def gateway_of(checkout: Path) -> Iterator[tuple[int, int]]:
             redis.wait(timeout=30)
 
 
-async def run(port: int, pid: int, names: list[str]) -> None:
+async def run(port: int, pid: int, redis_url: str, names: list[str]) -> None:
     for _ in range(150):
         try:
             (await RawClient.connect(port)).close()
@@ -212,7 +262,7 @@ async def run(port: int, pid: int, names: list[str]) -> None:
         except OSError:
             await asyncio.sleep(0.2)
     for name in names:
-        await attack(name, port, pid)
+        await attack(name, port, pid, redis_url)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.attacks) - set(ATTACKS))
     if unknown:
         parser.error(f"no attack {', '.join(unknown)}: choose from {', '.join(ATTACKS)}")
-    with gateway_of(args.checkout.resolve()) as (port, pid):
-        asyncio.run(run(port, pid, args.attacks or list(ATTACKS)))
+    with gateway_of(args.checkout.resolve()) as (port, pid, redis_url):
+        asyncio.run(run(port, pid, redis_url, args.attacks or list(ATTACKS)))
     return 0
 
 

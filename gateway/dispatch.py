@@ -485,9 +485,13 @@ class _Flight:
     def outcome(self, raw: Any) -> None:
         if self._span is not None:
             self._span.end()
-        if self.answer.done():  # the deadline passed first
-            return
         outcome = queue.parse_enqueue(raw)
+        if isinstance(outcome, queue.Queued):
+            self.entry_id = outcome.entry_id
+        if self.answer.done():  # the deadline passed first, or the caller left while it was sent
+            if self.answer.cancelled() and self.entry_id and not self.pipeline:
+                self.dispatcher._background(self.dispatcher.withdraw(self))
+            return
         try:
             cached = settle(outcome, self.entries, self.call)
         except FunctionError as exc:
@@ -497,8 +501,6 @@ class _Flight:
             self._succeed(cached)
             return
         self.queued = True
-        if isinstance(outcome, queue.Queued):
-            self.entry_id = outcome.entry_id
         self.dispatcher.wake(self.entries)
         if self.entries.rest and self.dispatcher._slots is not None:
             self.dispatcher._background(self._forward_rest(self.dispatcher._slots))
