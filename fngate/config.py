@@ -30,7 +30,22 @@ class _Settings(BaseSettings):
     switches between fngate's own processes where they share CPUs; `fngate up` turns it on."""
 
 
-class GatewaySettings(_Settings):
+class RepositoryLimits(BaseSettings):
+    """What deploys may leave in the repository: read by the gateway's deploy API and by `fngate
+    deploy`, which both store versions."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
+
+    max_versions: Annotated[int, Field(ge=1)] = 10
+    """Stored versions kept per function (a manifest's versions.max_stored may keep fewer): a deploy
+    removes the oldest past it, except those still served or named (docs/repository.md)."""
+    max_repository_bytes: Annotated[int, Field(ge=0)] = 100 * 1024**3
+    """What the repository (every object under its prefix, or file in its folder) may hold: a
+    deploy that would leave more, once the versions it removes are counted, is refused (413) with
+    nothing uploaded. 0: no limit."""
+
+
+class GatewaySettings(_Settings, RepositoryLimits):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     bind: str = ""

@@ -1,7 +1,8 @@
 """What deploying, routing and removing a function does, for `fngate deploy`, `traffic`, `rollback`
 and `rm` and for the gateway's deploy API alike: check a function's folder, store it as the next
-version, keep the registry in step, tell the runners; move traffic between stored versions, make
-before break; remove every version and answer what was queued for it."""
+version and remove the oldest past what the function keeps (fngate/retention.py), keep the registry
+in step, tell the runners; move traffic between stored versions, make before break; remove every
+version and answer what was queued for it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fngate import clients, delivery, keys, queue
+from fngate import clients, delivery, keys, queue, retention
+from fngate.config import RepositoryLimits
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument, Unavailable
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import deploy_problems
@@ -72,14 +74,16 @@ def deploy_files(path: Path, manifest: FunctionManifest) -> list[tuple[ArtifactF
     return files
 
 
-def policy_check(repository: Repository, manifest: FunctionManifest) -> list[str]:
-    """The version policy as it will be with this version added as the next number."""
+def policy_check(repository: Repository, manifest: FunctionManifest, max_versions: int) -> list[str]:
+    """The version policy as it will be with this version added as the next number: it must serve
+    no more versions than the function keeps."""
     try:
         stored = list(repository.get(manifest.name).versions.values())
     except FunctionNotFound:
         stored = []
     upcoming = FunctionVersion(manifest, repository.next_version(manifest.name), Path())
-    return policy_problems(make_record([*stored, upcoming]))
+    record = make_record([*stored, upcoming])
+    return policy_problems(record) + retention.count_problems(record, retention.kept(manifest, max_versions))
 
 
 async def warm(redis: aioredis.Redis, name: str, versions: Sequence[str], pool: str, timeout_s: float) -> str:
@@ -192,14 +196,16 @@ def check(
     path: Path,
     repository: Repository,
     manifest: FunctionManifest,
+    limits: RepositoryLimits,
     upcoming: Sequence[FunctionManifest] = (),
 ) -> tuple[list[tuple[ArtifactFile, Path]], list[str]]:
     """Step one of deploying (blocking: it reads the folder and the repository): the files the
     manifest at `path` deploys, and every problem that stops it (the version policy, a pipeline's
     steps against the functions deployed now or about to be, as the next version of their function
-    when deployed in the same command: `upcoming`)."""
+    when deployed in the same command: `upcoming`). The storage limit is `retention.admit`'s."""
     files = deploy_files(path, manifest)
-    return files, policy_check(repository, manifest) + steps_check(repository, manifest, upcoming)
+    policy = policy_check(repository, manifest, limits.max_versions)
+    return files, policy + steps_check(repository, manifest, upcoming)
 
 
 def steps_check(
@@ -223,10 +229,24 @@ def store(
     manifest: FunctionManifest,
     files: list[tuple[ArtifactFile, Path]],
     progress: Any = lambda count: None,
-) -> tuple[FunctionVersion, FunctionRecord]:
-    """Step two (blocking): the files stored as the function's next version; its record after."""
+    keeping: retention.Retention | None = None,
+) -> tuple[FunctionVersion, FunctionRecord, tuple[str, ...]]:
+    """Step two (blocking): the files stored as the function's next version, then, with `keeping`,
+    the oldest versions past what the function keeps removed, each index before its files (the
+    versions served before this deploy and those `keeping.held` names stay). Returns the version,
+    the function's record after, and the versions removed."""
+    try:
+        served_before = repository.get(manifest.name).served
+    except FunctionNotFound:
+        served_before = ()
     version = repository.add_version(manifest, files, progress)
-    return version, repository.get(manifest.name)
+    record = repository.get(manifest.name)
+    removed = retention.removals(record, served_before, keeping) if keeping is not None else ()
+    if removed:
+        repository.remove_versions(manifest.name, removed)
+        kept = [item for number, item in record.versions.items() if number not in removed]
+        record = make_record(kept, record.routing)
+    return version, record, removed
 
 
 async def announce(redis: aioredis.Redis, repository_url: str, record: FunctionRecord) -> None:
@@ -240,23 +260,30 @@ async def announce(redis: aioredis.Redis, repository_url: str, record: FunctionR
 
 
 async def publish(
-    path: Path, repository: Repository, redis: aioredis.Redis, name: str | None = None
-) -> tuple[FunctionVersion, FunctionRecord]:
+    path: Path,
+    repository: Repository,
+    redis: aioredis.Redis,
+    limits: RepositoryLimits,
+    name: str | None = None,
+) -> tuple[FunctionVersion, FunctionRecord, tuple[str, ...]]:
     """The deploy API's deploy, the same three steps as `fngate deploy` (fngate.cli.deploy):
-    check, store, announce. Raises FunctionError; nothing is stored for a manifest (not named
-    `name`, when given) or a version policy that fails its check."""
+    check, store (and remove the oldest versions past what the function keeps), announce. Raises
+    FunctionError; nothing is stored for a manifest (not named `name`, when given) or a version
+    policy that fails its check, nor past the repository's storage limit (PayloadTooLarge)."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
         raise InvalidArgument("; ".join(line.removeprefix(f"{path}: ") for line in exc.lines())) from None
     if name is not None and manifest.name != name:
         raise InvalidArgument(f"the manifest names '{manifest.name}', not '{name}'")
-    files, problems = await asyncio.to_thread(check, path, repository, manifest)
+    files, problems = await asyncio.to_thread(check, path, repository, manifest, limits)
     if problems:
         raise InvalidArgument("; ".join(problems))
-    version, record = await asyncio.to_thread(store, repository, manifest, files)
+    keeping = retention.Retention(limits, await retention.holders(redis, repository.url, manifest.name))
+    await asyncio.to_thread(retention.admit, repository, manifest, files, keeping)
+    version, record, removed = await asyncio.to_thread(store, repository, manifest, files, keeping=keeping)
     await announce(redis, repository.url, record)
-    return version, record
+    return version, record, removed
 
 
 def describe(record: FunctionRecord) -> dict[str, Any]:

@@ -55,8 +55,9 @@ class InvalidArgument(FunctionError):
 
 
 class PayloadTooLarge(FunctionError):
-    """A body or message over its size limit, declared or once decompressed: HTTP answers it 413,
-    gRPC RESOURCE_EXHAUSTED (both front ends' tables otherwise read the code)."""
+    """A body or message over its size limit, declared or once decompressed, or a deploy past the
+    repository's storage limit: HTTP answers it 413, gRPC RESOURCE_EXHAUSTED (both front ends'
+    tables otherwise read the code)."""
 
     code = ErrorCode.INVALID_ARGUMENT
 

@@ -287,6 +287,9 @@ class VersionsSpec(_Frozen):
     """With policy specific: the version numbers."""
     traffic: dict[str, Annotated[int, Field(ge=0, le=100)]] = Field(default_factory=dict)
     """Weights by version, e.g. {1: 90, 2: 10}; they add up to 100."""
+    max_stored: Annotated[int, Field(ge=1)] | None = None
+    """Stored versions to keep, at most the deployment's max_versions (unset: that many); a deploy
+    removes the oldest past it that nothing serves or names."""
 
 
 class StepSpec(_Frozen):

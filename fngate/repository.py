@@ -12,6 +12,7 @@ An S3 repository (fngate/s3.py) has the same layout under s3://bucket/prefix/.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -307,6 +308,15 @@ class Repository(Protocol):
         """Delete every version of a function; raises FunctionNotFound. Blocking."""
         ...
 
+    def remove_versions(self, name: str, versions: Sequence[str]) -> None:
+        """Delete these versions of a function, each index before its files. Blocking."""
+        ...
+
+    def stored_bytes(self) -> int:
+        """What the repository holds: every file under its folder or object under its prefix.
+        Blocking."""
+        ...
+
     def set_routing(self, name: str, routing: Routing | None) -> None:
         """Store the routing of a function (None: remove it, the policy rules again). Blocking."""
         ...
@@ -404,6 +414,21 @@ class FolderRepository:
         for index in home.glob("*.json"):
             index.unlink()  # uncommitted first: a scan meanwhile sees no half-deleted version
         shutil.rmtree(home)
+
+    def remove_versions(self, name: str, versions: Sequence[str]) -> None:
+        home = self.root / check_name(name)
+        for number in versions:
+            if VERSION.match(number):
+                (home / f"{number}.json").unlink(missing_ok=True)  # uncommitted first, as in remove
+                shutil.rmtree(home / number, ignore_errors=True)
+
+    def stored_bytes(self) -> int:
+        total = 0
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):  # a temporary file renamed meanwhile
+                    total += os.lstat(os.path.join(folder, name)).st_size
+        return total
 
     def _read(self, folder: Path) -> FunctionRecord | None:
         if (folder / MANIFEST_FILE).is_file():

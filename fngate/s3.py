@@ -163,6 +163,26 @@ class S3Repository:
                 batch = [{"Key": key} for key in keys[start : start + 1000]]
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
 
+    def remove_versions(self, name: str, versions: Sequence[str]) -> None:
+        for number in versions:
+            if VERSION.match(number) is None:
+                continue
+            folder = self._key(check_name(name), number, "")
+            with s3_errors(self._url(name, number)):
+                keys = [
+                    item["Key"] for page in self._pages(folder, None) for item in page.get("Contents", ())
+                ]
+                self.client.delete_object(Bucket=self.bucket, Key=self._key(name, f"{number}.json"))
+                for start in range(0, len(keys), 1000):
+                    batch = [{"Key": key} for key in keys[start : start + 1000]]
+                    self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def stored_bytes(self) -> int:
+        with s3_errors(self._url()):
+            return sum(
+                item["Size"] for page in self._pages(self._key(""), None) for item in page.get("Contents", ())
+            )
+
     def fetch(self, function: FunctionVersion, item: ArtifactFile, target: Path) -> str:
         """Write the file to `target`; returns the sha256 of what was written, computed as the bytes
         arrive (one pass: nothing reads the file again to check it)."""

@@ -18,10 +18,11 @@ from typing import Any, TextIO
 import orjson
 from redis.exceptions import RedisError
 
-from fngate import clients, deployment
+from fngate import clients, deployment, retention
 from fngate.cli.examples import example_body, example_v2_body
+from fngate.config import RepositoryLimits
 from fngate.deployment import RUNNER_START_S, warm, withdraw
-from fngate.errors import FunctionError, InvalidArgument
+from fngate.errors import ErrorCode, FunctionError, InvalidArgument
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import order
 from fngate.registry import (
@@ -93,26 +94,32 @@ def deploy(
     err: TextIO,
     record_it: bool = True,
     warm: bool = False,
+    limits: RepositoryLimits | None = None,
 ) -> int:
-    """Validate, upload as the next version, record it, print how to call it (unless `gateway` is
-    None); with `warm`, have a runner of its pool load it and wait for that. Nothing is uploaded for
-    a manifest, a version policy or a registry that fails its check. Without `record_it` an S3
-    repository is only written: the registry (private to the cluster) learns the version from a
-    later `fngate ls --sync` that can reach it."""
+    """Validate, upload as the next version, remove the oldest versions past what the function
+    keeps, record it, print how to call it (unless `gateway` is None); with `warm`, have a runner of
+    its pool load it and wait for that. Nothing is uploaded for a manifest, a version policy, a
+    registry or a storage limit (`limits`; None: the FNGATE_* variables and defaults) that fails
+    its check. Without `record_it` an S3 repository is only written, and nothing removed: the
+    registry (private to the cluster) learns the version from a later `fngate ls --sync` that can
+    reach it."""
     try:
         manifest = load_manifest(path)
     except ManifestError as exc:
         return _nothing_uploaded(exc, err)
     remote = is_remote(repository.url)
+    limits = limits if limits is not None else RepositoryLimits()
     try:
-        files, problems = deployment.check(path, repository, manifest)
+        files, problems = deployment.check(path, repository, manifest, limits)
         if problems:
             for problem in problems:
                 print(f"{path}: {problem}", file=err)
             print("fngate deploy: nothing was uploaded", file=err)
             return 2
-        if remote and record_it:
-            asyncio.run(_ping(redis_url))
+        keeping = retention.Retention(
+            limits, _held(redis_url, repository.url, manifest.name, remote, record_it)
+        )
+        retention.admit(repository, manifest, files, keeping)
         total = sum(item.size for item, _ in files)
         warning = load_warning(manifest, total)
         if warning:
@@ -120,12 +127,12 @@ def deploy(
         print(f"{manifest.name}: uploading {len(files)} files ({_size(total)}) to {repository.url}", file=out)
         bar = ProgressBar(total, err, f"{manifest.name}: uploading")
         try:
-            version, record = deployment.store(repository, manifest, files, bar)
+            version, record, removed = deployment.store(repository, manifest, files, bar, keeping)
         finally:
             bar.close()
     except FunctionError as exc:
         print(f"fngate deploy: {path}: {exc.message}", file=err)
-        return 2 if isinstance(exc, InvalidArgument) else 1  # the user's mistake, or a service's
+        return 2 if exc.code is ErrorCode.INVALID_ARGUMENT else 1  # the user's mistake, or a service's
     except (RedisError, OSError) as exc:
         print(
             f"fngate deploy: the registry at {redis_url} is unreachable ({exc}); nothing was uploaded",
@@ -138,6 +145,7 @@ def deploy(
             "`fngate ls --sync` has run where the registry is reachable (the fngate-registry-sync job)",
             file=out,
         )
+        _print_pruned(record, removed, keeping, out)
         return 0
     try:
         asyncio.run(_announce(redis_url, repository.url, record))
@@ -150,6 +158,7 @@ def deploy(
             )
             return 1
     _print_deployed(version, record, repository.url, gateway, out)
+    _print_pruned(record, removed, keeping, out)
     if not warm:
         return 0
     if manifest.pipeline is not None:
@@ -166,6 +175,43 @@ def deploy(
         print(f"fngate deploy --warm: {version.name} version {version.version} {failure}", file=err)
         return 1
     return 0
+
+
+def _held(redis_url: str, repo_url: str, name: str, remote: bool, record_it: bool) -> frozenset[str] | None:
+    """The versions of `name` that runners or pipelines still name (retention.holders); None where
+    that is unknown, so that nothing is removed: an S3 repository not recorded now, or a folder's
+    Redis unreachable. An S3 repository's unreachable registry raises (nothing is uploaded)."""
+    if remote and not record_it:
+        return None
+
+    async def read() -> frozenset[str]:
+        async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
+            return await retention.holders(redis, repo_url, name)
+
+    try:
+        return asyncio.run(read())
+    except (RedisError, OSError):
+        if remote:
+            raise
+        return None
+
+
+def _print_pruned(
+    record: FunctionRecord, removed: Sequence[str], keeping: retention.Retention, out: TextIO
+) -> None:
+    keep = retention.kept(record.newest().manifest, keeping.limits.max_versions)
+    if removed:
+        print(
+            f"pruned {record.name} {'versions' if len(removed) > 1 else 'version'} {', '.join(removed)} "
+            f"from the repository (a function keeps {keep} versions: max_versions, versions.max_stored)",
+            file=out,
+        )
+    elif keeping.held is None and len(record.versions) > keep:
+        print(
+            f"{record.name} has {len(record.versions)} versions stored, more than the {keep} it keeps: "
+            "the oldest are pruned by the next deploy that reaches the registry's Redis",
+            file=out,
+        )
 
 
 def _nothing_uploaded(exc: ManifestError, err: TextIO) -> int:
@@ -185,6 +231,7 @@ def deploy_all(
     err: TextIO,
     record_it: bool = True,
     warm: bool = False,
+    limits: RepositoryLimits | None = None,
 ) -> int:
     """`fngate deploy FILE...`: functions first, then pipelines, whose steps may call functions of
     the same command. Every manifest and every pipeline is checked before anything is uploaded."""
@@ -206,7 +253,7 @@ def deploy_all(
         print("fngate deploy: nothing was uploaded", file=err)
         return 2
     for path in sorted(paths, key=lambda path: manifests[path].pipeline is not None):
-        code = deploy(path, repository, redis_url, gateway, out, err, record_it, warm)
+        code = deploy(path, repository, redis_url, gateway, out, err, record_it, warm, limits)
         if code:
             return code
     return 0
@@ -287,6 +334,10 @@ def deploy_through(
         f"serving versions {', '.join(doc['served'])}; traffic {traffic}",
         file=out,
     )
+    pruned = doc.get("pruned") or []
+    if pruned:
+        noun = "versions" if len(pruned) > 1 else "version"
+        print(f"pruned {manifest.name} {noun} {', '.join(pruned)} from the repository", file=out)
     body = example_body(manifest)
     data = f"'{body}'" if body is not None else "@request.json"
     print(
@@ -378,11 +429,6 @@ def curl_lines(gateway: str, version: FunctionVersion, record: FunctionRecord) -
             f"{AUTH_HEADER} -d @request.json"
         )
     return lines
-
-
-async def _ping(redis_url: str) -> None:
-    async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
-        await redis.ping()
 
 
 async def _announce(redis_url: str, repo_url: str, record: FunctionRecord) -> None:

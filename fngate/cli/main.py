@@ -10,10 +10,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fngate
 from fngate.up.state import UpState, read_up, state_dir
+
+if TYPE_CHECKING:
+    from fngate.config import RepositoryLimits
 
 GATEWAY_WORKERS_MAX = 4
 
@@ -522,6 +525,7 @@ def _repository_command(args: argparse.Namespace) -> int:
             if not file.is_file() and not is_triton_repository(file):
                 raise UsageError(f"{file} does not exist" if not file.exists() else f"{file} is not a file")
         gateway = _deploy_gateway(args.gateway, url)
+        limits = _repository_limits()
         try:
             files, staging = deploy_paths(args.files, sys.stderr)
         except ManifestError as exc:
@@ -529,7 +533,15 @@ def _repository_command(args: argparse.Namespace) -> int:
             return 2
         try:
             return deploy.deploy_all(
-                files, repository, redis_url, gateway, sys.stdout, sys.stderr, args.record_it, args.warm
+                files,
+                repository,
+                redis_url,
+                gateway,
+                sys.stdout,
+                sys.stderr,
+                args.record_it,
+                args.warm,
+                limits,
             )
         finally:
             if staging is not None:
@@ -539,6 +551,21 @@ def _repository_command(args: argparse.Namespace) -> int:
     _deployed(repository, args.name)
     _confirm_removal(repository, args.name, args.yes)
     return deploy.remove(repository, args.name, redis_url, args.grace_s, sys.stdout, sys.stderr)
+
+
+def _repository_limits() -> RepositoryLimits:
+    """FNGATE_MAX_VERSIONS and FNGATE_MAX_REPOSITORY_BYTES, as the gateway's deploy API reads them."""
+    from pydantic import ValidationError
+
+    from fngate.config import RepositoryLimits
+
+    try:
+        return RepositoryLimits()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"FNGATE_{'.'.join(map(str, error['loc'])).upper()}: {error['msg']}" for error in exc.errors()
+        )
+        raise UsageError(problems) from None
 
 
 def _confirm_removal(repository: Any, name: str, yes: bool) -> None:

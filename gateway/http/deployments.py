@@ -2,7 +2,8 @@
 so that deployers need an API key with the `deploy` scope and neither S3 nor Redis credentials. The
 body of a PUT is a gzipped tar of the function's folder, `function.yaml` at its root; it is streamed
 to disk, bounded by max_deploy_bytes, and unpacked into a scratch folder (removed whatever happens)
-bounded by max_unpacked_bytes and max_unpack_ratio times its size. A traffic PUT is
+bounded by max_unpacked_bytes and max_unpack_ratio times its size; what the repository keeps is
+bounded by max_versions and max_repository_bytes (fngate/retention.py). A traffic PUT is
 `{"traffic": {"3": 90, "4": 10}}`."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fngate import deployment
-from fngate.config import GatewaySettings
+from fngate.config import GatewaySettings, RepositoryLimits
 from fngate.errors import FunctionNotFound, InvalidArgument, PayloadTooLarge
 from fngate.repository import MANIFEST_FILE, Repository, check_name
 from gateway.auth import DEPLOY
@@ -42,6 +43,7 @@ class Deployer:
         self.max_bytes = settings.max_deploy_bytes
         self.max_unpacked_bytes = settings.max_unpacked_bytes
         self.max_unpack_ratio = settings.max_unpack_ratio
+        self.limits: RepositoryLimits = settings
         self._repository: Repository | None = None
 
     def repository(self) -> Repository:
@@ -57,7 +59,7 @@ def deployer(request: Request) -> Deployer:
 
 async def put_function(request: Request) -> Response:
     """Store the archive's folder as the function's next version; answer what `GET` answers for
-    it, plus the new version's number (201)."""
+    it, plus the new version's number and the old versions removed to make room (201)."""
     try:
         name = check_name(request.path_params["name"])
     except FunctionNotFound as exc:  # a name nothing can be stored under: the request is wrong
@@ -75,11 +77,14 @@ async def put_function(request: Request) -> Response:
         manifest = folder / MANIFEST_FILE
         if not manifest.is_file():
             raise InvalidArgument(f"the archive has no {MANIFEST_FILE} at its root")
-        version, record = await deployment.publish(
-            manifest, owner.repository(), services(request).redis, name
+        version, record, removed = await deployment.publish(
+            manifest, owner.repository(), services(request).redis, owner.limits, name
         )
     log.info("deployed %s version %s (key %s)", name, version.version, _key_id(request))
-    return json_response({**deployment.describe(record), "deployed": version.version}, 201)
+    if removed:
+        log.info("removed %s versions %s past what it keeps", name, ", ".join(removed))
+    answer = {**deployment.describe(record), "deployed": version.version, "pruned": list(removed)}
+    return json_response(answer, 201)
 
 
 async def get_function(request: Request) -> Response:
