@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from fngate.errors import FunctionError, InvalidArgument
-from fngate.queue import AS, BODY, BY, HEADER, TO
+from fngate.queue import AS, BODIES, BODY, BY, HEADER, HEADERS, TO
 from fngate.tensors import Tensors, datatype_of, from_bytes, to_bytes
 
 WIRE_VERSION = 1
@@ -127,6 +127,10 @@ class Reply:
     @classmethod
     def decode(cls, fields: Mapping[Any, bytes]) -> Reply:
         header, tensors = _decode(fields)
+        return cls.from_header(header, tensors)
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any], tensors: Tensors) -> Reply:
         code = header.get("code")
         return cls(
             id=header["id"],
@@ -136,6 +140,20 @@ class Reply:
             batch_id=header.get("batch", ""),
             batch_size=header.get("bsize", 0),
         )
+
+
+def replies_of(fields: Mapping[Any, bytes]) -> list[Reply]:
+    """The replies of a reply entry: the one it holds, or, packed (fngate.queue.HEADERS), each of
+    a batch's replies to one gateway in order."""
+    if HEADERS not in fields:
+        return [Reply.decode(fields)]
+    body = memoryview(fields.get(BODIES, b""))
+    replies = []
+    offset = 0
+    for header in orjson.loads(fields[HEADERS]):
+        tensors, offset = _tensors(header, body, offset)
+        replies.append(Reply.from_header(header, tensors))
+    return replies
 
 
 def _encode(header: dict[str, Any], tensors: Tensors) -> Fields:
@@ -151,12 +169,16 @@ def _encode(header: dict[str, Any], tensors: Tensors) -> Fields:
 
 def _decode(fields: Mapping[Any, bytes]) -> tuple[dict[str, Any], Tensors]:
     header = orjson.loads(fields[HEADER])
+    tensors, _ = _tensors(header, memoryview(fields.get(BODY, b"")), 0)
+    return header, tensors
+
+
+def _tensors(header: dict[str, Any], body: memoryview, offset: int) -> tuple[Tensors, int]:
+    """The tensors a header lists, from `body` at `offset`; and the offset after them."""
     if header.get("v") != WIRE_VERSION:
         raise InvalidArgument(f"wire version {header.get('v')} is not {WIRE_VERSION}")
-    body = memoryview(fields.get(BODY, b""))
     tensors: Tensors = {}
-    offset = 0
     for name, datatype, shape, size in header["t"]:
         tensors[name] = from_bytes(datatype, shape, body[offset : offset + size], name)
         offset += size
-    return header, tensors
+    return tensors, offset

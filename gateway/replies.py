@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from fngate import keys, queue
 from fngate.backoff import backoff_s
 from fngate.fastredis import FastRedis, stream_entries
-from fngate.wire import Fields, Reply
+from fngate.wire import Fields, Reply, replies_of
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +139,16 @@ class ReplyRouter:
                 await pipe.execute()
 
     def _resolve(self, fields: Fields) -> None:
+        """An entry's reply, or a batch's replies to this gateway (packed: fngate.queue.HEADERS)."""
         try:
-            reply = Reply.decode(fields)
+            replies = replies_of(fields)
         except Exception:
-            log.exception("dropping a reply that does not decode")
+            log.exception("dropping a reply entry that does not decode")
             return
-        receive = self._waiting.pop(queue.answered_id(fields, reply.id), None)
-        if receive is not None:
-            receive(reply)
+        for reply in replies:
+            receive = self._waiting.pop(queue.answered_id(fields, reply.id), None)
+            if receive is not None:
+                receive(reply)
 
 
 def _after(entry_id: bytes) -> str:

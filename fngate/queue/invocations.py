@@ -13,6 +13,11 @@ HEADER = b"h"
 """An entry's JSON header (fngate.wire)."""
 BODY = b"b"
 """An entry's tensors, back to back (fngate.wire)."""
+HEADERS = b"H"
+"""On a reply entry of several replies (a batch's replies to one gateway): their headers, as one
+JSON array of the headers `h` holds on a reply entry of one."""
+BODIES = b"B"
+"""On a reply entry of several replies: their bodies, back to back in the order of HEADERS."""
 FOR = b"for"
 """On a reply: the id of the invocation it answers when that is not the reply's own (a waiter)."""
 STEP = b"p"
@@ -249,10 +254,12 @@ FINISH_ITEM = 11
 # the reply, 'drop' them, 'promote' the first to run in place of this one, or 'counted': the caller
 # answered as many as the next argument says, and for 'promote' the invocation's own header and
 # body, and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
-# asynchronous result is kept result_ttl_s after it is done)), then the entry ids to acknowledge
-# and delete. Replies go only to reply streams that exist (NOMKSTREAM): a gateway that stopped took
-# its stream with it. A reply kept for a time (an asynchronous result's) is stored compactly
-# instead (fngate.queue.stored). One command per batch on one Redis. Answers n once done, or
+# asynchronous result is kept result_ttl_s after it is done)), then the number p of packed reply
+# entries and p triples (index into KEYS, HEADERS, BODIES: the replies of the batch to one gateway
+# that need nothing else, in one entry), then the entry ids to acknowledge and delete. Replies go
+# only to reply streams that exist (NOMKSTREAM): a gateway that stopped took its stream with it. A
+# reply kept for a time (an asynchronous result's) is stored compactly instead
+# (fngate.queue.stored). One command per batch on one Redis. Answers n once done, or
 # {'charge', {{quota, bytes, ttl_ms}, ...}} once done when results it stored owe their bytes to
 # quotas in other slots (a Redis Cluster's: fngate.delivery charges them); or, when waiters joined
 # a 'counted' list beyond its count, {'more', {{i, the new waiters}, ...}} and does nothing (a Redis
@@ -323,8 +330,14 @@ for i = 0, n - 1 do
     if not promoted then redis.call('DEL', marker, waiters) end
   end
 end
+local packed = first + n * 11
+for j = 0, tonumber(ARGV[packed]) - 1 do
+  local at = packed + 1 + j * 3
+  redis.call('XADD', KEYS[tonumber(ARGV[at])], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'H', ARGV[at + 1],
+    'B', ARGV[at + 2])
+end
 local ids = {}
-for i = first + n * 11, #ARGV do ids[#ids + 1] = ARGV[i] end
+for i = packed + 1 + tonumber(ARGV[packed]) * 3, #ARGV do ids[#ids + 1] = ARGV[i] end
 if #ids > 0 then
   redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
   redis.call('XDEL', KEYS[1], unpack(ids))
@@ -561,13 +574,18 @@ def finish_call(
     statistics: Statistics | None = None,
     answered: Mapping[int, int] | None = None,
 ) -> ScriptCall:
-    """FINISH's arguments: write `replies`, acknowledge and delete `entry_ids` (which held
-    `entry_bytes` of the stream's byte count), and add the batch to its `statistics`. `answered`
-    (a Redis Cluster's FINISH): the caller answers the waiters of each reply that shares its
-    answer itself, and has answered this many of the reply at each index (none when missing)."""
+    """FINISH's arguments: write `replies` (those to one gateway packed into one entry where they
+    need nothing else), acknowledge and delete `entry_ids` (which held `entry_bytes` of the
+    stream's byte count), and add the batch to its `statistics`. `answered` (a Redis Cluster's
+    FINISH): the caller answers the waiters of each reply that shares its answer itself, and has
+    answered this many of the reply at each index (none when missing); nothing is packed then."""
     reply_keys: dict[str, int] = {}
+    together = _packable(replies) if answered is None else {}
+    packed_at = {at for indices in together.values() for at in indices}
     items: list[bytes | str | int | float] = []
     for at, out in enumerate(replies):
+        if at in packed_at:
+            continue
         index = 0 if out.delivered else reply_keys.setdefault(out.reply_to, len(reply_keys) + 3)
         promote = out.waiters == "promote" and out.invocation is not None
         mode = out.waiters if out.waiters != "promote" or promote else "drop"
@@ -585,6 +603,14 @@ def finish_call(
             out.invocation[BODY] if promote and out.invocation else "",
             out.reply_ttl_ms,
         ]
+    packed: list[bytes | str | int | float] = [len(together)]
+    for reply_to, indices in together.items():
+        fields = [replies[at].reply for at in indices]
+        packed += [
+            reply_keys.setdefault(reply_to, len(reply_keys) + 3),
+            b"[" + b",".join(reply[HEADER] for reply in fields) + b"]",
+            b"".join(reply[BODY] for reply in fields),
+        ]
     counters: list[bytes | str | int | float] = []
     for field, amount in statistics.increments.items() if statistics else ():
         counters += [field, amount]
@@ -594,15 +620,28 @@ def finish_call(
             group,
             reply_maxlen,
             entry_bytes,
-            len(replies),
+            len(items) // FINISH_ITEM,
             statistics.key if statistics else "",
             statistics.ended_ms if statistics else 0,
             len(counters) // 2,
             *counters,
             *items,
+            *packed,
             *entry_ids,
         ],
     )
+
+
+def _packable(replies: Sequence[Outgoing]) -> dict[str, list[int]]:
+    """The replies that travel packed (their indices), by reply stream: where a stream gets two or
+    more replies that need nothing but delivery (no cache entry, no waiters, not kept as a result,
+    not delivered already), one entry carries them all (HEADERS, BODIES) and the gateway reads one
+    entry for the batch."""
+    plain: dict[str, list[int]] = {}
+    for at, out in enumerate(replies):
+        if not (out.delivered or out.cache_entry or out.in_flight or out.reply_ttl_ms):
+            plain.setdefault(out.reply_to, []).append(at)
+    return {reply_to: indices for reply_to, indices in plain.items() if len(indices) > 1}
 
 
 def entry_bytes(fields: Mapping[bytes, bytes]) -> int:

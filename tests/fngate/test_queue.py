@@ -83,7 +83,34 @@ def test_finish_call_numbers_each_reply_stream_once() -> None:
     assert items[2] == [3, b"h", b"b", "", 0, "m2", "m2:w", "promote", b"ih", b"ib", 0]
     assert items[3][7] == "drop"
     assert items[4] == [5, b"h", b"b", "", 0, "", "", "share", "", "", 1000]
-    assert call.args[first + 5 * queue.FINISH_ITEM :] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
+    assert call.args[first + 5 * queue.FINISH_ITEM] == 0  # nothing packed: r1's second needs waiters
+    assert call.args[first + 5 * queue.FINISH_ITEM + 1 :] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
+
+
+def test_finish_call_packs_what_one_stream_gets_and_needs_nothing_else() -> None:
+    def reply(number: int) -> dict[bytes, bytes]:
+        return {queue.HEADER: b'{"id":"%d"}' % number, queue.BODY: b"b%d" % number}
+
+    call = queue.finish_call(
+        "q",
+        "g",
+        [
+            queue.Outgoing(reply(1), "r1"),
+            queue.Outgoing(reply(2), "r2"),
+            queue.Outgoing(reply(3), "r1", "c", 60),  # cached: an item of its own
+            queue.Outgoing(reply(4), "r1"),
+            queue.Outgoing(reply(5), "r1", delivered=True),  # in its stream already
+        ],
+        [b"1-0"],
+        10,
+        100,
+    )
+    assert call.keys == ["q", "q:bytes", "r2", "r1"]
+    assert call.args[3] == 3  # items: r2's one reply, r1's cached one and the one delivered already
+    items = [call.args[7 + i * queue.FINISH_ITEM : 7 + (i + 1) * queue.FINISH_ITEM] for i in range(3)]
+    assert [item[0:2] for item in items] == [[3, b'{"id":"2"}'], [4, b'{"id":"3"}'], [0, b'{"id":"5"}']]
+    packed = 7 + 3 * queue.FINISH_ITEM
+    assert call.args[packed:] == [1, 4, b'[{"id":"1"},{"id":"4"}]', b"b1b4", b"1-0"]
 
 
 def test_finish_call_carries_the_batch_statistics() -> None:

@@ -9,7 +9,7 @@ from fngate import keys, queue
 from fngate.config import RunnerSettings
 from fngate.errors import ModelFailed
 from fngate.fastredis import FastRedis, stream_entries
-from fngate.wire import Invocation, Reply
+from fngate.wire import Invocation, Reply, replies_of
 from runner.outbox import Entry, Outbox
 
 STREAM = keys.invocations("f")
@@ -79,4 +79,47 @@ async def test_an_answer_from_other_files_than_the_gateway_keyed_on_is_not_cache
     reply = Reply("i1", "1", {"y": np.zeros((1, 2), np.float32)})
     await Outbox(client, STREAM, RunnerSettings(redis_url=redis_url)).send([entry], [reply], ran_digest="old")
     assert await redis.exists("fngate:c:f:k2") == 0
+    await client.aclose()
+
+
+async def test_a_batchs_replies_to_one_gateway_travel_in_one_entry(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    """Three replies for gateway a that need nothing but delivery: one entry; a's cached answer and
+    b's one reply: entries of their own. Each decodes to its own reply, outputs and errors intact."""
+    client = FastRedis(redis_url)
+    await redis.xgroup_create(STREAM, keys.RUNNER_GROUP, id="0", mkstream=True)
+    for stream in ("fngate:r:a", "fngate:r:b"):
+        await redis.xgroup_create(stream, "alive", id="$", mkstream=True)
+    entries = [
+        await queued(redis, client, invocation("a1", "fngate:r:a")),
+        await queued(redis, client, invocation("b1", "fngate:r:b")),
+        await queued(redis, client, invocation("a2", "fngate:r:a")),
+        await queued(
+            redis, client, invocation("ac", "fngate:r:a", digest="d", cache_key="fngate:c:f:x", cache_ttl_s=9)
+        ),
+        await queued(redis, client, invocation("a3", "fngate:r:a")),
+    ]
+    replies = [
+        Reply("a1", "1", {"y": np.full((1, 2), 1, np.float32)}, None, "b", 5),
+        Reply("b1", "1", {"y": np.full((1, 2), 2, np.float32)}, None, "b", 5),
+        Reply("a2", "1", {}, ModelFailed("row 2 is bad"), "b", 5),
+        Reply("ac", "1", {"y": np.full((1, 2), 4, np.float32)}, None, "b", 5),
+        Reply("a3", "1", {"y": np.arange(6, dtype=np.int64).reshape(1, 6), "z": np.ones((1, 1), np.uint8)}),
+    ]
+    await Outbox(client, STREAM, RunnerSettings(redis_url=redis_url)).send(entries, replies, ran_digest="d")
+
+    a = [fields for _, fields in await redis.xrange("fngate:r:a")]
+    b = [fields for _, fields in await redis.xrange("fngate:r:b")]
+    assert sorted(len(replies_of(fields)) for fields in a) == [1, 3] and len(b) == 1
+    got = {reply.id: reply for fields in a + b for reply in replies_of(fields)}
+    assert got.keys() == {"a1", "a2", "a3", "ac", "b1"}
+    assert got["a1"].outputs["y"].tolist() == [[1.0, 1.0]] and got["b1"].outputs["y"].tolist() == [[2.0, 2.0]]
+    assert isinstance(got["a2"].error, ModelFailed) and got["a2"].error.message == "row 2 is bad"
+    assert (
+        got["a3"].outputs["y"].tolist() == [[0, 1, 2, 3, 4, 5]] and got["a3"].outputs["z"].dtype == np.uint8
+    )
+    assert got["ac"].outputs["y"].tolist() == [[4.0, 4.0]]
+    assert await redis.hget("fngate:c:f:x", "h") is not None  # the cached one stored, as alone
+    assert await redis.xlen(STREAM) == 0
     await client.aclose()

@@ -1,0 +1,89 @@
+"""Where one invocation's CPU goes: a private redis-server, one gateway process and one runner (as
+the benchmark runs them), driven by the bench's closed-loop load generator over HTTP with one-row
+tiny invocations, V2 JSON and then binary, at 16 clients. For each: requests per second; user and
+system CPU microseconds per request of the gateway, the runner, Redis and this client (from /proc);
+and Redis's commands per request with their microseconds (INFO commandstats: a script's time
+includes the commands it calls, which are also counted under their own names).
+
+  python -m bench.cpu_split [--measure-s S] [--clients N]
+
+Loopback only; it stops by itself. Figures move with the machine's load: compare runs of one sitting."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench import loadgen
+from bench.__main__ import requests_for
+from bench.deployment import Deployment, deployment, redis_pid
+from bench.models import build_repository
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def user_system_s(pid: int) -> tuple[float, float]:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def client_s() -> tuple[float, float]:
+    times = os.times()
+    return times.user, times.system
+
+
+def split(deployed: Deployment, port: int, binary: bool, clients: int, measure_s: float) -> None:
+    requests, _ = requests_for("tiny", 16, 2000, binary, seed=5)
+    asyncio.run(loadgen.run("127.0.0.1", port, requests, clients, 3.0, 2.0))  # warm
+    readers: dict[str, Callable[[], tuple[float, float]]] = {
+        "gateway": lambda: user_system_s(deployed.gateways[0][0].pid),
+        "runner": lambda: user_system_s(deployed.runners[0].pid),
+        "redis": lambda: user_system_s(redis_pid(deployed.redis_url)),
+        "client": client_s,
+    }
+    with redis.Redis.from_url(deployed.redis_url) as client:
+        client.config_resetstat()
+        before = {name: read() for name, read in readers.items()}
+        result = asyncio.run(loadgen.run("127.0.0.1", port, requests, clients, 0.0, measure_s))
+        after = {name: read() for name, read in readers.items()}
+        stats: dict[str, Any] = client.info("commandstats")
+    count = len(result.latencies_ns)
+    print(f"{'binary' if binary else 'V2 JSON'}: {count / measure_s:,.0f} req/s, {result.errors} errors")
+    for name in readers:
+        user = (after[name][0] - before[name][0]) / count * 1e6
+        system = (after[name][1] - before[name][1]) / count * 1e6
+        print(f"  {name:8} user {user:6.1f} µs/req  system {system:5.1f} µs/req")
+    print("  Redis commands (calls and µs per request):")
+    for command, stat in sorted(stats.items(), key=lambda item: -item[1]["usec"])[:8]:
+        name = command.removeprefix("cmdstat_")
+        print(f"    {name:12} {stat['calls'] / count:5.2f} calls  {stat['usec'] / count:6.2f} µs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_split", description=__doc__)
+    parser.add_argument("--measure-s", type=float, default=8.0)
+    parser.add_argument("--clients", type=int, default=16)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="fngate-cpu-split-") as folder:
+        repo = Path(folder) / "repo"
+        repo.mkdir()
+        build_repository(repo)
+        with deployment(repo, Path(folder) / "logs") as deployed:
+            url = deployed.start_gateway(workers=1)
+            deployed.start_runner()
+            port = int(url.rsplit(":", 1)[1])
+            for binary in (False, True):
+                split(deployed, port, binary, args.clients, args.measure_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
