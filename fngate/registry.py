@@ -40,14 +40,34 @@ CONTROL_OPS = ("load", "unload", "deploy", "remove")
 Source = Callable[[], Awaitable[dict[str, FunctionRecord]]]
 
 
-def function_source(repo: str, redis: aioredis.Redis) -> Source:
+class FunctionSource:
     """Where a process learns the functions and their versions: an S3 repository through the
     registry (no S3 client needed, no listing of the bucket every few seconds), a folder by
-    scanning it in a thread."""
-    if is_remote(repo):
-        return Registry(redis, repo_url(repo)).read
-    repository = open_repository(repo)
-    return lambda: asyncio.to_thread(repository.scan)
+    scanning it in a thread. Each function is read on its own: what cannot be read is left out
+    (or served as it was read last) and named in `unreadable`."""
+
+    def __init__(self, repo: str, redis: aioredis.Redis) -> None:
+        self._registry = Registry(redis, repo_url(repo)) if is_remote(repo) else None
+        self._folder = None if is_remote(repo) else open_repository(repo)
+
+    async def __call__(self) -> dict[str, FunctionRecord]:
+        if self._folder is not None:
+            return await asyncio.to_thread(self._folder.scan)
+        assert self._registry is not None
+        return await self._registry.read()
+
+    @property
+    def unreadable(self) -> dict[str, str]:
+        """As of the last read: by function (a folder's name, or a registry entry's), why it could
+        not be read."""
+        if self._folder is not None:
+            return self._folder.unreadable
+        assert self._registry is not None
+        return dict(self._registry.unreadable)
+
+
+def function_source(repo: str, redis: aioredis.Redis) -> FunctionSource:
+    return FunctionSource(repo, redis)
 
 
 class Registry:
@@ -57,23 +77,29 @@ class Registry:
         self._redis = redis
         self._repo = repo_url
         self._reported: set[str] = set()
-        self._decoded: dict[bytes, FunctionRecord | None] = {}
-        """Records by their JSON: a read every few seconds validates only what changed."""
+        self.unreadable: dict[str, str] = {}
+        """As of the last read: the entries that could not be read, with why."""
+        self._decoded: dict[bytes, FunctionRecord | str | None] = {}
+        """Records by their JSON (why not, for one that cannot be read; None for another
+        repository's): a read every few seconds validates only what changed."""
 
     async def read(self) -> dict[str, FunctionRecord]:
         raw: Any = await self._redis.hgetall(keys.registry())
-        decoded: dict[bytes, FunctionRecord | None] = {}
+        decoded: dict[bytes, FunctionRecord | str | None] = {}
         for name, doc in raw.items():
             if doc in self._decoded:
                 decoded[doc] = self._decoded[doc]
                 continue
             try:
                 decoded[doc] = self._decode(name.decode(), orjson.loads(doc))
-            except (ValueError, KeyError, TypeError, ManifestError) as exc:
-                self._report(name.decode(), str(exc))
-                decoded[doc] = None
+            except Exception as exc:  # any error: this entry's alone, whatever it is
+                problem = str(exc) if isinstance(exc, ManifestError) else f"{type(exc).__name__}: {exc}"
+                self._report(name.decode(), problem)
+                decoded[doc] = problem
         self._decoded = decoded
-        return {record.name: record for record in decoded.values() if record is not None}
+        problems = {name.decode(): decoded[doc] for name, doc in raw.items()}
+        self.unreadable = {name: why for name, why in problems.items() if isinstance(why, str)}
+        return {item.name: item for item in decoded.values() if isinstance(item, FunctionRecord)}
 
     async def put(self, record: FunctionRecord) -> None:
         """Record the function, and make sure its stream and runner group exist (`create_stream`)."""

@@ -293,6 +293,12 @@ class Repository(Protocol):
         """One function; raises FunctionNotFound. Blocking."""
         ...
 
+    @property
+    def unreadable(self) -> dict[str, str]:
+        """As of the last scan: by function (or Triton model), why it, or a version of it, could
+        not be read."""
+        ...
+
     def next_version(self, name: str) -> str:
         """The number the next deploy of `name` will most likely get. Blocking."""
         ...
@@ -332,9 +338,13 @@ class FolderRepository:
         self.url = str(root)
         self._reported: set[tuple[str, str]] = set()
         self._digests: dict[Path, tuple[tuple[tuple[str, int, int], ...], str]] = {}
-        self._last_good: dict[Path, FunctionVersion] = {}
-        """An unversioned folder's last manifest that read well: a live edit that breaks it (the
-        problem is logged) leaves the function served as it was, not gone."""
+        self._last_good: dict[Path, FunctionRecord] = {}
+        """Each folder's function as last read well: a live edit that breaks the folder (the problem
+        is logged) leaves the function served as it was, not gone."""
+        self._problems: dict[Path, str] = {}
+        """The folders that could not be read, with why (`unreadable`)."""
+        self._clashes: dict[Path, str] = {}
+        """The folders of the last scan whose function another folder serves already."""
         self._parsed: dict[Path, tuple[tuple[tuple[str, int, int, int, int], ...], Any]] = {}
         """Each `function.yaml` and Triton model folder as last read, by what the stat of its
         files says (_once_per_change): a scan every few seconds parses only what changed. A
@@ -346,17 +356,31 @@ class FolderRepository:
         found: dict[str, FunctionRecord] = {}
         if not self.root.is_dir():
             log.warning("repository folder %s does not exist", self.root)
+            self._problems = {}
             return found
+        seen, clashes = set(), {}
         for folder in sorted(self.root.iterdir()):
-            if folder.is_dir() and (DNS_LABEL.match(folder.name) or is_triton_model(folder)):
-                record = self._read(folder)
-                if record is None:
-                    continue
-                if record.name in found:
-                    self._report(folder, f"function {record.name!r} is served from another folder already")
-                    continue
-                found[record.name] = record
+            seen.add(folder)
+            record = self._read(folder)
+            if record is None:
+                continue
+            if record.name in found:
+                clashes[folder] = f"function {record.name!r} is served from another folder already"
+                self._report(folder, clashes[folder])
+                continue
+            found[record.name] = record
+        self._problems = {folder: problem for folder, problem in self._problems.items() if folder in seen}
+        self._clashes = clashes
         return found
+
+    @property
+    def unreadable(self) -> dict[str, str]:
+        """By folder name (a function's, or a Triton model's), why the last scan could not read a
+        folder (paths in the reason relative to the repository). One that read well before is served
+        as it was then; the others are not served."""
+        inside = f"{self.root}{os.sep}"  # reasons name files within the repository, not the machine's paths
+        problems = {**self._problems, **self._clashes}
+        return {folder.name: problem.replace(inside, "") for folder, problem in problems.items()}
 
     def get(self, name: str) -> FunctionRecord:
         record = self._read(self.root / check_name(name))
@@ -431,29 +455,59 @@ class FolderRepository:
         return total
 
     def _read(self, folder: Path) -> FunctionRecord | None:
+        """The function of one folder, read on its own: a folder that cannot be read, whatever the
+        error (a fault of this reader's included), is reported with why and leaves its function as
+        it was read last (None: never read well, or no function's folder), so that one bad folder
+        never stops the others."""
+        try:
+            record, warnings = self.read_folder(folder)
+        except Exception as exc:  # any error: it is this folder's, not the repository's
+            problem = problem_of(folder, exc)
+            self._problems[folder] = problem
+            last = self._last_good.get(folder)
+            outcome = "its function serves on as it was read last" if last is not None else "not served"
+            self._report(folder, f"{problem} ({outcome})", skipped=False)
+            return last
+        for warning in warnings:
+            self._report(folder, warning, skipped=False)
+        if self._problems.pop(folder, None) is not None:
+            log.info("%s reads well again", folder)
+            self._reported = {item for item in self._reported if item[0] != str(folder)}  # said if it recurs
+        if record is None:
+            self._last_good.pop(folder, None)
+        else:
+            self._last_good[folder] = record
+        return record
+
+    def read_folder(self, folder: Path) -> tuple[FunctionRecord | None, tuple[str, ...]]:
+        """One folder's function as a scan reads it (None: not a function's folder), and what
+        fngate does not honour of a Triton model's configuration. Raises what reading it raised:
+        ManifestError for a problem of the folder, anything else for a fault (`problem_of`)."""
+        if not folder.is_dir() or not (DNS_LABEL.match(folder.name) or is_triton_model(folder)):
+            return None, ()
         if (folder / MANIFEST_FILE).is_file():
-            unversioned = self._read_unversioned(folder / MANIFEST_FILE)
-            if unversioned is None:  # a manifest edited into a mistake: what was read last stands
-                unversioned = self._last_good.get(folder)
-            else:
-                self._last_good[folder] = unversioned
-            return make_record([unversioned]) if unversioned is not None else None
+            return make_record([self._read_unversioned(folder / MANIFEST_FILE)]), ()
         if is_triton_model(folder):
             return self._read_triton(folder)
-        versions = []
+        versions, problems = [], []
         for index in sorted(folder.glob("*.json")):
             if not VERSION.match(index.stem) or not (folder / index.stem).is_dir():
                 continue
             try:
                 version = decode_version(orjson.loads(index.read_bytes()), folder / index.stem, str(index))
             except (OSError, ValueError, ManifestError) as exc:
+                problems.append(("", str(exc)))
                 self._report(index, str(exc))
                 continue
             if version.name != folder.name or version.version != index.stem:
-                self._report(index, f"names {version.name} version {version.version}, not its place")
+                problem = f"names {version.name} version {version.version}, not its place"
+                problems.append(("", f"{index}: {problem}"))
+                self._report(index, problem)
                 continue
             versions.append(version)
-        return make_record(versions, self._routing(folder)) if versions else None
+        if not versions and problems:
+            raise ManifestError(str(folder), problems)
+        return (make_record(versions, self._routing(folder)) if versions else None), ()
 
     def _routing(self, folder: Path) -> Routing | None:
         path = folder / ROUTING_FILE
@@ -465,21 +519,17 @@ class FolderRepository:
             self._report(path, str(exc))
             return None
 
-    def _read_unversioned(self, path: Path) -> FunctionVersion | None:
+    def _read_unversioned(self, path: Path) -> FunctionVersion:
         manifest = self._once_per_change(path, [path], lambda: load_manifest(path))
-        if isinstance(manifest, ManifestError):
-            self._report(path, str(manifest))
-            return None
+        if isinstance(manifest, Exception):
+            raise manifest.with_traceback(None)  # raised again at each scan: no traceback to grow
         if manifest.name != path.parent.name:
-            self._report(path, f"name {manifest.name!r} differs from its folder {path.parent.name!r}")
-            return None
-        self._reported = {item for item in self._reported if item[0] != str(path)}  # said again if it recurs
+            problem = f"name {manifest.name!r} differs from its folder {path.parent.name!r}"
+            raise ManifestError(str(path), [("name", problem)])
         return FunctionVersion(manifest, "1", path.parent, self._digest(path.parent))
 
-    def _once_per_change(
-        self, key: Path, entries: Sequence[Path], read: Callable[[], T]
-    ) -> T | ManifestError:
-        """`read()` (or the ManifestError it raised), again only once one of `entries` changed:
+    def _once_per_change(self, key: Path, entries: Sequence[Path], read: Callable[[], T]) -> T | Exception:
+        """`read()` (or the exception it raised), again only once one of `entries` changed:
         its inode, size, modification or change time (the change time is the kernel's: no one can
         set it back). While one changed in the last STAMP_SETTLE_NS it is read each time: two
         writes within one tick of the clock could leave the same stamp."""
@@ -499,8 +549,11 @@ class FolderRepository:
         if stamp and cached is not None and cached[0] == tuple(stamp):
             return cached[1]  # type: ignore[no-any-return]
         try:
-            outcome: T | ManifestError = read()
+            outcome: T | Exception = read()
         except ManifestError as exc:
+            outcome = exc
+        except Exception as exc:  # a fault of the reader: still only this folder's problem
+            log.debug("reading %s failed", key, exc_info=True)
             outcome = exc
         self._parsed[key] = (tuple(stamp), outcome)
         return outcome
@@ -509,23 +562,20 @@ class FolderRepository:
         folders = sorted(self.root.iterdir()) if self.root.is_dir() else []
         for folder in folders:
             if folder.name != name and folder.is_dir() and is_triton_model(folder):
-                record = self._read_triton(folder)
+                record = self._read(folder)
                 if record is not None and record.name == name:
                     return record
         return None
 
-    def _read_triton(self, folder: Path) -> FunctionRecord | None:
-        """A Triton model's versions (fngate.triton; protobuf loads with the first one read). What
-        fngate does not honour of its configuration is logged once, as a warning."""
+    def _read_triton(self, folder: Path) -> tuple[FunctionRecord, tuple[str, ...]]:
+        """A Triton model's versions (fngate.triton; protobuf loads with the first one read), and
+        what fngate does not honour of its configuration."""
         from fngate.triton.models import read_model
 
         entries = [folder, *(item for item in sorted(folder.rglob("*")) if "__pycache__" not in item.parts)]
         model = self._once_per_change(folder, entries, lambda: read_model(folder))
-        if isinstance(model, ManifestError):
-            self._report(folder, str(model))
-            return None
-        for warning in model.warnings:
-            self._report(folder, warning, skipped=False)
+        if isinstance(model, Exception):
+            raise model.with_traceback(None)  # raised again at each scan: no traceback to grow
         versions = [
             FunctionVersion(
                 item.manifest,
@@ -535,7 +585,7 @@ class FolderRepository:
             )
             for item in model.versions
         ]
-        return make_record(versions)
+        return make_record(versions), model.warnings
 
     def _digest(self, folder: Path, only: tuple[str, ...] = ()) -> str:
         """sha256 over every file's name and contents (of the files and folders named in `only`,
@@ -568,6 +618,14 @@ class FolderRepository:
 
 
 TRITON_CONFIG = "config.pbtxt"
+
+
+def problem_of(folder: Path, exc: Exception) -> str:
+    """Why `folder` could not be read: a ManifestError's lines, or what another error (a fault of
+    fngate's reader, or of the file system under it) says."""
+    if isinstance(exc, ManifestError):
+        return str(exc)
+    return f"{folder}: cannot be read ({type(exc).__name__}: {exc})"
 
 
 def is_triton_model(folder: Path) -> bool:

@@ -101,9 +101,12 @@ class S3Repository:
 
         config = Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5, read_timeout=60)
         self.client: Any = boto3.client("s3", config=config)
+        self.unreadable: dict[str, str] = {}
+        """As of the last scan: by function, why one of its versions' indexes could not be read."""
 
     def scan(self) -> dict[str, FunctionRecord]:
         records = {}
+        self.unreadable = {}
         for name in self._children(self._key("")):
             if VERSION.match(name) is None:
                 with contextlib.suppress(FunctionNotFound):
@@ -253,8 +256,14 @@ class S3Repository:
                 body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
             try:
                 version = decode_version(orjson.loads(body), Path(), f"s3://{self.bucket}/{key}")
-            except (ValueError, ManifestError) as exc:
-                log.warning("skipping %s: %s", key, exc)
+            except Exception as exc:  # any error: this version's alone, whatever it is
+                problem = (
+                    str(exc)
+                    if isinstance(exc, ManifestError | ValueError)
+                    else f"{type(exc).__name__}: {exc}"
+                )
+                log.warning("skipping %s: %s", key, problem)
+                self.unreadable[name] = problem
                 continue
             if version.name == name and version.version == stem:
                 versions.append(version)

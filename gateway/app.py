@@ -79,7 +79,8 @@ async def serving(
     activator = Activator(reader, health=health)
     # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies, so
     # that the invocations' connections stay the invocations'.
-    catalog = Catalog(function_source(settings.repo, reader), reader, health)
+    source = function_source(settings.repo, reader)
+    catalog = Catalog(source, reader, health, lambda: source.unreadable)
     pipelined = clients.fastredis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
     reply_reads = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
     replies = ReplyRouter(reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s)

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -46,9 +46,16 @@ def choose(weights: Mapping[str, int], rng: random.Random) -> str:
 
 class Catalog:
     def __init__(
-        self, source: Source, redis: aioredis.Redis | None = None, health: Health | None = None
+        self,
+        source: Source,
+        redis: aioredis.Redis | None = None,
+        health: Health | None = None,
+        unreadable: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self._source = source
+        self._unreadable_of = unreadable
+        """What `source` could not read at its last read, by function (or Triton model), with why."""
+        self._unreadable: Mapping[str, str] = {}
         self.redis = redis
         """The queue's Redis: runner states are read, and model control written, there."""
         self.health = health or Health("redis")
@@ -69,6 +76,12 @@ class Catalog:
     @property
     def records(self) -> dict[str, FunctionRecord]:
         return self._records
+
+    @property
+    def unreadable(self) -> Mapping[str, str]:
+        """The repository's folders (or registry entries) that could not be read, by name, with why:
+        not served unless they read well before (then as they were)."""
+        return self._unreadable
 
     @property
     def runners(self) -> list[RunnerView]:
@@ -124,6 +137,7 @@ class Catalog:
 
     async def refresh(self) -> None:
         records = await self._source()
+        self._unreadable = dict(self._unreadable_of())
         added = records.keys() - self._records.keys()
         removed = self._records.keys() - records.keys()
         if added or removed:

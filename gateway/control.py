@@ -27,7 +27,10 @@ POLL_S = 0.1
 
 
 async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[dict[str, str]]:
-    """Every function version that is served or loaded somewhere, with its state and reason."""
+    """Every function version that is served or loaded somewhere, with its state and reason; and
+    every folder of the repository that cannot be read (and is not served as it was read last),
+    UNAVAILABLE with why, under its folder's name and no version, as Triton lists a model it could
+    not load."""
     await _refresh_states(catalog)
     loaded = {key for view in catalog.runners for key in view.models}
     entries = []
@@ -40,7 +43,15 @@ async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[d
                 entries.append(
                     {"name": model, "version": version, "state": state.state, "reason": state.reason}
                 )
-    return entries
+    models = {record.newest().manifest.model_name for record in catalog.records.values()}
+    served = catalog.records.keys() | models
+    if not ready_only:
+        entries += [
+            {"name": name, "state": UNAVAILABLE, "reason": reason}
+            for name, reason in sorted(catalog.unreadable.items())
+            if name not in served
+        ]
+    return sorted(entries, key=lambda entry: entry["name"])
 
 
 async def load(catalog: Catalog, name: str, timeout_s: float) -> None:

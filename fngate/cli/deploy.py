@@ -11,7 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -444,7 +444,7 @@ def list_functions(repository: Repository, redis_url: str, sync: bool, out: Text
         print(f"fngate ls: {exc.message}", file=err)
         return 1
     try:
-        runners, drift = asyncio.run(_states(redis_url, repository.url, records, sync))
+        runners, drift = asyncio.run(_states(redis_url, repository.url, records, sync, repository.unreadable))
     except (RedisError, OSError) as exc:
         if sync:  # a job that syncs must fail visibly
             print(f"fngate ls --sync: redis at {redis_url} is unreachable ({exc})", file=err)
@@ -474,6 +474,8 @@ def list_functions(repository: Repository, redis_url: str, sync: bool, out: Text
     if runners:
         print(file=out)
         _print_table(_runner_rows(runners), out)
+    for name, problem in sorted(repository.unreadable.items()):
+        print(f"fngate ls: {name} cannot be read: {problem}", file=err)
     for line in drift:
         print(f"fngate ls: {line}", file=err)
     return 0
@@ -512,8 +514,15 @@ def _print_table(rows: Sequence[tuple[str, ...]], out: TextIO) -> None:
 
 
 async def _states(
-    redis_url: str, repo_url: str, records: dict[str, FunctionRecord], sync: bool
+    redis_url: str,
+    repo_url: str,
+    records: dict[str, FunctionRecord],
+    sync: bool,
+    unreadable: Mapping[str, str],
 ) -> tuple[list[Any], list[str]]:
+    """Runner states, and how the registry differs from the repository (with `sync`: rewritten
+    from it, except for a function the repository could not read in full and the registry holds:
+    that one stays as it was read last)."""
     async with clients.connect(redis_url, socket_connect_timeout=3) as redis:
         runners = await read_runners(redis)
         if sync:  # streams and groups of functions deployed before they were made at deploy time
@@ -530,6 +539,9 @@ async def _states(
             or name not in records
             or recorded[name].versions.keys() != records[name].versions.keys()
         )
+        kept = [name for name in stale if name in unreadable and name in recorded]
+        stale = [name for name in stale if name not in kept]
+        notes = [f"{name} is kept in the registry as it was read last" for name in kept]
         if not sync:
             hint = "; `fngate ls --sync` rewrites it from the repository"
             return runners, [f"the registry differs from the repository for {stale}{hint}"] if stale else []
@@ -539,7 +551,7 @@ async def _states(
             else:
                 await registry.remove(name)
             await send_control(redis, ControlOp("deploy", name))
-        return runners, [f"registry rewritten for {stale}"] if stale else []
+        return runners, notes + ([f"registry rewritten for {stale}"] if stale else [])
 
 
 def remove(

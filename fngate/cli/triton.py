@@ -13,7 +13,7 @@ from typing import TextIO
 import yaml
 
 from fngate.manifest import FunctionManifest, ManifestError
-from fngate.repository import MANIFEST_FILE, is_triton_model, make_record
+from fngate.repository import MANIFEST_FILE, is_triton_model, make_record, problem_of
 from fngate.repository import FunctionVersion as Version
 
 ModelCheck = Callable[[FunctionManifest, Path], list[str]]
@@ -76,10 +76,9 @@ def validate_repository(path: Path, out: TextIO, err: TextIO, check: ModelCheck 
     for folder in model_folders(path):
         try:
             manifest, version, warnings = served(folder)
-        except ManifestError as exc:
+        except Exception as exc:  # whatever it is, this model's alone
             failed += 1
-            for line in exc.lines():
-                print(line, file=err)
+            print(problem_of(folder, exc), file=err)
             continue
         for warning in warnings:
             print(f"{warning} (warning)", file=err)

@@ -1,5 +1,7 @@
 """`fngate validate`: every check deploy makes on a manifest, plus its tensors against the ONNX
-graph it names (onnx is a dev extra, imported lazily). Every problem is reported at once."""
+graph it names (onnx is a dev extra, imported lazily). Every problem is reported at once; in a
+repository folder, each function's or Triton model's folder is read on its own, as `fngate up`
+reads it, so that one that cannot be read is named and the others are still checked."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any, TextIO
 
 from fngate.manifest import FunctionManifest, ManifestError, TensorSpec, load_manifest
 from fngate.pipeline import Problem, edge_problems
-from fngate.repository import MANIFEST_FILE
+from fngate.repository import MANIFEST_FILE, FolderRepository, FunctionRecord, is_triton_model, problem_of
 from fngate.tensors import ONNX_DATATYPES
 
 
@@ -18,38 +20,73 @@ def validate_files(files: Sequence[Path], out: TextIO, err: TextIO) -> int:
     failed = 0
     notes: set[str] = set()
     for path in files:
-        if path.is_dir():  # a Triton model repository, or one model's folder
-            from fngate.cli.triton import validate_repository
-
-            try:
-                import onnx  # noqa: F401 (only whether it is installed)
-
-                compare: Any = onnx_problems
-            except ImportError:
-                compare = None
-                notes.add(
-                    "onnx is not installed (pip install onnx), so tensors were not compared with the models"
-                )
-            failed += bool(validate_repository(path, out, err, compare))
+        if path.is_dir():  # a repository folder, or one function's or model's folder
+            failed += validate_folder(path, out, err, notes)
             continue
-        problems, note = check(path)
-        if note:
-            notes.add(note)
-        if problems:
+        try:
+            failed += validate_manifest(path, out, err, notes)
+        except Exception as exc:  # a fault of fngate's reading: still named, with its file
             failed += 1
-            for line in problems:
-                print(line, file=err)
-        else:
-            manifest = load_manifest(path)
-            kind = (
-                manifest.model.backend
-                if manifest.pipeline is None
-                else f"pipeline of {len(manifest.pipeline.steps)} steps"
-            )
-            print(f"{path}: ok ({manifest.name}, {kind})", file=out)
+            print(problem_of(path, exc), file=err)
     for note in sorted(notes):
         print(f"fngate validate: note: {note}", file=err)
     return 2 if failed else 0
+
+
+def validate_manifest(path: Path, out: TextIO, err: TextIO, notes: set[str]) -> int:
+    """One manifest's problems, or its ok line; 1 when it has a problem."""
+    problems, note = check(path)
+    if note:
+        notes.add(note)
+    for line in problems:
+        print(line, file=err)
+    if problems:
+        return 1
+    manifest = load_manifest(path)
+    kind = (
+        manifest.model.backend
+        if manifest.pipeline is None
+        else f"pipeline of {len(manifest.pipeline.steps)} steps"
+    )
+    print(f"{path}: ok ({manifest.name}, {kind})", file=out)
+    return 0
+
+
+def validate_folder(path: Path, out: TextIO, err: TextIO, notes: set[str]) -> int:
+    """A repository folder, or one function's or Triton model's folder: each function's folder read
+    as `fngate up` reads it (fngate.repository), then checked as deploy checks it. Returns how
+    many could not be read or have a problem."""
+    single = (path / MANIFEST_FILE).is_file() or is_triton_model(path)
+    folders = [path] if single else sorted(item for item in path.iterdir() if item.is_dir())
+    repository = FolderRepository(path.parent if single else path)
+    failed = 0
+    for folder in folders:
+        try:
+            record, _ = repository.read_folder(folder)
+            if record is not None:
+                failed += _check_folder(folder, record, out, err, notes)
+        except Exception as exc:  # whatever it is, this folder's alone
+            failed += 1
+            print(problem_of(folder, exc), file=err)
+    return failed
+
+
+def _check_folder(folder: Path, record: FunctionRecord, out: TextIO, err: TextIO, notes: set[str]) -> int:
+    if (folder / MANIFEST_FILE).is_file():
+        return validate_manifest(folder / MANIFEST_FILE, out, err, notes)
+    if not is_triton_model(folder):  # deployed versions: read as their index documents say
+        print(f"{folder}: ok ({record.name}, versions {', '.join(record.versions)})", file=out)
+        return 0
+    from fngate.cli.triton import validate_repository
+
+    try:
+        import onnx  # noqa: F401 (only whether it is installed)
+
+        compare: Any = onnx_problems
+    except ImportError:
+        compare = None
+        notes.add("onnx is not installed (pip install onnx), so tensors were not compared with the models")
+    return int(bool(validate_repository(folder, out, err, compare)))
 
 
 def check(path: Path) -> tuple[list[str], str]:

@@ -488,8 +488,8 @@ def _numbers(message: Message, doc: dict[str, Any]) -> dict[str, Any]:
         value = getattr(message, field.name)
         if field.type == FieldDescriptor.TYPE_MESSAGE and _is_map(field):
             entry = field.message_type.fields_by_name["value"]
-            if entry.type == FieldDescriptor.TYPE_MESSAGE:
-                doc[field.name] = {key: _numbers(value[key], doc[field.name][key]) for key in value}
+            if entry.type == FieldDescriptor.TYPE_MESSAGE:  # JSON's keys are strings, the map's may not be
+                doc[field.name] = {str(key): _numbers(value[key], doc[field.name][str(key)]) for key in value}
             elif entry.type in WIDE:
                 doc[field.name] = {key: int(item) for key, item in doc[field.name].items()}
             if field.message_type.fields_by_name["key"].type in WIDE:

@@ -227,3 +227,56 @@ def test_a_manifest_changed_in_place_is_read_again_whatever_its_times(tmp_path: 
     assert manifest.stat().st_size == before.st_size
     time.sleep(2.1)  # settled again: only the change time tells the edit apart
     assert repository.scan()["classifier"].newest().manifest.batching.max_queue_size == 2000
+
+
+DOUBLER = """
+name: "doubler"
+backend: "python"
+max_batch_size: 8
+input [{ name: "x" data_type: TYPE_FP32 dims: [2] }]
+output [{ name: "y" data_type: TYPE_FP32 dims: [2] }]
+"""
+
+
+def triton_folder(folder: Path, config: str) -> Path:
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text("class TritonPythonModel: ...\n")
+    (folder / "config.pbtxt").write_text(config.replace("doubler", folder.name))
+    return folder / "config.pbtxt"
+
+
+def test_a_folder_that_cannot_be_read_is_named_and_the_others_are_served(tmp_path: Path) -> None:
+    import os
+
+    function_folder(tmp_path / "echo")
+    triton_folder(tmp_path / "doubler", DOUBLER)
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "config.pbtxt").write_text("name: [")
+    triton_folder(tmp_path / "odd", DOUBLER)
+    (tmp_path / "odd" / "1" / os.fsdecode(b"w\xff.bin")).write_bytes(b"1")  # the reader chokes on it
+    repository = FolderRepository(tmp_path)
+    assert sorted(repository.scan()) == ["doubler", "echo"]
+    unreadable = repository.unreadable
+    assert sorted(unreadable) == ["garbled", "odd"]
+    assert unreadable["garbled"].startswith("garbled/config.pbtxt: not a Triton model configuration")
+    assert unreadable["odd"].startswith("odd: cannot be read (UnicodeEncodeError")
+    with pytest.raises(FunctionNotFound):
+        repository.get("odd")
+    assert repository.get("echo").name == "echo"
+
+
+def test_a_folder_edited_into_an_error_serves_on_as_it_was_read_last(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", "fngate.repository")
+    config = triton_folder(tmp_path / "doubler", DOUBLER)
+    repository = FolderRepository(tmp_path)
+    before = repository.scan()["doubler"]
+    config.write_text(DOUBLER + "not_a_field: 1\n")
+    assert repository.scan()["doubler"] == before
+    assert "not_a_field" in repository.unreadable["doubler"]
+    assert "its function serves on as it was read last" in caplog.text
+    config.write_text(DOUBLER.replace("max_batch_size: 8", "max_batch_size: 4"))
+    assert repository.scan()["doubler"].newest().manifest.batching.max_batch_size == 4
+    assert repository.unreadable == {}
+    assert "reads well again" in caplog.text

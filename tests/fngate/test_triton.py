@@ -149,3 +149,35 @@ def test_a_priority_and_a_timeout_place_an_invocation() -> None:
     # A runner's room per level: what it holds of a lower level never fills a higher one's.
     assert queue.rooms(4, [2, 2, 2, 2], 4) == [4, 4, 0, 0]
     assert queue.rooms(4, [0, 1, 1], 3) == [3, 1, 1]
+
+
+def test_a_priority_queue_policy_is_honoured_as_triton_serves_it() -> None:
+    config = """
+name: "ranked"
+backend: "python"
+max_batch_size: 8
+input [{ name: "x" data_type: TYPE_FP32 dims: [2] }]
+output [{ name: "y" data_type: TYPE_FP32 dims: [2] }]
+dynamic_batching {
+  priority_levels: 2
+  default_priority_level: 1
+  priority_queue_policy { key: 2 value { timeout_action: DELAY default_timeout_microseconds: 3000
+    max_queue_size: 5 } }
+}
+"""
+    data, _ = mapped(config, "ranked")
+    parsed = parse_config(config, "ranked/config.pbtxt")
+    complete(parsed, "ranked", None)
+    manifest = map_config(parsed, "ranked/config.pbtxt").manifest("1", "ranked/config.pbtxt")
+    placed = queue.place("ranked", manifest.batching, 2, None)
+    assert (placed.priority, placed.max_queue_size, placed.queue_timeout_ms, placed.delay) == (2, 5, 3, True)
+    assert queue.place("ranked", manifest.batching, 1, None).max_queue_size != 5
+    served = data["triton"]["config"]["dynamic_batching"]["priority_queue_policy"]  # type: ignore[index]
+    assert served == {
+        "2": {
+            "timeout_action": "DELAY",
+            "default_timeout_microseconds": 3000,
+            "allow_timeout_override": False,
+            "max_queue_size": 5,
+        }
+    }
