@@ -1,22 +1,27 @@
 """`triton_python_backend_utils` as a Triton Python model uses it (`import triton_python_backend_utils
-as pb_utils`): tensors, requests, responses, errors and the logger, over numpy arrays. Business
-logic scripting (a request's `exec()`) is refused with a clear error: compose models as a pipeline.
+as pb_utils`): tensors, requests, responses, errors, the logger and the BYTES codec, over numpy
+arrays. Business logic scripting (a request's `exec()`) and rescheduling a request are refused with
+a clear error: compose models as a pipeline; fngate answers every request of a batch at once.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import struct
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from fngate.tensors import to_bytes
+
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 NUMPY_TYPES: dict[str, Any] = {
     "TYPE_BOOL": np.bool_,
     "TYPE_UINT8": np.uint8,
@@ -87,6 +92,10 @@ class Tensor:
         return cls(name, np.from_dlpack(capsule))
 
 
+RESCHEDULE_REFUSED = (
+    "fngate does not reschedule requests (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE): execute "
+    "answers every request of its batch, in that batch"
+)
 BLS_REFUSED = (
     "business logic scripting (InferenceRequest.exec) is not available in fngate: a model.py cannot "
     "call other models; compose them as an ensemble (a pipeline) instead"
@@ -139,6 +148,11 @@ class InferenceRequest:
 
     def is_cancelled(self) -> bool:
         return False
+
+    def set_release_flags(self, flags: int) -> None:
+        """TRITONSERVER_REQUEST_RELEASE_ALL is what fngate does anyway; a reschedule is refused."""
+        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            raise TritonModelException(RESCHEDULE_REFUSED)
 
     def get_response_sender(self) -> Any:
         raise TritonModelException(
@@ -210,6 +224,45 @@ def numpy_to_triton_type(dtype: Any) -> str:
 
 def triton_to_numpy_type(triton_type: str) -> Any:
     return triton_string_to_numpy(triton_type)
+
+
+LENGTH = struct.Struct("<I")
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A BYTES tensor in Triton's wire layout (each element, in C order, as its length in 4 bytes
+    little-endian then its bytes; a str as UTF-8), as Triton answers it: a 0-d object array holding
+    those bytes (`.item()`), or an empty object array for a tensor of no elements."""
+    array = np.asarray(input_tensor)
+    if array.dtype.kind not in "OSU":
+        raise TritonModelException(f"cannot serialize a tensor of {array.dtype} as BYTES")
+    if array.size == 0:
+        return np.empty(0, dtype=np.object_)
+    held = np.empty((), dtype=np.object_)
+    held[()] = to_bytes(array)
+    return held
+
+
+def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray[Any, Any]:
+    """The elements of Triton's BYTES wire layout (bytes, or what serialize_byte_tensor answered)
+    as a 1-D object array of bytes."""
+    if isinstance(encoded_tensor, np.ndarray) and encoded_tensor.dtype == np.object_:
+        encoded_tensor = encoded_tensor.item() if encoded_tensor.size else b""
+    view = memoryview(encoded_tensor).cast("B")
+    items: list[bytes] = []
+    offset = 0
+    while offset < len(view):
+        if offset + LENGTH.size > len(view):
+            raise TritonModelException(f"BYTES data ends inside the length of element {len(items)}")
+        (length,) = LENGTH.unpack_from(view, offset)
+        offset += LENGTH.size
+        if offset + length > len(view):
+            raise TritonModelException(f"BYTES element {len(items)} runs past the end of the data")
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    out = np.empty(len(items), dtype=np.object_)
+    out[:] = items
+    return out
 
 
 class LogLevel(enum.IntEnum):

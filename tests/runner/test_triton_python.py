@@ -65,3 +65,46 @@ def test_business_logic_scripting_is_refused_clearly(tmp_path: Path) -> None:
     model = load(tmp_path)
     with pytest.raises(pb_utils.TritonModelException, match="compose them as an ensemble"):
         model.infer({"X": np.zeros((1, 1), dtype=np.float32)}, [1])
+
+
+@pytest.mark.parametrize(
+    ("elements", "wire"),
+    [
+        ([[b"ab", b""], [b"\xff\x00", b"c"]], b"\2\0\0\0ab\0\0\0\0\2\0\0\0\xff\0\1\0\0\0c"),  # C order
+        ([b""], b"\0\0\0\0"),
+        ([b"", b""], b"\0\0\0\0\0\0\0\0"),
+        (["é", "日本"], b"\2\0\0\0\xc3\xa9\6\0\0\0\xe6\x97\xa5\xe6\x9c\xac"),  # str as UTF-8
+        ([b"\x00\x01\x02\x80\xfe"], b"\5\0\0\0\x00\x01\x02\x80\xfe"),
+    ],
+)
+def test_bytes_tensors_round_trip_in_tritons_wire_layout(elements: list[object], wire: bytes) -> None:
+    array = np.array(elements, dtype=np.object_)
+    serialized = pb_utils.serialize_byte_tensor(array)
+    assert serialized.shape == () and serialized.item() == wire
+    expected = [item.encode() if isinstance(item, str) else item for item in array.ravel()]
+    for encoded in (wire, serialized, np.frombuffer(wire, dtype=np.uint8), memoryview(wire)):
+        decoded = pb_utils.deserialize_bytes_tensor(encoded)
+        assert decoded.dtype == np.object_ and decoded.tolist() == expected
+
+
+def test_bytes_tensors_of_no_elements_and_bad_data() -> None:
+    assert pb_utils.serialize_byte_tensor(np.empty((0, 3), dtype=np.object_)).size == 0
+    assert pb_utils.deserialize_bytes_tensor(b"").tolist() == []
+    nothing = pb_utils.serialize_byte_tensor(np.empty(0, np.object_))
+    assert pb_utils.deserialize_bytes_tensor(nothing).size == 0
+    fixed = pb_utils.serialize_byte_tensor(np.array([b"ab", b"c"], dtype=np.bytes_))
+    assert pb_utils.deserialize_bytes_tensor(fixed).tolist() == [b"ab", b"c"]
+    with pytest.raises(pb_utils.TritonModelException, match="float32"):
+        pb_utils.serialize_byte_tensor(np.zeros(2, dtype=np.float32))
+    with pytest.raises(pb_utils.TritonModelException, match="inside the length of element 1"):
+        pb_utils.deserialize_bytes_tensor(b"\1\0\0\0a\1\0")
+    with pytest.raises(pb_utils.TritonModelException, match="element 0 runs past the end"):
+        pb_utils.deserialize_bytes_tensor(b"\5\0\0\0abc")
+
+
+def test_a_reschedule_is_refused_and_release_all_accepted() -> None:
+    request = pb_utils.InferenceRequest("m", ["Y"], [])
+    request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+    assert pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE == 2
+    with pytest.raises(pb_utils.TritonModelException, match="fngate does not reschedule"):
+        request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
