@@ -262,9 +262,11 @@ def _infer(model: Any, name: str, inputs: Tensors, wanted: Sequence[str], rows: 
     return outputs
 
 
-def load_model(module_path: Path, directory: Path, triton_config: dict[str, Any] | None = None) -> Any:
+def load_model(
+    module_path: Path, directory: Path, triton_config: dict[str, Any] | None = None, instance: int = 0
+) -> Any:
     """model.py's Model, or its TritonPythonModel (Triton's Python backend, runner.triton) with the
-    model configuration `triton_config`."""
+    model configuration `triton_config`, as the function's instance `instance`."""
     from runner.triton.model import TritonModel, provide_utils
 
     provide_utils()
@@ -276,7 +278,7 @@ def load_model(module_path: Path, directory: Path, triton_config: dict[str, Any]
     spec.loader.exec_module(module)
     model_class = getattr(module, "Model", None)
     if model_class is None and hasattr(module, "TritonPythonModel"):
-        return TritonModel(module, module_path, directory, triton_config or {})
+        return TritonModel(module, module_path, directory, triton_config or {}, instance)
     if model_class is None:
         raise ValueError(f"{module_path.name} defines no class Model (nor Triton's TritonPythonModel)")
     return model_class(directory)
@@ -318,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # seccomp filter and Landlock's domain, which hold the thread that applies them and its own.
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     try:
-        model = load_model(Path(header["module"]), Path(header["directory"]), header.get("triton_config"))
+        triton_config, instance = header.get("triton_config"), int(header.get("instance", 0))
+        model = load_model(Path(header["module"]), Path(header["directory"]), triton_config, instance)
     except Exception as exc:
         traceback.print_exc()
         send(replies, {"error": f"{type(exc).__name__}: {exc}", "code": ErrorCode.INVALID_ARGUMENT.value})

@@ -52,6 +52,8 @@ class Load:
     model_bytes: bytes | None
     """The model file's verified bytes when in memory."""
     version: str
+    instance: int = 0
+    """Which of the manifest's model.instances this is (0, 1, ...): a Triton model's instance name."""
 
 
 Loader = Callable[[Load], Backend]
@@ -66,7 +68,7 @@ def _onnx(load: Load) -> Backend:
 def _python(load: Load) -> Backend:
     from runner.backends.python import PythonBackend
 
-    return PythonBackend(load.manifest, load.directory, load.accel, load.version)
+    return PythonBackend(load.manifest, load.directory, load.accel, load.version, load.instance)
 
 
 def _tensorrt(load: Load) -> Backend:
@@ -103,8 +105,8 @@ def load_instances(load: Load) -> Backend:
 
     loaded = [first]
     try:
-        for _ in range(load.manifest.model.instances - 1):
-            loaded.append(loader(load))
+        for instance in range(1, load.manifest.model.instances):
+            loaded.append(loader(dataclasses.replace(load, instance=instance)))
     except BaseException:
         close_all(loaded)
         raise

@@ -82,8 +82,10 @@ class PythonBackend:
         directory: Path,
         acceleration: Acceleration | None = None,
         version: str = "",
+        instance: int = 0,
     ) -> None:
         accel = acceleration or Acceleration()
+        self._instance = instance
         self._manifest = manifest
         self._name = manifest.name
         self._version = version
@@ -266,6 +268,7 @@ class PythonBackend:
                 self._limits,
                 self._environment,
                 triton.config if triton else None,
+                self._instance,
             )
         except FunctionError as exc:
             self._note_failure(exc.message)
@@ -398,11 +401,13 @@ class _Child:
         limits: _Limits,
         environment: dict[str, str],
         triton_config: dict[str, Any] | None = None,
+        instance: int = 0,
     ) -> _Child:
         """Start the process (`environment` added to the runner's, less its secrets), confine it and
-        wait until its Model (or Triton model, with its configuration `triton_config`) is
-        constructed. Raises InvalidArgument when model.py does not load, ModelFailed when the
-        process dies or takes too long, or cannot run as an unprivileged user."""
+        wait until its Model (or Triton model, with its configuration `triton_config`, as instance
+        `instance` of the function's) is constructed. Raises InvalidArgument when model.py does not
+        load, ModelFailed when the process dies or takes too long, or cannot run as an unprivileged
+        user."""
         user = _function_user()
         folder = WorkingFolder.make(name, limits.folder_bytes, user)
         cgroup = FunctionCgroup.create(name, limits.cgroup_memory_bytes, limits.pids)
@@ -438,6 +443,7 @@ class _Child:
         }
         if triton_config is not None:
             load["triton_config"] = triton_config
+            load["instance"] = instance
         header = child._load(name, load, user)
         child.device, child.reason = str(header.get("device", "cpu")), header.get("reason")
         limits_text = [*header.get("confined", ())]

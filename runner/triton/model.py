@@ -1,12 +1,17 @@
 """A `TritonPythonModel` run as a Python function: `initialize(args)` with Triton's args at start,
 `execute(requests)` with one request per invocation of the batch, `finalize()` at the end. Each
-error response fails its own invocation only."""
+error response fails its own invocation only. A coroutine that any of them answers (`async def
+execute`) is awaited on one event loop that lives as long as the model's process."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
 import json
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,6 +28,28 @@ CODES = {
     pb_utils.TritonError.UNAVAILABLE: ErrorCode.UNAVAILABLE,
 }
 """Triton's error codes that say the caller's mistake or a passing state; the rest: model_failed."""
+KINDS = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_MODEL": "MODEL", "KIND_AUTO": "CPU"}
+"""An instance group's kind -> `args["model_instance_kind"]` (fngate.triton completes AUTO already)."""
+LOOP_STOP_S = 1.0
+
+
+def instance_args(config: Mapping[str, Any], name: str, index: int) -> dict[str, str]:
+    """Instance `index` of the model's instances (its groups' counts in turn, as Triton creates them):
+    its name (`<group name>_<index in the group>`, an unnamed group being `<model name>_<group
+    index>`), its kind and its device id (0: a runner uses the GPU it was given)."""
+    groups = [dict(group) for group in config.get("instance_group") or [{}]]
+    counts = [max(int(group.get("count") or 1), 1) for group in groups]
+    index %= sum(counts)
+    for number, (group, count) in enumerate(zip(groups, counts, strict=True)):
+        if index < count:
+            group_name = group.get("name") or f"{name}_{number}"
+            return {
+                "model_instance_kind": KINDS.get(str(group.get("kind") or "KIND_CPU"), "CPU"),
+                "model_instance_name": f"{group_name}_{index}",
+                "model_instance_device_id": "0",
+            }
+        index -= count
+    raise AssertionError("an index past the instances")  # pragma: no cover (index %= their sum)
 
 
 def provide_utils() -> None:
@@ -37,18 +64,24 @@ class TritonModel:
 
     takes_rows = True
 
-    def __init__(self, module: ModuleType, path: Path, directory: Path, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        module: ModuleType,
+        path: Path,
+        directory: Path,
+        config: Mapping[str, Any],
+        instance: int = 0,
+    ) -> None:
         self._config = dict(config)
         self._batched = int(self._config.get("max_batch_size", 0)) > 0
         self.member_errors: dict[str, list[str]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         name = str(self._config.get("name", path.parent.parent.name))
-        groups = self._config.get("instance_group") or [{}]
         self._model = module.TritonPythonModel()
         args = {
             "model_config": json.dumps(self._config),
-            "model_instance_kind": "CPU",
-            "model_instance_name": f"{groups[0].get('name', name)}_0_0",
-            "model_instance_device_id": "0",
+            **instance_args(self._config, name, instance),
             "model_repository": str(directory),
             "model_version": path.parent.name,
             "model_name": name,
@@ -57,7 +90,22 @@ class TritonModel:
         """What `initialize` was given, as Triton gives it."""
         initialize = getattr(self._model, "initialize", None)
         if callable(initialize):
-            initialize(args)
+            self._settle(initialize(args))
+
+    def _settle(self, answer: Any) -> Any:
+        """`answer`, or what it resolves to when it is awaitable: awaited on the model's loop, a
+        thread of its own started at the first coroutine (tasks a model leaves on it run on between
+        batches, as on Triton's stub). Blocks until it resolves; the runner's execution timeout
+        bounds it."""
+        if not inspect.isawaitable(answer):
+            return answer
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(
+                target=self._loop.run_forever, name="triton-execute-loop", daemon=True
+            )
+            self._loop_thread.start()
+        return asyncio.run_coroutine_threadsafe(_awaited(answer), self._loop).result()
 
     def infer(
         self, inputs: Mapping[str, np.ndarray[Any, Any]], rows: Sequence[int] | None = None
@@ -76,7 +124,7 @@ class TritonModel:
             tensors = [pb_utils.Tensor(name, array) for name, array in own.items()]
             outputs = [item["name"] for item in self._config.get("output", ())]
             requests.append(pb_utils.InferenceRequest(self._config.get("name", ""), outputs, tensors))
-        responses = self._model.execute(requests)
+        responses = self._settle(self._model.execute(requests))
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise TypeError(f"execute answered {got} for {len(requests)} requests (one response each)")
@@ -101,4 +149,28 @@ class TritonModel:
     def close(self) -> None:
         finalize = getattr(self._model, "finalize", None)
         if callable(finalize):
-            finalize()
+            self._settle(finalize())
+        if self._loop is not None and self._loop_thread is not None:
+            _stop(self._loop, self._loop_thread)
+
+
+async def _awaited(answer: Awaitable[Any]) -> Any:
+    return await answer
+
+
+async def _cancel_the_rest() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Cancel the tasks the model left on its loop, then stop and close the loop (within a few
+    seconds: the process exits next in any case)."""
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result(LOOP_STOP_S)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(LOOP_STOP_S)
+    if not thread.is_alive():
+        loop.close()

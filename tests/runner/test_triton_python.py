@@ -3,6 +3,7 @@ responses failing their own invocation, and business logic scripting refused wit
 
 from __future__ import annotations
 
+import time
 import types
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from runner.triton import python_backend as pb_utils
-from runner.triton.model import TritonModel
+from runner.triton.model import TritonModel, instance_args
 
 SOURCE = """
 import numpy as np
@@ -108,3 +109,85 @@ def test_a_reschedule_is_refused_and_release_all_accepted() -> None:
     assert pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE == 2
     with pytest.raises(pb_utils.TritonModelException, match="fngate does not reschedule"):
         request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+
+
+ASYNC_SOURCE = """
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def initialize(self, args):
+        self.loop = asyncio.get_running_loop()
+        self.ticks = 0
+        self.ticker = asyncio.create_task(self.tick())  # kept across calls, as an async client would be
+
+    async def tick(self):
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.001)
+
+    async def execute(self, requests):
+        await asyncio.sleep(0.01)
+        same = asyncio.get_running_loop() is self.loop and not self.ticker.done()
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            state = np.array([[self.ticks, same]] * len(x), dtype=np.int64)
+            outputs = [pb_utils.Tensor("Y", x), pb_utils.Tensor("T", state)]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+
+    async def finalize(self):
+        self.ticker.cancel()
+        pb_utils.Logger.log_info(f"finalized after {self.ticks} ticks")
+"""
+
+
+def test_an_async_execute_is_awaited_on_one_loop_that_outlives_each_batch(tmp_path: Path) -> None:
+    module = types.ModuleType("model")
+    exec(compile(ASYNC_SOURCE, "model.py", "exec"), module.__dict__)
+    config = {"name": "waiter", "max_batch_size": 4, "output": [{"name": "Y"}, {"name": "T"}]}
+    model = TritonModel(module, tmp_path / "waiter" / "1" / "model.py", tmp_path / "waiter", config)
+    x = np.array([[1.0], [2.0]], dtype=np.float32)
+    first = model.infer({"X": x}, [1, 1])
+    np.testing.assert_array_equal(first["Y"], x)
+    time.sleep(0.05)  # the model's task runs on between batches
+    second = model.infer({"X": x}, [2])
+    np.testing.assert_array_equal(second["Y"], x)
+    assert first["T"][:, 1].all() and second["T"][:, 1].all()  # the loop of initialize, its task alive
+    assert second["T"][0, 0] > first["T"][0, 0]
+    model.close()
+
+
+@pytest.mark.parametrize(
+    ("groups", "index", "expected"),
+    [
+        ([{"name": "doubler", "kind": "KIND_CPU", "count": 2}], 0, ("doubler_0", "CPU")),
+        ([{"name": "doubler", "kind": "KIND_CPU", "count": 2}], 1, ("doubler_1", "CPU")),
+        (
+            [{"name": "a", "kind": "KIND_GPU", "count": 1}, {"name": "b", "kind": "KIND_CPU", "count": 2}],
+            2,
+            ("b_1", "CPU"),
+        ),
+        (
+            [{"name": "a", "kind": "KIND_GPU", "count": 1}, {"name": "b", "kind": "KIND_CPU", "count": 2}],
+            0,
+            ("a_0", "GPU"),
+        ),
+        (
+            [{"name": "", "kind": "KIND_MODEL", "count": 1}, {"name": "", "count": 1}],
+            1,
+            ("doubler_1_0", "CPU"),
+        ),
+        ([{"name": "", "kind": "KIND_MODEL", "count": 1}], 0, ("doubler_0_0", "MODEL")),
+        ([], 0, ("doubler_0_0", "CPU")),
+    ],
+)
+def test_each_instance_has_tritons_name_and_kind(
+    groups: list[dict[str, object]], index: int, expected: tuple[str, str]
+) -> None:
+    args = instance_args({"name": "doubler", "instance_group": groups}, "doubler", index)
+    assert (args["model_instance_name"], args["model_instance_kind"]) == expected
+    assert args["model_instance_device_id"] == "0"
