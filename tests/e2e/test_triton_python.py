@@ -1,0 +1,206 @@
+"""Triton's Python backend through real processes (gateway, runner, each model's confined process),
+called with tritonclient over HTTP and gRPC: an `async def execute`, the BYTES codec of pb_utils,
+and two instances of one group, each with its own name and kind."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+
+from tests.conftest import free_port
+from tests.triton_repository import model
+
+WAITER_CONFIG = """
+name: "waiter"
+backend: "python"
+max_batch_size: 4
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [
+  { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "CALLS" data_type: TYPE_INT64 dims: [ 1 ] }
+]
+dynamic_batching { }
+"""
+
+# Awaits in execute, and keeps a task of its own on the loop across batches.
+WAITER = """
+import asyncio
+import queue
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.calls = 0
+        self.loop = None
+
+    async def execute(self, requests):
+        loop = asyncio.get_running_loop()
+        if self.loop is None:
+            self.loop = loop
+            self.beat = asyncio.ensure_future(asyncio.sleep(3600))
+        if loop is not self.loop or self.beat.done():
+            raise RuntimeError("a new event loop for this batch")
+        self.calls += 1
+        await asyncio.sleep(0.05)
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            calls = np.full((len(x), 1), self.calls, dtype=np.int64)
+            outputs = [pb_utils.Tensor("Y", x * 2), pb_utils.Tensor("CALLS", calls)]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+"""
+
+WIRE_CONFIG = """
+name: "wire"
+backend: "python"
+max_batch_size: 0
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 3 ] } ]
+output [
+  { name: "BACK" data_type: TYPE_STRING dims: [ 3 ] },
+  { name: "WIRE_BYTES" data_type: TYPE_INT64 dims: [ 1 ] }
+]
+"""
+
+# Through Triton's BYTES wire layout and back, each element reversed.
+WIRE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
+            wire = pb_utils.serialize_byte_tensor(text).item()
+            back = pb_utils.deserialize_bytes_tensor(wire)
+            back = np.array([item[::-1] for item in back], dtype=np.object_).reshape(text.shape)
+            size = np.array([len(wire)], dtype=np.int64)
+            outputs = [pb_utils.Tensor("BACK", back), pb_utils.Tensor("WIRE_BYTES", size)]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+"""
+
+POOL_CONFIG = """
+name: "pool"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "INSTANCE" data_type: TYPE_STRING dims: [ 2 ] } ]
+instance_group [ { name: "pair" count: 2 kind: KIND_CPU } ]
+"""
+
+# Each batch held long enough for the next to go to the other instance.
+POOL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.who = [args["model_instance_name"].encode(), args["model_instance_kind"].encode()]
+
+    def execute(self, requests):
+        time.sleep(0.3)
+        out = np.array(self.who, dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("INSTANCE", out)]) for _ in requests]
+"""
+
+TEXT = np.array([b"caf\xc3\xa9", b"", b"\x00\xff\x80raw"], dtype=np.object_)
+WIRE_BYTES = 3 * 4 + 5 + 0 + 6
+
+
+def repository(root: Path) -> Path:
+    model(root, "waiter", WAITER_CONFIG, {"1": {"model.py": WAITER}})
+    model(root, "wire", WIRE_CONFIG, {"1": {"model.py": WIRE}})
+    model(root, "pool", POOL_CONFIG, {"1": {"model.py": POOL}})
+    return root
+
+
+def over_http(url: str) -> dict[str, Any]:
+    client = triton_http.InferenceServerClient(url.removeprefix("http://"), concurrency=8)
+    try:
+        x = triton_http.InferInput("X", [2, 1], "FP32")
+        x.set_data_from_numpy(np.array([[1.0], [2.5]], dtype=np.float32))
+        first = client.infer("waiter", [x])
+        second = client.infer("waiter", [x])
+        text = triton_http.InferInput("TEXT", [3], "BYTES")
+        text.set_data_from_numpy(TEXT)
+        wire = client.infer("wire", [text])
+        one = triton_http.InferInput("X", [1], "FP32")
+        one.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+        pending = [client.async_infer("pool", [one]) for _ in range(6)]
+        instances = [tuple(call.get_result().as_numpy("INSTANCE").tolist()) for call in pending]
+        return {
+            "y": first.as_numpy("Y"),
+            "calls": (int(first.as_numpy("CALLS")[0, 0]), int(second.as_numpy("CALLS")[0, 0])),
+            "back": wire.as_numpy("BACK").tolist(),
+            "wire_bytes": int(wire.as_numpy("WIRE_BYTES")[0]),
+            "instances": set(instances),
+        }
+    finally:
+        client.close()
+
+
+def over_grpc(url: str) -> dict[str, Any]:
+    client = triton_grpc.InferenceServerClient(url)
+    try:
+        x = triton_grpc.InferInput("X", [2, 1], "FP32")
+        x.set_data_from_numpy(np.array([[1.0], [2.5]], dtype=np.float32))
+        first = client.infer("waiter", [x])
+        text = triton_grpc.InferInput("TEXT", [3], "BYTES")
+        text.set_data_from_numpy(TEXT)
+        wire = client.infer("wire", [text])
+        one = triton_grpc.InferInput("X", [1], "FP32")
+        one.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+        answers: queue.Queue[Any] = queue.Queue()
+        for _ in range(6):
+            client.async_infer("pool", [one], lambda result, error: answers.put(error or result))
+        results = [answers.get(timeout=60) for _ in range(6)]
+        instances = {tuple(result.as_numpy("INSTANCE").tolist()) for result in results}
+        return {
+            "y": first.as_numpy("Y"),
+            "calls": int(first.as_numpy("CALLS")[0, 0]),
+            "back": wire.as_numpy("BACK").tolist(),
+            "wire_bytes": int(wire.as_numpy("WIRE_BYTES")[0]),
+            "instances": instances,
+        }
+    finally:
+        client.close()
+
+
+async def test_async_execute_bytes_codec_and_instances_over_http_and_grpc(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    root = repository(tmp_path / "models")
+    port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=port)
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    reversed_text = [b"\xa9\xc3fac", b"", b"war\x80\xff\x00"]
+    pair = {(b"pair_0", b"CPU"), (b"pair_1", b"CPU")}
+
+    http = await asyncio.to_thread(over_http, base)
+    np.testing.assert_array_equal(http["y"], [[2.0], [5.0]])
+    first, second = http["calls"]
+    assert second == first + 1  # one model object, awaited batch after batch on one loop
+    assert http["back"] == reversed_text and http["wire_bytes"] == WIRE_BYTES
+    assert http["instances"] == pair  # two processes, one name each
+
+    grpc = await asyncio.to_thread(over_grpc, f"127.0.0.1:{port}")
+    np.testing.assert_array_equal(grpc["y"], [[2.0], [5.0]])
+    assert grpc["calls"] == second + 1
+    assert grpc["back"] == reversed_text and grpc["wire_bytes"] == WIRE_BYTES
+    assert grpc["instances"] == pair
