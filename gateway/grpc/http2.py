@@ -22,7 +22,8 @@ What it keeps to, and how it answers a peer that does not:
   reading, and no window can be overrun; the transport bounds what it holds with its decode allowance.
 - HPACK: hpack's encoder and decoder (gateway.grpc.hpack_memo's, which remember the blocks gRPC
   repeats), the header list bounded by `max_header_list_size` and the compressed block by twice it.
-- PING is answered, PRIORITY ignored, PUSH_PROMISE refused, frames of unknown types ignored.
+- PING is answered, PRIORITY ignored (but for a stream that depends on itself, a PROTOCOL_ERROR),
+  PUSH_PROMISE refused, frames of unknown types ignored.
 """
 
 from __future__ import annotations
@@ -342,6 +343,7 @@ class ServerConnection:
             events.append((Event.RESET, stream_id, _U32.unpack(payload)[0]))
         elif kind == PRIORITY:
             _shaped("PRIORITY", stream_id != 0, len(payload) == 5)
+            _depends(stream_id, payload, 0)
             self._idle_frame()
         elif kind == GOAWAY:
             _shaped("GOAWAY", stream_id == 0, len(payload) >= 8)
@@ -360,6 +362,9 @@ class ServerConnection:
                 raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "HEADERS without its pad length")
             start, end = 1, end - payload[0]
         if flags & PRIORITY_FLAG:
+            if len(payload) < start + 5:
+                raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "HEADERS without its priority fields")
+            _depends(stream_id, payload, start)
             start += 5
         if end < start:
             raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "HEADERS padding past its frame")
@@ -561,3 +566,10 @@ def _shaped(name: str, on_its_stream: bool, of_its_length: bool) -> None:
         raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, f"{name} on the wrong stream")
     if not of_its_length:
         raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, f"{name} of the wrong length")
+
+
+def _depends(stream_id: int, payload: bytes, start: int) -> None:
+    """Priority fields at `start` (RFC 9113 6.2, 6.3): a stream that depends on itself is a
+    PROTOCOL_ERROR (RFC 7540 5.3.1, kept by RFC 9113 5.3.2); the rest is ignored."""
+    if _U32.unpack_from(payload, start)[0] & MAX_WINDOW == stream_id:
+        raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a stream that depends on itself")

@@ -256,6 +256,20 @@ BREACHES = {
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "PUSH_PROMISE": (PREFACE + SETTINGS_FRAME + frame(5, 0x4, 1, bytes(4)), Http2ErrorCode.PROTOCOL_ERROR),
+    "HEADERS too short for its priority fields": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0x4 | 0x20, 1, bytes(3)),
+        Http2ErrorCode.FRAME_SIZE_ERROR,
+    ),
+    "HEADERS of a stream that depends on itself": (
+        PREFACE
+        + SETTINGS_FRAME
+        + frame(1, 0x4 | 0x20, 1, struct.pack(">IB", 1, 15) + bytes([0x83, 0x86, 0x84])),
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
+    "PRIORITY of a stream that depends on itself": (
+        PREFACE + SETTINGS_FRAME + frame(2, 0, 3, struct.pack(">IB", 3, 15)),
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
     "DATA past its stream's window": (
         PREFACE + SETTINGS_FRAME + HEADERS_OPEN + frame(0, 0, 1, b"x" * 16_384) * 65,  # > 1 MiB in one read
         Http2ErrorCode.FLOW_CONTROL_ERROR,
