@@ -79,7 +79,8 @@ class Event(enum.IntEnum):
     ENDED = 2
     """The client ended its side of the stream (END_STREAM)."""
     WINDOW = 3
-    """The peer opened a flow-control window: a stream's, or the connection's (stream id 0)."""
+    """The peer opened a flow-control window: a stream's, or the connection's (stream id 0); a
+    larger SETTINGS_INITIAL_WINDOW_SIZE opens every open stream's."""
     SETTINGS = 4
     """The peer sent SETTINGS (acknowledged already)."""
     PING = 5
@@ -505,6 +506,7 @@ class ServerConnection:
             return
         if len(payload) % 6:
             raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
+        initial_send_window = self._initial_send_window
         for offset in range(0, len(payload), 6):
             code, value = _SETTING.unpack_from(payload, offset)
             if code == SETTINGS_HEADER_TABLE_SIZE:
@@ -513,24 +515,27 @@ class ServerConnection:
                 if value > 1:
                     raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH past 1")
             elif code == SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    raise ProtocolError(
-                        Http2ErrorCode.FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE past 2^31-1"
-                    )
-                delta = value - self._initial_send_window
-                self._initial_send_window = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > MAX_WINDOW:
-                        raise ProtocolError(
-                            Http2ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1"
-                        )
+                self._set_initial_window(value)
             elif code == SETTINGS_MAX_FRAME_SIZE:
                 if not MAX_FRAME_SIZE <= value <= 2**24 - 1:
                     raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
                 self.max_outbound_frame_size = value
         self._frame(SETTINGS, ACK, 0, b"")
         events.append((Event.SETTINGS, 0, None))
+        if self._initial_send_window > initial_send_window:  # every stream's window opened
+            events.extend((Event.WINDOW, stream_id, None) for stream_id in self.streams)
+
+    def _set_initial_window(self, value: int) -> None:
+        """SETTINGS_INITIAL_WINDOW_SIZE: every open stream's window moves by the change (RFC 9113
+        6.9.2), perhaps below 0."""
+        if value > MAX_WINDOW:
+            raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE past 2^31-1")
+        delta = value - self._initial_send_window
+        self._initial_send_window = value
+        for stream in self.streams.values():
+            stream.send_window += delta
+            if stream.send_window > MAX_WINDOW:
+                raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "a stream's window past 2^31-1")
 
     # helpers
 

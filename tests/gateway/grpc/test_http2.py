@@ -285,6 +285,19 @@ BREACHES = {
 }
 
 
+def test_a_larger_initial_window_size_opens_every_open_stream() -> None:
+    """RFC 9113 6.9.2: SETTINGS_INITIAL_WINDOW_SIZE changes the window of every open stream; a
+    larger one is reported as a WINDOW event of each (a smaller one, or the same, as none)."""
+    connection = server()
+    connection.receive(PREFACE + frame(4, 0, 0, struct.pack(">HI", 4, 0)) + HEADERS_OPEN)
+    connection.receive(frame(1, 0x4, 3, bytes([0x83, 0x86, 0x84])))
+    assert connection.window(1) == connection.window(3) == 0
+    assert connection.receive(frame(4, 0, 0, struct.pack(">HI", 4, 0))) == [(Event.SETTINGS, 0, None)]
+    events = connection.receive(frame(4, 0, 0, struct.pack(">HI", 4, 100) + struct.pack(">HI", 4, 10)))
+    assert events == [(Event.SETTINGS, 0, None), (Event.WINDOW, 1, None), (Event.WINDOW, 3, None)]
+    assert connection.window(1) == connection.window(3) == 10
+
+
 def test_a_stream_may_send_its_whole_window_again_once_it_is_given_back() -> None:
     """The window given back in one read counts from the next: a client that waits for the
     WINDOW_UPDATEs sends far more than one window on a stream."""
