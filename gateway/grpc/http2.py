@@ -14,8 +14,11 @@ What it keeps to, and how it answers a peer that does not:
   (RFC 9113 5.4.1 lets an endpoint treat any stream error as a connection error; one that sends
   broken frames is not a client worth keeping.)
 - Streams: client-initiated (odd, ascending ids); past `max_streams` open at once a new one is
-  refused (RST_STREAM REFUSED_STREAM, its header block still decoded to keep HPACK's table);
-  frames on a stream that ended are ignored (it may have been reset by this side while they flew).
+  refused (RST_STREAM REFUSED_STREAM, its header block still decoded to keep HPACK's table).
+  HEADERS or DATA on a stream this side reset while the client could still send are dropped (the
+  client sent them before it read the reset), on any other closed stream they are a breach, as are
+  HEADERS on a stream id the client skipped; WINDOW_UPDATE and RST_STREAM on a closed stream are
+  ignored.
 - Flow control: the peer's windows are kept per stream and for the connection
   (`send_window`), and nothing is sent past them. Received bytes are given back with WINDOW_UPDATE
   as they arrive, once half of a window is used: a client's sends never stall on the gateway's
@@ -51,6 +54,10 @@ MAX_IDLE_FRAMES_PER_S = 1000
 """Frames that serve no request a client may send per second (PRIORITY, unknown types, empty DATA,
 WINDOW_UPDATE of a closed stream) before its connection is ended with ENHANCE_YOUR_CALM."""
 MAX_WINDOW = 2**31 - 1
+REMEMBERED_RESETS = 1024
+"""Streams this side reset while the client could still send on them, remembered so that what the
+client sent before it read the RST_STREAM is dropped (RFC 9113 5.1), where HEADERS or DATA on any
+other closed stream is a breach; past this many, the oldest is forgotten."""
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
     range(10)
@@ -182,6 +189,8 @@ class ServerConnection:
         self._idle_since = 0.0
         self._allowance = connection_window
         """What the peer may still send on the connection, as far as it can know."""
+        self._reset: dict[int, None] = {}
+        """Streams this side reset while the client could still send on them (in order)."""
         self._granted: list[tuple[_Stream | None, int]] = []
         """Windows given back during this read: the peer can count on them only after it."""
 
@@ -249,7 +258,9 @@ class ServerConnection:
         return stream is not None and stream.remote_open
 
     def reset_stream(self, stream_id: int, code: Http2ErrorCode) -> None:
-        self.streams.pop(stream_id, None)
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None and stream.remote_open:
+            self._remember_reset(stream_id)
         self._frame(RST_STREAM, 0, stream_id, _U32.pack(code))
 
     def close_connection(
@@ -341,6 +352,7 @@ class ServerConnection:
             _shaped("RST_STREAM", stream_id != 0, len(payload) == 4)
             self._known(stream_id)
             self.streams.pop(stream_id, None)
+            self._reset.pop(stream_id, None)
             events.append((Event.RESET, stream_id, _U32.unpack(payload)[0]))
         elif kind == PRIORITY:
             _shaped("PRIORITY", stream_id != 0, len(payload) == 5)
@@ -408,23 +420,27 @@ class ServerConnection:
             ) from exc
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers: they must end the stream
+            if not stream.remote_open:
+                raise ProtocolError(Http2ErrorCode.STREAM_CLOSED, "HEADERS after the end of its stream")
             if not end_stream:
                 raise ProtocolError(
                     Http2ErrorCode.PROTOCOL_ERROR, "a second header block that does not end its stream"
                 )
-            if stream.remote_open:
-                stream.remote_open = False
-                events.append((Event.ENDED, stream_id, None))
-                if not stream.local_open:
-                    del self.streams[stream_id]
+            stream.remote_open = False
+            events.append((Event.ENDED, stream_id, None))
+            if not stream.local_open:
+                del self.streams[stream_id]
             return
         if stream_id <= self.highest_stream_id:
-            return  # a stream that ended
+            self._closed(stream_id, end_stream, Http2ErrorCode.PROTOCOL_ERROR)
+            return
         if not stream_id & 1:
             raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "a client opened an even-numbered stream")
         self.highest_stream_id = stream_id
         if len(self.streams) >= self.max_streams:
             self._frame(RST_STREAM, 0, stream_id, _U32.pack(Http2ErrorCode.REFUSED_STREAM))
+            if not end_stream:
+                self._remember_reset(stream_id)
             return
         stream = self.streams[stream_id] = _Stream(self._initial_send_window, self.stream_window)
         events.append((Event.REQUEST, stream_id, headers))
@@ -454,7 +470,8 @@ class ServerConnection:
         stream = self.streams.get(stream_id)
         if stream is None:
             self._known(stream_id)
-            return  # a stream that ended (perhaps reset by this side while the frame flew)
+            self._closed(stream_id, bool(flags & END_STREAM), Http2ErrorCode.STREAM_CLOSED)
+            return
         if not stream.remote_open:
             raise ProtocolError(Http2ErrorCode.STREAM_CLOSED, "DATA after the end of its stream")
         stream.allowance -= size
@@ -546,6 +563,21 @@ class ServerConnection:
         self._idle_frames += 1
         if self._idle_frames > MAX_IDLE_FRAMES_PER_S:
             raise ProtocolError(Http2ErrorCode.ENHANCE_YOUR_CALM, "too many frames that serve no request")
+
+    def _remember_reset(self, stream_id: int) -> None:
+        self._reset[stream_id] = None
+        if len(self._reset) > REMEMBERED_RESETS:
+            del self._reset[next(iter(self._reset))]
+
+    def _closed(self, stream_id: int, end_stream: bool, code: Http2ErrorCode) -> None:
+        """HEADERS or DATA on a closed stream (RFC 9113 5.1): dropped, its block decoded and its
+        bytes counted already, if this side reset the stream while the client could still send
+        on it; otherwise a breach (`code`: PROTOCOL_ERROR for HEADERS, which would open a stream
+        whose id is spent, STREAM_CLOSED for DATA)."""
+        if stream_id not in self._reset:
+            raise ProtocolError(code, "a frame on a closed stream")
+        if end_stream:  # the client is done with it
+            del self._reset[stream_id]
 
     def _known(self, stream_id: int) -> None:
         """A frame for a stream not open: one that ended is fine, one never opened is not."""

@@ -186,8 +186,33 @@ def test_a_client_reset_and_pings_are_reported_and_pings_answered() -> None:
         if isinstance(e, h2.events.PingAckReceived)
     ]
     assert [ack.ping_data for ack in acks] == [b"12345678"]
-    # Frames for the reset stream still in flight are ignored, not a breach.
-    assert connection.receive(frame(0, 0, stream_id, b"late")) == []
+    # A WINDOW_UPDATE on the stream the client reset is ignored; DATA is a breach (RFC 9113 5.1:
+    # the client sends nothing more on a stream once it reset it).
+    assert connection.receive(frame(8, 0, stream_id, struct.pack(">I", 1))) == []
+    with pytest.raises(ProtocolError) as raised:
+        connection.receive(frame(0, 0, stream_id, b"late"))
+    assert raised.value.code == Http2ErrorCode.STREAM_CLOSED
+
+
+def test_what_the_client_sent_before_it_read_a_reset_is_dropped() -> None:
+    """RFC 9113 5.1: HEADERS and DATA on a stream this side reset while the client could still
+    send on it are dropped, the block decoded (HPACK stays in step); once the client ends the
+    stream, its id is spent like any other."""
+    client, connection = connected()
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, REQUEST)
+    connection.receive(client.data_to_send())
+    connection.reset_stream(stream_id, Http2ErrorCode.CANCEL)
+    client.send_data(stream_id, b"x" * 1000)
+    client.send_headers(stream_id, [(b"x-trailer", b"t")], end_stream=True)
+    following = client.get_next_available_stream_id()
+    client.send_headers(following, [*REQUEST, (b"x-trailer", b"t")], end_stream=True)  # by index
+    events = connection.receive(client.data_to_send())
+    assert [kind for kind, _, _ in events] == [Event.REQUEST, Event.ENDED]
+    assert (b"x-trailer", b"t") in events[0][2]  # type: ignore[operator]
+    with pytest.raises(ProtocolError) as raised:
+        connection.receive(frame(0, 0, stream_id, b"after its end"))
+    assert raised.value.code == Http2ErrorCode.STREAM_CLOSED
 
 
 SETTINGS_FRAME = frame(4, 0, 0, b"")
@@ -214,6 +239,18 @@ BREACHES = {
     "DATA on a stream never opened": (
         PREFACE + SETTINGS_FRAME + frame(0, 0, 3, b"x"),
         Http2ErrorCode.PROTOCOL_ERROR,
+    ),
+    "a stream id below one used": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 5, bytes([0x83, 0x86, 0x84])) + HEADERS_OPEN,
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
+    "DATA on a stream skipped over": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 5, bytes([0x83, 0x86, 0x84])) + frame(0, 0, 3, b"x"),
+        Http2ErrorCode.STREAM_CLOSED,
+    ),
+    "HEADERS after END_STREAM": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83])) + frame(1, 0x5, 1, bytes([0x83])),
+        Http2ErrorCode.STREAM_CLOSED,
     ),
     "DATA after END_STREAM": (
         PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83])) + frame(0, 0, 1, b"x"),
