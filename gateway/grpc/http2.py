@@ -25,6 +25,10 @@ What it keeps to, and how it answers a peer that does not:
   reading, and no window can be overrun; the transport bounds what it holds with its decode allowance.
 - HPACK: hpack's encoder and decoder (gateway.grpc.hpack_memo's, which remember the blocks gRPC
   repeats), the header list bounded by `max_header_list_size` and the compressed block by twice it.
+- Messages (RFC 9113 8): a request whose fields gateway.grpc.fields judges malformed, whose
+  trailers are, or whose DATA does not add up to its content-length is reset (PROTOCOL_ERROR, a
+  stream error): before its REQUEST event, or with a RESET event after it. The judgement is
+  remembered with the block's decoding, so a block gRPC repeats is judged once.
 - PING is answered, PRIORITY ignored (but for a stream that depends on itself, a PROTOCOL_ERROR),
   PUSH_PROMISE refused, frames of unknown types ignored.
 """
@@ -34,11 +38,11 @@ from __future__ import annotations
 import enum
 import struct
 import time
-from typing import Literal, cast
+from typing import Literal
 
 import hpack
 
-from gateway.grpc import hpack_memo
+from gateway.grpc import fields, hpack_memo
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MAX_FRAME_SIZE = 16_384
@@ -93,7 +97,9 @@ class Event(enum.IntEnum):
     PING = 5
     """The peer sent a PING (answered already)."""
     RESET = 6
-    """The peer reset a stream (RST_STREAM); its value is the error code."""
+    """A stream reported open was reset: by the peer (RST_STREAM), or by this side when its request
+    turned out malformed (RFC 9113 8.1.1: its trailers, or DATA against its content-length); its
+    value is the error code."""
     GOAWAY = 7
     """The peer is going away."""
 
@@ -141,10 +147,12 @@ _GOAWAY = struct.Struct(">II")
 
 
 class _Stream:
-    __slots__ = ("allowance", "local_open", "received", "remote_open", "send_window")
+    __slots__ = ("allowance", "length", "local_open", "received", "remote_open", "send_window")
 
-    def __init__(self, send_window: int, allowance: int) -> None:
+    def __init__(self, send_window: int, allowance: int, length: int | None) -> None:
         self.send_window = send_window
+        self.length = length
+        """What its content-length says is still to come (None: it has none)."""
         self.received = 0
         """Bytes received since the stream's window was last given back."""
         self.allowance = allowance
@@ -410,15 +418,16 @@ class ServerConnection:
             )
 
     def _header_block(self, stream_id: int, block: bytes, end_stream: bool, events: Events) -> None:
+        stream = self.streams.get(stream_id)
+        judge = fields.judge_request if stream is None else fields.judge_trailers
         try:  # always decoded, even for a stream refused or ended: HPACK's table must follow the peer's
-            headers = cast(Headers, self.decoder.decode(block, raw=True))  # raw: pairs of bytes, a list
+            headers, (malformed, length) = self.decoder.decode_judged(block, judge)
         except hpack.OversizedHeaderListError as exc:
             raise ProtocolError(Http2ErrorCode.ENHANCE_YOUR_CALM, "a header list past its limit") from exc
         except Exception as exc:  # hpack's HPACKDecodingError, InvalidTableIndex, ...
             raise ProtocolError(
                 Http2ErrorCode.COMPRESSION_ERROR, f"a header block HPACK cannot decode ({type(exc).__name__})"
             ) from exc
-        stream = self.streams.get(stream_id)
         if stream is not None:  # trailers: they must end the stream
             if not stream.remote_open:
                 raise ProtocolError(Http2ErrorCode.STREAM_CLOSED, "HEADERS after the end of its stream")
@@ -426,6 +435,9 @@ class ServerConnection:
                 raise ProtocolError(
                     Http2ErrorCode.PROTOCOL_ERROR, "a second header block that does not end its stream"
                 )
+            if malformed is not None or stream.length:  # or short of its content-length
+                self._malformed(stream_id, events)
+                return
             stream.remote_open = False
             events.append((Event.ENDED, stream_id, None))
             if not stream.local_open:
@@ -442,7 +454,12 @@ class ServerConnection:
             if not end_stream:
                 self._remember_reset(stream_id)
             return
-        stream = self.streams[stream_id] = _Stream(self._initial_send_window, self.stream_window)
+        if malformed is not None or (end_stream and length):  # RFC 9113 8.1.1: a stream error
+            self._frame(RST_STREAM, 0, stream_id, _U32.pack(Http2ErrorCode.PROTOCOL_ERROR))
+            if not end_stream:
+                self._remember_reset(stream_id)
+            return
+        stream = self.streams[stream_id] = _Stream(self._initial_send_window, self.stream_window, length)
         events.append((Event.REQUEST, stream_id, headers))
         if end_stream:
             stream.remote_open = False
@@ -462,11 +479,7 @@ class ServerConnection:
             self._received = 0
         start, end = 0, size
         if flags & PADDED:
-            if not payload:
-                raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "DATA without its pad length")
-            start, end = 1, size - payload[0]
-            if end < start:
-                raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "DATA padding past its frame")
+            start, end = _unpadded(payload)
         stream = self.streams.get(stream_id)
         if stream is None:
             self._known(stream_id)
@@ -477,6 +490,8 @@ class ServerConnection:
         stream.allowance -= size
         if stream.allowance < 0:
             raise ProtocolError(Http2ErrorCode.FLOW_CONTROL_ERROR, "DATA past its stream's window")
+        if stream.length is not None and not self._adds_up(stream_id, stream, end - start, flags, events):
+            return
         if end > start:
             events.append((Event.DATA, stream_id, payload[start:end] if end - start < size else payload))
         elif not flags & END_STREAM:
@@ -564,6 +579,21 @@ class ServerConnection:
         if self._idle_frames > MAX_IDLE_FRAMES_PER_S:
             raise ProtocolError(Http2ErrorCode.ENHANCE_YOUR_CALM, "too many frames that serve no request")
 
+    def _adds_up(self, stream_id: int, stream: _Stream, size: int, flags: int, events: Events) -> bool:
+        """Whether a request's DATA still adds up to its content-length (RFC 9113 8.1.1): past
+        it, or ended short of it, the request is malformed."""
+        assert stream.length is not None
+        stream.length -= size
+        if stream.length < 0 or (flags & END_STREAM and stream.length):
+            self._malformed(stream_id, events)
+            return False
+        return True
+
+    def _malformed(self, stream_id: int, events: Events) -> None:
+        """A request reported already turned out malformed: a stream error (RFC 9113 8.1.1)."""
+        self.reset_stream(stream_id, Http2ErrorCode.PROTOCOL_ERROR)
+        events.append((Event.RESET, stream_id, Http2ErrorCode.PROTOCOL_ERROR))
+
     def _remember_reset(self, stream_id: int) -> None:
         self._reset[stream_id] = None
         if len(self._reset) > REMEMBERED_RESETS:
@@ -594,6 +624,16 @@ class ServerConnection:
         out = self._out
         out += _HEAD.pack(size >> 8, size & 0xFF, kind, flags, stream_id)
         out += payload
+
+
+def _unpadded(payload: bytes) -> tuple[int, int]:
+    """Where a padded DATA frame's data starts and ends (RFC 9113 6.1)."""
+    if not payload:
+        raise ProtocolError(Http2ErrorCode.FRAME_SIZE_ERROR, "DATA without its pad length")
+    end = len(payload) - payload[0]
+    if end < 1:
+        raise ProtocolError(Http2ErrorCode.PROTOCOL_ERROR, "DATA padding past its frame")
+    return 1, end
 
 
 def _shaped(name: str, on_its_stream: bool, of_its_length: bool) -> None:

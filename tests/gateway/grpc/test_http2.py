@@ -12,6 +12,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import pytest
 
 from bench.h2_cost import REQUEST_HEADERS
@@ -233,7 +234,7 @@ BREACHES = {
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "an even stream id": (
-        PREFACE + SETTINGS_FRAME + frame(1, 0x4, 2, bytes([0x83])),
+        PREFACE + SETTINGS_FRAME + frame(1, 0x4, 2, bytes([0x83, 0x86, 0x84])),
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "DATA on a stream never opened": (
@@ -249,11 +250,14 @@ BREACHES = {
         Http2ErrorCode.STREAM_CLOSED,
     ),
     "HEADERS after END_STREAM": (
-        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83])) + frame(1, 0x5, 1, bytes([0x83])),
+        PREFACE
+        + SETTINGS_FRAME
+        + frame(1, 0x5, 1, bytes([0x83, 0x86, 0x84]))
+        + frame(1, 0x5, 1, bytes([0x83])),
         Http2ErrorCode.STREAM_CLOSED,
     ),
     "DATA after END_STREAM": (
-        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83])) + frame(0, 0, 1, b"x"),
+        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83, 0x86, 0x84])) + frame(0, 0, 1, b"x"),
         Http2ErrorCode.STREAM_CLOSED,
     ),
     "DATA padding past its frame": (
@@ -333,6 +337,51 @@ def test_a_larger_initial_window_size_opens_every_open_stream() -> None:
     events = connection.receive(frame(4, 0, 0, struct.pack(">HI", 4, 100) + struct.pack(">HI", 4, 10)))
     assert events == [(Event.SETTINGS, 0, None), (Event.WINDOW, 1, None), (Event.WINDOW, 3, None)]
     assert connection.window(1) == connection.window(3) == 10
+
+
+def test_a_malformed_request_is_reset_and_reported_only_if_it_was_reported() -> None:
+    """RFC 9113 8.1.1: a request whose head is malformed is reset (PROTOCOL_ERROR) before any
+    event; one found malformed later (DATA past its content-length, a pseudo-header in its
+    trailers) is reset with a RESET event after its REQUEST; the connection serves on."""
+    encoder = hpack.Encoder()
+    connection = server()
+    connection.receive(PREFACE + SETTINGS_FRAME)
+    connection.data_to_send()
+    upper = encoder.encode([*REQUEST, (b"X-Upper", b"1")])  # the blocks in the order they are sent
+    with_length = encoder.encode([*REQUEST, (b"content-length", b"3")])
+    events = connection.receive(
+        frame(1, 0x4, 1, upper)
+        + frame(1, 0x4, 3, with_length)
+        + frame(0, 0, 3, b"four")
+        + frame(1, 0x4, 5, encoder.encode(REQUEST))
+        + frame(1, 0x5, 5, encoder.encode([(b":path", b"/")]))
+        + frame(1, 0x4, 7, encoder.encode([*REQUEST, (b"content-length", b"3")]))
+        + frame(0, 0x1, 7, b"abc")
+    )
+    assert [(kind, stream_id) for kind, stream_id, _ in events] == [
+        (Event.REQUEST, 3),
+        (Event.RESET, 3),
+        (Event.REQUEST, 5),
+        (Event.RESET, 5),
+        (Event.REQUEST, 7),
+        (Event.DATA, 7),
+        (Event.ENDED, 7),
+    ]
+    resets = [
+        payload for kind, _, stream_id, payload in frames_of(bytes(connection.data_to_send())) if kind == 3
+    ]
+    assert resets == [struct.pack(">I", Http2ErrorCode.PROTOCOL_ERROR)] * 3
+    assert not connection.ended
+
+
+def frames_of(wire: bytes) -> list[tuple[int, int, int, bytes]]:
+    found, position = [], 0
+    while position < len(wire):
+        length = int.from_bytes(wire[position : position + 3], "big")
+        kind, flags, stream_id = struct.unpack_from(">BBI", wire, position + 3)
+        found.append((kind, flags, stream_id, wire[position + 9 : position + 9 + length]))
+        position += 9 + length
+    return found
 
 
 def test_a_stream_may_send_its_whole_window_again_once_it_is_given_back() -> None:

@@ -24,20 +24,6 @@ from tests.gateway.conftest import running_gateway
 from tests.gateway.grpc.test_front_door import SERVERS
 
 READY_TIMEOUT_S = 30.0
-NOT_YET_MET = {
-    "trailers_with_a_pseudo_header_are_malformed",
-    "a_content_length_past_the_data_is_malformed",
-    "a_content_length_short_of_the_data_is_malformed",
-    "field_names_with_forbidden_characters_are_malformed",
-    "field_names_with_a_colon_are_malformed",
-    "field_values_with_nul_cr_or_lf_are_malformed",
-    "field_values_with_leading_or_trailing_whitespace_are_malformed",
-    "repeated_pseudo_headers_are_malformed",
-    "requests_without_method_scheme_or_path_are_malformed",
-    "an_empty_path_is_malformed",
-    "connect_with_a_scheme_or_path_is_malformed",
-}
-"""Requirements the gateway does not meet yet, each expected to fail until its fix."""
 
 
 def answers_http2(port: int) -> bytes:
@@ -68,17 +54,7 @@ def grpc_port(
         yield port
 
 
-def probes() -> list[object]:
-    unmet = pytest.mark.xfail(strict=True, reason="not met yet")
-    return [
-        pytest.param(
-            function, id=function.__name__, marks=[unmet] if function.__name__ in NOT_YET_MET else []
-        )
-        for _, function in PROBES
-    ]
-
-
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("probe", probes())
+@pytest.mark.parametrize("probe", [function for _, function in PROBES], ids=lambda probe: probe.__name__)
 async def test_rfc9113(grpc_port: int, probe: Probe) -> None:
     await asyncio.wait_for(probe(grpc_port), timeout=20)
