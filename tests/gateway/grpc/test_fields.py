@@ -25,6 +25,9 @@ WELL_FORMED = {
     "CONNECT": ([(b":method", b"CONNECT"), (b":authority", b"example:443")], None),
     "an empty value": ([*REQUEST, (b"x-empty", b"")], None),
     "inner whitespace and octets past ASCII in a value": ([*REQUEST, (b"x-v", b"a b\t\xe9")], None),
+    # Left out on purpose (gateway/grpc/fields.py): perf_analyzer's -H "authorization: Bearer KEY".
+    "a value that starts with a space": ([*REQUEST, (b"authorization", b" Bearer KEY")], None),
+    "a value that ends with a tab": ([*REQUEST, (b"x-v", b"a\t")], None),
     "every octet a name may hold": (
         [*REQUEST, (bytes(range(0x21, 0x3A)) + bytes(range(0x3B, 0x41)), b"1")],
         None,
@@ -44,8 +47,6 @@ MALFORMED = {
     "NUL in a value": [*REQUEST, (b"x-v", b"a\x00")],
     "CR in a value": [*REQUEST, (b"x-v", b"a\rb")],
     "LF in a value": [*REQUEST, (b"x-v", b"\n")],
-    "a value that starts with a space": [*REQUEST, (b"x-v", b" a")],
-    "a value that ends with a tab": [*REQUEST, (b"x-v", b"a\t")],
     "connection": [*REQUEST, (b"connection", b"close")],
     "keep-alive": [*REQUEST, (b"keep-alive", b"5")],
     "proxy-connection": [*REQUEST, (b"proxy-connection", b"x")],

@@ -14,6 +14,7 @@ import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,30 @@ def grpc_port(
         yield port
 
 
+LEFT_OUT = {
+    "field_values_with_leading_or_trailing_whitespace_are_malformed": (
+        "taken on purpose: Triton's perf_analyzer sends -H 'authorization: Bearer KEY' as ' Bearer KEY' "
+        "(gateway/grpc/fields.py)"
+    ),
+}
+"""Requirements the gateway leaves out on purpose, each with its reason: expected to fail, so that
+the suite says so and notices if that changes."""
+
+
+def probes() -> list[Any]:
+    return [
+        pytest.param(
+            function,
+            id=function.__name__,
+            marks=[pytest.mark.xfail(strict=True, reason=LEFT_OUT[function.__name__])]
+            if function.__name__ in LEFT_OUT
+            else [],
+        )
+        for _, function in PROBES
+    ]
+
+
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("probe", [function for _, function in PROBES], ids=lambda probe: probe.__name__)
+@pytest.mark.parametrize("probe", probes())
 async def test_rfc9113(grpc_port: int, probe: Probe) -> None:
     await asyncio.wait_for(probe(grpc_port), timeout=20)
