@@ -8,19 +8,22 @@ pure-Python HPACK would spend on them three quarters of a unary call's HTTP/2 wo
 23 µs in gateway.grpc.http2, `python -m bench.h2_cost`'s call). So each remembers what it did
 while the table did not change, and forgets everything the moment an encode or decode changes it
 (an entry added or evicted, a size update). What it remembers is bounded: blocks and lists up to
-MAX_REMEMBERED_BYTES, at most MAX_REMEMBERED of them per connection.
+MAX_REMEMBERED_BYTES, at most MAX_REMEMBERED of them per connection. The decoder remembers with a
+block what a judge said of its header list (`decode_judged`: gateway.grpc.fields' RFC 9113 checks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, TypeVar, cast
 
 import hpack
 from hpack.table import HeaderTable
 
 MAX_REMEMBERED = 32
 MAX_REMEMBERED_BYTES = 512
+Fields = Sequence[tuple[bytes, bytes]]
+V = TypeVar("V")
 
 
 class _Memory:
@@ -74,6 +77,23 @@ class Decoder(hpack.Decoder):
             raise
         self._memory.keep(key, headers, before, len(data))
         return list(headers)
+
+    def decode_judged(self, data: bytes, judge: Callable[[Fields], V]) -> tuple[list[tuple[bytes, bytes]], V]:
+        """`decode(data, raw=True)` and what `judge` (a pure function of the header list) says of
+        it, remembered together: a block decoded from memory is not judged again."""
+        key = (bytes(data), judge, self.max_header_list_size, self.max_allowed_table_size)
+        known = self._memory.recall(key)
+        if known is not None:
+            return list(known[0]), known[1]
+        before = self._memory.state()
+        try:
+            headers = cast(Fields, tuple(super().decode(data, True)))
+        except Exception:
+            self._memory.forget()  # a partly decoded block may have changed the table
+            raise
+        verdict = judge(headers)
+        self._memory.keep(key, (headers, verdict), before, len(data))
+        return list(headers), verdict
 
 
 class Encoder(hpack.Encoder):

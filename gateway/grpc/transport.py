@@ -48,11 +48,6 @@ MAX_CONTROL_PER_S = 100
 connection is ended; grpc's clients send a few, to size their windows."""
 MAX_QUEUED_MESSAGES = 1024
 """Requests of one stream received and not yet taken by its handler; past it the RPC ends."""
-CONNECTION_HEADERS = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
-)
-"""Connection-specific fields: a request that carries one is malformed in HTTP/2 (RFC 9113 8.2.2)."""
-PSEUDO_HEADERS = frozenset({b":method", b":scheme", b":path", b":authority"})
 TRAILERS_ONLY = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 """What precedes the status of an RPC that ends without an answer."""
 RESPONSE_HEADERS = [
@@ -224,9 +219,6 @@ class GrpcConnection(asyncio.Protocol):
     def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self._going_away:
             self.http2.reset_stream(stream_id, Http2ErrorCode.REFUSED_STREAM)
-            return
-        if not _well_formed(headers):  # RFC 9113 8.1.1: malformed, a stream error
-            self.http2.reset_stream(stream_id, Http2ErrorCode.PROTOCOL_ERROR)
             return
         values = dict(headers)
         path = values.get(b":path", b"")
@@ -596,25 +588,6 @@ class GrpcConnection(asyncio.Protocol):
         data = self.http2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
-
-
-def _well_formed(headers: list[tuple[bytes, bytes]]) -> bool:
-    """No uppercase or connection-specific field, TE only as `trailers`, the pseudo-headers known
-    and first (RFC 9113 8.2 and 8.3)."""
-    regular = False
-    for name, value in headers:
-        if name[:1] == b":":
-            if regular or name not in PSEUDO_HEADERS:
-                return False
-        elif (
-            name in CONNECTION_HEADERS
-            or (name == b"te" and value != b"trailers")
-            or (not name.islower() and name.lower() != name)
-        ):
-            return False
-        else:
-            regular = True
-    return True
 
 
 def _settle(rpc: Rpc) -> None:

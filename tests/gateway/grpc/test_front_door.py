@@ -1,8 +1,9 @@
 """The gRPC front door against callers who hold no key and clients that hold on to what they can:
 nothing of an RPC is read before its key is checked, a message's fields are counted before they
 are built, and what a connection holds (connections, answers a client does not read, frames that
-serve nothing) is bounded and timed. Each attack runs against a real gateway process, whose peak
-RSS and CPU time are read from /proc, while a canary call is still answered."""
+serve nothing, PINGs, SETTINGS and resets by the hundred) is bounded and timed. Each attack runs
+against a real gateway process of each build, uvicorn and Hypercorn, whose peak RSS and CPU time
+are read from /proc, while a canary call is still answered."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import h2.errors
 import h2.settings
+import hpack
 import pytest
 from tritonclient.grpc import service_pb2
 
@@ -119,12 +121,15 @@ async def test_answers_a_client_never_reads_hold_no_place_and_are_let_go(
     await still_serves(port)
 
 
+@pytest.mark.parametrize("server", SERVERS)
 @pytest.mark.timeout(120)
-async def test_idle_connections_make_room_and_time_out(gateway_with_pid: Callable[..., Any]) -> None:
+async def test_idle_connections_make_room_and_time_out(
+    gateway_with_pid: Callable[..., Any], server: str
+) -> None:
     """Connections that send their preface and SETTINGS, then nothing, fill the process: a new one
     is served all the same (the longest idle is sent away), and idle ones end at the idle timeout."""
     port, _ = await keyed_gateway(
-        gateway_with_pid, "uvicorn", FNGATE_MAX_CONNECTIONS="8", FNGATE_GRPC_IDLE_TIMEOUT_S="2"
+        gateway_with_pid, server, FNGATE_MAX_CONNECTIONS="8", FNGATE_GRPC_IDLE_TIMEOUT_S="2"
     )
     held = [await RawClient.connect(port) for _ in range(8)]
     await still_serves(port)
@@ -137,40 +142,49 @@ async def test_idle_connections_make_room_and_time_out(gateway_with_pid: Callabl
     held[0].close()
 
 
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""A client's preface and an empty SETTINGS."""
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">HBBBI", len(payload) >> 8, len(payload) & 0xFF, kind, flags, stream_id) + payload
+
+
+async def goaway_code(port: int, frames: bytes) -> int:
+    """The code of the GOAWAY a new connection gets for `frames`, read up to the close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(PREFACE + frames)
+    received = b""
+    async with asyncio.timeout(10):
+        while chunk := await reader.read(65536):
+            received += chunk
+    writer.close()
+    position = 0
+    while position + 9 <= len(received):  # the server's frames, to its GOAWAY
+        high, low, kind, _, _ = struct.unpack_from(">HBBBI", received, position)
+        payload = received[position + 9 : position + 9 + (high << 8 | low)]
+        if kind == 7:
+            code: int = struct.unpack_from(">I", payload, 4)[0]
+            return code
+        position += 9 + len(payload)
+    raise AssertionError(f"no GOAWAY in {received[-60:]!r}")
+
+
+@pytest.mark.parametrize("server", SERVERS)
 @pytest.mark.timeout(120)
-async def test_frame_floods_end_their_connection_at_little_cost(gateway_with_pid: Callable[..., Any]) -> None:
+async def test_frame_floods_end_their_connection_at_little_cost(
+    gateway_with_pid: Callable[..., Any], server: str
+) -> None:
     """Empty CONTINUATION frames without end, PRIORITY frames by the thousand, and WINDOW_UPDATEs
     over a thousand parked answers: each connection ended (GOAWAY ENHANCE_YOUR_CALM) or its frames
     cost the gateway little CPU; a huge SETTINGS_HEADER_TABLE_SIZE changes nothing."""
-    port, process = await keyed_gateway(gateway_with_pid, "uvicorn")
-    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
-
-    async def goaway_code(frames: bytes) -> int:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(preface + frames)
-        received = b""
-        async with asyncio.timeout(10):
-            while chunk := await reader.read(65536):
-                received += chunk
-        writer.close()
-        position = 0
-        while position + 9 <= len(received):  # the server's frames, to its GOAWAY
-            high, low, kind, _, _ = struct.unpack_from(">HBBBI", received, position)
-            payload = received[position + 9 : position + 9 + (high << 8 | low)]
-            if kind == 7:
-                code: int = struct.unpack_from(">I", payload, 4)[0]
-                return code
-            position += 9 + len(payload)
-        raise AssertionError(f"no GOAWAY in {received[-60:]!r}")
-
-    def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-        return struct.pack(">HBBBI", len(payload) >> 8, len(payload) & 0xFF, kind, flags, stream_id) + payload
+    port, process = await keyed_gateway(gateway_with_pid, server)
 
     live = b"\x83\x86\x44\x29/inference.GRPCInferenceService/ServerLive"  # POST, http, :path literal
     continuations = frame(1, 0, 1, live) + frame(9, 0, 1) * 100
-    assert await goaway_code(continuations) == 11
+    assert await goaway_code(port, continuations) == 11
     priorities = frame(2, 0, 3, bytes(5)) * 2000
-    assert await goaway_code(priorities) == 11
+    assert await goaway_code(port, priorities) == 11
 
     # A client that asks for an HPACK table of 2^32-1 and a window of 0, parks 200 answers,
     # then sends 20,000 connection WINDOW_UPDATEs of one byte each.
@@ -197,6 +211,40 @@ async def test_frame_floods_end_their_connection_at_little_cost(gateway_with_pid
     print(f"20,000 connection WINDOW_UPDATEs over 200 parked answers: {spent:.2f} s of the gateway's CPU")
     assert spent < 2.0  # walking every parked answer per frame cost 5.4 s for 1.3 MB of them
     client.close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.timeout(120)
+async def test_ping_settings_and_reset_floods_end_their_connection(
+    gateway_with_pid: Callable[..., Any], server: str
+) -> None:
+    """PINGs and SETTINGS (each costs an ACK) past 100 a second, and streams opened and reset at
+    once past 200 a second (the rapid-reset attack): GOAWAY ENHANCE_YOUR_CALM, at little cost, and
+    other clients are served."""
+    port, process = await keyed_gateway(gateway_with_pid, server)
+    encoder = hpack.Encoder()
+    fields = [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", LIVE),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+    ]
+    floods = {
+        "PING": b"".join(frame(6, 0, 0, b"%08d" % index) for index in range(300)),
+        "SETTINGS": frame(4, 0, 0) * 300,
+        "rapid reset": b"".join(  # the blocks encoded in the order they are sent
+            frame(1, 0x4, stream_id, encoder.encode(fields)) + frame(3, 0, stream_id, struct.pack(">I", 8))
+            for stream_id in range(1, 801, 2)
+        ),
+    }
+    before = cpu_s(process.pid)
+    for name, frames in floods.items():
+        assert await goaway_code(port, frames) == 11, name
+        await still_serves(port)
+    spent = cpu_s(process.pid) - before
+    print(f"{server}: PING, SETTINGS and reset floods ended for {spent:.2f} s of the gateway's CPU")
+    assert spent < 2.0
 
 
 def classifier_request() -> bytes:

@@ -68,3 +68,26 @@ def test_the_encoder_writes_what_hpack_writes_as_the_table_changes() -> None:
         assert block == plain.encode(headers)
         assert client.decode(block, raw=True) == headers
         assert len(encoder._memory) <= hpack_memo.MAX_REMEMBERED
+
+
+def test_a_judgement_is_remembered_with_its_block() -> None:
+    """decode_judged judges a block's list once for as long as the table stays as it was, and
+    again once a block changed the table."""
+    client = hpack.Encoder()
+    decoder = hpack_memo.Decoder(16_384)
+    judged: list[tuple[tuple[bytes, bytes], ...]] = []
+
+    def judge(fields: hpack_memo.Fields) -> int:
+        judged.append(tuple(fields))
+        return len(fields)
+
+    first = client.encode(REQUEST_HEADERS)  # fills the table
+    repeated = client.encode(REQUEST_HEADERS)  # every field by index
+    for block in (first, repeated, repeated, repeated):
+        headers, verdict = decoder.decode_judged(block, judge)
+        assert headers == REQUEST_HEADERS and verdict == len(REQUEST_HEADERS)
+    assert len(judged) == 2  # the first block, and the repeated one once
+    changed = client.encode([*REQUEST_HEADERS, (b"x-new", b"1")])
+    decoder.decode_judged(changed, judge)
+    decoder.decode_judged(repeated, judge)
+    assert len(judged) == 4

@@ -12,6 +12,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import pytest
 
 from bench.h2_cost import REQUEST_HEADERS
@@ -186,8 +187,33 @@ def test_a_client_reset_and_pings_are_reported_and_pings_answered() -> None:
         if isinstance(e, h2.events.PingAckReceived)
     ]
     assert [ack.ping_data for ack in acks] == [b"12345678"]
-    # Frames for the reset stream still in flight are ignored, not a breach.
-    assert connection.receive(frame(0, 0, stream_id, b"late")) == []
+    # A WINDOW_UPDATE on the stream the client reset is ignored; DATA is a breach (RFC 9113 5.1:
+    # the client sends nothing more on a stream once it reset it).
+    assert connection.receive(frame(8, 0, stream_id, struct.pack(">I", 1))) == []
+    with pytest.raises(ProtocolError) as raised:
+        connection.receive(frame(0, 0, stream_id, b"late"))
+    assert raised.value.code == Http2ErrorCode.STREAM_CLOSED
+
+
+def test_what_the_client_sent_before_it_read_a_reset_is_dropped() -> None:
+    """RFC 9113 5.1: HEADERS and DATA on a stream this side reset while the client could still
+    send on it are dropped, the block decoded (HPACK stays in step); once the client ends the
+    stream, its id is spent like any other."""
+    client, connection = connected()
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, REQUEST)
+    connection.receive(client.data_to_send())
+    connection.reset_stream(stream_id, Http2ErrorCode.CANCEL)
+    client.send_data(stream_id, b"x" * 1000)
+    client.send_headers(stream_id, [(b"x-trailer", b"t")], end_stream=True)
+    following = client.get_next_available_stream_id()
+    client.send_headers(following, [*REQUEST, (b"x-trailer", b"t")], end_stream=True)  # by index
+    events = connection.receive(client.data_to_send())
+    assert [kind for kind, _, _ in events] == [Event.REQUEST, Event.ENDED]
+    assert (b"x-trailer", b"t") in events[0][2]  # type: ignore[operator]
+    with pytest.raises(ProtocolError) as raised:
+        connection.receive(frame(0, 0, stream_id, b"after its end"))
+    assert raised.value.code == Http2ErrorCode.STREAM_CLOSED
 
 
 SETTINGS_FRAME = frame(4, 0, 0, b"")
@@ -208,15 +234,30 @@ BREACHES = {
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "an even stream id": (
-        PREFACE + SETTINGS_FRAME + frame(1, 0x4, 2, bytes([0x83])),
+        PREFACE + SETTINGS_FRAME + frame(1, 0x4, 2, bytes([0x83, 0x86, 0x84])),
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "DATA on a stream never opened": (
         PREFACE + SETTINGS_FRAME + frame(0, 0, 3, b"x"),
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
+    "a stream id below one used": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 5, bytes([0x83, 0x86, 0x84])) + HEADERS_OPEN,
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
+    "DATA on a stream skipped over": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 5, bytes([0x83, 0x86, 0x84])) + frame(0, 0, 3, b"x"),
+        Http2ErrorCode.STREAM_CLOSED,
+    ),
+    "HEADERS after END_STREAM": (
+        PREFACE
+        + SETTINGS_FRAME
+        + frame(1, 0x5, 1, bytes([0x83, 0x86, 0x84]))
+        + frame(1, 0x5, 1, bytes([0x83])),
+        Http2ErrorCode.STREAM_CLOSED,
+    ),
     "DATA after END_STREAM": (
-        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83])) + frame(0, 0, 1, b"x"),
+        PREFACE + SETTINGS_FRAME + frame(1, 0x5, 1, bytes([0x83, 0x86, 0x84])) + frame(0, 0, 1, b"x"),
         Http2ErrorCode.STREAM_CLOSED,
     ),
     "DATA padding past its frame": (
@@ -256,6 +297,20 @@ BREACHES = {
         Http2ErrorCode.PROTOCOL_ERROR,
     ),
     "PUSH_PROMISE": (PREFACE + SETTINGS_FRAME + frame(5, 0x4, 1, bytes(4)), Http2ErrorCode.PROTOCOL_ERROR),
+    "HEADERS too short for its priority fields": (
+        PREFACE + SETTINGS_FRAME + frame(1, 0x4 | 0x20, 1, bytes(3)),
+        Http2ErrorCode.FRAME_SIZE_ERROR,
+    ),
+    "HEADERS of a stream that depends on itself": (
+        PREFACE
+        + SETTINGS_FRAME
+        + frame(1, 0x4 | 0x20, 1, struct.pack(">IB", 1, 15) + bytes([0x83, 0x86, 0x84])),
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
+    "PRIORITY of a stream that depends on itself": (
+        PREFACE + SETTINGS_FRAME + frame(2, 0, 3, struct.pack(">IB", 3, 15)),
+        Http2ErrorCode.PROTOCOL_ERROR,
+    ),
     "DATA past its stream's window": (
         PREFACE + SETTINGS_FRAME + HEADERS_OPEN + frame(0, 0, 1, b"x" * 16_384) * 65,  # > 1 MiB in one read
         Http2ErrorCode.FLOW_CONTROL_ERROR,
@@ -269,6 +324,64 @@ BREACHES = {
         Http2ErrorCode.ENHANCE_YOUR_CALM,
     ),
 }
+
+
+def test_a_larger_initial_window_size_opens_every_open_stream() -> None:
+    """RFC 9113 6.9.2: SETTINGS_INITIAL_WINDOW_SIZE changes the window of every open stream; a
+    larger one is reported as a WINDOW event of each (a smaller one, or the same, as none)."""
+    connection = server()
+    connection.receive(PREFACE + frame(4, 0, 0, struct.pack(">HI", 4, 0)) + HEADERS_OPEN)
+    connection.receive(frame(1, 0x4, 3, bytes([0x83, 0x86, 0x84])))
+    assert connection.window(1) == connection.window(3) == 0
+    assert connection.receive(frame(4, 0, 0, struct.pack(">HI", 4, 0))) == [(Event.SETTINGS, 0, None)]
+    events = connection.receive(frame(4, 0, 0, struct.pack(">HI", 4, 100) + struct.pack(">HI", 4, 10)))
+    assert events == [(Event.SETTINGS, 0, None), (Event.WINDOW, 1, None), (Event.WINDOW, 3, None)]
+    assert connection.window(1) == connection.window(3) == 10
+
+
+def test_a_malformed_request_is_reset_and_reported_only_if_it_was_reported() -> None:
+    """RFC 9113 8.1.1: a request whose head is malformed is reset (PROTOCOL_ERROR) before any
+    event; one found malformed later (DATA past its content-length, a pseudo-header in its
+    trailers) is reset with a RESET event after its REQUEST; the connection serves on."""
+    encoder = hpack.Encoder()
+    connection = server()
+    connection.receive(PREFACE + SETTINGS_FRAME)
+    connection.data_to_send()
+    upper = encoder.encode([*REQUEST, (b"X-Upper", b"1")])  # the blocks in the order they are sent
+    with_length = encoder.encode([*REQUEST, (b"content-length", b"3")])
+    events = connection.receive(
+        frame(1, 0x4, 1, upper)
+        + frame(1, 0x4, 3, with_length)
+        + frame(0, 0, 3, b"four")
+        + frame(1, 0x4, 5, encoder.encode(REQUEST))
+        + frame(1, 0x5, 5, encoder.encode([(b":path", b"/")]))
+        + frame(1, 0x4, 7, encoder.encode([*REQUEST, (b"content-length", b"3")]))
+        + frame(0, 0x1, 7, b"abc")
+    )
+    assert [(kind, stream_id) for kind, stream_id, _ in events] == [
+        (Event.REQUEST, 3),
+        (Event.RESET, 3),
+        (Event.REQUEST, 5),
+        (Event.RESET, 5),
+        (Event.REQUEST, 7),
+        (Event.DATA, 7),
+        (Event.ENDED, 7),
+    ]
+    resets = [
+        payload for kind, _, stream_id, payload in frames_of(bytes(connection.data_to_send())) if kind == 3
+    ]
+    assert resets == [struct.pack(">I", Http2ErrorCode.PROTOCOL_ERROR)] * 3
+    assert not connection.ended
+
+
+def frames_of(wire: bytes) -> list[tuple[int, int, int, bytes]]:
+    found, position = [], 0
+    while position < len(wire):
+        length = int.from_bytes(wire[position : position + 3], "big")
+        kind, flags, stream_id = struct.unpack_from(">BBI", wire, position + 3)
+        found.append((kind, flags, stream_id, wire[position + 9 : position + 9 + length]))
+        position += 9 + length
+    return found
 
 
 def test_a_stream_may_send_its_whole_window_again_once_it_is_given_back() -> None:
