@@ -5,6 +5,7 @@ port. It records each stream's headers and trailers, resets and the connection's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import Callable
 
@@ -128,6 +129,23 @@ class RawClient:
 
     def close(self) -> None:
         self.writer.close()
+
+    async def hang_up(self) -> None:
+        await hang_up(self.writer)
+
+
+async def hang_up(writer: asyncio.StreamWriter) -> None:
+    """Close a raw test connection for good: a FIN once what was written has gone, else (a server
+    that stopped reading holds the rest) a reset. A writer only close()d keeps its transport
+    waiting for the server to read, and the transport, collected later, warns in another test."""
+    writer.close()
+    try:
+        async with asyncio.timeout(1):
+            await writer.wait_closed()
+    except (TimeoutError, OSError):
+        writer.transport.abort()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
 
 def message(payload: bytes, compressed: bool = False) -> bytes:

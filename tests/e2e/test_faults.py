@@ -23,6 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from bench.h2_client import hang_up
 from fngate import keys
 from tests.conftest import ROOT, free_port, policies, start_redis, wait_http
 
@@ -347,7 +348,7 @@ class Connections:
         except (OSError, asyncio.IncompleteReadError):
             return "cut"
         finally:
-            writer.close()
+            await hang_up(writer)
 
     async def _client(self, kind: str) -> None:
         while not self._stop.is_set():

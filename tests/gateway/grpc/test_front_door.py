@@ -21,7 +21,7 @@ import hpack
 import pytest
 from tritonclient.grpc import service_pb2
 
-from bench.h2_client import INFER, LIVE, RawClient, live_request, message
+from bench.h2_client import INFER, LIVE, RawClient, hang_up, live_request, message
 from tests.gateway.grpc.test_transport import grpc_gateway, still_serves
 from tests.gateway.http.test_bounds import peak_rss_bytes, reset_peak
 from tests.gateway.test_auth import create_key
@@ -69,7 +69,7 @@ async def test_nothing_is_read_for_a_caller_without_a_key(
         stream_id = client.open(INFER, [(b"grpc-encoding", b"gzip"), *extra])
         client.send(stream_id, bomb, end=True)
         found = await client.status_of(stream_id)
-        client.close()
+        await client.hang_up()
         grown, spent = peak_rss_bytes(process.pid) - before_rss, cpu_s(process.pid) - before_cpu
         print(f"{server}, key {bool(extra)}: refused; peak RSS +{grown / MiB:.1f} MiB, CPU {spent:.2f} s")
         assert found.get(b"grpc-status") == b"16", found  # UNAUTHENTICATED
@@ -83,7 +83,7 @@ async def test_nothing_is_read_for_a_caller_without_a_key(
     stream_id = client.open(INFER, [(b"grpc-encoding", b"gzip"), *bearer(key)])
     client.send(stream_id, bomb, end=True)
     found = await client.status_of(stream_id, timeout_s=30)
-    client.close()
+    await client.hang_up()
     grown, spent = peak_rss_bytes(process.pid) - before_rss, cpu_s(process.pid) - before_cpu
     print(f"{server}, a good key: refused; peak RSS +{grown / MiB:.1f} MiB, CPU {spent:.2f} s")
     assert found.get(b"grpc-status") == b"8", found  # RESOURCE_EXHAUSTED
@@ -117,7 +117,7 @@ async def test_answers_a_client_never_reads_hold_no_place_and_are_let_go(
     await still_serves(port)  # a place is free for everyone else
     await stingy.read(lambda: all(stream_id in stingy.resets for stream_id in opened), timeout_s=15)
     assert {stingy.resets[stream_id] for stream_id in opened} == {h2.errors.ErrorCodes.CANCEL}
-    stingy.close()
+    await stingy.hang_up()
     await still_serves(port)
 
 
@@ -138,8 +138,8 @@ async def test_idle_connections_make_room_and_time_out(
     for client in held[1:]:  # the rest, at the idle timeout
         await client.ended(timeout_s=10)
         assert client.goaway is not None
-        client.close()
-    held[0].close()
+        await client.hang_up()
+    await held[0].hang_up()
 
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -158,7 +158,7 @@ async def goaway_code(port: int, frames: bytes) -> int:
     async with asyncio.timeout(10):
         while chunk := await reader.read(65536):
             received += chunk
-    writer.close()
+    await hang_up(writer)
     position = 0
     while position + 9 <= len(received):  # the server's frames, to its GOAWAY
         high, low, kind, _, _ = struct.unpack_from(">HBBBI", received, position)
@@ -210,7 +210,7 @@ async def test_frame_floods_end_their_connection_at_little_cost(
     spent = cpu_s(process.pid) - before
     print(f"20,000 connection WINDOW_UPDATEs over 200 parked answers: {spent:.2f} s of the gateway's CPU")
     assert spent < 2.0  # walking every parked answer per frame cost 5.4 s for 1.3 MB of them
-    client.close()
+    await client.hang_up()
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -289,7 +289,7 @@ async def test_a_cancelled_rpc_lets_go_of_its_invocation(
         assert b"in flight" in found.get(b"grpc-message", b""), found
     else:
         raise AssertionError("the cancelled call still holds the key's place")
-    client.close()
+    await client.hang_up()
 
 
 def hpack_literal(name: bytes, value: bytes) -> bytes:
@@ -338,7 +338,7 @@ async def test_a_malformed_request_is_reset_alone(
                 size = high << 8 | low
                 frames.append((kind, flags, stream_id, received[position + 9 : position + 9 + size]))
                 position += 9 + size
-    writer.close()
+    await hang_up(writer)
     resets = [payload for kind, _, stream_id, payload in frames if kind == 3 and stream_id == 1]
     assert resets == [struct.pack(">I", 1)], frames
     assert not any(kind == 7 for kind, _, _, _ in frames)

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as triton
 from tritonclient.grpc import service_pb2
 
-from bench.h2_client import INFER, RawClient, live_request, message
+from bench.h2_client import INFER, RawClient, hang_up, live_request, message
 from tests.conftest import free_port
 from tests.gateway.http.test_bounds import peak_rss_bytes, reset_peak
 
@@ -68,7 +68,7 @@ async def still_serves(port: int) -> None:
     stream_id = client.open(b"/inference.GRPCInferenceService/ServerLive")
     client.send(stream_id, live_request(), end=True)
     assert (await client.status_of(stream_id))[b"grpc-status"] == b"0"
-    client.close()
+    await client.hang_up()
 
 
 async def grpc_gateway(gateway_with_pid: Callable[..., Any], **env: str) -> tuple[int, Any]:
@@ -138,7 +138,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     client.open(extra=[(b"x-big", b"x" * 16_000), (b"x-big-2", b"y" * 16_000), (b"x-big-3", b"z" * 16_000)])
     await client.ended()
     assert client.closed or client.goaway is not None
-    client.close()
+    await client.hang_up()
 
     # Streams opened and cancelled as fast as they go (the rapid-reset attack): GOAWAY.
     rapid = await RawClient.connect(port)
@@ -150,7 +150,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     assert rapid.closed
     if rapid.goaway is not None:  # unless the close overtook it
         assert rapid.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
-    rapid.close()
+    await rapid.hang_up()
 
     # PINGs as fast as they go (each costs an ACK): GOAWAY.
     pinging = await RawClient.connect(port)
@@ -161,7 +161,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     assert pinging.closed
     if pinging.goaway is not None:
         assert pinging.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
-    pinging.close()
+    await pinging.hang_up()
 
     # A frame past 16 KiB (what the gateway advertises): GOAWAY FRAME_SIZE_ERROR, then the close.
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -171,7 +171,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     async with asyncio.timeout(10):
         while chunk := await reader.read(65536):
             received += chunk
-    writer.close()
+    await hang_up(writer)
     assert received[-14] == 7 and received.endswith(struct.pack(">I", 6))  # GOAWAY, its code last
 
     # A connection that never sends its preface is closed at the header timeout.
@@ -179,7 +179,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     async with asyncio.timeout(10):
         while await reader.read(65536):
             pass
-    writer.close()
+    await hang_up(writer)
 
     # RPCs in flight past max_connections (8), over all connections: RESOURCE_EXHAUSTED.
     busy = await RawClient.connect(port)
@@ -187,7 +187,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     found = await busy.status_of(opened[-1])
     assert found.get(b"grpc-status") == b"8" and b"8 RPCs in flight" in found[b"grpc-message"], found
     assert all(b"grpc-status" not in busy.statuses.get(stream_id, {}) for stream_id in opened[:-1])
-    busy.close()
+    await busy.hang_up()
 
     # Past max_connections (8), a new connection is sent away at once.
     held = [await RawClient.connect(port) for _ in range(8)]
@@ -197,7 +197,7 @@ async def test_hostile_streams_and_connections_are_refused_alone_and_cost_little
     await extra.ended()
     assert extra.goaway is not None and extra.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
     for each in [*held, extra]:
-        each.close()
+        await each.hang_up()
 
     await asyncio.sleep(1.5)  # the held connections' streams time out and free their places
     await still_serves(port)
@@ -218,7 +218,7 @@ async def test_metadata_never_reaches_the_log_even_at_debug(
     )
     client.send(stream_id, live_request(), end=True)
     assert (await client.status_of(stream_id))[b"grpc-status"] == b"0"
-    client.close()
+    await client.hang_up()
     process.terminate()
     process.wait(timeout=15)
     log = (tmp_path / "gateway-0.log").read_text()
@@ -261,7 +261,7 @@ async def test_an_rpc_in_flight_when_the_gateway_stops_is_answered_then_the_conn
     assert answered[b"grpc-status"] == b"0", answered
     await client.ended(timeout_s=30)
     assert client.goaway is not None
-    client.close()
+    await client.hang_up()
     assert process.wait(timeout=30) == 0
 
 
@@ -281,7 +281,7 @@ async def test_a_large_message_costs_about_its_own_size_plain_or_inflated(
         stream_id = client.open(INFER, head)
         await client.send_all(stream_id, body, end=True)
         found = await client.status_of(stream_id, timeout_s=60)
-        client.close()
+        await client.hang_up()
         assert found.get(b"grpc-status") == b"3", (name, found)
         grown = peak_rss_bytes(process.pid) - before
         print(f"{name}: the gateway's peak RSS grew {grown / MiB:.1f} MiB for a {size // MiB} MiB message")

@@ -15,6 +15,7 @@ import httpx
 import orjson
 import pytest
 
+from bench.h2_client import hang_up
 from tests.conftest import wait_http
 
 INFER = "/v2/models/strings/infer"
@@ -121,7 +122,7 @@ async def read_response(base: str, request: bytes, timeout_s: float = 20) -> byt
         async with asyncio.timeout(timeout_s):
             return await reader.read()
     finally:
-        writer.close()
+        await hang_up(writer)
 
 
 @pytest.mark.parametrize("sent", [b"", b'{"inputs": '])
@@ -162,7 +163,7 @@ async def test_a_request_head_sent_a_byte_at_a_time_is_cut_at_the_header_timeout
     except ConnectionError:
         closed_after = asyncio.get_running_loop().time() - started
     finally:
-        writer.close()
+        await hang_up(writer)
     assert closed_after is not None, "the server kept a connection whose head never ended"
 
 
@@ -175,7 +176,7 @@ async def test_a_client_that_disconnects_mid_body_is_not_an_error_log(
         _reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(f"POST {INFER} HTTP/1.1\r\nhost: test\r\ncontent-length: 100\r\n\r\n{{".encode())
         await writer.drain()
-        writer.close()
+        await hang_up(writer)
         await writer.wait_closed()
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert_json_400(await client.post(INFER, content=b"{"), "not valid JSON")  # still serving
@@ -226,7 +227,7 @@ async def test_responses_without_a_body_and_interim_ones_go_out_at_once(
                 assert head.startswith(b"HTTP/1.1 200"), head
                 await reader.readexactly(length)
     finally:
-        writer.close()
+        await hang_up(writer)
 
 
 async def test_pipelined_invocations_are_answered_in_order(
@@ -251,7 +252,7 @@ async def test_pipelined_invocations_are_answered_in_order(
                 head, length = await read_head(reader)
                 answers.append((head.split(b" ")[1], orjson.loads(await reader.readexactly(length))))
     finally:
-        writer.close()
+        await hang_up(writer)
     assert [status for status, _ in answers] == [b"200", b"200", b"400", b"200", b"200"]
     for (_, answer), row in zip(answers[:2] + answers[3:], rows, strict=True):
         alone = await post_one(base, row)
@@ -307,7 +308,7 @@ async def answer_while_sending(base: str, data: bytes) -> bytes:
         sending.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sending
-        writer.close()
+        await hang_up(writer)
     return answer
 
 
@@ -333,7 +334,7 @@ async def post_raw(base: str, path: str, body: bytes, *headers: str) -> tuple[in
         sending.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sending
-        writer.close()
+        await hang_up(writer)
     return int(response.split(b" ")[1]), content
 
 
@@ -398,7 +399,7 @@ async def test_large_heads_many_headers_too_many_connections_and_decodes_are_ref
         assert b"retry-after: 1" in answer.lower()
     finally:
         for writer in held:
-            writer.close()
+            await hang_up(writer)
     await asyncio.sleep(0.2)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/v2/health/live")).status_code == 200  # places free again
@@ -415,7 +416,7 @@ async def test_large_heads_many_headers_too_many_connections_and_decodes_are_ref
         assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
     finally:
         for writer in held:
-            writer.close()
+            await hang_up(writer)
     await asyncio.sleep(0.2)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/v2/health/live")).status_code == 200
@@ -438,7 +439,7 @@ async def test_large_heads_many_headers_too_many_connections_and_decodes_are_ref
         assert status == 503, content
         assert b"max_decode_bytes" in content
     finally:
-        writer.close()
+        await hang_up(writer)
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -463,7 +464,7 @@ async def test_one_client_holds_at_most_its_share_of_the_connections(
             async with asyncio.timeout(20):
                 return await reader.read()
         finally:
-            writer.close()
+            await hang_up(writer)
 
     held = []
     try:
@@ -477,7 +478,7 @@ async def test_one_client_holds_at_most_its_share_of_the_connections(
         assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
         assert b"max_client_connections" in refused
         assert (await answer_from("127.0.0.2")).startswith(b"HTTP/1.1 200")
-        held.pop().close()
+        await hang_up(held.pop())
         for _ in range(50):  # once the server has seen it go (Hypercorn ends a connection a moment later)
             await asyncio.sleep(0.1)
             again = await answer_from("127.0.0.3")
@@ -486,7 +487,7 @@ async def test_one_client_holds_at_most_its_share_of_the_connections(
         assert again.startswith(b"HTTP/1.1 200"), again[:200]
     finally:
         for writer in held:
-            writer.close()
+            await hang_up(writer)
 
 
 async def test_long_names_are_cut_in_errors_and_an_invalid_one_is_400_on_deploy(

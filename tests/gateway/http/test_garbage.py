@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.h2_client import hang_up
+
 BODY = orjson.dumps({"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}]})
 OURS = ("gateway", "fngate", "runner", "uvicorn", "hypercorn")
 
@@ -65,4 +67,4 @@ async def test_an_answered_invocation_leaves_no_cycles(
         gc.collect()
         assert of_ours(gc.garbage) == {}  # the connection, still open, is not garbage yet
     finally:
-        writer.close()
+        await hang_up(writer)
