@@ -55,7 +55,9 @@ class Lifecycle:
         """What draining waits for: the consume loops and the runner's own loops."""
         self.background: set[asyncio.Task[Any]] = set()
         """Loads asked for by a load request or a new version; cancelled, not awaited, at shutdown."""
-        self.preloading: set[Key] = set()
+        self.preloading: dict[Key, asyncio.Task[Any]] = {}
+        self.unloading: set[str] = set()
+        """Functions an unload request is unloading: no preload starts for them meanwhile."""
         self.discovered = False
         """A first discovery pass is done: versions seen after it were deployed while we ran."""
 
@@ -64,10 +66,11 @@ class Lifecycle:
         """Some consumer holds invocations it has not answered."""
         return any(consumer.pending for consumer, _task in self.consumers.values())
 
-    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> None:
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = self.tasks.create_task(work, name=name)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
     async def discover(self) -> None:
         """One pass: consume every function of our pool, load new served versions of warm functions,
@@ -120,13 +123,12 @@ class Lifecycle:
 
     def _preload(self, record: FunctionRecord) -> None:
         """Make before break: a function loaded here gets its newly served versions loaded beside."""
-        if not any(key[0] == record.name for key in self.models.loaded):
+        if record.name in self.unloading or not any(key[0] == record.name for key in self.models.loaded):
             return
         for version in record.served:
             key = (record.name, version)
             if key not in self.models.loaded and key not in self.preloading:
-                self.preloading.add(key)
-                self.spawn(self._preload_one(key), f"preload {key}")
+                self.preloading[key] = self.spawn(self._preload_one(key), f"preload {key}")
 
     def _prefetch(self, record: FunctionRecord, known: set[Key]) -> None:
         """A version deployed while we run, of a function not loaded here, is fetched into the
@@ -146,7 +148,7 @@ class Lifecycle:
             with contextlib.suppress(Exception):  # the failure is recorded as the version's state
                 await self.models.get(self.models.version(*key))
         finally:
-            self.preloading.discard(key)
+            self.preloading.pop(key, None)
 
     async def _retire(self) -> None:
         """Unload versions no longer served once a served one is loaded here (a newer one, or an
@@ -236,11 +238,23 @@ class Lifecycle:
                 if version in record.versions:
                     self.spawn(self.models.load(record.versions[version], op.id), f"load {op.function}")
         elif op.op == "unload":
-            loaded = {version for function, version in self.models.loaded if function == op.function}
-            for version in sorted(set(op.versions) | loaded):
-                await self.models.unload((op.function, version), "unloaded")  # waits for a load under way
+            await self._unload(op.function, op.versions)
         elif op.op == "remove":
             await self._forget(op.function, "removed")
+
+    async def _unload(self, function: str, versions: tuple[str, ...]) -> None:
+        """Every version of the function, none loaded again before the last is gone: a discovery
+        pass between two versions' unloads would otherwise preload the first again beside the
+        second (make before break), and the unload would be confirmed with it loading."""
+        self.unloading.add(function)
+        try:
+            under_way = [task for key, task in self.preloading.items() if key[0] == function]
+            await asyncio.gather(*under_way, return_exceptions=True)
+            loaded = {version for name, version in self.models.loaded if name == function}
+            for version in sorted(set(versions) | loaded):
+                await self.models.unload((function, version), "unloaded")  # waits for a load under way
+        finally:
+            self.unloading.discard(function)
 
 
 def _pool_of(record: FunctionRecord) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
-from tests.e2e.deployments import ROOT, cli, invoke, runner_env, scale_function, wait_index
+from tests.e2e.deployments import ROOT, cli, index, invoke, runner_env, scale_function, wait_index
 
 
 async def test_deploy_roll_out_list_and_remove_in_a_folder(
@@ -214,3 +214,32 @@ async def test_the_curl_lines_a_deploy_prints_work(
     assert second.returncode == 0, second.stderr
     assert "/versions/2/infer" not in second.stdout
     assert "version 2 is stored, not served" in second.stdout
+
+
+async def test_an_unload_confirmed_leaves_no_version_loading(
+    redis_url: str, serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A runner that looks for new versions all the time (rescan_s 10 ms) unloads two versions served
+    side by side, five times over: once the unload is answered, neither is loaded nor loading (a pass
+    between the two versions' unloads used to load the first again beside the second)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    base = await serve_gateway(repo=str(repo), catalog_refresh_s=0.2)
+    await inprocess_runner(repo=str(repo), rescan_s=0.01, heartbeat_s=0.5)
+    flags = ("--repo", str(repo), "--redis", redis_url)
+    split = {"policy": "latest", "latest": 2, "traffic": {"1": 50, "2": 50}}
+    for number, factor, versions in ((1, 2.0, None), (2, 3.0, split)):
+        folder = tmp_path / f"v{number}"
+        deployed = await cli("deploy", str(scale_function(folder, "scale", factor, versions)), *flags)
+        assert deployed.returncode == 0, deployed.stderr
+    both = {("scale", "1"): "READY", ("scale", "2"): "READY"}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await invoke(client, "/v1/functions/scale")).status_code == 200
+        for _ in range(5):
+            loaded = await client.post("/v2/repository/models/scale/load")
+            assert loaded.status_code == 200, loaded.text
+            await wait_index(client, both)
+            unloaded = await client.post("/v2/repository/models/scale/unload")
+            assert unloaded.status_code == 200, unloaded.text
+            entries = await index(client)
+            assert {entries[key]["state"] for key in both} == {"UNAVAILABLE"}, entries
