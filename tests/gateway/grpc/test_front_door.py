@@ -19,9 +19,11 @@ import h2.errors
 import h2.settings
 import hpack
 import pytest
+import redis.asyncio as aioredis
 from tritonclient.grpc import service_pb2
 
 from bench.h2_client import INFER, LIVE, RawClient, hang_up, live_request, message
+from fngate import keys
 from tests.gateway.grpc.test_transport import grpc_gateway, still_serves
 from tests.gateway.http.test_bounds import peak_rss_bytes, reset_peak
 from tests.gateway.test_auth import create_key
@@ -256,39 +258,39 @@ def classifier_request() -> bytes:
 
 @pytest.mark.timeout(120)
 async def test_a_cancelled_rpc_lets_go_of_its_invocation(
-    gateway_with_pid: Callable[..., Any], redis_url: str
+    gateway_with_pid: Callable[..., Any], redis_url: str, redis: aioredis.Redis
 ) -> None:
     """A key allowed one invocation in flight: while one waits (no runner serves it), a second is
     refused; once the client resets the first, the key's place is free again."""
     port, _ = await keyed_gateway(gateway_with_pid, "uvicorn")
-    key, _ = create_key(redis_url, "invoke:*", max_in_flight=1)
+    key, record = create_key(redis_url, "invoke:*", max_in_flight=1)
+    places = keys.key_in_flight(record.id)
     client = await RawClient.connect(port)
-    known = client.open(b"/inference.GRPCInferenceService/ServerMetadata", bearer(key))
-    client.send(known, message(b""), end=True)  # the gateway knows the key from now on: no look-up
-    assert (await client.status_of(known)).get(b"grpc-status") == b"0"
     first = client.open(INFER, bearer(key))
     client.send(first, classifier_request(), end=True)
+
+    async def held(expected: int) -> None:
+        """Until the key's places in flight (in Redis, as every gateway counts them) are `expected`."""
+        for _ in range(200):
+            if await redis.zcard(places) == expected:
+                return
+            assert b"grpc-status" not in client.statuses.get(first, {}), client.statuses[first]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the key's places in flight never came to {expected}")
 
     async def second_call() -> dict[bytes, bytes]:
         stream_id = client.open(INFER, [*bearer(key), (b"grpc-timeout", b"300m")])
         client.send(stream_id, classifier_request(), end=True)
         return await client.status_of(stream_id)
 
-    for _ in range(50):  # until the first holds the key's place
-        found = await second_call()
-        if b"in flight" in found.get(b"grpc-message", b""):
-            break
-    else:
-        raise AssertionError(f"the first call never held the key's place: {found}")
+    await held(1)
+    refused = await second_call()
+    assert b"in flight" in refused.get(b"grpc-message", b""), refused
     client.h2.reset_stream(first, h2.errors.ErrorCodes.CANCEL)
     client.flush()
-    for _ in range(50):
-        found = await second_call()
-        if found.get(b"grpc-status") == b"4":  # queued, then past its own deadline: not refused
-            break
-        assert b"in flight" in found.get(b"grpc-message", b""), found
-    else:
-        raise AssertionError("the cancelled call still holds the key's place")
+    await held(0)
+    queued = await second_call()
+    assert queued.get(b"grpc-status") == b"4", queued  # queued, then past its own deadline: not refused
     await client.hang_up()
 
 
