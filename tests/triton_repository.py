@@ -210,6 +210,50 @@ def classifier_onnx(path: Path, factor: float) -> None:
     onnx.save(model, str(path))
 
 
+SIMPLE_STRING = """
+name: "simple_string"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_STRING dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_STRING dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_STRING dims: [ 16 ] }
+]
+"""
+"""The quickstart's string model: numbers written as text in, their sum and difference as text out."""
+
+
+def simple_string_onnx(path: Path) -> None:
+    """OUTPUT0 = INPUT0 + INPUT1 and OUTPUT1 = INPUT0 - INPUT1, each element a decimal integer as a
+    string: ONNX's Cast from and back to strings, as the quickstart's simple_string does."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def strings(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.STRING, ["batch", 16])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["INPUT0"], ["left"], to=TensorProto.INT32),
+            helper.make_node("Cast", ["INPUT1"], ["right"], to=TensorProto.INT32),
+            helper.make_node("Add", ["left", "right"], ["sum"]),
+            helper.make_node("Sub", ["left", "right"], ["difference"]),
+            helper.make_node("Cast", ["sum"], ["OUTPUT0"], to=TensorProto.STRING),
+            helper.make_node("Cast", ["difference"], ["OUTPUT1"], to=TensorProto.STRING),
+        ],
+        "simple_string",
+        [strings("INPUT0"), strings("INPUT1")],
+        [strings("OUTPUT0"), strings("OUTPUT1")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
 def model(root: Path, name: str, config: str | None, versions: dict[str, dict[str, str | None]]) -> Path:
     """root/name/config.pbtxt and root/name/{version}/{file} (None: a factor for the classifier)."""
     folder = root / name

@@ -88,6 +88,8 @@ class OnnxBackend:
                 self.fallback_reason = f"{choice.reason}; {problem}" if choice.reason else problem
                 refuse_fallback(manifest, accel, self.fallback_reason)
             self._check_names(manifest)
+            self._text = [item.name for item in self._session.get_inputs() if item.type == "tensor(string)"]
+            """Inputs that are ONNX string tensors: onnxruntime takes their elements as str."""
             if on_gpu:
                 self._warm_up(manifest)  # where TensorRT builds what no profile let it build before
             if cache is not None and problem is None:
@@ -104,6 +106,9 @@ class OnnxBackend:
 
     def run(self, inputs: Tensors, outputs: list[str]) -> Tensors:
         self._options.terminate = False
+        if self._text:
+            text = {name: as_text(name, inputs[name]) for name in self._text if name in inputs}
+            inputs = {**inputs, **text}
         results = self._session.run(outputs, inputs, self._options)
         if self._cache is not None:
             self._store_new_engines(inputs)
@@ -166,6 +171,25 @@ class OnnxBackend:
             return
         log.warning("%s runs on %s (asked: %s; %s)", manifest.name, self.device, asked, self.fallback_reason)
         ACCELERATOR_FALLBACKS.labels(manifest.name, asked, self.device).inc()
+
+
+def as_text(name: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A BYTES tensor for an ONNX string input: each element decoded from UTF-8 (given bytes,
+    onnxruntime would see "b'1'"). Its outputs come back as str, which BYTES encodes as UTF-8."""
+    flat = array.ravel()
+    text = np.empty(flat.size, dtype=np.object_)
+    for index, item in enumerate(flat):
+        if not isinstance(item, bytes):
+            text[index] = item if isinstance(item, str) else str(item)
+            continue
+        try:
+            text[index] = item.decode()
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(
+                f"input '{name}': element {index} is not UTF-8 text ({exc.reason} at byte "
+                f"{exc.start}), and the model's string tensors hold text"
+            ) from None
+    return text.reshape(array.shape)
 
 
 def _onnxruntime() -> Any:

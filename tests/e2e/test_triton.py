@@ -18,7 +18,8 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from fngate import keys
-from tests.triton_repository import batches_model, guide_repository
+from tests.conftest import free_port
+from tests.triton_repository import SIMPLE_STRING, batches_model, guide_repository, model, simple_string_onnx
 
 
 def exercise_guide(url: str) -> None:
@@ -105,6 +106,71 @@ async def test_the_guide_repository_runs_unchanged(
     base = await serve_gateway(repo=str(root))
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
     await asyncio.to_thread(exercise_guide, base)
+
+
+def exercise_strings(url: str, grpc_url: str) -> None:
+    """The quickstart's string clients: numbers written as strings in, their sum and difference as
+    strings out, over HTTP (binary and JSON tensors) and gRPC; text that is not UTF-8 is the
+    caller's error, named."""
+    import tritonclient.grpc as triton_grpc
+
+    numbers = [list(range(16)), [10 * i for i in range(16)]]
+    left = np.array([[str(n).encode() for n in row] for row in numbers], dtype=object)
+    right = np.full((2, 16), b"1", dtype=object)
+    sums = [[str(n + 1) for n in row] for row in numbers]
+    differences = [[str(n - 1) for n in row] for row in numbers]
+
+    def text(array: np.ndarray) -> list[list[str]]:
+        """As the client gives them: bytes from binary outputs, str from JSON ones (with Triton too)."""
+        return [
+            [item.decode() if isinstance(item, bytes) else item for item in row] for row in array.tolist()
+        ]
+
+    http = triton.InferenceServerClient(url.removeprefix("http://"))
+    rpc = triton_grpc.InferenceServerClient(grpc_url)
+    try:
+        for binary in (True, False):
+            inputs = [triton.InferInput(name, [2, 16], "BYTES") for name in ("INPUT0", "INPUT1")]
+            for tensor, array in zip(inputs, (left, right), strict=True):
+                tensor.set_data_from_numpy(array, binary_data=binary)
+            outputs = [
+                triton.InferRequestedOutput(name, binary_data=binary) for name in ("OUTPUT0", "OUTPUT1")
+            ]
+            answer = http.infer("simple_string", inputs, outputs=outputs)
+            assert text(answer.as_numpy("OUTPUT0")) == sums, binary
+            assert text(answer.as_numpy("OUTPUT1")) == differences, binary
+        grpc_inputs = [triton_grpc.InferInput(name, [2, 16], "BYTES") for name in ("INPUT0", "INPUT1")]
+        for tensor, array in zip(grpc_inputs, (left, right), strict=True):
+            tensor.set_data_from_numpy(array)
+        answer = rpc.infer("simple_string", grpc_inputs)
+        assert answer.as_numpy("OUTPUT0").tolist() == [[item.encode() for item in row] for row in sums]
+        assert text(answer.as_numpy("OUTPUT1")) == differences
+
+        broken = left[:1].copy()
+        broken[0, 3] = b"\xff1"
+        inputs = [triton.InferInput(name, [1, 16], "BYTES") for name in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(broken)
+        inputs[1].set_data_from_numpy(right[:1])
+        with pytest.raises(
+            InferenceServerException, match="input 'INPUT0': element 3 is not UTF-8"
+        ) as raised:
+            http.infer("simple_string", inputs)
+        assert raised.value.status() == "400"
+    finally:
+        http.close()
+        rpc.close()
+
+
+async def test_string_tensors_into_and_out_of_an_onnx_model(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    folder = model(root, "simple_string", SIMPLE_STRING, {"1": {}})
+    simple_string_onnx(folder / "1" / "model.onnx")
+    grpc_port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=grpc_port)
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    await asyncio.to_thread(exercise_strings, base, f"127.0.0.1:{grpc_port}")
 
 
 async def infer(client: httpx.AsyncClient, name: str, **parameters: int) -> httpx.Response:
