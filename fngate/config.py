@@ -54,6 +54,9 @@ class GatewaySettings(_Settings, RepositoryLimits):
     workers > 1, they all serve it)."""
     workers: Annotated[int, Field(ge=1)] = 1
     server: Literal["uvicorn", "hypercorn"] = "uvicorn"
+    server_name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")] = "fngate"
+    """The name server metadata answers (GET /v2, gRPC ServerMetadata). Triton's example clients
+    check for "triton": set it to that for clients that do."""
     """The HTTP server: uvicorn (httptools, uvloop; the fastest on the benchmark) or Hypercorn (HTTP/2)."""
     grpc_port: Annotated[int, Field(ge=0, le=65535)] = 8001
     """The Open Inference Protocol over gRPC (GRPCInferenceService) on `host`, as Triton's 8001; 0:

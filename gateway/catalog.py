@@ -96,7 +96,11 @@ class Catalog:
     def record(self, name: str) -> FunctionRecord:
         record = self._records.get(self.resolve(name))
         if record is None:
-            raise FunctionNotFound(f"function '{shown(name)}' is not deployed")
+            # Triton's words: its example clients check that the message starts with them.
+            raise FunctionNotFound(
+                f"Request for unknown model: '{shown(name)}' is not found (no function or Triton "
+                "model of that name is deployed)"
+            )
         return record
 
     def is_unloaded(self, name: str) -> bool:

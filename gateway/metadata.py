@@ -22,8 +22,9 @@ from gateway.model_config import backend_of, model_config, platform_of
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 
 
-def server() -> dict[str, Any]:
-    return {"name": "fngate", "version": fngate.__version__, "extensions": EXTENSIONS}
+def server(name: str) -> dict[str, Any]:
+    """Server metadata: `name` is the gateway's server_name (fngate by default)."""
+    return {"name": name, "version": fngate.__version__, "extensions": EXTENSIONS}
 
 
 def model(catalog: Catalog, name: str, pinned: str | None = None) -> dict[str, Any]:

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument(
         "--server", choices=["uvicorn", "hypercorn"], help="the HTTP server (default uvicorn)"
     )
+    _add_server_name(gateway)
 
     runner = commands.add_parser("runner", help="run one runner (settings from flags or FNGATE_* variables)")
     runner.add_argument("--repo", help="repository: a folder or s3://bucket/prefix (FNGATE_REPO)")
@@ -171,6 +172,7 @@ def _add_up_command(commands: Any) -> None:
         help="repository: a folder or s3://bucket/prefix (default: ./functions)",
     )
     _add_listen_flags(up)
+    _add_server_name(up)
     _add_metrics_port(up, "on 127.0.0.1; default 8002, as Triton's; 0: none", 8002)
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
     up.add_argument(
@@ -288,6 +290,7 @@ def _run(args: argparse.Namespace) -> int:
             grpc_port="grpc_port",
             workers="workers",
             server="server",
+            server_name="server_name",
             metrics_port="metrics_port",
         )
         settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
@@ -626,6 +629,15 @@ def _add_listen_flags(up: argparse.ArgumentParser) -> None:
         default=8001,
         help="the gateway's gRPC port, the Open Inference Protocol's GRPCInferenceService as Triton's "
         "(default: 8001; 0: no gRPC)",
+    )
+
+
+def _add_server_name(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server-name",
+        metavar="NAME",
+        help="the name server metadata answers (FNGATE_SERVER_NAME; default fngate): 'triton' for "
+        "clients that check it, as Triton's example clients do",
     )
 
 

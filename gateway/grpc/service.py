@@ -96,7 +96,7 @@ class GrpcInference:
 
     async def ServerMetadata(self, request: Any, rpc: Rpc) -> Any:
         await self._authorize(rpc, ANY, None)  # as GET /v2: any valid key
-        return service_pb2.ServerMetadataResponse(**metadata.server())
+        return service_pb2.ServerMetadataResponse(**metadata.server(self.services.settings.server_name))
 
     async def ModelMetadata(self, request: Any, rpc: Rpc) -> Any:
         await self._authorize(rpc, READ, request.name)

@@ -33,7 +33,7 @@ async def ready(request: Request) -> Response:
 
 
 async def server_metadata(request: Request) -> Response:
-    return json_response(metadata.server())
+    return json_response(metadata.server(services(request).settings.server_name))
 
 
 async def model_metadata(request: Request) -> Response:

@@ -139,9 +139,10 @@ async def test_tritonclients_grpc_clients_work_unchanged(
         results = await asyncio.gather(*(client.infer("classifier", [tensor(BATCH)]) for _ in range(8)))
         for result in results:
             np.testing.assert_allclose(result.as_numpy("probabilities"), reference(repo, BATCH), rtol=1e-5)
-        with pytest.raises(InferenceServerException, match="not deployed") as raised:
+        with pytest.raises(InferenceServerException, match="Request for unknown model") as raised:
             await client.infer("nope", [tensor(BATCH)])
         assert raised.value.status() == "StatusCode.NOT_FOUND"
+        assert raised.value.message().startswith("Request for unknown model: 'nope' is not found")
     finally:
         await client.close()
 
@@ -176,7 +177,8 @@ async def test_kserves_clients_work_unchanged(
     assert found["grpc_live"] is True and found["grpc_ready"] is True
     assert found["grpc_id"] == "ks-1"
     np.testing.assert_allclose(np.asarray(found["grpc_output"], np.float32), wanted, rtol=1e-5)
-    assert found["grpc_missing"][0] == "NOT_FOUND" and "not deployed" in found["grpc_missing"][1]
+    assert found["grpc_missing"][0] == "NOT_FOUND"
+    assert "Request for unknown model: 'nope' is not found" in found["grpc_missing"][1]
     assert found["grpc_no_key"] == "UNAUTHENTICATED"
     assert found["rest_ready"] is True
     np.testing.assert_allclose(

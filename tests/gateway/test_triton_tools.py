@@ -82,7 +82,7 @@ def exercise_config_and_statistics(url: str) -> None:
 
         everything = client.get_inference_statistics()["model_stats"]
         assert ("classifier", "1") in {(item["name"], item["version"]) for item in everything}
-        with pytest.raises(InferenceServerException, match="not deployed"):
+        with pytest.raises(InferenceServerException, match="Request for unknown model"):
             client.get_model_config("nope")
         with pytest.raises(InferenceServerException, match="no version '9'"):
             client.get_inference_statistics("classifier", "9")

@@ -31,8 +31,22 @@ def binary(
 FLOATS = struct.pack("<16f", *ROW)
 
 CASES: list[tuple[str, str, Any, dict[str, str], int, str]] = [
-    ("unknown function", "/v2/models/nope/infer", {"inputs": [tensor()]}, {}, 404, "'nope' is not deployed"),
-    ("unknown v1 function", "/v1/functions/nope", {"inputs": {"input": [ROW]}}, {}, 404, "not deployed"),
+    (
+        "unknown function",
+        "/v2/models/nope/infer",
+        {"inputs": [tensor()]},
+        {},
+        404,
+        "Request for unknown model: 'nope' is not found",
+    ),
+    (
+        "unknown v1 function",
+        "/v1/functions/nope",
+        {"inputs": {"input": [ROW]}},
+        {},
+        404,
+        "Request for unknown model: 'nope'",
+    ),
     (
         "unknown version",
         "/v2/models/classifier/versions/9/infer",

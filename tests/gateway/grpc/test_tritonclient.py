@@ -13,6 +13,8 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import free_port
+
 
 def reference(repo: Path, batch: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(
@@ -56,7 +58,7 @@ def exercise(url: str, repo: Path) -> None:
         wrong.set_data_from_numpy(np.zeros((1, 3), dtype=np.float32))
         with pytest.raises(InferenceServerException, match="dimension 1 is 3"):
             client.infer("classifier", [wrong])
-        with pytest.raises(InferenceServerException, match="not deployed"):
+        with pytest.raises(InferenceServerException, match="Request for unknown model"):
             client.get_model_metadata("nope")
     finally:
         client.close()
@@ -68,3 +70,23 @@ async def test_tritonclient_http(
     base = await serve_gateway()
     await inprocess_runner()
     await asyncio.to_thread(exercise, base, repo)
+
+
+def server_names(url: str, grpc_url: str) -> tuple[str, str]:
+    import tritonclient.grpc as triton_grpc
+
+    http, rpc = triton.InferenceServerClient(url), triton_grpc.InferenceServerClient(grpc_url)
+    try:
+        return http.get_server_metadata()["name"], rpc.get_server_metadata().name
+    finally:
+        http.close()
+        rpc.close()
+
+
+async def test_the_server_name_is_the_one_set(serve_gateway: Callable[..., Any]) -> None:
+    """Triton's health and metadata examples check that the server calls itself triton: with
+    server_name (--server-name, FNGATE_SERVER_NAME) set so, it does over both protocols."""
+    port = free_port()
+    base = await serve_gateway(server_name="triton", grpc_port=port)
+    names = await asyncio.to_thread(server_names, base.removeprefix("http://"), f"127.0.0.1:{port}")
+    assert names == ("triton", "triton")
