@@ -10,7 +10,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import clients, keys
-from fngate.errors import Unavailable
+from fngate.errors import InvalidArgument, Unavailable
+from fngate.manifest import ManifestError
 from fngate.registry import (
     READY,
     RELOAD_FAILED,
@@ -52,6 +53,34 @@ async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[d
             if name not in served
         ]
     return sorted(entries, key=lambda entry: entry["name"])
+
+
+def refuse_overrides(parameters: dict[str, object]) -> None:
+    """A load request's `config` and `file:` parameters (Triton's load with a configuration or model
+    files of its own): refused, never silently ignored. fngate loads what the repository holds, the
+    same on every runner of every gateway; an override goes through a deploy. A `config` that is not
+    a configuration is refused as Triton refuses it."""
+    config = parameters.get("config")
+    if config is not None:
+        if not isinstance(config, str):
+            raise InvalidArgument("load: parameters.config must be a string: the configuration as JSON")
+        from fngate.triton.config import parse_config_json
+
+        try:
+            parse_config_json(config, "load: parameters.config")
+        except ManifestError as exc:
+            raise InvalidArgument(str(exc)[:1000]) from None
+        raise InvalidArgument(
+            "load: a configuration given with the load request is not applied: fngate loads the model "
+            "as its repository holds it, on every runner. Put it in the model's config.pbtxt and deploy "
+            "it (fngate deploy), then load"
+        )
+    files = sorted(key for key in parameters if key.startswith("file:"))
+    if files:
+        raise InvalidArgument(
+            f"load: model files given with the load request ({', '.join(files)[:200]}) are not taken: "
+            "deploy them (fngate deploy), then load"
+        )
 
 
 async def load(catalog: Catalog, name: str, timeout_s: float) -> None:

@@ -151,6 +151,15 @@ def parse_config(text: str, source: str) -> pb.ModelConfig:
         raise ManifestError(source, [("", f"not a Triton model configuration: {exc}")]) from exc
 
 
+def parse_config_json(text: str, source: str) -> pb.ModelConfig:
+    """Triton's JSON form of a configuration (a load request's `config`) against Triton's schema;
+    raises ManifestError naming the problem."""
+    try:
+        return json_format.Parse(text, pb.ModelConfig())
+    except json_format.ParseError as exc:
+        raise ManifestError(source, [("", f"not a Triton model configuration: {exc}")]) from exc
+
+
 def function_name(model: str) -> str | None:
     """The function a Triton model is served as: its name in lower case with '_' and '.' as '-'
     (function names are DNS-1123 labels: they name Kubernetes objects); None when that is no label.

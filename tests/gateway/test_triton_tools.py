@@ -15,6 +15,8 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import free_port
+
 ROW = [0.5] * 16
 
 
@@ -99,7 +101,9 @@ async def test_tritonclient_reads_config_and_statistics(
     await asyncio.to_thread(exercise_config_and_statistics, base)
 
 
-def exercise_model_control(url: str, other: str) -> None:
+def exercise_model_control(url: str, other: str, grpc_url: str) -> None:
+    import tritonclient.grpc as triton_grpc
+
     client = triton.InferenceServerClient(url.removeprefix("http://"))
     elsewhere = triton.InferenceServerClient(other.removeprefix("http://"))
     try:
@@ -118,6 +122,26 @@ def exercise_model_control(url: str, other: str) -> None:
         assert client.get_model_metadata("classifier")["name"] == "classifier"
         assert client.get_model_config("classifier")["name"] == "classifier"
 
+        # A configuration or model files given with the load are refused, not silently ignored (a
+        # configuration that is none is refused as Triton refuses it); the model stays unloaded.
+        overrides = [
+            ({"config": "{not json"}, "not a Triton model configuration"),
+            ({"config": '{"max_batch_size": 4}'}, "is not applied: fngate loads the model as its repository"),
+            ({"config": "{}", "files": {"file:1/model.onnx": b"onnx"}}, "is not applied"),
+        ]
+        for arguments, message in overrides:
+            with pytest.raises(InferenceServerException, match=message) as refused:
+                client.load_model("classifier", **arguments)
+            assert refused.value.status() == "400"
+        rpc = triton_grpc.InferenceServerClient(grpc_url)
+        try:
+            with pytest.raises(InferenceServerException, match="is not applied") as refused:
+                rpc.load_model("classifier", config='{"max_batch_size": 4}')
+            assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        finally:
+            rpc.close()
+        assert not client.is_model_ready("classifier")
+
         client.load_model("classifier")
         assert client.is_model_ready("classifier")
         assert wait_for(lambda: elsewhere.is_model_ready("classifier"))
@@ -130,10 +154,11 @@ def exercise_model_control(url: str, other: str) -> None:
 async def test_explicit_unload_is_not_ready_everywhere_until_load(
     serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis: Any
 ) -> None:
-    base = await serve_gateway()
+    grpc_port = free_port()
+    base = await serve_gateway(grpc_port=grpc_port)
     other = await serve_gateway()
     await inprocess_runner()
-    await asyncio.to_thread(exercise_model_control, base, other)
+    await asyncio.to_thread(exercise_model_control, base, other, f"127.0.0.1:{grpc_port}")
 
 
 async def test_idle_unload_keeps_the_function_ready(
