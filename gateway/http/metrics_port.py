@@ -34,6 +34,9 @@ class MetricsPort:
         self._redis: aioredis.Redis | None = None
         self._source: Source | None = None
         self._health = Health("redis (metrics port)")
+        self._names: dict[str, str] = {}
+        """Function -> the name Triton's series give it (`model`): the Triton model's own name where
+        it came from a Triton repository (add_sub, not add-sub), else the function's."""
 
     async def route(self, path: str) -> tuple[str, str, bytes]:
         if path != "/metrics":
@@ -50,7 +53,8 @@ class MetricsPort:
             self._health.failed("scrape", exc)
         collected = metrics.registry()
         families += nv_metrics.cache_families(
-            metrics.counts(collected, "fngate_cache_hits"), metrics.counts(collected, "fngate_cache_misses")
+            self._by_model(metrics.counts(collected, "fngate_cache_hits")),
+            self._by_model(metrics.counts(collected, "fngate_cache_misses")),
         )
         families += nv_metrics.gpu_families(await asyncio.to_thread(read_gpus))
         return generate_latest(collected) + nv_metrics.render(families)
@@ -77,9 +81,15 @@ class MetricsPort:
             levels = records[name].versions[version].manifest.batching.priorities
             priorities[name] = max(priorities.get(name, 1), levels)
         await metrics.refresh_queue_gauges(redis, priorities)
+        self._names = {
+            name: (record.default or record.newest()).manifest.model_name for name, record in records.items()
+        }
         return nv_metrics.inference_families(
-            [(name, version, raw) for (name, version), raw in zip(wanted, hashes, strict=True)]
+            [(self._names[name], version, raw) for (name, version), raw in zip(wanted, hashes, strict=True)]
         )
+
+    def _by_model(self, counts: dict[str, float]) -> dict[str, float]:
+        return {self._names.get(name, name): value for name, value in counts.items()}
 
     def _client(self) -> aioredis.Redis:
         if self._redis is None:

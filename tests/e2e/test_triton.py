@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from fngate import keys
+from fngate.config import GatewaySettings
+from gateway.http.metrics_port import MetricsPort
 from tests.conftest import free_port
 from tests.triton_repository import SIMPLE_STRING, batches_model, guide_repository, model, simple_string_onnx
 
@@ -100,12 +103,28 @@ def exercise_guide(url: str) -> None:
 
 
 async def test_the_guide_repository_runs_unchanged(
-    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis_url: str, tmp_path: Path
 ) -> None:
     root = guide_repository(tmp_path / "models")
     base = await serve_gateway(repo=str(root))
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
     await asyncio.to_thread(exercise_guide, base)
+
+    # Triton's series name the model as Triton does (text_classifier, not the function text-classifier),
+    # so that a dashboard or alert written for Triton matches.
+    port = MetricsPort(GatewaySettings(redis_url=redis_url, repo=str(root)))
+    try:
+        scraped = (await port.scrape()).decode()
+    finally:
+        await port.aclose()
+    models = {
+        (sample.labels["model"], sample.labels["version"]): sample.value
+        for family in text_string_to_metric_families(scraped)
+        if family.name == "nv_inference_request_success"
+        for sample in family.samples
+    }
+    assert models[("text_classifier", "3")] >= 3 and models[("text_classifier", "2")] >= 1, models
+    assert not any("-" in model for model, _ in models), models
 
 
 def exercise_strings(url: str, grpc_url: str) -> None:
