@@ -16,11 +16,25 @@ from redis.exceptions import RedisError
 from fngate import keys
 from fngate.backoff import Backoff, Health
 from fngate.errors import FunctionNotFound, Unavailable
-from fngate.registry import READY, ModelState, RunnerView, Source, read_runners, read_unloaded, summarize
+from fngate.registry import (
+    LOADING,
+    NOT_LOADED,
+    READY,
+    UNAVAILABLE,
+    ModelState,
+    RunnerView,
+    Source,
+    read_runners,
+    read_unloaded,
+    summarize,
+)
 from fngate.repository import FunctionRecord, FunctionVersion
 from gateway.validation import shown
 
 log = logging.getLogger(__name__)
+
+MAX_PIPELINE_DEPTH = 8
+"""Pipelines whose steps are pipelines: how deep a state is looked for (a cycle stops there)."""
 REFRESH_MARGIN_S = 1.0
 
 
@@ -136,8 +150,29 @@ class Catalog:
             raise Unavailable(f"function '{shown(name)}': its version policy serves no version")
         return record.versions[choose(route_weights(record, self._ready.get(name, set())), self._rng)]
 
-    def state(self, name: str, version: str) -> ModelState:
-        return summarize(self._runners, name, version)
+    def state(self, name: str, version: str, depth: int = 0) -> ModelState:
+        """A version's state over the live runners; a pipeline's (an ensemble's), which no runner
+        loads, is its steps': READY when each step's function has a served version (or the pinned
+        one) READY, else LOADING while one loads, else UNAVAILABLE naming the step that is not."""
+        record = self._records.get(name)
+        function = record.versions.get(version) if record is not None else None
+        pipeline = function.manifest.pipeline if function is not None else None
+        if pipeline is None or depth > MAX_PIPELINE_DEPTH:
+            return summarize(self._runners, name, version)
+        states = []
+        for step in pipeline.steps:
+            called = self.resolve(step.function_name)
+            found = self._records.get(called)
+            versions = [step.pinned] if step.pinned else list(found.served) if found is not None else []
+            options = [self.state(called, each, depth + 1) for each in versions] or [NOT_LOADED]
+            best = max(options, key=lambda state: ({READY: 2, LOADING: 1}.get(state.state, 0), state.at_ms))
+            states.append((step.name, best))
+        for wanted in (UNAVAILABLE, LOADING):
+            for step_name, state in states:
+                if state.state == wanted:
+                    reason = f"step '{step_name}': {state.reason}" if state.reason else ""
+                    return ModelState(wanted, reason, state.at_ms)
+        return ModelState(READY, "", max(state.at_ms for _, state in states))
 
     async def refresh(self) -> None:
         records = await self._source()

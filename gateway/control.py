@@ -22,7 +22,7 @@ from fngate.registry import (
     set_unloaded,
 )
 from fngate.repository import FunctionRecord
-from gateway.catalog import Catalog
+from gateway.catalog import MAX_PIPELINE_DEPTH, Catalog
 
 POLL_S = 0.1
 
@@ -83,17 +83,24 @@ def refuse_overrides(parameters: dict[str, object]) -> None:
         )
 
 
-async def load(catalog: Catalog, name: str, timeout_s: float) -> None:
+async def load(catalog: Catalog, name: str, timeout_s: float, depth: int = 0) -> None:
     """Ask every runner of the function's pool to load its served versions now; return when one
     runner has each ready within `timeout_s`, or raise Unavailable with the reason a load failed. A
     version loaded from files that have changed since is loaded again, beside the one that serves
-    (which serves on if that fails)."""
-    try:
-        await catalog.refresh()  # the files as they are now: their digests say what to reload
-    except (RedisError, OSError) as exc:
-        raise Unavailable(f"the repository is unavailable: {exc}") from exc
+    (which serves on if that fails). A pipeline (an ensemble) loads the functions of its steps."""
+    if depth == 0:
+        try:
+            await catalog.refresh()  # the files as they are now: their digests say what to reload
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the repository is unavailable: {exc}") from exc
     record = catalog.record(name)
     await _mark_unloaded(catalog, record.name, False)
+    pipeline = (record.default or record.newest()).manifest.pipeline
+    if pipeline is not None:
+        if depth < MAX_PIPELINE_DEPTH:
+            for step in sorted({catalog.resolve(step.function_name) for step in pipeline.steps}):
+                await load(catalog, step, timeout_s, depth + 1)
+        return
     request_id = await _send(catalog, ControlOp("load", record.name, record.served))
     await _wake(catalog, record)
     deadline = time.monotonic() + timeout_s

@@ -110,6 +110,23 @@ async def test_the_guide_repository_runs_unchanged(
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
     await asyncio.to_thread(exercise_guide, base)
 
+    # The ensemble is ready in the index as its steps are (no runner loads an ensemble itself), and
+    # a load of it loads its steps.
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        index = (await client.post("/v2/repository/index")).json()
+        states = {entry["name"]: entry["state"] for entry in index if entry.get("version")}
+        assert states["classify_text"] == "READY", index
+        assert (await client.post("/v2/repository/models/classify_text/unload")).status_code == 200
+        assert (await client.post("/v2/repository/models/tokenizer/unload")).status_code == 200
+        index = (await client.post("/v2/repository/index")).json()
+        ensemble = next(entry for entry in index if entry["name"] == "classify_text")
+        assert ensemble["state"] == "UNAVAILABLE" and "step 'tokenizer'" in ensemble["reason"], index
+        loaded = await client.post("/v2/repository/models/classify_text/load")
+        assert loaded.status_code == 200, loaded.text
+        index = (await client.post("/v2/repository/index")).json()
+        states = {entry["name"]: entry["state"] for entry in index if entry.get("version")}
+        assert states["classify_text"] == states["tokenizer"] == "READY", index
+
     # Triton's series name the model as Triton does (text_classifier, not the function text-classifier),
     # so that a dashboard or alert written for Triton matches.
     port = MetricsPort(GatewaySettings(redis_url=redis_url, repo=str(root)))
