@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from redis.exceptions import NoScriptError, RedisError
 
-from fngate import keys, queue, telemetry
+from fngate import keys, queue, statistics, telemetry
 from fngate.backoff import Health
 from fngate.errors import DeadlineExceeded, FunctionError, Internal, Overloaded, Unavailable
 from fngate.fastredis import FastRedis, Script
@@ -81,6 +81,7 @@ class Dispatcher:
         self._limiter = limiter
         self._health = health
         self._activator = activator
+        self._redis = redis
         self._enqueue = Script(redis, queue.ENQUEUE)
         self._enqueue_many = Script(redis, queue.ENQUEUE_MANY)
         self._withdraw = Script(redis, queue.WITHDRAW)
@@ -347,6 +348,23 @@ class Dispatcher:
         for flight, raw in zip(flights, outcomes, strict=True):
             flight.outcome(raw)
 
+    def _count_pipeline(self, call: Call, failed: bool) -> None:
+        """A pipeline's (an ensemble's) own statistics, to which no batch adds (its steps' batches
+        add to their functions'): each answered call as one request, from its arrival here to its
+        answer, in the hash runners add to. (A call answered from the cache counts too.)"""
+        key = keys.statistics(call.function.name, call.function.version)
+        took_ns = int((time.perf_counter() - call.started) * 1e9) if call.started else 0
+        kind = "fail" if failed else "success"
+        sends = [("HINCRBY", key, f"{kind}_count", 1), ("HINCRBY", key, f"{kind}_ns", took_ns)]
+        if not failed:
+            sends += [
+                ("HINCRBY", key, "inference_count", 1),
+                ("HINCRBY", key, "execution_count", 1),
+                ("HSET", key, statistics.LAST_INFERENCE, _now_ms()),
+            ]
+        for command in sends:
+            self._redis.send(*command).add_done_callback(_uncounted)
+
     async def withdraw(self, flight: _Flight) -> None:
         """A queued synchronous invocation whose caller left: its entry taken back unless a runner
         read it (or identical invocations wait on it), so that no runner spends a batch on it."""
@@ -578,6 +596,8 @@ class _Flight:
                 dispatcher._background(dispatcher.withdraw(self))
             return
         error = answer.exception()
+        if self.pipeline:
+            dispatcher._count_pipeline(call, error is not None)
         if error is None:
             reply = answer.result()
             metrics.answered(name, reply.version, call.started)
@@ -595,6 +615,11 @@ def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
         metrics.looked_up(function, True)
     elif not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited | queue.Pressure):
         metrics.looked_up(function, False)
+
+
+def _uncounted(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("a pipeline's statistics were not counted: %s", future.exception())
 
 
 def _now_ms() -> int:

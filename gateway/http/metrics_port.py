@@ -60,8 +60,8 @@ class MetricsPort:
         return generate_latest(collected) + nv_metrics.render(families)
 
     async def _inference(self) -> list[nv_metrics.Family]:
-        """nv_inference_* of every served version of every function (pipelines have no batches of
-        their own), and the queue gauges /metrics refreshes too."""
+        """nv_inference_* of every served version of every function (a pipeline's count its calls:
+        it has no batches of its own), and the queue gauges /metrics refreshes too."""
         redis = self._client()
         if self._source is None:  # one source: a folder's digests are recomputed only on change
             self._source = function_source(self._settings.repo, redis)
@@ -70,7 +70,6 @@ class MetricsPort:
             (name, version)
             for name, record in sorted(records.items())
             for version in record.served
-            if record.versions[version].manifest.pipeline is None
         ]
         async with redis.pipeline(transaction=False) as pipe:
             for name, version in wanted:
@@ -78,6 +77,8 @@ class MetricsPort:
             hashes: list[Any] = await pipe.execute()
         priorities: dict[str, int] = {}
         for name, version in wanted:
+            if records[name].versions[version].manifest.pipeline is not None:
+                continue  # its steps wait on their functions' streams
             levels = records[name].versions[version].manifest.batching.priorities
             priorities[name] = max(priorities.get(name, 1), levels)
         await metrics.refresh_queue_gauges(redis, priorities)

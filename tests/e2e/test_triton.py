@@ -113,6 +113,15 @@ async def test_the_guide_repository_runs_unchanged(
     # The ensemble is ready in the index as its steps are (no runner loads an ensemble itself), and
     # a load of it loads its steps.
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        # Its statistics count its own calls (one answered, one failed) beside its steps'.
+        for _ in range(100):
+            (stats,) = (await client.get("/v2/models/classify_text/stats")).json()["model_stats"]
+            counted = stats["inference_stats"]["success"]["count"], stats["inference_stats"]["fail"]["count"]
+            if counted == (1, 1):
+                break
+            await asyncio.sleep(0.05)
+        assert counted == (1, 1), stats
+        assert stats["inference_stats"]["success"]["ns"] > 0 and stats["last_inference"] > 0, stats
         index = (await client.post("/v2/repository/index")).json()
         states = {entry["name"]: entry["state"] for entry in index if entry.get("version")}
         assert states["classify_text"] == "READY", index
