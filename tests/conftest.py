@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis as sync_redis
 import redis.asyncio as aioredis
 
 from fngate import clients
@@ -95,12 +96,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 
 @pytest.fixture
 def redis_url(request: pytest.FixtureRequest) -> str:
-    """The queue's URL: the session's Redis, or its Redis Cluster where the test is parametrized
-    so (on_cluster_too)."""
+    """The queue's URL: the session's Redis, emptied for the test (what an earlier test left there,
+    an unloaded mark or a key, is not this test's), or its Redis Cluster where the test is
+    parametrized so (on_cluster_too; the `redis` fixture empties that)."""
     if getattr(request, "param", "redis") == "cluster":
         cluster: LocalCluster = request.getfixturevalue("redis_cluster")
         return cluster.url
     url: str = request.getfixturevalue("single_redis_url")
+    client = sync_redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
     return url
 
 
