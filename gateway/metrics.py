@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -67,9 +67,11 @@ QUEUE_PENDING = Gauge(
 )
 
 
-async def refresh_queue_gauges(redis: aioredis.Redis, functions: Mapping[str, int]) -> None:
+async def refresh_queue_gauges(redis: aioredis.Redis, functions: Mapping[str, int]) -> dict[str, int]:
     """Read the length and group state of each function's stream at every priority level
-    (`functions`: name -> its priority levels, batching.priorities): one round trip, at scrape time."""
+    (`functions`: name -> its priority levels, batching.priorities): one round trip, at scrape time.
+    Returns the invocations no runner has read yet, by function (over its levels)."""
+    waiting: dict[str, int] = {}
     streams = [
         (name, level, stream)
         for name, priorities in functions.items()
@@ -82,7 +84,7 @@ async def refresh_queue_gauges(redis: aioredis.Redis, functions: Mapping[str, in
         try:
             results = await pipe.execute(raise_on_error=False)
         except RedisError:
-            return
+            return waiting
     for index, (name, level, _stream) in enumerate(streams):
         depth, groups = results[2 * index], results[2 * index + 1]
         if isinstance(depth, int):
@@ -91,6 +93,8 @@ async def refresh_queue_gauges(redis: aioredis.Redis, functions: Mapping[str, in
             if group.get("name") in (keys.RUNNER_GROUP, keys.RUNNER_GROUP.encode()):
                 QUEUE_PENDING.labels(name, level).set(group.get("pending") or 0)
                 QUEUE_LAG.labels(name, level).set(group.get("lag") or 0)
+                waiting[name] = waiting.get(name, 0) + (group.get("lag") or 0)
+    return waiting
 
 
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -110,13 +114,16 @@ def exposition() -> bytes:
     return generate_latest(registry())
 
 
-def counts(collected: CollectorRegistry, name: str) -> dict[str, float]:
-    """A counter's values by function, as exposed (every worker's summed)."""
+def counts(
+    collected: CollectorRegistry, name: str, where: Callable[[dict[str, str]], bool] | None = None
+) -> dict[str, float]:
+    """A counter's values by function, as exposed (every worker's summed); with `where`, of the
+    samples whose labels it accepts."""
     found: dict[str, float] = {}
     for family in collected.collect():
         if family.name == name:
             for sample in family.samples:
-                if sample.name == f"{name}_total":
+                if sample.name == f"{name}_total" and (where is None or where(sample.labels)):
                     function = sample.labels.get("function", "")
                     found[function] = found.get(function, 0.0) + sample.value
     return found

@@ -19,11 +19,15 @@ from redis.exceptions import RedisError
 from fngate import clients, keys, nv_metrics, status_port
 from fngate.backoff import Health
 from fngate.config import GatewaySettings
+from fngate.errors import ErrorCode
 from fngate.nvml import read_gpus
 from fngate.registry import Source, function_source
 from gateway import metrics
 
 log = logging.getLogger(__name__)
+
+REJECTED = {ErrorCode.OVERLOADED.value, ErrorCode.DEADLINE_EXCEEDED.value}
+"""The gateway's answers Triton counts as REJECTED: a full queue, an invocation past its deadline."""
 
 
 class MetricsPort:
@@ -37,6 +41,8 @@ class MetricsPort:
         self._names: dict[str, str] = {}
         """Function -> the name Triton's series give it (`model`): the Triton model's own name where
         it came from a Triton repository (add_sub, not add-sub), else the function's."""
+        self._cpu = nv_metrics.read_cpu()
+        """At the last scrape (or the start): nv_cpu_utilization is the share busy since."""
 
     async def route(self, path: str) -> tuple[str, str, bytes]:
         if path != "/metrics":
@@ -56,6 +62,9 @@ class MetricsPort:
             self._by_model(metrics.counts(collected, "fngate_cache_hits")),
             self._by_model(metrics.counts(collected, "fngate_cache_misses")),
         )
+        now = nv_metrics.read_cpu()
+        families += nv_metrics.host_families(self._cpu, now)
+        self._cpu = now
         families += nv_metrics.gpu_families(await asyncio.to_thread(read_gpus))
         return generate_latest(collected) + nv_metrics.render(families)
 
@@ -66,11 +75,7 @@ class MetricsPort:
         if self._source is None:  # one source: a folder's digests are recomputed only on change
             self._source = function_source(self._settings.repo, redis)
         records = await self._source()
-        wanted = [
-            (name, version)
-            for name, record in sorted(records.items())
-            for version in record.served
-        ]
+        wanted = [(name, version) for name, record in sorted(records.items()) for version in record.served]
         async with redis.pipeline(transaction=False) as pipe:
             for name, version in wanted:
                 pipe.hgetall(keys.statistics(name, version))
@@ -81,13 +86,25 @@ class MetricsPort:
                 continue  # its steps wait on their functions' streams
             levels = records[name].versions[version].manifest.batching.priorities
             priorities[name] = max(priorities.get(name, 1), levels)
-        await metrics.refresh_queue_gauges(redis, priorities)
+        waiting = await metrics.refresh_queue_gauges(redis, priorities)
         self._names = {
             name: (record.default or record.newest()).manifest.model_name for name, record in records.items()
         }
-        return nv_metrics.inference_families(
-            [(self._names[name], version, raw) for (name, version), raw in zip(wanted, hashes, strict=True)]
+        collected = metrics.registry()
+        rejected = metrics.counts(
+            collected, "fngate_request_failure", lambda labels: labels.get("code") in REJECTED
         )
+        canceled = metrics.counts(collected, "fngate_withdrawn")
+        counted = []
+        for (name, version), raw in zip(wanted, hashes, strict=True):
+            record = records[name]
+            default = version == (record.default or record.newest()).version  # a function's own counts
+            failures = (
+                {"REJECTED": rejected.get(name, 0), "CANCELED": canceled.get(name, 0)} if default else {}
+            )
+            pending = waiting.get(name, 0) if default else 0
+            counted.append(nv_metrics.VersionCounts(self._names[name], version, raw, failures, pending))
+        return nv_metrics.inference_families(counted)
 
     def _by_model(self, counts: dict[str, float]) -> dict[str, float]:
         return {self._names.get(name, name): value for name, value in counts.items()}

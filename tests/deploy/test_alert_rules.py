@@ -1,7 +1,7 @@
 """deploy/prometheus/rules.yaml (fngate's names) and triton-rules.yaml (Triton's, from the metrics
 port): parsed and checked for what an alert needs (names, durations, severity, texts) and for the
 metrics fngate exports; `promtool check rules` (scripts/bootstrap installs it). The alerts on
-Triton's names run on a real scrape in tests/e2e/test_nv_metrics.py."""
+Triton's names run on a real scrape in tests/e2e/test_triton_metrics.py."""
 
 from __future__ import annotations
 
@@ -97,6 +97,7 @@ def test_alerts_cover_failures_latency_and_backlog() -> None:
 
 def test_tritons_rules_use_tritons_names_as_the_metrics_port_exports_them() -> None:
     exported = {name for name, *_ in nv_metrics.INFERENCE} | {name for name, _, _ in nv_metrics.GPU}
+    exported |= {nv_metrics.FAILURE, "nv_inference_pending_request_count"}
     recorded = {rule["record"] for rule in rules(TRITON_RULES) if "record" in rule}
     for rule in rules(TRITON_RULES):
         for name in re.findall(r"\b(?:nv_|model:)[a-z0-9_:]+", rule["expr"]):

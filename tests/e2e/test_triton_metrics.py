@@ -151,8 +151,9 @@ def test_the_metrics_port_has_tritons_names_beside_fngates_without_a_key(scraped
     misshapen = {"model": "misshapen", "version": "1"}
     assert value(scraped.before, "nv_inference_request_success", **classifier) == 0
     assert value(after, "nv_inference_request_success", **classifier) == SUCCEEDED
-    assert value(after, "nv_inference_request_failure", **classifier) == 0
-    assert value(after, "nv_inference_request_failure", **misshapen) == FAILED
+    for reason in nv_metrics.REASONS:  # as Triton labels failures: by reason
+        assert value(after, "nv_inference_request_failure", **classifier, reason=reason) == 0
+    assert value(after, "nv_inference_request_failure", **misshapen, reason="BACKEND") == FAILED
     assert value(after, "nv_inference_count", **classifier) == SUCCEEDED  # one row each
     assert 1 <= value(after, "nv_inference_exec_count", **classifier) <= SUCCEEDED
     durations = {name: value(after, name, **classifier) for name, *_ in nv_metrics.INFERENCE}
@@ -295,3 +296,37 @@ def test_the_dashboard_reads_what_the_metrics_port_exports(scraped: Scraped, tmp
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+TRITON_SCRAPE = Path(__file__).with_name("triton-2.51-metrics.txt")
+
+
+def families_of(text: str) -> dict[str, tuple[str, str, set[frozenset[str]]]]:
+    """Each family's type, help and the label names of its samples."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        names = {frozenset(sample.labels) for sample in family.samples}
+        found[family.name] = (family.type, family.documentation, names)
+    return found
+
+
+def test_tritons_families_are_as_triton_exports_them(scraped: Scraped) -> None:
+    """Every family of a real Triton's CPU scrape is on fngate's metrics port with Triton's type,
+    help text and label names: a dashboard, alert or recording rule written against Triton reads it."""
+    triton = families_of(TRITON_SCRAPE.read_text())
+    ours = families_of(scraped.after)
+    missing = sorted(triton.keys() - ours.keys())
+    assert missing == [], f"Triton's families fngate does not export: {missing}"
+    for name, (kind, text, labels) in triton.items():
+        assert ours[name][:2] == (kind, text), name
+        assert ours[name][2] == labels, (name, ours[name][2], labels)
+    reasons = {
+        sample.labels["reason"]
+        for family in text_string_to_metric_families(scraped.after)
+        if family.name == "nv_inference_request_failure"
+        for sample in family.samples
+    }
+    assert reasons == {"REJECTED", "CANCELED", "BACKEND", "OTHER"}
+    assert 0.0 <= value(scraped.after, "nv_cpu_utilization") <= 1.0
+    used, total = (value(scraped.after, f"nv_cpu_memory_{kind}_bytes") for kind in ("used", "total"))
+    assert 0 < used < total
