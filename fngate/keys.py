@@ -136,6 +136,12 @@ def statistics(function: str, version: str) -> str:
     return f"{PREFIX}:stats:{{{function}}}:{version}"
 
 
+def custom_metrics(function: str, version: str) -> str:
+    """Hash of one function version's custom metrics (a Triton Python model's pb_utils.MetricFamily,
+    fngate.custom_metrics), added to by every runner."""
+    return f"{PREFIX}:custom:{{{function}}}:{version}"
+
+
 def unloaded() -> str:
     """Hash: function name -> when (ms) it was explicitly unloaded; it is served again after a load."""
     return f"{PREFIX}:unloaded"

@@ -80,6 +80,8 @@ class Family:
     """counter or gauge"""
     samples: tuple[tuple[tuple[tuple[str, str], ...], float], ...]
     """(labels as (name, value) pairs, value)"""
+    suffixes: tuple[str, ...] = ()
+    """Each sample's name after the family's (a histogram's _bucket, _sum, _count); none: bare."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,11 +263,10 @@ def render(families: Iterable[Family]) -> bytes:
     for family in families:
         lines.append(f"# HELP {family.name} {_escape_help(family.help)}")
         lines.append(f"# TYPE {family.name} {family.kind}")
-        for labels, value in family.samples:
-            inside = ",".join(f'{name}="{_escape_label(text)}"' for name, text in labels)
-            lines.append(
-                f"{family.name}{{{inside}}} {_number(value)}" if inside else f"{family.name} {_number(value)}"
-            )
+        for index, (labels, value) in enumerate(family.samples):
+            name = family.name + (family.suffixes[index] if family.suffixes else "")
+            inside = ",".join(f'{label}="{_escape_label(text)}"' for label, text in labels)
+            lines.append(f"{name}{{{inside}}} {_number(value)}" if inside else f"{name} {_number(value)}")
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 

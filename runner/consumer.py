@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from fngate import clients, keys, queue
+from fngate import clients, custom_metrics, keys, queue
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError
@@ -70,6 +70,8 @@ class FunctionConsumer:
         self._contended = False
         self._arrivals = Arrivals()
         self._cost = BatchCost()
+        self._metric_bounds: dict[str, custom_metrics.Bounded] = {}
+        """Per version: the custom metric families and series its model made here (capped)."""
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
@@ -338,6 +340,7 @@ class FunctionConsumer:
         started_ns = time.time_ns()
         ran_digest = ""
         failed = None
+        reported: list[custom_metrics.Update] = []
         total_rows = sum(invocation.rows for invocation in invocations)
         alone = [entry for entry in batch if entry.alone]
         if alone:
@@ -356,6 +359,8 @@ class FunctionConsumer:
                         replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
                     await self._models.release(model)
+                    take = getattr(model.backend, "take_metric_updates", None)
+                    reported = take() if take is not None else []
                 took_s = time.perf_counter() - computed
                 self._observer.compute_duration.observe(took_s)
                 self._cost.observe(total_rows, took_s * 1e6)
@@ -383,6 +388,31 @@ class FunctionConsumer:
             ran_digest,
             statistics.of_batch(self.function, version, batch, replies, started_ns),
         )
+        if reported:
+            await self._publish_metrics(version, reported)
+
+    async def _publish_metrics(self, version: str, updates: Sequence[custom_metrics.Update]) -> None:
+        """The model's custom metrics of the batch, once its replies are sent: a failure is logged,
+        and the batch's updates are lost (counters count less), as a scrape missed would be."""
+        bounds = self._metric_bounds.setdefault(version, custom_metrics.Bounded())
+        admitted = []
+        for update in updates:
+            refused = bounds.admit(update)
+            if refused is None:
+                admitted.append(update)
+            elif refused not in bounds.said:
+                bounds.said.add(refused)
+                log.warning("%s version %s: custom metrics dropped: %s", self.function.name, version, refused)
+        sent = custom_metrics.commands(keys.custom_metrics(self.function.name, version), admitted)
+        if not sent:
+            return
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for command in sent:
+                    pipe.execute_command(*command)
+                await pipe.execute()
+        except RedisError as exc:
+            log.warning("%s: custom metrics of a batch were not recorded: %s", self.function.name, exc)
 
     def _split(self, batch: Sequence[Entry], error: FunctionError) -> None:
         """A batch failed as a whole (its process died or hung, its backend raised): which of its

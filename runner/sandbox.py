@@ -197,21 +197,30 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
             specs, buffers = pack_tensors(outputs)
             _check_size(name, sum(len(buffer) for buffer in buffers), header)
         except FunctionError as exc:
-            send(replies, {"error": exc.message, "code": exc.code.value})
+            send(replies, _reported(model, {"error": exc.message, "code": exc.code.value}))
             continue
         except MemoryError as exc:
             failed = {
                 "error": out_of_memory(name, memory_limit_bytes, exc),
                 "code": ErrorCode.MODEL_FAILED.value,
             }
-            send(replies, failed)
+            send(replies, _reported(model, failed))
             continue
         except Exception as exc:
             message = f"function '{name}' failed: {type(exc).__name__}: {exc}"
-            send(replies, {"error": message, "code": ErrorCode.MODEL_FAILED.value})
+            send(replies, _reported(model, {"error": message, "code": ErrorCode.MODEL_FAILED.value}))
             continue
         errors = getattr(model, "member_errors", None)  # invocations that failed alone (runner.triton)
-        send(replies, {"tensors": specs, **({"errors": errors} if errors else {})}, buffers)
+        header = {"tensors": specs, **({"errors": errors} if errors else {})}
+        send(replies, _reported(model, header), buffers)
+
+
+def _reported(model: Any, header: Header) -> Header:
+    """The reply's header with the custom metrics the model changed since the last reply (a Triton
+    model's pb_utils.MetricFamily), if any."""
+    take = getattr(model, "take_metrics", None)
+    metrics = take() if take is not None else None
+    return {**header, "metrics": metrics} if metrics else header
 
 
 def _check_size(name: str, size: int, request: Header) -> None:

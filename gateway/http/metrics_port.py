@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from fngate import clients, keys, nv_metrics, status_port
+from fngate import clients, custom_metrics, keys, nv_metrics, status_port
 from fngate.backoff import Health
 from fngate.config import GatewaySettings
 from fngate.errors import ErrorCode
@@ -41,6 +41,8 @@ class MetricsPort:
         self._names: dict[str, str] = {}
         """Function -> the name Triton's series give it (`model`): the Triton model's own name where
         it came from a Triton repository (add_sub, not add-sub), else the function's."""
+        self._custom: list[nv_metrics.Family] = []
+        """The custom metrics of Triton Python models (pb_utils.MetricFamily), as last read."""
         self._cpu = nv_metrics.read_cpu()
         """At the last scrape (or the start): nv_cpu_utilization is the share busy since."""
 
@@ -66,6 +68,7 @@ class MetricsPort:
         families += nv_metrics.host_families(self._cpu, now)
         self._cpu = now
         families += nv_metrics.gpu_families(await asyncio.to_thread(read_gpus))
+        families += self._custom
         return generate_latest(collected) + nv_metrics.render(families)
 
     async def _inference(self) -> list[nv_metrics.Family]:
@@ -76,10 +79,20 @@ class MetricsPort:
             self._source = function_source(self._settings.repo, redis)
         records = await self._source()
         wanted = [(name, version) for name, record in sorted(records.items()) for version in record.served]
+        custom = [
+            (name, version)
+            for name, version in wanted
+            if records[name].versions[version].manifest.pipeline is None
+            and records[name].versions[version].manifest.model.backend == "python"
+        ]
         async with redis.pipeline(transaction=False) as pipe:
             for name, version in wanted:
                 pipe.hgetall(keys.statistics(name, version))
-            hashes: list[Any] = await pipe.execute()
+            for name, version in custom:
+                pipe.hgetall(keys.custom_metrics(name, version))
+            read: list[Any] = await pipe.execute()
+        hashes = read[: len(wanted)]
+        self._custom = custom_metrics.families(read[len(wanted) :])
         priorities: dict[str, int] = {}
         for name, version in wanted:
             if records[name].versions[version].manifest.pipeline is not None:

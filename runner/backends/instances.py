@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import queue
 from collections.abc import Sequence
+from typing import Any
 
 from fngate.tensors import Tensors
 from runner.backends import Backend
@@ -43,6 +44,12 @@ class Instances:
             return backend.run(inputs, outputs)
         finally:
             self._free.put(backend)
+
+    def take_metric_updates(self) -> list[Any]:
+        """The custom metrics the instances' processes reported since the last take."""
+        return [
+            update for backend in self.backends for update in getattr(backend, "take_metric_updates", list)()
+        ]
 
     def rss_bytes(self) -> int:
         """The resident memory of the instances' own processes, where they have any."""

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import runner
+from fngate import custom_metrics
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import DEFAULT_MEMORY_LIMIT_MB, FunctionManifest
 from fngate.tensors import Tensors
@@ -85,6 +86,8 @@ class PythonBackend:
         instance: int = 0,
     ) -> None:
         accel = acceleration or Acceleration()
+        self._reported: list[custom_metrics.Update] = []
+        """Custom metrics its process reported, until the consumer takes them (take_metric_updates)."""
         self._instance = instance
         self._manifest = manifest
         self._name = manifest.name
@@ -152,6 +155,20 @@ class PythonBackend:
         child = self._child
         return child.process.pid if child is not None else None
 
+    def take_metric_updates(self) -> list[custom_metrics.Update]:
+        taken, self._reported = self._reported, []
+        return taken
+
+    def _take_report(self, raw: Any) -> None:
+        """A batch's custom metrics as its process sent them, checked (the process is the function's
+        code): a report that is not one is dropped and logged."""
+        if raw is None:
+            return
+        try:
+            self._reported += custom_metrics.decode_updates(raw)
+        except custom_metrics.MetricError as exc:
+            log.warning("%s: its process sent custom metrics that are dropped: %s", self._name, exc)
+
     def run(self, inputs: Tensors, outputs: list[str], rows: list[int] | None = None) -> Tensors:
         """Raises MemberErrors when some invocations of the batch failed alone."""
         timeout_s = self._manifest.execution_timeout_s
@@ -167,6 +184,7 @@ class PythonBackend:
         try:
             sandbox.send(child.requests, request, buffers, deadline)
             header, body = sandbox.receive(child.replies, deadline, per_invocation * invocations)
+            self._take_report(header.get("metrics"))
             results = {} if "error" in header else sandbox.unpack_tensors(header["tensors"], body)
         except sandbox.FrameTooLarge as exc:  # past the process's own check: never read, and it is stopped
             self._fail(child, "output", f"answered {exc.body_bytes} bytes")

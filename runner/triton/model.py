@@ -146,6 +146,10 @@ class TritonModel:
             return {name: arrays[0] for name, arrays in parts.items()}
         return {name: np.concatenate(arrays) for name, arrays in parts.items()}
 
+    def take_metrics(self) -> list[dict[str, Any]]:
+        """The custom metrics (pb_utils.MetricFamily) changed since the last batch's reply."""
+        return pb_utils.take_metrics()
+
     def close(self) -> None:
         finalize = getattr(self._model, "finalize", None)
         if callable(finalize):

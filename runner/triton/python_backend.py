@@ -1,7 +1,8 @@
 """`triton_python_backend_utils` as a Triton Python model uses it (`import triton_python_backend_utils
 as pb_utils`): tensors, requests, responses, errors, the logger and the BYTES codec, over numpy
-arrays. Business logic scripting (a request's `exec()`) and rescheduling a request are refused with
-a clear error: compose models as a pipeline; fngate answers every request of a batch at once.
+arrays, and custom metrics (`MetricFamily`). Business logic scripting (a request's `exec()`) and
+rescheduling a request are refused with a clear error: compose models as a pipeline; fngate answers
+every request of a batch at once.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import enum
 import json
 import struct
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from fngate import custom_metrics
 from fngate.tensors import to_bytes
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
@@ -294,3 +297,149 @@ class Logger:
     @staticmethod
     def log_verbose(message: str) -> None:
         Logger.log(message, LogLevel.VERBOSE)
+
+
+class MetricFamily:
+    """A family of custom metrics (`pb_utils.MetricFamily(name, description, kind)`), exported on
+    the gateways' metrics port beside Triton's nv_* series as Triton exports them. A name used again
+    is the same family (its first description kept); with another kind it is refused. A process
+    may make at most fngate.custom_metrics.MAX_FAMILIES families and MAX_SERIES series."""
+
+    COUNTER = custom_metrics.COUNTER
+    GAUGE = custom_metrics.GAUGE
+    HISTOGRAM = custom_metrics.HISTOGRAM
+
+    def __new__(cls, name: str, description: str, kind: str) -> MetricFamily:
+        with _METRICS_LOCK:
+            known = _FAMILIES.get(name)
+            if known is not None:
+                if known.declared.kind != kind:
+                    raise TritonModelException(
+                        f"metric family '{name}' is a {known.declared.kind} already, not a {kind}"
+                    )
+                return known
+            if len(_FAMILIES) >= custom_metrics.MAX_FAMILIES:
+                raise TritonModelException(
+                    f"a model may make at most {custom_metrics.MAX_FAMILIES} metric families"
+                )
+            try:
+                declared = custom_metrics.check_family(
+                    name, kind, description, (1.0,) if kind == cls.HISTOGRAM else ()
+                )
+            except custom_metrics.MetricError as exc:
+                raise TritonModelException(str(exc)) from None
+            family = super().__new__(cls)
+            family.declared = declared
+            family._metrics = {}
+            _FAMILIES[name] = family
+            return family
+
+    declared: custom_metrics.Declared
+    _metrics: dict[tuple[str, tuple[float, ...]], Metric]
+
+    def Metric(
+        self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None
+    ) -> Metric:
+        """The series of these labels (the same object for the same labels); a histogram's takes
+        its buckets' upper bounds."""
+        declared = self.declared
+        try:
+            checked = custom_metrics.check_labels(declared.name, labels)
+            if declared.kind == self.HISTOGRAM:
+                declared = custom_metrics.check_family(
+                    declared.name, declared.kind, declared.help, buckets or ()
+                )
+            elif buckets:
+                raise custom_metrics.MetricError(
+                    f"metric family '{declared.name}': only a histogram takes buckets"
+                )
+        except custom_metrics.MetricError as exc:
+            raise TritonModelException(str(exc)) from None
+        key = (custom_metrics.series_key(checked), declared.buckets)
+        with _METRICS_LOCK:
+            metric = self._metrics.get(key)
+            if metric is None:
+                if _series_count() >= custom_metrics.MAX_SERIES:
+                    raise TritonModelException(
+                        f"a model may make at most {custom_metrics.MAX_SERIES} metric series"
+                    )
+                metric = self._metrics[key] = Metric(declared, checked)
+        return metric
+
+
+class Metric:
+    """One series of a family: `increment`, `set` (a gauge's), `observe` (a histogram's), `value`."""
+
+    def __init__(self, declared: custom_metrics.Declared, labels: dict[str, str]) -> None:
+        self._update = custom_metrics.Update(
+            declared, labels, counts=[0] * (len(declared.buckets) + 1) if declared.buckets else []
+        )
+        self._value = 0.0
+        _CHANGED[id(self)] = self  # reported once at zero, as Triton exports a series it has made
+
+    def increment(self, value: float) -> None:
+        kind = self._update.family.kind
+        if kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("a histogram is observed, not incremented")
+        value = float(value)
+        if kind == MetricFamily.COUNTER and value < 0:
+            raise TritonModelException("a counter cannot be incremented by a negative value")
+        with _METRICS_LOCK:
+            self._value += value
+            if kind == MetricFamily.GAUGE:
+                self._update.value = self._value
+            else:
+                self._update.add += value
+            _CHANGED[id(self)] = self
+
+    def set(self, value: float) -> None:
+        if self._update.family.kind != MetricFamily.GAUGE:
+            raise TritonModelException("only a gauge is set")
+        with _METRICS_LOCK:
+            self._value = self._update.value = float(value)
+            _CHANGED[id(self)] = self
+
+    def observe(self, value: float) -> None:
+        update = self._update
+        if update.family.kind != MetricFamily.HISTOGRAM:
+            raise TritonModelException("only a histogram is observed")
+        value = float(value)
+        index = next(
+            (i for i, bound in enumerate(update.family.buckets) if value <= bound), len(update.family.buckets)
+        )
+        with _METRICS_LOCK:
+            update.counts[index] += 1
+            update.observed += 1
+            update.add += value
+            _CHANGED[id(self)] = self
+
+    def value(self) -> float:
+        """A counter's or gauge's value in this process (a histogram has none)."""
+        if self._update.family.kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("a histogram has no single value")
+        return self._value
+
+    def _take(self) -> dict[str, Any]:
+        update = self._update
+        reported = update.encode()
+        update.add, update.observed = 0.0, 0
+        update.counts = [0] * len(update.counts)
+        return reported
+
+
+_METRICS_LOCK = threading.Lock()
+_FAMILIES: dict[str, MetricFamily] = {}
+_CHANGED: dict[int, Metric] = {}
+"""The series changed since the last report."""
+
+
+def _series_count() -> int:
+    return sum(len(family._metrics) for family in _FAMILIES.values())
+
+
+def take_metrics() -> list[dict[str, Any]]:
+    """The series changed since the last call, as the sandbox reports them to its runner."""
+    with _METRICS_LOCK:
+        changed = list(_CHANGED.values())
+        _CHANGED.clear()
+        return [metric._take() for metric in changed]

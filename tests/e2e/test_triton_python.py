@@ -13,7 +13,10 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
 
+from fngate.config import GatewaySettings
+from gateway.http.metrics_port import MetricsPort
 from tests.conftest import free_port
 from tests.triton_repository import model
 
@@ -204,3 +207,111 @@ async def test_async_execute_bytes_codec_and_instances_over_http_and_grpc(
     assert grpc["calls"] == second + 1
     assert grpc["back"] == reversed_text and grpc["wire_bytes"] == WIRE_BYTES
     assert grpc["instances"] == pair
+
+
+COUNTED_CONFIG = """
+name: "counted"
+backend: "python"
+max_batch_size: 4
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+
+# Custom metrics as Triton's Python backend makes them: a counter of rows, a gauge of the last
+# batch's size, a histogram of values; a request with X = -1 asks for more families than a model may
+# make, and fails alone with what pb_utils says.
+COUNTED = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        kind = pb_utils.MetricFamily
+        rows = kind(name="counted_rows_total", description="Rows seen", kind=kind.COUNTER)
+        self.rows = rows.Metric(labels=labels)
+        self.again = kind("counted_rows_total", "another description", kind.COUNTER).Metric(labels=labels)
+        self.batch = kind("counted_batch_rows", "Rows of the last batch", kind.GAUGE).Metric(labels=labels)
+        values = kind("counted_values", "Values seen", kind.HISTOGRAM)
+        self.values = values.Metric(labels=labels, buckets=[1.0, 10.0])
+
+    def execute(self, requests):
+        responses = []
+        total = 0
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if (x == -1).any():
+                try:
+                    for index in range(100):
+                        family = pb_utils.MetricFamily
+                        family(f"too_many_{index}", "one too many", family.GAUGE)
+                except pb_utils.TritonModelException as exc:
+                    responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+                    continue
+            total += len(x)
+            for value in x.ravel():
+                self.values.observe(float(value))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        self.rows.increment(total)
+        self.batch.set(total)
+        assert self.again is self.rows  # one family, one series, under one name
+        return responses
+"""
+
+
+def call_counted(url: str, values: list[float]) -> list[str]:
+    """Each value in a request of its own, one after another: what each answered."""
+    client = triton_http.InferenceServerClient(url.removeprefix("http://"))
+    answers = []
+    try:
+        for value in values:
+            x = triton_http.InferInput("X", [1, 1], "FP32")
+            x.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+            try:
+                answers.append(str(client.infer("counted", [x]).as_numpy("Y")[0, 0]))
+            except InferenceServerException as exc:
+                answers.append(exc.message())
+    finally:
+        client.close()
+    return answers
+
+
+async def test_custom_metrics_reach_the_metrics_port_as_triton_exports_them(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis_url: str, tmp_path: Path
+) -> None:
+    """pb_utils.MetricFamily's counters, gauges and histograms, made in two instances' processes,
+    summed over them on the gateways' metrics port with the model's own help, type and labels; a
+    model past the cap on families gets pb_utils's error, and the rest goes on."""
+    root = tmp_path / "models"
+    model(root, "counted", COUNTED_CONFIG, {"1": {"model.py": COUNTED}})
+    base = await serve_gateway(repo=str(root))
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    answers = await asyncio.to_thread(call_counted, base, [0.5, 2.0, 20.0, -1.0, 3.0])
+    assert answers[:3] + answers[4:] == ["0.5", "2.0", "20.0", "3.0"], answers
+    assert "at most 64 metric families" in answers[3], answers
+    port = MetricsPort(GatewaySettings(redis_url=redis_url, repo=str(root)))
+    try:
+        for _ in range(100):  # a batch's metrics are recorded just after its answers
+            scraped = (await port.scrape()).decode()
+            if 'counted_rows_total{model="counted",version="1"} 4' in scraped:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await port.aclose()
+    labels = 'model="counted",version="1"'
+    for line in (
+        "# HELP counted_rows_total Rows seen",
+        "# TYPE counted_rows_total counter",
+        f"counted_rows_total{{{labels}}} 4",
+        "# TYPE counted_batch_rows gauge",
+        f"counted_batch_rows{{{labels}}} 1",
+        "# TYPE counted_values histogram",
+        f'counted_values_bucket{{{labels},le="1.0"}} 1',
+        f'counted_values_bucket{{{labels},le="10.0"}} 3',
+        f'counted_values_bucket{{{labels},le="+Inf"}} 4',
+        f"counted_values_sum{{{labels}}} 25.5",
+        f"counted_values_count{{{labels}}} 4",
+    ):
+        assert line in scraped, (line, [text for text in scraped.splitlines() if "counted" in text])
