@@ -166,7 +166,7 @@ class PythonBackend:
             return
         try:
             self._reported += custom_metrics.decode_updates(raw)
-        except custom_metrics.MetricError as exc:
+        except (ValueError, TypeError) as exc:  # MetricError, or what is not even of the right types
             log.warning("%s: its process sent custom metrics that are dropped: %s", self._name, exc)
 
     def run(self, inputs: Tensors, outputs: list[str], rows: list[int] | None = None) -> Tensors:

@@ -261,7 +261,7 @@ class TritonPythonModel:
 """
 
 
-def call_counted(url: str, values: list[float]) -> list[str]:
+def call_each(url: str, name: str, values: list[float]) -> list[str]:
     """Each value in a request of its own, one after another: what each answered."""
     client = triton_http.InferenceServerClient(url.removeprefix("http://"))
     answers = []
@@ -270,7 +270,7 @@ def call_counted(url: str, values: list[float]) -> list[str]:
             x = triton_http.InferInput("X", [1, 1], "FP32")
             x.set_data_from_numpy(np.array([[value]], dtype=np.float32))
             try:
-                answers.append(str(client.infer("counted", [x]).as_numpy("Y")[0, 0]))
+                answers.append(str(client.infer(name, [x]).as_numpy("Y")[0, 0]))
             except InferenceServerException as exc:
                 answers.append(exc.message())
     finally:
@@ -288,7 +288,7 @@ async def test_custom_metrics_reach_the_metrics_port_as_triton_exports_them(
     model(root, "counted", COUNTED_CONFIG, {"1": {"model.py": COUNTED}})
     base = await serve_gateway(repo=str(root))
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
-    answers = await asyncio.to_thread(call_counted, base, [0.5, 2.0, 20.0, -1.0, 3.0])
+    answers = await asyncio.to_thread(call_each, base, "counted", [0.5, 2.0, 20.0, -1.0, 3.0])
     assert answers[:3] + answers[4:] == ["0.5", "2.0", "20.0", "3.0"], answers
     assert "at most 64 metric families" in answers[3], answers
     port = MetricsPort(GatewaySettings(redis_url=redis_url, repo=str(root)))
@@ -315,3 +315,58 @@ async def test_custom_metrics_reach_the_metrics_port_as_triton_exports_them(
         f"counted_values_count{{{labels}}} 4",
     ):
         assert line in scraped, (line, [text for text in scraped.splitlines() if "counted" in text])
+
+
+LIAR_CONFIG = """
+name: "liar"
+backend: "python"
+max_batch_size: 4
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+# A model that goes around pb_utils and reports what it likes: malformed families, then 5,000 series.
+LIAR = """
+import triton_python_backend_utils as pb_utils
+
+REPORTS = [
+    [{"f": "lies", "k": "histogram", "b": "not buckets", "c": 7}],
+    [{"f": "nv_inference_count", "k": "counter", "a": 1e9}],
+    [{"f": "lies", "k": "counter", "l": {"n": str(index)}, "a": 1.0} for index in range(5000)],
+]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sent = 0
+
+        def report():
+            self.sent += 1
+            return REPORTS[(self.sent - 1) % len(REPORTS)]
+
+        pb_utils.take_metrics = report
+
+    def execute(self, requests):
+        x = [pb_utils.get_input_tensor_by_name(request, "X").as_numpy() for request in requests]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", each)]) for each in x]
+"""
+
+
+async def test_a_model_that_reports_metrics_around_pb_utils_gets_none_exported(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis_url: str, tmp_path: Path
+) -> None:
+    """The runner checks what a model's process reports (it is the model's code): malformed reports,
+    fngate's own names and a flood of series are dropped, and the model answers all the same."""
+    root = tmp_path / "models"
+    model(root, "liar", LIAR_CONFIG, {"1": {"model.py": LIAR}})
+    base = await serve_gateway(repo=str(root))
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    answers = await asyncio.to_thread(call_each, base, "liar", [1.0, 2.0, 3.0, 4.0])
+    assert answers == ["1.0", "2.0", "3.0", "4.0"], answers
+    port = MetricsPort(GatewaySettings(redis_url=redis_url, repo=str(root)))
+    try:
+        scraped = (await port.scrape()).decode()
+    finally:
+        await port.aclose()
+    assert "lies" not in scraped
+    assert 'nv_inference_count{model="liar",version="1"} 4' in scraped
