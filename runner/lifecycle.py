@@ -50,6 +50,8 @@ class Lifecycle:
         self.stopping = stopping
         self.tasks = tasks
         self.records: dict[str, FunctionRecord] = {}
+        self.found: dict[str, FunctionRecord] = {}
+        """Every function of the repository (its models' calls may name one of another pool)."""
         self.consumers: dict[str, tuple[FunctionConsumer, asyncio.Task[None]]] = {}
         self.loops: list[asyncio.Task[None]] = []
         """What draining waits for: the consume loops and the runner's own loops."""
@@ -81,6 +83,7 @@ class Lifecycle:
         except (OSError, RedisError) as exc:
             log.warning("discovery failed (%s); keeping the functions known so far", exc)
             return
+        self.found = found
         wanted = set(settings.functions)
         records = {
             name: record

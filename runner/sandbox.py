@@ -149,6 +149,13 @@ def receive(
     return header, body
 
 
+def readable(fd: int, timeout_s: float) -> bool:
+    """Whether a frame has begun to arrive on `fd` within `timeout_s`."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 def _read_into(fd: int, views: list[memoryview], deadline: float | None) -> None:
     views = [view for view in views if len(view)]
     while views:
@@ -330,6 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     try:
         triton_config, instance = header.get("triton_config"), int(header.get("instance", 0))
+        if triton_config is not None:  # its calls to other models (BLS) go through these pipes
+            from runner.triton import python_backend
+
+            python_backend.open_channel(requests, replies)
         model = load_model(Path(header["module"]), Path(header["directory"]), triton_config, instance)
     except Exception as exc:
         traceback.print_exc()

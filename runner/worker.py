@@ -20,7 +20,7 @@ from fngate import clients
 from fngate.backoff import until_done
 from fngate.config import RunnerSettings
 from fngate.registry import ModelState, StateBoard, function_source
-from runner import budget, gpu, idle
+from runner import bls, budget, gpu, idle
 from runner.artifacts import Artifacts
 from runner.backends.providers import Acceleration
 from runner.backends.python import prepare as prepare_function_processes
@@ -79,6 +79,8 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
             async with asyncio.TaskGroup() as tasks:
                 source = function_source(settings.repo, redis)
                 runner = Lifecycle(name, settings, redis, models, board, source, stopping, tasks)
+                caller = bls.Caller(redis, name, lambda: runner.found)
+                bls.install(caller)
                 await runner.discover()
                 runner.loops.append(tasks.create_task(runner.discover_loop(), name="discover"))
                 runner.loops.append(tasks.create_task(_heartbeat_loop(runner), name="heartbeat"))
@@ -98,6 +100,8 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
                 await _drain(runner.loops, settings.drain_timeout_s)
                 for task in [serving, *runner.background]:
                     task.cancel()
+                bls.uninstall(caller)
+                await caller.close()
         finally:
             models.close()
             with contextlib.suppress(RedisError, OSError):

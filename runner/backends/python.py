@@ -38,7 +38,7 @@ from fngate import custom_metrics
 from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTimeout
 from fngate.manifest import DEFAULT_MEMORY_LIMIT_MB, FunctionManifest
 from fngate.tensors import Tensors
-from runner import budget, confinement, gpu, sandbox
+from runner import bls, budget, confinement, gpu, sandbox
 from runner.backends import MemberErrors
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.cgroup import FunctionCgroup, current_layout
@@ -50,6 +50,11 @@ from runner.workdir import WorkingFolder, runner_folder
 from runner.workdir import reap as reap_folders
 
 log = logging.getLogger(__name__)
+
+CALL_POLL_S = 0.001
+"""While a model's calls are under way: how often the batch's thread looks for their answers."""
+MAX_CALL_BYTES = 64 * 2**20
+"""The most a frame from a model's process may hold: a call's inputs may outweigh its outputs."""
 
 START_TIMEOUT_S = 120.0
 """How long a child may take to import model.py and construct its Model."""
@@ -155,6 +160,27 @@ class PythonBackend:
         child = self._child
         return child.process.pid if child is not None else None
 
+    def _answer_calls(self, child: _Child, deadline: float, max_body_bytes: int) -> tuple[Any, Any]:
+        """The batch's reply, once the calls its model made meanwhile (BLS: runner.bls) are answered:
+        each goes out as it comes, several at once, and its answer goes back down the pipe."""
+        calls: dict[Any, Any] = {}
+        try:
+            while True:
+                for future in [future for future in calls if future.done()]:
+                    frame, buffers = bls.answer(calls.pop(future), future)
+                    sandbox.send(child.requests, frame, buffers, deadline)
+                if calls and not sandbox.readable(child.replies, CALL_POLL_S):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    continue
+                header, body = sandbox.receive(child.replies, deadline, max(max_body_bytes, MAX_CALL_BYTES))
+                if header.get("op") != "call":
+                    return header, body
+                calls[bls.start(self._name, header, body, deadline)] = header.get("id")
+        finally:
+            for future in calls:
+                future.cancel()
+
     def take_metric_updates(self) -> list[custom_metrics.Update]:
         taken, self._reported = self._reported, []
         return taken
@@ -183,7 +209,7 @@ class PythonBackend:
         child.output.batch_started()
         try:
             sandbox.send(child.requests, request, buffers, deadline)
-            header, body = sandbox.receive(child.replies, deadline, per_invocation * invocations)
+            header, body = self._answer_calls(child, deadline, per_invocation * invocations)
             self._take_report(header.get("metrics"))
             results = {} if "error" in header else sandbox.unpack_tensors(header["tensors"], body)
         except sandbox.FrameTooLarge as exc:  # past the process's own check: never read, and it is stopped

@@ -7,6 +7,8 @@ every request of a batch at once.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import enum
 import json
 import struct
@@ -99,9 +101,10 @@ RESCHEDULE_REFUSED = (
     "fngate does not reschedule requests (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE): execute "
     "answers every request of its batch, in that batch"
 )
-BLS_REFUSED = (
-    "business logic scripting (InferenceRequest.exec) is not available in fngate: a model.py cannot "
-    "call other models; compose them as an ensemble (a pipeline) instead"
+BLS_UNAVAILABLE = "business logic scripting (InferenceRequest.exec) runs in a runner's model process only"
+DECOUPLED_BLS_REFUSED = (
+    "a decoupled call (exec(decoupled=True)) is not available in fngate: fngate serves no decoupled "
+    "models, so every call has one response"
 )
 
 
@@ -120,7 +123,8 @@ class InferenceRequest:
         parameters: Mapping[str, Any] | str | None = None,
         **_: Any,
     ) -> None:
-        self._model_name = model_name
+        self._model_name = model_name.decode() if isinstance(model_name, bytes) else str(model_name)
+        self._version = model_version
         self._outputs = list(requested_output_names)
         self._inputs = list(inputs)
         self._id = request_id
@@ -163,11 +167,102 @@ class InferenceRequest:
             "InferenceResponse per request from execute"
         )
 
-    def exec(self, *_: Any, **__: Any) -> InferenceResponse:
-        raise TritonModelException(BLS_REFUSED)
+    def exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
+        """Call the model this request names through fngate's queue (business logic scripting): its
+        response, or one with its error (has_error())."""
+        if decoupled:
+            raise TritonModelException(DECOUPLED_BLS_REFUSED)
+        channel = _CHANNEL
+        if channel is None:
+            raise TritonModelException(BLS_UNAVAILABLE)
+        return channel.call(self._model_name, self._version, self._outputs, self._inputs)
 
-    def async_exec(self, *_: Any, **__: Any) -> Any:
-        raise TritonModelException(BLS_REFUSED)
+    def async_exec(self, decoupled: bool = False, **_: Any) -> Any:
+        """`exec` as an awaitable, for `async def execute`: several at once go out together."""
+        if decoupled:
+            raise TritonModelException(DECOUPLED_BLS_REFUSED)
+        return asyncio.get_running_loop().run_in_executor(_calls_pool(), self.exec)
+
+
+class _Channel:
+    """The model process's pipes to its runner, as the batch's calls use them: a call goes up the
+    replies pipe ({"op": "call"}), its answer comes down the requests pipe ({"op": "called"}), each
+    named by its id. Several calls at once (async_exec) share them: one reads while the others wait
+    for theirs."""
+
+    def __init__(self, requests: int, replies: int) -> None:
+        self._requests, self._replies = requests, replies
+        self._sending = threading.Lock()
+        self._reading = threading.Lock()
+        self._arrived = threading.Condition()
+        self._answers: dict[int, tuple[dict[str, Any], Any]] = {}
+        self._next = 0
+
+    def call(
+        self, model: str, version: int, outputs: Sequence[str], inputs: Sequence[Tensor]
+    ) -> InferenceResponse:
+        from runner import sandbox
+
+        specs, buffers = sandbox.pack_tensors({tensor.name(): tensor.as_numpy() for tensor in inputs})
+        with self._sending:
+            self._next += 1
+            call_id = self._next
+            header = {
+                "op": "call",
+                "id": call_id,
+                "model": model,
+                "version": str(version),
+                "outputs": list(outputs),
+            }
+            sandbox.send(self._replies, {**header, "tensors": specs}, buffers)
+        answer, body = self._await(call_id)
+        if "error" in answer:
+            return InferenceResponse(error=TritonError(str(answer["error"])))
+        tensors = sandbox.unpack_tensors(answer.get("tensors") or [], body)
+        return InferenceResponse([Tensor(name, array) for name, array in tensors.items()])
+
+    def _await(self, call_id: int) -> tuple[dict[str, Any], Any]:
+        from runner import sandbox
+
+        while True:
+            with self._arrived:
+                if call_id in self._answers:
+                    return self._answers.pop(call_id)
+            if not self._reading.acquire(blocking=False):
+                with self._arrived:
+                    if call_id not in self._answers:
+                        self._arrived.wait(0.05)
+                continue
+            try:
+                while True:
+                    with self._arrived:
+                        if call_id in self._answers:
+                            return self._answers.pop(call_id)
+                    header, body = sandbox.receive(self._requests)
+                    with self._arrived:
+                        self._answers[int(header.get("id", 0))] = (header, body)
+                        self._arrived.notify_all()
+            finally:
+                self._reading.release()
+                with self._arrived:
+                    self._arrived.notify_all()
+
+
+_CHANNEL: _Channel | None = None
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def open_channel(requests: int, replies: int) -> None:
+    """Set by the model's process (runner.sandbox) before it loads the model."""
+    global _CHANNEL  # noqa: PLW0603 - one model a process
+    _CHANNEL = _Channel(requests, replies)
+
+
+def _calls_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL  # noqa: PLW0603 - one model a process
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="bls")
+    return _POOL
 
 
 class InferenceResponse:

@@ -370,3 +370,157 @@ async def test_a_model_that_reports_metrics_around_pb_utils_gets_none_exported(
         await port.aclose()
     assert "lies" not in scraped
     assert 'nv_inference_count{model="liar",version="1"} 4' in scraped
+
+
+ADD_SUB_CONFIG = """
+name: "add_sub"
+backend: "python"
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+"""
+
+ADD_SUB = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            outputs = [pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+"""
+
+CALLER_CONFIG = """
+name: "%s"
+backend: "python"
+input [
+  { name: "MODEL_NAME" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+"""
+
+# Business logic scripting as Triton's examples do it: the model to call comes with the request;
+# an error response of the callee fails the caller's request with its message.
+BLS_SYNC = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            callee = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0]
+            inputs = [pb_utils.get_input_tensor_by_name(request, name) for name in ("INPUT0", "INPUT1")]
+            call = pb_utils.InferenceRequest(
+                model_name=callee, requested_output_names=["OUTPUT0", "OUTPUT1"], inputs=inputs
+            )
+            answer = call.exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            responses.append(pb_utils.InferenceResponse(output_tensors=answer.output_tensors()))
+        return responses
+"""
+
+# Two calls at once from an async execute: OUTPUT0 is the sum of both calls' sums.
+BLS_ASYNC = """
+import asyncio
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            callee = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0]
+            inputs = [pb_utils.get_input_tensor_by_name(request, name) for name in ("INPUT0", "INPUT1")]
+            calls = [
+                pb_utils.InferenceRequest(
+                    model_name=callee, requested_output_names=["OUTPUT0", "OUTPUT1"], inputs=inputs
+                ).async_exec()
+                for _ in range(2)
+            ]
+            first, second = await asyncio.gather(*calls)
+            for answer in (first, second):
+                if answer.has_error():
+                    raise pb_utils.TritonModelException(answer.error().message())
+            total = pb_utils.get_output_tensor_by_name(first, "OUTPUT0").as_numpy() * 2
+            difference = pb_utils.get_output_tensor_by_name(second, "OUTPUT1").as_numpy()
+            outputs = [pb_utils.Tensor("OUTPUT0", total), pb_utils.Tensor("OUTPUT1", difference)]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+"""
+
+
+def call_bls(url: str, grpc_url: str) -> dict[str, Any]:
+    """Each caller with each callee, over HTTP and gRPC: the outputs, or the error's message."""
+    a = np.arange(4, dtype=np.float32)
+    b = np.ones(4, dtype=np.float32)
+    found: dict[str, Any] = {}
+    http = triton_http.InferenceServerClient(url.removeprefix("http://"))
+    rpc = triton_grpc.InferenceServerClient(grpc_url)
+    try:
+        for caller, callee in (
+            ("bls_sync", "add_sub"),
+            ("bls_async", "add_sub"),
+            ("bls_sync", "nope"),
+            ("bls_sync", "bls_sync"),
+        ):
+            for protocol, module, client in (("http", triton_http, http), ("grpc", triton_grpc, rpc)):
+                inputs = [
+                    module.InferInput("MODEL_NAME", [1], "BYTES"),
+                    module.InferInput("INPUT0", [4], "FP32"),
+                    module.InferInput("INPUT1", [4], "FP32"),
+                ]
+                inputs[0].set_data_from_numpy(np.array([callee.encode()], dtype=object))
+                inputs[1].set_data_from_numpy(a)
+                inputs[2].set_data_from_numpy(b)
+                try:
+                    answer = client.infer(caller, inputs)
+                except InferenceServerException as exc:
+                    found[f"{caller} {callee} {protocol}"] = exc.message()
+                    continue
+                found[f"{caller} {callee} {protocol}"] = [
+                    answer.as_numpy("OUTPUT0").tolist(),
+                    answer.as_numpy("OUTPUT1").tolist(),
+                ]
+    finally:
+        http.close()
+        rpc.close()
+    return found
+
+
+async def test_business_logic_scripting_calls_other_models_through_the_queue(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A model calls another (exec(), and two at once with async_exec() from an async execute),
+    queued and batched as any invocation; the callee's answer or its error comes back, and a model
+    that calls itself is refused at once."""
+    root = tmp_path / "models"
+    model(root, "add_sub", ADD_SUB_CONFIG, {"1": {"model.py": ADD_SUB}})
+    model(root, "bls_sync", CALLER_CONFIG % "bls_sync", {"1": {"model.py": BLS_SYNC}})
+    model(root, "bls_async", CALLER_CONFIG % "bls_async", {"1": {"model.py": BLS_ASYNC}})
+    port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=port)
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    found = await asyncio.to_thread(call_bls, base, f"127.0.0.1:{port}")
+    for protocol in ("http", "grpc"):
+        assert found[f"bls_sync add_sub {protocol}"] == [[1.0, 2.0, 3.0, 4.0], [-1.0, 0.0, 1.0, 2.0]], found
+        assert found[f"bls_async add_sub {protocol}"] == [[2.0, 4.0, 6.0, 8.0], [-1.0, 0.0, 1.0, 2.0]], found
+        assert "Request for unknown model: 'nope' is not found" in found[f"bls_sync nope {protocol}"], found
+        assert "calls itself" in found[f"bls_sync bls_sync {protocol}"], found
