@@ -629,13 +629,17 @@ def problem_of(folder: Path, exc: Exception) -> str:
 
 
 def is_triton_model(folder: Path) -> bool:
-    """A Triton model's folder: a config.pbtxt, or numbered folders holding a model.onnx and no
-    index of fngate's own beside them (fngate.triton.models)."""
+    """A Triton model's folder: a config.pbtxt, or numbered folders holding a model.onnx (or a
+    model.py, which fngate names as one it cannot serve without its config.pbtxt) and no index of
+    fngate's own beside them (fngate.triton.models)."""
     if (folder / TRITON_CONFIG).is_file():
         return True
     if (folder / MANIFEST_FILE).is_file() or any(folder.glob("*.json")):
         return False
-    return any(VERSION.match(item.name) and (item / "model.onnx").is_file() for item in folder.glob("*/"))
+    return any(
+        VERSION.match(item.name) and ((item / "model.onnx").is_file() or (item / "model.py").is_file())
+        for item in folder.glob("*/")
+    )
 
 
 def _copy(source: Path, target: Path, progress: Progress) -> None:

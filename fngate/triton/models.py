@@ -54,12 +54,22 @@ class ModelFolder:
     """What fngate does not honour of its configuration, and versions it skipped."""
 
 
+PYTHON_AUTO_COMPLETE = (
+    "a Python model (model.py) with no config.pbtxt: fngate does not run its auto_complete_config "
+    "(the model's own code, which would run wherever the repository is read, a gateway's included). "
+    'Write the configuration it would complete: a config.pbtxt with backend: "python", its input, '
+    "output and max_batch_size"
+)
+
+
 def is_model_folder(folder: Path) -> bool:
-    """A Triton model: a config.pbtxt, or (auto-complete) a numbered folder holding a model.onnx."""
+    """A Triton model: a config.pbtxt, or (auto-complete) a numbered folder holding a model.onnx, or
+    a model.py (which read_model refuses, with why)."""
     if (folder / CONFIG_FILE).is_file():
         return True
     return any(
-        VERSION.match(item.name) and (item / MODEL_FILES["onnxruntime"]).is_file()
+        VERSION.match(item.name)
+        and ((item / MODEL_FILES["onnxruntime"]).is_file() or (item / MODEL_FILES["python"]).is_file())
         for item in _numbered(folder)
     )
 
@@ -82,6 +92,8 @@ def read_model(folder: Path) -> ModelFolder:
     else:
         from tritonclient.grpc import model_config_pb2 as pb
 
+        if not any((item / MODEL_FILES["onnxruntime"]).is_file() for item in _numbered(folder)):
+            raise ManifestError(source, [("", PYTHON_AUTO_COMPLETE)])
         config = pb.ModelConfig(backend="onnxruntime")
     if config.name and config.name != folder.name:
         raise ManifestError(source, [("name", f"{config.name!r} is not its folder's name {folder.name!r}")])

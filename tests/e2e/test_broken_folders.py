@@ -56,6 +56,13 @@ def odd_file_name(folder: Path) -> None:
     (folder / "1" / os.fsdecode(b"weights-\xff.bin")).write_bytes(b"\x00")
 
 
+def python_without_config(folder: Path) -> None:
+    """Triton's auto_complete example as laid out: a model.py whose configuration its own
+    auto_complete_config would give, and no config.pbtxt."""
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(BATCHES)
+
+
 BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
     "garbled": (lambda folder: triton(folder, "name: [\n"), "not a Triton model configuration"),
     "unknown_field": (lambda folder: triton(folder, config("unknown_field", extra="colour: 3\n")), "colour"),
@@ -90,6 +97,7 @@ BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
         "no version folder holds model.py",
     ),
     "odd_file_name": (odd_file_name, "cannot be read (UnicodeEncodeError"),
+    "auto_completed": (python_without_config, "does not run its auto_complete_config"),
     "bad-yaml": (lambda folder: manifest(folder, lambda doc: "name: [bad-yaml\n"), "bad-yaml/function.yaml"),
     "unknown-backend": (
         lambda folder: manifest(folder, lambda doc: doc["model"].update(backend="caffe")),
