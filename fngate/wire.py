@@ -110,6 +110,9 @@ class Reply:
     batch_size: int = 0
     cached: bool = False
     """Answered from the response cache (set by the gateway; not part of the encoding)."""
+    timing: Mapping[str, float] | None = None
+    """For an invocation that paid a cold start: what it waited for, phase -> milliseconds, in
+    order (COLD_PHASES); None for the others."""
 
     def encode(self) -> Fields:
         header: dict[str, Any] = {
@@ -119,6 +122,8 @@ class Reply:
             "batch": self.batch_id,
             "bsize": self.batch_size,
         }
+        if self.timing:
+            header["tm"] = dict(self.timing)
         if self.error is not None:
             header["code"] = self.error.code.value
             header["msg"] = self.error.message
@@ -139,7 +144,20 @@ class Reply:
             error=FunctionError.from_code(code, header.get("msg", "")) if code else None,
             batch_id=header.get("batch", ""),
             batch_size=header.get("bsize", 0),
+            timing=_timing(header.get("tm")),
         )
+
+
+COLD_PHASES = ("start", "queue", "fetch", "load", "exec")
+"""What an invocation that paid a cold start waited for, in order: a runner to start (from its
+enqueue until a runner of its function read its stream), the queue (then until its batch began),
+the model's files (download and digest check), their load (its warm-up included) and the batch."""
+
+
+def _timing(raw: Any) -> dict[str, float] | None:
+    if not isinstance(raw, dict):
+        return None
+    return {phase: float(raw[phase]) for phase in COLD_PHASES if isinstance(raw.get(phase), int | float)}
 
 
 def replies_of(fields: Mapping[Any, bytes]) -> list[Reply]:

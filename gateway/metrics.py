@@ -36,6 +36,12 @@ REQUEST_DURATION = Histogram(
     ["function"],
     buckets=LATENCY_BUCKETS,
 )
+COLD_START = Histogram(
+    "fngate_cold_start_seconds",
+    "What invocations that paid a cold start waited for, by phase (start, queue, fetch, load, exec)",
+    ["function", "phase"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
 CACHE_HITS = Counter("fngate_cache_hits", "Invocations answered from the response cache", ["function"])
 CACHE_MISSES = Counter(
     "fngate_cache_misses", "Cacheable invocations the cache could not answer", ["function"]
@@ -147,6 +153,14 @@ def failed(function: str, code: str) -> None:
     """An invocation answered with an error. `function` is '' for a name that is no function's (a
     client cannot add series by inventing names)."""
     REQUEST_FAILURE.labels(function, code).inc()
+
+
+def server_timing(function: str, timing: Mapping[str, float]) -> bytes:
+    """The Server-Timing value of an answer that paid a cold start (each phase, in ms), counted in
+    fngate_cold_start_seconds as it is made."""
+    for phase, ms in timing.items():
+        COLD_START.labels(function, phase).observe(ms / 1000)
+    return ", ".join(f"{phase};dur={ms:.1f}" for phase, ms in timing.items()).encode()
 
 
 def took(function: str, started: float) -> None:

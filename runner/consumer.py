@@ -29,7 +29,7 @@ from runner import statistics
 from runner.batching import Arrivals, BatchCost, Pending, decide
 from runner.execution import failed_together, run_batch, shape_key
 from runner.metrics import INVOCATIONS, MEMORY_REFUSALS
-from runner.models import LoadedModels
+from runner.models import LoadedModel, LoadedModels
 from runner.observe import BatchObserver, entry_ms
 from runner.outbox import Entry, Outbox
 from runner.reclaim import Reclaimer
@@ -70,6 +70,9 @@ class FunctionConsumer:
         self._contended = False
         self._arrivals = Arrivals()
         self._cost = BatchCost()
+        self._reading_since_ms = int(time.time() * 1000)
+        """When this runner began to read the function's stream: an invocation queued before
+        waited for a runner to start (its cold start's `start` phase)."""
         self._metric_bounds: dict[str, custom_metrics.Bounded] = {}
         """Per version: the custom metric families and series its model made here (capped)."""
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
@@ -103,6 +106,7 @@ class FunctionConsumer:
 
     async def run(self) -> None:
         """Consume until `stopping` is set, then finish what was already read and return."""
+        self._reading_since_ms = int(time.time() * 1000)
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._batches = tasks
@@ -347,6 +351,8 @@ class FunctionConsumer:
             await self._reclaim.note_runs(alone)
         parents, span = self._observer.batch_span(invocations)
         with span as batch_span:
+            cold = (name, version) not in self._models.loaded
+            loading = time.perf_counter()
             try:
                 model = await self._observer.load(self._models, self._models.version(name, version))
             except FunctionError as exc:
@@ -362,6 +368,10 @@ class FunctionConsumer:
                     take = getattr(model.backend, "take_metric_updates", None)
                     reported = take() if take is not None else []
                 took_s = time.perf_counter() - computed
+                if cold or any(entry_ms(entry.id) < self._reading_since_ms for entry in batch):
+                    replies = cold_timed(
+                        batch, replies, started_ns, self._reading_since_ms, model, computed - loading, took_s
+                    )
                 self._observer.compute_duration.observe(took_s)
                 self._cost.observe(total_rows, took_s * 1e6)
                 failed = failed_together(replies)
@@ -489,3 +499,33 @@ def is_delayed(invocation: Invocation, now_ms: int) -> bool:
 
 def _at_level(level: int, entries: Sequence[Entry], replies: Sequence[Reply]) -> list[Reply]:
     return [reply for entry, reply in zip(entries, replies, strict=True) if entry.level == level]
+
+
+def cold_timed(
+    batch: Sequence[Entry],
+    replies: Sequence[Reply],
+    started_ns: int,
+    reading_since_ms: int,
+    model: LoadedModel,
+    waited_s: float,
+    took_s: float,
+) -> list[Reply]:
+    """The batch's replies with what each of its invocations waited for (fngate.wire.COLD_PHASES),
+    for the gateway's Server-Timing: a runner to start, the queue, the model's files and their load
+    (when this batch waited for a load: `waited_s`, split by what the load measured), the batch."""
+    started_ms = started_ns / 1e6
+    load_ms = waited_s * 1000
+    fetch_ms = min(load_ms, model.download_s * 1000) if load_ms > 1 else 0.0
+    timed = []
+    for entry, reply in zip(batch, replies, strict=True):
+        enqueued_ms = entry_ms(entry.id)
+        start_ms = max(0.0, reading_since_ms - enqueued_ms)
+        phases = {
+            "start": start_ms,
+            "queue": max(0.0, started_ms - enqueued_ms - start_ms),
+            "fetch": fetch_ms,
+            "load": max(0.0, load_ms - fetch_ms),
+            "exec": took_s * 1000,
+        }
+        timed.append(dataclasses.replace(reply, timing={name: round(ms, 3) for name, ms in phases.items()}))
+    return timed

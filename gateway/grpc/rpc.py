@@ -104,6 +104,7 @@ class Rpc:
         "size",
         "stream_id",
         "timer",
+        "timing",
         "trailers",
     )
 
@@ -131,6 +132,8 @@ class Rpc:
         self.ended = False
         self.trailers: list[tuple[bytes, bytes]] | None = None
         """Trailers that wait for the answer's bytes to leave (the client's window)."""
+        self.timing: bytes = b""
+        """The answer's Server-Timing (a cold start's phases), sent as trailing metadata."""
         self.counted = True
         """It holds one of the process's RPC places (given back once it is answered)."""
         self.gate: asyncio.Future[Any] | None = None

@@ -177,7 +177,7 @@ class GrpcInference:
         call = self._call(request, function, rpc, principal, traceparent, started, inputs)
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         reply = self.services.dispatcher.invoke(call)
-        reply.add_done_callback(functools.partial(_answer, answer, manifest, request.id))
+        reply.add_done_callback(functools.partial(_answer, answer, manifest, request.id, rpc))
         answer.add_done_callback(functools.partial(_cancelled, reply))
         return answer
 
@@ -245,6 +245,7 @@ class GrpcInference:
             raise
         call = self._call(request, function, rpc, principal, traceparent, started, inputs)
         reply = await self.services.dispatcher.invoke(call)
+        _timed(rpc, manifest, reply)
         return codec.response_of(reply, manifest, request.id)
 
     def _function(self, request: Any) -> FunctionVersion:
@@ -299,7 +300,11 @@ def _cancelled(reply: asyncio.Future[Reply], answer: asyncio.Future[Any]) -> Non
 
 
 def _answer(
-    answer: asyncio.Future[Any], manifest: FunctionManifest, request_id: str, reply: asyncio.Future[Reply]
+    answer: asyncio.Future[Any],
+    manifest: FunctionManifest,
+    request_id: str,
+    rpc: Rpc,
+    reply: asyncio.Future[Reply],
 ) -> None:
     if answer.done():
         return
@@ -309,9 +314,17 @@ def _answer(
         answer.set_exception(error)
     else:
         try:
+            _timed(rpc, manifest, reply.result())
             answer.set_result(codec.response_of(reply.result(), manifest, request_id))
         except Exception as exc:  # a bug: the transport logs it and answers INTERNAL
             answer.set_exception(exc)
+
+
+def _timed(rpc: Rpc | None, manifest: FunctionManifest, reply: Reply) -> None:
+    """A cold start's phases in the RPC's trailing metadata (server-timing, as over HTTP); a
+    stream's answers have no trailers of their own."""
+    if reply.timing and rpc is not None:
+        rpc.timing = metrics.server_timing(manifest.name, reply.timing)
 
 
 HEALTH = ("ServerLive", "ServerReady")

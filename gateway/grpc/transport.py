@@ -518,6 +518,8 @@ class GrpcConnection(asyncio.Protocol):
         _settle(rpc)
         rpc.buffer = bytearray()
         trailers = [(b"grpc-status", b"0")] if error is None else _status_of(error)
+        if rpc.timing and error is None:
+            trailers.append((b"server-timing", rpc.timing))
         if self.transport is None or self.transport.is_closing():
             self._forget(rpc)
             return

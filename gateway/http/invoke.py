@@ -366,12 +366,13 @@ def _later(request: InvokeHead, parsed: InferRequest, digest: RequestDigest | No
 def rendered(request: InvokeHead, call: Call, parsed: InferRequest, reply: Reply) -> Answer:
     function = call.function
     cache_state = _cache_state(function, reply.cached)
+    timing = [(b"server-timing", metrics.server_timing(function.name, reply.timing))] if reply.timing else []
     if request.route is V1:
-        return 200, [JSON, (CACHE_HEADER, cache_state)], render_v1(reply)
+        return 200, [JSON, (CACHE_HEADER, cache_state), *timing], render_v1(reply)
     content, extra = render_v2(parsed, reply, function.manifest)
     headers = [(name.encode(), value.encode()) for name, value in extra.items()]
     headers.append((CACHE_HEADER, cache_state))
-    return 200, headers, content
+    return 200, [*headers, *timing], content
 
 
 def _cache_state(function: FunctionVersion, cached: bool) -> bytes:

@@ -8,22 +8,27 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
+from tritonclient.grpc import service_pb2
 
 from fngate import apikeys, keys
 from fngate.registry import LOADING, read_runners
 from fngate.up.scaler import LocalScaler
 from runner.lifecycle import PREFETCH_MIN_BYTES
-from tests.conftest import ROOT, child_env, wait_http
+from tests.conftest import ROOT, child_env, free_port, wait_http
 from tests.e2e.deployments import cli, runner_env, scale_function
 from tests.e2e.test_scale_to_zero import scaler, wait_until
 from tests.s3 import Bucket
@@ -191,3 +196,72 @@ def test_a_standby_runner_of_an_s3_repository_prepares_boto3_and_waits_for_its_p
     assert process.returncode == 0, errors.decode()[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in errors.decode().splitlines() if "|" in line}
     assert "botocore.client" in imported and "boto3" in imported
+
+
+def phases(timing: str | None) -> dict[str, float]:
+    """A Server-Timing value's phases, in order, in milliseconds."""
+    assert timing, "no Server-Timing on an answer that paid a cold start"
+    return {name: float(ms) for name, ms in re.findall(r"(\w+);dur=([\d.]+)", timing)}
+
+
+def adds_up(found: dict[str, float], took_ms: float) -> None:
+    assert list(found) == ["start", "queue", "fetch", "load", "exec"], found
+    assert abs(sum(found.values()) - took_ms) <= 0.05 * took_ms, (found, took_ms)
+
+
+async def test_an_answer_that_paid_a_cold_start_says_what_it_waited_for(
+    serve_gateway: Callable[..., Any], scaler: Callable[..., Any]
+) -> None:
+    """From a folder, no runner up: the pool wakes one and the model loads for 3 s. The answer's
+    Server-Timing names each phase it waited for, and they add up to the latency the client measured
+    within 5%; a warm answer has none."""
+    base = await serve_gateway()
+    await scaler()
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        began = time.perf_counter()
+        cold = await client.post("/v1/functions/slowload", json={"inputs": {"x": [ROW]}})
+        took_ms = (time.perf_counter() - began) * 1000
+        assert cold.status_code == 200, cold.text
+        found = phases(cold.headers.get("server-timing"))
+        adds_up(found, took_ms)
+        assert found["start"] > 0 and found["load"] >= 2900, found  # its model takes 3 s to load
+        warm = await client.post("/v1/functions/slowload", json={"inputs": {"x": [ROW]}})
+        assert warm.status_code == 200 and "server-timing" not in warm.headers
+
+
+async def test_a_cold_start_from_s3_is_in_an_rpcs_trailing_metadata(
+    s3: Bucket,
+    redis_url: str,
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """From S3 over gRPC: a call queued before any runner runs, its function's 24 MiB of files
+    fetched by the runner that starts: the phases are in the RPC's trailing metadata, the fetch
+    among them, and add up to the client's latency within 5%."""
+    manifest = scale_function(tmp_path / "weighty", "weighty", 2.0)
+    (manifest.parent / "weights.bin").write_bytes(os.urandom(24 * 2**20))
+    deployed = await cli("deploy", str(manifest), "--repo", s3.repo, "--redis", redis_url)
+    assert deployed.returncode == 0, deployed.stderr
+    port = free_port()
+    await serve_gateway(repo=s3.repo, grpc_port=port, catalog_refresh_s=0.2)
+    request = service_pb2.ModelInferRequest(model_name="weighty")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    request.raw_input_contents.append(struct.pack("<2f", 1.0, 2.0))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            service_pb2.ModelInferRequest.SerializeToString,
+            service_pb2.ModelInferResponse.FromString,
+        )
+        began = time.perf_counter()
+        call = infer(request, timeout=60)
+        await asyncio.sleep(0.5)  # queued, and no runner yet
+        runner_process(**runner_env(s3.repo, tmp_path / "artifacts", s3.env))
+        answer = await call
+        took_ms = (time.perf_counter() - began) * 1000
+        trailing = dict(await call.trailing_metadata() or ())
+    assert struct.unpack("<2f", answer.raw_output_contents[0]) == (2.0, 4.0)
+    found = phases(trailing.get("server-timing"))
+    adds_up(found, took_ms)
+    assert found["start"] >= 400 and found["fetch"] > 0, found
