@@ -222,6 +222,60 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
         send(replies, _reported(model, header), buffers)
 
 
+class ModelCalls:
+    """The model process's pipes to its runner, as the batch's calls use them: a call goes up the
+    replies pipe ({"op": "call"}), its answer comes down the requests pipe ({"op": "called"}), each
+    named by its id. Several calls at once (async_exec) share them: one reads while the others wait
+    for theirs."""
+
+    def __init__(self, requests: int, replies: int) -> None:
+        self._requests, self._replies = requests, replies
+        self._sending = threading.Lock()
+        self._reading = threading.Lock()
+        self._arrived = threading.Condition()
+        self._answers: dict[int, tuple[dict[str, Any], Any]] = {}
+        self._next = 0
+
+    def call(
+        self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
+    ) -> Tensors | str:
+        """The callee's outputs, or its error's message."""
+        specs, buffers = pack_tensors(inputs)
+        with self._sending:
+            self._next += 1
+            call_id = self._next
+            header = {"op": "call", "id": call_id, "model": model, "version": version}
+            send(self._replies, {**header, "outputs": list(outputs), "tensors": specs}, buffers)
+        answer, body = self._await(call_id)
+        if "error" in answer:
+            return str(answer["error"])
+        return unpack_tensors(answer.get("tensors") or [], body)
+
+    def _await(self, call_id: int) -> tuple[dict[str, Any], Any]:
+        while True:
+            with self._arrived:
+                if call_id in self._answers:
+                    return self._answers.pop(call_id)
+            if not self._reading.acquire(blocking=False):
+                with self._arrived:
+                    if call_id not in self._answers:
+                        self._arrived.wait(0.05)
+                continue
+            try:
+                while True:
+                    with self._arrived:
+                        if call_id in self._answers:
+                            return self._answers.pop(call_id)
+                    header, body = receive(self._requests)
+                    with self._arrived:
+                        self._answers[int(header.get("id", 0))] = (header, body)
+                        self._arrived.notify_all()
+            finally:
+                self._reading.release()
+                with self._arrived:
+                    self._arrived.notify_all()
+
+
 def _reported(model: Any, header: Header) -> Header:
     """The reply's header with the custom metrics the model changed since the last reply (a Triton
     model's pb_utils.MetricFamily), if any."""
@@ -340,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if triton_config is not None:  # its calls to other models (BLS) go through these pipes
             from runner.triton import python_backend
 
-            python_backend.open_channel(requests, replies)
+            python_backend.open_channel(ModelCalls(requests, replies))
         model = load_model(Path(header["module"]), Path(header["directory"]), triton_config, instance)
     except Exception as exc:
         traceback.print_exc()

@@ -15,7 +15,7 @@ import struct
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -175,7 +175,11 @@ class InferenceRequest:
         channel = _CHANNEL
         if channel is None:
             raise TritonModelException(BLS_UNAVAILABLE)
-        return channel.call(self._model_name, self._version, self._outputs, self._inputs)
+        inputs = {tensor.name(): tensor.as_numpy() for tensor in self._inputs}
+        answer = channel.call(self._model_name, str(self._version), self._outputs, inputs)
+        if isinstance(answer, str):
+            return InferenceResponse(error=TritonError(answer))
+        return InferenceResponse([Tensor(name, array) for name, array in answer.items()])
 
     def async_exec(self, decoupled: bool = False, **_: Any) -> Any:
         """`exec` as an awaitable, for `async def execute`: several at once go out together."""
@@ -184,78 +188,23 @@ class InferenceRequest:
         return asyncio.get_running_loop().run_in_executor(_calls_pool(), self.exec)
 
 
-class _Channel:
-    """The model process's pipes to its runner, as the batch's calls use them: a call goes up the
-    replies pipe ({"op": "call"}), its answer comes down the requests pipe ({"op": "called"}), each
-    named by its id. Several calls at once (async_exec) share them: one reads while the others wait
-    for theirs."""
-
-    def __init__(self, requests: int, replies: int) -> None:
-        self._requests, self._replies = requests, replies
-        self._sending = threading.Lock()
-        self._reading = threading.Lock()
-        self._arrived = threading.Condition()
-        self._answers: dict[int, tuple[dict[str, Any], Any]] = {}
-        self._next = 0
+class Channel(Protocol):
+    """How a model's calls reach its runner (runner.sandbox.ModelCalls): the callee's outputs, or
+    its error's message."""
 
     def call(
-        self, model: str, version: int, outputs: Sequence[str], inputs: Sequence[Tensor]
-    ) -> InferenceResponse:
-        from runner import sandbox
-
-        specs, buffers = sandbox.pack_tensors({tensor.name(): tensor.as_numpy() for tensor in inputs})
-        with self._sending:
-            self._next += 1
-            call_id = self._next
-            header = {
-                "op": "call",
-                "id": call_id,
-                "model": model,
-                "version": str(version),
-                "outputs": list(outputs),
-            }
-            sandbox.send(self._replies, {**header, "tensors": specs}, buffers)
-        answer, body = self._await(call_id)
-        if "error" in answer:
-            return InferenceResponse(error=TritonError(str(answer["error"])))
-        tensors = sandbox.unpack_tensors(answer.get("tensors") or [], body)
-        return InferenceResponse([Tensor(name, array) for name, array in tensors.items()])
-
-    def _await(self, call_id: int) -> tuple[dict[str, Any], Any]:
-        from runner import sandbox
-
-        while True:
-            with self._arrived:
-                if call_id in self._answers:
-                    return self._answers.pop(call_id)
-            if not self._reading.acquire(blocking=False):
-                with self._arrived:
-                    if call_id not in self._answers:
-                        self._arrived.wait(0.05)
-                continue
-            try:
-                while True:
-                    with self._arrived:
-                        if call_id in self._answers:
-                            return self._answers.pop(call_id)
-                    header, body = sandbox.receive(self._requests)
-                    with self._arrived:
-                        self._answers[int(header.get("id", 0))] = (header, body)
-                        self._arrived.notify_all()
-            finally:
-                self._reading.release()
-                with self._arrived:
-                    self._arrived.notify_all()
+        self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
+    ) -> Mapping[str, np.ndarray[Any, Any]] | str: ...
 
 
-_CHANNEL: _Channel | None = None
+_CHANNEL: Channel | None = None
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def open_channel(requests: int, replies: int) -> None:
+def open_channel(channel: Channel) -> None:
     """Set by the model's process (runner.sandbox) before it loads the model."""
     global _CHANNEL  # noqa: PLW0603 - one model a process
-    _CHANNEL = _Channel(requests, replies)
+    _CHANNEL = channel
 
 
 def _calls_pool() -> concurrent.futures.ThreadPoolExecutor:
