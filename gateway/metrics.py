@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
@@ -157,9 +158,12 @@ def failed(function: str, code: str) -> None:
 
 def server_timing(function: str, timing: Mapping[str, float]) -> bytes:
     """The Server-Timing value of an answer that paid a cold start (each phase, in ms), counted in
-    fngate_cold_start_seconds as it is made."""
+    fngate_cold_start_seconds and, traced, an event of the request's span, as it is made."""
     for phase, ms in timing.items():
         COLD_START.labels(function, phase).observe(ms / 1000)
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event("cold start", {f"fngate.cold_start.{phase}_ms": ms for phase, ms in timing.items()})
     return ", ".join(f"{phase};dur={ms:.1f}" for phase, ms in timing.items()).encode()
 
 

@@ -55,6 +55,10 @@ class Receiver:
                                             (link.trace_id.hex(), link.span_id.hex()) for link in span.links
                                         ],
                                         "attributes": {a.key: a.value for a in span.attributes},
+                                        "events": {
+                                            event.name: {a.key: a.value for a in event.attributes}
+                                            for event in span.events
+                                        },
                                     }
                                 )
                 self.send_response(200)
@@ -160,6 +164,15 @@ async def test_one_trace_from_http_into_the_batch(
     assert first["attributes"]["fngate.batch_size"].int_value > 1
     loads = spans.named("load classifier")
     assert len(loads) == 1 and loads[0]["attributes"]["fngate.cold_start"].bool_value
+    # Each request waited for the runner to start: its span says what it waited for, as its answer's
+    # Server-Timing does.
+    for server in servers:
+        phases = server["events"]["cold start"]
+        assert phases["fngate.cold_start.start_ms"].double_value > 0, phases
+        assert set(phases) == {
+            f"fngate.cold_start.{phase}_ms" for phase in ("start", "queue", "fetch", "load", "exec")
+        }
+    assert all("server-timing" in response.headers for response in responses)
 
     assert scrape(gateway_metrics, "fngate_request_success_total", function="classifier") == 4
     assert scrape(gateway_metrics, "fngate_request_duration_seconds_count", function="classifier") == 4
