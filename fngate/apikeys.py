@@ -202,3 +202,23 @@ def _commit(client: redis.Redis, change: Callable[[Any], Any]) -> list[Any]:
         pipe.incr(keys.api_keys_version())
         answers: list[Any] = pipe.execute()
     return answers
+
+
+def usage(client: redis.Redis, minutes: int) -> list[tuple[KeyRecord, str, float, float]]:
+    """Per key and function: the seconds of batch time charged to it over the last `minutes`
+    minutes (this one included) and ever, as runners charge them (runner.consumer)."""
+    now = int(time.time() // 60)
+    found = []
+    for record in records(client):
+        total: Any = client.hgetall(keys.key_usage(record.id))
+        pipe = client.pipeline(transaction=False)
+        for minute in range(now - minutes + 1, now + 1):
+            pipe.hgetall(keys.key_usage_minute(record.id, minute))
+        window: dict[str, float] = {}
+        for hashed in pipe.execute():
+            for function, seconds in hashed.items():
+                window[function.decode()] = window.get(function.decode(), 0.0) + float(seconds)
+        for function, seconds in sorted(total.items()):
+            name = function.decode()
+            found.append((record, name, window.get(name, 0.0), float(seconds)))
+    return found

@@ -157,6 +157,20 @@ def api_keys_version() -> str:
     return f"{PREFIX}:apikeys:version"
 
 
+def key_usage(key_id: str) -> str:
+    """Hash of one API key's compute: function -> seconds of batch time charged to it, ever."""
+    return f"{PREFIX}:usage:{{{key_id}}}"
+
+
+def key_usage_minute(key_id: str, minute: int) -> str:
+    """Hash of one API key's compute in one minute (since the epoch): function -> seconds; kept
+    USAGE_KEPT_S."""
+    return f"{PREFIX}:usage:{{{key_id}}}:{minute}"
+
+
+USAGE_KEPT_S = 2 * 24 * 3600
+
+
 def key_rate(key_id: str) -> str:
     """Hash of one API key's token bucket: `t` tokens left at `ms` (Redis time)."""
     return f"{PREFIX}:rate:{{{key_id}}}"

@@ -45,6 +45,8 @@ class Invocation:
     """Its priority level's queue timeout, as a time (0: none): past it, it is answered
     deadline_exceeded, or with `delay` served after the level's others (fngate.queue.place)."""
     delay: bool = False
+    key_id: str = ""
+    """The API key it was made with ('' without auth): its batch's time is charged to it."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -74,6 +76,8 @@ class Invocation:
         if self.queue_deadline_ms:  # a queue policy's timeout only
             header["qd"] = self.queue_deadline_ms
             header["qdelay"] = self.delay
+        if self.key_id:
+            header["kid"] = self.key_id
         return _encode(header, self.inputs)
 
     @classmethod
@@ -97,6 +101,7 @@ class Invocation:
             result_ttl_s=header.get("rttl", 0),
             queue_deadline_ms=header.get("qd", 0),
             delay=header.get("qdelay", False),
+            key_id=str(header.get("kid", "")),
         )
 
 

@@ -118,6 +118,7 @@ def synchronous(
             in_flight_key=in_flight or None,
             queue_deadline_ms=now_ms + placement.queue_timeout_ms if placement.queue_timeout_ms else 0,
             delay=placement.delay,
+            key_id=call.principal.key_id,
         )
         script = queue.enqueue_call(
             placement.stream,
@@ -205,6 +206,7 @@ def asynchronous(
             cache_ttl_s=manifest.cache.ttl_s,
             in_flight_key=marker or None,
             result_ttl_s=batching.result_ttl_s,
+            key_id=call.principal.key_id,
         )
         stream = keys.invocations(manifest.name, keys.ASYNC)
         entries = [

@@ -345,6 +345,7 @@ class FunctionConsumer:
         ran_digest = ""
         failed = None
         reported: list[custom_metrics.Update] = []
+        charged_s = 0.0
         total_rows = sum(invocation.rows for invocation in invocations)
         alone = [entry for entry in batch if entry.alone]
         if alone:
@@ -373,6 +374,7 @@ class FunctionConsumer:
                         batch, replies, started_ns, self._reading_since_ms, model, computed - loading, took_s
                     )
                 self._observer.compute_duration.observe(took_s)
+                charged_s = took_s
                 self._cost.observe(total_rows, took_s * 1e6)
                 failed = failed_together(replies)
             rows = total_rows if self.function.manifest.batched else 1
@@ -398,8 +400,36 @@ class FunctionConsumer:
             ran_digest,
             statistics.of_batch(self.function, version, batch, replies, started_ns),
         )
+        await self._account(version, invocations, reported, charged_s)
+
+    async def _account(
+        self,
+        version: str,
+        invocations: Sequence[Invocation],
+        reported: Sequence[custom_metrics.Update],
+        charged_s: float,
+    ) -> None:
+        """Once the batch is answered: its model's custom metrics, and its time charged to keys."""
         if reported:
             await self._publish_metrics(version, reported)
+        if charged_s and any(invocation.key_id for invocation in invocations):
+            await self._charge(invocations, charged_s)
+
+    async def _charge(self, invocations: Sequence[Invocation], seconds: float) -> None:
+        """The batch's time, split over its invocations by rows, charged to their keys (those made
+        with one): an invocation that shared its answer with identical ones is charged alone."""
+        charges = charged(invocations, seconds, self.function.manifest.batched)
+        minute = int(time.time() // 60)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key_id, share in charges.items():
+                    name = self.function.name
+                    pipe.hincrbyfloat(keys.key_usage(key_id), name, share)
+                    pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), name, share)
+                    pipe.expire(keys.key_usage_minute(key_id, minute), keys.USAGE_KEPT_S)
+                await pipe.execute()
+        except RedisError as exc:
+            log.warning("%s: a batch's time was not charged to its keys: %s", self.function.name, exc)
 
     async def _publish_metrics(self, version: str, updates: Sequence[custom_metrics.Update]) -> None:
         """The model's custom metrics of the batch, once its replies are sent: a failure is logged,
@@ -529,3 +559,15 @@ def cold_timed(
         }
         timed.append(dataclasses.replace(reply, timing={name: round(ms, 3) for name, ms in phases.items()}))
     return timed
+
+
+def charged(invocations: Sequence[Invocation], seconds: float, batched: bool) -> dict[str, float]:
+    """`seconds` of a batch split over its invocations by rows (one each when not batched), summed
+    by key; the shares of invocations without a key are left out."""
+    rows = [invocation.rows if batched else 1 for invocation in invocations]
+    total = sum(rows) or 1
+    charges: dict[str, float] = {}
+    for invocation, count in zip(invocations, rows, strict=True):
+        if invocation.key_id:
+            charges[invocation.key_id] = charges.get(invocation.key_id, 0.0) + seconds * count / total
+    return charges

@@ -693,12 +693,18 @@ def _add_key_commands(commands: Any) -> None:
         help="invocations of one function queued or running at once: a share of its queue (0: no limit)",
     )
     listing = actions.add_parser("ls", help="list keys: id, name, scopes, limits (never the key)")
+    used = actions.add_parser(
+        "usage", help="the batch time charged to each key, by function: over a window and ever"
+    )
+    used.add_argument(
+        "--minutes", type=int, default=60, help="the window, in minutes (default 60; at most 2880)"
+    )
     revoke = actions.add_parser("revoke", help="revoke a key on every gateway within a few seconds")
     revoke.add_argument("id", metavar="ID")
     actions.add_parser(
         "hash", help="print '<id>:<sha256>' of the key in FNGATE_API_KEY, for FNGATE_ADMIN_KEY_HASH"
     )
-    for parser in (create, listing, revoke):
+    for parser in (create, listing, revoke, used):
         parser.add_argument("--redis", metavar="URL", help="the registry Redis (default: FNGATE_REDIS_URL)")
 
 
@@ -725,6 +731,8 @@ def _key_command(args: argparse.Namespace) -> int:
         elif args.action == "revoke":
             apikeys.revoke(client, args.id)
             print(f"revoked key {args.id}")
+        elif args.action == "usage":
+            _print_usage(client, max(1, min(args.minutes, 2880)))
         else:
             print(
                 f"{'ID':<12}  {'NAME':<16}  {'RPS':>6}  {'BURST':>5}  {'IN-FLIGHT':>9}  {'QUEUED':>6}  SCOPES"
@@ -741,6 +749,15 @@ def _key_command(args: argparse.Namespace) -> int:
         print(f"fngate keys: redis is unreachable ({exc})", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_usage(client: Any, minutes: int) -> None:
+    from fngate import apikeys
+
+    window = f"LAST {minutes} MIN (s)"
+    print(f"{'ID':<12}  {'NAME':<16}  {'FUNCTION':<24}  {window:>18}  {'EVER (s)':>10}")
+    for record, function, window_s, total_s in apikeys.usage(client, minutes):
+        print(f"{record.id:<12}  {record.name:<16}  {function:<24}  {window_s:>18.3f}  {total_s:>10.3f}")
 
 
 def _deploy_through(args: argparse.Namespace) -> int:

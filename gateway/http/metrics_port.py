@@ -26,6 +26,8 @@ from gateway import metrics
 
 log = logging.getLogger(__name__)
 
+MAX_KEYS = 10_000
+"""The most API keys whose usage one scrape reports."""
 REJECTED = {ErrorCode.OVERLOADED.value, ErrorCode.DEADLINE_EXCEEDED.value}
 """The gateway's answers Triton counts as REJECTED: a full queue, an invocation past its deadline."""
 
@@ -56,6 +58,7 @@ class MetricsPort:
         families: list[nv_metrics.Family] = []
         try:
             families += await self._inference()
+            families.append(await self._key_usage())
             self._health.succeeded()
         except (RedisError, OSError) as exc:
             self._health.failed("scrape", exc)
@@ -118,6 +121,28 @@ class MetricsPort:
             pending = waiting.get(name, 0) if default else 0
             counted.append(nv_metrics.VersionCounts(self._names[name], version, raw, failures, pending))
         return nv_metrics.inference_families(counted)
+
+    async def _key_usage(self) -> nv_metrics.Family:
+        """fngate_key_compute_seconds_total: the batch time runners charged to each key (at most
+        MAX_KEYS of them), by function."""
+        redis = self._client()
+        ids: Any = await redis.hkeys(keys.api_keys())
+        ids = sorted(ident.decode() for ident in ids)[:MAX_KEYS]
+        async with redis.pipeline(transaction=False) as pipe:
+            for ident in ids:
+                pipe.hgetall(keys.key_usage(ident))
+            charged: list[Any] = await pipe.execute()
+        samples = tuple(
+            ((("function", function.decode()), ("key_id", ident)), float(seconds))
+            for ident, hashed in zip(ids, charged, strict=True)
+            for function, seconds in sorted(hashed.items())
+        )
+        return nv_metrics.Family(
+            "fngate_key_compute_seconds_total",
+            "Seconds of batch time charged to each API key, by function (a batch's time split by rows)",
+            "counter",
+            samples,
+        )
 
     def _by_model(self, counts: dict[str, float]) -> dict[str, float]:
         return {self._names.get(name, name): value for name, value in counts.items()}

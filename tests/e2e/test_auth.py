@@ -24,6 +24,8 @@ import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
 from fngate import apikeys, clients, keys
+from fngate.config import GatewaySettings
+from gateway.http.metrics_port import MetricsPort
 from tests.conftest import ROOT, wait_http
 from tests.e2e.deployments import cli, invoke, runner_env, scale_function
 from tests.e2e.test_observability import Receiver, receiver
@@ -324,3 +326,54 @@ async def test_tritonclient_sync_and_asyncio_send_the_key(
             await client.infer("classifier", [tensor])
     finally:
         await client.close()
+
+
+def compute_seconds(function: str) -> float:
+    """The in-process runner's own busy time for `function` (fngate_compute_duration_seconds)."""
+    from prometheus_client import REGISTRY
+
+    return float(
+        REGISTRY.get_sample_value("fngate_compute_duration_seconds_sum", {"function": function}) or 0.0
+    )
+
+
+async def test_each_keys_share_of_mixed_batches_adds_up_to_the_runners_busy_time(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], redis_url: str, tmp_path: Path
+) -> None:
+    """Four keys call one function at once, their invocations batched together: each batch's time is
+    split over them by rows, and what the keys are charged adds up to the runner's busy time within
+    2%; `fngate keys usage` and the metrics port report it per key."""
+    base = await serve_gateway(auth=True, auth_refresh_s=0.2)
+    await inprocess_runner()
+    made = [create_key(redis_url, "invoke:classifier", name=f"tenant-{index}") for index in range(4)]
+    before = compute_seconds("classifier")
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        await warm_up(client, base, "classifier", CLASSIFIER, made[0][0])
+
+        async def calls(key: str, rows: int) -> None:
+            body = {"inputs": {"input": [[0.5] * 16] * rows}}
+            for _ in range(25):
+                answer = await client.post("/v1/functions/classifier", json=body, headers=bearer(key))
+                assert answer.status_code == 200, answer.text
+
+        await asyncio.gather(*(calls(key, rows) for (key, _), rows in zip(made, (1, 2, 3, 4), strict=True)))
+    busy = compute_seconds("classifier") - before
+    with clients.connect_sync(redis_url) as sync:
+        charged = {
+            record.id: sum(float(s) for s in sync.hgetall(keys.key_usage(record.id)).values())
+            for _, record in made
+        }
+    assert all(seconds > 0 for seconds in charged.values()), charged
+    # The warm-up's calls (key 0's, before `before` was read for some of them) are charged too.
+    assert abs(sum(charged.values()) - busy) <= 0.02 * busy + 0.005, (charged, busy)
+    listed = await cli("keys", "usage", "--minutes", "5", "--redis", redis_url)
+    assert listed.returncode == 0, listed.stderr
+    for _, record in made:
+        assert any(line.startswith(record.id) and "classifier" in line for line in listed.stdout.splitlines())
+    port = MetricsPort(GatewaySettings(redis_url=redis_url, repo=str(ROOT / "functions")))
+    try:
+        scraped = (await port.scrape()).decode()
+    finally:
+        await port.aclose()
+    for _, record in made:
+        assert f'fngate_key_compute_seconds_total{{function="classifier",key_id="{record.id}"}}' in scraped
