@@ -36,6 +36,9 @@ from runner.reclaim import Reclaimer
 
 log = logging.getLogger(__name__)
 
+CHARGE_EVERY_S = 1.0
+"""How often the batch time charged to keys is added to Redis: one round trip a second, not a batch."""
+
 
 class FunctionConsumer:
     """Two tasks: a reader that keeps one blocking XREADGROUP outstanding (Redis wakes it the moment
@@ -73,6 +76,9 @@ class FunctionConsumer:
         self._reading_since_ms = int(time.time() * 1000)
         """When this runner began to read the function's stream: an invocation queued before
         waited for a runner to start (its cold start's `start` phase)."""
+        self._charges: dict[str, float] = {}
+        """Batch time charged to keys and not yet added to Redis (_add_charges)."""
+        self._charging: asyncio.Task[None] | None = None
         self._metric_bounds: dict[str, custom_metrics.Bounded] = {}
         """Per version: the custom metric families and series its model made here (capped)."""
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
@@ -118,6 +124,9 @@ class FunctionConsumer:
                     reader.cancel()
                     stop.cancel()
         finally:
+            if self._charging is not None:
+                self._charging.cancel()
+            await self._add_charges()  # what the last second charged
             for outbox in self._outboxes:
                 await outbox.aclose()
             await self._reads.aclose()
@@ -417,19 +426,28 @@ class FunctionConsumer:
 
     async def _charge(self, invocations: Sequence[Invocation], seconds: float) -> None:
         """The batch's time, split over its invocations by rows, charged to their keys (those made
-        with one): an invocation that shared its answer with identical ones is charged alone."""
-        charges = charged(invocations, seconds, self.function.manifest.batched)
-        minute = int(time.time() // 60)
+        with one): an invocation that shared its answer with identical ones is charged alone. Kept
+        here and added to Redis within CHARGE_EVERY_S, for all the batches of that time at once."""
+        for key_id, share in charged(invocations, seconds, self.function.manifest.batched).items():
+            self._charges[key_id] = self._charges.get(key_id, 0.0) + share
+        if self._charging is None or self._charging.done():
+            self._charging = asyncio.get_running_loop().create_task(self._add_charges(CHARGE_EVERY_S))
+
+    async def _add_charges(self, after_s: float = 0.0) -> None:
+        await asyncio.sleep(after_s)
+        charges, self._charges = self._charges, {}
+        if not charges:
+            return
+        minute, name = int(time.time() // 60), self.function.name
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key_id, share in charges.items():
-                    name = self.function.name
                     pipe.hincrbyfloat(keys.key_usage(key_id), name, share)
                     pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), name, share)
                     pipe.expire(keys.key_usage_minute(key_id, minute), keys.USAGE_KEPT_S)
                 await pipe.execute()
         except RedisError as exc:
-            log.warning("%s: a batch's time was not charged to its keys: %s", self.function.name, exc)
+            log.warning("%s: %d keys' batch time was not charged: %s", name, len(charges), exc)
 
     async def _publish_metrics(self, version: str, updates: Sequence[custom_metrics.Update]) -> None:
         """The model's custom metrics of the batch, once its replies are sent: a failure is logged,

@@ -358,14 +358,22 @@ async def test_each_keys_share_of_mixed_batches_adds_up_to_the_runners_busy_time
 
         await asyncio.gather(*(calls(key, rows) for (key, _), rows in zip(made, (1, 2, 3, 4), strict=True)))
     busy = compute_seconds("classifier") - before
-    with clients.connect_sync(redis_url) as sync:
-        charged = {
-            record.id: sum(float(s) for s in sync.hgetall(keys.key_usage(record.id)).values())
-            for _, record in made
-        }
+
+    def charged_now() -> dict[str, float]:
+        with clients.connect_sync(redis_url) as sync:
+            return {
+                record.id: sum(float(seconds) for seconds in sync.hgetall(keys.key_usage(record.id)).values())
+                for _, record in made
+            }
+
+    charged = charged_now()
+    for _ in range(40):  # a runner adds what it charged to Redis once a second
+        if abs(sum(charged.values()) - busy) <= 0.02 * busy:
+            break
+        await asyncio.sleep(0.1)
+        charged = charged_now()
     assert all(seconds > 0 for seconds in charged.values()), charged
-    # The warm-up's calls (key 0's, before `before` was read for some of them) are charged too.
-    assert abs(sum(charged.values()) - busy) <= 0.02 * busy + 0.005, (charged, busy)
+    assert abs(sum(charged.values()) - busy) <= 0.02 * busy, (charged, busy)
     listed = await cli("keys", "usage", "--minutes", "5", "--redis", redis_url)
     assert listed.returncode == 0, listed.stderr
     for _, record in made:
