@@ -47,6 +47,9 @@ class KeyRecord:
     """Invocations of one function this key may have queued or running at once: its share of the
     function's max_queue_size, so that one caller cannot fill a queue; 0: no limit."""
     created_s: float = 0.0
+    compute_s_per_min: float = 0.0
+    """Seconds of batch time a minute charged to it on every runner, past which its invocations
+    get 429 until the minute ends; 0: no budget."""
 
     def encode(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -64,6 +67,7 @@ class KeyRecord:
             max_in_flight=int(doc.get("max_in_flight", 0)),
             max_queued=int(doc.get("max_queued", 0)),
             created_s=float(doc.get("created_s", 0.0)),
+            compute_s_per_min=float(doc.get("compute_s_per_min", 0.0)),
         )
 
 
@@ -105,11 +109,12 @@ def create(
     burst: int = 0,
     max_in_flight: int = 0,
     max_queued: int = 0,
+    compute_s_per_min: float = 0.0,
 ) -> tuple[str, KeyRecord]:
     """Store a new key's record; returns the key (shown once, never stored) and its record."""
     if not scopes:
         raise InvalidArgument("a key needs at least one scope")
-    if min(rps, burst, max_in_flight, max_queued) < 0:
+    if min(rps, burst, max_in_flight, max_queued, compute_s_per_min) < 0:
         raise InvalidArgument("limits are 0 (none) or positive")
     key, ident = new_key()
     record = KeyRecord(
@@ -122,6 +127,7 @@ def create(
         max_in_flight,
         max_queued,
         round(time.time(), 3),
+        compute_s_per_min,
     )
     _commit(client, lambda pipe: pipe.hset(keys.api_keys(), ident, record.encode()))
     return key, record
@@ -204,6 +210,10 @@ def _commit(client: redis.Redis, change: Callable[[Any], Any]) -> list[Any]:
     return answers
 
 
+ALL_FUNCTIONS = "_all"
+"""A minute's usage field: the key's seconds over every function (what its budget is held to)."""
+
+
 def usage(client: redis.Redis, minutes: int) -> list[tuple[KeyRecord, str, float, float]]:
     """Per key and function: the seconds of batch time charged to it over the last `minutes`
     minutes (this one included) and ever, as runners charge them (runner.consumer)."""
@@ -217,7 +227,8 @@ def usage(client: redis.Redis, minutes: int) -> list[tuple[KeyRecord, str, float
         window: dict[str, float] = {}
         for hashed in pipe.execute():
             for function, seconds in hashed.items():
-                window[function.decode()] = window.get(function.decode(), 0.0) + float(seconds)
+                if function != ALL_FUNCTIONS.encode():
+                    window[function.decode()] = window.get(function.decode(), 0.0) + float(seconds)
         for function, seconds in sorted(total.items()):
             name = function.decode()
             found.append((record, name, window.get(name, 0.0), float(seconds)))

@@ -61,10 +61,11 @@ class Principal:
     burst: int = 0
     max_in_flight: int = 0
     max_queued: int = 0
+    compute_s_per_min: float = 0.0
 
     @property
     def limited(self) -> bool:
-        return self.rps > 0 or self.max_in_flight > 0 or self.max_queued > 0
+        return self.rps > 0 or self.max_in_flight > 0 or self.max_queued > 0 or self.compute_s_per_min > 0
 
     def allows(self, scope: str, function: str | None) -> bool:
         if ADMIN in self.scopes or scope == ANY:
@@ -90,6 +91,7 @@ def principal_of(record: apikeys.KeyRecord) -> Principal:
         burst,
         record.max_in_flight,
         record.max_queued,
+        record.compute_s_per_min,
     )
 
 

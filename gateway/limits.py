@@ -57,6 +57,11 @@ def refusal(principal: Principal, function: str, verdict: str, retry_after_ms: i
             "or its result_memory_share of what Redis may hold); they free as they expire or are "
             f"fetched with ?delete=true: retry in {retry_after_s} s"
         )
+    elif verdict == "budget":
+        message = (
+            f"{who} has used its compute budget of {principal.compute_s_per_min:g} s of batch time this "
+            f"minute (compute_s_per_min); retry in {retry_after_s} s"
+        )
     elif verdict == "share":
         message = (
             f"{who} has {principal.max_queued} invocations of '{function}' queued or running "

@@ -13,12 +13,13 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from fngate import clients, custom_metrics, keys, queue
+from fngate import apikeys, clients, custom_metrics, keys, queue
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError
@@ -37,6 +38,8 @@ from runner.reclaim import Reclaimer
 log = logging.getLogger(__name__)
 
 CHARGE_EVERY_S = 1.0
+BUDGETS_READ_S = 2.0
+"""How often a runner reads the keys' compute budgets (a new or changed one holds after this)."""
 """How often the batch time charged to keys is added to Redis: one round trip a second, not a batch."""
 
 
@@ -79,6 +82,7 @@ class FunctionConsumer:
         self._charges: dict[str, float] = {}
         """Batch time charged to keys and not yet added to Redis (_add_charges)."""
         self._charging: asyncio.Task[None] | None = None
+        self._budgets = KeyBudgets(redis)
         self._metric_bounds: dict[str, custom_metrics.Bounded] = {}
         """Per version: the custom metric families and series its model made here (capped)."""
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
@@ -428,24 +432,38 @@ class FunctionConsumer:
         """The batch's time, split over its invocations by rows, charged to their keys (those made
         with one): an invocation that shared its answer with identical ones is charged alone. Kept
         here and added to Redis within CHARGE_EVERY_S, for all the batches of that time at once."""
-        for key_id, share in charged(invocations, seconds, self.function.manifest.batched).items():
+        charges = charged(invocations, seconds, self.function.manifest.batched)
+        for key_id, share in charges.items():
             self._charges[key_id] = self._charges.get(key_id, 0.0) + share
-        if self._charging is None or self._charging.done():
+        budgets = await self._budgets.of(charges)
+        if budgets:  # a key with a budget is held to it at once, not a second later
+            await self._add_charges(budgets=budgets)
+        elif self._charging is None or self._charging.done():
             self._charging = asyncio.get_running_loop().create_task(self._add_charges(CHARGE_EVERY_S))
 
-    async def _add_charges(self, after_s: float = 0.0) -> None:
+    async def _add_charges(self, after_s: float = 0.0, budgets: Mapping[str, float] | None = None) -> None:
+        """Add what was charged since the last time; a key whose minute passes its budget has its
+        bucket marked `over` until the minute ends (fngate.queue's admit() refuses it meanwhile)."""
         await asyncio.sleep(after_s)
         charges, self._charges = self._charges, {}
         if not charges:
             return
-        minute, name = int(time.time() // 60), self.function.name
+        now_s = time.time()
+        minute, name = int(now_s // 60), self.function.name
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key_id, share in charges.items():
                     pipe.hincrbyfloat(keys.key_usage(key_id), name, share)
                     pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), name, share)
+                    pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), apikeys.ALL_FUNCTIONS, share)
                     pipe.expire(keys.key_usage_minute(key_id, minute), keys.USAGE_KEPT_S)
-                await pipe.execute()
+                added = await pipe.execute()
+            ends_ms = (minute + 1) * 60_000
+            for index, key_id in enumerate(charges):
+                budget = (budgets or {}).get(key_id, 0.0)
+                if budget and float(added[index * 4 + 2]) >= budget:
+                    await self._redis.hset(keys.key_rate(key_id), "over", ends_ms)
+                    await self._redis.pexpireat(keys.key_rate(key_id), ends_ms + 1000)
         except RedisError as exc:
             log.warning("%s: %d keys' batch time was not charged: %s", name, len(charges), exc)
 
@@ -589,3 +607,31 @@ def charged(invocations: Sequence[Invocation], seconds: float, batched: bool) ->
         if invocation.key_id:
             charges[invocation.key_id] = charges.get(invocation.key_id, 0.0) + seconds * count / total
     return charges
+
+
+class KeyBudgets:
+    """The compute budgets of API keys (apikeys.KeyRecord.compute_s_per_min), read from the key
+    records at most every BUDGETS_READ_S; kept through a Redis outage."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._budgets: dict[str, float] = {}
+        self._read_at = float("-inf")
+
+    async def of(self, charged: Mapping[str, float]) -> dict[str, float]:
+        """The budgets of the keys charged that have one."""
+        if time.monotonic() - self._read_at > BUDGETS_READ_S:
+            self._read_at = time.monotonic()
+            try:
+                raw: Any = await self._redis.hgetall(keys.api_keys())
+            except RedisError:
+                raw = None
+            if raw is not None:
+                budgets = {}
+                for value in raw.values():
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        record = apikeys.KeyRecord.decode(value)
+                        if record.compute_s_per_min > 0:
+                            budgets[record.id] = record.compute_s_per_min
+                self._budgets = budgets
+        return {key_id: self._budgets[key_id] for key_id in charged if key_id in self._budgets}

@@ -692,6 +692,13 @@ def _add_key_commands(commands: Any) -> None:
         default=0,
         help="invocations of one function queued or running at once: a share of its queue (0: no limit)",
     )
+    create.add_argument(
+        "--compute-budget",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds of batch time a minute, all runners (0: no budget); past it: 429 until the minute ends",
+    )
     listing = actions.add_parser("ls", help="list keys: id, name, scopes, limits (never the key)")
     used = actions.add_parser(
         "usage", help="the batch time charged to each key, by function: over a window and ever"
@@ -725,7 +732,14 @@ def _key_command(args: argparse.Namespace) -> int:
     try:
         if args.action == "create":
             key, record = apikeys.create(
-                client, args.scope, args.name, args.rps, args.burst, args.max_in_flight, args.max_queued
+                client,
+                args.scope,
+                args.name,
+                args.rps,
+                args.burst,
+                args.max_in_flight,
+                args.max_queued,
+                args.compute_budget,
             )
             print(f"created key {record.id} ({', '.join(record.scopes)}); it is shown only now:\n{key}")
         elif args.action == "revoke":

@@ -82,7 +82,9 @@ end
 """
 
 # admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
-#   -> {'ok'} | {'busy'|'share'|'rate', retry_after_ms}
+#   -> {'ok'} | {'budget'|'busy'|'share'|'rate', retry_after_ms}
+# A key past its compute budget has `over` (ms, Redis time) in its bucket, set by the runner that
+# charged it past (runner.consumer): refused until then.
 # A token bucket (`burst` tokens, `rps` per second, Redis time) and two sorted sets of the key's
 # invocations with their expiry: all of them (`busy`, at most `cap`) and those of one function
 # (`share`, at most `share_cap`). A dead gateway's members lapse at their expiry. Limits of 0 are
@@ -91,6 +93,12 @@ ADMIT_LUA = """
 local function admit(bucket, busy, share, rps, burst, cap, share_cap, member, ttl_ms)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if bucket ~= '' then
+    local over = tonumber(redis.call('HGET', bucket, 'over') or '0')
+    if over > now then
+      return {'budget', over - now}
+    end
+  end
   local sets = {{busy, cap, 'busy'}, {share, share_cap, 'share'}}
   for _, set in ipairs(sets) do
     if set[2] > 0 then
@@ -110,7 +118,10 @@ local function admit(bucket, busy, share, rps, burst, cap, share_cap, member, tt
       return {'rate', math.ceil((1 - tokens) * 1000 / rps)}
     end
     redis.call('HSET', bucket, 't', tostring(tokens - 1), 'ms', now)
-    redis.call('PEXPIRE', bucket, math.ceil(burst * 1000 / rps) + 1000)
+    local keep = math.ceil(burst * 1000 / rps) + 1000
+    if redis.call('PTTL', bucket) < keep then  -- a budget's `over` may keep it longer
+      redis.call('PEXPIRE', bucket, keep)
+    end
   end
   for _, set in ipairs(sets) do
     if set[2] > 0 then

@@ -385,3 +385,34 @@ async def test_each_keys_share_of_mixed_batches_adds_up_to_the_runners_busy_time
         await port.aclose()
     for _, record in made:
         assert f'fngate_key_compute_seconds_total{{function="classifier",key_id="{record.id}"}}' in scraped
+
+
+async def test_a_key_past_its_compute_budget_is_refused_until_the_minute_ends(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key allowed 30 ms of batch time a minute, on a function whose batches take 50 ms: its first
+    call is answered and puts it past the budget; at most one more batch of its runs before its
+    calls get 429 with a Retry-After to the minute's end, while another key is served."""
+    monkeypatch.setenv("PROBE_SLEEP_S", "0.05")
+    if time.time() % 60 > 50:  # its calls in one minute: a budget is a minute's
+        await asyncio.sleep(61 - time.time() % 60)
+    base = await serve_gateway(auth=True, auth_refresh_s=0.2)
+    await inprocess_runner()
+    key, _ = create_key(redis_url, "invoke:probe", compute_s_per_min=0.03)
+    other, _ = create_key(redis_url, "invoke:probe")
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        await warm_up(client, base, "probe", PROBE, other)
+        statuses = []
+        for _ in range(3):
+            answer = await client.post("/v1/functions/probe", json=PROBE, headers=bearer(key))
+            statuses.append(answer.status_code)
+            if answer.status_code == 429:
+                break
+        assert statuses[0] == 200 and statuses[-1] == 429, statuses
+        assert "compute budget of 0.03 s" in answer.json()["error"]
+        assert 1 <= int(answer.headers["retry-after"]) <= 61
+        served = await client.post("/v1/functions/probe", json=PROBE, headers=bearer(other))
+        assert served.status_code == 200, served.text
