@@ -54,6 +54,9 @@ class GatewaySettings(_Settings, RepositoryLimits):
     workers > 1, they all serve it)."""
     workers: Annotated[int, Field(ge=1)] = 1
     server: Literal["uvicorn", "hypercorn"] = "uvicorn"
+    deadline_admission: bool = True
+    """Refuse at once (503) an invocation whose estimated wait (the invocations ahead of it at the
+    batch cost its runners measured) passes its deadline, rather than queue it to time out."""
     server_name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")] = "fngate"
     """The name server metadata answers (GET /v2, gRPC ServerMetadata). Triton's example clients
     check for "triton": set it to that for clients that do."""

@@ -187,6 +187,8 @@ class RunnerView:
     models: dict[tuple[str, str], ModelState]
     idle_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds since each loaded model ("function/version") last ran a batch, as of the heartbeat."""
+    costs: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """Per function this runner has run: its batch cost (fixed µs a batch, µs a row), as measured."""
 
 
 def model_field(function: str, version: str) -> str:
@@ -216,10 +218,13 @@ class StateBoard:
     async def acknowledge(self, control_id: str) -> None:
         await self._redis.hset(self._key, "_control", control_id)
 
-    async def heartbeat(self, idle_s: dict[str, float] | None = None) -> None:
+    async def heartbeat(
+        self, idle_s: dict[str, float] | None = None, costs: dict[str, tuple[float, float]] | None = None
+    ) -> None:
         now_ms = int(time.time() * 1000)
+        idle, cost = orjson.dumps(idle_s or {}), orjson.dumps(costs or {})
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self._key, mapping={"_pool": self._pool, "_idle": orjson.dumps(idle_s or {})})
+            pipe.hset(self._key, mapping={"_pool": self._pool, "_idle": idle, "_cost": cost})
             pipe.pexpire(self._key, self._ttl_ms)
             pipe.zadd(keys.runners(), {self._runner: now_ms + self._ttl_ms})
             pipe.zremrangebyscore(keys.runners(), "-inf", now_ms)
@@ -252,7 +257,12 @@ async def read_runners(redis: aioredis.Redis) -> list[RunnerView]:
         pool = fields.get(b"_pool", b"").decode()
         control = fields.get(b"_control", b"0-0").decode()
         idle = orjson.loads(fields.get(b"_idle", b"{}"))
-        views.append(RunnerView(name.decode(), pool, control, models, idle))
+        costs = {
+            function: (float(cost[0]), float(cost[1]))
+            for function, cost in orjson.loads(fields.get(b"_cost", b"{}")).items()
+            if isinstance(cost, list) and len(cost) == 2
+        }
+        views.append(RunnerView(name.decode(), pool, control, models, idle, costs))
     return views
 
 

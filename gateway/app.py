@@ -96,6 +96,7 @@ async def serving(
         health,
         settings.result_quota_bytes,
         settings.result_memory_share,
+        settings.deadline_admission,
     )
     destinations = CallbackPolicy(settings.callback_allow)
     callbacks = CallbackSender(

@@ -150,6 +150,18 @@ class Catalog:
             raise Unavailable(f"function '{shown(name)}': its version policy serves no version")
         return record.versions[choose(route_weights(record, self._ready.get(name, set())), self._rng)]
 
+    def cost(self, name: str) -> tuple[float, float, int] | None:
+        """A function's batch cost as its live runners measured it (fixed µs a batch, µs a row, their
+        mean) and how many runners report it; None before any has run a batch of it."""
+        found = [view.costs[name] for view in self._runners if name in view.costs]
+        if not found:
+            return None
+        return (
+            sum(cost[0] for cost in found) / len(found),
+            sum(cost[1] for cost in found) / len(found),
+            len(found),
+        )
+
     def state(self, name: str, version: str, depth: int = 0) -> ModelState:
         """A version's state over the live runners; a pipeline's (an ensemble's), which no runner
         loads, is its steps': READY when each step's function has a served version (or the pinned

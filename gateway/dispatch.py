@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -73,8 +74,13 @@ class Dispatcher:
         health: Health | None = None,
         result_quota_bytes: int = 0,
         result_memory_share: float = 0.0,
+        deadline_admission: bool = True,
     ) -> None:
         self._replies = replies
+        self._deadline_admission = deadline_admission
+        self._depths: dict[str, tuple[int, float]] = {}
+        """Per stream: its entries as this gateway's last enqueue on it found them, and when
+        (time.monotonic()): what an invocation's wait is estimated from (no round trip of its own)."""
         self._result_quota_bytes = result_quota_bytes
         self._result_memory_share = result_memory_share
         self._catalog = catalog
@@ -123,6 +129,8 @@ class Dispatcher:
                 split,
             )
             self._check_pools(entries)
+            if plan is None and self._deadline_admission:
+                self._check_wait(call, entries)
         except FunctionError as exc:
             call.admission = None  # nothing was sent: no place was taken
             if call.span is not None:
@@ -287,6 +295,30 @@ class Dispatcher:
         timeout."""
         if not self._replies.healthy or (self._health is not None and not self._health.available):
             raise Unavailable("the queue is unavailable: Redis cannot be reached")
+
+    def _check_wait(self, call: Call, entries: Entries) -> None:
+        """Refuse at once what cannot be answered by its deadline: the invocations ahead of it on its
+        stream (as this gateway last saw them, less what its runners have run since) at the batch
+        cost its runners measured, shared among them. Full batches are assumed: an estimate that
+        errs refuses too little, never too much."""
+        stream = entries.script.keys[0]
+        seen = self._depths.get(stream)
+        cost = self._catalog.cost(call.function.name)
+        if seen is None or cost is None:
+            return
+        manifest = call.function.manifest
+        wait_ms = estimated_wait_ms(
+            seen[0], time.monotonic() - seen[1], cost, manifest.batching.max_batch_size
+        )
+        if wait_ms > entries.timeout_ms:
+            raise Unavailable(
+                f"function '{manifest.name}' would answer in about {wait_ms:.0f} ms (invocations "
+                f"queued ahead of it, at the batch cost its {cost[2]} runner(s) measured), past this "
+                f"call's deadline of {entries.timeout_ms} ms; retry later"
+            )
+
+    def record_depth(self, stream: str, depth: int) -> None:
+        self._depths[stream] = (depth, time.monotonic())
 
     def _check_pools(self, entries: Entries) -> None:
         if self._activator is not None:
@@ -506,6 +538,7 @@ class _Flight:
         outcome = queue.parse_enqueue(raw)
         if isinstance(outcome, queue.Queued):
             self.entry_id = outcome.entry_id
+            self.dispatcher.record_depth(self.entries.script.keys[0], outcome.depth)
         if self.answer.done():  # the deadline passed first, or the caller left while it was sent
             if self.answer.cancelled() and self.entry_id and not self.pipeline:
                 self.dispatcher._background(self.dispatcher.withdraw(self))
@@ -615,6 +648,19 @@ def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
         metrics.looked_up(function, True)
     elif not isinstance(outcome, queue.Again | queue.Conflict | queue.Limited | queue.Pressure):
         metrics.looked_up(function, False)
+
+
+def estimated_wait_ms(depth: int, since_s: float, cost: tuple[float, float, int], max_batch: int) -> float:
+    """How long a new invocation (one row) waits for its answer behind `depth` others, less what
+    `since_s` of work has run of them: batches of `max_batch` at `cost` (fixed µs a batch, µs a row,
+    runners sharing them), its own included."""
+    fixed_us, row_us, runners = cost
+    batch = max(1, max_batch)
+    per_invocation_us = row_us + fixed_us / batch
+    if per_invocation_us <= 0:
+        return 0.0
+    ahead = max(0.0, depth - since_s * 1e6 / per_invocation_us * max(1, runners))
+    return (math.ceil((ahead + 1) / batch) * fixed_us + (ahead + 1) * row_us) / max(1, runners) / 1000
 
 
 def _uncounted(future: asyncio.Future[Any]) -> None:

@@ -117,13 +117,22 @@ class BatchCost:
 
     @property
     def fixed_us(self) -> float:
+        return self.fit()[0]
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed µs a batch, µs a row): with batches of one size so far, their whole cost is the
+        fixed part."""
         spread = self._rows2 - self._rows * self._rows
         if self._n == 0:
-            return 0.0
-        if spread <= 1e-9:  # batches of one size so far: their whole cost is the estimate
-            return self._us
-        per_row = (self._rows_us - self._rows * self._us) / spread
-        return max(0.0, self._us - per_row * self._rows)
+            return 0.0, 0.0
+        if spread <= 1e-9:
+            return self._us, 0.0
+        per_row = max(0.0, (self._rows_us - self._rows * self._us) / spread)
+        return max(0.0, self._us - per_row * self._rows), per_row
+
+    @property
+    def observed(self) -> bool:
+        return self._n > 0
 
 
 def _prefix_within(rows: Sequence[int], limit: int) -> int:

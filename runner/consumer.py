@@ -99,6 +99,11 @@ class FunctionConsumer:
             redis, function.name, self._streams, consumer, settings, self._accept, self._send
         )
 
+    def cost(self) -> tuple[float, float] | None:
+        """The function's batch cost here (fixed µs a batch, µs a row), once it has run a batch:
+        what gateways estimate an invocation's wait from (gateway.dispatch)."""
+        return self._cost.fit() if self._cost.observed else None
+
     @property
     def pending(self) -> int:
         """Invocations read and not yet answered."""

@@ -157,9 +157,18 @@ async def _heartbeat_loop(runner: Lifecycle) -> None:
             async with asyncio.timeout(runner.settings.heartbeat_s):
                 await runner.stopping.wait()
         try:
-            await runner.board.heartbeat(_idle_times(runner.models))
+            await runner.board.heartbeat(_idle_times(runner.models), _costs(runner))
         except (RedisError, OSError) as exc:
             log.warning("heartbeat failed: %s", exc)
+
+
+def _costs(runner: Lifecycle) -> dict[str, tuple[float, float]]:
+    found = {}
+    for name, (consumer, _task) in runner.consumers.items():
+        cost = consumer.cost()
+        if cost is not None:
+            found[name] = (round(cost[0], 1), round(cost[1], 2))
+    return found
 
 
 def _idle_times(models: LoadedModels) -> dict[str, float]:

@@ -188,7 +188,7 @@ local function enqueue(KEYS, ARGV)
     local at = 14 + (i - 1) * 5
     push(KEYS[8 + i], KEYS[8 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
   end
-  return {'queued', id}
+  return {'queued', id, redis.call('XLEN', KEYS[1])}
 end
 """
 )
@@ -486,6 +486,8 @@ class Queued:
 
     entry_id: bytes = dataclasses.field(default=b"", compare=False)
     """Its entry on the stream (WITHDRAW takes it back); outcomes compare without it."""
+    depth: int = dataclasses.field(default=0, compare=False)
+    """The stream's entries once it was added, itself included (queued or running)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -531,7 +533,7 @@ def full_message(what: str, limit: str, asynchronous: bool = False) -> str:
 def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
     kind = raw[0]
     if kind == b"queued":
-        return Queued(raw[1] if len(raw) > 1 else b"")
+        return Queued(raw[1] if len(raw) > 1 else b"", int(raw[2]) if len(raw) > 2 else 0)
     if kind == b"wait":
         return Coalesced()
     if kind == b"hit":

@@ -1,0 +1,93 @@
+"""Admission by deadline: an invocation that its function's runners cannot reach before its deadline
+is refused at once, and those admitted are answered in time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+
+from fngate.registry import read_runners
+from gateway.dispatch import estimated_wait_ms
+
+STEADY = """
+import time
+
+
+class Model:
+    def __init__(self, directory):
+        pass
+
+    def infer(self, inputs):
+        time.sleep(0.05)
+        return {"y": inputs["x"] * 2}
+"""
+
+MANIFEST = """
+name: steady
+model: {backend: python, path: model.py}
+inputs: [{name: x, datatype: FP32, shape: [-1, 2]}]
+outputs: [{name: y, datatype: FP32, shape: [-1, 2]}]
+batching: {max_batch_size: 1, max_queue_delay_us: 0, timeout_ms: 20000}
+"""
+
+
+def test_the_estimate_counts_what_is_ahead_less_what_has_run_since() -> None:
+    cost = (50_000.0, 0.0, 1)  # 50 ms a batch of one row, one runner
+    assert estimated_wait_ms(10, 0.0, cost, 1) == 550.0  # ten ahead, then its own
+    assert estimated_wait_ms(10, 0.2, cost, 1) == 350.0  # four have run since
+    assert estimated_wait_ms(10, 1.0, cost, 1) == 50.0  # its own batch
+    assert estimated_wait_ms(10, 0.0, (50_000.0, 0.0, 2), 1) == 275.0  # two runners share them
+    assert estimated_wait_ms(11, 0.0, (40_000.0, 1_000.0, 1), 4) == 132.0  # 3 batches and 12 rows
+
+
+async def test_what_cannot_make_its_deadline_is_refused_at_once(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """A function that runs one invocation in 50 ms, called 100 times a second with a deadline of
+    600 ms: those that would wait past it get 503 at once, naming the estimate (how many of the
+    admitted make their deadline, and the goodput against no admission, is the benchmark's)."""
+    folder = tmp_path / "repo" / "steady"
+    folder.mkdir(parents=True)
+    (folder / "function.yaml").write_text(MANIFEST)
+    (folder / "model.py").write_text(STEADY)
+    base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+    body = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}],
+        "parameters": {"timeout_ms": 600},
+    }
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
+            assert (await client.post("/v2/models/steady/infer", json=body)).status_code == 200
+        for _ in range(100):
+            if any("steady" in view.costs for view in await read_runners(redis)):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2)  # the gateway reads the runners' states every 0.1 s: twenty times over
+
+        async def call() -> tuple[int, float, str]:
+            began = time.perf_counter()
+            answer = await client.post("/v2/models/steady/infer", json=body)
+            return answer.status_code, time.perf_counter() - began, answer.text
+
+        calls = []
+        for _ in range(60):
+            calls.append(asyncio.create_task(call()))
+            await asyncio.sleep(0.01)
+        done = await asyncio.gather(*calls)
+    refused = [(took, text) for status, took, text in done if status == 503]
+    answered = [status for status, _, _ in done if status == 200]
+    assert refused, "nothing was refused: 60 calls in 0.6 s, where the runner answers 12"
+    for took, text in refused:  # at once: not after waiting for the deadline it could not make
+        assert "would answer in about" in text and "past this call's deadline of 600 ms" in text, text
+        assert took < 0.6, refused
+    assert answered, done
