@@ -77,6 +77,7 @@ class Catalog:
         self._records: dict[str, FunctionRecord] = {}
         self._runners: list[RunnerView] = []
         self._ready: dict[str, set[str]] = {}
+        self._costs: dict[str, tuple[float, float, int]] = {}
         self._unloaded: frozenset[str] = frozenset()
         self._aliases: dict[str, str] = {}
         """Triton model name -> function, where they differ (text_model -> text-model)."""
@@ -153,14 +154,7 @@ class Catalog:
     def cost(self, name: str) -> tuple[float, float, int] | None:
         """A function's batch cost as its live runners measured it (fixed µs a batch, µs a row, their
         mean) and how many runners report it; None before any has run a batch of it."""
-        found = [view.costs[name] for view in self._runners if name in view.costs]
-        if not found:
-            return None
-        return (
-            sum(cost[0] for cost in found) / len(found),
-            sum(cost[1] for cost in found) / len(found),
-            len(found),
-        )
+        return self._costs.get(name)
 
     def state(self, name: str, version: str, depth: int = 0) -> ModelState:
         """A version's state over the live runners; a pipeline's (an ensemble's), which no runner
@@ -214,6 +208,7 @@ class Catalog:
                 if state.state == READY:
                     ready.setdefault(function, set()).add(version)
         self._ready = ready
+        self._costs = _costs(self._runners)
 
     async def run(self, interval_s: float) -> None:
         """Re-read every `interval_s`, and at once when a deploy or removal is announced on the
@@ -247,3 +242,15 @@ class Catalog:
         for _stream, entries in response or ():
             last = entries[-1][0].decode()
         return last
+
+
+def _costs(runners: list[RunnerView]) -> dict[str, tuple[float, float, int]]:
+    """Per function, as Catalog.cost answers: summed over the runners' views once a refresh."""
+    found: dict[str, list[tuple[float, float]]] = {}
+    for view in runners:
+        for function, cost in view.costs.items():
+            found.setdefault(function, []).append(cost)
+    return {
+        function: (sum(c[0] for c in costs) / len(costs), sum(c[1] for c in costs) / len(costs), len(costs))
+        for function, costs in found.items()
+    }
