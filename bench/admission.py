@@ -55,6 +55,13 @@ Result = tuple[int, float, int]
 """(status, seconds to the answer, the invocation's deadline in ms)"""
 
 
+def write_function(folder: Path) -> None:
+    """The function `steady` in `folder` (its own folder, made here)."""
+    folder.mkdir(parents=True)
+    (folder / "function.yaml").write_text(MANIFEST)
+    (folder / "model.py").write_text(STEADY)
+
+
 def free_port() -> int:
     with socket.create_server(("127.0.0.1", 0)) as sock:
         port: int = sock.getsockname()[1]
@@ -179,10 +186,7 @@ def decision_us() -> float:
 async def run(seconds: float) -> str:
     work = Path(tempfile.mkdtemp(prefix="fngate-admission-"))
     try:
-        repo = work / "repo" / "steady"
-        repo.mkdir(parents=True)
-        (repo / "function.yaml").write_text(MANIFEST)
-        (repo / "model.py").write_text(STEADY)
+        write_function(work / "repo" / "steady")
         runs: dict[bool, dict[int, list[Result]]] = {}
         rates: list[int] = []
         measured = 0.0
