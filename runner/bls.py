@@ -33,6 +33,7 @@ from fngate.errors import (
     Overloaded,
     Unavailable,
 )
+from fngate.fastredis_cluster import placeheld
 from fngate.repository import FunctionRecord, FunctionVersion
 from fngate.wire import Invocation, Reply, replies_of
 from runner import sandbox
@@ -137,7 +138,10 @@ class Caller:
         try:
             try:
                 await self._register()
-                outcome = queue.parse_enqueue(await self._enqueue(keys=script.keys, args=script.args))
+                # Absent keys as the stream's hash tag: a Redis Cluster refuses a script whose
+                # keys span slots ('' is slot 0); the scripts read both as absent.
+                held = placeheld(("EVALSHA", "", len(script.keys), *script.keys))[3:]
+                outcome = queue.parse_enqueue(await self._enqueue(keys=list(held), args=script.args))
             except (RedisError, OSError) as exc:
                 raise Unavailable(f"the queue is unavailable: {exc}") from exc
             if isinstance(outcome, queue.Full):

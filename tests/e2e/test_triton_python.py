@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from fngate.config import GatewaySettings
 from gateway.http.metrics_port import MetricsPort
-from tests.conftest import free_port
+from tests.conftest import free_port, on_cluster_too
 from tests.triton_repository import model
 
 WAITER_CONFIG = """
@@ -505,6 +505,7 @@ def call_bls(url: str, grpc_url: str) -> dict[str, Any]:
     return found
 
 
+@on_cluster_too
 async def test_business_logic_scripting_calls_other_models_through_the_queue(
     serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
 ) -> None:
