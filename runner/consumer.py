@@ -13,13 +13,12 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from fngate import apikeys, clients, custom_metrics, keys, queue
+from fngate import clients, custom_metrics, keys, queue
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError
@@ -27,6 +26,7 @@ from fngate.fastredis import Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
+from runner.accounting import Accounting
 from runner.batching import Arrivals, BatchCost, Pending, decide
 from runner.execution import failed_together, run_batch, shape_key
 from runner.metrics import INVOCATIONS, MEMORY_REFUSALS
@@ -36,11 +36,6 @@ from runner.outbox import Entry, Outbox
 from runner.reclaim import Reclaimer
 
 log = logging.getLogger(__name__)
-
-CHARGE_EVERY_S = 1.0
-BUDGETS_READ_S = 2.0
-"""How often a runner reads the keys' compute budgets (a new or changed one holds after this)."""
-"""How often the batch time charged to keys is added to Redis: one round trip a second, not a batch."""
 
 
 class FunctionConsumer:
@@ -79,12 +74,7 @@ class FunctionConsumer:
         self._reading_since_ms = int(time.time() * 1000)
         """When this runner began to read the function's stream: an invocation queued before
         waited for a runner to start (its cold start's `start` phase)."""
-        self._charges: dict[str, float] = {}
-        """Batch time charged to keys and not yet added to Redis (_add_charges)."""
-        self._charging: asyncio.Task[None] | None = None
-        self._budgets = KeyBudgets(redis)
-        self._metric_bounds: dict[str, custom_metrics.Bounded] = {}
-        """Per version: the custom metric families and series its model made here (capped)."""
+        self._accounting = Accounting(redis, function.name)
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
@@ -133,9 +123,7 @@ class FunctionConsumer:
                     reader.cancel()
                     stop.cancel()
         finally:
-            if self._charging is not None:
-                self._charging.cancel()
-            await self._add_charges()  # what the last second charged
+            await self._accounting.close()
             for outbox in self._outboxes:
                 await outbox.aclose()
             await self._reads.aclose()
@@ -418,82 +406,7 @@ class FunctionConsumer:
             ran_digest,
             statistics.of_batch(self.function, version, batch, replies, started_ns),
         )
-        await self._account(version, invocations, reported, charged_s)
-
-    async def _account(
-        self,
-        version: str,
-        invocations: Sequence[Invocation],
-        reported: Sequence[custom_metrics.Update],
-        charged_s: float,
-    ) -> None:
-        """Once the batch is answered: its model's custom metrics, and its time charged to keys."""
-        if reported:
-            await self._publish_metrics(version, reported)
-        if charged_s and any(invocation.key_id for invocation in invocations):
-            await self._charge(invocations, charged_s)
-
-    async def _charge(self, invocations: Sequence[Invocation], seconds: float) -> None:
-        """The batch's time, split over its invocations by rows, charged to their keys (those made
-        with one): an invocation that shared its answer with identical ones is charged alone. Kept
-        here and added to Redis within CHARGE_EVERY_S, for all the batches of that time at once."""
-        charges = charged(invocations, seconds, self.function.manifest.batched)
-        for key_id, share in charges.items():
-            self._charges[key_id] = self._charges.get(key_id, 0.0) + share
-        budgets = await self._budgets.of(charges)
-        if budgets:  # a key with a budget is held to it at once, not a second later
-            await self._add_charges(budgets=budgets)
-        elif self._charging is None or self._charging.done():
-            self._charging = asyncio.get_running_loop().create_task(self._add_charges(CHARGE_EVERY_S))
-
-    async def _add_charges(self, after_s: float = 0.0, budgets: Mapping[str, float] | None = None) -> None:
-        """Add what was charged since the last time; a key whose minute passes its budget has its
-        bucket marked `over` until the minute ends (fngate.queue's admit() refuses it meanwhile)."""
-        await asyncio.sleep(after_s)
-        charges, self._charges = self._charges, {}
-        if not charges:
-            return
-        now_s = time.time()
-        minute, name = int(now_s // 60), self.function.name
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for key_id, share in charges.items():
-                    pipe.hincrbyfloat(keys.key_usage(key_id), name, share)
-                    pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), name, share)
-                    pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), apikeys.ALL_FUNCTIONS, share)
-                    pipe.expire(keys.key_usage_minute(key_id, minute), keys.USAGE_KEPT_S)
-                added = await pipe.execute()
-            ends_ms = (minute + 1) * 60_000
-            for index, key_id in enumerate(charges):
-                budget = (budgets or {}).get(key_id, 0.0)
-                if budget and float(added[index * 4 + 2]) >= budget:
-                    await self._redis.hset(keys.key_rate(key_id), "over", ends_ms)
-                    await self._redis.pexpireat(keys.key_rate(key_id), ends_ms + 1000)
-        except RedisError as exc:
-            log.warning("%s: %d keys' batch time was not charged: %s", name, len(charges), exc)
-
-    async def _publish_metrics(self, version: str, updates: Sequence[custom_metrics.Update]) -> None:
-        """The model's custom metrics of the batch, once its replies are sent: a failure is logged,
-        and the batch's updates are lost (counters count less), as a scrape missed would be."""
-        bounds = self._metric_bounds.setdefault(version, custom_metrics.Bounded())
-        admitted = []
-        for update in updates:
-            refused = bounds.admit(update)
-            if refused is None:
-                admitted.append(update)
-            elif refused not in bounds.said:
-                bounds.said.add(refused)
-                log.warning("%s version %s: custom metrics dropped: %s", self.function.name, version, refused)
-        sent = custom_metrics.commands(keys.custom_metrics(self.function.name, version), admitted)
-        if not sent:
-            return
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for command in sent:
-                    pipe.execute_command(*command)
-                await pipe.execute()
-        except RedisError as exc:
-            log.warning("%s: custom metrics of a batch were not recorded: %s", self.function.name, exc)
+        self._accounting.record(version, invocations, reported, charged_s, self.function.manifest.batched)
 
     def _split(self, batch: Sequence[Entry], error: FunctionError) -> None:
         """A batch failed as a whole (its process died or hung, its backend raised): which of its
@@ -600,43 +513,3 @@ def cold_timed(
         }
         timed.append(dataclasses.replace(reply, timing={name: round(ms, 3) for name, ms in phases.items()}))
     return timed
-
-
-def charged(invocations: Sequence[Invocation], seconds: float, batched: bool) -> dict[str, float]:
-    """`seconds` of a batch split over its invocations by rows (one each when not batched), summed
-    by key; the shares of invocations without a key are left out."""
-    rows = [invocation.rows if batched else 1 for invocation in invocations]
-    total = sum(rows) or 1
-    charges: dict[str, float] = {}
-    for invocation, count in zip(invocations, rows, strict=True):
-        if invocation.key_id:
-            charges[invocation.key_id] = charges.get(invocation.key_id, 0.0) + seconds * count / total
-    return charges
-
-
-class KeyBudgets:
-    """The compute budgets of API keys (apikeys.KeyRecord.compute_s_per_min), read from the key
-    records at most every BUDGETS_READ_S; kept through a Redis outage."""
-
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self._redis = redis
-        self._budgets: dict[str, float] = {}
-        self._read_at = float("-inf")
-
-    async def of(self, charged: Mapping[str, float]) -> dict[str, float]:
-        """The budgets of the keys charged that have one."""
-        if time.monotonic() - self._read_at > BUDGETS_READ_S:
-            self._read_at = time.monotonic()
-            try:
-                raw: Any = await self._redis.hgetall(keys.api_keys())
-            except RedisError:
-                raw = None
-            if raw is not None:
-                budgets = {}
-                for value in raw.values():
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        record = apikeys.KeyRecord.decode(value)
-                        if record.compute_s_per_min > 0:
-                            budgets[record.id] = record.compute_s_per_min
-                self._budgets = budgets
-        return {key_id: self._budgets[key_id] for key_id in charged if key_id in self._budgets}
