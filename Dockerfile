@@ -18,10 +18,10 @@ FROM ${BASE_IMAGE} AS os
 ENV DEBIAN_FRONTEND=noninteractive
 # Debian's security updates replace package versions, so apt versions are not pinned; the base image
 # tag is. ca-certificates: the trust store that rediss:// (ElastiCache) and S3 are verified against;
-# the build fails here if Python finds no certificate in it.
+# the build fails here if Python finds no certificate in it. tini: the containers' PID 1 (below).
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install --yes --no-install-recommends python3 ca-certificates \
+ && apt-get install --yes --no-install-recommends python3 ca-certificates tini \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -c "import ssl; assert ssl.create_default_context().cert_store_stats()['x509_ca'] > 0, 'no CA certificates'" \
  && groupadd --system --gid 10001 fngate \
@@ -104,7 +104,11 @@ ENV PATH=/opt/fngate/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     XDG_CACHE_HOME=/var/cache/fngate
 WORKDIR /home/fngate
-ENTRYPOINT ["fngate"]
+# tini is PID 1 and fngate its child. The kernel drops a signal a namespace's init has no handler
+# for: as PID 1 itself, a runner stopped in its first seconds (before its imports are done and its
+# handlers set, as when KEDA scales a Deployment made at one replica to zero) lost the SIGTERM and
+# lingered out its whole grace period. tini passes signals on and reaps what the backends leave.
+ENTRYPOINT ["tini", "--", "fngate"]
 
 # ---------------------------------------------------------------- gateway
 FROM gateway-env AS gateway-final-env
