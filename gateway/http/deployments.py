@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tarfile
 import tempfile
 from pathlib import Path
@@ -136,9 +137,11 @@ async def _receive(request: Request, target: Path, limit: int) -> int:
 
 
 def _unpack(archive: Path, folder: Path, limit_bytes: int) -> None:
-    """Regular files and folders only, inside `folder` (tarfile's data filter refuses the rest), at
-    most MAX_MEMBERS of them and `limit_bytes` in all: each member's size is in its header, checked
-    before its bytes are read, so that a small archive of zeros is refused at once."""
+    """Regular files and folders only, each inside `folder`, at most MAX_MEMBERS of them and
+    `limit_bytes` in all: each member's size is in its header, checked before its bytes are read, so
+    that a small archive of zeros is refused at once. Each is written here (mode 644 or 755, owned
+    by the gateway), not by tarfile's extract: its `filter` argument is missing from the Python
+    3.11.2 of Debian 12, the images' Python."""
     total = 0
     try:
         with tarfile.open(archive, "r:*") as tar:
@@ -152,9 +155,27 @@ def _unpack(archive: Path, folder: Path, limit_bytes: int) -> None:
                     raise PayloadTooLarge(f"the archive unpacks to more than {limit_bytes} bytes")
                 if count > MAX_MEMBERS:
                     raise InvalidArgument(f"the archive holds more than {MAX_MEMBERS} files and folders")
-                tar.extract(member, folder, filter="data")
+                _write(tar, member, folder)
     except (tarfile.TarError, OSError) as exc:
         raise InvalidArgument(f"the body is not a readable tar.gz: {exc}") from None
+
+
+def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, folder: Path) -> None:
+    parts = Path(member.name).parts
+    if not parts and member.isdir():  # the folder itself ('.')
+        return
+    target = folder.joinpath(*parts)
+    if not parts or Path(member.name).is_absolute() or ".." in parts or not target.is_relative_to(folder):
+        raise InvalidArgument(f"the archive holds {member.name[:128]!r}, which is outside its folder")
+    if member.isdir():
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        return
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    source = tar.extractfile(member)
+    assert source is not None  # a regular file's
+    with source, target.open("wb") as sink:
+        shutil.copyfileobj(source, sink)
+    target.chmod(0o755 if member.mode & 0o100 else 0o644)
 
 
 def unpacked_limit(settings_max: int, ratio: float, archive_bytes: int) -> int:

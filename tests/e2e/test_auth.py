@@ -280,6 +280,38 @@ async def test_a_deploy_over_the_size_limit_is_refused(
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    ("name", "kind", "refused"),
+    [
+        ("../escaped.yaml", tarfile.REGTYPE, "outside its folder"),
+        ("/tmp/escaped.yaml", tarfile.REGTYPE, "outside its folder"),
+        ("sub/../../escaped.yaml", tarfile.REGTYPE, "outside its folder"),
+        ("link", tarfile.SYMTYPE, "not a file or folder"),
+        ("fifo", tarfile.FIFOTYPE, "not a file or folder"),
+    ],
+)
+async def test_an_archive_member_outside_its_folder_or_not_a_file_is_refused(
+    redis_url: str, serve_gateway: Callable[..., Any], tmp_path: Path, name: str, kind: bytes, refused: str
+) -> None:
+    # The gateway writes each member itself (the images' Python 3.11.2 has no tarfile filter): a
+    # name that climbs out, an absolute one, a link or a device is refused, and nothing is written.
+    deployer, _ = create_key(redis_url, "deploy")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    base = await serve_gateway(auth=True, repo=str(repo))
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w:gz") as tar:
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        info.linkname = "/etc/passwd" if kind == tarfile.SYMTYPE else ""
+        tar.addfile(info, io.BytesIO(b"") if kind == tarfile.REGTYPE else None)
+    async with httpx.AsyncClient(base_url=base, headers=bearer(deployer)) as client:
+        response = await client.put("/v1/functions/classifier", content=packed.getvalue())
+    assert response.status_code == 400 and refused in response.json()["error"], response.text
+    assert os.listdir(repo) == []
+    assert os.listdir(tmp_path) == ["repo"] and "escaped.yaml" not in os.listdir("/tmp")
+
+
 def deploy_scratch() -> set[Path]:
     """The deploy API's scratch folders that exist now."""
     return set(Path(tempfile.gettempdir()).glob("fngate-deploy-*"))
