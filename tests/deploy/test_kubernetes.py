@@ -1,0 +1,259 @@
+"""fngate on a real Kubernetes with KEDA (tests/deploy/kubernetes.py): the images scripts/images built
+(build/images.tar), `fngate k8s render` applied as it is to a namespace under Pod Security
+"restricted", Redis and an S3 stand-in (moto) on the node, a function deployed through the gateway's
+deploy API with an admin key, then what a user relies on, each with its figure in the output (and
+in build/kubernetes.json): an invocation with no runner answered while KEDA scales the pool from
+zero, the pool back at zero with every runner pod gone within seconds of its SIGTERM, nothing lost
+while a runner pod and a gateway pod are deleted and the gateway rolls under a steady load, and the
+NetworkPolicies enforced.
+
+Marked `kubernetes`: the suite's main run leaves it out (-m "not kubernetes" in pyproject.toml) and
+scripts/test runs it after scripts/images, whose images it imports. Skipped with the reason where
+the cluster cannot run (not root, no ../shared/k8s)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fngate.apikeys import new_key
+from tests.deploy.kubernetes import IMAGES, NODE, ROOT, Cluster, Watch, unavailable, wait_until, watching
+
+pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(600)]
+
+NAMESPACE = "fngate"
+FUNCTION = "classifier"
+POOL = "fngate-runner-default"
+RUNNERS = "app.kubernetes.io/component=runner"
+GATEWAYS = "app.kubernetes.io/component=gateway"
+COOLDOWN_S = 10
+POLLING_S = 2
+RUNNER_GRACE_S = 60
+"""The rendered runner pods' terminationGracePeriodSeconds: a pod that lingers waits this out."""
+GONE_WITHIN_S = 10
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+FNGATE = str(ROOT / ".venv" / "bin" / "fngate")
+AWS = {
+    "AWS_ENDPOINT_URL": f"http://{NODE}:5000",
+    "AWS_ACCESS_KEY_ID": "test",
+    "AWS_SECRET_ACCESS_KEY": "test",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+REPORT = ROOT / "build" / "kubernetes.json"
+
+
+def rendered(cluster: Cluster) -> str:
+    """`fngate k8s render` for this cluster: Redis and S3 on the node, a short cooldown, two gateways
+    (one may go while the other serves); only the pods' AWS endpoint and credentials are added (S3
+    is moto here)."""
+    done = cluster.ns(
+        FNGATE,
+        "k8s",
+        "render",
+        "--functions",
+        "functions",
+        "--deployed",
+        FUNCTION,
+        "--image",
+        "fngate/gateway:smoke",
+        "--runner-image",
+        "fngate/runner:smoke",
+        "--repo",
+        "s3://fngate-models/prod",
+        "--redis-address",
+        f"{NODE}:6379",
+        "--no-redis-tls",
+        "--cooldown",
+        str(COOLDOWN_S),
+        "--polling-interval",
+        str(POLLING_S),
+        "--service-type",
+        "ClusterIP",
+        "--gateway-min-replicas",
+        "2",
+    )
+    objects = list(yaml.safe_load_all(done))
+    for item in objects:
+        spec = item["spec"]["jobTemplate"]["spec"] if item["kind"] == "CronJob" else item.get("spec", {})
+        for container in spec.get("template", {}).get("spec", {}).get("containers", []):
+            container["env"] += [{"name": name, "value": value} for name, value in AWS.items()]
+    return yaml.safe_dump_all(objects, sort_keys=False)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = Cluster()
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        REPORT.parent.mkdir(exist_ok=True)
+        REPORT.write_text(json.dumps(cluster.figures, indent=2) + "\n", encoding="utf-8")
+        print(f"\nkubernetes: {json.dumps(cluster.figures)}")
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def deployed(cluster: Cluster) -> dict[str, Any]:
+    """fngate applied and the classifier deployed through the gateway: the gateway Service's URL and
+    the admin key."""
+    figures = cluster.figures
+    password = secrets.token_urlsafe(16)
+    cluster.start("redis", "redis-server", "--bind", NODE, "--port", "6379", "--requirepass", password,
+                  "--save", "", "--appendonly", "no")  # fmt: skip
+    cluster.start("moto", PYTHON, "-m", "moto.server", "-H", NODE, "-p", "5000")
+    started = time.monotonic()
+    socket = str(cluster.state / "run" / "containerd.sock")
+    cluster.ns("ctr", "-a", socket, "-n", "k8s.io", "images", "import", str(IMAGES), timeout=300)
+    figures["images_import_s"] = round(time.monotonic() - started, 1)
+    bucket = "import boto3; boto3.client('s3').create_bucket(Bucket='fngate-models')"
+    wait_until("moto", lambda: _succeeds(cluster, PYTHON, "-c", bucket, env=AWS), 60)
+
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    cluster.kubectl("label", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=restricted")
+    url = f"redis://:{password}@{NODE}:6379/0"
+    cluster.kubectl("-n", NAMESPACE, "create", "secret", "generic", "fngate-redis",
+                    f"--from-literal=url={url}", f"--from-literal=password={password}")  # fmt: skip
+    key, _ = new_key()
+    digest = cluster.ns(FNGATE, "keys", "hash", env={"FNGATE_API_KEY": key}).strip()
+    cluster.kubectl(
+        "-n", NAMESPACE, "create", "secret", "generic", "fngate-api-keys", f"--from-literal=admin={digest}"
+    )
+    started = time.monotonic()
+    events = "jsonpath={.type} {.object.metadata.name} {.object.metadata.deletionTimestamp}{'\\n'}"
+    first_runner = Watch(
+        cluster, "pods", "-n", NAMESPACE, "-l", RUNNERS, "--output-watch-events", "-o", events
+    )
+    applied = cluster.kubectl("apply", "-f", "-", stdin=rendered(cluster))
+    assert "deployment.apps/fngate-gateway created" in applied, applied
+    cluster.kubectl(
+        "-n", NAMESPACE, "rollout", "status", "deploy/fngate-gateway", "--timeout=180s", timeout=200
+    )
+    figures["gateway_ready_s"] = round(time.monotonic() - started, 1)
+    service = cluster.get("service", "-n", NAMESPACE, "fngate-gateway")["spec"]["clusterIP"]
+    gateway = f"http://{service}:80"
+    started = time.monotonic()
+    manifest = str(Path("functions") / FUNCTION / "function.yaml")
+    try:
+        cluster.ns(FNGATE, "deploy", manifest, "--gateway", gateway, env={"FNGATE_API_KEY": key})
+    except AssertionError as exc:
+        logs = cluster.kubectl("-n", NAMESPACE, "logs", "-l", GATEWAYS, "--tail", "60", check=False)
+        raise AssertionError(f"{exc}\n--- the gateways' logs:\n{logs}") from None
+    figures["deploy_s"] = round(time.monotonic() - started, 1)
+    return {"gateway": gateway, "key": key, "first_runner": first_runner}
+
+
+def _succeeds(cluster: Cluster, *args: str, env: dict[str, str]) -> bool:
+    try:
+        cluster.ns(*args, env=env, timeout=30)
+    except AssertionError:
+        return False
+    return True
+
+
+def replicas(cluster: Cluster) -> int:
+    return int(cluster.get("deployment", "-n", NAMESPACE, POOL)["spec"].get("replicas", 1))
+
+
+def runner_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    return cluster.pods(NAMESPACE, RUNNERS)
+
+
+def gone_after_sigterm(cluster: Cluster, timeout_s: float) -> list[float]:
+    """Seconds each runner pod took to go once deleted (its SIGTERM), polled every 0.25 s."""
+    deleted: dict[str, float] = {}
+    took: list[float] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        pods = {pod["metadata"]["name"]: pod for pod in runner_pods(cluster)}
+        for name, pod in pods.items():
+            if pod["metadata"].get("deletionTimestamp") and name not in deleted:
+                deleted[name] = now
+        for name in [name for name in deleted if name not in pods]:
+            took.append(round(now - deleted.pop(name), 2))
+        if not pods:
+            return took
+        time.sleep(0.25)
+    raise AssertionError(f"runner pods still there after {timeout_s} s: {sorted(pods)}")
+
+
+def test_the_first_runner_pod_goes_at_once_when_keda_sets_the_pool_to_zero(
+    cluster: Cluster, deployed: dict[str, Any]
+) -> None:
+    # The Deployment is made at one replica (no replicas field: a re-apply must not scale a serving
+    # pool); KEDA sets it to zero. That first runner used to linger out its 60 s grace.
+    watch = deployed["first_runner"]
+    wait_until("KEDA to set the pool to zero", lambda: replicas(cluster) == 0, 120)
+    wait_until(
+        "the first runner pod to go",
+        lambda: watch.deletions() and not runner_pods(cluster),
+        RUNNER_GRACE_S + 30,
+    )
+    watch.close()
+    took = watch.deletions()
+    cluster.figures["first_runner_gone_s"] = list(took.values())
+    assert took and all(seconds < GONE_WITHIN_S for seconds in took.values()), (took, watch.lines)
+
+
+def test_an_invocation_with_no_runner_is_answered_while_keda_scales_from_zero(
+    cluster: Cluster, deployed: dict[str, Any]
+) -> None:
+    wait_until("no runner pod", lambda: not runner_pods(cluster) and replicas(cluster) == 0, 120)
+    pool = ["deployment", "-n", NAMESPACE, POOL, "-o", "jsonpath={.spec.replicas}{'\\n'}"]
+    states = "{.metadata.name} {.status.phase}{'\\n'}"
+    pods = ["pods", "-n", NAMESPACE, "-l", RUNNERS, "-o", f"jsonpath={states}"]
+    with watching(cluster, *pool) as scale, watching(cluster, *pods) as started:
+        answer = json.loads(
+            cluster.ns(
+                PYTHON,
+                "tests/deploy/k8s_client.py",
+                "invoke",
+                f"{deployed['gateway']}/v1/functions/{FUNCTION}",
+                env={"FNGATE_API_KEY": deployed["key"]},
+                timeout=200,
+            )
+        )
+    assert answer["status"] == 200, answer
+    sent = answer["sent"]
+    scaled = scale.first(lambda line: line.isdigit() and int(line) > 0, after=sent)
+    running = started.first(lambda line: " Running " in f"{line} ", after=sent)
+    assert scaled is not None and running is not None, (scale.lines, started.lines)
+    timing = answer["timing"]
+    reading = sent + timing["start"] / 1000  # the runner's first read of the queue
+    split = {
+        "keda_reaction_s": round(scaled - sent, 2),
+        "pod_start_s": round(running - scaled, 2),
+        "runner_start_s": round(reading - running, 2),
+        "model_fetch_s": round(timing["fetch"] / 1000, 3),
+        "model_load_s": round(timing["load"] / 1000, 3),
+        "exec_s": round(timing["exec"] / 1000, 3),
+        "answered_s": round(answer["ms"] / 1000, 2),
+    }
+    cluster.figures["from_zero"] = split
+    assert split["keda_reaction_s"] <= 3 * POLLING_S + 2, split
+    assert split["pod_start_s"] > 0 and split["runner_start_s"] > 0, split
+
+
+def test_the_pool_returns_to_zero_and_its_runner_pods_go_within_seconds(
+    cluster: Cluster, deployed: dict[str, Any]
+) -> None:
+    started = time.monotonic()
+    wait_until("a runner pod", lambda: runner_pods(cluster), 120)
+    cluster.figures["back_to_zero_s"] = wait_until(
+        "the pool at zero", lambda: replicas(cluster) == 0, COOLDOWN_S + 120
+    )
+    took = gone_after_sigterm(cluster, RUNNER_GRACE_S + 30)
+    cluster.figures["runner_gone_s"] = took
+    cluster.figures["back_to_zero_from_test_start_s"] = round(time.monotonic() - started, 1)
+    assert all(seconds < GONE_WITHIN_S for seconds in took), took
