@@ -142,11 +142,18 @@ def deployed(cluster: Cluster) -> dict[str, Any]:
     figures["gateway_ready_s"] = round(time.monotonic() - started, 1)
     service = cluster.get("service", "-n", NAMESPACE, "fngate-gateway")["spec"]["clusterIP"]
     gateway = f"http://{service}:80"
+    # Ready pods are not yet a routed Service: kube-proxy refuses its address until it has the
+    # endpoints.
+    health = f"import urllib.request; urllib.request.urlopen('{gateway}/v2/health/ready', timeout=3)"
+    figures["service_routed_s"] = wait_until(
+        "the gateway Service", lambda: _succeeds(cluster, PYTHON, "-c", health, env={}), 60
+    )
     started = time.monotonic()
     manifest = str(Path("functions") / FUNCTION / "function.yaml")
     try:
         cluster.ns(FNGATE, "deploy", manifest, "--gateway", gateway, env={"FNGATE_API_KEY": key})
     except AssertionError as exc:
+        first_runner.close()
         logs = cluster.kubectl("-n", NAMESPACE, "logs", "-l", GATEWAYS, "--tail", "60", check=False)
         raise AssertionError(f"{exc}\n--- the gateways' logs:\n{logs}") from None
     figures["deploy_s"] = round(time.monotonic() - started, 1)
@@ -257,3 +264,109 @@ def test_the_pool_returns_to_zero_and_its_runner_pods_go_within_seconds(
     cluster.figures["runner_gone_s"] = took
     cluster.figures["back_to_zero_from_test_start_s"] = round(time.monotonic() - started, 1)
     assert all(seconds < GONE_WITHIN_S for seconds in took), took
+
+
+CONNECT = (
+    "import socket, sys\n"
+    "probe = socket.socket()\n"
+    "probe.settimeout(3)\n"
+    "try:\n"
+    "    probe.connect((sys.argv[1], int(sys.argv[2])))\n"
+    "    print('open')\n"
+    "except OSError as exc:\n"
+    "    print('refused' if isinstance(exc, ConnectionRefusedError) else 'dropped')\n"
+)
+
+
+def probe_pods(cluster: Cluster) -> dict[str, tuple[str, str]]:
+    """Two pods that only connect: one unlabelled in `default`, one with Prometheus's label in
+    `monitoring` (the gateway image, for its Python)."""
+    cluster.kubectl("create", "namespace", "monitoring")
+    pods = {"unlabelled": ("default", "other"), "prometheus": ("monitoring", "prom")}
+    for who, (namespace, name) in pods.items():
+        labels = ["--labels", "app.kubernetes.io/name=prometheus"] if who == "prometheus" else []
+        image = ["--image=fngate/gateway:smoke", "--image-pull-policy=Never"]
+        cluster.kubectl("-n", namespace, "run", name, *image, *labels, "--command", "--", "sleep", "900")
+    for namespace, name in pods.values():
+        cluster.kubectl(
+            "-n", namespace, "wait", "--for=condition=Ready", f"pod/{name}", "--timeout=120s", timeout=150
+        )
+    return pods
+
+
+def reach(cluster: Cluster, pod: tuple[str, str], address: str, port: int) -> str:
+    namespace, name = pod
+    return cluster.kubectl(
+        "-n", namespace, "exec", name, "--", "python", "-c", CONNECT, address, str(port)
+    ).strip()
+
+
+def ready_runner(cluster: Cluster) -> dict[str, Any] | None:
+    for pod in runner_pods(cluster):
+        statuses = pod["status"].get("containerStatuses", [])
+        if not pod["metadata"].get("deletionTimestamp") and statuses and all(s["ready"] for s in statuses):
+            return pod
+    return None
+
+
+def test_under_load_runner_and_gateway_pods_deleted_and_a_rollout_lose_nothing_and_policies_hold(
+    cluster: Cluster, deployed: dict[str, Any]
+) -> None:
+    pods = probe_pods(cluster)
+    stop = cluster.state / "stop-load"
+    url = f"{deployed['gateway']}/v1/functions/{FUNCTION}"
+    load = cluster.start("load", PYTHON, "tests/deploy/k8s_client.py", "load", url, str(stop), "240", "4",
+                         env={"FNGATE_API_KEY": deployed["key"]})  # fmt: skip
+    figures: dict[str, Any] = {}
+    try:
+        wait_until("a ready runner under load", lambda: ready_runner(cluster), 120)
+        runner = ready_runner(cluster)
+        assert runner is not None
+        gateway = cluster.pods(NAMESPACE, GATEWAYS)[0]
+        # NetworkPolicies: the gateway's HTTP port is open to anyone; its metrics port and the
+        # runner's only to Prometheus's label.
+        policies = {
+            "gateway http from unlabelled": reach(
+                cluster, pods["unlabelled"], gateway["status"]["podIP"], 8000
+            ),
+            "gateway metrics from unlabelled": reach(
+                cluster, pods["unlabelled"], gateway["status"]["podIP"], 8002
+            ),
+            "gateway metrics from prometheus": reach(
+                cluster, pods["prometheus"], gateway["status"]["podIP"], 8002
+            ),
+            "runner from unlabelled": reach(cluster, pods["unlabelled"], runner["status"]["podIP"], 9100),
+            "runner from prometheus": reach(cluster, pods["prometheus"], runner["status"]["podIP"], 9100),
+        }
+        figures["network_policies"] = policies
+        shut = {what for what, found in policies.items() if found != "open"}
+        assert shut == {"gateway metrics from unlabelled", "runner from unlabelled"}, policies
+        # A runner pod deleted while it serves: its batch is answered, its queue waits for the next.
+        started = time.monotonic()
+        cluster.kubectl("-n", NAMESPACE, "delete", "pod", runner["metadata"]["name"], "--wait=false")
+        first = runner["metadata"]["name"]
+
+        def replaced() -> bool:
+            pod = ready_runner(cluster)
+            return pod is not None and pod["metadata"]["name"] != first
+
+        wait_until("a new ready runner", replaced, 120)
+        figures["runner_replaced_s"] = round(time.monotonic() - started, 1)
+        # A gateway pod deleted: the other serves while it goes (its preStop keeps it 10 s).
+        started = time.monotonic()
+        cluster.kubectl("-n", NAMESPACE, "delete", "pod", gateway["metadata"]["name"], timeout=120)
+        figures["gateway_deleted_s"] = round(time.monotonic() - started, 1)
+        started = time.monotonic()
+        cluster.kubectl("-n", NAMESPACE, "rollout", "restart", "deploy/fngate-gateway")
+        cluster.kubectl(
+            "-n", NAMESPACE, "rollout", "status", "deploy/fngate-gateway", "--timeout=240s", timeout=260
+        )
+        figures["gateway_rollout_s"] = round(time.monotonic() - started, 1)
+        time.sleep(2)
+    finally:
+        stop.touch()
+        load.wait(timeout=200)
+    answered = json.loads(cluster.log("load").strip().splitlines()[-1])
+    figures["load"] = answered
+    cluster.figures["under_load"] = figures
+    assert set(answered["statuses"]) == {"200"}, answered
