@@ -165,6 +165,8 @@ class Watch:
         deleting: dict[str, float] = {}
         took: dict[str, float] = {}
         for at, line in list(self.lines):
+            if not line:
+                continue
             kind, name, *deleted = line.split()
             if deleted and name not in deleting:
                 deleting[name] = at
