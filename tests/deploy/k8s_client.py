@@ -10,6 +10,7 @@ The API key is FNGATE_API_KEY. Prints one JSON object."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
@@ -55,31 +56,32 @@ def invoke(url: str) -> dict[str, object]:
 
 def load(url: str, stop: Path, max_s: float, clients: int) -> dict[str, object]:
     """Each client invokes in a loop; an invocation whose connection fails (no gateway behind the
-    Service for a moment) is sent again, and counted once, by its final status."""
+    Service for a moment) is sent again, and counted once, by its final status (0: never answered).
+    Each client counts on its own; the counts are added at the end."""
     deadline = time.monotonic() + max_s
-    statuses: dict[str, int] = {}
-    retried = 0
 
-    def client() -> None:
-        nonlocal retried
+    def client() -> collections.Counter[str]:
+        counted: collections.Counter[str] = collections.Counter()
         while not stop.exists() and time.monotonic() < deadline:
-            while True:
+            status = 0
+            while time.monotonic() < deadline:
                 try:
                     status = post(url)[0]
                     break
                 except OSError:  # refused or reset: the invocation is sent again
-                    retried += 1
-                    if time.monotonic() > deadline:
-                        status = 0
-                        break
+                    counted["connection_retries"] += 1
                     time.sleep(0.1)
-            statuses[str(status)] = statuses.get(str(status), 0) + 1
+            counted[str(status)] += 1
+        return counted
 
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        for future in [pool.submit(client) for _ in range(clients)]:
-            future.result()
-    return {"statuses": statuses, "connection_retries": retried, "s": round(time.monotonic() - started, 1)}
+        total = sum(
+            (future.result() for future in [pool.submit(client) for _ in range(clients)]),
+            collections.Counter(),
+        )
+    retried = total.pop("connection_retries", 0)
+    return {"statuses": dict(total), "connection_retries": retried, "s": round(time.monotonic() - started, 1)}
 
 
 if __name__ == "__main__":
