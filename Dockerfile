@@ -104,11 +104,13 @@ ENV PATH=/opt/fngate/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     XDG_CACHE_HOME=/var/cache/fngate
 WORKDIR /home/fngate
-# tini is PID 1 and fngate its child. The kernel drops a signal a namespace's init has no handler
-# for: as PID 1 itself, a runner stopped in its first seconds (before its imports are done and its
-# handlers set, as when KEDA scales a Deployment made at one replica to zero) lost the SIGTERM and
-# lingered out its whole grace period. tini passes signals on and reaps what the backends leave.
-ENTRYPOINT ["tini", "--", "fngate"]
+# tini starts fngate and passes signals on. The kernel drops a signal a namespace's init has no
+# handler for: as PID 1 itself, a runner stopped in its first seconds (before its imports are done
+# and its handlers set, as when KEDA scales a Deployment made at one replica to zero) lost the
+# SIGTERM and lingered out its whole grace period. In Kubernetes the rendered pods share their
+# process namespace (fngate/k8s.py), so that neither is PID 1 there; -s: tini reaps what the
+# backends leave whether it is PID 1 or not.
+ENTRYPOINT ["tini", "-s", "--", "fngate"]
 
 # ---------------------------------------------------------------- gateway
 FROM gateway-env AS gateway-final-env

@@ -57,6 +57,10 @@ class GatewaySettings(_Settings, RepositoryLimits):
     deadline_admission: bool = True
     """Refuse at once (503) an invocation whose estimated wait (the invocations ahead of it at the
     batch cost its runners measured) passes its deadline, rather than queue it to time out."""
+    kubernetes_wake: bool = False
+    """In a Kubernetes pod (as `fngate k8s render` makes it): an invocation for a runner pool with no
+    live runner also sets the pool's Deployment from 0 to 1 replica through the Kubernetes API
+    (with the pod's service account), at once rather than at KEDA's next poll (docs/deployment.md)."""
     server_name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")] = "fngate"
     """The name server metadata answers (GET /v2, gRPC ServerMetadata). Triton's example clients
     check for "triton": set it to that for clients that do."""

@@ -9,6 +9,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from fngate import keys
 from fngate.config import GatewaySettings
+from fngate.kube import runner_deployment
 from fngate.manifest import FunctionManifest, ManifestError, load_manifest
 
 Obj = dict[str, Any]
@@ -134,12 +136,29 @@ class Options:
     gateways accept that key whatever Redis holds. Optional: without it, keys come from Redis only."""
     prometheus_label: str = "app.kubernetes.io/name=prometheus"
     """KEY=VALUE of the Prometheus pods (any namespace): the only ones that may reach a runner."""
+    runner_cpu: str = ""
+    """CPU each CPU runner pod requests (a Kubernetes quantity: 500m, 1, 1.5); empty: 1
+    (CPU_RUNNER_RESOURCES). The limit is the larger of it and 2. A node must hold two during a
+    rolling update (the old and its surge): on a 2-core node, 500m."""
+    gateway_cpu: str = ""
+    """CPU each gateway pod requests; empty: 250m (GATEWAY_RESOURCES). The limit is the larger of
+    it and 1; the HPA scales gateways at 70% of the request."""
+    push_activation: bool = True
+    """Gateways wake a runner pool at zero (its Deployment from 0 to 1 replica) the moment work
+    arrives for it, rather than at KEDA's next poll: their pods get the service-account token, and
+    a Role that lets them patch the scale of the runner Deployments and nothing else."""
 
     def __post_init__(self) -> None:
         if self.warm_runners < 0 or self.target_lag < 0 or self.artifact_cache_bytes < 1024**2:
             raise ValueError(
                 "warm_runners and target_lag must be 0 or more, artifact_cache_bytes 1 MiB or more"
             )
+        for name in ("runner_cpu", "gateway_cpu"):
+            value = getattr(self, name)
+            if value and millicores(value) <= 0:
+                raise ValueError(
+                    f"{name.replace('_', '-')} {value!r}: expected a CPU quantity above 0 (500m, 1, 1.5)"
+                )
         for pair in self.service_annotations:
             key, sep, _ = pair.partition("=")
             if not key or not sep:
@@ -162,6 +181,27 @@ class Pool:
     @property
     def max_replicas(self) -> int:
         return max(manifest.scaling.max_replicas for manifest in self.functions)
+
+
+def millicores(quantity: str) -> int:
+    """A CPU quantity (`500m`, `2`, `1.5`) in thousandths of a CPU; -1 for what is not one."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(m?)", quantity)
+    if not match:
+        return -1
+    value = float(match[1])
+    if match[2]:  # millicores are whole
+        return int(value) if value.is_integer() else -1
+    return round(value * 1000)
+
+
+def _cpu(resources: Obj, request: str) -> Obj:
+    """`resources` with its CPU request set to `request` ('' keeps it) and its limit raised to it."""
+    resources = copy.deepcopy(resources)
+    if request:
+        resources["requests"]["cpu"] = request
+        if millicores(request) > millicores(resources["limits"]["cpu"]):
+            resources["limits"]["cpu"] = request
+    return resources
 
 
 def needs_gpu(manifest: FunctionManifest) -> bool:
@@ -198,16 +238,19 @@ def targets(manifest: FunctionManifest, options: Options) -> tuple[int, int]:
 
 def render(manifests: Sequence[FunctionManifest], options: Options) -> list[Obj]:
     """Every object, in apply order; the namespace and the Redis Secret are made beforehand."""
+    served = pools(manifests, options.deployed)
+    wake = options.push_activation and bool(served)
     objects = [
         _service_account("gateway", options.gateway_role_arn, options),
         _service_account("runner", options.runner_role_arn, options),
         _service_account("deployer", options.deployer_role_arn, options),
+        *(_wake_role(served, options) if wake else []),
         _trigger_authentication(options),
-        *_gateway(options),
+        *_gateway(options, wake),
         _registry_sync(options),
         *_network_policies(options),
     ]
-    for pool in pools(manifests, options.deployed):
+    for pool in served:
         objects += [_runner(pool, options), _runner_budget(pool, options), _scaled_object(pool, options)]
     return copy.deepcopy(objects)  # no dict shared between objects, or with this module
 
@@ -237,6 +280,31 @@ def _service_account(component: str, role_arn: str, options: Options) -> Obj:
     if role_arn:  # IRSA: the pods' AWS credentials are this role's
         account["metadata"]["annotations"] = {"eks.amazonaws.com/role-arn": role_arn}
     return account | {"automountServiceAccountToken": False}
+
+
+def _wake_role(served: Sequence[Pool], options: Options) -> list[Obj]:
+    """Push activation's rights, and no more: patch the scale of these runner Deployments, by name
+    (a Role with no resourceNames would cover every Deployment of the namespace: none is made)."""
+    role = _object("rbac.authorization.k8s.io/v1", "Role", "fngate-gateway-wake", "gateway", options)
+    names = [runner_deployment(pool.name) for pool in served]
+    rule = {
+        "apiGroups": ["apps"],
+        "resources": ["deployments/scale"],
+        "resourceNames": names,
+        "verbs": ["patch"],
+    }
+    role["rules"] = [rule]
+    binding = _object(
+        "rbac.authorization.k8s.io/v1", "RoleBinding", "fngate-gateway-wake", "gateway", options
+    )
+    binding["roleRef"] = {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "fngate-gateway-wake",
+    }
+    account = {"kind": "ServiceAccount", "name": "fngate-gateway", "namespace": options.namespace}
+    binding["subjects"] = [account]
+    return [role, binding]
 
 
 def _container(
@@ -277,6 +345,11 @@ def _pod(account: str, container: Obj, cache_bytes: int, pod: Obj, tmp_bytes: in
         # Service links would add FNGATE_* variables for Services named fngate-*, and an unknown
         # FNGATE_ variable stops startup.
         "enableServiceLinks": False,
+        # The pause container is the pod's PID 1, not the image's entry point: a SIGTERM that comes
+        # as the container starts (a pod deleted as it is made, like the first runner before KEDA
+        # sets its pool to zero) reaches a process that dies of it or handles it, never an init
+        # that the kernel shields from it (it lingered out its 60 s grace).
+        "shareProcessNamespace": True,
         "securityContext": POD_SECURITY | {"seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
@@ -307,12 +380,14 @@ def _deployment(
     return deployment | {"spec": selector | {"template": template}}
 
 
-def _gateway(options: Options) -> list[Obj]:
+def _gateway(options: Options, wake: bool) -> list[Obj]:
     env = {"FNGATE_HOST": "0.0.0.0", "FNGATE_WORKERS": str(options.gateway_workers)}
+    if wake:
+        env["FNGATE_KUBERNETES_WAKE"] = "true"
     container = _container("gateway", options.image, ["gateway"], env, options, GATEWAY_PORTS)
     admin = {"secretKeyRef": {"name": options.api_keys_secret, "key": "admin", "optional": True}}
     container["env"].append({"name": "FNGATE_ADMIN_KEY_HASH", "valueFrom": admin})
-    resources = copy.deepcopy(GATEWAY_RESOURCES)
+    resources = _cpu(GATEWAY_RESOURCES, options.gateway_cpu)
     resources["requests"]["ephemeral-storage"] = _mebibytes(GATEWAY_TMP_BYTES + TMP_BYTES)
     container |= {
         "resources": resources,
@@ -327,7 +402,9 @@ def _gateway(options: Options) -> list[Obj]:
         "topologyKey": "topology.kubernetes.io/zone",
         "labelSelector": {"matchLabels": selector},
     }
-    pod = {"terminationGracePeriodSeconds": 30, "topologySpreadConstraints": [spread]}
+    pod: Obj = {"terminationGracePeriodSeconds": 30, "topologySpreadConstraints": [spread]}
+    if wake:  # the token its Role (_wake_role) gives rights to; no other pod has one
+        pod["automountServiceAccountToken"] = True
     spread["whenUnsatisfiable"] = "ScheduleAnyway"
     service = _object("v1", "Service", "fngate-gateway", "gateway", options)
     service["metadata"]["annotations"] = dict(pair.split("=", 1) for pair in options.service_annotations)
@@ -406,7 +483,9 @@ def _runner(pool: Pool, options: Options) -> Obj:
     # Files beyond artifact_cache_bytes that loaded models still need may stay a while: a quarter more.
     cache_bytes = options.artifact_cache_bytes * 5 // 4
     scratch_bytes = cache_bytes + TMP_BYTES + (TENSORRT_CACHE_BYTES if pool.gpu else 0)
-    resources = copy.deepcopy(GPU_RUNNER_RESOURCES if pool.gpu else CPU_RUNNER_RESOURCES)
+    resources = (
+        copy.deepcopy(GPU_RUNNER_RESOURCES) if pool.gpu else _cpu(CPU_RUNNER_RESOURCES, options.runner_cpu)
+    )
     resources["requests"]["ephemeral-storage"] = _mebibytes(scratch_bytes)
     container["resources"] = resources
     # Runners drain on SIGTERM (FNGATE_DRAIN_TIMEOUT_S, 30 s by default) before they exit.
@@ -418,12 +497,12 @@ def _runner(pool: Pool, options: Options) -> Obj:
         size = _mebibytes(TENSORRT_CACHE_BYTES)
         pod["volumes"] = [{"name": "tensorrt-cache", "emptyDir": {"sizeLimit": size}}]
     labels = {POOL_LABEL: pool.name}
-    return _deployment(f"fngate-runner-{pool.name}", labels, container, pod, cache_bytes, options)
+    return _deployment(runner_deployment(pool.name), labels, container, pod, cache_bytes, options)
 
 
 def _runner_budget(pool: Pool, options: Options) -> Obj:
     """Node drains (upgrades, scale-down) take a pool's runners one at a time."""
-    name = f"fngate-runner-{pool.name}"
+    name = runner_deployment(pool.name)
     pdb = _object("policy/v1", "PodDisruptionBudget", name, "runner", options, **{POOL_LABEL: pool.name})
     pdb["spec"] = {
         "maxUnavailable": 1,
@@ -458,7 +537,7 @@ def _scaled_object(pool: Pool, options: Options) -> Obj:
                     "metadata": metadata,
                 }
                 triggers.append(trigger | {"authenticationRef": {"name": "fngate-redis"}})
-    name = f"fngate-runner-{pool.name}"
+    name = runner_deployment(pool.name)
     scaled = _object("keda.sh/v1alpha1", "ScaledObject", name, "runner", options, **{POOL_LABEL: pool.name})
     # No fallback: a trigger fails only when KEDA cannot read Redis, and then no runner could serve
     # either; a fallback would hold a runner (and a GPU node) for nothing.
@@ -557,6 +636,12 @@ FLAG_HELP = {
     "log_level": "DEBUG, INFO, WARNING or ERROR (default: INFO)",
     "api_keys_secret": "a Secret whose key `admin` holds an admin key's '<id>:<sha256>' (`fngate keys "
     "hash`; default: fngate-api-keys, optional)",
+    "runner_cpu": "CPU each CPU runner pod requests (500m, 1, 1.5; default: 1; its limit the larger of it "
+    "and 2): a node holds two in a rolling update, so a 2-core node needs 500m",
+    "gateway_cpu": "CPU each gateway pod requests (default: 250m; its limit the larger of it and 1)",
+    "push_activation": "(--no-push-activation) gateways do not wake a runner pool at zero themselves; "
+    "KEDA's poll alone does (default: they set its Deployment from 0 to 1 replica at its first "
+    "invocation, with a Role that allows that alone)",
     "prometheus_label": "KEY=VALUE of the Prometheus pods that may reach the runners' and gateways' metrics "
     "(default: app.kubernetes.io/name=prometheus)",
 }

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from fngate import clients, keys
 from fngate.backoff import Backoff, Health
 from fngate.errors import DeadlineExceeded, Unavailable
+from fngate.kube import InCluster, KubeError, runner_deployment
 from fngate.registry import LOADING, READY, ModelState
 from fngate.repository import FunctionVersion
 
@@ -30,13 +31,27 @@ START_S = 15.0
 TAKE_UP_S = 3.0
 """A runner that serves a function takes up an invocation queued for it, and reports the load it
 begins, within this long: after it has just become live, or after the invocation was queued."""
+KUBE_WAKE_EVERY_S = 1.0
+"""A pool's Deployment is asked to wake at most this often by one gateway process: one ask is
+enough (the count goes to 1, and KEDA owns it from there); a later one is for a pool that KEDA
+scaled down again meanwhile, or an API that failed."""
 REFRESH_TIMEOUT_S = 1.0
 """A refresh that takes longer counts as a failure: a Redis that is paused answers nothing at all."""
 
 
 class Activator:
-    def __init__(self, redis: aioredis.Redis, refresh_s: float = 0.25, health: Health | None = None) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        refresh_s: float = 0.25,
+        health: Health | None = None,
+        kube: InCluster | None = None,
+    ) -> None:
         self._redis = redis
+        self._kube = kube
+        """Where the gateway runs in Kubernetes with push activation (FNGATE_KUBERNETES_WAKE): a
+        wake also sets the pool's Deployment from 0 to 1 replica."""
+        self._kube_asked: dict[str, float] = {}
         self._refresh_s = refresh_s
         self.health = health or Health("redis")
         self._live_pools: set[str] = set()
@@ -137,11 +152,26 @@ class Activator:
         task.add_done_callback(self._waking.discard)
 
     async def _publish_wake(self, pool: str, at: float) -> None:
+        if self._kube is not None:
+            await self._kube_wake(self._kube, pool, at)
         try:
             if await clients.publish(self._redis, keys.wake_channel(), pool):
                 self._heard[pool] = at  # a scaler listens: a runner is on its way
         except RedisError as exc:
             log.warning("could not wake pool %s: %s", pool, exc)
+
+    async def _kube_wake(self, kube: InCluster, pool: str, at: float) -> None:
+        if at - self._kube_asked.get(pool, float("-inf")) < KUBE_WAKE_EVERY_S:
+            return
+        self._kube_asked[pool] = at
+        try:
+            woke = await asyncio.to_thread(kube.wake, pool)
+        except KubeError as exc:  # KEDA's poll still wakes it
+            log.warning("could not wake pool %s through Kubernetes: %s", pool, exc)
+            return
+        self._heard[pool] = at  # set to 1 now, or above 0 already: a runner is on its way
+        if woke:
+            log.info("woke pool %s: %s set from 0 to 1 replica", pool, runner_deployment(pool))
 
     async def run(self) -> None:
         """Refresh the live pools and start failures every refresh_s, until cancelled. While Redis

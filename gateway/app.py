@@ -17,6 +17,7 @@ from starlette.types import ASGIApp
 from fngate import apikeys, clients
 from fngate.backoff import Health, until_done
 from fngate.config import GatewaySettings
+from fngate.kube import InCluster, KubeError
 from fngate.registry import function_source
 from gateway.activation import Activator
 from gateway.allowance import DecodeAllowance
@@ -76,7 +77,7 @@ async def serving(
         socket_timeout=settings.reply_block_ms / 1000 + settings.redis_timeout_s,
     )
     health = Health("redis")  # the activator's and the catalog's view of Redis: readiness
-    activator = Activator(reader, health=health)
+    activator = Activator(reader, health=health, kube=_kube(settings))
     # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies, so
     # that the invocations' connections stay the invocations'.
     source = function_source(settings.repo, reader)
@@ -162,6 +163,22 @@ async def serving(
             await asyncs.aclose()
             await pipelined.aclose()
             await reply_reads.aclose()
+
+
+def _kube(settings: GatewaySettings) -> InCluster | None:
+    """The Kubernetes API for push activation, when it is on and the pod can reach it; without it
+    KEDA's poll alone wakes a pool (said once, at start)."""
+    if not settings.kubernetes_wake:
+        return None
+    try:
+        kube = InCluster.from_pod()
+    except KubeError as exc:
+        log.error(
+            "FNGATE_KUBERNETES_WAKE is set but pools cannot be woken: %s; KEDA's poll alone wakes them", exc
+        )
+        return None
+    log.info("waking runner pools at zero through the Kubernetes API (namespace %s)", kube.namespace)
+    return kube
 
 
 def _separate_cache(settings: GatewaySettings) -> SeparateCache | None:

@@ -81,8 +81,8 @@ def test_images_run_unprivileged_with_a_health_check(target: str) -> None:
     stage = final_stage(target)
     assert stage.all("USER")[-1] == f"{k8s.UID}:{k8s.UID}"
     assert stage.all("HEALTHCHECK"), target
-    # tini as PID 1: a SIGTERM that comes before fngate's handlers are set still stops it.
-    assert stage.all("ENTRYPOINT")[-1] == '["tini", "--", "fngate"]'
+    # tini before fngate: a SIGTERM that comes before fngate's handlers are set still stops it.
+    assert stage.all("ENTRYPOINT")[-1] == '["tini", "-s", "--", "fngate"]'
     assert re.search(r"apt-get install [^&]*\btini\b", " ".join(stage.all("RUN")))
     # The final image copies the environment built elsewhere; it installs no compiler or headers.
     for run in stage.all("RUN"):

@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import jsonschema
 import kubernetes_validate
@@ -243,12 +244,48 @@ def test_pods_run_unprivileged(mixed: list[dict[str, Any]]) -> None:
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == k8s.UID
-        assert pod["automountServiceAccountToken"] is False
+        # Only the gateway has an API token, for push activation (test_push_activation_may_patch_...).
+        gateway = deployment["metadata"]["name"] == "fngate-gateway"
+        assert pod["automountServiceAccountToken"] is gateway
+        assert pod["shareProcessNamespace"] is True  # the entry point is not PID 1
         for container in pod["containers"]:
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
             assert container["securityContext"]["readOnlyRootFilesystem"] is True
             assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
             assert "limits" in container["resources"]
+
+
+def test_push_activation_may_patch_the_runner_pools_scale_and_nothing_else(
+    mixed: list[dict[str, Any]],
+) -> None:
+    (role,) = of_kind(mixed, "Role")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments/scale"],
+            "resourceNames": ["fngate-runner-default", "fngate-runner-gpu"],
+            "verbs": ["patch"],
+        }
+    ]
+    (binding,) = of_kind(mixed, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "fngate-gateway", "namespace": "fngate"}
+    ]
+    (gateway,) = [c for c in containers(mixed) if c["name"] == "gateway"]
+    assert {"name": "FNGATE_KUBERNETES_WAKE", "value": "true"} in gateway["env"]
+    assert not of_kind(mixed, "ClusterRole") and not of_kind(mixed, "ClusterRoleBinding")
+
+
+def test_without_push_activation_or_pools_no_pod_gets_a_token_or_a_role() -> None:
+    # A Role with no resourceNames would cover every Deployment: with no pool, none is made.
+    for options in (k8s.Options(push_activation=False, deployed=("classify",)), k8s.Options()):
+        objects = k8s.render([manifest("classify")], options)
+        assert not of_kind(objects, "Role") and not of_kind(objects, "RoleBinding")
+        gateway = by_name(objects, "Deployment", "fngate-gateway")
+        assert gateway["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+        names = {env["name"] for env in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert "FNGATE_KUBERNETES_WAKE" not in names
 
 
 def test_service_accounts_carry_the_iam_roles() -> None:
@@ -461,3 +498,28 @@ def test_pools_left_out_are_said_and_all_deployed_renders_each(capsys: pytest.Ca
     pools = {pool.name for pool in k8s.pools(k8s.load_functions(ROOT / "functions"), sorted(names))}
     assert len(scaled) == len(pools) >= 1
     assert captured.err == ""
+
+
+def test_cpu_requests_fit_small_nodes_and_bad_quantities_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    options = k8s.Options(runner_cpu="500m", gateway_cpu="1.5", deployed=("classify", "detect"))
+    objects = k8s.render([manifest("classify"), manifest("detect", pool="gpu", accelerator="cuda")], options)
+    resources = {c["name"]: c["resources"] for c in containers(objects) if c["name"] == "gateway"}
+    assert resources["gateway"]["requests"]["cpu"] == "1.5" and resources["gateway"]["limits"]["cpu"] == "1.5"
+    cpu_pool = by_name(objects, "Deployment", "fngate-runner-default")["spec"]["template"]["spec"]
+    assert cpu_pool["containers"][0]["resources"]["requests"]["cpu"] == "500m"
+    assert cpu_pool["containers"][0]["resources"]["limits"]["cpu"] == "2"
+    gpu_pool = by_name(objects, "Deployment", "fngate-runner-gpu")["spec"]["template"]["spec"]
+    assert gpu_pool["containers"][0]["resources"] == {
+        **k8s.GPU_RUNNER_RESOURCES,
+        "requests": {**k8s.GPU_RUNNER_RESOURCES["requests"], "ephemeral-storage": ANY},
+    }
+    defaults = k8s.render([manifest("classify")], k8s.Options(deployed=("classify",)))
+    runner = by_name(defaults, "Deployment", "fngate-runner-default")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert runner["resources"]["requests"]["cpu"] == "1"
+    for bad in ("0", "half", "1.5m", "-1"):
+        assert k8s.main(["--functions", str(ROOT / "functions"), "--runner-cpu", bad]) == 1
+        assert f"runner-cpu {bad!r}: expected a CPU quantity" in capsys.readouterr().err

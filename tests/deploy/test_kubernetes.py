@@ -4,7 +4,8 @@
 deploy API with an admin key, then what a user relies on, each with its figure in the output (and
 in build/kubernetes.json): an invocation with no runner answered while KEDA scales the pool from
 zero, the pool back at zero with every runner pod gone within seconds of its SIGTERM, nothing lost
-while a runner pod and a gateway pod are deleted and the gateway rolls under a steady load, and the
+while a runner pod and a gateway pod are deleted and the gateway and the runners roll under a steady
+load, a pool at zero woken by the gateways (push activation) faster than by KEDA's poll, and the
 NetworkPolicies enforced.
 
 Marked `kubernetes`: the suite's main run leaves it out (-m "not kubernetes" in pyproject.toml) and
@@ -14,6 +15,7 @@ the cluster cannot run (not root, no ../shared/k8s)."""
 from __future__ import annotations
 
 import json
+import random
 import secrets
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fngate import keys
 from fngate.apikeys import new_key
 from tests.deploy.kubernetes import IMAGES, NODE, ROOT, Cluster, Watch, unavailable, wait_until, watching
 
@@ -49,10 +52,10 @@ AWS = {
 REPORT = ROOT / "build" / "kubernetes.json"
 
 
-def rendered(cluster: Cluster) -> str:
+def rendered(cluster: Cluster, *flags: str) -> str:
     """`fngate k8s render` for this cluster: Redis and S3 on the node, a short cooldown, two gateways
-    (one may go while the other serves); only the pods' AWS endpoint and credentials are added (S3
-    is moto here)."""
+    (one may go while the other serves), and `flags`; only the pods' AWS endpoint and credentials
+    are added (S3 is moto here)."""
     done = cluster.ns(
         FNGATE,
         "k8s",
@@ -78,6 +81,9 @@ def rendered(cluster: Cluster) -> str:
         "ClusterIP",
         "--gateway-min-replicas",
         "2",
+        "--runner-cpu",
+        "500m",  # a 2-core node holds a runner and its replacement (a rollout's surge pod)
+        *flags,
     )
     objects = list(yaml.safe_load_all(done))
     for item in objects:
@@ -154,7 +160,7 @@ def deployed(cluster: Cluster) -> dict[str, Any]:
         logs = cluster.kubectl("-n", NAMESPACE, "logs", "-l", GATEWAYS, "--tail", "60", check=False)
         raise AssertionError(f"{exc}\n--- the gateways' logs:\n{logs}") from None
     figures["deploy_s"] = round(time.monotonic() - started, 1)
-    return {"gateway": gateway, "key": key, "first_runner": first_runner}
+    return {"gateway": gateway, "key": key, "first_runner": first_runner, "password": password}
 
 
 def _succeeds(cluster: Cluster, *args: str, env: dict[str, str]) -> bool:
@@ -193,9 +199,17 @@ def test_the_first_runner_pod_goes_at_once_when_keda_sets_the_pool_to_zero(
     # pool); KEDA sets it to zero. That first runner used to linger out its 60 s grace.
     watch = deployed["first_runner"]
     wait_until("KEDA to set the pool to zero", lambda: replicas(cluster) == 0, 120)
+    lingering = ""
+    try:
+        wait_until("the first runner pod gone", lambda: not runner_pods(cluster), GONE_WITHIN_S)
+    except AssertionError:  # what it did meanwhile: whether its SIGTERM reached the runner
+        for pod in runner_pods(cluster):
+            name = pod["metadata"]["name"]
+            lingering += cluster.kubectl("-n", NAMESPACE, "logs", name, "--tail", "40", check=False)
+            lingering += json.dumps(pod["status"].get("containerStatuses"))
     took = gone(cluster, watch, "the first runner pod to go")
     cluster.figures["first_runner_gone_s"] = list(took.values())
-    assert took and all(seconds < GONE_WITHIN_S for seconds in took.values()), (took, watch.lines)
+    assert took and all(seconds < GONE_WITHIN_S for seconds in took.values()), (took, lingering, watch.lines)
 
 
 def test_an_invocation_with_no_runner_is_answered_while_keda_scales_from_zero(
@@ -224,7 +238,7 @@ def test_an_invocation_with_no_runner_is_answered_while_keda_scales_from_zero(
     timing = answer["timing"]
     reading = sent + timing["start"] / 1000  # the runner's first read of the queue
     split = {
-        "keda_reaction_s": round(scaled - sent, 2),
+        "scaled_s": round(scaled - sent, 2),  # the gateway's push activation, or KEDA's poll
         "pod_start_s": round(running - scaled, 2),
         "runner_start_s": round(reading - running, 2),
         "model_fetch_s": round(timing["fetch"] / 1000, 3),
@@ -233,7 +247,7 @@ def test_an_invocation_with_no_runner_is_answered_while_keda_scales_from_zero(
         "answered_s": round(answer["ms"] / 1000, 2),
     }
     cluster.figures["from_zero"] = split
-    assert split["keda_reaction_s"] <= 3 * POLLING_S + 2, split
+    assert split["scaled_s"] <= 3 * POLLING_S + 2, split
     assert split["pod_start_s"] > 0 and split["runner_start_s"] > 0, split
 
 
@@ -250,6 +264,87 @@ def test_the_pool_returns_to_zero_and_its_runner_pods_go_within_seconds(
     cluster.figures["runner_gone_s"] = list(took.values())
     cluster.figures["back_to_zero_from_test_start_s"] = round(time.monotonic() - started, 1)
     assert took and all(seconds < GONE_WITHIN_S for seconds in took.values()), (took, watch.lines)
+
+
+COLD_RUNS = 10
+LIVE_RUNNERS = (
+    "import sys, time, redis\n"
+    "live = redis.Redis(host=sys.argv[1], password=sys.argv[2]).zrangebyscore("
+    "sys.argv[3], int(time.time() * 1000), '+inf')\n"
+    "print(len(live))\n"
+)
+
+
+def at_zero(cluster: Cluster, deployed: dict[str, Any]) -> None:
+    """The pool set to zero and every runner gone: its pods, and its heartbeat in Redis (what the
+    gateways' activators read to know a pool has a runner)."""
+    cluster.kubectl("-n", NAMESPACE, "scale", "deployment", POOL, "--replicas=0")
+    wait_until("no runner pod", lambda: not runner_pods(cluster), RUNNER_GRACE_S + 30, every_s=0.25)
+    live = ["-c", LIVE_RUNNERS, NODE, deployed["password"], keys.runners()]
+    wait_until("no live runner in Redis", lambda: cluster.ns(PYTHON, *live).strip() == "0", 30, every_s=0.25)
+    time.sleep(0.5)  # the activators refresh their view every 0.25 s
+
+
+def cold_starts(cluster: Cluster, deployed: dict[str, Any]) -> list[float]:
+    """COLD_RUNS invocations, each with the pool at zero: seconds from request to answer."""
+    seconds = []
+    phases = random.Random(COLD_RUNS)
+    for _ in range(COLD_RUNS):
+        at_zero(cluster, deployed)
+        # Each run at another moment of KEDA's poll cycle: runs of equal length could meet its
+        # polls at the same point each time.
+        time.sleep(phases.uniform(0, POLLING_S))
+        answer = json.loads(
+            cluster.ns(
+                PYTHON,
+                "tests/deploy/k8s_client.py",
+                "invoke",
+                f"{deployed['gateway']}/v1/functions/{FUNCTION}",
+                env={"FNGATE_API_KEY": deployed["key"]},
+                timeout=200,
+            )
+        )
+        assert answer["status"] == 200, answer
+        seconds.append(round(answer["ms"] / 1000, 2))
+    return seconds
+
+
+def gateway_logs(cluster: Cluster) -> str:
+    return cluster.kubectl("-n", NAMESPACE, "logs", "-l", GATEWAYS, "--tail", "-1", "--prefix", check=False)
+
+
+def test_push_activation_wakes_a_pool_at_zero_before_keda_polls(
+    cluster: Cluster, deployed: dict[str, Any]
+) -> None:
+    """Cold start from zero, request to answer, COLD_RUNS times with the gateways' push activation
+    (the rendered default) and as many with KEDA's poll alone (FNGATE_KUBERNETES_WAKE=false, rolled
+    out); later tests run on the second."""
+    woken_before = gateway_logs(cluster).count("woke pool default")
+    pushed = cold_starts(cluster, deployed)
+    # The gateways set the pool from 0 to 1 themselves, with the Role's rights (each run may be one
+    # gateway's, or KEDA's where its poll came first).
+    woken = gateway_logs(cluster).count("woke pool default") - woken_before
+    assert woken >= COLD_RUNS // 2, gateway_logs(cluster)[-3000:]
+    assert "could not wake pool" not in gateway_logs(cluster)
+    cluster.kubectl(
+        "-n", NAMESPACE, "set", "env", "deployment/fngate-gateway", "FNGATE_KUBERNETES_WAKE=false"
+    )
+    cluster.kubectl(
+        "-n", NAMESPACE, "rollout", "status", "deploy/fngate-gateway", "--timeout=180s", timeout=200
+    )
+    polled = cold_starts(cluster, deployed)
+    assert "woke pool" not in gateway_logs(cluster)
+
+    def summary(runs: list[float]) -> dict[str, Any]:
+        ordered = sorted(runs)
+        return {"runs_s": runs, "median_s": ordered[len(ordered) // 2], "max_s": ordered[-1]}
+
+    cluster.figures["cold_start"] = {
+        "push_activation": summary(pushed),
+        "keda_alone": summary(polled),
+        "polling_interval_s": POLLING_S,
+    }
+    assert sorted(pushed)[COLD_RUNS // 2] < sorted(polled)[COLD_RUNS // 2], cluster.figures["cold_start"]
 
 
 CONNECT = (
@@ -348,6 +443,11 @@ def test_under_load_runner_and_gateway_pods_deleted_and_a_rollout_lose_nothing_a
             "-n", NAMESPACE, "rollout", "status", "deploy/fngate-gateway", "--timeout=240s", timeout=260
         )
         figures["gateway_rollout_s"] = round(time.monotonic() - started, 1)
+        # The runners rolled: each replaced by a surge pod (the node holds both at --runner-cpu 500m).
+        started = time.monotonic()
+        cluster.kubectl("-n", NAMESPACE, "rollout", "restart", f"deploy/{POOL}")
+        cluster.kubectl("-n", NAMESPACE, "rollout", "status", f"deploy/{POOL}", "--timeout=240s", timeout=260)
+        figures["runner_rollout_s"] = round(time.monotonic() - started, 1)
         time.sleep(2)
     finally:
         stop.touch()
@@ -356,3 +456,85 @@ def test_under_load_runner_and_gateway_pods_deleted_and_a_rollout_lose_nothing_a
     figures["load"] = answered
     cluster.figures["under_load"] = figures
     assert set(answered["statuses"]) == {"200"}, answered
+
+
+CLUSTER_PORTS = (7000, 7001, 7002)
+CLUSTER_STATE = (
+    "import sys, redis\n"
+    "info = redis.Redis(host=sys.argv[1], port=7000, password=sys.argv[2]).cluster('info')\n"
+    "print(info['cluster_state'], info['cluster_slots_ok'])\n"
+)
+
+
+def test_on_a_redis_cluster_keda_scales_the_pool_from_zero_and_back(
+    cluster: Cluster, deployed: dict[str, Any]
+) -> None:
+    """The render for a Redis Cluster (--redis-cluster: redis-cluster-streams triggers, the pods'
+    redis+cluster:// URL) on three primaries in the namespace; push activation off, so that KEDA's
+    cluster triggers alone wake the pool and put it back to zero."""
+    password = secrets.token_urlsafe(16)
+    for port in CLUSTER_PORTS:
+        folder = cluster.state / f"redis-{port}"
+        folder.mkdir()
+        cluster.start(f"redis-{port}", "redis-server", "--bind", NODE, "--port", str(port),
+                      "--requirepass", password, "--masterauth", password, "--dir", str(folder),
+                      "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
+                      "--save", "", "--appendonly", "no")  # fmt: skip
+    nodes = [f"{NODE}:{port}" for port in CLUSTER_PORTS]
+    ping = [
+        "redis-cli",
+        "-h",
+        NODE,
+        "-p",
+        str(CLUSTER_PORTS[-1]),
+        "-a",
+        password,
+        "--no-auth-warning",
+        "ping",
+    ]
+    wait_until("the Redis Cluster's nodes", lambda: _succeeds(cluster, *ping, env={}), 30)
+    cluster.ns(
+        "redis-cli", "-a", password, "--no-auth-warning", "--cluster", "create", *nodes, "--cluster-yes"
+    )
+    state = ["-c", CLUSTER_STATE, NODE, password]
+    wait_until("the Redis Cluster ok", lambda: cluster.ns(PYTHON, *state).split() == ["ok", "16384"], 30)
+
+    url = f"redis+cluster://:{password}@{','.join(nodes)}"
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "fngate-redis", "namespace": NAMESPACE},
+        "stringData": {"url": url, "password": password},
+    }
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(secret))
+    objects = rendered(cluster, "--redis-cluster", "--redis-address", ",".join(nodes), "--no-push-activation")
+    cluster.kubectl("apply", "-f", "-", stdin=objects)
+    cluster.kubectl("-n", NAMESPACE, "rollout", "restart", "deploy/fngate-gateway")
+    cluster.kubectl(
+        "-n", NAMESPACE, "rollout", "status", "deploy/fngate-gateway", "--timeout=180s", timeout=200
+    )
+    triggers = cluster.get("scaledobject", "-n", NAMESPACE, POOL)["spec"]["triggers"]
+    assert {trigger["type"] for trigger in triggers} == {"redis-cluster-streams"}, triggers
+    wait_until("the pool at zero", lambda: not runner_pods(cluster) and replicas(cluster) == 0, 120)
+    # The new Redis holds no function: deployed again through the gateway, as on a new cluster.
+    manifest = str(Path("functions") / FUNCTION / "function.yaml")
+    cluster.ns(
+        FNGATE, "deploy", manifest, "--gateway", deployed["gateway"], env={"FNGATE_API_KEY": deployed["key"]}
+    )
+    answer = json.loads(
+        cluster.ns(
+            PYTHON,
+            "tests/deploy/k8s_client.py",
+            "invoke",
+            f"{deployed['gateway']}/v1/functions/{FUNCTION}",
+            env={"FNGATE_API_KEY": deployed["key"]},
+            timeout=200,
+        )
+    )
+    assert answer["status"] == 200, answer
+    figures = {"from_zero_s": round(answer["ms"] / 1000, 2)}
+    assert "woke pool" not in gateway_logs(cluster)  # KEDA's cluster triggers woke it
+    figures["back_to_zero_s"] = wait_until(
+        "the pool back at zero", lambda: replicas(cluster) == 0, COOLDOWN_S + 120
+    )
+    cluster.figures["redis_cluster"] = figures
