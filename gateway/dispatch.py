@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -298,18 +299,25 @@ class Dispatcher:
 
     def _check_wait(self, call: Call, entries: Entries) -> None:
         """Refuse at once what cannot be answered by its deadline: the invocations ahead of it on its
-        stream (as this gateway last saw them, less what its runners have run since) at the batch
-        cost its runners measured, shared among them. Full batches are assumed: an estimate that
-        errs refuses too little, never too much."""
-        stream = entries.script.keys[0]
-        seen = self._depths.get(stream)
-        cost = self._catalog.cost(call.function.name)
-        if seen is None or cost is None:
-            return
+        stream and on the streams of the function's higher priority levels, which runners read
+        first (each as this gateway last saw it, less what its runners have run since), at the
+        batch cost its runners measured, shared among them. Full batches are assumed, and each
+        level is drained by all the work done since: an estimate that errs refuses too little,
+        never too much."""
         manifest = call.function.manifest
-        wait_ms = estimated_wait_ms(
-            seen[0], time.monotonic() - seen[1], cost, manifest.batching.max_batch_size
-        )
+        cost = self._catalog.cost(manifest.name)
+        if cost is None:
+            return
+        max_batch, now = manifest.batching.max_batch_size, time.monotonic()
+        ahead, seen_any = 0.0, False
+        for stream in streams_ahead(manifest.name, manifest.batching.priorities, entries.script.keys[0]):
+            seen = self._depths.get(stream)
+            if seen is not None:
+                seen_any = True
+                ahead += remaining(seen[0], now - seen[1], cost, max_batch)
+        if not seen_any:
+            return
+        wait_ms = wait_behind_ms(ahead, cost, max_batch)
         if wait_ms > entries.timeout_ms:
             raise Unavailable(
                 f"function '{manifest.name}' would answer in about {wait_ms:.0f} ms (invocations "
@@ -650,17 +658,39 @@ def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
         metrics.looked_up(function, False)
 
 
-def estimated_wait_ms(depth: int, since_s: float, cost: tuple[float, float, int], max_batch: int) -> float:
-    """How long a new invocation (one row) waits for its answer behind `depth` others, less what
-    `since_s` of work has run of them: batches of `max_batch` at `cost` (fixed µs a batch, µs a row,
-    runners sharing them), its own included."""
+@functools.lru_cache(maxsize=4096)
+def streams_ahead(function: str, priorities: int, stream: str) -> tuple[str, ...]:
+    """The streams whose invocations a runner takes before one on `stream`: the function's
+    synchronous levels from the highest priority down to `stream`'s (`stream` alone when it is none
+    of them)."""
+    synchronous = keys.levels(function, priorities)[:-1]
+    return synchronous[: synchronous.index(stream) + 1] if stream in synchronous else (stream,)
+
+
+def remaining(depth: float, since_s: float, cost: tuple[float, float, int], max_batch: int) -> float:
+    """What is left of `depth` invocations after `since_s` of work: batches of `max_batch` at `cost`
+    (fixed µs a batch, µs a row, runners sharing them)."""
     fixed_us, row_us, runners = cost
-    batch = max(1, max_batch)
-    per_invocation_us = row_us + fixed_us / batch
+    per_invocation_us = row_us + fixed_us / max(1, max_batch)
     if per_invocation_us <= 0:
         return 0.0
-    ahead = max(0.0, depth - since_s * 1e6 / per_invocation_us * max(1, runners))
+    return max(0.0, depth - since_s * 1e6 / per_invocation_us * max(1, runners))
+
+
+def wait_behind_ms(ahead: float, cost: tuple[float, float, int], max_batch: int) -> float:
+    """How long a new invocation (one row) waits for its answer behind `ahead` others, its own batch
+    included."""
+    fixed_us, row_us, runners = cost
+    if row_us + fixed_us <= 0:
+        return 0.0
+    batch = max(1, max_batch)
     return (math.ceil((ahead + 1) / batch) * fixed_us + (ahead + 1) * row_us) / max(1, runners) / 1000
+
+
+def estimated_wait_ms(depth: int, since_s: float, cost: tuple[float, float, int], max_batch: int) -> float:
+    """How long a new invocation waits behind `depth` others on one stream, less what `since_s` of
+    work has run of them."""
+    return wait_behind_ms(remaining(depth, since_s, cost, max_batch), cost, max_batch)
 
 
 def _uncounted(future: asyncio.Future[Any]) -> None:

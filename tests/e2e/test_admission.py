@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
-from bench.admission import write_function
+from bench.admission import MANIFEST, write_function
 from fngate.registry import read_runners
 from gateway.dispatch import estimated_wait_ms
 
@@ -68,3 +68,50 @@ async def test_what_cannot_make_its_deadline_is_refused_at_once(
         assert "would answer in about" in text and "past this call's deadline of 600 ms" in text, text
         assert took < 0.6, refused
     assert answered, done
+
+
+async def test_what_waits_at_a_higher_priority_counts_against_a_lower_ones_deadline(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Two priority levels: runners read level 1 first, so a level-2 call behind a backlog of level-1
+    calls is refused at once, though its own stream is empty; once the backlog has run, it is served."""
+    folder = tmp_path / "repo" / "steady"
+    write_function(folder)
+    levels = "max_queue_size: 5000, priority_levels: 2, default_priority_level: 2}"
+    manifest = MANIFEST.replace("max_queue_size: 5000}", levels)
+    assert manifest != MANIFEST
+    (folder / "function.yaml").write_text(manifest)
+    base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+
+    def body(priority: int, timeout_ms: int) -> dict[str, Any]:
+        parameters = {"priority": priority, "timeout_ms": timeout_ms}
+        return {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}],
+            "parameters": parameters,
+        }
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
+            assert (await client.post("/v2/models/steady/infer", json=body(1, 5000))).status_code == 200
+        for _ in range(100):
+            if any("steady" in view.costs for view in await read_runners(redis)):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1)  # the gateway reads the runners' states every 0.1 s
+        backlog = [
+            asyncio.create_task(client.post("/v2/models/steady/infer", json=body(1, 5000))) for _ in range(40)
+        ]
+        await asyncio.sleep(0.2)  # queued: 40 at about 40 ms each, some 1.5 s of work ahead
+        began = time.perf_counter()
+        late = await client.post("/v2/models/steady/infer", json=body(2, 600))
+        took = time.perf_counter() - began
+        assert late.status_code == 503, late.text
+        assert "would answer in about" in late.text and "deadline of 600 ms" in late.text, late.text
+        assert took < 0.6
+        assert [answer.status_code for answer in await asyncio.gather(*backlog)] == [200] * 40
+        served = await client.post("/v2/models/steady/infer", json=body(2, 600))
+        assert served.status_code == 200, served.text
