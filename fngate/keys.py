@@ -91,6 +91,13 @@ def in_flight(function: str, key_hex: str) -> str:
     return f"{PREFIX}:f:{{{function}}}:{key_hex}"
 
 
+def left_channel(function: str) -> str:
+    """Pub/sub channel on which gateways name the entries (`<stream> <entry id>`) of the function's
+    invocations whose callers left after a runner read them: the runner answers them unrun. In the
+    function's slot (a shard channel on a Redis Cluster, published from its streams' scripts)."""
+    return f"{PREFIX}:left:{{{function}}}"
+
+
 def wake_channel() -> str:
     """Pub/sub channel on which gateways name a runner pool that has work and no live runner."""
     return f"{PREFIX}:wake"

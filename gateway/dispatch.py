@@ -406,16 +406,26 @@ class Dispatcher:
             self._redis.send(*command).add_done_callback(_uncounted)
 
     async def withdraw(self, flight: _Flight) -> None:
-        """A queued synchronous invocation whose caller left: its entry taken back unless a runner
-        read it (or identical invocations wait on it), so that no runner spends a batch on it."""
+        """A queued synchronous invocation whose caller left: its entry taken back, or where a runner
+        read it already, that runner told to answer it unrun (unless identical invocations wait on
+        it), so that no runner spends a batch on it."""
         script = flight.entries.script
-        call = queue.withdraw_call(script.keys[0], flight.entry_id, script.keys[3], keys.RUNNER_GROUP)
+        name = flight.call.function.manifest.name
+        channel = keys.left_channel(name)
+        call = queue.withdraw_call(
+            script.keys[0],
+            flight.entry_id,
+            script.keys[3],
+            keys.RUNNER_GROUP,
+            channel,
+            self._slots is not None,
+        )
         try:
             outcome = (await self._withdraw(call.keys, call.args)).decode()
         except (RedisError, OSError) as exc:  # it runs, and its reply finds no one
             log.debug("could not withdraw %s: %s", flight.entries.id, exc)
             outcome = "failed"
-        metrics.WITHDRAWN.labels(flight.call.function.manifest.name, outcome).inc()
+        metrics.WITHDRAWN.labels(name, outcome).inc()
 
     def _background(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -51,7 +51,8 @@ CACHE_FAILURES = Counter("fngate_cache_failures", "Cache lookups that failed (th
 WITHDRAWN = Counter(
     "fngate_withdrawn",
     "Synchronous invocations whose caller left while queued, by what became of their entry:"
-    " withdrawn (no runner runs it), running, shared (it runs for identical ones), gone, failed",
+    " withdrawn (no runner runs it), stopped (the runner that read it answers it unrun), running and"
+    " shared (it runs for identical ones), gone, failed",
     ["function", "outcome"],
 )
 QUEUE_DEPTH = Gauge(

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError, ResponseError
 from fngate import clients, custom_metrics, keys, queue
 from fngate.backoff import backoff_s
 from fngate.config import RunnerSettings
-from fngate.errors import DeadlineExceeded, FunctionError
+from fngate.errors import DeadlineExceeded, FunctionError, Unavailable
 from fngate.fastredis import Script
 from fngate.repository import FunctionVersion
 from fngate.wire import Fields, Invocation, Reply
@@ -36,6 +36,10 @@ from runner.outbox import Entry, Outbox
 from runner.reclaim import Reclaimer
 
 log = logging.getLogger(__name__)
+
+
+LEFT_KEPT = 4096
+"""Entries of callers that left that a consumer keeps in mind, whether or not it holds them."""
 
 
 class FunctionConsumer:
@@ -77,6 +81,9 @@ class FunctionConsumer:
         self._accounting = Accounting(redis, function.name)
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
+        self._left: dict[tuple[int, bytes], float] = {}
+        """(level, entry id) of invocations whose callers left after this runner read them, as the
+        gateways said (keys.left_channel), with when: answered unrun at the next step."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
         self._reads = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
         self._writes = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
@@ -117,11 +124,13 @@ class FunctionConsumer:
                 self._batches = tasks
                 reader = tasks.create_task(self._read_loop(), name=f"read {self.function.name}")
                 stop = tasks.create_task(self._wake_on_stop(), name=f"stop {self.function.name}")
+                left = tasks.create_task(self._listen_left(), name=f"left {self.function.name}")
                 try:
                     await self._batch_loop()
                 finally:
                     reader.cancel()
                     stop.cancel()
+                    left.cancel()
         finally:
             await self._accounting.close()
             for outbox in self._outboxes:
@@ -166,6 +175,55 @@ class FunctionConsumer:
                     "%s: redis unavailable (%s); retrying in %.1f s", self.function.name, exc, delay_s
                 )
                 await asyncio.sleep(delay_s)
+
+    async def _listen_left(self) -> None:
+        """Note the entries the gateways name on the function's channel of callers that left. Said
+        once, not stored: what is said while Redis is away is missed, and those invocations run
+        (their replies find no one), as they did before anyone was told."""
+        failures = 0
+        while not self._stopping.is_set():
+            pubsub = self._redis.pubsub()
+            try:
+                await clients.subscribe(pubsub, keys.left_channel(self.function.name))
+                failures = 0
+                while not self._stopping.is_set():
+                    message = await clients.next_message(pubsub, 1.0)
+                    if message is not None:
+                        self._note_left(message["data"])
+            except (RedisError, OSError):
+                failures += 1
+                await asyncio.sleep(backoff_s(failures, cap_s=1.0))
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _note_left(self, data: bytes) -> None:
+        stream, _, entry_id = data.partition(b" ")
+        level = next((at for at, name in enumerate(self._streams) if name.encode() == stream), None)
+        if level is None or not entry_id:
+            return
+        if len(self._left) >= LEFT_KEPT:  # most were answered already: keep the newer half
+            self._left = dict(list(self._left.items())[LEFT_KEPT // 2 :])
+        self._left[(level, entry_id)] = time.monotonic()
+
+    async def _answer_left(self) -> None:
+        """The pending invocations whose callers left: answered unrun (their replies find no one),
+        so that no batch is spent on them."""
+        left = [entry for entry in self._pending if (entry.level, entry.id) in self._left]
+        if not left:
+            return
+        for entry in left:
+            self._left.pop((entry.level, entry.id), None)
+            self._known.pop(entry.id, None)
+        gone = {id(entry) for entry in left}
+        self._pending = [entry for entry in self._pending if id(entry) not in gone]
+        self._room.set()
+        INVOCATIONS.labels(self.function.name, "caller_left").inc(len(left))
+        log.info("%s: %d invocations whose callers left, not executed", self.function.name, len(left))
+        error = Unavailable("its caller left before it ran")
+        await self._send(
+            left, [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in left]
+        )
 
     def _refuse(self) -> None:
         """The models in use here leave too little of the memory budget for this function's: its
@@ -282,6 +340,8 @@ class FunctionConsumer:
 
     async def _step(self) -> int | None:
         """Answer expired entries, then run a batch or say how many µs to wait for more."""
+        if self._left:
+            await self._answer_left()
         manifest = self.function.manifest
         now_ms = int(time.time() * 1000)
         if any(entry.invocation.delay for entry in self._pending):

@@ -217,17 +217,27 @@ return outcomes
 )
 
 # KEYS[1]: an invocation stream, KEYS[2]: the invocation's in-flight marker ('' for none), KEYS[3]:
-# its waiters list. ARGV[1]: the runner group, ARGV[2]: the invocation's entry id. Takes back a
-# synchronous invocation whose caller left (a reset RPC, a closed connection) while no runner has
-# read it: its entry leaves the stream unread, so no runner runs it. Answers 'withdrawn'; 'running'
-# (a runner read it: it runs, its reply finds no one); 'shared' (identical invocations wait on it:
-# it runs for them); 'gone' (answered or removed already).
+# its waiters list. ARGV[1]: the runner group, ARGV[2]: the invocation's entry id, ARGV[3]: the
+# function's channel of callers that left (fngate.keys.left_channel), ARGV[4]: '1' on a Redis
+# Cluster (a shard channel, SPUBLISH: it is in the stream's slot). Takes back a synchronous
+# invocation whose caller left (a reset RPC, a closed connection) while no runner has read it: its
+# entry leaves the stream unread, so no runner runs it. Answers 'withdrawn'; 'stopped' (a runner
+# read it: it is told, on the channel, to answer it unrun, and no identical invocation may wait on
+# it from now); 'shared' (identical invocations wait on it: it runs for them); 'running' (a runner
+# read it and it runs for those waiting); 'gone' (answered or removed already).
 WITHDRAW = (
     GIVEN_LUA
     + UNQUEUE_LUA
     + """
 local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if type(pending) == 'table' and #pending > 0 then return 'running' end
+if type(pending) == 'table' and #pending > 0 then
+  if given(KEYS[2]) then
+    if redis.call('LLEN', KEYS[3]) > 0 then return 'running' end
+    redis.call('DEL', KEYS[2])
+  end
+  redis.call(ARGV[4] == '1' and 'SPUBLISH' or 'PUBLISH', ARGV[3], KEYS[1] .. ' ' .. ARGV[2])
+  return 'stopped'
+end
 if given(KEYS[2]) and redis.call('LLEN', KEYS[3]) > 0 then return 'shared' end
 if not unqueue(KEYS[1], ARGV[2]) then return 'gone' end
 if given(KEYS[2]) then redis.call('DEL', KEYS[2], KEYS[3]) end
@@ -236,9 +246,13 @@ return 'withdrawn'
 )
 
 
-def withdraw_call(stream: str, entry_id: bytes, in_flight: str, group: str) -> ScriptCall:
-    """WITHDRAW's arguments for the invocation queued as `entry_id` on `stream`."""
-    return ScriptCall([stream, in_flight, waiters(in_flight) if in_flight else ""], [group, entry_id])
+def withdraw_call(
+    stream: str, entry_id: bytes, in_flight: str, group: str, channel: str, cluster: bool = False
+) -> ScriptCall:
+    """WITHDRAW's arguments for the invocation queued as `entry_id` on `stream`, of the function
+    whose channel of callers that left is `channel`."""
+    keys_ = [stream, in_flight, waiters(in_flight) if in_flight else ""]
+    return ScriptCall(keys_, [group, entry_id, channel, "1" if cluster else "0"])
 
 
 def enqueue_many_call(calls: Sequence[ScriptCall]) -> ScriptCall:

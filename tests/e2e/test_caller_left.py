@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from fngate import keys
 from gateway import metrics
-from tests.conftest import free_port
+from tests.conftest import free_port, on_cluster_too
 from tests.e2e.function_output import FunctionOutput
 
 PROBE = "/v2/models/probe/infer"
@@ -112,3 +112,54 @@ async def test_a_call_whose_caller_left_never_runs(
     executed = function_output.executions(2 + FILLERS)
     assert sorted(executed, key=float) == ["1", "9", *(str(100 + i) for i in range(FILLERS))]
     assert await entries(redis, stream) == 0
+
+
+def stopped() -> float:
+    return metrics.WITHDRAWN.labels("probe", "stopped")._value.get()
+
+
+@on_cluster_too
+@pytest.mark.timeout(120)
+async def test_a_call_whose_caller_left_after_its_runner_read_it_is_answered_unrun(
+    serve_gateway: Callable[..., Any],
+    runner_process: Callable[..., Any],
+    function_output: FunctionOutput,
+    redis: aioredis.Redis,
+) -> None:
+    """The runner has read the invocation ahead, while a batch runs: the gateway tells it (the
+    function's channel of callers that left), and it answers the invocation without running it."""
+    runner_process(PROBE_LOG="1", PROBE_SLEEP_S="1.5", FNGATE_FUNCTIONS='["probe"]')
+    base = await serve_gateway(server="uvicorn")
+    stream = keys.invocations("probe")
+    before = stopped()
+
+    async def held_at_least(count: int) -> bool:
+        return await held(redis, stream) >= count
+
+    async def told() -> bool:
+        return stopped() >= before + 1
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        running = asyncio.create_task(client.post(base + PROBE, json=body(1)))
+        await until(lambda: held_at_least(1), "the runner reads the first call")
+        fillers = [
+            asyncio.create_task(client.post(base + PROBE, json=body(100 + i))) for i in range(FILLERS - 1)
+        ]
+        leaving = httpx.AsyncClient(timeout=60)
+        gone = asyncio.create_task(leaving.post(base + PROBE, json=body(200)))
+        await until(lambda: held_at_least(1 + FILLERS), "the runner reads the next batch ahead, 200 in it")
+        gone.cancel()  # its caller leaves: the connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        await leaving.aclose()
+        await until(told, "the gateway tells the runner")
+        answers = [await running, *await asyncio.gather(*fillers)]
+        last = await client.post(base + PROBE, json=body(9))
+    assert [answer.status_code for answer in [*answers, last]] == [200] * (1 + FILLERS)
+    executed = function_output.executions(1 + FILLERS)
+    assert sorted(executed, key=float) == ["1", "9", *(str(100 + i) for i in range(FILLERS - 1))]
+
+    async def empty() -> bool:  # on a cluster a reply can reach its caller before its entry goes
+        return await entries(redis, stream) == 0
+
+    await until(empty, "every entry answered and removed")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from fngate import queue
+from fngate import clients, queue
 from fngate.fastredis import FastRedis, Script
 
 FIELDS = {queue.HEADER: b"{}", queue.BODY: b"xy"}
@@ -61,28 +61,38 @@ async def test_withdraw_takes_back_only_what_no_runner_read_and_no_one_waits_on(
         assert isinstance(outcome, queue.Queued)
         return outcome.entry_id
 
+    channel = "{s}:left"  # in the stream's slot, as fngate.keys.left_channel is in its function's
+
     async def withdrawn(entry_id: bytes, in_flight: str = "") -> bytes:
-        script = queue.withdraw_call("s", entry_id, in_flight, "runners")
+        script = queue.withdraw_call("s", entry_id, in_flight, "runners", channel, client.cluster)
         answer: bytes = await withdraw(script.keys, script.args)
         return answer
 
+    pubsub = redis.pubsub()
     try:
+        await clients.subscribe(pubsub, channel)
         await redis.xgroup_create("s", "runners", "$", mkstream=True)
-        read = await queued("read")
-        await redis.xreadgroup("runners", "r1", {"s": ">"}, count=1)
+        read, read_shared = await queued("read", in_flight="f0"), await queued("read-shared", in_flight="f3")
+        await redis.xreadgroup("runners", "r1", {"s": ">"}, count=2)
         alone, shared = await queued("alone", in_flight="f1"), await queued("shared", in_flight="f2")
-        again = queue.parse_enqueue(await enqueue(*_args(call("s", 10, "twin", in_flight="f2"))))
-        assert again == queue.Coalesced()  # "twin" waits on "shared"
+        for twin, in_flight in (("twin", "f2"), ("twin-read", "f3")):
+            again = queue.parse_enqueue(await enqueue(*_args(call("s", 10, twin, in_flight=in_flight))))
+            assert again == queue.Coalesced()  # waits on "shared", on "read-shared"
 
-        assert await withdrawn(read) == b"running"
+        assert await withdrawn(read, "f0") == b"stopped"  # its runner is told; no one may wait on it
+        assert not await redis.exists("f0")
+        assert await withdrawn(read_shared, "f3") == b"running"  # it runs for "twin-read"
         assert await withdrawn(shared, "f2") == b"shared"
         assert await withdrawn(alone, "f1") == b"withdrawn"
         assert await withdrawn(alone, "f1") == b"gone"
-        assert [entry_id for entry_id, _ in await redis.xrange("s")] == [read, shared]
-        assert int(await redis.get(queue.queue_bytes("s"))) == 2 * len(b"{}xy")
+        assert [entry_id for entry_id, _ in await redis.xrange("s")] == [read, read_shared, shared]
+        assert int(await redis.get(queue.queue_bytes("s"))) == 3 * len(b"{}xy")
         assert not await redis.exists("f1", queue.waiters("f1"))  # an identical call queues anew
         assert await redis.exists("f2", queue.waiters("f2")) == 2
+        told = [await clients.next_message(pubsub, 0.5) for _ in range(3)]  # the first: SUBSCRIBE's
+        assert [message["data"] for message in told if message] == [b"s " + read]
     finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
         await client.aclose()
 
 
