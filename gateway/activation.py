@@ -35,6 +35,8 @@ KUBE_WAKE_EVERY_S = 1.0
 """A pool's Deployment is asked to wake at most this often by one gateway process: one ask is
 enough (the count goes to 1, and KEDA owns it from there); a later one is for a pool that KEDA
 scaled down again meanwhile, or an API that failed."""
+KUBE_SAID_EVERY_S = 60.0
+"""A pool that cannot be woken through Kubernetes is logged at most this often by one process."""
 REFRESH_TIMEOUT_S = 1.0
 """A refresh that takes longer counts as a failure: a Redis that is paused answers nothing at all."""
 
@@ -52,6 +54,7 @@ class Activator:
         """Where the gateway runs in Kubernetes with push activation (FNGATE_KUBERNETES_WAKE): a
         wake also sets the pool's Deployment from 0 to 1 replica."""
         self._kube_asked: dict[str, float] = {}
+        self._kube_said: dict[str, float] = {}
         self._refresh_s = refresh_s
         self.health = health or Health("redis")
         self._live_pools: set[str] = set()
@@ -167,7 +170,10 @@ class Activator:
         try:
             woke = await asyncio.to_thread(kube.wake, pool)
         except KubeError as exc:  # KEDA's poll still wakes it
-            log.warning("could not wake pool %s through Kubernetes: %s", pool, exc)
+            said = self._kube_said.get(pool, float("-inf"))
+            if at - said >= KUBE_SAID_EVERY_S:  # a refusal (a pool with no Role) lasts: said once a minute
+                self._kube_said[pool] = at
+                log.warning("could not wake pool %s through Kubernetes: %s", pool, exc)
             return
         self._heard[pool] = at  # set to 1 now, or above 0 already: a runner is on its way
         if woke:
