@@ -171,6 +171,22 @@ def _succeeds(cluster: Cluster, *args: str, env: dict[str, str]) -> bool:
     return True
 
 
+def invoke(cluster: Cluster, deployed: dict[str, Any]) -> dict[str, Any]:
+    """One invocation of the classifier through the gateway Service, from inside the namespace
+    (tests/deploy/k8s_client.py): its status, time to answer and Server-Timing phases."""
+    answer: dict[str, Any] = json.loads(
+        cluster.ns(
+            PYTHON,
+            "tests/deploy/k8s_client.py",
+            "invoke",
+            f"{deployed['gateway']}/v1/functions/{FUNCTION}",
+            env={"FNGATE_API_KEY": deployed["key"]},
+            timeout=200,
+        )
+    )
+    return answer
+
+
 def replicas(cluster: Cluster) -> int:
     return int(cluster.get("deployment", "-n", NAMESPACE, POOL)["spec"].get("replicas", 1))
 
@@ -220,16 +236,7 @@ def test_an_invocation_with_no_runner_is_answered_while_keda_scales_from_zero(
     states = "{.metadata.name} {.status.phase}{'\\n'}"
     pods = ["pods", "-n", NAMESPACE, "-l", RUNNERS, "-o", f"jsonpath={states}"]
     with watching(cluster, *pool) as scale, watching(cluster, *pods) as started:
-        answer = json.loads(
-            cluster.ns(
-                PYTHON,
-                "tests/deploy/k8s_client.py",
-                "invoke",
-                f"{deployed['gateway']}/v1/functions/{FUNCTION}",
-                env={"FNGATE_API_KEY": deployed["key"]},
-                timeout=200,
-            )
-        )
+        answer = invoke(cluster, deployed)
     assert answer["status"] == 200, answer
     sent = answer["sent"]
     scaled = scale.first(lambda line: line.isdigit() and int(line) > 0, after=sent)
@@ -294,16 +301,7 @@ def cold_starts(cluster: Cluster, deployed: dict[str, Any]) -> list[float]:
         # Each run at another moment of KEDA's poll cycle: runs of equal length could meet its
         # polls at the same point each time.
         time.sleep(phases.uniform(0, POLLING_S))
-        answer = json.loads(
-            cluster.ns(
-                PYTHON,
-                "tests/deploy/k8s_client.py",
-                "invoke",
-                f"{deployed['gateway']}/v1/functions/{FUNCTION}",
-                env={"FNGATE_API_KEY": deployed["key"]},
-                timeout=200,
-            )
-        )
+        answer = invoke(cluster, deployed)
         assert answer["status"] == 200, answer
         seconds.append(round(answer["ms"] / 1000, 2))
     return seconds
@@ -521,16 +519,7 @@ def test_on_a_redis_cluster_keda_scales_the_pool_from_zero_and_back(
     cluster.ns(
         FNGATE, "deploy", manifest, "--gateway", deployed["gateway"], env={"FNGATE_API_KEY": deployed["key"]}
     )
-    answer = json.loads(
-        cluster.ns(
-            PYTHON,
-            "tests/deploy/k8s_client.py",
-            "invoke",
-            f"{deployed['gateway']}/v1/functions/{FUNCTION}",
-            env={"FNGATE_API_KEY": deployed["key"]},
-            timeout=200,
-        )
-    )
+    answer = invoke(cluster, deployed)
     assert answer["status"] == 200, answer
     figures = {"from_zero_s": round(answer["ms"] / 1000, 2)}
     assert "woke pool" not in gateway_logs(cluster)  # KEDA's cluster triggers woke it
