@@ -25,6 +25,7 @@ from fngate import keys, queue, statistics, telemetry
 from fngate.backoff import Health
 from fngate.errors import DeadlineExceeded, FunctionError, Internal, Overloaded, Unavailable
 from fngate.fastredis import FastRedis, Script
+from fngate.manifest import BatchingSpec
 from fngate.plan import Plan
 from fngate.repository import FunctionVersion
 from fngate.wire import Reply
@@ -130,8 +131,11 @@ class Dispatcher:
                 split,
             )
             self._check_pools(entries)
-            if plan is None and self._deadline_admission:
-                self._check_wait(call, entries)
+            if self._deadline_admission:
+                if plan is None:
+                    self._check_wait(call, entries)
+                else:
+                    self._check_first_steps(call, plan, entries)
         except FunctionError as exc:
             call.admission = None  # nothing was sent: no place was taken
             if call.span is not None:
@@ -298,31 +302,56 @@ class Dispatcher:
             raise Unavailable("the queue is unavailable: Redis cannot be reached")
 
     def _check_wait(self, call: Call, entries: Entries) -> None:
-        """Refuse at once what cannot be answered by its deadline: the invocations ahead of it on its
-        stream and on the streams of the function's higher priority levels, which runners read
+        """Refuse at once what cannot be answered by its deadline (_check_function_wait)."""
+        manifest = call.function.manifest
+        what = f"function '{manifest.name}'"
+        self._check_function_wait(
+            manifest.name, manifest.batching, entries.script.keys[0], entries.timeout_ms, what
+        )
+
+    def _check_first_steps(self, call: Call, plan: Plan, entries: Entries) -> None:
+        """A pipeline: refused at once when one of its first steps cannot be answered by the
+        pipeline's deadline. The later steps' waits are not counted (errs towards admitting)."""
+        for index in plan.first():
+            step = plan.steps[index]
+            function = self._catalog.functions.get(step.function)
+            if function is None:
+                continue
+            what = (
+                f"step '{step.name}' of pipeline '{call.function.manifest.name}' (function '{step.function}')"
+            )
+            stream = keys.invocations(step.function, keys.SYNC)
+            self._check_function_wait(
+                step.function, function.manifest.batching, stream, entries.timeout_ms, what
+            )
+
+    def _check_function_wait(
+        self, function: str, batching: BatchingSpec, stream: str, timeout_ms: int, what: str
+    ) -> None:
+        """Refuse at once what cannot be answered by its deadline: the invocations ahead of it on
+        `stream` and on the streams of the function's higher priority levels, which runners read
         first (each as this gateway last saw it, less what its runners have run since), at the
         batch cost its runners measured, shared among them. Full batches are assumed, and each
         level is drained by all the work done since: an estimate that errs refuses too little,
         never too much."""
-        manifest = call.function.manifest
-        cost = self._catalog.cost(manifest.name)
+        cost = self._catalog.cost(function)
         if cost is None:
             return
-        max_batch, now = manifest.batching.max_batch_size, time.monotonic()
+        max_batch, now = batching.max_batch_size, time.monotonic()
         ahead, seen_any = 0.0, False
-        for stream in streams_ahead(manifest.name, manifest.batching.priorities, entries.script.keys[0]):
-            seen = self._depths.get(stream)
+        for level in streams_ahead(function, batching.priorities, stream):
+            seen = self._depths.get(level)
             if seen is not None:
                 seen_any = True
                 ahead += remaining(seen[0], now - seen[1], cost, max_batch)
         if not seen_any:
             return
         wait_ms = wait_behind_ms(ahead, cost, max_batch)
-        if wait_ms > entries.timeout_ms:
+        if wait_ms > timeout_ms:
             raise Unavailable(
-                f"function '{manifest.name}' would answer in about {wait_ms:.0f} ms (invocations "
-                f"queued ahead of it, at the batch cost its {cost[2]} runner(s) measured), past this "
-                f"call's deadline of {entries.timeout_ms} ms; retry later"
+                f"{what} would answer in about {wait_ms:.0f} ms (invocations queued ahead of it, at "
+                f"the batch cost its {cost[2]} runner(s) measured), past this call's deadline of "
+                f"{timeout_ms} ms; retry later"
             )
 
     def record_depth(self, stream: str, depth: int) -> None:

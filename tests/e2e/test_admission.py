@@ -115,3 +115,53 @@ async def test_what_waits_at_a_higher_priority_counts_against_a_lower_ones_deadl
         assert [answer.status_code for answer in await asyncio.gather(*backlog)] == [200] * 40
         served = await client.post("/v2/models/steady/infer", json=body(2, 600))
         assert served.status_code == 200, served.text
+
+
+CHAIN = """
+name: chain
+inputs: [{name: x, datatype: FP32, shape: [-1, 2]}]
+outputs: [{name: y, datatype: FP32, shape: [-1, 2]}]
+batching: {timeout_ms: 5000, max_batch_size: 1}
+pipeline:
+  steps: [{name: first, function: steady, inputs: {x: request.x}}]
+  outputs: {y: first.y}
+"""
+
+
+async def test_a_pipeline_whose_first_step_cannot_make_its_deadline_is_refused_at_once(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    write_function(tmp_path / "repo" / "steady")
+    (tmp_path / "repo" / "chain").mkdir()
+    (tmp_path / "repo" / "chain" / "function.yaml").write_text(CHAIN)
+    base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+
+    def body(timeout_ms: int) -> dict[str, Any]:
+        inputs = [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]
+        return {"inputs": inputs, "parameters": {"timeout_ms": timeout_ms}}
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
+            assert (await client.post("/v2/models/steady/infer", json=body(5000))).status_code == 200
+        for _ in range(100):
+            if any("steady" in view.costs for view in await read_runners(redis)):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1)  # the gateway reads the runners' states every 0.1 s
+        backlog = [
+            asyncio.create_task(client.post("/v2/models/steady/infer", json=body(5000))) for _ in range(40)
+        ]
+        await asyncio.sleep(0.2)  # queued: 40 at about 40 ms each, some 1.5 s of work ahead
+        began = time.perf_counter()
+        late = await client.post("/v2/models/chain/infer", json=body(600))
+        took = time.perf_counter() - began
+        assert late.status_code == 503, late.text
+        assert "step 'first' of pipeline 'chain' (function 'steady') would answer in about" in late.text
+        assert "deadline of 600 ms" in late.text and took < 0.6, (late.text, took)
+        assert [answer.status_code for answer in await asyncio.gather(*backlog)] == [200] * 40
+        served = await client.post("/v2/models/chain/infer", json=body(600))
+        assert served.status_code == 200, served.text
