@@ -16,6 +16,7 @@ from urllib.parse import quote, unquote, urlsplit
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, ClusterPubSub, RedisCluster
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
 
@@ -67,11 +68,59 @@ def parse_cluster(url: str) -> ClusterURL:
     return ClusterURL(scheme, unquote(username), unquote(password), tuple(seeds))
 
 
+class _WritesLost(AbstractConnection):
+    """A connection whose write on a transport the event loop has closed fails as a lost
+    connection does (redis-py's ConnectionError, the connection dropped), not with uvloop's
+    RuntimeError ("unable to perform operation on <TCPTransport closed=True ...>; the handler is
+    closed"). A Redis that dies while a client connects to it (a killed node, a failover) resets
+    the connection between its accept and the client's first command: redis-py (8.1) then writes
+    on the closed transport, and every loop that waits out a Redis outage would take the
+    RuntimeError for a bug and die of it."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except RuntimeError as exc:
+            if "closed" not in str(exc):
+                raise
+            await self.disconnect(nowait=True)
+            raise redis.exceptions.ConnectionError(f"connection lost while writing ({exc})") from exc
+
+
+class _TCPConnection(_WritesLost, Connection):
+    pass
+
+
+class _TLSConnection(_WritesLost, SSLConnection):
+    pass
+
+
+class _UnixConnection(_WritesLost, UnixDomainSocketConnection):
+    pass
+
+
+_LOST_AWARE: dict[type[AbstractConnection], type[AbstractConnection]] = {
+    Connection: _TCPConnection,
+    SSLConnection: _TLSConnection,
+    UnixDomainSocketConnection: _UnixConnection,
+}
+
+
+def _lost_aware(kind: type[AbstractConnection]) -> type[AbstractConnection]:
+    return _LOST_AWARE.get(kind, kind)
+
+
+def _with_lost_aware_pool(client: aioredis.Redis) -> aioredis.Redis:
+    pool = client.connection_pool
+    pool.connection_class = _lost_aware(pool.connection_class)
+    return client
+
+
 def connect(url: str, **options: Any) -> aioredis.Redis:
     """redis-py's asyncio client of `url` (a RedisCluster for a cluster URL). `options`: redis-py's
     connection options (socket_timeout, socket_connect_timeout, max_connections...)."""
     if not is_cluster(url):
-        return aioredis.from_url(url, **options)
+        return _with_lost_aware_pool(aioredis.from_url(url, **options))
     cluster = parse_cluster(url)
     client = _RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
@@ -88,7 +137,14 @@ class _RedisCluster(RedisCluster):
     connection is closed under them: in a failover redis-py (8.1) can close a node's connection
     while a command is connecting on it, and the command then fails with an AttributeError
     (`'NoneType' object has no attribute 'writelines'`), which every loop that waits out a Redis
-    outage would take for a bug and die of."""
+    outage would take for a bug and die of. Its nodes' connections are _WritesLost ones."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The nodes learnt later are made with these arguments; the seeds were made already.
+        self.connection_kwargs["connection_class"] = _lost_aware(self.connection_kwargs["connection_class"])
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = cast(type[Connection], _lost_aware(node.connection_class))
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -106,7 +162,7 @@ def connect_pool(url: str, max_connections: int, timeout_s: float, **options: An
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=timeout_s, **options
     )
-    return aioredis.Redis.from_pool(pool)  # closing it closes the connections
+    return _with_lost_aware_pool(aioredis.Redis.from_pool(pool))  # closing it closes the connections
 
 
 def connect_sync(url: str, **options: Any) -> redis.Redis:
