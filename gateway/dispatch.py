@@ -132,10 +132,7 @@ class Dispatcher:
             )
             self._check_pools(entries)
             if self._deadline_admission:
-                if plan is None:
-                    self._check_wait(call, entries)
-                else:
-                    self._check_first_steps(call, plan, entries)
+                self._check_deadline(call, plan, entries.script.keys[0], keys.SYNC, entries.timeout_ms)
         except FunctionError as exc:
             call.admission = None  # nothing was sent: no place was taken
             if call.span is not None:
@@ -160,6 +157,8 @@ class Dispatcher:
         try:
             self._check_available()
             plan, steps = self._plan(call)
+            if self._deadline_admission:
+                await self._check_async_deadline(call, plan)
             admission = self._admission(call)
             manifest = call.function.manifest
             invocation_id = submission.new_async_id(call, plan)
@@ -185,6 +184,8 @@ class Dispatcher:
                 entries, outcome = await self._submit_one(call, record, deadline_ms, admission, plan, steps)
             if entries.cache_entry and call.use_cache:
                 _count_lookup(manifest.name, outcome)
+            if isinstance(outcome, queue.Queued) and outcome.depth:
+                self.record_depth(entries.script.keys[0], outcome.depth)
             accepted = self._accepted(outcome, entries, call)
         except FunctionError as exc:
             metrics.failed(call.function.name, exc.code.value)
@@ -301,29 +302,47 @@ class Dispatcher:
         if not self._replies.healthy or (self._health is not None and not self._health.available):
             raise Unavailable("the queue is unavailable: Redis cannot be reached")
 
-    def _check_wait(self, call: Call, entries: Entries) -> None:
-        """Refuse at once what cannot be answered by its deadline (_check_function_wait)."""
+    def _check_deadline(
+        self, call: Call, plan: Plan | None, stream: str, level: int, timeout_ms: int
+    ) -> None:
+        """Refuse at once what cannot be answered by its deadline (_check_function_wait): a function
+        queued on `stream`, or a pipeline, when one of its first steps (queued at `level`) cannot be
+        answered by the pipeline's deadline; the later steps' waits are not counted (errs towards
+        admitting)."""
         manifest = call.function.manifest
-        what = f"function '{manifest.name}'"
-        self._check_function_wait(
-            manifest.name, manifest.batching, entries.script.keys[0], entries.timeout_ms, what
-        )
-
-    def _check_first_steps(self, call: Call, plan: Plan, entries: Entries) -> None:
-        """A pipeline: refused at once when one of its first steps cannot be answered by the
-        pipeline's deadline. The later steps' waits are not counted (errs towards admitting)."""
+        if plan is None:
+            what = f"function '{manifest.name}'"
+            self._check_function_wait(manifest.name, manifest.batching, stream, timeout_ms, what)
+            return
         for index in plan.first():
             step = plan.steps[index]
             function = self._catalog.functions.get(step.function)
             if function is None:
                 continue
-            what = (
-                f"step '{step.name}' of pipeline '{call.function.manifest.name}' (function '{step.function}')"
-            )
-            stream = keys.invocations(step.function, keys.SYNC)
+            what = f"step '{step.name}' of pipeline '{manifest.name}' (function '{step.function}')"
+            step_stream = keys.invocations(step.function, level)
             self._check_function_wait(
-                step.function, function.manifest.batching, stream, entries.timeout_ms, what
+                step.function, function.manifest.batching, step_stream, timeout_ms, what
             )
+
+    async def _check_async_deadline(self, call: Call, plan: Plan | None) -> None:
+        """An asynchronous call, refused at once as a synchronous one is: by its deadline (its
+        timeout, or the function's async_timeout_s), behind what waits at level keys.ASYNC and at
+        every synchronous level, which runners read first. A repeat of a submission that was
+        accepted (its Idempotency-Key known) is never refused: it answers the invocation it made."""
+        stream = keys.invocations(call.function.manifest.name, keys.ASYNC)
+        try:
+            self._check_deadline(call, plan, stream, keys.ASYNC, submission.timeout_of(call))
+        except Unavailable:
+            later = call.later
+            if later is not None and later.idempotency_key:
+                known = keys.idempotency(call.principal.key_id, later.idempotency_key)
+                try:
+                    if await self._redis.execute("EXISTS", known):
+                        return
+                except (RedisError, OSError) as exc:
+                    raise Unavailable(f"the queue is unavailable: {exc}") from exc
+            raise
 
     def _check_function_wait(
         self, function: str, batching: BatchingSpec, stream: str, timeout_ms: int, what: str
@@ -699,11 +718,11 @@ def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def streams_ahead(function: str, priorities: int, stream: str) -> tuple[str, ...]:
-    """The streams whose invocations a runner takes before one on `stream`: the function's
-    synchronous levels from the highest priority down to `stream`'s (`stream` alone when it is none
-    of them)."""
-    synchronous = keys.levels(function, priorities)[:-1]
-    return synchronous[: synchronous.index(stream) + 1] if stream in synchronous else (stream,)
+    """The streams whose invocations a runner takes before one on `stream`: the function's levels
+    from the highest priority down to `stream`'s, the asynchronous level after every synchronous one
+    (`stream` alone when it is none of them)."""
+    levels = keys.levels(function, priorities)
+    return levels[: levels.index(stream) + 1] if stream in levels else (stream,)
 
 
 def remaining(depth: float, since_s: float, cost: tuple[float, float, int], max_batch: int) -> float:

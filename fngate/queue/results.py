@@ -100,7 +100,8 @@ end
 # and byte counter to KEYS after the tenth (all streams, then all counters) and a group of
 # FORWARD's five arguments to ARGV after the twenty-fourth. All are queued or none ({'full', limit,
 # index of the entry refused}); the result stream's first entry names them all, space-separated
-# (`q`, `e`), for READ_RESULT and CANCEL.
+# (`q`, `e`), for READ_RESULT and CANCEL. Queued, it answers {'queued', the first entry's id, the
+# length of its stream} (admission by deadline counts what waits from it).
 SUBMIT_ASYNC = (
     GIVEN_LUA
     + ADMIT_LUA
@@ -183,7 +184,7 @@ if given(KEYS[5]) then
   redis.call('RPUSH', KEYS[5], ARGV[8])
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
 end
-return {'queued', entry}
+return {'queued', entry, redis.call('XLEN', KEYS[1])}
 """
 )
 

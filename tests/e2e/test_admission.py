@@ -165,3 +165,63 @@ async def test_a_pipeline_whose_first_step_cannot_make_its_deadline_is_refused_a
         assert [answer.status_code for answer in await asyncio.gather(*backlog)] == [200] * 40
         served = await client.post("/v2/models/chain/infer", json=body(600))
         assert served.status_code == 200, served.text
+
+
+async def test_an_asynchronous_call_that_cannot_make_its_deadline_is_refused_at_once(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis: aioredis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Runners read asynchronous invocations after every synchronous level: an asynchronous call with
+    a 600 ms deadline behind a backlog of synchronous calls is refused at once (503 with Retry-After,
+    where it was accepted and its result expired as deadline_exceeded), a repeat of a submission
+    that was accepted (its Idempotency-Key) still answers the invocation it made, and once the
+    backlog has run the call is accepted and answered."""
+    write_function(tmp_path / "repo" / "steady")
+    base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+
+    def body(timeout_ms: int) -> dict[str, Any]:
+        inputs = [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]
+        return {"inputs": inputs, "parameters": {"timeout_ms": timeout_ms}}
+
+    def later(**headers: str) -> dict[str, str]:
+        return {"Prefer": "respond-async", **headers}
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
+            assert (await client.post("/v2/models/steady/infer", json=body(5000))).status_code == 200
+        for _ in range(100):
+            if any("steady" in view.costs for view in await read_runners(redis)):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1)  # the gateway reads the runners' states every 0.1 s
+        first = await client.post(
+            "/v2/models/steady/infer", json=body(600), headers=later(**{"Idempotency-Key": "order-1"})
+        )
+        assert first.status_code == 202, first.text
+        backlog = [
+            asyncio.create_task(client.post("/v2/models/steady/infer", json=body(5000))) for _ in range(40)
+        ]
+        await asyncio.sleep(0.2)  # queued: 40 at about 40 ms each, some 1.5 s of work ahead
+        began = time.perf_counter()
+        late = await client.post("/v2/models/steady/infer", json=body(600), headers=later())
+        took = time.perf_counter() - began
+        assert late.status_code == 503, late.text
+        assert "function 'steady' would answer in about" in late.text, late.text
+        assert "deadline of 600 ms" in late.text and took < 0.6, (late.text, took)
+        assert int(late.headers["retry-after"]) >= 1
+        again = await client.post(
+            "/v2/models/steady/infer", json=body(600), headers=later(**{"Idempotency-Key": "order-1"})
+        )
+        assert again.status_code == 202, again.text
+        assert again.json()["id"] == first.json()["id"]
+        assert [answer.status_code for answer in await asyncio.gather(*backlog)] == [200] * 40
+        served = await client.post("/v2/models/steady/infer", json=body(600), headers=later())
+        assert served.status_code == 202, served.text
+        for _ in range(60):
+            answer = await client.get(f"/v1/invocations/{served.json()['id']}", params={"wait": 10})
+            if answer.status_code != 202:
+                break
+        assert answer.status_code == 200, answer.text

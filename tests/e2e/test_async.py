@@ -213,7 +213,11 @@ def deployment(
     )
     _pipeline(repo, "doomed", {"first": "echo request.x", "check": "refuse first.y"}, {"y": "check.y"})
     _pipeline(
-        repo, "overdue", {"wait": "slow request.x", "then": "echo wait.y"}, {"y": "then.y"}, async_timeout_s=1
+        repo,
+        "overdue",
+        {"first": "echo request.x", "wait": "slow first.y", "then": "echo wait.y"},
+        {"y": "then.y"},
+        async_timeout_s=1,
     )
     found = Deployment(url, repo, folder)
     found.runner("classifier", "echo", "slow", "brief", "crowded", "cached", "refuse")
@@ -868,9 +872,10 @@ async def test_a_pipeline_whose_other_first_step_runs_is_not_cancelled(
 async def test_a_pipelines_failing_step_and_its_deadline_reach_the_callback(
     client: httpx.AsyncClient, callback_receiver: tuple[CallbackReceiver, str]
 ) -> None:
-    """`doomed` fails at its second step; `overdue` has async_timeout_s 1 and its first step takes
-    1.5 s, so its second would start after the deadline and is not run. Each callback carries the
-    error naming the step, as GET answers it."""
+    """`doomed` fails at its second step; `overdue` has async_timeout_s 1 and its second step takes
+    1.5 s, so its third would start after the deadline and is not run (its first step is quick: a
+    pipeline whose first step alone could not make the deadline is refused at submission). Each
+    callback carries the error naming the step, as GET answers it."""
     receiver, url = callback_receiver
     warm = await client.post("/v1/functions/slow", json=ROW)  # loaded now: `wait` starts at once
     assert warm.status_code == 200, warm.text
