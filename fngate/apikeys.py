@@ -214,22 +214,55 @@ ALL_FUNCTIONS = "_all"
 """A minute's usage field: the key's seconds over every function (what its budget is held to)."""
 
 
-def usage(client: redis.Redis, minutes: int) -> list[tuple[KeyRecord, str, float, float]]:
-    """Per key and function: the seconds of batch time charged to it over the last `minutes`
-    minutes (this one included) and ever, as runners charge them (runner.consumer)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    """What one key was charged for one function: batch time and, where the function's backend
+    measures it (a process of its own), CPU time; over a window of minutes and ever."""
+
+    record: KeyRecord
+    function: str
+    window_s: float
+    total_s: float
+    window_cpu_s: float | None
+    total_cpu_s: float | None
+
+
+def usage(client: redis.Redis, minutes: int) -> list[Usage]:
+    """Per key and function: the seconds of batch time (and of CPU time) charged to it over the last
+    `minutes` minutes (this one included) and ever, as runners charge them (runner.accounting)."""
     now = int(time.time() // 60)
     found = []
     for record in records(client):
-        total: Any = client.hgetall(keys.key_usage(record.id))
         pipe = client.pipeline(transaction=False)
+        pipe.hgetall(keys.key_usage(record.id))
+        pipe.hgetall(keys.key_cpu(record.id))
         for minute in range(now - minutes + 1, now + 1):
             pipe.hgetall(keys.key_usage_minute(record.id, minute))
-        window: dict[str, float] = {}
-        for hashed in pipe.execute():
-            for function, seconds in hashed.items():
-                if function != ALL_FUNCTIONS.encode():
-                    window[function.decode()] = window.get(function.decode(), 0.0) + float(seconds)
+            pipe.hgetall(keys.key_cpu_minute(record.id, minute))
+        total, total_cpu, *minutely = pipe.execute()
+        window, window_cpu = _summed(minutely[0::2]), _summed(minutely[1::2])
+        ever_cpu = _summed([total_cpu])
         for function, seconds in sorted(total.items()):
             name = function.decode()
-            found.append((record, name, window.get(name, 0.0), float(seconds)))
+            cpu = ever_cpu.get(name)
+            found.append(
+                Usage(
+                    record,
+                    name,
+                    window.get(name, 0.0),
+                    float(seconds),
+                    None if cpu is None else window_cpu.get(name, 0.0),
+                    cpu,
+                )
+            )
     return found
+
+
+def _summed(hashes: list[dict[bytes, bytes]]) -> dict[str, float]:
+    """function -> its seconds over `hashes` (a minute's total over every function left out)."""
+    summed: dict[str, float] = {}
+    for hashed in hashes:
+        for function, seconds in hashed.items():
+            if function != ALL_FUNCTIONS.encode():
+                summed[function.decode()] = summed.get(function.decode(), 0.0) + float(seconds)
+    return summed

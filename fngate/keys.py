@@ -175,6 +175,18 @@ def key_usage_minute(key_id: str, minute: int) -> str:
     return f"{PREFIX}:usage:{{{key_id}}}:{minute}"
 
 
+def key_cpu(key_id: str) -> str:
+    """Hash of one API key's CPU time: function -> CPU seconds charged to it, ever (functions whose
+    backend measures them: those in a process of their own)."""
+    return f"{PREFIX}:usage:{{{key_id}}}:cpu"
+
+
+def key_cpu_minute(key_id: str, minute: int) -> str:
+    """Hash of one API key's CPU time in one minute (since the epoch): function -> CPU seconds;
+    kept USAGE_KEPT_S."""
+    return f"{PREFIX}:usage:{{{key_id}}}:{minute}:cpu"
+
+
 USAGE_KEPT_S = 2 * 24 * 3600
 
 

@@ -1,9 +1,11 @@
 """What a function's batches leave to record once they are answered: its model's custom metrics
 (fngate.custom_metrics) and its batch time charged to the API keys of its invocations, split by
-rows. Recorded off the batch's path: a consumer hands each batch's share over and goes on, and one
-task adds what gathered to Redis in one round trip, at most EVERY_S later (at once when a charged
-key has a compute budget, which holds it to it: its bucket is marked `over` until the minute ends,
-and admission refuses it meanwhile). A Redis outage loses what gathered then, logged."""
+rows: wall time, and CPU time where the batch's backend measures it (a function in a process of
+its own: the kernel's CPU clock of that process over the batch). Recorded off the batch's path: a
+consumer hands each batch's share over and goes on, and one task adds what gathered to Redis in
+one round trip, at most EVERY_S later (at once when a charged key has a compute budget, which
+holds it to it: its bucket is marked `over` until the minute ends, and admission refuses it
+meanwhile). A Redis outage loses what gathered then, logged."""
 
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ class Accounting:
         self._redis = redis
         self._function = function
         self._charges: dict[str, float] = {}
+        self._cpu: dict[str, float] = {}
+        """Key -> the CPU seconds charged to it, where the function's backend measures them."""
         self._metrics: list[tuple[str, custom_metrics.Update]] = []
         self._bounds: dict[str, custom_metrics.Bounded] = {}
         """Per version: the custom metric families and series its model made here (capped)."""
@@ -62,18 +66,22 @@ class Accounting:
         reported: Sequence[custom_metrics.Update],
         seconds: float,
         batched: bool,
+        cpu_s: float | None = None,
     ) -> None:
         """A batch's share, from its consumer once the batch is answered; returns at once."""
         for update in reported:
             if self._admitted(version, update):
                 self._metrics.append((version, update))
+        if cpu_s:
+            for key_id, share in charged(invocations, cpu_s, batched).items():
+                self._cpu[key_id] = self._cpu.get(key_id, 0.0) + share
         if seconds and any(invocation.key_id for invocation in invocations):
             stale = time.monotonic() - self._budgets_read > BUDGETS_READ_S
             for key_id, share in charged(invocations, seconds, batched).items():
                 self._charges[key_id] = self._charges.get(key_id, 0.0) + share
                 if stale or key_id in self._budgets:
                     self._urgent.set()
-        if (self._charges or self._metrics) and (self._task is None or self._task.done()):
+        if (self._charges or self._cpu or self._metrics) and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(
                 self._soon(), name=f"account {self._function}"
             )
@@ -95,7 +103,7 @@ class Accounting:
         return refused is None
 
     async def _soon(self) -> None:
-        while self._charges or self._metrics:
+        while self._charges or self._cpu or self._metrics:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), EVERY_S)
             self._urgent.clear()
@@ -103,8 +111,9 @@ class Accounting:
 
     async def _flush(self) -> None:
         charges, self._charges = self._charges, {}
+        cpu, self._cpu = self._cpu, {}
         metrics, self._metrics = self._metrics, []
-        if not (charges or metrics):
+        if not (charges or cpu or metrics):
             return
         try:
             if charges and time.monotonic() - self._budgets_read > BUDGETS_READ_S:
@@ -116,6 +125,10 @@ class Accounting:
                     pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), self._function, share)
                     pipe.hincrbyfloat(keys.key_usage_minute(key_id, minute), apikeys.ALL_FUNCTIONS, share)
                     pipe.expire(keys.key_usage_minute(key_id, minute), keys.USAGE_KEPT_S)
+                for key_id, share in cpu.items():  # after the charges: _hold_to_budgets counts on it
+                    pipe.hincrbyfloat(keys.key_cpu(key_id), self._function, share)
+                    pipe.hincrbyfloat(keys.key_cpu_minute(key_id, minute), self._function, share)
+                    pipe.expire(keys.key_cpu_minute(key_id, minute), keys.USAGE_KEPT_S)
                 for version in dict.fromkeys(version for version, _ in metrics):
                     updates = [update for of, update in metrics if of == version]
                     for command in custom_metrics.commands(
@@ -128,7 +141,7 @@ class Accounting:
             log.warning(
                 "%s: %d keys' batch time and %d custom metric updates were not recorded: %s",
                 self._function,
-                len(charges),
+                len(charges | cpu),
                 len(metrics),
                 exc,
             )

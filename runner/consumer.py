@@ -28,7 +28,7 @@ from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
 from runner.accounting import Accounting
 from runner.batching import Arrivals, BatchCost, Pending, decide
-from runner.execution import failed_together, run_batch, shape_key
+from runner.execution import failed_together, left_by, run_batch, shape_key
 from runner.metrics import INVOCATIONS, MEMORY_REFUSALS
 from runner.models import LoadedModel, LoadedModels
 from runner.observe import BatchObserver, entry_ms
@@ -412,6 +412,7 @@ class FunctionConsumer:
         failed = None
         reported: list[custom_metrics.Update] = []
         charged_s = 0.0
+        cpu_s: float | None = None
         total_rows = sum(invocation.rows for invocation in invocations)
         alone = [entry for entry in batch if entry.alone]
         if alone:
@@ -432,8 +433,7 @@ class FunctionConsumer:
                         replies = await run_batch(self._models, model, invocations, batch_id)
                 finally:
                     await self._models.release(model)
-                    take = getattr(model.backend, "take_metric_updates", None)
-                    reported = take() if take is not None else []
+                    reported, cpu_s = left_by(model.backend, batch_id)
                 took_s = time.perf_counter() - computed
                 if cold or any(entry_ms(entry.id) < self._reading_since_ms for entry in batch):
                     replies = cold_timed(
@@ -466,7 +466,9 @@ class FunctionConsumer:
             ran_digest,
             statistics.of_batch(self.function, version, batch, replies, started_ns),
         )
-        self._accounting.record(version, invocations, reported, charged_s, self.function.manifest.batched)
+        self._accounting.record(
+            version, invocations, reported, charged_s, self.function.manifest.batched, cpu_s
+        )
 
     def _split(self, batch: Sequence[Entry], error: FunctionError) -> None:
         """A batch failed as a whole (its process died or hung, its backend raised): which of its

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fngate import custom_metrics
 from fngate.errors import FunctionError, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.tensors import DATATYPES, Tensors, encoded_bytes
 from fngate.wire import Invocation, Reply
-from runner.backends import Backend, MemberErrors
+from runner.backends import Backend, MemberErrors, take_cpu
 
 if TYPE_CHECKING:
     from runner.models import LoadedModel, LoadedModels
@@ -195,10 +196,34 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+_batch_cpu: dict[str, float] = {}
+"""batch id -> the CPU seconds its backend measured, until the consumer takes it (batch_cpu_s)."""
+
+
+def left_by(backend: Backend, batch_id: str) -> tuple[list[custom_metrics.Update], float | None]:
+    """What the batch left besides its replies: the custom metrics its model reported, and the CPU
+    time it took where its backend measures it (a process of its own: python); None where it does
+    not (a backend in the runner's process, whose compute threads the runner's batches share)."""
+    take = getattr(backend, "take_metric_updates", None)
+    return (take() if take is not None else []), _batch_cpu.pop(batch_id, None)
+
+
 def execute(
     backend: Backend, manifest: FunctionManifest, batch: Sequence[Invocation], batch_id: str
 ) -> list[Reply]:
     """Blocking: run it in a worker thread. Never raises; a failure becomes each member's reply."""
+    take_cpu()  # what an earlier batch on this thread left, if it ended before saying it
+    try:
+        return _execute(backend, manifest, batch, batch_id)
+    finally:
+        seconds = take_cpu()
+        if seconds is not None:
+            _batch_cpu[batch_id] = seconds
+
+
+def _execute(
+    backend: Backend, manifest: FunctionManifest, batch: Sequence[Invocation], batch_id: str
+) -> list[Reply]:
     rows = [invocation.rows if manifest.batched else 1 for invocation in batch]
     total = sum(rows)
     failed: dict[int, FunctionError] = {}

@@ -701,7 +701,9 @@ def _add_key_commands(commands: Any) -> None:
     )
     listing = actions.add_parser("ls", help="list keys: id, name, scopes, limits (never the key)")
     used = actions.add_parser(
-        "usage", help="the batch time charged to each key, by function: over a window and ever"
+        "usage",
+        help="the batch time (and CPU time, where measured) charged to each key, by function: over a "
+        "window and ever",
     )
     used.add_argument(
         "--minutes", type=int, default=60, help="the window, in minutes (default 60; at most 2880)"
@@ -769,9 +771,17 @@ def _print_usage(client: Any, minutes: int) -> None:
     from fngate import apikeys
 
     window = f"LAST {minutes} MIN (s)"
-    print(f"{'ID':<12}  {'NAME':<16}  {'FUNCTION':<24}  {window:>18}  {'EVER (s)':>10}")
-    for record, function, window_s, total_s in apikeys.usage(client, minutes):
-        print(f"{record.id:<12}  {record.name:<16}  {function:<24}  {window_s:>18.3f}  {total_s:>10.3f}")
+    print(
+        f"{'ID':<12}  {'NAME':<16}  {'FUNCTION':<24}  {window:>18}  {'EVER (s)':>10}  "
+        f"{'CPU ' + window:>22}  {'CPU EVER (s)':>12}"
+    )
+    for used in apikeys.usage(client, minutes):
+        window_cpu = "-" if used.window_cpu_s is None else f"{used.window_cpu_s:.3f}"
+        total_cpu = "-" if used.total_cpu_s is None else f"{used.total_cpu_s:.3f}"
+        print(
+            f"{used.record.id:<12}  {used.record.name:<16}  {used.function:<24}  {used.window_s:>18.3f}  "
+            f"{used.total_s:>10.3f}  {window_cpu:>22}  {total_cpu:>12}"
+        )
 
 
 def _deploy_through(args: argparse.Namespace) -> int:

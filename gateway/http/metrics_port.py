@@ -58,7 +58,7 @@ class MetricsPort:
         families: list[nv_metrics.Family] = []
         try:
             families += await self._inference()
-            families.append(await self._key_usage())
+            families += await self._key_usage()
             self._health.succeeded()
         except (RedisError, OSError) as exc:
             self._health.failed("scrape", exc)
@@ -122,27 +122,40 @@ class MetricsPort:
             counted.append(nv_metrics.VersionCounts(self._names[name], version, raw, failures, pending))
         return nv_metrics.inference_families(counted)
 
-    async def _key_usage(self) -> nv_metrics.Family:
-        """fngate_key_compute_seconds_total: the batch time runners charged to each key (at most
-        MAX_KEYS of them), by function."""
+    async def _key_usage(self) -> list[nv_metrics.Family]:
+        """fngate_key_compute_seconds_total and fngate_key_cpu_seconds_total: the batch time and the
+        CPU time runners charged to each key (at most MAX_KEYS of them), by function."""
         redis = self._client()
         ids: Any = await redis.hkeys(keys.api_keys())
         ids = sorted(ident.decode() for ident in ids)[:MAX_KEYS]
         async with redis.pipeline(transaction=False) as pipe:
             for ident in ids:
                 pipe.hgetall(keys.key_usage(ident))
+                pipe.hgetall(keys.key_cpu(ident))
             charged: list[Any] = await pipe.execute()
-        samples = tuple(
-            ((("function", function.decode()), ("key_id", ident)), float(seconds))
-            for ident, hashed in zip(ids, charged, strict=True)
-            for function, seconds in sorted(hashed.items())
-        )
-        return nv_metrics.Family(
-            "fngate_key_compute_seconds_total",
-            "Seconds of batch time charged to each API key, by function (a batch's time split by rows)",
-            "counter",
-            samples,
-        )
+
+        def samples(of: list[Any]) -> tuple[Any, ...]:
+            return tuple(
+                ((("function", function.decode()), ("key_id", ident)), float(seconds))
+                for ident, hashed in zip(ids, of, strict=True)
+                for function, seconds in sorted(hashed.items())
+            )
+
+        return [
+            nv_metrics.Family(
+                "fngate_key_compute_seconds_total",
+                "Seconds of batch time charged to each API key, by function (a batch's time split by rows)",
+                "counter",
+                samples(charged[0::2]),
+            ),
+            nv_metrics.Family(
+                "fngate_key_cpu_seconds_total",
+                "CPU seconds charged to each API key, by function (a batch's CPU time split by rows; "
+                "functions in a process of their own)",
+                "counter",
+                samples(charged[1::2]),
+            ),
+        ]
 
     def _by_model(self, counts: dict[str, float]) -> dict[str, float]:
         return {self._names.get(name, name): value for name, value in counts.items()}

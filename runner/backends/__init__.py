@@ -7,11 +7,14 @@ A backend that runs its model in another process (python) sets `isolated = True`
 function's execution timeout itself, and its batches run on its own `executor`
 (runner.execution.run_batch). One whose `stop()` ends a running batch from another thread sets
 `stoppable = True`: its quick batches run on the event loop, under a watchdog (runner.execution.Pace).
+One that can tell the CPU time its batch took (in a process of its own) says it with `charge_cpu`
+from the thread that runs the batch; runner.execution takes it for the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -33,6 +36,20 @@ class MemberErrors(Exception):
         super().__init__(f"{len(errors)} invocations of the batch failed")
         self.outputs = outputs
         self.errors = errors
+
+
+_cpu = threading.local()
+
+
+def charge_cpu(seconds: float) -> None:
+    """The CPU time the running batch took in the backend's process, from the thread that runs it."""
+    _cpu.seconds = getattr(_cpu, "seconds", 0.0) + seconds
+
+
+def take_cpu() -> float | None:
+    """What this thread's batch was charged since the last take; None when its backend says nothing."""
+    seconds: float | None = _cpu.__dict__.pop("seconds", None)
+    return seconds
 
 
 class Backend(Protocol):

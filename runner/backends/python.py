@@ -39,7 +39,7 @@ from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTime
 from fngate.manifest import DEFAULT_MEMORY_LIMIT_MB, FunctionManifest
 from fngate.tensors import Tensors
 from runner import bls, budget, confinement, gpu, sandbox
-from runner.backends import MemberErrors
+from runner.backends import MemberErrors, charge_cpu
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.cgroup import FunctionCgroup, current_layout
 from runner.cgroup import reap as reap_cgroups
@@ -207,6 +207,7 @@ class PythonBackend:
             request["rows"] = rows
         invocations = len(rows) if rows else 1
         child.output.batch_started()
+        cpu_before = child.cpu_s()
         try:
             sandbox.send(child.requests, request, buffers, deadline)
             header, body = self._answer_calls(child, deadline, per_invocation * invocations)
@@ -254,6 +255,7 @@ class PythonBackend:
             ) from None
         finally:
             child.output.batch_ended()
+            child.charge_cpu_since(cpu_before)
         self._failures = 0
         stopped = self._check_pids(child)
         if "error" in header:
@@ -407,6 +409,17 @@ class _Limits:
     folder_bytes: int
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """The CPU time (user and system, all its threads) the kernel has counted for process `pid`, to
+    the nanosecond, read from Linux's CPU clock of that process (clockid (~pid << 3) | 2,
+    CPUCLOCK_SCHED): measured by the runner, not reported by the function's code. None once the
+    process is gone."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        return None
+
+
 class _Child:
     """One `python -m runner.sandbox` process, its pipes, its output's reader, its working folder
     and its cgroups."""
@@ -434,6 +447,17 @@ class _Child:
         self.replies = stdout.fileno()
         os.set_blocking(self.requests, False)
         os.set_blocking(self.replies, False)
+
+    def cpu_s(self) -> float | None:
+        """The CPU time its process has taken (process_cpu_s)."""
+        return process_cpu_s(self.process.pid)
+
+    def charge_cpu_since(self, before: float | None) -> None:
+        """Charge the running batch (runner.backends.charge_cpu) with the CPU time its process took
+        since `before` (cpu_s); nothing when either reading failed (the process is gone)."""
+        after = self.cpu_s()
+        if before is not None and after is not None:
+            charge_cpu(after - before)
 
     @classmethod
     def start(

@@ -419,6 +419,53 @@ async def test_each_keys_share_of_mixed_batches_adds_up_to_the_runners_busy_time
         assert f'fngate_key_compute_seconds_total{{function="classifier",key_id="{record.id}"}}' in scraped
 
 
+async def test_a_keys_cpu_time_is_what_its_calls_took_in_the_functions_process(
+    serve_gateway: Callable[..., Any],
+    inprocess_runner: Callable[..., Any],
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """probe spins until its process has taken 40 ms of CPU, then sleeps 40 ms, a batch: a key's
+    calls are charged that CPU time (read by the runner from the kernel's clock of the function's
+    process, not reported by its code), about half their batch time, and `fngate keys usage` and the
+    metrics port report both."""
+    monkeypatch.setenv("PROBE_SPIN_S", "0.04")
+    monkeypatch.setenv("PROBE_SLEEP_S", "0.04")
+    base = await serve_gateway(auth=True, auth_refresh_s=0.2)
+    await inprocess_runner()
+    (warming, _), (key, record) = create_key(redis_url, "invoke:probe"), create_key(redis_url, "invoke:probe")
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        await warm_up(client, base, "probe", PROBE, warming)
+        for _ in range(5):  # one at a time: each its own batch
+            answer = await client.post("/v1/functions/probe", json=PROBE, headers=bearer(key))
+            assert answer.status_code == 200, answer.text
+
+    def charged_now() -> tuple[float, float]:
+        with clients.connect_sync(redis_url) as sync:
+            wall = sync.hget(keys.key_usage(record.id), "probe")
+            cpu = sync.hget(keys.key_cpu(record.id), "probe")
+        return float(wall or 0.0), float(cpu or 0.0)
+
+    wall, cpu = charged_now()
+    for _ in range(40):  # a runner adds what it charged to Redis once a second
+        if cpu >= 0.2:
+            break
+        await asyncio.sleep(0.1)
+        wall, cpu = charged_now()
+    assert 0.2 <= cpu <= 0.2 + 5 * 0.015, (cpu, wall)  # its spins, and what else its process did
+    assert wall >= 0.4 and cpu < 0.75 * wall, (cpu, wall)  # the sleeps are batch time, not CPU
+    listed = await cli("keys", "usage", "--minutes", "5", "--redis", redis_url)
+    assert listed.returncode == 0, listed.stderr
+    line = next(line for line in listed.stdout.splitlines() if line.startswith(record.id))
+    assert line.split()[-2:] == [f"{cpu:.3f}", f"{cpu:.3f}"], listed.stdout  # the window's, and ever
+    port = MetricsPort(GatewaySettings(redis_url=redis_url, repo=str(ROOT / "functions")))
+    try:
+        scraped = (await port.scrape()).decode()
+    finally:
+        await port.aclose()
+    assert f'fngate_key_cpu_seconds_total{{function="probe",key_id="{record.id}"}} {cpu}' in scraped
+
+
 async def test_a_key_past_its_compute_budget_is_refused_until_the_minute_ends(
     serve_gateway: Callable[..., Any],
     inprocess_runner: Callable[..., Any],

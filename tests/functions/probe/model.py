@@ -1,6 +1,7 @@
 """Test function: y = 2x. Steered by x[:, 0]: -1 raises, -2 prints "poison" and never returns (a
 stand-in for an input that kills its runner: the test kills the runner when it says so).
-PROBE_SLEEP_S sleeps per batch; with PROBE_LOG set, each executed row's x[0] is printed
+PROBE_SLEEP_S sleeps per batch, and PROBE_SPIN_S spins until the process has taken that much CPU
+time per batch; with PROBE_LOG set, each executed row's x[0] is printed
 ("executed 5"), and its runner logs the line (tests/e2e/function_output.py reads it back)."""
 
 import os
@@ -13,6 +14,7 @@ import numpy as np
 class Model:
     def __init__(self, directory: Path) -> None:
         self.sleep_s = float(os.environ.get("PROBE_SLEEP_S", "0"))
+        self.spin_s = float(os.environ.get("PROBE_SPIN_S", "0"))
         self.log = bool(os.environ.get("PROBE_LOG"))
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -26,5 +28,8 @@ class Model:
                 time.sleep(1)
         if (x[:, 0] == -1).any():
             raise ValueError("probe was asked to fail")
+        spun = time.process_time() + self.spin_s
+        while time.process_time() < spun:
+            pass
         time.sleep(self.sleep_s)
         return {"y": x * 2}
