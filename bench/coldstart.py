@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +133,10 @@ def fngate_up(
     logs: Path,
     wait_live: Callable[..., None],
     name: str = "large",
+    extra: Sequence[str] = (),
 ) -> Iterator[tuple[str, Path]]:
-    """`fngate up` on this Redis (None: its own private one) and repository; yields its URL and
-    its log."""
+    """`fngate up` on this Redis (None: its own private one) and repository, with `extra`
+    arguments last (they win); yields its URL and its log."""
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"fngate-up-{name}{'-standby' if standby else ''}.log"
     port = free_port()
@@ -145,6 +146,7 @@ def fngate_up(
     command += ["--idle-shutdown-s", "1"]
     command += ["--log-level", "INFO", "--no-auth"]
     command += ["--standby-runner"] if standby else ["--no-standby-runner"]
+    command += list(extra)
     with open(log, "wb") as output:
         up = subprocess.Popen(command, env=env, stdout=output, stderr=output)
     try:

@@ -10,6 +10,9 @@ keeps the JSON line it prints last), each usable alone:
     python -m bench.gpu tensorrt-fallback --work DIR   accelerator: tensorrt without TensorRT
     python -m bench.gpu up --work DIR [--seconds S]   functions/gpu-mlp through `fngate up` (needs
         redis-server), bench/loadgen.py at 1, 16 and 64 connections
+    python -m bench.gpu serving --work DIR [--seconds S]   gpu-mlp (CuPy) and torch-mlp (torch) under
+        `fngate up`: cold starts and their phases, both at once, batch 1 to 1024, the device's memory
+        back to its baseline after the idle unload, and a GPU memory budget's evictions
     python -m bench.gpu config NAME --work DIR   one TensorRT timing of the wide model (bench/gpu_tensorrt.py)
     python -m bench.gpu cold --work DIR --engines DIR --store DIR   one TensorRT cold start
 
@@ -413,6 +416,252 @@ def up(work: Path, seconds: float) -> dict[str, Any]:
     return result
 
 
+# ---------------------------------------------------------------- the serving path under fngate up
+
+TORCH_MLP = """
+\"\"\"A python-backend function in torch: relu(x @ w0) @ w1, its weights made here from a fixed seed,
+on CUDA's device 0 (the GPU the runner gave this process); without torch's CUDA it says why.\"\"\"
+
+import torch
+
+
+class Model:
+    def __init__(self, directory):
+        self.fallback_reason = None if torch.cuda.is_available() else "torch sees no CUDA device"
+        self.device = "cuda" if self.fallback_reason is None else "cpu"
+        generator = torch.Generator().manual_seed(55)
+        self.w0 = (torch.randn(256, 1024, generator=generator) / 16).to(self.device)
+        self.w1 = (torch.randn(1024, 256, generator=generator) / 32).to(self.device)
+
+    def infer(self, inputs):
+        with torch.inference_mode():
+            x = torch.from_numpy(inputs["input"]).to(self.device)
+            return {"output": (torch.relu(x @ self.w0) @ self.w1).cpu().numpy()}
+
+    def close(self):
+        del self.w0, self.w1
+        torch.cuda.empty_cache()
+"""
+SERVED = ("gpu-mlp", "torch-mlp")
+IDLE_UNLOAD_S = 3
+SETTLED_MIB = 64
+"""After the idle unload, the device's memory in use may stay this far above its baseline."""
+
+
+def serving_repo(work: Path) -> Path:
+    """functions/gpu-mlp and torch-mlp (TORCH_MLP) on one pool, both unloaded after IDLE_UNLOAD_S idle."""
+    repo = work / "serving-repo"
+    shutil.copytree(GPU_FUNCTION, repo / "gpu-mlp", dirs_exist_ok=True)
+    (repo / "torch-mlp").mkdir(parents=True, exist_ok=True)
+    (repo / "torch-mlp" / "model.py").write_text(TORCH_MLP)
+    manifest = yaml.safe_load((repo / "gpu-mlp" / "function.yaml").read_text())
+    manifest["scaling"]["idle_unload_s"] = IDLE_UNLOAD_S
+    (repo / "gpu-mlp" / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    manifest |= {"name": "torch-mlp", "description": "The same shape of MLP in torch, on the runner's GPU"}
+    (repo / "torch-mlp" / "function.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return repo
+
+
+def phases(header: str) -> dict[str, float]:
+    """A Server-Timing value (`start;dur=661.0, queue;dur=16.3, ...`) as phase -> ms."""
+    found = {}
+    for item in header.split(","):
+        name, _, duration = item.strip().partition(";dur=")
+        if name and duration:
+            found[name] = float(duration)
+    return found
+
+
+def call(client: httpx.Client, function: str, rows: np.ndarray) -> tuple[httpx.Response, float]:
+    """One V2 invocation with its tensors in binary (as perf_analyzer and Triton's clients send
+    them: JSON would cost more than the model at 1024 rows) over the client's kept-alive connection
+    (a connection a call would add some 20 ms, the client's own), and how long its answer took."""
+    data = np.ascontiguousarray(rows, dtype=np.float32).tobytes()
+    tensor = {"name": "input", "datatype": "FP32", "shape": list(rows.shape)}
+    header = json.dumps(
+        {
+            "inputs": [tensor | {"parameters": {"binary_data_size": len(data)}}],
+            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    headers = {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream",
+    }
+    started = time.perf_counter()
+    answer = client.post(f"/v2/models/{function}/infer", content=header + data, headers=headers, timeout=180)
+    return answer, time.perf_counter() - started
+
+
+def cold_call(client: httpx.Client, function: str) -> dict[str, Any]:
+    """The function's first invocation, from no runner: its latency and the phases it waited for."""
+    answer, took_s = call(client, function, np.zeros((1, 256), dtype=np.float32))
+    found = phases(answer.headers.get("server-timing", ""))
+    return {
+        "status": answer.status_code,
+        "error": None if answer.status_code == 200 else answer.text[:300],
+        "s": round(took_s, 3),
+        "phases_ms": found,
+        "phases_sum_s": round(sum(found.values()) / 1000, 3),
+    }
+
+
+def sweep(client: httpx.Client, function: str, seconds: float) -> dict[str, Any]:
+    """Rows per second and p50 per invocation of `function` at each batch size, one invocation at
+    a time over HTTP (JSON), `seconds` each after one to warm up."""
+    batches: dict[str, Any] = {}
+    for rows in FUNCTION_BATCHES:
+        batch = random_batches((FEATURES // 2,), rows, 1)[0]["input"]
+        answer, _ = call(client, function, batch)
+        if answer.status_code != 200:
+            batches[str(rows)] = {"error": f"{answer.status_code} {answer.text[:200]}"}
+            continue
+        latencies: list[float] = []
+        ended = time.perf_counter() + seconds
+        while time.perf_counter() < ended or not latencies:
+            answer, took_s = call(client, function, batch)
+            if answer.status_code != 200:
+                break
+            latencies.append(took_s)
+        batches[str(rows)] = {
+            "rows_per_s": round(rows * len(latencies) / sum(latencies), 1),
+            "p50_ms": round(float(np.percentile(latencies, 50)) * 1000, 3),
+        }
+    return batches
+
+
+def together(url: str, seconds: float) -> dict[str, Any]:
+    """Both functions called at once from four threads each for `seconds`: how many answered, and
+    how many did not."""
+    import concurrent.futures
+
+    def caller(function: str) -> tuple[int, int]:
+        batch = random_batches((FEATURES // 2,), 16, 1)[0]["input"]
+        ok = failed = 0
+        ended = time.perf_counter() + seconds
+        with httpx.Client(base_url=url) as client:
+            while time.perf_counter() < ended:
+                answer, _ = call(client, function, batch)
+                ok, failed = (ok + 1, failed) if answer.status_code == 200 else (ok, failed + 1)
+        return ok, failed
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = {pool.submit(caller, function): function for function in SERVED * 4}
+        found: dict[str, Any] = {function: {"answered": 0, "failed": 0} for function in SERVED}
+        for future, function in futures.items():
+            ok, failed = future.result()
+            found[function]["answered"] += ok
+            found[function]["failed"] += failed
+    return found
+
+
+def settle(baseline: dict[str, Any] | None, deadline: float) -> tuple[dict[str, Any] | None, float | None]:
+    """The device's memory once it is back within SETTLED_MIB of `baseline` (and when), or as it is
+    at `deadline`."""
+    started = time.monotonic()
+    reading = memory()
+    while reading is not None and baseline is not None and time.monotonic() < deadline:
+        if reading["device_used_mib"] - baseline["device_used_mib"] <= SETTLED_MIB:
+            return reading, round(time.monotonic() - started, 2)
+        time.sleep(0.25)
+        reading = memory()
+    return reading, None
+
+
+def log_lines(log: Path, *words: str) -> list[str]:
+    return [
+        line[-300:] for line in log.read_text(errors="replace").splitlines() if all(w in line for w in words)
+    ]
+
+
+def serving(work: Path, seconds: float) -> dict[str, Any]:
+    """Under `fngate up` (its own Redis, gateway and the local scaler's runner), functions/gpu-mlp
+    (CuPy) and torch-mlp (torch), one pool on one GPU: each from no runner to its first answer with
+    the phases it waited for, both called at once, rows/s and p50 at batch 1 to 1024, the device's
+    memory before any load, loaded and after the idle unload (it must come back to the baseline),
+    then a second `fngate up` whose GPU memory budget holds one of the two but not both: each load
+    evicts the other, idle, least recently used."""
+    repo = serving_repo(work)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
+    extra = ["--idle-shutdown-s", "120"]  # the runner stays: the models' idle unload is what is measured
+    result: dict[str, Any] = {"baseline": memory(), "functions": {}}
+    up = fngate_up_for_bench(repo, env, work, "serving", extra)
+    with up as (url, log), httpx.Client(base_url=url) as client:
+        for function in SERVED:
+            result["functions"][function] = {"cold": cold_call(client, function)}
+        result["loaded"] = memory()
+        result["together"] = together(url, seconds)
+        for function in SERVED:
+            result["functions"][function]["batches"] = sweep(client, function, seconds)
+        result["after_idle_unload"], result["settled_after_s"] = settle(
+            result["baseline"], time.monotonic() + IDLE_UNLOAD_S + 20
+        )
+        said = log_lines(log, "loaded ") + log_lines(log, "closed ") + log_lines(log, "runs on")
+        result["runner_said"] = said
+    taken = {function: gpu_mib_loaded(said, function) for function in SERVED}
+    result["taken_mib"] = taken
+    if not all(taken.values()):
+        result["eviction"] = {"skipped": f"a model took no GPU memory, as its runner measured: {taken}"}
+        return result
+    small, large = sorted(size or 0 for size in taken.values())
+    budget_mib = large + small // 2  # room for either, not for both
+    eviction: dict[str, Any] = {"budget_mib": budget_mib, "answers": []}
+    limited = env | {"FNGATE_GPU_MEMORY_BUDGET_BYTES": str(budget_mib * gpu.MIB)}
+    up = fngate_up_for_bench(repo, limited, work, "budget", extra)
+    with up as (url, log), httpx.Client(base_url=url) as client:
+        for function in (*SERVED, SERVED[0]):
+            answer, took_s = call(client, function, np.zeros((1, 256), dtype=np.float32))
+            eviction["answers"].append([function, answer.status_code, round(took_s, 3)])
+        eviction["runner_said"] = log_lines(log, "evicted")
+    result["eviction"] = eviction
+    return result
+
+
+def gpu_mib_loaded(said: Sequence[str], function: str) -> int | None:
+    """The GPU memory its runner said `function`'s load took ("loaded NAME version V (...): ...,
+    N MiB of GPU memory"), the last time it said so."""
+    import re
+
+    found = None
+    for line in said:
+        match = re.search(rf"loaded {re.escape(function)} version .*?(\d+) MiB of GPU memory", line)
+        if match:
+            found = int(match.group(1))
+    return found
+
+
+def fngate_up_for_bench(repo: Path, env: dict[str, str], work: Path, name: str, extra: Sequence[str]) -> Any:
+    from bench.__main__ import wait_live
+    from bench.coldstart import fngate_up
+
+    return fngate_up(None, str(repo), False, env, work / "logs", wait_live, name=name, extra=extra)
+
+
+def serving_on_gpu(result: dict[str, Any]) -> bool:
+    """Every function answered on the GPU, both at once without a failure, every batch size, the
+    memory came back to its baseline, and each load under the budget evicted the other."""
+    functions = result.get("functions", {})
+    answered = all(
+        item.get("cold", {}).get("status") == 200
+        and all("rows_per_s" in row for row in item.get("batches", {}).values())
+        for item in functions.values()
+    )
+    shared = all(item["failed"] == 0 and item["answered"] > 0 for item in result.get("together", {}).values())
+    on_gpu = all(result.get("taken_mib", {}).get(function) for function in SERVED)
+    eviction = result.get("eviction", {})
+    evicted = len(eviction.get("runner_said", [])) >= 2 and all(
+        row[1] == 200 for row in eviction.get("answers", [])
+    )
+    return (
+        bool(functions)
+        and answered
+        and shared
+        and on_gpu
+        and result.get("settled_after_s") is not None
+        and evicted
+    )
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -438,6 +687,8 @@ def on_gpu(name: str, result: dict[str, Any]) -> bool:
         )
     if name == "cold":
         return result.get("device") == "TensorrtExecutionProvider"
+    if name == "serving":
+        return serving_on_gpu(result)
     return result.get("device") == result.get("wanted")
 
 
@@ -446,7 +697,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("environment", "python-function", "providers", "tensorrt-fallback", "up", "config", "cold"):
+    for name in (
+        "environment",
+        "python-function",
+        "serving",
+        "providers",
+        "tensorrt-fallback",
+        "up",
+        "config",
+        "cold",
+    ):
         command = commands.add_parser(name)
         command.add_argument("--work", type=Path, required=True)
         command.add_argument("--seconds", type=float, default=1.0)
@@ -469,6 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = tensorrt_fallback(work)
         elif arguments.command == "up":
             result = up(work, arguments.seconds)
+        elif arguments.command == "serving":
+            result = serving(work, arguments.seconds)
         elif arguments.command == "config":
             from bench.gpu_tensorrt import time_config
 

@@ -61,18 +61,20 @@ def reassemble(folder: Path, record: dict[str, Any], target: Path) -> Path:
 
 
 def calls(record: dict[str, Any] | None, has_wheels: bool, has_redis: bool) -> list[list[str]]:
-    """The `carry` of each call in order: the small things and the first part with the first call,
-    each later part alone, so that no part is named by two calls."""
+    """The `carry` of each call in order: the first carries fngate's wheels and redis-server and
+    runs the serving path at once; each later call one part alone (no part is named by two calls,
+    so the machine keeps each), the last of them running what needs the whole wheel."""
     first = [".gpu/parts.json"] if record else []
     first += [".gpu/wheels"] if has_wheels else []
     first += [".gpu/redis"] if has_redis else []
     parts = [f".gpu/{part['name']}" for part in record["parts"]] if record else []
-    return [[*first, *parts[:1]], *([".gpu/parts.json", part] for part in parts[1:])]
+    return [first, *([".gpu/parts.json", part] for part in parts)]
 
 
 def lost(record: dict[str, Any], here: Sequence[str], wheels_here: int) -> bool:
     """Whether something an earlier call carried is missing: a part before one that is here (each
-    call carries the next part), or some of the wheels `pack` counted (the first call's)."""
+    call after the first carries the next part), or some of the wheels `pack` counted (the first
+    call's)."""
     order = [part["name"] for part in record["parts"]]
-    latest = max((order.index(name) for name in here), default=-1)
+    latest = max((order.index(name) for name in here), default=0)  # none here: call 1's
     return any(name not in here for name in order[:latest]) or wheels_here < record.get("wheels", 0)

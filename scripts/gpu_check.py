@@ -6,8 +6,10 @@
 
 On the GPU machine, every call the same command (each call carrying what `pack` says):
 
-    python3 scripts/gpu_check.py device --out DIR [--budget-s S]   keeps the parts that came; once
-        all have, puts onnxruntime-gpu together, checks it, and runs `all` with it
+    python3 scripts/gpu_check.py device --out DIR [--budget-s S]   call 1 (fngate's wheels and
+        redis-server) runs the serving stage at once: GPU Python functions through the runner and
+        under fngate up; the next calls keep the parts of onnxruntime-gpu that came; the one that
+        brings the last puts it together, checks it and runs the ONNX stage
     python3 scripts/gpu_check.py all --out DIR [--wheels DIR] [--budget-s S]   every step below
     python3 scripts/gpu_check.py check          what the machine has, one line per missing piece
 
@@ -84,11 +86,16 @@ GPU_MODULES = (
     "runner.backends.python",
     "bench.gpu",
 )
-GPU_TESTS = (
-    "tests/runner/test_gpu_backends.py",
-    "tests/runner/test_gpu_memory.py",
-    "tests/runner/test_gpu_python.py",
-)
+SERVING, ONNX, ALL = "serving", "onnx", "all"
+"""The stages of a device run: the first call proves the serving path with what the machine has and
+fngate's wheels; the last, once onnxruntime-gpu's parts have come, runs its steps. `all`: both."""
+BUDGET_S = {SERVING: 200.0, ONNX: 240.0, ALL: 360.0}
+"""Each stage's budget unless --budget-s (or GPU_CHECK_BUDGET_S) says otherwise: call 1's leaves
+room in the 15 minutes of device time for it to run twice, the parts' calls and the last one."""
+GPU_TESTS = {
+    SERVING: ("tests/runner/test_gpu_python.py",),
+    ONNX: ("tests/runner/test_gpu_backends.py", "tests/runner/test_gpu_memory.py"),
+}
 
 
 # ---------------------------------------------------------------- the steps and their budget
@@ -226,6 +233,15 @@ def summary(outcomes: Sequence[Outcome]) -> str:
                 if isinstance(found.get(model), dict) and isinstance(found[model].get("batches"), dict):
                     lines += [f"{model}:", "", *batch_table(found[model]["batches"]), ""]
                     found[model] = {key: value for key, value in found[model].items() if key != "batches"}
+            functions = found.get("functions")
+            if isinstance(functions, dict):  # the serving step's, function by function
+                found["functions"] = dict(functions)
+                for name, item in functions.items():
+                    if isinstance(item, dict) and isinstance(item.get("batches"), dict):
+                        lines += [f"{name}:", "", *batch_table(item["batches"]), ""]
+                        found["functions"][name] = {
+                            key: value for key, value in item.items() if key != "batches"
+                        }
         lines.append(f"`{json.dumps(found)}`")
     return "\n".join(lines) + "\n"
 
@@ -248,10 +264,10 @@ def batch_table(batches: dict[str, Any]) -> list[str]:
 
 
 def plan(
-    out: Path, wheels: Sequence[Path], scratch: Path, seconds: float, pack: Path = PACK
+    out: Path, wheels: Sequence[Path], scratch: Path, seconds: float, pack: Path = PACK, stage: str = ALL
 ) -> tuple[list[Step], dict[str, str]]:
-    """Every step of a device run and the environment they run in (the wheels' folder first, and
-    a carried redis-server on the PATH)."""
+    """The steps of a device run's `stage` and the environment they run in (the wheels' folder
+    first, and a carried redis-server on the PATH)."""
     python = sys.executable
     site = scratch / "site"
     environment = dict(os.environ, PYTHONUNBUFFERED="1", REQUIRE_GPU="1")
@@ -273,8 +289,6 @@ def plan(
         install += ["--disable-pip-version-check", "--upgrade", "--target", str(site)]
         steps.append(Step(f"install the wheels ({len(wheels)})", [*install, *map(str, wheels)], 120))
     me = [python, str(Path(__file__).resolve())]
-    pytest = [python, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-m", "gpu", "-v", "-rA"]
-    pytest += ["--durations=10", "-o", "timeout=90", *GPU_TESTS]
     steps += [
         Step("what the machine has", [*me, "check"], 60),
         Step("environment", [*measure, "environment", *timed], 45, needs="fngate"),
@@ -283,22 +297,34 @@ def plan(
         [*timed, "--engines", str(scratch / f"engines-{index}"), "--store", str(scratch / "store")]
         for index in range(2)
     ]
-    measured = [  # name, bench.gpu's arguments, limit s, what it needs besides fngate
+    serving = [  # name, bench.gpu's arguments (None: pytest), limit s, what it needs besides fngate
         ("GPU Python function through the runner", ["python-function", *timed], 75, "fngate"),
+        ("gpu-mlp and torch-mlp under fngate up", ["serving", *timed], 150, "redis-server"),
+        ("pytest -m gpu (Python functions)", None, 90, "fngate"),
+        ("GPU Python function through fngate up", ["up", *timed], 60, "redis-server"),
+    ]
+    onnx = [
         ("CUDA provider against a bare session.run", ["providers", *timed], 90, "onnxruntime-gpu"),
         ("accelerator tensorrt without TensorRT", ["tensorrt-fallback", *timed], 30, "onnxruntime-gpu"),
-        ("pytest -m gpu", None, 150, "fngate"),
-        ("GPU Python function through fngate up", ["up", *timed], 60, "redis-server"),
+        ("pytest -m gpu (ONNX and TensorRT)", None, 150, "onnxruntime-gpu"),
         ("timing tensorrt-fp16", ["config", "tensorrt-fp16", *timed], 60, "tensorrt"),
         ("timing tensorrt-native-fp16", ["config", "tensorrt-native-fp16", *timed], 60, "tensorrt"),
         ("cold start without a stored engine", ["cold", *cold[0]], 120, "tensorrt"),
         ("cold start with the stored engine", ["cold", *cold[1]], 60, "tensorrt"),
     ]
+    measured = {SERVING: serving, ONNX: onnx, ALL: serving + onnx}[stage]
     steps += [
-        Step(name, pytest if arguments is None else [*measure, *arguments], limit_s, needs)
+        Step(name, pytest_of(name) if arguments is None else [*measure, *arguments], limit_s, needs)
         for name, arguments, limit_s, needs in measured
     ]
     return steps, environment
+
+
+def pytest_of(name: str) -> list[str]:
+    """`pytest -m gpu` of the stage its step's name says."""
+    tests = GPU_TESTS[SERVING if "Python functions" in name else ONNX]
+    command = [sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-m", "gpu"]
+    return [*command, "-v", "-rA", "--durations=10", "-o", "timeout=90", *tests]
 
 
 NVIDIA_SMI = """
@@ -329,20 +355,28 @@ def empty_scratch(scratch: Path) -> None:
 
 
 def run_all(
-    out: Path, wheels: Sequence[Path], budget_s: float, scratch: Path, seconds: float = 1.0, pack: Path = PACK
+    out: Path,
+    wheels: Sequence[Path],
+    budget_s: float,
+    scratch: Path,
+    seconds: float = 1.0,
+    pack: Path = PACK,
+    stage: str = ALL,
+    earlier: Sequence[Outcome] = (),
 ) -> int:
-    """Exit status: 0 when every step passed, 2 when no GPU is visible, else 1."""
+    """The steps of `stage`, after `earlier` outcomes (an earlier call's, kept in the summary).
+    Exit status: 0 when every step passed, 2 when no GPU is visible, else 1."""
     empty_scratch(scratch)
     (out / "log.txt").unlink(missing_ok=True)
-    steps, environment = plan(out, wheels, scratch, seconds, pack)
+    steps, environment = plan(out, wheels, scratch, seconds, pack, stage)
     deadline = time.monotonic() + budget_s
-    outcomes = run_steps(steps[:1], out, budget_s, environment)
-    if outcomes[0].status != "PASS":
+    outcomes = run_steps(steps[:1], out, budget_s, environment, earlier=earlier)
+    if outcomes[-1].status != "PASS":
         print("gpu_check: no NVIDIA GPU is visible; nothing else is worth running", file=sys.stderr)
         return 2
     setup = [step for step in steps[1:] if not step.needs]
     outcomes = run_steps(setup, out, deadline - time.monotonic(), environment, earlier=outcomes)
-    found = next((o.result for o in outcomes if o.name == "what the machine has"), None)
+    found = next((o.result for o in reversed(outcomes) if o.name == "what the machine has"), None)
     missing = ["fngate"] if not isinstance(found, dict) or found.get("fngate_missing") else []
     if isinstance(found, dict):
         missing += list(found.get("gpu_missing", ()))
@@ -353,7 +387,7 @@ def run_all(
         rest, out, deadline - time.monotonic(), environment, missing=missing, earlier=outcomes
     )
     print((out / "summary.md").read_text())
-    return 0 if all(o.status == "PASS" for o in outcomes) else 1
+    return 0 if all(o.status == "PASS" for o in outcomes[len(earlier) :]) else 1
 
 
 # ---------------------------------------------------------------- check
@@ -559,11 +593,10 @@ def pack(onnxruntime_wheel: Path | None, with_redis: bool, have: str, part_bytes
             return 1
         (onnxruntime_wheel,) = download.glob("*.whl")
     tree = tree_bytes()
-    first = part_bytes - tree - wheels_bytes - redis_bytes
-    if first < 2**20:
-        print("gpu_check: the wheels leave no room for a part in the first call", file=sys.stderr)
+    if tree + wheels_bytes + redis_bytes > part_bytes:
+        print("gpu_check: the wheels and redis-server do not fit in the first call", file=sys.stderr)
         return 1
-    record = split(onnxruntime_wheel, PACK, first, part_bytes - tree)
+    record = split(onnxruntime_wheel, PACK, part_bytes - tree, part_bytes - tree)
     record["wheels"] = len(list((PACK / "wheels").glob("*.whl")))
     shutil.rmtree(PACK / "download", ignore_errors=True)
     (PACK / "parts.json").write_text(json.dumps(record, indent=1))
@@ -593,33 +626,46 @@ def copy_redis(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.iterdir())
 
 
-def device(out: Path, budget_s: float, scratch: Path, seconds: float, pack: Path = PACK) -> int:
-    """One call on the GPU machine: note which parts have come (received.txt in `out`); once all
-    have, put onnxruntime-gpu together and run `all` with every wheel. Exit 3 when parts are
-    missing that an earlier call should have left: the machine was handed back between calls."""
+def device(out: Path, budget_s: float | None, scratch: Path, seconds: float, pack: Path = PACK) -> int:
+    """One call on the GPU machine. The first (fngate's wheels and redis-server, no part of
+    onnxruntime-gpu yet) runs the serving stage at once and keeps its outcomes beside the parts;
+    the next ones note which parts have come (received.txt in `out`); the one that brings the last
+    puts onnxruntime-gpu together and runs the ONNX stage, its summary after the first call's.
+    Exit 3 when what an earlier call carried is gone (the machine was handed back between calls):
+    start again from call 1."""
     record = json.loads((pack / "parts.json").read_text()) if (pack / "parts.json").is_file() else None
     wheels = sorted((pack / "wheels").glob("*.whl"))
-    if record is not None:
-        here, missing = received(pack, record)
-        said = f"have {here or 'no part'}; to come {missing or 'nothing'}"
-        print(f"gpu_check: {record['wheel']}: {said}", flush=True)
-        if missing:
-            (out / "received.txt").write_text(said + "\n")
-            if lost(record, here, len(wheels)):
-                print(
-                    "gpu_check: what an earlier call carried is gone: start again from call 1",
-                    file=sys.stderr,
-                )
-                return 3
-            return 0
-        empty_scratch(scratch)
-        try:
-            wheels.append(reassemble(pack, record, scratch))
-        except ValueError as exc:
-            print(f"gpu_check: {exc}: start again from call 1", file=sys.stderr)
-            return 3
-        scratch = scratch / "run"
-    return run_all(out, wheels, budget_s, scratch, seconds, pack)
+    if record is None:  # nothing in parts: one call does everything
+        return run_all(out, wheels, budget_s or BUDGET_S[ALL], scratch, seconds, pack)
+    here, missing = received(pack, record)
+    said = f"have {here or 'no part'}; to come {missing or 'nothing'}"
+    print(f"gpu_check: {record['wheel']}: {said}", flush=True)
+    if lost(record, here, len(wheels)):
+        print("gpu_check: what an earlier call carried is gone: start again from call 1", file=sys.stderr)
+        return 3
+    kept = pack / "serving-results.json"
+    if not here:  # call 1
+        kept.unlink(missing_ok=True)
+        code = run_all(out, wheels, budget_s or BUDGET_S[SERVING], scratch, seconds, pack, SERVING)
+        if (out / "results.json").is_file():
+            shutil.copyfile(out / "results.json", kept)
+        (out / "received.txt").write_text(said + "\n")
+        return code
+    if missing:
+        (out / "received.txt").write_text(said + "\n")
+        return 0
+    earlier = [  # named apart from this call's own steps of the same names
+        Outcome(**(item | {"name": f"call 1: {item['name']}"})) for item in json.loads(kept.read_text())
+    ] if kept.is_file() else []  # fmt: skip
+    if not earlier:
+        print("gpu_check: call 1's results are not here: its summary is not repeated", flush=True)
+    empty_scratch(scratch)
+    try:
+        wheels.append(reassemble(pack, record, scratch))
+    except ValueError as exc:
+        print(f"gpu_check: {exc}: start again from call 1", file=sys.stderr)
+        return 3
+    return run_all(out, wheels, budget_s or BUDGET_S[ONNX], scratch / "run", seconds, pack, ONNX, earlier)
 
 
 def main() -> int:
@@ -632,7 +678,10 @@ def main() -> int:
         command = commands.add_parser(name)
         command.add_argument("--out", type=Path, required=True)
         command.add_argument(
-            "--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", "360"))
+            "--budget-s",
+            type=float,
+            default=float(os.environ["GPU_CHECK_BUDGET_S"]) if os.environ.get("GPU_CHECK_BUDGET_S") else None,
+            help="seconds for the steps of this call (default: the stage's, BUDGET_S)",
         )
         command.add_argument("--scratch", type=Path, default=default_scratch)
         command.add_argument("--seconds", type=float, default=1.0, help="each measurement's window")
@@ -659,7 +708,8 @@ def main() -> int:
     if arguments.command == "all":
         folder = arguments.wheels
         wheels = sorted(folder.glob("*.whl")) if folder is not None else []
-        return run_all(arguments.out, wheels, arguments.budget_s, arguments.scratch, arguments.seconds)
+        budget_s = arguments.budget_s or BUDGET_S[ALL]
+        return run_all(arguments.out, wheels, budget_s, arguments.scratch, arguments.seconds)
     if arguments.command == "device":
         return device(arguments.out, arguments.budget_s, arguments.scratch, arguments.seconds, arguments.pack)
     if arguments.command == "check":

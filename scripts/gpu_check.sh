@@ -4,11 +4,14 @@
 #
 #   scripts/gpu_check.sh
 #
-# Each call carries what `python scripts/gpu_check.py pack` wrote into .gpu/calls.json; the calls
-# before the last keep their part of onnxruntime-gpu and say which are still to come; the last puts
-# the wheel together, installs every wheel beside the machine's own packages and runs each step
-# under $GPU_CHECK_BUDGET_S (default 360 s). $PYTHON (default python3) runs everything; $OUT
-# (default gpu-results) receives summary.md (the one to quote), results.json and log.txt.
+# Each call carries what `python scripts/gpu_check.py pack` wrote into .gpu/calls.json. Call 1
+# (fngate's wheels and redis-server) runs the serving stage at once: the GPU Python functions
+# through the runner and under `fngate up`, the Python GPU tests. The next calls each keep a part
+# of onnxruntime-gpu and say which are still to come; the one that brings the last puts the wheel
+# together, installs every wheel beside the machine's own packages and runs the ONNX stage. Each
+# stage's steps run under $GPU_CHECK_BUDGET_S (default 200 s for call 1, 240 s for the last). $PYTHON (default python3) runs
+# everything; $OUT (default gpu-results) receives summary.md (the one to quote), results.json and
+# log.txt.
 # Exit status: 0 when every step passed, 2 when no GPU is visible, 3 when parts an earlier call
 # carried are gone (the machine was handed back: start again from call 1), else 1.
 set -uo pipefail
@@ -26,4 +29,4 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   exit 1
 fi
 mkdir -p "$out"
-exec "$python" scripts/gpu_check.py device --out "$out" --budget-s "${GPU_CHECK_BUDGET_S:-360}"
+exec "$python" scripts/gpu_check.py device --out "$out"

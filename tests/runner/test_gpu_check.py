@@ -8,11 +8,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -135,17 +137,19 @@ def test_a_wheel_in_parts_is_put_together_and_checked(tmp_path: Path) -> None:
     parts.mkdir()
     record = check.split(wheel, parts, 1000, 4000)
     assert [part["bytes"] for part in record["parts"]] == [1000, 4000, 4000, 1000]
-    assert check.calls(record, True, False) == [
-        [".gpu/parts.json", ".gpu/wheels", ".gpu/part-1"],
+    assert check.calls(record, True, True) == [
+        [".gpu/parts.json", ".gpu/wheels", ".gpu/redis"],  # the serving path runs at once
+        [".gpu/parts.json", ".gpu/part-1"],
         [".gpu/parts.json", ".gpu/part-2"],
         [".gpu/parts.json", ".gpu/part-3"],
         [".gpu/parts.json", ".gpu/part-4"],
     ]
-    # Call 2 of 4 on a machine that kept call 1's: nothing lost; on a fresh machine: lost.
+    # Call 3 of 5 on a machine that kept calls 1 and 2's: nothing lost; on a fresh machine: lost.
     record["wheels"] = 12
+    assert not check.lost(record, [], 12)
     assert not check.lost(record, ["part-1", "part-2"], 12)
-    assert check.lost(record, ["part-2"], 0)
-    assert check.lost(record, ["part-1", "part-2"], 0)  # the wheels came with part 1
+    assert check.lost(record, ["part-2"], 12)
+    assert check.lost(record, ["part-1", "part-2"], 0)  # the wheels came with call 1
     target = tmp_path / "target"
     target.mkdir()
     assert check.reassemble(parts, record, target).read_bytes() == wheel.read_bytes()
@@ -180,15 +184,20 @@ def stand_in_wheel(folder: Path) -> Path:
 
 def test_a_dry_run_of_the_device_run(tmp_path: Path) -> None:
     """The calls of a device run on this machine, with a stand-in nvidia-smi and a stand-in wheel
-    in three parts: the first calls keep what came, a call on a machine that lost them says so,
-    the last puts the wheel together, installs it and runs every step. Without a GPU the steps
-    that need one fail, each with its figures; those that need what is not here are skipped."""
+    in three parts. Call 1 (no part) runs the serving stage at once: the GPU Python function
+    through the runner and under `fngate up`; the next calls keep what came, one on a machine that
+    lost them says so, and the one that brings the last puts the wheel together, installs it and
+    runs the ONNX stage, its summary after call 1's. Without a GPU the steps that need one fail,
+    each with its figures; those that need what is not here are skipped."""
     check = gpu_check()
     pack, bin_folder, scratch = tmp_path / "pack", tmp_path / "bin", tmp_path / "scratch"
-    for folder in (pack / "wheels", bin_folder, scratch):
+    for folder in (pack / "wheels", pack / "redis", bin_folder, scratch):
         folder.mkdir(parents=True)
     (bin_folder / "nvidia-smi").write_text(NVIDIA_SMI)
     (bin_folder / "nvidia-smi").chmod(0o755)
+    server = shutil.which("redis-server")
+    assert server is not None
+    (pack / "redis" / "redis-server").symlink_to(server)  # as `pack --redis` carries it
     wheel = stand_in_wheel(tmp_path)
     record = check.split(wheel, pack, 2000, 2000)
     (pack / "parts.json").write_text(json.dumps(record))
@@ -197,7 +206,7 @@ def test_a_dry_run_of_the_device_run(tmp_path: Path) -> None:
     (scratch / ".fngate-gpu-check").touch()
     (scratch / "left-by-an-earlier-run").write_text("stale")
     env = {key: value for key, value in os.environ.items() if not key.startswith(("FNGATE_", "REQUIRE_GPU"))}
-    env["PATH"] = str(bin_folder)  # no redis-server, no readelf: the steps that need them say so
+    env["PATH"] = os.pathsep.join([str(bin_folder), str(Path(sys.executable).parent), "/usr/bin", "/bin"])
 
     def call(number: int, *here: str) -> subprocess.CompletedProcess[str]:
         for name, data in parts.items():
@@ -206,41 +215,66 @@ def test_a_dry_run_of_the_device_run(tmp_path: Path) -> None:
                 (pack / name).write_bytes(data)
         out = tmp_path / f"out-{number}"
         command = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "device", "--out", str(out)]
-        command += ["--pack", str(pack), "--scratch", str(scratch), "--seconds", "0.01", "--budget-s", "240"]
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=280, check=False)
+        command += ["--pack", str(pack), "--scratch", str(scratch), "--seconds", "0.05", "--budget-s", "300"]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=340, check=False)
+
+    def statuses(out: Path) -> dict[str, dict[str, Any]]:
+        return {item["name"]: item for item in json.loads((out / "results.json").read_text())}
 
     names = list(parts)
-    first = call(1, names[0])
-    assert first.returncode == 0, first.stderr
+    first = call(1)
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]  # no GPU: its steps fail
     assert "to come" in (tmp_path / "out-1" / "received.txt").read_text()
-    lost = call(2, names[1])  # a fresh machine: part 1 is gone
-    assert lost.returncode == 3 and "start again from call 1" in lost.stderr
-    done = call(3, *names)
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    out = tmp_path / "out-3"
-    assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "summary.md"]
     assert not (scratch / "left-by-an-earlier-run").exists()
-    outcomes = {item["name"]: item for item in json.loads((out / "results.json").read_text())}
-    statuses = {name: item["status"] for name, item in outcomes.items()}
-    assert statuses["a GPU is visible (nvidia-smi)"] == "PASS"
-    assert outcomes["a GPU is visible (nvidia-smi)"]["result"][0]["name"] == "NVIDIA H200"
-    assert statuses["install the wheels (1)"] == "PASS"
-    assert (scratch / "run" / "site" / "fngate_standin" / "__init__.py").is_file()
-    assert statuses["what the machine has"] == "PASS"
-    assert statuses["environment"] == "PASS"
-    assert outcomes["environment"]["result"]["cuda_problem"] == ""
+    served = statuses(tmp_path / "out-1")
+    assert served["a GPU is visible (nvidia-smi)"]["result"][0]["name"] == "NVIDIA H200"
+    assert served["environment"]["status"] == "PASS"
     # The GPU function ran through the runner on the CPU, said why, and its process ended on the
     # idle unload.
-    function = outcomes["GPU Python function through the runner"]
+    function = served["GPU Python function through the runner"]
     assert function["status"] == "FAIL (exit 1)"
     assert function["result"]["device"] == "python" and function["result"]["fallback_reason"]
     assert function["result"]["process_ended_after_s"] is not None
     assert function["result"]["max_abs_diff_runner_vs_direct"] == 0.0
     assert set(function["result"]["batches"]) == {"1", "4", "16", "64", "256", "1024"}
-    assert statuses["pytest -m gpu"].startswith("FAIL")  # REQUIRE_GPU=1: no GPU fails, not skips
-    assert statuses["CUDA provider against a bare session.run"] == "SKIPPED (needs onnxruntime-gpu)"
-    assert statuses["GPU Python function through fngate up"] == "SKIPPED (needs redis-server)"
-    assert statuses["timing tensorrt-fp16"] == "SKIPPED (needs tensorrt)"
-    assert statuses["cold start with the stored engine"] == "SKIPPED (needs tensorrt)"
+    # Under fngate up: gpu-mlp from no runner to its answer, the phases it waited for, every batch
+    # size; torch-mlp says why it did not load (no torch here); no GPU memory to budget.
+    up = served["gpu-mlp and torch-mlp under fngate up"]
+    assert up["status"] == "FAIL (exit 1)"
+    mlp = up["result"]["functions"]["gpu-mlp"]
+    assert mlp["cold"]["status"] == 200 and {"start", "load", "exec"} <= set(mlp["cold"]["phases_ms"])
+    assert all("rows_per_s" in row for row in mlp["batches"].values()) and len(mlp["batches"]) == 6
+    assert "torch" in up["result"]["functions"]["torch-mlp"]["cold"]["error"]
+    assert up["result"]["together"]["gpu-mlp"]["failed"] == 0
+    assert "skipped" in up["result"]["eviction"]
+    assert served["pytest -m gpu (Python functions)"]["status"].startswith("FAIL")  # REQUIRE_GPU=1
+    assert served["GPU Python function through fngate up"]["status"].startswith("FAIL")
+    assert not any(name.startswith("CUDA provider") for name in served)  # the ONNX stage's
+
+    lost = call(2, names[1])  # a fresh machine: part 1 is gone
+    assert lost.returncode == 3 and "start again from call 1" in lost.stderr
+    waiting = call(3, *names[:-1])
+    assert waiting.returncode == 0 and "to come" in (tmp_path / "out-3" / "received.txt").read_text()
+    done = call(4, *names)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out-4"
+    assert sorted(path.name for path in out.iterdir()) == ["log.txt", "results.json", "summary.md"]
+    outcomes = statuses(out)
+    assert outcomes["install the wheels (1)"]["status"] == "PASS"
+    assert (scratch / "run" / "site" / "fngate_standin" / "__init__.py").is_file()
+    assert outcomes["what the machine has"]["status"] == "PASS"
+    assert outcomes["call 1: gpu-mlp and torch-mlp under fngate up"] == up | {  # kept
+        "name": "call 1: gpu-mlp and torch-mlp under fngate up"
+    }
+    assert outcomes["CUDA provider against a bare session.run"]["status"] == "SKIPPED (needs onnxruntime-gpu)"
+    assert outcomes["pytest -m gpu (ONNX and TensorRT)"]["status"] == "SKIPPED (needs onnxruntime-gpu)"
+    assert outcomes["timing tensorrt-fp16"]["status"] == "SKIPPED (needs tensorrt)"
     summary = (out / "summary.md").read_text()
-    assert "| 1024 | " in summary and "## GPU Python function through the runner" in summary
+    assert summary.index("| call 1: gpu-mlp and torch-mlp under fngate up |") < summary.index(
+        "| CUDA provider"
+    )
+    assert "| 1024 | " in summary and "## call 1: GPU Python function through the runner" in summary
+    assert (
+        "## call 1: gpu-mlp and torch-mlp under fngate up\n\ngpu-mlp:\n\n| batch | rows/s | p50 ms |"
+        in summary
+    )
