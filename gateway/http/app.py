@@ -14,13 +14,11 @@ from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from gateway.auth import ADMIN, ANY, BROWSE, READ, KeyTable
 from gateway.http import admin, deployments, endpoints, results
-from gateway.http.compression import GzipLargeResponses
+from gateway.http.compression import GZIP_MIN_BYTES, GzipLargeResponses
 from gateway.http.errors import handle_function_error, handle_unknown_route
 from gateway.http.guard import OPEN_ROUTE, Guarded
 from gateway.http.invoke import InvokeRoutes
 from gateway.http.tracing import TracingMiddleware
-
-GZIP_MIN_BYTES = 64 * 1024
 
 # The invocation routes are gateway.http.invoke's, in front of these. Each route names the scope
 # its callers' keys need (gateway.http.guard.Guarded).

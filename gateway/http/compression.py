@@ -8,6 +8,10 @@ from __future__ import annotations
 from starlette.middleware.gzip import GZipResponder
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+GZIP_MIN_BYTES = 64 * 1024
+"""An answer this large or larger is compressed for a client whose Accept-Encoding names gzip (on
+the lean invoke path and through the ASGI app alike)."""
+
 
 class GzipLargeResponses:
     def __init__(self, app: ASGIApp, minimum_bytes: int) -> None:

@@ -27,12 +27,12 @@ from gateway.call import Call
 from gateway.http import invoke
 from gateway.http.bodies import STREAM_FROM_BYTES, StreamedBody
 from gateway.http.codec import InferRequest
+from gateway.http.compression import GZIP_MIN_BYTES, accepts_gzip
 from gateway.http.errors import BodyTimeout
 from gateway.state import Services
 from gateway.validation import parse_now
 
 log = logging.getLogger(__name__)
-GZIP_MIN_BYTES = 64 * 1024
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 REASONS = {200: b"OK", 202: b"Accepted"}
 
@@ -93,9 +93,7 @@ class Exchange:
         request, settings = self.request, self.services.settings
         headers = self.cycle.scope["headers"]
         request.read_headers(headers)
-        self._accepts_gzip = any(
-            name == b"accept-encoding" and b"gzip" in value.lower() for name, value in headers
-        )
+        self._accepts_gzip = accepts_gzip(headers)
         try:
             self.principal = invoke.authorize(self.services, request)
             declared = request.content_length
@@ -307,7 +305,7 @@ class Exchange:
             content = gzip.compress(content, compresslevel=5)
             headers = [*headers, (b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
         head = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status) or _reason(status))]
-        for name, value in headers:
+        for name, value in (*cycle.default_headers, *headers):  # uvicorn's date (and server), as on ASGI
             head += (name, b": ", value, b"\r\n")
         head.append(b"content-length: %d\r\n" % len(content))
         if not cycle.keep_alive:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import gzip
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -336,6 +338,23 @@ async def post_raw(base: str, path: str, body: bytes, *headers: str) -> tuple[in
             await sending
         await hang_up(writer)
     return int(response.split(b" ")[1]), content
+
+
+@pytest.mark.parametrize("server", SERVERS)
+async def test_an_invocations_answer_carries_the_date_as_every_answer_does(
+    gateway_with_pid: Callable[..., Any], server: str
+) -> None:
+    """uvicorn's lean invoke path writes its answers itself: they carry the server's Date header
+    (RFC 9110) as the ASGI app's answers do, on either server."""
+    base, _ = gateway_with_pid(FNGATE_SERVER=server)
+    await wait_http(base)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        refused = await client.post("/v2/models/classifier/infer", content=b"{}")
+        live = await client.get("/v2/health/live")
+    assert refused.status_code == 400, refused.text
+    for answer in (refused, live):
+        sent = email.utils.parsedate_to_datetime(answer.headers["date"])
+        assert abs(sent.timestamp() - time.time()) < 5, answer.headers
 
 
 @pytest.mark.parametrize("server", SERVERS)
