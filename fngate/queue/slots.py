@@ -25,10 +25,13 @@ from fngate.queue.steps import forward_call
 from fngate.queue.stored import PACKED_LUA, QUOTA_LUA, STORE_RESULT_LUA, Charge, parse_charges
 
 # KEYS: streams and cache entries of one slot. ARGV[1]: the reply streams' maxlen, then groups of
-# six: the kind ('r' a reply, 'c' a cache entry), the index of its key in KEYS, header, body, then
-# for a reply the invocation it answers ('' its own: the reply's) and how long in ms to keep it
-# (0: a gateway's reply stream; else an asynchronous result's, stored as FINISH stores it), for a
-# cache entry its TTL in s and ''. Replies go only to streams that exist (NOMKSTREAM), as FINISH's.
+# six: the kind ('r' a reply, 'p' replies packed into one entry, 'c' a cache entry), the index of
+# its key in KEYS, header, body (packed: the headers as one JSON array and the bodies back to back,
+# HEADERS and BODIES, as FINISH packs a batch's replies to one gateway), then for a reply the
+# invocation it answers ('' its own: the reply's) and how long in ms to keep it (0: a gateway's
+# reply stream; else an asynchronous result's, stored as FINISH stores it), for a cache entry its
+# TTL in s and '' (packed: '' and ''). Replies go only to streams that exist (NOMKSTREAM), as
+# FINISH's.
 # Answers what the results it stored owe quotas in other slots ({{quota, bytes, ttl_ms}, ...}).
 DELIVER = (
     STORE_RESULT_LUA
@@ -40,6 +43,8 @@ for at = 2, #ARGV, 6 do
   if ARGV[at] == 'c' then
     redis.call('HSET', key, 'h', h, 'b', b)
     redis.call('EXPIRE', key, ARGV[at + 4])
+  elseif ARGV[at] == 'p' then
+    redis.call('XADD', key, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'H', h, 'B', b)
   elseif ARGV[at + 4] ~= '' then
     redis.call('XADD', key, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*', 'h', h, 'b', b, 'for', ARGV[at + 4])
   elseif ARGV[at + 5] ~= '0' then
@@ -266,9 +271,18 @@ def split_replies(stream: str, replies: Sequence[Outgoing]) -> Split:
 
 
 def deliver_calls(deliveries: Sequence[Delivery], reply_maxlen: int) -> list[ScriptCall]:
-    """One DELIVER per slot."""
+    """One DELIVER per slot. The replies to one gateway's stream that need nothing but delivery
+    (not an identical invocation's, not kept as a result) travel packed in one entry, as FINISH
+    packs them on one Redis: one XADD, and one entry for the gateway to read, per gateway."""
+    plain: dict[str, list[Delivery]] = {}
+    for item in deliveries:
+        if not (item.is_cached or item.answers or item.ttl_ms):
+            plain.setdefault(item.key, []).append(item)
+    packed = {key: items for key, items in plain.items() if len(items) > 1}
     by_slot: dict[int, tuple[dict[str, int], list[bytes | str | int | float]]] = {}
     for item in deliveries:
+        if item.key in packed and not (item.is_cached or item.answers or item.ttl_ms):
+            continue
         named, args = by_slot.setdefault(keys.slot(item.key), ({}, [reply_maxlen]))
         index = named.setdefault(item.key, len(named) + 1)
         fields = (item.fields[HEADER], item.fields.get(BODY, b""))
@@ -276,6 +290,11 @@ def deliver_calls(deliveries: Sequence[Delivery], reply_maxlen: int) -> list[Scr
             args += ["c", index, *fields, item.cache_ttl_s, ""]
         else:
             args += ["r", index, *fields, item.answers, item.ttl_ms]
+    for key, items in packed.items():
+        named, args = by_slot.setdefault(keys.slot(key), ({}, [reply_maxlen]))
+        headers = b"[" + b",".join(item.fields[HEADER] for item in items) + b"]"
+        bodies = b"".join(item.fields.get(BODY, b"") for item in items)
+        args += ["p", named.setdefault(key, len(named) + 1), headers, bodies, "", ""]
     return [ScriptCall(list(named), args) for named, args in by_slot.values()]
 
 
