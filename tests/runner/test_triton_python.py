@@ -150,6 +150,9 @@ class TritonPythonModel:
 
 
 def test_an_async_execute_is_awaited_on_one_loop_that_outlives_each_batch(tmp_path: Path) -> None:
+    from runner.triton.model import provide_utils
+
+    provide_utils()  # the model imports triton_python_backend_utils, whichever test ran before
     module = types.ModuleType("model")
     exec(compile(ASYNC_SOURCE, "model.py", "exec"), module.__dict__)
     config = {"name": "waiter", "max_batch_size": 4, "output": [{"name": "Y"}, {"name": "T"}]}
