@@ -120,6 +120,10 @@ class ModelSpec(_Frozen):
     """Executions of the model at once in one runner (Triton's instance_group count): as many
     sessions or processes, each counted in the runner's memory budget (docs/memory.md)."""
     rate_limiter: RateLimiterSpec = RateLimiterSpec()
+    decoupled: bool = False
+    """python backend, a Triton Python model with `model_transaction_policy { decoupled: true }`:
+    it answers each request through a response sender, any number of responses, streamed to the
+    caller as they are made (gRPC ModelStreamInfer); it is not served by the one-answer routes."""
 
     @field_validator("path")
     @classmethod
@@ -137,7 +141,7 @@ class ModelSpec(_Frozen):
                 "function takes cpu or cuda"
             )
         if self.backend != "python":  # a stored manifest carries every default: only others count
-            for field in ("memory_limit_mb", "pids_limit", "working_folder_limit_mb"):
+            for field in ("memory_limit_mb", "pids_limit", "working_folder_limit_mb", "decoupled"):
                 if getattr(self, field) != ModelSpec.model_fields[field].default:
                     raise ValueError(f"{field} applies to the python backend only (its own process)")
         return self
@@ -426,6 +430,8 @@ class FunctionManifest(_Frozen):
             )
         if self.model_spec is not None and self.pipeline is not None:
             raise ValueError("a function has either a model or a pipeline, not both")
+        if self.model_spec is not None and self.model_spec.decoupled and self.cache.enabled:
+            raise ValueError("a decoupled model's answers are streams: its cache cannot be enabled")
         return self
 
     @model_validator(mode="after")

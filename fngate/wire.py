@@ -118,6 +118,9 @@ class Reply:
     timing: Mapping[str, float] | None = None
     """For an invocation that paid a cold start: what it waited for, phase -> milliseconds, in
     order (COLD_PHASES); None for the others."""
+    part: bool = False
+    """One of a decoupled model's responses, sent as it was made; the invocation's own reply (not
+    a part) ends them."""
 
     def encode(self) -> Fields:
         header: dict[str, Any] = {
@@ -129,6 +132,8 @@ class Reply:
         }
         if self.timing:
             header["tm"] = dict(self.timing)
+        if self.part:
+            header["p"] = 1
         if self.error is not None:
             header["code"] = self.error.code.value
             header["msg"] = self.error.message
@@ -150,6 +155,7 @@ class Reply:
             batch_id=header.get("batch", ""),
             batch_size=header.get("bsize", 0),
             timing=_timing(header.get("tm")),
+            part=bool(header.get("p")),
         )
 
 

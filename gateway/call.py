@@ -5,12 +5,14 @@ it arrived."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from opentelemetry.trace import Span
 
 from fngate import queue
 from fngate.repository import FunctionVersion
 from fngate.tensors import Tensors
+from fngate.wire import Reply
 from gateway.auth import OPEN, Principal
 
 
@@ -59,3 +61,6 @@ class Call:
     queue_timeout_us: int | None = None
     """Triton's `timeout` parameter as a queue timeout, where the level's policy lets it shorten its
     own (fngate.queue.place)."""
+    on_part: Callable[[Reply], None] | None = None
+    """A decoupled model's call (streamed): told each of its responses as it comes, before the
+    call's own answer (which carries no outputs) ends them."""

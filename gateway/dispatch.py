@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from fngate import keys, queue, statistics, telemetry
 from fngate.backoff import Health
-from fngate.errors import DeadlineExceeded, FunctionError, Internal, Overloaded, Unavailable
+from fngate.errors import DeadlineExceeded, FunctionError, Internal, InvalidArgument, Overloaded, Unavailable
 from fngate.fastredis import FastRedis, Script
 from fngate.manifest import BatchingSpec
 from fngate.plan import Plan
@@ -115,6 +115,8 @@ class Dispatcher:
         answer: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         try:
             self._check_available()
+            if call.on_part is None:
+                _check_one_answer(call)
             plan, steps = self._plan(call)
             admission = self._admission(call)
             split = self._slots is not None
@@ -156,6 +158,7 @@ class Dispatcher:
         assert later is not None
         try:
             self._check_available()
+            _check_one_answer(call)
             plan, steps = self._plan(call)
             if self._deadline_admission:
                 await self._check_async_deadline(call, plan)
@@ -623,6 +626,10 @@ class _Flight:
             self.dispatcher._background(self._forward_rest(self.dispatcher._slots))
 
     def _replied(self, reply: Reply) -> None:
+        if reply.part:  # a decoupled model's response, on its way
+            if self.call.on_part is not None and not self.answer.done():
+                self.call.on_part(reply)
+            return
         if reply.error is not None:
             self._fail(reply.error)
         else:
@@ -705,6 +712,17 @@ class _Flight:
         else:
             metrics.failed(name, error.code.value if isinstance(error, FunctionError) else "internal")
             metrics.took(name, call.started)
+
+
+def _check_one_answer(call: Call) -> None:
+    """A decoupled model answers a request with any number of responses: only a stream carries them."""
+    spec = call.function.manifest.model_spec
+    if spec is not None and spec.decoupled:
+        raise InvalidArgument(
+            f"model '{call.function.manifest.model_name}' is decoupled (any number of responses a "
+            "request): call it over gRPC ModelStreamInfer, which streams its responses; this route "
+            "answers once"
+        )
 
 
 def _count_lookup(function: str, outcome: queue.SubmitOutcome) -> None:

@@ -146,7 +146,9 @@ class ReplyRouter:
             log.exception("dropping a reply entry that does not decode")
             return
         for reply in replies:
-            receive = self._waiting.pop(queue.answered_id(fields, reply.id), None)
+            waiting = queue.answered_id(fields, reply.id)
+            # A streamed response keeps the invocation waiting: its own reply ends it.
+            receive = self._waiting.get(waiting) if reply.part else self._waiting.pop(waiting, None)
             if receive is not None:
                 receive(reply)
 

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -24,9 +25,11 @@ from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError, Unavailable
 from fngate.fastredis import Script
 from fngate.repository import FunctionVersion
+from fngate.tensors import Tensors
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
 from runner.accounting import Accounting
+from runner.backends import PartSink
 from runner.batching import Arrivals, BatchCost, Pending, decide
 from runner.execution import failed_together, left_by, run_batch, shape_key
 from runner.metrics import INVOCATIONS, MEMORY_REFUSALS
@@ -82,6 +85,10 @@ class FunctionConsumer:
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
         self._left: dict[tuple[int, bytes], float] = {}
+        self._part_sends: list[asyncio.Future[Any]] = []
+        """A decoupled model's responses on their way: a batch's replies wait for them, so that no
+        caller hears its request's end before one of its responses (on a Redis Cluster a first
+        command can wait for the slot map while a later one goes at once)."""
         """(level, entry id) of invocations whose callers left after this runner read them, as the
         gateways said (keys.left_channel), with when: answered unrun at the next step."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
@@ -430,7 +437,8 @@ class FunctionConsumer:
                 try:
                     async with self._models.slots.hold(model.function.manifest.model.rate_limiter.resources):
                         computed = time.perf_counter()
-                        replies = await run_batch(self._models, model, invocations, batch_id)
+                        parts = self._parts(model, invocations)
+                        replies = await run_batch(self._models, model, invocations, batch_id, parts)
                 finally:
                     await self._models.release(model)
                     reported, cpu_s = left_by(model.backend, batch_id)
@@ -470,6 +478,32 @@ class FunctionConsumer:
             version, invocations, reported, charged_s, self.function.manifest.batched, cpu_s
         )
 
+    def _parts(self, model: LoadedModel, invocations: Sequence[Invocation]) -> PartSink | None:
+        """Where a decoupled model's responses go as they come (from the batch's thread): each to
+        its invocation's reply stream, on this loop, before the batch's own replies."""
+        if not model.function.manifest.model.decoupled:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def sink(index: int, outputs: Tensors, error: FunctionError | None) -> None:
+            loop.call_soon_threadsafe(self._send_part, invocations[index], outputs, error)
+
+        return sink
+
+    def _send_part(self, invocation: Invocation, outputs: Tensors, error: FunctionError | None) -> None:
+        fields = Reply(invocation.id, invocation.version, outputs, error, part=True).encode()
+        maxlen = self._settings.reply_maxlen
+        sent = self._writes.send(
+            *("XADD", invocation.reply_to, "NOMKSTREAM", "MAXLEN", "~", maxlen, "*"),
+            *("h", fields[queue.HEADER], "b", fields[queue.BODY]),
+        )
+        sent.add_done_callback(self._part_sent)
+        self._part_sends.append(sent)
+
+    def _part_sent(self, future: asyncio.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("%s: a streamed response was lost: %s", self.function.name, future.exception())
+
     def _split(self, batch: Sequence[Entry], error: FunctionError) -> None:
         """A batch failed as a whole (its process died or hung, its backend raised): which of its
         invocations caused it is unknown, so each runs again in a batch of its own, first; the
@@ -500,6 +534,9 @@ class FunctionConsumer:
         """The batch's replies and acknowledgements (Outbox.send). When Redis fails here, the entries
         stay unacknowledged in our pending list: claimed and answered again once it is back (at
         least once), never lost, and the runner goes on."""
+        if self._part_sends:
+            sending, self._part_sends = self._part_sends, []
+            await asyncio.gather(*sending, return_exceptions=True)  # each failure is logged
         try:
             levels = sorted({entry.level for entry in entries})
             if len(levels) == 1:  # the usual batch: one level, one round trip, no task

@@ -19,7 +19,7 @@ from fngate.errors import FunctionError, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.tensors import DATATYPES, Tensors, encoded_bytes
 from fngate.wire import Invocation, Reply
-from runner.backends import Backend, MemberErrors, take_cpu
+from runner.backends import Backend, MemberErrors, PartSink, set_part_sink, take_cpu
 
 if TYPE_CHECKING:
     from runner.models import LoadedModel, LoadedModels
@@ -33,14 +33,21 @@ def shape_key(invocation: Invocation) -> tuple[tuple[int, ...], ...]:
 
 
 async def run_batch(
-    models: LoadedModels, model: LoadedModel, batch: Sequence[Invocation], batch_id: str
+    models: LoadedModels,
+    model: LoadedModel,
+    batch: Sequence[Invocation],
+    batch_id: str,
+    parts: PartSink | None = None,
 ) -> list[Reply]:
     """`execute` in a worker thread. A backend of the runner's own process cannot be stopped: past
     the function's execution timeout its invocations are answered model_timeout at once, and the
     runner keeps the model open for the thread, gives it no work and reports it stuck until the
-    thread returns. (The python backend enforces the timeout itself, by stopping its process.)"""
+    thread returns. (The python backend enforces the timeout itself, by stopping its process.)
+    `parts`: where a streaming model's responses go as they come."""
     manifest = model.function.manifest
     loop = asyncio.get_running_loop()
+    if parts is not None:
+        part_sinks[batch_id] = parts
     pace = _paces.get(model.backend)
     if pace is not None and pace.inline:
         replies = _run_inline(pace, model.backend, manifest, batch, batch_id)
@@ -196,6 +203,8 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+part_sinks: dict[str, PartSink] = {}
+"""batch id -> where its responses go as they come (a streaming model's batch), until it runs."""
 _batch_cpu: dict[str, float] = {}
 """batch id -> the CPU seconds its backend measured, until the consumer takes it (batch_cpu_s)."""
 
@@ -213,9 +222,11 @@ def execute(
 ) -> list[Reply]:
     """Blocking: run it in a worker thread. Never raises; a failure becomes each member's reply."""
     take_cpu()  # what an earlier batch on this thread left, if it ended before saying it
+    set_part_sink(part_sinks.pop(batch_id, None))
     try:
         return _execute(backend, manifest, batch, batch_id)
     finally:
+        set_part_sink(None)
         seconds = take_cpu()
         if seconds is not None:
             _batch_cpu[batch_id] = seconds
@@ -234,6 +245,13 @@ def _execute(
             results, failed = exc.outputs, exc.errors
             if len(failed) == len(batch):
                 return [_failed(item, failed[index], batch_id, total) for index, item in enumerate(batch)]
+        if manifest.model.decoupled:  # its responses went to their callers as they came
+            return [
+                _failed(item, failed[index], batch_id, total)
+                if index in failed
+                else Reply(item.id, item.version, {}, None, batch_id, total)
+                for index, item in enumerate(batch)
+            ]
         served = sum(count for index, count in enumerate(rows) if index not in failed)
         given = reshaped(manifest.outputs, results, manifest.batched)
         outputs = check_outputs(manifest, given, served if manifest.batched else None)

@@ -251,6 +251,22 @@ class ModelCalls:
             return str(answer["error"])
         return unpack_tensors(answer.get("tensors") or [], body)
 
+    def sent(
+        self,
+        index: int,
+        final: bool,
+        outputs: Mapping[str, np.ndarray[Any, Any]],
+        error: tuple[str, str] | None,
+    ) -> None:
+        """A decoupled model's response to request `index` of the batch, up the replies pipe
+        ({"op": "sent"}) as it is made; `final` ends that request's responses."""
+        specs, buffers = pack_tensors(outputs)
+        header: dict[str, Any] = {"op": "sent", "index": index, "final": final, "tensors": specs}
+        if error is not None:
+            header["error"] = list(error)
+        with self._sending:
+            send(self._replies, header, buffers)
+
     def _await(self, call_id: int) -> tuple[dict[str, Any], Any]:
         while True:
             with self._arrived:

@@ -103,7 +103,8 @@ WHY = {
     "model_warmup": "no warm-up requests are run at load",
     "instance_group.rate_limiter": "a runner serves its execution slots first come first served, "
     "for its own device (no priority, no global resources)",
-    "model_transaction_policy": "decoupled models (several responses per request) are not served",
+    "model_transaction_policy": "decoupled models (several responses per request) are served for "
+    "Python models only",
     "dynamic_batching.preserve_ordering": "every invocation gets its own reply; there is no order to keep",
     "batch_input": "batch inputs are not formed",
     "batch_output": "batch outputs are not scattered",
@@ -249,6 +250,11 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
             "path": model_file,
             **_placement(config, backend),
             **_instances(config),
+            **(
+                {"decoupled": True}
+                if backend == "python" and config.model_transaction_policy.decoupled
+                else {}
+            ),
         }
     return Mapped(data, tuple(warnings), model_file)
 
@@ -384,6 +390,8 @@ def _warnings(config: pb.ModelConfig, backend: str, source: str) -> list[str]:
     """Every set field that fngate does not honour, once, with what fngate does instead."""
     seen: dict[str, None] = {}
     for path in set_fields(config):
+        if path == "model_transaction_policy.decoupled" and backend == "python":
+            continue  # a Python model's response sender streams (model.decoupled)
         if path not in HONOURED:
             top = next((key for key in WHY if path == key or path.startswith(f"{key}.")), path)
             seen.setdefault(f"{top}: not honoured ({WHY.get(top, 'ignored')})")

@@ -18,7 +18,15 @@ from opentelemetry.trace import SpanKind
 from tritonclient.grpc import service_pb2
 
 from fngate import telemetry
-from fngate.errors import ErrorCode, FunctionError, Internal, PayloadTooLarge, PermissionDenied, RateLimited
+from fngate.errors import (
+    ErrorCode,
+    FunctionError,
+    Internal,
+    Overloaded,
+    PayloadTooLarge,
+    PermissionDenied,
+    RateLimited,
+)
 from fngate.manifest import FunctionManifest
 from fngate.repository import FunctionVersion
 from fngate.tensors import Tensors
@@ -36,6 +44,9 @@ from gateway.validation import OFF_LOOP_BYTES, parse, parse_now, shown
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("fngate.gateway")
 STREAM_IN_FLIGHT = 256
+STREAM_BACKLOG = 1024
+"""Responses of a stream waiting for its client to read them: a decoupled model's past it are
+dropped, and its request ends with an error (a slow reader holds bounded memory)."""
 """Requests of one ModelStreamInfer stream answered at once; the stream is read no further meanwhile."""
 SERVICE = "inference.GRPCInferenceService"
 _END = object()
@@ -208,8 +219,11 @@ class GrpcInference:
                     raise PermissionDenied(
                         f"the API key {principal.key_id} lacks the scope {INVOKE}:{shown(request.model_name)}"
                     )
-                response = await self._infer(request, None, principal, traceparent, time.perf_counter())
-                answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+                if self._decoupled(request):
+                    await self._stream(request, principal, traceparent, answers)
+                else:
+                    response = await self._infer(request, None, principal, traceparent, time.perf_counter())
+                    answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
             except FunctionError as exc:
                 answers.put_nowait(_stream_error(request, exc.message))
             except Exception as exc:
@@ -247,6 +261,57 @@ class GrpcInference:
         reply = await self.services.dispatcher.invoke(call)
         _timed(rpc, manifest, reply)
         return codec.response_of(reply, manifest, request.id)
+
+    def _decoupled(self, request: Any) -> bool:
+        try:
+            spec = self._function(request).manifest.model_spec
+        except FunctionError:
+            return False  # _infer answers it
+        return spec is not None and spec.decoupled
+
+    async def _stream(
+        self, request: Any, principal: Principal, traceparent: str | None, answers: asyncio.Queue[Any]
+    ) -> None:
+        """A decoupled model's request: each of its responses on the stream as it comes (with the
+        request's id), its errors as the stream's error messages; with the request parameter
+        `triton_enable_empty_final_response`, each response says `triton_final_response` false and
+        an empty one says true at the end, as Triton does."""
+        function = self._function(request)
+        manifest = function.manifest
+        try:
+            inputs = await parse(codec.inputs_of, request, request.ByteSize(), manifest)
+        except FunctionError as exc:
+            self._refused(request, exc)
+            raise
+        call = self._call(request, function, None, principal, traceparent, time.perf_counter(), inputs)
+        empty_final = bool(codec.parameters(request.parameters).get("triton_enable_empty_final_response"))
+        dropped = 0
+
+        def on_part(reply: Reply) -> None:
+            nonlocal dropped
+            if answers.qsize() >= STREAM_BACKLOG:
+                dropped += 1
+            elif reply.error is not None:
+                answers.put_nowait(_stream_error(request, reply.error.message))
+            else:
+                response = codec.response_of(reply, manifest, request.id)
+                if empty_final:
+                    response.parameters["triton_final_response"].bool_param = False
+                answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+
+        call.on_part = on_part
+        reply = await self.services.dispatcher.invoke(call)
+        if dropped:
+            raise Overloaded(
+                f"{dropped} responses of model '{manifest.name}' were dropped: the client read its "
+                f"stream too slowly ({STREAM_BACKLOG} responses waited to be read)"
+            )
+        if empty_final:
+            final = service_pb2.ModelInferResponse(
+                model_name=manifest.name, model_version=reply.version, id=request.id
+            )
+            final.parameters["triton_final_response"].bool_param = True
+            answers.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=final))
 
     def _function(self, request: Any) -> FunctionVersion:
         return self.services.catalog.get(request.model_name, request.model_version or None)

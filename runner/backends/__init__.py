@@ -8,7 +8,9 @@ function's execution timeout itself, and its batches run on its own `executor`
 (runner.execution.run_batch). One whose `stop()` ends a running batch from another thread sets
 `stoppable = True`: its quick batches run on the event loop, under a watchdog (runner.execution.Pace).
 One that can tell the CPU time its batch took (in a process of its own) says it with `charge_cpu`
-from the thread that runs the batch; runner.execution takes it for the batch.
+from the thread that runs the batch; runner.execution takes it for the batch. One whose model
+streams (a decoupled Triton Python model) hands each response over with `send_part` as it comes,
+from the thread that runs the batch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,25 @@ class MemberErrors(Exception):
 
 
 _cpu = threading.local()
+_parts = threading.local()
+
+PartSink = Callable[[int, Tensors, FunctionError | None], None]
+"""Where a streaming batch's responses go: (the invocation's index in the batch, outputs, error)."""
+
+
+def set_part_sink(sink: PartSink | None) -> None:
+    """The running batch's sink (runner.execution sets it around the batch, on its thread)."""
+    _parts.sink = sink
+
+
+def send_part(index: int, outputs: Tensors, error: FunctionError | None) -> bool:
+    """One response of invocation `index` of the running batch, to its caller; False when the
+    batch streams to nobody (its sink is not set)."""
+    sink: PartSink | None = getattr(_parts, "sink", None)
+    if sink is None:
+        return False
+    sink(index, outputs, error)
+    return True
 
 
 def charge_cpu(seconds: float) -> None:

@@ -39,7 +39,7 @@ from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTime
 from fngate.manifest import DEFAULT_MEMORY_LIMIT_MB, FunctionManifest
 from fngate.tensors import Tensors
 from runner import bls, budget, confinement, gpu, sandbox
-from runner.backends import MemberErrors, charge_cpu
+from runner.backends import MemberErrors, charge_cpu, send_part
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.cgroup import FunctionCgroup, current_layout
 from runner.cgroup import reap as reap_cgroups
@@ -174,12 +174,23 @@ class PythonBackend:
                         raise TimeoutError
                     continue
                 header, body = sandbox.receive(child.replies, deadline, max(max_body_bytes, MAX_CALL_BYTES))
+                if header.get("op") == "sent":  # a decoupled model's response, on its way
+                    self._part(header, body)
+                    continue
                 if header.get("op") != "call":
                     return header, body
                 calls[bls.start(self._name, header, body, deadline)] = header.get("id")
         finally:
             for future in calls:
                 future.cancel()
+
+    def _part(self, header: dict[str, Any], body: Any) -> None:
+        """A decoupled model's response, to its caller as it comes (runner.backends.send_part)."""
+        error = header.get("error")
+        failure = FunctionError.from_code(str(error[0]), str(error[1])) if error else None
+        outputs = {} if failure is not None else sandbox.unpack_tensors(header.get("tensors") or [], body)
+        if not send_part(int(header.get("index", 0)), outputs, failure):
+            log.warning("%s: its model sent a response outside a streamed batch; dropped", self._name)
 
     def take_metric_updates(self) -> list[custom_metrics.Update]:
         taken, self._reported = self._reported, []

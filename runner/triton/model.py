@@ -74,6 +74,10 @@ class TritonModel:
     ) -> None:
         self._config = dict(config)
         self._batched = int(self._config.get("max_batch_size", 0)) > 0
+        self._decoupled = pb_utils.using_decoupled_model_transaction_policy(self._config)
+        self._finals = threading.Condition()
+        self._open: set[int] = set()
+        """A decoupled batch's requests whose final flag has not been sent yet."""
         self.member_errors: dict[str, list[str]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -124,6 +128,8 @@ class TritonModel:
             tensors = [pb_utils.Tensor(name, array) for name, array in own.items()]
             outputs = [item["name"] for item in self._config.get("output", ())]
             requests.append(pb_utils.InferenceRequest(self._config.get("name", ""), outputs, tensors))
+        if self._decoupled:
+            return self._stream(requests)
         responses = self._settle(self._model.execute(requests))
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
@@ -145,6 +151,45 @@ class TritonModel:
         if not self._batched:
             return {name: arrays[0] for name, arrays in parts.items()}
         return {name: np.concatenate(arrays) for name, arrays in parts.items()}
+
+    def _stream(self, requests: list[pb_utils.InferenceRequest]) -> dict[str, Any]:
+        """A decoupled model's batch: each request answered through its response sender, each
+        response sent up to the runner as it is made; the batch ends once every request has had its
+        final flag (whenever the model sends it: from `execute`, or from threads it left running;
+        the runner's execution timeout bounds the wait). No outputs of its own."""
+        self.member_errors = {}
+        with self._finals:
+            self._open = set(range(len(requests)))
+        for index, request in enumerate(requests):
+            request._sender = pb_utils.InferenceResponseSender(index, self._sent)  # type: ignore[attr-defined]
+        answer = self._settle(self._model.execute(requests))
+        if answer is not None:
+            raise TypeError(
+                f"a decoupled model's execute answers None (its responses go through each request's "
+                f"response sender), not a {type(answer).__name__}"
+            )
+        with self._finals:
+            self._finals.wait_for(lambda: not self._open)
+        return {}
+
+    def _sent(self, index: int, response: pb_utils.InferenceResponse | None, final: bool) -> None:
+        channel = pb_utils._CHANNEL
+        if channel is None:
+            raise pb_utils.TritonModelException("a response sender works in a runner's model process only")
+        outputs: dict[str, np.ndarray[Any, Any]] = {}
+        error = None
+        if response is not None:
+            failed = response.error()
+            if failed is not None:
+                error = (CODES.get(failed.code(), ErrorCode.MODEL_FAILED).value, failed.message())
+            else:
+                outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+        if response is not None:  # a final flag alone ends the request here: its batch ends with the last
+            channel.sent(index, final, outputs, error)
+        if final:
+            with self._finals:
+                self._open.discard(index)
+                self._finals.notify_all()
 
     def take_metrics(self) -> list[dict[str, Any]]:
         """The custom metrics (pb_utils.MetricFamily) changed since the last batch's reply."""

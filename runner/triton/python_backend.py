@@ -14,7 +14,7 @@ import json
 import struct
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -103,8 +103,8 @@ RESCHEDULE_REFUSED = (
 )
 BLS_UNAVAILABLE = "business logic scripting (InferenceRequest.exec) runs in a runner's model process only"
 DECOUPLED_BLS_REFUSED = (
-    "a decoupled call (exec(decoupled=True)) is not available in fngate: fngate serves no decoupled "
-    "models, so every call has one response"
+    "a decoupled call (exec(decoupled=True)) is not available in fngate: a model's call to another "
+    "comes back as one response"
 )
 
 
@@ -161,11 +161,14 @@ class InferenceRequest:
         if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
             raise TritonModelException(RESCHEDULE_REFUSED)
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException(
-            "decoupled models (a response sender) are not served by fngate: return one "
-            "InferenceResponse per request from execute"
-        )
+    def get_response_sender(self) -> InferenceResponseSender:
+        sender: InferenceResponseSender | None = getattr(self, "_sender", None)
+        if sender is None:
+            raise TritonModelException(
+                "a response sender is for decoupled models (model_transaction_policy { decoupled: "
+                "true }); this one returns one InferenceResponse per request from execute"
+            )
+        return sender
 
     def exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
         """Call the model this request names through fngate's queue (business logic scripting): its
@@ -188,13 +191,46 @@ class InferenceRequest:
         return asyncio.get_running_loop().run_in_executor(_calls_pool(), self.exec)
 
 
+class InferenceResponseSender:
+    """A decoupled model's way to answer one request: any number of responses, the last one (or
+    none) with TRITONSERVER_RESPONSE_COMPLETE_FINAL. Each goes to the runner as it is sent, and on
+    to the caller. Nothing may be sent after the final flag."""
+
+    def __init__(self, index: int, sink: Callable[[int, InferenceResponse | None, bool], None]) -> None:
+        self._index = index
+        self._sink = sink
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException("a response sender sends a response, or the final flag")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(f"send takes an InferenceResponse, not a {type(response).__name__}")
+        self._closed = final
+        self._sink(self._index, response, final)
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
 class Channel(Protocol):
     """How a model's calls reach its runner (runner.sandbox.ModelCalls): the callee's outputs, or
-    its error's message."""
+    its error's message; and a decoupled model's responses, sent up as they are made."""
 
     def call(
         self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
     ) -> Mapping[str, np.ndarray[Any, Any]] | str: ...
+
+    def sent(
+        self,
+        index: int,
+        final: bool,
+        outputs: Mapping[str, np.ndarray[Any, Any]],
+        error: tuple[str, str] | None,
+    ) -> None: ...
 
 
 _CHANNEL: Channel | None = None

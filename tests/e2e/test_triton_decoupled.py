@@ -1,0 +1,164 @@
+"""Decoupled Triton Python models through real processes (gateway, runner, the model's confined
+process), called as python_backend's decoupled example calls them: tritonclient's gRPC stream, many
+requests in flight, any number of responses each (none too), sent by threads the model leaves
+running after `execute` returns."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import free_port, on_cluster_too
+from tests.triton_repository import model
+
+SQUARE_CONFIG = """
+name: "square_int32"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: True }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+"""
+
+# As python_backend's examples/decoupled/square_model.py behaves: IN = n gets n responses, each
+# OUT = n, sent 20 ms apart by a thread of its own, after `execute` returned; IN = -1 gets one
+# response, then an error response, then the final flag.
+SQUARE = """
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import json
+
+        if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
+            raise pb_utils.TritonModelException("square_int32 is a decoupled model")
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self.answer, args=(request,), daemon=True).start()
+        return None
+
+    def answer(self, request):
+        n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+        sender = request.get_response_sender()
+        if n < 0:
+            out = pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))
+            sender.send(pb_utils.InferenceResponse([out]))
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("the input is negative")))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        for _ in range(n):
+            time.sleep(0.02)
+            out = pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))
+            sender.send(pb_utils.InferenceResponse([out]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        try:
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except pb_utils.TritonModelException:
+            pass  # closed, as Triton's sender is
+        else:
+            raise AssertionError("a response sender sent past its final flag")
+"""
+
+
+def stream(grpc_url: str, values: list[int], empty_final: bool = False) -> list[tuple[float, Any]]:
+    """What the stream gave for these requests (ids "0", "1", ...), each with when it came
+    (seconds after the first request was sent), until each request had its responses."""
+    got: queue.Queue[tuple[float, Any]] = queue.Queue()
+    with triton_grpc.InferenceServerClient(grpc_url) as client:
+        started = time.monotonic()
+
+        def callback(result: Any, error: Any) -> None:
+            got.put((time.monotonic() - started, error or result))
+
+        client.start_stream(callback=callback)
+        for index, value in enumerate(values):
+            tensor = triton_grpc.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
+            client.async_stream_infer(
+                "square_int32",
+                [tensor],
+                request_id=str(index),
+                outputs=[triton_grpc.InferRequestedOutput("OUT")],
+                enable_empty_final_response=empty_final,
+            )
+        expected = sum(max(value, 0) for value in values) + 2 * values.count(-1)
+        expected += len(values) if empty_final else 0
+        found = [got.get(timeout=60) for _ in range(expected)]
+        time.sleep(0.3)  # nothing more comes
+        assert got.empty(), [found, got.get()[1].get_response()]
+        client.stop_stream()
+    return found
+
+
+@on_cluster_too
+async def test_a_decoupled_model_streams_any_number_of_responses_as_they_are_made(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    model(root, "square_int32", SQUARE_CONFIG, {"1": {"model.py": SQUARE}})
+    port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=port)
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    grpc_url = f"127.0.0.1:{port}"
+    await asyncio.to_thread(stream, grpc_url, [1])  # the runner starts and loads the model
+
+    # The example client's requests: 4, 2, 0, 1 responses, all sent before the first came.
+    found = await asyncio.to_thread(stream, grpc_url, [4, 2, 0, 1, 12])
+    by_id: dict[str, list[tuple[float, int]]] = {}
+    for at, result in found:
+        assert not isinstance(result, InferenceServerException), result
+        by_id.setdefault(result.get_response().id, []).append((at, int(result.as_numpy("OUT")[0])))
+    assert {key: [value for _, value in items] for key, items in by_id.items()} == {
+        "0": [4] * 4,
+        "1": [2] * 2,
+        "3": [1],
+        "4": [12] * 12,
+    }
+    # As they are made, not at the end: the long request's first response came well before its last
+    # (its twelve are sent 20 ms apart).
+    times = [at for at, _ in by_id["4"]]
+    assert times[-1] - times[0] >= 0.15, times
+
+    # An error response mid-stream reaches the client as the stream's error for that request.
+    failed = await asyncio.to_thread(stream, grpc_url, [-1])
+    assert int(failed[0][1].as_numpy("OUT")[0]) == -1
+    assert isinstance(failed[1][1], InferenceServerException)
+    assert "the input is negative" in str(failed[1][1])
+
+    # With triton_enable_empty_final_response, each response says whether it is the last, as Triton's.
+    flagged = await asyncio.to_thread(stream, grpc_url, [2, 0], True)
+    finals = [
+        (result.get_response().id, result.get_response().parameters["triton_final_response"].bool_param)
+        for _, result in flagged
+    ]
+    assert sorted(finals) == [("0", False), ("0", False), ("0", True), ("1", True)]
+
+    # A route that answers once refuses it, and says where to call it.
+    http = triton_http.InferenceServerClient(base.removeprefix("http://"))
+    tensor = triton_http.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="ModelStreamInfer"):
+        await asyncio.to_thread(partial(http.infer, "square_int32", [tensor]))
+    with triton_grpc.InferenceServerClient(grpc_url) as client:
+        unary = triton_grpc.InferInput("IN", [1], "INT32")
+        unary.set_data_from_numpy(np.array([1], dtype=np.int32))
+        with pytest.raises(InferenceServerException, match="decoupled"):
+            await asyncio.to_thread(partial(client.infer, "square_int32", [unary]))
