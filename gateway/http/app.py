@@ -12,10 +12,11 @@ from starlette.types import ASGIApp
 from fngate import telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
-from gateway.auth import ADMIN, ANY, BROWSE, READ, KeyTable
+from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, KeyTable
 from gateway.http import admin, deployments, endpoints, results
 from gateway.http.compression import GZIP_MIN_BYTES, GzipLargeResponses
 from gateway.http.errors import handle_function_error, handle_unknown_route
+from gateway.http.generate import generate_stream
 from gateway.http.guard import OPEN_ROUTE, Guarded
 from gateway.http.invoke import InvokeRoutes
 from gateway.http.tracing import TracingMiddleware
@@ -36,6 +37,10 @@ ROUTES = [
     Guarded("/v2/models/{name}/versions/{version}/config", endpoints.model_config_json, READ),
     Guarded("/v2/models/{name}/stats", endpoints.model_statistics, READ),
     Guarded("/v2/models/{name}/versions/{version}/stats", endpoints.model_statistics, READ),
+    Guarded("/v2/models/{name}/generate_stream", generate_stream, INVOKE, methods=["POST"]),
+    Guarded(
+        "/v2/models/{name}/versions/{version}/generate_stream", generate_stream, INVOKE, methods=["POST"]
+    ),
     Guarded("/v1/functions", endpoints.list_functions, READ),
     Guarded("/metrics", endpoints.prometheus, ADMIN),
     *deployments.ROUTES,

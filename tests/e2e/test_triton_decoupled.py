@@ -6,6 +6,7 @@ running after `execute` returns."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
@@ -78,6 +80,38 @@ class TritonPythonModel:
 """
 
 
+async def sse(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[tuple[float, Any]]:
+    """The server-sent events of a generate_stream call, each with when it came."""
+    found = []
+    started = time.monotonic()
+    async with client.stream("POST", path, json=body) as answer:
+        assert answer.status_code == 200, await answer.aread()
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        async for line in answer.aiter_lines():
+            if line.startswith("data: "):
+                found.append((time.monotonic() - started, json.loads(line.removeprefix("data: "))))
+    return found
+
+
+DOUBLE_CONFIG = """
+name: "double"
+backend: "python"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+DOUBLE = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        doubled = [pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2 for r in requests]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]) for y in doubled]
+"""
+
+
 def stream(grpc_url: str, values: list[int], empty_final: bool = False) -> list[tuple[float, Any]]:
     """What the stream gave for these requests (ids "0", "1", ...), each with when it came
     (seconds after the first request was sent), until each request had its responses."""
@@ -114,6 +148,7 @@ async def test_a_decoupled_model_streams_any_number_of_responses_as_they_are_mad
 ) -> None:
     root = tmp_path / "models"
     model(root, "square_int32", SQUARE_CONFIG, {"1": {"model.py": SQUARE}})
+    model(root, "double", DOUBLE_CONFIG, {"1": {"model.py": DOUBLE}})
     port = free_port()
     base = await serve_gateway(repo=str(root), grpc_port=port)
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
@@ -150,6 +185,22 @@ async def test_a_decoupled_model_streams_any_number_of_responses_as_they_are_mad
         for _, result in flagged
     ]
     assert sorted(finals) == [("0", False), ("0", False), ("0", True), ("1", True)]
+
+    # Over HTTP, as Triton's generate_stream: one server-sent event per response, as they come.
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        events = await sse(client, "/v2/models/square_int32/generate_stream", {"IN": 3})
+        assert [event["OUT"] for _, event in events] == [3, 3, 3]
+        assert {event["model_name"] for _, event in events} == {"square_int32"}
+        assert events[-1][0] - events[0][0] >= 0.03  # 20 ms apart as the model sends them
+        failed_events = await sse(client, "/v2/models/square_int32/generate_stream", {"IN": -1})
+        assert failed_events[0][1]["OUT"] == -1 and "the input is negative" in failed_events[1][1]["error"]
+        assert await sse(client, "/v2/models/square_int32/generate_stream", {"IN": 0}) == []
+        once = await sse(client, "/v2/models/double/generate_stream", {"X": [1.5, 2.0]})  # one answer
+        assert [event for _, event in once] == [
+            {"model_name": "double", "model_version": "1", "Y": [[3.0, 4.0]]}
+        ]
+        refused = await client.post("/v2/models/square_int32/generate_stream", json={"NOPE": [1, 2]})
+        assert refused.status_code == 400 and "NOPE" in refused.text
 
     # A route that answers once refuses it, and says where to call it.
     http = triton_http.InferenceServerClient(base.removeprefix("http://"))

@@ -45,6 +45,18 @@ POLICY: dict[tuple[str, str], Policy] = {
         400,
     ),
     ("POST", "/v1/functions/{name}"): ("/v1/functions/classifier", b"{}", INVOKE_CLASSIFIER, 400),
+    ("POST", "/v2/models/{name}/generate_stream"): (
+        "/v2/models/classifier/generate_stream",
+        b"{}",
+        INVOKE_CLASSIFIER,
+        400,
+    ),
+    ("POST", "/v2/models/{name}/versions/{version}/generate_stream"): (
+        "/v2/models/classifier/versions/1/generate_stream",
+        b"{}",
+        INVOKE_CLASSIFIER,
+        400,
+    ),
     ("GET", "/v2"): ("/v2", b"", ANY_KEY, 200),  # name, version, extensions: perf_analyzer reads them
     ("HEAD", "/v2"): ("/v2", b"", ANY_KEY, 200),
     ("GET", "/v2/"): ("/v2/", b"", ANY_KEY, 200),
