@@ -17,6 +17,18 @@ from fngate.registry import read_runners
 from gateway.dispatch import estimated_wait_ms
 
 
+async def measured(client: httpx.AsyncClient, redis: aioredis.Redis, body: Any, settle_s: float) -> None:
+    """Five calls of steady, so that its runner measures the batch cost and reports it in its
+    heartbeat; then `settle_s` for the gateway, which reads the runners' states every 0.1 s."""
+    for _ in range(5):
+        assert (await client.post("/v2/models/steady/infer", json=body)).status_code == 200
+    for _ in range(100):
+        if any("steady" in view.costs for view in await read_runners(redis)):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(settle_s)
+
+
 def test_the_estimate_counts_what_is_ahead_less_what_has_run_since() -> None:
     cost = (50_000.0, 0.0, 1)  # 50 ms a batch of one row, one runner
     assert estimated_wait_ms(10, 0.0, cost, 1) == 550.0  # ten ahead, then its own
@@ -43,13 +55,7 @@ async def test_what_cannot_make_its_deadline_is_refused_at_once(
         "parameters": {"timeout_ms": 600},
     }
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
-            assert (await client.post("/v2/models/steady/infer", json=body)).status_code == 200
-        for _ in range(100):
-            if any("steady" in view.costs for view in await read_runners(redis)):
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(2)  # the gateway reads the runners' states every 0.1 s: twenty times over
+        await measured(client, redis, body, 2)
 
         async def call() -> tuple[int, float, str]:
             began = time.perf_counter()
@@ -95,13 +101,7 @@ async def test_what_waits_at_a_higher_priority_counts_against_a_lower_ones_deadl
         }
 
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
-            assert (await client.post("/v2/models/steady/infer", json=body(1, 5000))).status_code == 200
-        for _ in range(100):
-            if any("steady" in view.costs for view in await read_runners(redis)):
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1)  # the gateway reads the runners' states every 0.1 s
+        await measured(client, redis, body(1, 5000), 1)
         backlog = [
             asyncio.create_task(client.post("/v2/models/steady/infer", json=body(1, 5000))) for _ in range(40)
         ]
@@ -145,13 +145,7 @@ async def test_a_pipeline_whose_first_step_cannot_make_its_deadline_is_refused_a
         return {"inputs": inputs, "parameters": {"timeout_ms": timeout_ms}}
 
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
-            assert (await client.post("/v2/models/steady/infer", json=body(5000))).status_code == 200
-        for _ in range(100):
-            if any("steady" in view.costs for view in await read_runners(redis)):
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1)  # the gateway reads the runners' states every 0.1 s
+        await measured(client, redis, body(5000), 1)
         backlog = [
             asyncio.create_task(client.post("/v2/models/steady/infer", json=body(5000))) for _ in range(40)
         ]
@@ -190,13 +184,7 @@ async def test_an_asynchronous_call_that_cannot_make_its_deadline_is_refused_at_
         return {"Prefer": "respond-async", **headers}
 
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        for _ in range(5):  # the runner measures the batch cost, and reports it in its heartbeat
-            assert (await client.post("/v2/models/steady/infer", json=body(5000))).status_code == 200
-        for _ in range(100):
-            if any("steady" in view.costs for view in await read_runners(redis)):
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1)  # the gateway reads the runners' states every 0.1 s
+        await measured(client, redis, body(5000), 1)
         first = await client.post(
             "/v2/models/steady/infer", json=body(600), headers=later(**{"Idempotency-Key": "order-1"})
         )
