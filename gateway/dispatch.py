@@ -457,9 +457,10 @@ class Dispatcher:
             self._redis.send(*command).add_done_callback(_uncounted)
 
     async def withdraw(self, flight: _Flight) -> None:
-        """A queued synchronous invocation whose caller left: its entry taken back, or where a runner
-        read it already, that runner told to answer it unrun (unless identical invocations wait on
-        it), so that no runner spends a batch on it."""
+        """A queued synchronous invocation whose caller left (or a stream's past its deadline): its
+        entry taken back, or where a runner read it already, that runner told to answer it unrun
+        (unless identical invocations wait on it), so that no runner spends a batch on it; a
+        streaming batch that runs it is told (is_cancelled())."""
         script = flight.entries.script
         name = flight.call.function.manifest.name
         channel = keys.left_channel(name)
@@ -702,6 +703,8 @@ class _Flight:
                 dispatcher._background(dispatcher.withdraw(self))
             return
         error = answer.exception()
+        if call.on_part is not None and isinstance(error, DeadlineExceeded) and self.entry_id:
+            dispatcher._background(dispatcher.withdraw(self))  # a stream past its deadline: its model stops
         if self.pipeline:
             dispatcher._count_pipeline(call, error is not None)
         if error is None:

@@ -3,7 +3,9 @@
 sends each call on its pipe (runner.sandbox's frames); the thread that waits on its batch hands it
 to the runner's event loop, where it is queued on the callee's stream as any invocation is (batched
 with everyone else's, on whatever runner serves it) with the time left of the batch as its
-deadline; its reply comes back on this runner's own reply stream, and goes back down the pipe.
+deadline; its reply comes back on this runner's own reply stream, and goes back down the pipe. A
+decoupled call (`exec(decoupled=True)`) gets each of the callee's responses down the pipe as it
+comes, then the reply that ends them.
 
 A model that calls itself is refused at once (it would wait for its own batch); a longer cycle
 ends at the deadline."""
@@ -60,16 +62,23 @@ def uninstall(caller: Caller) -> None:
         _installed = None
 
 
-def start(function: str, header: Mapping[str, Any], body: np.ndarray[Any, Any], deadline: float) -> Any:
+def start(
+    function: str,
+    header: Mapping[str, Any],
+    body: np.ndarray[Any, Any],
+    deadline: float,
+    on_part: Callable[[Reply], None] | None = None,
+) -> Any:
     """A call a model's process sent, under way on the runner's loop (from the batch's thread): a
-    concurrent future of its Reply. `deadline`: time.monotonic() by which the batch must end."""
+    concurrent future of its Reply. `deadline`: time.monotonic() by which the batch must end.
+    `on_part` (a decoupled call's): each of the callee's responses as it comes, on the loop."""
     installed = _installed
     if installed is None:
         failed: concurrent.futures.Future[Reply] = concurrent.futures.Future()
         failed.set_exception(Unavailable("business logic scripting needs a runner's caller"))
         return failed
     caller, loop = installed
-    return asyncio.run_coroutine_threadsafe(caller.call(function, header, body, deadline), loop)
+    return asyncio.run_coroutine_threadsafe(caller.call(function, header, body, deadline, on_part), loop)
 
 
 def answer(call_id: Any, future: Any) -> tuple[dict[str, Any], list[Any]]:
@@ -88,6 +97,14 @@ def answer(call_id: Any, future: Any) -> tuple[dict[str, Any], list[Any]]:
     return {"op": "called", "id": call_id, "tensors": specs}, buffers
 
 
+def part(call_id: Any, reply: Reply) -> tuple[dict[str, Any], list[Any]]:
+    """The frame of one response of a decoupled call, before the call's answer ends it."""
+    if reply.error is not None:
+        return {"op": "called", "id": call_id, "part": True, "error": reply.error.message}, []
+    specs, buffers = sandbox.pack_tensors(reply.outputs)
+    return {"op": "called", "id": call_id, "part": True, "tensors": specs}, buffers
+
+
 class Caller:
     """Queues the calls of this runner's models and waits for their replies on its own stream."""
 
@@ -101,12 +118,27 @@ class Caller:
         self._records = records
         self._enqueue = redis.register_script(queue.ENQUEUE)
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
+        self._parts: dict[str, Callable[[Reply], None]] = {}
+        """Decoupled calls' invocation id -> where each of the callee's responses goes."""
         self._reader: asyncio.Task[None] | None = None
 
     async def call(
-        self, caller: str, header: Mapping[str, Any], body: np.ndarray[Any, Any], deadline: float
+        self,
+        caller: str,
+        header: Mapping[str, Any],
+        body: np.ndarray[Any, Any],
+        deadline: float,
+        on_part: Callable[[Reply], None] | None = None,
     ) -> Reply:
+        """The callee's answer; with `on_part` (exec(decoupled=True)), each of its responses goes
+        there as it comes and the answer ends them."""
         function = self._callee(caller, header)
+        spec = function.manifest.model_spec
+        if on_part is None and spec is not None and spec.decoupled:
+            raise InvalidArgument(
+                f"'{function.manifest.model_name}' is a decoupled model, which answers with any number "
+                "of responses: call it with exec(decoupled=True)"
+            )
         inputs = sandbox.unpack_tensors(header.get("tensors") or [], body)
         left_s = deadline - time.monotonic()
         if left_s <= 0:
@@ -134,6 +166,8 @@ class Caller:
         )
         answer: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiting[invocation.id] = answer
+        if on_part is not None:
+            self._parts[invocation.id] = on_part
         self._read_replies()
         try:
             try:
@@ -155,6 +189,7 @@ class Caller:
                 ) from None
         finally:
             self._waiting.pop(invocation.id, None)
+            self._parts.pop(invocation.id, None)
 
     def _callee(self, caller: str, header: Mapping[str, Any]) -> FunctionVersion:
         """The version a call names: by function or Triton model name, its version or the one served."""
@@ -212,6 +247,11 @@ class Caller:
                 for entry_id, fields in entries:
                     last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                     for reply in replies_of(fields):
+                        if reply.part:
+                            on_part = self._parts.get(reply.id)
+                            if on_part is not None:
+                                on_part(reply)
+                            continue
                         waiting = self._waiting.get(reply.id)
                         if waiting is not None and not waiting.done():
                             waiting.set_result(reply)

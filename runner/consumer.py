@@ -29,7 +29,7 @@ from fngate.tensors import Tensors
 from fngate.wire import Fields, Invocation, Reply
 from runner import statistics
 from runner.accounting import Accounting
-from runner.backends import PartSink
+from runner.backends import Streaming
 from runner.batching import Arrivals, BatchCost, Pending, decide
 from runner.execution import failed_together, left_by, run_batch, shape_key
 from runner.metrics import INVOCATIONS, MEMORY_REFUSALS
@@ -85,12 +85,15 @@ class FunctionConsumer:
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
         self._left: dict[tuple[int, bytes], float] = {}
+        """(level, entry id) of invocations whose callers left after this runner read them, as the
+        gateways said (keys.left_channel), with when: answered unrun at the next step."""
         self._part_sends: list[asyncio.Future[Any]] = []
         """A decoupled model's responses on their way: a batch's replies wait for them, so that no
         caller hears its request's end before one of its responses (on a Redis Cluster a first
         command can wait for the slot map while a later one goes at once)."""
-        """(level, entry id) of invocations whose callers left after this runner read them, as the
-        gateways said (keys.left_channel), with when: answered unrun at the next step."""
+        self._streaming: dict[tuple[int, bytes], tuple[Streaming, int]] = {}
+        """(level, entry id) of the invocations of running streaming batches -> their batch's
+        Streaming and index in it: a caller that leaves is told to the model (is_cancelled())."""
         # The hot path's own connections: one blocks on reads, one carries replies and claims.
         self._reads = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
         self._writes = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
@@ -208,6 +211,11 @@ class FunctionConsumer:
         stream, _, entry_id = data.partition(b" ")
         level = next((at for at, name in enumerate(self._streams) if name.encode() == stream), None)
         if level is None or not entry_id:
+            return
+        running = self._streaming.pop((level, entry_id), None)
+        if running is not None:  # a streaming batch runs it: its model is told, its responses dropped
+            streaming, index = running
+            streaming.cancel(index)
             return
         if len(self._left) >= LEFT_KEPT:  # most were answered already: keep the newer half
             self._left = dict(list(self._left.items())[LEFT_KEPT // 2 :])
@@ -437,8 +445,7 @@ class FunctionConsumer:
                 try:
                     async with self._models.slots.hold(model.function.manifest.model.rate_limiter.resources):
                         computed = time.perf_counter()
-                        parts = self._parts(model, invocations)
-                        replies = await run_batch(self._models, model, invocations, batch_id, parts)
+                        replies = await self._compute(model, batch, batch_id)
                 finally:
                     await self._models.release(model)
                     reported, cpu_s = left_by(model.backend, batch_id)
@@ -478,17 +485,36 @@ class FunctionConsumer:
             version, invocations, reported, charged_s, self.function.manifest.batched, cpu_s
         )
 
-    def _parts(self, model: LoadedModel, invocations: Sequence[Invocation]) -> PartSink | None:
+    async def _compute(self, model: LoadedModel, batch: Sequence[Entry], batch_id: str) -> list[Reply]:
+        invocations = [entry.invocation for entry in batch]
+        parts = self._parts(model, batch)
+        try:
+            return await run_batch(self._models, model, invocations, batch_id, parts)
+        finally:
+            if parts is not None:
+                self._streamed(batch, parts)
+
+    def _parts(self, model: LoadedModel, batch: Sequence[Entry]) -> Streaming | None:
         """Where a decoupled model's responses go as they come (from the batch's thread): each to
-        its invocation's reply stream, on this loop, before the batch's own replies."""
+        its invocation's reply stream, on this loop, before the batch's own replies; none of an
+        invocation whose caller left (its model is told: is_cancelled())."""
         if not model.function.manifest.model.decoupled:
             return None
         loop = asyncio.get_running_loop()
+        invocations = [entry.invocation for entry in batch]
 
         def sink(index: int, outputs: Tensors, error: FunctionError | None) -> None:
             loop.call_soon_threadsafe(self._send_part, invocations[index], outputs, error)
 
-        return sink
+        parts = Streaming(sink)
+        for index, entry in enumerate(batch):
+            self._streaming[(entry.level, entry.id)] = (parts, index)
+        return parts
+
+    def _streamed(self, batch: Sequence[Entry], parts: Streaming) -> None:
+        for entry in batch:
+            self._streaming.pop((entry.level, entry.id), None)
+        parts.close()
 
     def _send_part(self, invocation: Invocation, outputs: Tensors, error: FunctionError | None) -> None:
         fields = Reply(invocation.id, invocation.version, outputs, error, part=True).encode()

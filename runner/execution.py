@@ -19,7 +19,7 @@ from fngate.errors import FunctionError, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.tensors import DATATYPES, Tensors, encoded_bytes
 from fngate.wire import Invocation, Reply
-from runner.backends import Backend, MemberErrors, PartSink, set_part_sink, take_cpu
+from runner.backends import Backend, MemberErrors, Streaming, set_streaming, take_cpu
 
 if TYPE_CHECKING:
     from runner.models import LoadedModel, LoadedModels
@@ -37,13 +37,14 @@ async def run_batch(
     model: LoadedModel,
     batch: Sequence[Invocation],
     batch_id: str,
-    parts: PartSink | None = None,
+    parts: Streaming | None = None,
 ) -> list[Reply]:
     """`execute` in a worker thread. A backend of the runner's own process cannot be stopped: past
     the function's execution timeout its invocations are answered model_timeout at once, and the
     runner keeps the model open for the thread, gives it no work and reports it stuck until the
     thread returns. (The python backend enforces the timeout itself, by stopping its process.)
-    `parts`: where a streaming model's responses go as they come."""
+    `parts`: where a streaming model's responses go as they come, and its callers that left
+    come from."""
     manifest = model.function.manifest
     loop = asyncio.get_running_loop()
     if parts is not None:
@@ -203,7 +204,7 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
-part_sinks: dict[str, PartSink] = {}
+part_sinks: dict[str, Streaming] = {}
 """batch id -> where its responses go as they come (a streaming model's batch), until it runs."""
 _batch_cpu: dict[str, float] = {}
 """batch id -> the CPU seconds its backend measured, until the consumer takes it (batch_cpu_s)."""
@@ -222,11 +223,11 @@ def execute(
 ) -> list[Reply]:
     """Blocking: run it in a worker thread. Never raises; a failure becomes each member's reply."""
     take_cpu()  # what an earlier batch on this thread left, if it ended before saying it
-    set_part_sink(part_sinks.pop(batch_id, None))
+    set_streaming(part_sinks.pop(batch_id, None))
     try:
         return _execute(backend, manifest, batch, batch_id)
     finally:
-        set_part_sink(None)
+        set_streaming(None)
         seconds = take_cpu()
         if seconds is not None:
             _batch_cpu[batch_id] = seconds

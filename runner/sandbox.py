@@ -5,6 +5,7 @@ layout, read straight into the arrays that use them (one copy each way, no pickl
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import math
 import os
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,8 +197,11 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
             header, body = receive(requests)
         except ChannelClosed:
             return
-        if header.get("op") == "close":
+        op = header.get("op")
+        if op == "close":
             return
+        if op is not None:  # what was meant for a batch that ended (a late cancel): no batch of its own
+            continue
         try:
             inputs = unpack_tensors(header["tensors"], body)
             outputs = _infer(model, name, inputs, header["outputs"], header.get("rows"))
@@ -224,32 +228,89 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
 
 class ModelCalls:
     """The model process's pipes to its runner, as the batch's calls use them: a call goes up the
-    replies pipe ({"op": "call"}), its answer comes down the requests pipe ({"op": "called"}), each
-    named by its id. Several calls at once (async_exec) share them: one reads while the others wait
-    for theirs."""
+    replies pipe ({"op": "call"}), its answer comes down the requests pipe ({"op": "called"}; a
+    decoupled call's responses first, each with "part"), each named by its id. Several calls at
+    once (async_exec) share them: one reads while the others wait for theirs. The runner's word
+    that the caller of a request of the batch left comes down the same pipe ({"op": "cancel"})."""
 
     def __init__(self, requests: int, replies: int) -> None:
         self._requests, self._replies = requests, replies
         self._sending = threading.Lock()
         self._reading = threading.Lock()
         self._arrived = threading.Condition()
-        self._answers: dict[int, tuple[dict[str, Any], Any]] = {}
+        self._answers: dict[int, collections.deque[tuple[dict[str, Any], Any]]] = {}
         self._next = 0
+        self._cancelled: set[int] = set()
+        self._in_batch = False
+        """A batch runs: the requests pipe is this object's to read (between batches, the
+        process's loop reads it: runner.sandbox.serve)."""
+
+    def begin_batch(self) -> None:
+        with self._reading:
+            self._cancelled = set()
+            self._in_batch = True
+
+    def end_batch(self) -> None:
+        with self._reading:
+            self._in_batch = False
+
+    def cancelled(self, index: int) -> bool:
+        """Whether the caller of request `index` of the running batch left, as its runner said;
+        reads what has come down the pipe, without waiting."""
+        if index not in self._cancelled and self._reading.acquire(blocking=False):
+            try:
+                while self._in_batch and readable(self._requests, 0):
+                    self._take(*receive(self._requests))
+            finally:
+                self._reading.release()
+        return index in self._cancelled
 
     def call(
         self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
     ) -> Tensors | str:
         """The callee's outputs, or its error's message."""
+        answer, body = self._await(self._start(model, version, outputs, inputs, False))
+        if "error" in answer:
+            return str(answer["error"])
+        return unpack_tensors(answer.get("tensors") or [], body)
+
+    def call_decoupled(
+        self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
+    ) -> Iterator[Tensors | str]:
+        """The callee's responses as they come (outputs, or an error's message), its answer last.
+        The call goes out at once; its responses are read as the iterator is."""
+        return self._responses(self._start(model, version, outputs, inputs, True))
+
+    def _responses(self, call_id: int) -> Iterator[Tensors | str]:
+        while True:
+            answer, body = self._await(call_id)
+            yield (
+                str(answer["error"])
+                if "error" in answer
+                else unpack_tensors(answer.get("tensors") or [], body)
+            )
+            if not answer.get("part"):
+                return
+
+    def _start(
+        self,
+        model: str,
+        version: str,
+        outputs: Sequence[str],
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        decoupled: bool,
+    ) -> int:
         specs, buffers = pack_tensors(inputs)
         with self._sending:
             self._next += 1
             call_id = self._next
             header = {"op": "call", "id": call_id, "model": model, "version": version}
+            if decoupled:
+                header["decoupled"] = True
+            with self._arrived:
+                self._answers[call_id] = collections.deque()
             send(self._replies, {**header, "outputs": list(outputs), "tensors": specs}, buffers)
-        answer, body = self._await(call_id)
-        if "error" in answer:
-            return str(answer["error"])
-        return unpack_tensors(answer.get("tensors") or [], body)
+        return call_id
 
     def sent(
         self,
@@ -267,25 +328,43 @@ class ModelCalls:
         with self._sending:
             send(self._replies, header, buffers)
 
+    def _take(self, header: dict[str, Any], body: Any) -> None:
+        """A frame down the pipe, to whom it is for."""
+        if header.get("op") == "cancel":
+            self._cancelled.add(int(header.get("index", -1)))
+            return
+        with self._arrived:
+            waiting = self._answers.get(int(header.get("id", 0)))
+            if waiting is not None:  # else: a call its caller gave up on
+                waiting.append((header, body))
+                self._arrived.notify_all()
+
+    def _next_of(self, call_id: int) -> tuple[dict[str, Any], Any] | None:
+        """Under `_arrived`: the next frame for the call, if one came (its last one ends it)."""
+        waiting = self._answers[call_id]
+        if not waiting:
+            return None
+        frame = waiting.popleft()
+        if not frame[0].get("part"):
+            del self._answers[call_id]
+        return frame
+
     def _await(self, call_id: int) -> tuple[dict[str, Any], Any]:
         while True:
             with self._arrived:
-                if call_id in self._answers:
-                    return self._answers.pop(call_id)
+                if (frame := self._next_of(call_id)) is not None:
+                    return frame
             if not self._reading.acquire(blocking=False):
                 with self._arrived:
-                    if call_id not in self._answers:
+                    if not self._answers[call_id]:
                         self._arrived.wait(0.05)
                 continue
             try:
                 while True:
                     with self._arrived:
-                        if call_id in self._answers:
-                            return self._answers.pop(call_id)
-                    header, body = receive(self._requests)
-                    with self._arrived:
-                        self._answers[int(header.get("id", 0))] = (header, body)
-                        self._arrived.notify_all()
+                        if (frame := self._next_of(call_id)) is not None:
+                            return frame
+                    self._take(*receive(self._requests))
             finally:
                 self._reading.release()
                 with self._arrived:

@@ -10,16 +10,19 @@ function's execution timeout itself, and its batches run on its own `executor`
 One that can tell the CPU time its batch took (in a process of its own) says it with `charge_cpu`
 from the thread that runs the batch; runner.execution takes it for the batch. One whose model
 streams (a decoupled Triton Python model) hands each response over with `send_part` as it comes,
-from the thread that runs the batch.
+from the thread that runs the batch, and learns of the callers that left meanwhile from the batch's
+`streaming()` (its `fileno()` turns readable when one did).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fngate.errors import FunctionError
 from fngate.manifest import FunctionManifest
@@ -47,18 +50,85 @@ PartSink = Callable[[int, Tensors, FunctionError | None], None]
 """Where a streaming batch's responses go: (the invocation's index in the batch, outputs, error)."""
 
 
-def set_part_sink(sink: PartSink | None) -> None:
-    """The running batch's sink (runner.execution sets it around the batch, on its thread)."""
-    _parts.sink = sink
+class Mailbox:
+    """Items posted from any thread, taken by one that waits on `fileno()` (readable once one
+    is posted) to learn of them at once. Posts after `close()` are dropped."""
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._lock = threading.Lock()
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def post(self, item: Any) -> None:
+        with self._lock:
+            if self._write < 0:
+                return
+            self._items.append(item)
+            with contextlib.suppress(BlockingIOError):  # full: readable already
+                os.write(self._write, b"\0")
+
+    def fileno(self) -> int:
+        return self._read
+
+    def take(self) -> list[Any]:
+        with self._lock:
+            if self._read >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._read, 4096)
+            taken, self._items = self._items, []
+        return taken
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._read, self._write):
+                if fd >= 0:
+                    os.close(fd)
+            self._read = self._write = -1
+
+
+class Streaming:
+    """A streaming batch's two ways: its responses out (`send`, from the batch's thread), and its
+    invocations whose callers left in (`cancel` from the runner's loop; their indices in
+    `cancels`, for the batch's thread). `close()` once it ran."""
+
+    def __init__(self, sink: PartSink) -> None:
+        self._sink = sink
+        self._gone: set[int] = set()
+        self.cancels = Mailbox()
+
+    def send(self, index: int, outputs: Tensors, error: FunctionError | None) -> None:
+        """A response of invocation `index`: to its caller, unless the caller left."""
+        if index not in self._gone:
+            self._sink(index, outputs, error)
+
+    def cancel(self, index: int) -> None:
+        """Invocation `index`'s caller left: its responses are dropped from now on, and its model
+        is told."""
+        self._gone.add(index)
+        self.cancels.post(index)
+
+    def close(self) -> None:
+        self.cancels.close()
+
+
+def set_streaming(streaming: Streaming | None) -> None:
+    """The running batch's (runner.execution sets it around the batch, on its thread)."""
+    _parts.streaming = streaming
+
+
+def streaming() -> Streaming | None:
+    """The running batch's, on its thread; None when it streams to nobody."""
+    found: Streaming | None = getattr(_parts, "streaming", None)
+    return found
 
 
 def send_part(index: int, outputs: Tensors, error: FunctionError | None) -> bool:
     """One response of invocation `index` of the running batch, to its caller; False when the
-    batch streams to nobody (its sink is not set)."""
-    sink: PartSink | None = getattr(_parts, "sink", None)
-    if sink is None:
+    batch streams to nobody."""
+    found = streaming()
+    if found is None:
         return False
-    sink(index, outputs, error)
+    found.send(index, outputs, error)
     return True
 
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -39,7 +41,7 @@ from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTime
 from fngate.manifest import DEFAULT_MEMORY_LIMIT_MB, FunctionManifest
 from fngate.tensors import Tensors
 from runner import bls, budget, confinement, gpu, sandbox
-from runner.backends import MemberErrors, charge_cpu, send_part
+from runner.backends import Mailbox, MemberErrors, charge_cpu, send_part, streaming
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.cgroup import FunctionCgroup, current_layout
 from runner.cgroup import reap as reap_cgroups
@@ -162,27 +164,52 @@ class PythonBackend:
 
     def _answer_calls(self, child: _Child, deadline: float, max_body_bytes: int) -> tuple[Any, Any]:
         """The batch's reply, once the calls its model made meanwhile (BLS: runner.bls) are answered:
-        each goes out as it comes, several at once, and its answer goes back down the pipe."""
+        each goes out as it comes, several at once, and its answer goes back down the pipe (a
+        decoupled call's each response as it comes). A streaming batch's callers that leave are
+        told to its model as they do ({"op": "cancel"})."""
         calls: dict[Any, Any] = {}
+        streamed = streaming()
+        called: Mailbox | None = None
+        """The responses of the batch's decoupled calls, as they come: (call id, Reply)."""
+        waits = select.poll()
+        waits.register(child.replies, select.POLLIN)
+        if streamed is not None:
+            waits.register(streamed.cancels.fileno(), select.POLLIN)
         try:
             while True:
                 for future in [future for future in calls if future.done()]:
                     frame, buffers = bls.answer(calls.pop(future), future)
                     sandbox.send(child.requests, frame, buffers, deadline)
-                if calls and not sandbox.readable(child.replies, CALL_POLL_S):
-                    if time.monotonic() > deadline:
+                for call_id, reply in called.take() if called is not None else ():
+                    frame, buffers = bls.part(call_id, reply)
+                    sandbox.send(child.requests, frame, buffers, deadline)
+                for index in streamed.cancels.take() if streamed is not None else ():
+                    sandbox.send(child.requests, {"op": "cancel", "index": index}, (), deadline)
+                if calls or streamed is not None or called is not None:
+                    left_s = deadline - time.monotonic()
+                    if left_s <= 0:
                         raise TimeoutError
-                    continue
+                    ready = waits.poll(max(1.0, 1000 * (CALL_POLL_S if calls else left_s)))
+                    if not any(fd == child.replies for fd, _events in ready):
+                        continue
                 header, body = sandbox.receive(child.replies, deadline, max(max_body_bytes, MAX_CALL_BYTES))
                 if header.get("op") == "sent":  # a decoupled model's response, on its way
                     self._part(header, body)
                     continue
                 if header.get("op") != "call":
                     return header, body
-                calls[bls.start(self._name, header, body, deadline)] = header.get("id")
+                on_part = None
+                if header.get("decoupled"):
+                    if called is None:
+                        called = Mailbox()
+                        waits.register(called.fileno(), select.POLLIN)
+                    on_part = functools.partial(_post_part, called, header.get("id"))
+                calls[bls.start(self._name, header, body, deadline, on_part)] = header.get("id")
         finally:
             for future in calls:
                 future.cancel()
+            if called is not None:
+                called.close()
 
     def _part(self, header: dict[str, Any], body: Any) -> None:
         """A decoupled model's response, to its caller as it comes (runner.backends.send_part)."""
@@ -741,3 +768,7 @@ def _describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     return f"exited with code {returncode}"
+
+
+def _post_part(called: Mailbox, call_id: Any, reply: Any) -> None:
+    called.post((call_id, reply))

@@ -162,14 +162,22 @@ class TritonModel:
             self._open = set(range(len(requests)))
         for index, request in enumerate(requests):
             request._sender = pb_utils.InferenceResponseSender(index, self._sent)  # type: ignore[attr-defined]
-        answer = self._settle(self._model.execute(requests))
-        if answer is not None:
-            raise TypeError(
-                f"a decoupled model's execute answers None (its responses go through each request's "
-                f"response sender), not a {type(answer).__name__}"
-            )
-        with self._finals:
-            self._finals.wait_for(lambda: not self._open)
+            request._index = index  # type: ignore[attr-defined]  # is_cancelled() asks by it
+        channel = pb_utils._CHANNEL
+        if channel is not None:
+            channel.begin_batch()
+        try:
+            answer = self._settle(self._model.execute(requests))
+            if answer is not None:
+                raise TypeError(
+                    f"a decoupled model's execute answers None (its responses go through each request's "
+                    f"response sender), not a {type(answer).__name__}"
+                )
+            with self._finals:
+                self._finals.wait_for(lambda: not self._open)
+        finally:
+            if channel is not None:
+                channel.end_batch()
         return {}
 
     def _sent(self, index: int, response: pb_utils.InferenceResponse | None, final: bool) -> None:

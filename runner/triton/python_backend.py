@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import functools
 import json
 import struct
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -102,10 +103,6 @@ RESCHEDULE_REFUSED = (
     "answers every request of its batch, in that batch"
 )
 BLS_UNAVAILABLE = "business logic scripting (InferenceRequest.exec) runs in a runner's model process only"
-DECOUPLED_BLS_REFUSED = (
-    "a decoupled call (exec(decoupled=True)) is not available in fngate: a model's call to another "
-    "comes back as one response"
-)
 
 
 class InferenceRequest:
@@ -154,7 +151,12 @@ class InferenceRequest:
         return self._model_name
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether this request's caller left (a closed stream or connection, its deadline passed),
+        as its runner said; only a decoupled model's requests are told (any other's batch is
+        short: its caller's answer is dropped instead)."""
+        index: int | None = getattr(self, "_index", None)
+        channel = _CHANNEL
+        return index is not None and channel is not None and channel.cancelled(index)
 
     def set_release_flags(self, flags: int) -> None:
         """TRITONSERVER_REQUEST_RELEASE_ALL is what fngate does anyway; a reschedule is refused."""
@@ -170,25 +172,33 @@ class InferenceRequest:
             )
         return sender
 
-    def exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
+    def exec(self, decoupled: bool = False, **_: Any) -> Any:
         """Call the model this request names through fngate's queue (business logic scripting): its
-        response, or one with its error (has_error())."""
-        if decoupled:
-            raise TritonModelException(DECOUPLED_BLS_REFUSED)
+        response, or one with its error (has_error()). With `decoupled=True`, an iterator of its
+        responses as they come (a decoupled model's any number), the last one empty when the callee
+        ended with the final flag alone."""
         channel = _CHANNEL
         if channel is None:
             raise TritonModelException(BLS_UNAVAILABLE)
         inputs = {tensor.name(): tensor.as_numpy() for tensor in self._inputs}
-        answer = channel.call(self._model_name, str(self._version), self._outputs, inputs)
-        if isinstance(answer, str):
-            return InferenceResponse(error=TritonError(answer))
-        return InferenceResponse([Tensor(name, array) for name, array in answer.items()])
+        if decoupled:
+            return map(
+                _response, channel.call_decoupled(self._model_name, str(self._version), self._outputs, inputs)
+            )
+        return _response(channel.call(self._model_name, str(self._version), self._outputs, inputs))
 
     def async_exec(self, decoupled: bool = False, **_: Any) -> Any:
-        """`exec` as an awaitable, for `async def execute`: several at once go out together."""
-        if decoupled:
-            raise TritonModelException(DECOUPLED_BLS_REFUSED)
-        return asyncio.get_running_loop().run_in_executor(_calls_pool(), self.exec)
+        """`exec` as an awaitable, for `async def execute`: several at once go out together. With
+        `decoupled=True` it resolves to the iterator of the responses."""
+        return asyncio.get_running_loop().run_in_executor(
+            _calls_pool(), functools.partial(self.exec, decoupled)
+        )
+
+
+def _response(answer: Mapping[str, np.ndarray[Any, Any]] | str) -> InferenceResponse:
+    if isinstance(answer, str):
+        return InferenceResponse(error=TritonError(answer))
+    return InferenceResponse([Tensor(name, array) for name, array in answer.items()])
 
 
 class InferenceResponseSender:
@@ -213,7 +223,9 @@ class InferenceResponseSender:
         self._sink(self._index, response, final)
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the caller of this sender's request left, as its runner said."""
+        channel = _CHANNEL
+        return channel is not None and channel.cancelled(self._index)
 
 
 class Channel(Protocol):
@@ -223,6 +235,16 @@ class Channel(Protocol):
     def call(
         self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
     ) -> Mapping[str, np.ndarray[Any, Any]] | str: ...
+
+    def call_decoupled(
+        self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
+    ) -> Iterator[Mapping[str, np.ndarray[Any, Any]] | str]: ...
+
+    def cancelled(self, index: int) -> bool: ...
+
+    def begin_batch(self) -> None: ...
+
+    def end_batch(self) -> None: ...
 
     def sent(
         self,

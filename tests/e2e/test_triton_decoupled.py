@@ -213,3 +213,182 @@ async def test_a_decoupled_model_streams_any_number_of_responses_as_they_are_mad
         unary.set_data_from_numpy(np.array([1], dtype=np.int32))
         with pytest.raises(InferenceServerException, match="decoupled"):
             await asyncio.to_thread(partial(client.infer, "square_int32", [unary]))
+
+
+TICKER_CONFIG = """
+name: "ticker"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: True }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+# IN = n > 0: up to n responses 20 ms apart, until its caller leaves (is_cancelled()), then the
+# final flag; IN = 0: one response, how many requests it saw cancelled so far (its one process keeps
+# count: the next batch runs once the cancelled one has ended).
+TICKER = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+CANCELLED = []
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            if n == 0:
+                count = np.array([len(CANCELLED)], dtype=np.int32)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", count)]))
+            for _ in range(n):
+                if request.is_cancelled() or sender.is_cancelled():
+                    CANCELLED.append(n)
+                    break
+                tick = pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))
+                sender.send(pb_utils.InferenceResponse([tick]))
+                time.sleep(0.02)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def ticks(grpc_url: str, value: int, leave_after: int | None) -> list[int]:
+    """The ticker's responses to one request on a stream of its own; with `leave_after`, the
+    client cancels the stream once that many came."""
+    got: queue.Queue[Any] = queue.Queue()
+    with triton_grpc.InferenceServerClient(grpc_url) as client:
+        client.start_stream(callback=lambda result, error: got.put(error or result))
+        tensor = triton_grpc.InferInput("IN", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
+        client.async_stream_infer("ticker", [tensor], enable_empty_final_response=True)
+        found: list[int] = []
+        while True:
+            result = got.get(timeout=60)
+            assert not isinstance(result, InferenceServerException), result
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+            found.append(int(result.as_numpy("OUT")[0]))
+            if leave_after is not None and len(found) == leave_after:
+                client.stop_stream(cancel_requests=True)
+                return found
+        client.stop_stream()
+    return found
+
+
+@on_cluster_too
+async def test_a_caller_that_leaves_or_runs_out_of_time_is_cancelled_in_the_model(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A decoupled model's request whose caller left mid-stream (a cancelled gRPC stream, a closed
+    HTTP stream) or whose deadline passed is_cancelled() in the model, which stops; the model's next
+    request runs once it has (a 10 s stream would hold its process that long)."""
+    root = tmp_path / "models"
+    model(root, "ticker", TICKER_CONFIG, {"1": {"model.py": TICKER}})
+    port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=port)
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    grpc_url = f"127.0.0.1:{port}"
+    assert await asyncio.to_thread(ticks, grpc_url, 2, None) == [2, 2]  # loaded; runs to its end
+    assert await asyncio.to_thread(ticks, grpc_url, 0, None) == [0]
+
+    assert await asyncio.to_thread(ticks, grpc_url, 500, 3) == [500] * 3  # the client cancels its stream
+    assert await asyncio.to_thread(ticks, grpc_url, 0, None) == [1]
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        async with client.stream("POST", "/v2/models/ticker/generate_stream", json={"IN": 500}) as answer:
+            lines = answer.aiter_lines()
+            events = [line async for line in _first_events(lines, 3)]
+        assert [json.loads(event)["OUT"] for event in events] == [500] * 3  # then the client hangs up
+        assert await asyncio.to_thread(ticks, grpc_url, 0, None) == [2]
+
+        late = await sse(client, "/v2/models/ticker/generate_stream", {"IN": 500, "timeout_ms": 400})
+        assert 1 <= len(late) < 500 and "did not answer within 400 ms" in late[-1][1]["error"], late[-3:]
+        assert await asyncio.to_thread(ticks, grpc_url, 0, None) == [3]
+
+
+async def _first_events(lines: Any, count: int) -> Any:
+    async for line in lines:
+        if line.startswith("data: "):
+            yield line.removeprefix("data: ")
+            count -= 1
+            if count == 0:
+                return
+
+
+CALLER_CONFIG = """
+name: "%s"
+backend: "python"
+max_batch_size: 0
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TOTAL" data_type: TYPE_INT32 dims: [ 2 ] } ]
+"""
+
+# BLS with a decoupled callee, as python_backend's examples call one: exec(decoupled=True) and
+# (from an async execute) await async_exec(decoupled=True) give an iterator of its responses;
+# TOTAL is [the sum of their OUT, how many had outputs]. N < 0 calls it without decoupled=True.
+BLS_STREAM = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    %(async)sdef execute(self, requests):
+        responses = []
+        for request in requests:
+            n = pb_utils.get_input_tensor_by_name(request, "N").as_numpy()
+            call = pb_utils.InferenceRequest(
+                model_name="square_int32",
+                inputs=[pb_utils.Tensor("IN", np.abs(n).astype(np.int32))],
+                requested_output_names=["OUT"],
+            )
+            if n[0] < 0:
+                answer = call.exec()
+                responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                continue
+            total = [0, 0]
+            for response in %(call)s:
+                if response.has_error():
+                    raise pb_utils.TritonModelException(response.error().message())
+                if response.output_tensors():
+                    total[0] += int(pb_utils.get_output_tensor_by_name(response, "OUT").as_numpy()[0])
+                    total[1] += 1
+            summed = pb_utils.Tensor("TOTAL", np.array(total, dtype=np.int32))
+            responses.append(pb_utils.InferenceResponse([summed]))
+        return responses
+"""
+
+
+@on_cluster_too
+async def test_business_logic_scripting_streams_from_a_decoupled_model(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    """exec(decoupled=True) and async_exec(decoupled=True) iterate over a decoupled callee's
+    responses; exec() of a decoupled callee answers an error that says how to call it."""
+    root = tmp_path / "models"
+    model(root, "square_int32", SQUARE_CONFIG, {"1": {"model.py": SQUARE}})
+    sync = BLS_STREAM % {"async": "", "call": "call.exec(decoupled=True)"}
+    awaited = BLS_STREAM % {"async": "async ", "call": "await call.async_exec(decoupled=True)"}
+    model(root, "bls_stream", CALLER_CONFIG % "bls_stream", {"1": {"model.py": sync}})
+    model(root, "bls_stream_async", CALLER_CONFIG % "bls_stream_async", {"1": {"model.py": awaited}})
+    base = await serve_gateway(repo=str(root))
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:  # the callee loaded first: its
+        # cold start would count against the calling batch's execution timeout
+        assert len(await sse(client, "/v2/models/square_int32/generate_stream", {"IN": 1})) == 1
+
+    def total(caller: str, n: int) -> list[int]:
+        with triton_http.InferenceServerClient(base.removeprefix("http://")) as http:
+            tensor = triton_http.InferInput("N", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([n], dtype=np.int32))
+            return [int(value) for value in http.infer(caller, [tensor]).as_numpy("TOTAL")]
+
+    for caller in ("bls_stream", "bls_stream_async"):
+        assert await asyncio.to_thread(total, caller, 3) == [9, 3]
+        assert await asyncio.to_thread(total, caller, 0) == [0, 0]
+        with pytest.raises(InferenceServerException, match=r"call it with exec\(decoupled=True\)"):
+            await asyncio.to_thread(total, caller, -1)  # exec() without decoupled=True

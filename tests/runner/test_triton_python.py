@@ -62,13 +62,14 @@ def test_each_request_is_answered_on_its_own(tmp_path: Path) -> None:
     np.testing.assert_array_equal(outputs["Y"], [[3.0], [6.0], [9.0]])  # the others' rows, in order
 
 
-def test_a_call_outside_a_model_process_or_decoupled_is_refused_clearly(tmp_path: Path) -> None:
+def test_a_call_outside_a_model_process_is_refused_clearly(tmp_path: Path) -> None:
     """A model's calls (BLS) go up its process's pipe to its runner: loaded anywhere else, a call
-    says so; a decoupled call is refused wherever (tests/e2e/test_triton_python.py makes real ones)."""
+    says so, a decoupled one too (tests/e2e/test_triton_python.py and test_triton_decoupled.py make
+    real ones)."""
     model = load(tmp_path)
     with pytest.raises(pb_utils.TritonModelException, match="runs in a runner's model process only"):
         model.infer({"X": np.zeros((1, 1), dtype=np.float32)}, [1])
-    with pytest.raises(pb_utils.TritonModelException, match="decoupled call"):
+    with pytest.raises(pb_utils.TritonModelException, match="runs in a runner's model process only"):
         pb_utils.InferenceRequest("other", ["Y"], []).exec(decoupled=True)
 
 
