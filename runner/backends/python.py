@@ -53,8 +53,6 @@ from runner.workdir import reap as reap_folders
 
 log = logging.getLogger(__name__)
 
-CALL_POLL_S = 0.001
-"""While a model's calls are under way: how often the batch's thread looks for their answers."""
 MAX_CALL_BYTES = 64 * 2**20
 """The most a frame from a model's process may hold: a call's inputs may outweigh its outputs."""
 
@@ -164,32 +162,35 @@ class PythonBackend:
 
     def _answer_calls(self, child: _Child, deadline: float, max_body_bytes: int) -> tuple[Any, Any]:
         """The batch's reply, once the calls its model made meanwhile (BLS: runner.bls) are answered:
-        each goes out as it comes, several at once, and its answer goes back down the pipe (a
-        decoupled call's each response as it comes). A streaming batch's callers that leave are
-        told to its model as they do ({"op": "cancel"})."""
+        each goes out as it comes, several at once, and its answer goes back down the pipe as soon
+        as it is in (a decoupled call's each response as it comes). A streaming batch's callers
+        that leave are told to its model as they do ({"op": "cancel"})."""
         calls: dict[Any, Any] = {}
-        streamed = streaming()
+        """Calls under way (a concurrent future of the Reply) -> the call's id in the model's process."""
         called: Mailbox | None = None
-        """The responses of the batch's decoupled calls, as they come: (call id, Reply)."""
+        """What the calls' loop hands this thread: ("part", call id, Reply), ("done", future)."""
+        streamed = streaming()
         waits = select.poll()
         waits.register(child.replies, select.POLLIN)
         if streamed is not None:
             waits.register(streamed.cancels.fileno(), select.POLLIN)
         try:
             while True:
-                for future in [future for future in calls if future.done()]:
-                    frame, buffers = bls.answer(calls.pop(future), future)
-                    sandbox.send(child.requests, frame, buffers, deadline)
-                for call_id, reply in called.take() if called is not None else ():
-                    frame, buffers = bls.part(call_id, reply)
+                for item in called.take() if called is not None else ():
+                    if item[0] == "part":
+                        frame, buffers = bls.part(item[1], item[2])
+                    elif item[1] in calls:
+                        frame, buffers = bls.answer(calls.pop(item[1]), item[1])
+                    else:
+                        continue
                     sandbox.send(child.requests, frame, buffers, deadline)
                 for index in streamed.cancels.take() if streamed is not None else ():
                     sandbox.send(child.requests, {"op": "cancel", "index": index}, (), deadline)
-                if calls or streamed is not None or called is not None:
+                if called is not None or streamed is not None:  # the pipe, or what comes from the loop
                     left_s = deadline - time.monotonic()
                     if left_s <= 0:
                         raise TimeoutError
-                    ready = waits.poll(max(1.0, 1000 * (CALL_POLL_S if calls else left_s)))
+                    ready = waits.poll(max(1.0, 1000 * left_s))
                     if not any(fd == child.replies for fd, _events in ready):
                         continue
                 header, body = sandbox.receive(child.replies, deadline, max(max_body_bytes, MAX_CALL_BYTES))
@@ -198,13 +199,14 @@ class PythonBackend:
                     continue
                 if header.get("op") != "call":
                     return header, body
-                on_part = None
-                if header.get("decoupled"):
-                    if called is None:
-                        called = Mailbox()
-                        waits.register(called.fileno(), select.POLLIN)
-                    on_part = functools.partial(_post_part, called, header.get("id"))
-                calls[bls.start(self._name, header, body, deadline, on_part)] = header.get("id")
+                if called is None:
+                    called = Mailbox()
+                    waits.register(called.fileno(), select.POLLIN)
+                call_id = header.get("id")
+                on_part = functools.partial(_post_part, called, call_id) if header.get("decoupled") else None
+                future = bls.start(self._name, header, body, deadline, on_part)
+                calls[future] = call_id
+                future.add_done_callback(functools.partial(_post_done, called))
         finally:
             for future in calls:
                 future.cancel()
@@ -771,4 +773,8 @@ def _describe_exit(returncode: int | None) -> str:
 
 
 def _post_part(called: Mailbox, call_id: Any, reply: Any) -> None:
-    called.post((call_id, reply))
+    called.post(("part", call_id, reply))
+
+
+def _post_done(called: Mailbox, future: Any) -> None:
+    called.post(("done", future))
