@@ -141,6 +141,9 @@ class FastRedis:
         self._timeout_s = timeout_s
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
+        self._backlog: list[tuple[bytes, asyncio.Future[Any], float]] = []
+        """What `send` took while no connection was open, in order, for the first one that opens."""
+        self._opening: asyncio.Task[None] | None = None
 
     async def execute(self, *args: Any, timeout_s: float | None = None) -> Any:
         """Send one command and return its reply. `timeout_s`: for blocking commands, longer than
@@ -163,14 +166,39 @@ class FastRedis:
         return future.result()
 
     def send(self, *args: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
-        """`execute` without a coroutine: the future of the reply (connecting first, in a task, when
-        no connection is open). For callers that settle in a done callback rather than await."""
+        """`execute` without a coroutine: the future of the reply. For callers that settle in a done
+        callback rather than await. Commands are written in the order they are sent, also those
+        sent while no connection is open (they wait, in order, for the one a task opens)."""
         protocol = self._protocol
-        if protocol is None or protocol.transport is None:
-            return asyncio.ensure_future(self.execute(*args, timeout_s=timeout_s))
-        future: asyncio.Future[Any] = protocol.loop.create_future()
-        protocol.send(encode(args), future, timeout_s or self._timeout_s)
+        future: asyncio.Future[Any]
+        if protocol is not None and protocol.transport is not None and not self._backlog:
+            future = protocol.loop.create_future()
+            protocol.send(encode(args), future, timeout_s or self._timeout_s)
+            return future
+        future = asyncio.get_running_loop().create_future()
+        self._backlog.append((encode(args), future, timeout_s or self._timeout_s))
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(self._send_backlog())
         return future
+
+    async def _send_backlog(self) -> None:
+        """Write what waited for a connection, in order, once one is open; fail it if none opens."""
+        try:
+            protocol = await self._connected()
+        except Exception as exc:
+            backlog, self._backlog = self._backlog, []
+            for _, future, _ in backlog:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        except asyncio.CancelledError:
+            backlog, self._backlog = self._backlog, []
+            for _, future, _ in backlog:
+                future.cancel()
+            raise
+        backlog, self._backlog = self._backlog, []
+        for command in backlog:
+            protocol.send(*command)
 
     def _drop(self, protocol: _Protocol) -> None:
         if protocol.transport is not None:

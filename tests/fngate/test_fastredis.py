@@ -27,6 +27,21 @@ async def test_concurrent_commands_get_their_own_replies(redis_url: str) -> None
     await client.aclose()
 
 
+async def test_commands_sent_while_the_connection_opens_are_written_in_order(redis_url: str) -> None:
+    """A decoupled model's responses are sent as they come, the first ones before the runner's
+    connection is open: none may overtake another."""
+    client = FastRedis(redis_url)
+    await client.execute("DEL", "order")
+    await client.aclose()  # not connected any more
+    sent = []
+    for index in range(100):  # one a loop turn, across the opening of the connection
+        sent.append(client.send("RPUSH", "order", index))
+        await asyncio.sleep(0)
+    await asyncio.gather(*sent)
+    assert await client.execute("LRANGE", "order", 0, -1) == [str(index).encode() for index in range(100)]
+    await client.aclose()
+
+
 async def test_reply_errors_are_redis_py_errors(redis_url: str) -> None:
     client = FastRedis(redis_url)
     await client.execute("SET", "text", "x")
