@@ -383,6 +383,23 @@ class TritonSpec(_Frozen):
         return value
 
 
+class TextGenerationSpec(_Frozen):
+    """A function that generates text: the OpenAI-compatible routes serve it (`POST
+    /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`)."""
+
+    input: str
+    """The BYTES input, of one element, that takes the prompt (a chat's messages as `role: content`
+    lines)."""
+    output: str
+    """The BYTES output that carries the text: each response of a decoupled model one piece of it
+    (a token), in order; another model's one answer the whole."""
+    parameters: str | None = None
+    """A BYTES input, of one element, that takes the request's sampling parameters as one JSON
+    object (those it gave of max_tokens, temperature, top_p, stop, seed, presence_penalty,
+    frequency_penalty), as vLLM's Triton backend takes `sampling_parameters`; none: the model gets
+    the prompt alone."""
+
+
 class FunctionManifest(_Frozen):
     """A function: its model (or the pipeline of functions it is), tensors, batching, cache, scaling
     and versions."""
@@ -414,6 +431,9 @@ class FunctionManifest(_Frozen):
     versions: VersionsSpec = VersionsSpec()
     triton: TritonSpec | None = None
     """Set for a model read from a Triton model repository (or imported from one)."""
+    text_generation: TextGenerationSpec | None = None
+    """Set for a function that generates text: its prompt input and text output, for the
+    OpenAI-compatible routes."""
 
     @field_validator("name")
     @classmethod
@@ -448,6 +468,34 @@ class FunctionManifest(_Frozen):
                             f"{kind}: {spec.name}: with batching on (max_batch_size > 0) the first "
                             f"dimension is the batch dimension and must be -1, not {spec.shape[0]}"
                         )
+        return self
+
+    @model_validator(mode="after")
+    def _text_generation(self) -> FunctionManifest:
+        generation = self.text_generation
+        if generation is None:
+            return self
+        taken = {"input": generation.input}
+        if generation.parameters is not None:
+            taken["parameters"] = generation.parameters
+        if len(set(taken.values())) < len(taken):
+            raise ValueError("text_generation: its input and parameters are two inputs, not one")
+        for field, name in taken.items():
+            spec = self.input(name)
+            if spec is None or spec.datatype != "BYTES" or any(dim not in (1, -1) for dim in spec.shape):
+                raise ValueError(
+                    f"text_generation.{field}: {name!r} must name a BYTES input of one element (each "
+                    "dimension 1 or -1)"
+                )
+        others = [spec.name for spec in self.inputs if spec.name not in taken.values()]
+        if others:
+            raise ValueError(
+                f"text_generation: the inputs {others} would be missing from every call (a text "
+                "generator takes its prompt and, if named, its parameters, nothing else)"
+            )
+        output = self.output(generation.output)
+        if output is None or output.datatype != "BYTES":
+            raise ValueError(f"text_generation.output: {generation.output!r} must name a BYTES output")
         return self
 
     @property

@@ -124,6 +124,8 @@ WHY = {
 MAX_INSTANCES = 64
 """model.instances' bound."""
 ENGINE_CACHE = {"trt_engine_cache_enable", "trt_engine_cache_path"}
+TEXT_GENERATION = {f"text_generation_{field}": field for field in ("input", "output", "parameters")}
+"""config.pbtxt `parameters` that declare a text generator: each names a tensor (text_generation)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -238,6 +240,7 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
         "cache": {"enabled": config.response_cache.enable},
         "versions": _versions(config.version_policy),
         "triton": {"name": config.name, "config": config_json(config)},
+        **_text_generation(config, source),
     }
     warnings = _warnings(config, backend, source)
     model_file = ""
@@ -257,6 +260,23 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
             ),
         }
     return Mapped(data, tuple(warnings), model_file)
+
+
+def _text_generation(config: pb.ModelConfig, source: str) -> dict[str, Any]:
+    """text_generation from the parameters that name its tensors (none: not a text generator)."""
+    named = {
+        field: config.parameters[key].string_value
+        for key, field in TEXT_GENERATION.items()
+        if key in config.parameters
+    }
+    if not named:
+        return {}
+    missing = [f"parameters.text_generation_{field}" for field in ("input", "output") if field not in named]
+    if missing:
+        raise ManifestError(
+            source, [(where, "a text generator names its input and its output") for where in missing]
+        )
+    return {"text_generation": named}
 
 
 def _backend(config: pb.ModelConfig) -> str:
@@ -452,7 +472,7 @@ def _model_parameter_warnings(config: pb.ModelConfig, backend: str) -> Iterator[
     elif engine:
         yield f"parameters {sorted(engine)}: not used by {backend} (they configure onnxruntime's TensorRT)"
     for key in parameters:
-        if key in engine:
+        if key in engine or key in TEXT_GENERATION:
             continue
         if backend == "python" and key != "EXECUTION_ENV_PATH":
             continue  # the model reads them from args["model_config"], as in Triton

@@ -13,7 +13,7 @@ from fngate import telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, KeyTable
-from gateway.http import admin, deployments, endpoints, results
+from gateway.http import admin, deployments, endpoints, openai, results
 from gateway.http.compression import GZIP_MIN_BYTES, GzipLargeResponses
 from gateway.http.errors import handle_function_error, handle_unknown_route
 from gateway.http.generate import generate_stream
@@ -42,6 +42,11 @@ ROUTES = [
         "/v2/models/{name}/versions/{version}/generate_stream", generate_stream, INVOKE, methods=["POST"]
     ),
     Guarded("/v1/functions", endpoints.list_functions, READ),
+    # OpenAI's API: the function is named in the body, its invoke scope checked once it is read.
+    Guarded("/v1/chat/completions", openai.chat_completions, BROWSE, ["POST"], openai.error_body),
+    Guarded("/v1/completions", openai.completions, BROWSE, ["POST"], openai.error_body),
+    Guarded("/v1/models", openai.list_models, BROWSE, error_body=openai.error_body),
+    Guarded("/v1/models/{name}", openai.get_model, READ, error_body=openai.error_body),
     Guarded("/metrics", endpoints.prometheus, ADMIN),
     *deployments.ROUTES,
     *admin.ROUTES,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -63,9 +65,12 @@ def error_body(exc: FunctionError) -> bytes:
     return dumps({"error": exc.message, "code": exc.code.value})
 
 
-def error_response(exc: FunctionError, retry_after_s: int = 1) -> Response:
+def error_response(
+    exc: FunctionError, retry_after_s: int = 1, render: Callable[[FunctionError], bytes] = error_body
+) -> Response:
+    """The error's status, headers and body (fngate's, or another API's shape: `render`)."""
     headers = headers_of(exc, retry_after_s)
-    return Response(error_body(exc), status_of(exc), headers or None, media_type="application/json")
+    return Response(render(exc), status_of(exc), headers or None, media_type="application/json")
 
 
 async def handle_function_error(request: Request, exc: Exception) -> Response:

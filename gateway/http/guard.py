@@ -22,15 +22,26 @@ OPEN_ROUTE = None
 """The scope of a route any caller may use, without a key (health)."""
 
 
+ErrorBody = Callable[[FunctionError], bytes]
+"""How a route's errors are written: fngate's `{"error", "code"}`, or a foreign API's own shape."""
+
+
 class Guarded(Route):
     """A Starlette route with the scope its callers' keys need (None: open): of the function named
-    by its `{name}` for the scopes that go by function (invoke, read), else the scope alone."""
+    by its `{name}` for the scopes that go by function (invoke, read), else the scope alone. A
+    refusal's body is `error_body`'s."""
 
     def __init__(
-        self, path: str, endpoint: Callable[..., Any], need: str | None, methods: list[str] | None = None
+        self,
+        path: str,
+        endpoint: Callable[..., Any],
+        need: str | None,
+        methods: list[str] | None = None,
+        error_body: ErrorBody = error_body,
     ) -> None:
         super().__init__(path, endpoint, methods=methods)
         self.need = need
+        self.error_body = error_body
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.need is not None and not (self.methods and scope["method"] not in self.methods):
@@ -41,7 +52,7 @@ class Guarded(Route):
                     authorization(scope["headers"]), self.need, function
                 )
             except FunctionError as exc:
-                await send_error(send, exc, services.settings.retry_after_s)
+                await send_error(send, exc, services.settings.retry_after_s, self.error_body)
                 return
         await super().handle(scope, receive, send)
 
@@ -58,8 +69,10 @@ def authorization(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-async def send_error(send: Any, exc: FunctionError, retry_after_s: int) -> None:
-    body = error_body(exc)
+async def send_error(
+    send: Any, exc: FunctionError, retry_after_s: int, render: ErrorBody = error_body
+) -> None:
+    body = render(exc)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(name.lower().encode(), value.encode()) for name, value in headers_of(exc, retry_after_s).items()]
     await send({"type": "http.response.start", "status": status_of(exc), "headers": raw})

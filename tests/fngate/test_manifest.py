@@ -27,6 +27,19 @@ def with_(**changes: Any) -> dict[str, Any]:
     return {**VALID, **changes}
 
 
+PROMPT = {"name": "prompt", "datatype": "BYTES", "shape": [-1, 1]}
+SAMPLING = {"name": "sampling", "datatype": "BYTES", "shape": [-1]}
+
+
+def generator(inputs: tuple[dict[str, Any], ...] = (PROMPT,), **fields: Any) -> dict[str, Any]:
+    """A text generator's manifest: its prompt input and text output, and `fields` of text_generation."""
+    return with_(
+        inputs=list(inputs),
+        outputs=[{"name": "text", "datatype": "BYTES", "shape": [-1, 1]}],
+        text_generation={"input": "prompt", "output": "text", **fields},
+    )
+
+
 def test_examples_are_valid() -> None:
     assert EXAMPLES, "functions/ has no examples"
     for path in EXAMPLES:
@@ -106,6 +119,16 @@ def test_datatypes_match_the_tensor_table() -> None:
             "over max_batch_size",
         ),
         (with_(batching={"max_queue_size": 0}), "batching.max_queue_size", "greater than or equal to 1"),
+        (generator(output="probabilities"), "", "text_generation.output: 'probabilities' must name a BYTES"),
+        (generator(input="nope"), "", "text_generation.input: 'nope' must name a BYTES input of one element"),
+        (
+            generator((PROMPT, {**SAMPLING, "shape": [-1, 2]}), parameters="sampling"),
+            "",
+            "text_generation.parameters: 'sampling' must name a BYTES input of one element",
+        ),
+        (generator((PROMPT, SAMPLING)), "", "the inputs ['sampling'] would be missing from every call"),
+        (generator(parameters="prompt"), "", "its input and parameters are two inputs"),
+        (generator(prompt="x"), "text_generation.prompt", "unknown key"),
         (with_(scaling={"min_replicas": 5, "max_replicas": 2}), "scaling", "over max_replicas"),
         (
             with_(
@@ -125,6 +148,17 @@ def test_bad_manifests_name_the_field(manifest: dict[str, Any], where: str, frag
     problems = caught.value.problems
     assert any(path == where and fragment in message for path, message in problems), problems
     assert not any(message.startswith("Value error") for _, message in problems)
+
+
+def test_a_text_generator_names_its_prompt_and_parameters_inputs_and_its_text_output() -> None:
+    manifest = parse_manifest(generator((PROMPT, SAMPLING), parameters="sampling"), "f.yaml")
+    assert manifest.text_generation is not None
+    assert manifest.text_generation.model_dump() == {
+        "input": "prompt",
+        "output": "text",
+        "parameters": "sampling",
+    }
+    assert parse_manifest(VALID, "f.yaml").text_generation is None
 
 
 def test_execution_timeout_defaults_to_the_batching_timeout() -> None:

@@ -94,6 +94,34 @@ def test_what_fngate_does_not_honour_is_named() -> None:
         parse_config(CLASSIFIER + "\nno_such_field: 1", "config.pbtxt")
 
 
+GENERATOR = """
+name: "generator"
+platform: "onnxruntime_onnx"
+max_batch_size: 4
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]
+dynamic_batching { }
+parameters { key: "text_generation_input" value: { string_value: "text_input" } }
+parameters { key: "text_generation_output" value: { string_value: "text_output" } }
+"""
+
+
+def test_a_text_generator_is_declared_by_parameters_that_name_its_tensors() -> None:
+    config = parse_config(GENERATOR, "config.pbtxt")
+    complete(config, "generator", None)
+    mapped_config = map_config(config, "config.pbtxt")
+    manifest = mapped_config.manifest("1", "config.pbtxt")
+    assert manifest.text_generation is not None
+    assert (manifest.text_generation.input, manifest.text_generation.output) == ("text_input", "text_output")
+    assert mapped_config.warnings == ()  # fngate's own parameters, on any backend
+    half = GENERATOR.replace('parameters { key: "text_generation_output"', 'parameters { key: "other"')
+    with pytest.raises(ManifestError, match=r"parameters\.text_generation_output: a text generator names"):
+        mapped(half, "generator")
+    unknown = GENERATOR.replace('string_value: "text_output"', 'string_value: "nope"')
+    with pytest.raises(ManifestError, match=r"text_generation\.output: 'nope' must name a BYTES output"):
+        map_config(parse_config(unknown, "config.pbtxt"), "config.pbtxt").manifest("1", "config.pbtxt")
+
+
 def test_validate_and_import_the_guide_repository(tmp_path: Path) -> None:
     root = guide_repository(tmp_path / "models")
     out, err = io.StringIO(), io.StringIO()
