@@ -87,13 +87,14 @@ MAX_OUTPUT_BYTES = 512 * 2**20
 class ModelSpec(_Frozen):
     """The model and where it runs."""
 
-    backend: Literal["onnxruntime", "tensorrt", "python"]
-    """onnxruntime (an .onnx file), tensorrt (a .plan engine) or python (a model.py)."""
+    backend: Literal["onnxruntime", "tensorrt", "pytorch", "python"]
+    """onnxruntime (an .onnx file), tensorrt (a .plan engine), pytorch (a TorchScript .pt file; the
+    runner needs fngate[torch]) or python (a model.py)."""
     path: str
     """The model file, relative to the manifest, inside its folder."""
     accelerator: Literal["cpu", "cuda", "tensorrt"] = "cpu"
     """onnxruntime's execution provider; for a python function, cuda gives its process the
-    runner's GPU (docs/gpu.md)."""
+    runner's GPU (docs/gpu.md); for a pytorch one, cuda runs it on the runner's GPU."""
     precision: Literal["fp32", "fp16"] = "fp32"
     """fp16 lets TensorRT build half-precision engines."""
     execution_timeout_ms: Annotated[int, Field(ge=1, le=3_600_000)] | None = None
@@ -135,10 +136,10 @@ class ModelSpec(_Frozen):
 
     @model_validator(mode="after")
     def _accelerator(self) -> ModelSpec:
-        if self.backend == "python" and self.accelerator == "tensorrt":
+        if self.backend in ("python", "pytorch") and self.accelerator == "tensorrt":
             raise ValueError(
-                "accelerator tensorrt applies to the onnxruntime and tensorrt backends only; a python "
-                "function takes cpu or cuda"
+                "accelerator tensorrt applies to the onnxruntime and tensorrt backends only; a "
+                f"{self.backend} function takes cpu or cuda"
             )
         if self.backend != "python":  # a stored manifest carries every default: only others count
             for field in ("memory_limit_mb", "pids_limit", "working_folder_limit_mb", "decoupled"):

@@ -8,7 +8,12 @@ from typing import Any
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.pipeline import REQUEST, order
 
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": ""}
+PLATFORMS = {
+    "onnxruntime": "onnxruntime_onnx",
+    "tensorrt": "tensorrt_plan",
+    "pytorch": "pytorch_libtorch",
+    "python": "",
+}
 """Triton's platform per backend; a Python backend model has none."""
 
 

@@ -21,7 +21,7 @@ Key = tuple[str, str]
 MIB = 1024 * 1024
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
-ESTIMATE_FACTORS: dict[str, float] = {"onnxruntime": 1.5, "tensorrt": 1.2, "python": 2.0}
+ESTIMATE_FACTORS: dict[str, float] = {"onnxruntime": 1.5, "tensorrt": 1.2, "pytorch": 1.5, "python": 2.0}
 """A model's memory per byte of its files, before its first load measures it: onnxruntime holds
 the initializers and its own copies while it optimizes; a TensorRT engine holds its weights and
 activations; a python function holds what its model.py reads."""

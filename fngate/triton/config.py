@@ -16,11 +16,26 @@ from tritonclient.grpc import model_config_pb2 as pb
 from fngate.manifest import DNS_LABEL, FunctionManifest, ManifestError, parse_manifest
 
 CONFIG_FILE = "config.pbtxt"
-PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "ensemble": "ensemble"}
+PLATFORMS = {
+    "onnxruntime_onnx": "onnxruntime",
+    "tensorrt_plan": "tensorrt",
+    "pytorch_libtorch": "pytorch",
+    "ensemble": "ensemble",
+}
 """Triton's platform -> fngate's backend (or "ensemble", a pipeline)."""
-BACKENDS = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt", "python": "python"}
-PLATFORM_OF = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": ""}
-MODEL_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.plan", "python": "model.py"}
+BACKENDS = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt", "pytorch": "pytorch", "python": "python"}
+PLATFORM_OF = {
+    "onnxruntime": "onnxruntime_onnx",
+    "tensorrt": "tensorrt_plan",
+    "pytorch": "pytorch_libtorch",
+    "python": "",
+}
+MODEL_FILES = {
+    "onnxruntime": "model.onnx",
+    "tensorrt": "model.plan",
+    "pytorch": "model.pt",
+    "python": "model.py",
+}
 """Triton's default_model_filename per backend."""
 MAX_DELAY_US = 10_000_000
 
@@ -226,7 +241,10 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
     if backend not in (*BACKENDS, "ensemble"):
         kind = config.platform or config.backend or "none"
         problems.append(
-            ("backend", f"{kind!r} is not served by fngate (onnxruntime, tensorrt, python, ensemble)")
+            (
+                "backend",
+                f"{kind!r} is not served by fngate (onnxruntime, tensorrt, pytorch, python, ensemble)",
+            )
         )
     if problems:
         raise ManifestError(source, problems)
@@ -364,10 +382,11 @@ def _instances(config: pb.ModelConfig) -> dict[str, Any]:
 
 
 def _placement(config: pb.ModelConfig, backend: str) -> dict[str, Any]:
-    """accelerator and precision from instance_group's kind and the TensorRT accelerator."""
-    if backend != "onnxruntime":
+    """accelerator and precision from instance_group's kind and (ONNX) the TensorRT accelerator."""
+    if backend not in ("onnxruntime", "pytorch"):
         return {}
-    tensorrt = next((item for item in _accelerators(config) if item.name == "tensorrt"), None)
+    accelerators = _accelerators(config) if backend == "onnxruntime" else []
+    tensorrt = next((item for item in accelerators if item.name == "tensorrt"), None)
     if tensorrt is not None:
         fp16 = tensorrt.parameters.get("precision_mode", "FP32").upper() == "FP16"
         return {"accelerator": "tensorrt", "precision": "fp16" if fp16 else "fp32"}

@@ -185,7 +185,18 @@ def _tensorrt(load: Load) -> Backend:
     return TensorRTBackend(load.manifest, load.directory, load.accel)
 
 
-LOADERS: dict[str, Loader] = {"onnxruntime": _onnx, "python": _python, "tensorrt": _tensorrt}
+def _pytorch(load: Load) -> Backend:
+    from runner.backends.torchscript import TorchScriptBackend
+
+    return TorchScriptBackend(load.manifest, load.directory, load.threads, load.accel)
+
+
+LOADERS: dict[str, Loader] = {
+    "onnxruntime": _onnx,
+    "python": _python,
+    "pytorch": _pytorch,
+    "tensorrt": _tensorrt,
+}
 
 
 def load_backend(

@@ -1,0 +1,217 @@
+"""The pytorch backend for real: TorchScript models saved by torch in the test (weights made here),
+in a Triton repository as Triton's pytorch_libtorch backend takes them, served by a real runner
+process of the environment with torch (.venv/torch, made by scripts/bootstrap from
+requirements/torch.txt) and called with tritonclient over HTTP and gRPC; each answer is the one torch
+itself gives for the same rows. A runner without torch says what it needs."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import ROOT, child_env, free_port
+from tests.triton_repository import model
+
+TORCH_PYTHON = ROOT / ".venv" / "torch" / "bin" / "python"
+
+# forward(x, scale) -> (relu(linear(x)) * scale, the sum of x's row), as Triton's INPUT__0,
+# INPUT__1 -> OUTPUT__0, OUTPUT__1. The script saves the model, then answers the rows in x.npy and
+# scale.npy with torch itself.
+MAKE = """
+import sys
+
+import numpy as np
+import torch
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor):
+        return torch.relu(self.linear(x)) * scale, x.sum(dim=1, keepdim=True)
+
+
+path, folder = sys.argv[1], sys.argv[2]
+torch.jit.script(Model()).save(path)
+loaded = torch.jit.load(path)
+with torch.inference_mode():
+    x, scale = np.load(folder + "/x.npy"), np.load(folder + "/scale.npy")
+    y, total = loaded(torch.from_numpy(x), torch.from_numpy(scale))
+np.save(folder + "/y.npy", y.numpy())
+np.save(folder + "/total.npy", total.numpy())
+"""
+
+INDEXED = """
+name: "torch_model"
+platform: "pytorch_libtorch"
+max_batch_size: 8
+input [
+  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 1 ] }
+]
+output [
+  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3 ] },
+  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 1 ] }
+]
+dynamic_batching { }
+"""
+
+# The same model, its inputs named as forward's arguments and listed in the other order.
+NAMED = """
+name: "torch_named"
+backend: "pytorch"
+max_batch_size: 8
+input [
+  { name: "scale" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "x" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3 ] }
+]
+"""
+
+
+@pytest.fixture
+def torch_repository(tmp_path: Path) -> Path:
+    if not TORCH_PYTHON.exists():
+        pytest.skip("no .venv/torch: scripts/bootstrap makes it (requirements/torch.txt)")
+    rows = np.random.default_rng(3)
+    np.save(tmp_path / "x.npy", rows.normal(size=(16, 4)).astype(np.float32))
+    np.save(tmp_path / "scale.npy", rows.uniform(0.5, 2.0, size=(16, 1)).astype(np.float32))
+    root = tmp_path / "models"
+    for name, config in (("torch_model", INDEXED), ("torch_named", NAMED)):
+        folder = model(root, name, config, {"1": {}})
+        (tmp_path / "make.py").write_text(MAKE)
+        subprocess.run(
+            [str(TORCH_PYTHON), str(tmp_path / "make.py"), str(folder / "1" / "model.pt"), str(tmp_path)],
+            check=True,
+            timeout=120,
+        )
+    return root
+
+
+@pytest.fixture
+def torch_runner(redis_url: str, tmp_path: Path) -> Iterator[Callable[[Path], None]]:
+    """Start `python -m runner` from the environment with torch."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(repo: Path) -> None:
+        env = child_env(redis_url, repo, FNGATE_ARTIFACT_DIR=str(tmp_path / "artifacts"))
+        with open(tmp_path / "torch-runner.log", "wb") as log:
+            processes.append(
+                subprocess.Popen(
+                    [str(TORCH_PYTHON), "-m", "runner"],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+
+    yield start
+    for process in processes:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def inputs_of(x: np.ndarray, scale: np.ndarray, order: tuple[str, str]) -> list[Any]:
+    inputs = [triton_http.InferInput(order[0], list(x.shape), "FP32")]
+    inputs.append(triton_http.InferInput(order[1], list(scale.shape), "FP32"))
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(scale)
+    return inputs
+
+
+def call_http(
+    url: str,
+    name: str,
+    x: np.ndarray,
+    scale: np.ndarray,
+    order: tuple[str, str],
+    spans: list[tuple[int, int]],
+) -> list[dict[str, Any]]:
+    """The model's answers to the rows of each span, all sent at once (tritonclient's async_infer)."""
+    with triton_http.InferenceServerClient(url.removeprefix("http://"), concurrency=len(spans)) as client:
+        sent = [client.async_infer(name, inputs_of(x[a:b], scale[a:b], order)) for a, b in spans]
+        answers = [request.get_result() for request in sent]
+    return [{"y": answer.as_numpy("OUTPUT__0"), "total": answer.as_numpy("OUTPUT__1")} for answer in answers]
+
+
+async def test_a_torchscript_model_answers_as_torch_does(
+    serve_gateway: Callable[..., Any],
+    torch_runner: Callable[[Path], None],
+    torch_repository: Path,
+    tmp_path: Path,
+) -> None:
+    """Sixteen calls of one or two rows at once (batched together), over HTTP, then over gRPC, to
+    both models: each answer is torch's own for its rows."""
+    x, scale = np.load(tmp_path / "x.npy"), np.load(tmp_path / "scale.npy")
+    y, total = np.load(tmp_path / "y.npy"), np.load(tmp_path / "total.npy")
+    port = free_port()
+    base = await serve_gateway(repo=str(torch_repository), grpc_port=port)
+    torch_runner(torch_repository)
+    # The first call waits for the runner to start and load the model (torch's import: seconds).
+    indexed = ("INPUT__0", "INPUT__1")
+    first = await asyncio.to_thread(call_http, base, "torch_model", x, scale, indexed, [(0, 1)])
+    np.testing.assert_allclose(first[0]["y"], y[:1], rtol=1e-5, atol=1e-6)
+
+    spans = [(at, at + 1 + at % 2) for at in range(0, 15)]
+    for name, order in (("torch_model", indexed), ("torch_named", ("x", "scale"))):
+        answers = await asyncio.to_thread(call_http, base, name, x, scale, order, spans)
+        for (start, end), answer in zip(spans, answers, strict=True):
+            np.testing.assert_allclose(answer["y"], y[start:end], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(answer["total"], total[start:end], rtol=1e-5, atol=1e-6)
+
+    def over_grpc() -> Any:
+        with triton_grpc.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            inputs = [
+                triton_grpc.InferInput("INPUT__0", [4, 4], "FP32"),
+                triton_grpc.InferInput("INPUT__1", [4, 1], "FP32"),
+            ]
+            inputs[0].set_data_from_numpy(x[4:8])
+            inputs[1].set_data_from_numpy(scale[4:8])
+            return client.infer("torch_model", inputs).as_numpy("OUTPUT__0")
+
+    np.testing.assert_allclose(await asyncio.to_thread(over_grpc), y[4:8], rtol=1e-5, atol=1e-6)
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        config = (await client.get("/v2/models/torch_model/config")).json()
+        assert config["platform"] == "pytorch_libtorch" and config["default_model_filename"] == "model.pt"
+
+
+async def test_a_runner_without_torch_says_what_it_needs(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], torch_repository: Path
+) -> None:
+    """This process's runner has no torch (the suite's environment): the model's call fails with
+    what to install, and the runner serves on."""
+    pytest.importorskip("onnxruntime")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is importable here: this runner could serve the model")
+    base = await serve_gateway(repo=str(torch_repository))
+    await inprocess_runner(repo=str(torch_repository))
+    x = np.zeros((1, 4), dtype=np.float32)
+    scale = np.ones((1, 1), dtype=np.float32)
+    with pytest.raises(InferenceServerException, match=r"needs torch .*fngate\[torch\]"):
+        await asyncio.to_thread(call_http, base, "torch_model", x, scale, ("INPUT__0", "INPUT__1"), [(0, 1)])
