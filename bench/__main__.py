@@ -289,12 +289,14 @@ class Bench:
         http: bool = True,
         grpc: bool = True,
         open_loop: bool = False,
+        binary: bool = False,
     ) -> None:
         """fngate beside the real Triton server on the same models, the same batching (max 32 rows,
         the same max_queue_delay_us) and the same load, point by point (each fngate point right
         before the same Triton point, so that drift hits both alike), at each of the delays
-        (--peer-delays): over HTTP with this bench's load generator (T), over gRPC with
-        perf_analyzer (G), and open-loop Poisson arrivals with perf_analyzer (O). The report gives
+        (--peer-delays): over HTTP with this bench's load generator and JSON bodies (T), over gRPC
+        with perf_analyzer (G), over HTTP with perf_analyzer and binary tensors (B), and open-loop
+        Poisson arrivals with perf_analyzer (O). The report gives
         each point like for like and each server at its better delay."""
         models = self.logs / "triton-models"
         models.mkdir(parents=True, exist_ok=True)
@@ -307,7 +309,7 @@ class Bench:
                 f"T  fngate against Triton ({serve_sh}), both batching with a delay of {delay_us} µs",
                 flush=True,
             )
-            self._peer_at(deployed, serve_sh, models, delay_us, http, grpc, open_loop)
+            self._peer_at(deployed, serve_sh, models, delay_us, http, grpc, open_loop, binary)
 
     def _peer_at(
         self,
@@ -318,6 +320,7 @@ class Bench:
         http: bool,
         grpc: bool,
         open_loop: bool,
+        binary: bool = False,
     ) -> None:
         extra = {"delay_us": delay_us}
         port, grpc_port = free_port(), free_port()
@@ -341,7 +344,7 @@ class Bench:
                 wait_live(triton_url, path=f"/v2/models/{name}/ready", timeout_s=900)
             meters = {"fngate": deployed.meter(), "triton": process_meter(triton.pid, triton_url)}
             if http:
-                points = [("tiny", 16, "output", 1), ("tiny", 16, "output", 16)]
+                points = [("tiny", 16, "output", c) for c in (1, 16, 64)]
                 points += [("wide", 512, "probabilities", c) for c in (1, 16, 64)]
                 for name, features, triton_output, concurrency in points:
                     requests, inputs = requests_for(
@@ -376,6 +379,19 @@ class Bench:
                     meters["triton"],
                     lambda model: peer_function(model, delay_us),
                     extra,
+                )
+            if binary:
+                grpc_peer.run(
+                    deployed.urls()[0].removeprefix("http://"),
+                    f"127.0.0.1:{port}",
+                    self.args.measure_s,
+                    self.logs,
+                    self.record,
+                    meters["fngate"],
+                    meters["triton"],
+                    lambda model: peer_function(model, delay_us),
+                    extra,
+                    scenario="B",
                 )
             if open_loop:
                 fngate_address = deployed.urls()[0].removeprefix("http://")
@@ -621,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         "against limits measured in the same run (needs about 1.5 GB of memory and a minute or two)",
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,O,H,P,M,C"
+        "--only", default="", help="comma-separated scenarios: inproc,S0,S1,S2,S3,S4,S5,T,G,B,O,H,P,M,C"
     )
     parser.add_argument(
         "--triton",
@@ -730,9 +746,16 @@ def with_grpc(serve_sh: Path, logs: Path) -> Path:
 def against_peers(
     deployed: Deployment, bench: Bench, triton: Path | None, wanted: Callable[[str], bool]
 ) -> None:
-    """T, G and O beside the real Triton (--triton); G alone without it."""
-    if triton is not None and (wanted("T") or wanted("G") or wanted("O")):
-        bench.peer(deployed, triton.resolve(), http=wanted("T"), grpc=wanted("G"), open_loop=wanted("O"))
+    """T, G, B and O beside the real Triton (--triton); G alone without it."""
+    if triton is not None and any(wanted(scenario) for scenario in "TGBO"):
+        bench.peer(
+            deployed,
+            triton.resolve(),
+            http=wanted("T"),
+            grpc=wanted("G"),
+            open_loop=wanted("O"),
+            binary=wanted("B"),
+        )
     elif wanted("G"):
         grpc_peer.run(
             deployed.grpc_address, None, bench.args.measure_s, bench.logs, bench.record, deployed.meter()

@@ -1,7 +1,8 @@
-"""Scenario G: the Open Inference Protocol over gRPC, driven by Triton's own perf_analyzer (`-i
-grpc`, binary tensors, closed loop at a fixed concurrency), against fngate's gRPC port and, with
---triton, against the real Triton's gRPC port in the same run, point by point. fngate's HTTP path
-at the same points comes from scenario T or S1; this one reports gRPC and its ratios."""
+"""Scenarios G and B: the Open Inference Protocol driven by Triton's own perf_analyzer (closed loop
+at a fixed concurrency, binary tensors) over gRPC (G, `-i grpc`) or over HTTP (B, `-i http`: V2
+with the binary tensor extension), against fngate and, with --triton, against the real Triton in
+the same run, point by point. fngate's HTTP path with JSON bodies and this bench's own load
+generator is scenario T."""
 
 from __future__ import annotations
 
@@ -17,12 +18,24 @@ Row = dict[str, Any]
 POINTS = [("tiny", c) for c in (1, 16, 64)] + [("wide", c) for c in (1, 16, 64)]
 
 
+PROTOCOLS = {"G": ("grpc", "gRPC"), "B": ("http", "HTTP, binary tensors")}
+"""Scenario -> perf_analyzer's protocol (-i) and how the output names it."""
+
+
 def measure(
-    command: list[str], address: str, model: str, concurrency: int, measure_s: float, logs: Path, label: str
+    command: list[str],
+    address: str,
+    model: str,
+    concurrency: int,
+    measure_s: float,
+    logs: Path,
+    label: str,
+    protocol: str = "grpc",
 ) -> Row:
     """One perf_analyzer point: throughput and the client's latency percentiles (ms)."""
-    args = ["-m", model, "-u", address, "-i", "grpc", "--concurrency-range", str(concurrency)]
-    return perf_analyzer.point(command, args, measure_s, logs, f"perf-{label}-{model}-c{concurrency}")
+    args = ["-m", model, "-u", address, "-i", protocol, "--concurrency-range", str(concurrency)]
+    name = f"perf-{label}-{protocol}-{model}-c{concurrency}"
+    return perf_analyzer.point(command, args, measure_s, logs, name)
 
 
 def run(
@@ -35,17 +48,24 @@ def run(
     triton_meter: Meter | None = None,
     fngate_model: Callable[[str], str] = str,
     extra: Row | None = None,
+    scenario: str = "G",
 ) -> None:
     """Each point on fngate, then on Triton; with a meter, each server's CPU and run-queue wait
     per inference too. `fngate_model` names the function that serves a model at fngate (its
-    batching as Triton's); `extra` goes into every row (the batching delay of the comparison)."""
+    batching as Triton's); `extra` goes into every row (the batching delay of the comparison);
+    `scenario`: G (gRPC) or B (HTTP), the addresses being that protocol's."""
+    protocol, shown = PROTOCOLS[scenario]
+    body = "grpc" if protocol == "grpc" else "binary"
     command, why = perf_analyzer.provide()
     if not command:
-        print(f"G  skipped: {why}", flush=True)
+        print(f"{scenario}  skipped: {why}", flush=True)
         return
-    print(f"G  gRPC with perf_analyzer: fngate {fngate_address}, Triton {triton_address or '-'}", flush=True)
+    print(
+        f"{scenario}  {shown} with perf_analyzer: fngate {fngate_address}, Triton {triton_address or '-'}",
+        flush=True,
+    )
     for model, concurrency in POINTS:
-        ours: Row = {"scenario": "G", "function": model, **(extra or {}), "body": "grpc"}
+        ours: Row = {"scenario": scenario, "function": model, **(extra or {}), "body": body}
         ours["concurrency"] = concurrency
         served = fngate_model(model)
         ours.update(
@@ -53,17 +73,17 @@ def run(
                 fngate_meter,
                 served,
                 functools.partial(
-                    measure, command, fngate_address, served, concurrency, measure_s, logs, "fngate"
+                    measure, command, fngate_address, served, concurrency, measure_s, logs, "fngate", protocol
                 ),
             )
         )
-        point = f"   {model} c={concurrency} over gRPC"
+        point = f"   {model} c={concurrency} over {shown}"
         if triton_address is not None:
             theirs: Row = {
-                "scenario": "G",
+                "scenario": scenario,
                 "function": f"{model}@triton",
                 **(extra or {}),
-                "body": "grpc",
+                "body": body,
                 "concurrency": concurrency,
             }
             theirs.update(
@@ -71,7 +91,15 @@ def run(
                     triton_meter,
                     model,
                     functools.partial(
-                        measure, command, triton_address, model, concurrency, measure_s, logs, "triton"
+                        measure,
+                        command,
+                        triton_address,
+                        model,
+                        concurrency,
+                        measure_s,
+                        logs,
+                        "triton",
+                        protocol,
                     ),
                 )
             )

@@ -208,6 +208,7 @@ def _against_triton(rows: list[Row]) -> list[str]:
     lines: list[str] = []
     closed = [("HTTP, V2 JSON (T)", pair) for pair in pairs(rows, "T")]
     closed += [("gRPC, perf_analyzer (G)", pair) for pair in pairs(rows, "G")]
+    closed += [("HTTP, binary, perf_analyzer (B)", pair) for pair in pairs(rows, "B")]
     if closed:
         lines += [
             "",

@@ -66,6 +66,8 @@ def test_the_report_shows_the_ratios_the_best_rates_and_the_hostile_probes(tmp_p
         point("T", "tiny@triton", "json", 16, 4827, delay_us=0),
         point("G", "wide", "grpc", 64, 2493),
         point("G", "wide@triton", "grpc", 64, 4292),
+        point("B", "tiny", "binary", 16, 3000),
+        point("B", "tiny@triton", "binary", 16, 6000),
         point("O", "tiny", "binary", 32, 1006, rate=1000),
         point("O", "tiny@triton", "binary", 32, 1006, rate=1000),
         {"scenario": "O", "function": "tiny", "body": "binary", "p99_under_10ms_req_per_s": 1000},
@@ -77,6 +79,7 @@ def test_the_report_shows_the_ratios_the_best_rates_and_the_hostile_probes(tmp_p
     text = (tmp_path / "results.md").read_text()
     assert "| HTTP, V2 JSON (T) | tiny | 16 | 0 | 4100 | 4827 | 0.85 |" in text
     assert "| gRPC, perf_analyzer (G) | wide | 64 |  | 2493 | 4292 | 0.58 |" in text
+    assert "| HTTP, binary, perf_analyzer (B) | tiny | 16 |  | 3000 | 6000 | 0.50 |" in text
     assert "| 1000 | 1006 | 1.00 / 2.00 | 1006 | 1.00 / 2.00 |" in text
     assert "fngate up to 1000 req/s, Triton up to 5000 req/s" in text
     assert "| grpc | gRPC 400 PINGs | GOAWAY ENHANCE_YOUR_CALM | 0.01 | 0.00 | 131 |" in text
