@@ -15,6 +15,7 @@ from starlette.requests import Request
 from fngate.errors import FunctionError, Internal, Overloaded, PayloadTooLarge
 from fngate.wire import Reply
 from gateway.call import Call
+from gateway.decompression import decode_body
 from gateway.dispatch import Dispatcher
 
 MAX_BODY_BYTES = 1024 * 1024
@@ -85,7 +86,8 @@ def event(document: Any) -> bytes:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused (PayloadTooLarge) as soon as it is declared or found over `limit`."""
+    """The whole body, refused (PayloadTooLarge) as soon as it is declared or found over `limit`,
+    its Content-Encoding (gzip, deflate) undone within the same limit."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
@@ -96,4 +98,4 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)

@@ -165,7 +165,7 @@ async def test_nothing_is_uploaded_for_a_manifest_that_fails_validation(
     s3: Bucket, redis_url: str, redis: aioredis.Redis, tmp_path: Path
 ) -> None:
     broken = scale_function(tmp_path / "broken", "broken", 2.0)
-    broken.write_text(broken.read_text().replace("backend: python", "backend: pytorch"))
+    broken.write_text(broken.read_text().replace("backend: python", "backend: tensorflow"))
     result = await deploy(s3, redis_url, broken)
     assert result.returncode == 2
     assert "model.backend" in result.stderr and "nothing was uploaded" in result.stderr
