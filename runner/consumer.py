@@ -69,6 +69,8 @@ class FunctionConsumer:
         self._streams = keys.levels(function.name, function.manifest.batching.priorities)
         self._pending: list[Entry] = []
         self._running: list[Sequence[Entry]] = []
+        self._streaming_batches: list[Sequence[Entry]] = []
+        """Decoupled batches whose `execute` returned and whose requests stream on (_compute)."""
         """The batches running: up to the model's instances at once."""
         self._batches: asyncio.TaskGroup | None = None
         self._refusing = False
@@ -311,7 +313,7 @@ class FunctionConsumer:
 
     def _held(self, level: int) -> list[bytes]:
         """The ids of the entries at `level` that this consumer has read and not yet answered."""
-        running = (entry for batch in self._running for entry in batch)
+        running = (entry for batch in (*self._running, *self._streaming_batches) for entry in batch)
         return [entry.id for entry in (*self._pending, *running) if entry.level == level]
 
     async def _ensure_group(self) -> None:
@@ -401,7 +403,8 @@ class FunctionConsumer:
 
     async def _execute(self, batch: Sequence[Entry]) -> None:
         """Run the batch; with several instances, in a task of its own beside the others."""
-        if self._instances == 1 or self._batches is None:
+        streams = self.function.manifest.model.decoupled  # its next batch may start as this one streams
+        if (self._instances == 1 and not streams) or self._batches is None:
             await self._run_held(batch)
         else:
             self._batches.create_task(
@@ -413,7 +416,11 @@ class FunctionConsumer:
         try:
             await self._run(batch)
         finally:
-            self._running.remove(batch)
+            for batches in (self._running, self._streaming_batches):
+                for at, running in enumerate(batches):
+                    if running is batch:
+                        del batches[at]
+                        break
             if done is not None:
                 done.set()
 
@@ -486,13 +493,34 @@ class FunctionConsumer:
         )
 
     async def _compute(self, model: LoadedModel, batch: Sequence[Entry], batch_id: str) -> list[Reply]:
+        """The batch's replies. A decoupled model's requests that stream on once its `execute`
+        returned are waited for here, the model's instance free for the next batch meanwhile (as on
+        Triton): the batch's replies end its requests once each has ended."""
         invocations = [entry.invocation for entry in batch]
         parts = self._parts(model, batch)
         try:
-            return await run_batch(self._models, model, invocations, batch_id, parts)
+            replies = await run_batch(self._models, model, invocations, batch_id, parts)
+            if parts is None or parts.continuing is None:
+                return replies
+            self._free(batch)
+            failed = await asyncio.wrap_future(parts.continuing)
+            return [
+                Reply(reply.id, reply.version, {}, failed[at], batch_id) if at in failed else reply
+                for at, reply in enumerate(replies)
+            ]
         finally:
             if parts is not None:
                 self._streamed(batch, parts)
+
+    def _free(self, batch: Sequence[Entry]) -> None:
+        """A streaming batch whose `execute` returned: its instance takes the next batch; its
+        entries stay held (claimed) until its requests end."""
+        for at, running in enumerate(self._running):
+            if running is batch:
+                del self._running[at]
+                self._streaming_batches.append(batch)
+                self._arrived.set()
+                return
 
     def _parts(self, model: LoadedModel, batch: Sequence[Entry]) -> Streaming | None:
         """Where a decoupled model's responses go as they come (from the batch's thread): each to

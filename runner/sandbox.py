@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,11 +190,20 @@ def _wait(fd: int, events: int, deadline: float | None) -> None:
 # ---------------------------------------------------------------- the child's side
 
 
-def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes: int | None = None) -> None:
-    """Answer batches until the runner closes the pipe or asks to close."""
+def serve(
+    model: Any,
+    name: str,
+    requests: int,
+    replies: int,
+    memory_limit_bytes: int | None = None,
+    calls: ModelCalls | None = None,
+) -> None:
+    """Answer batches until the runner closes the pipe or asks to close. With `calls` (a Triton
+    model's), the requests pipe is read through them: what comes down it for the model's calls and
+    streams meanwhile goes to them."""
     while True:
         try:
-            header, body = receive(requests)
+            header, body = calls.next_batch() if calls is not None else receive(requests)
         except ChannelClosed:
             return
         op = header.get("op")
@@ -202,36 +211,44 @@ def serve(model: Any, name: str, requests: int, replies: int, memory_limit_bytes
             return
         if op is not None:  # what was meant for a batch that ended (a late cancel): no batch of its own
             continue
+        number = header.get("batch")  # its reply names it (a decoupled model's batches overlap)
+        named = {"batch": number} if number is not None else {}
         try:
             inputs = unpack_tensors(header["tensors"], body)
-            outputs = _infer(model, name, inputs, header["outputs"], header.get("rows"))
+            outputs = _infer(model, name, inputs, header["outputs"], header.get("rows"), number or 0)
             specs, buffers = pack_tensors(outputs)
             _check_size(name, sum(len(buffer) for buffer in buffers), header)
         except FunctionError as exc:
-            send(replies, _reported(model, {"error": exc.message, "code": exc.code.value}))
+            send(replies, _reported(model, {"error": exc.message, "code": exc.code.value, **named}))
             continue
         except MemoryError as exc:
             failed = {
                 "error": out_of_memory(name, memory_limit_bytes, exc),
                 "code": ErrorCode.MODEL_FAILED.value,
+                **named,
             }
             send(replies, _reported(model, failed))
             continue
         except Exception as exc:
             message = f"function '{name}' failed: {type(exc).__name__}: {exc}"
-            send(replies, _reported(model, {"error": message, "code": ErrorCode.MODEL_FAILED.value}))
+            send(replies, _reported(model, {"error": message, "code": ErrorCode.MODEL_FAILED.value, **named}))
             continue
         errors = getattr(model, "member_errors", None)  # invocations that failed alone (runner.triton)
-        header = {"tensors": specs, **({"errors": errors} if errors else {})}
+        header = {"tensors": specs, **({"errors": errors} if errors else {}), **named}
+        still = getattr(model, "open_requests", None)  # a decoupled batch's requests that stream on
+        if still:
+            header["open"] = still
         send(replies, _reported(model, header), buffers)
 
 
 class ModelCalls:
-    """The model process's pipes to its runner, as the batch's calls use them: a call goes up the
-    replies pipe ({"op": "call"}), its answer comes down the requests pipe ({"op": "called"}; a
-    decoupled call's responses first, each with "part"), each named by its id. Several calls at
-    once (async_exec) share them: one reads while the others wait for theirs. The runner's word
-    that the caller of a request of the batch left comes down the same pipe ({"op": "cancel"})."""
+    """The model process's pipes to its runner, as a Triton model uses them. Its calls (BLS) go up
+    the replies pipe ({"op": "call"}) and their answers come down the requests pipe ({"op":
+    "called"}; a decoupled call's responses first, each with "part"), each named by its id; a
+    decoupled model's responses go up as they are made ({"op": "sent"}, with their batch's number
+    and request's index). Down the requests pipe also come the batches, and the runner's word that a
+    request's caller left ({"op": "cancel"}). Whoever reads the pipe hands each frame to whom it is
+    for: several threads share it (calls at once, the batches' loop, is_cancelled())."""
 
     def __init__(self, requests: int, replies: int) -> None:
         self._requests, self._replies = requests, replies
@@ -239,31 +256,28 @@ class ModelCalls:
         self._reading = threading.Lock()
         self._arrived = threading.Condition()
         self._answers: dict[int, collections.deque[tuple[dict[str, Any], Any]]] = {}
+        self._batches: collections.deque[tuple[dict[str, Any], Any]] = collections.deque()
         self._next = 0
-        self._cancelled: set[int] = set()
-        self._in_batch = False
-        """A batch runs: the requests pipe is this object's to read (between batches, the
-        process's loop reads it: runner.sandbox.serve)."""
+        self._cancelled: set[tuple[int, int]] = set()
 
-    def begin_batch(self) -> None:
-        with self._reading:
-            self._cancelled = set()
-            self._in_batch = True
-
-    def end_batch(self) -> None:
-        with self._reading:
-            self._in_batch = False
-
-    def cancelled(self, index: int) -> bool:
-        """Whether the caller of request `index` of the running batch left, as its runner said;
-        reads what has come down the pipe, without waiting."""
-        if index not in self._cancelled and self._reading.acquire(blocking=False):
+    def cancelled(self, batch: int, index: int) -> bool:
+        """Whether the caller of request `index` of batch `batch` left, as its runner said; reads
+        what has come down the pipe, without waiting."""
+        if (batch, index) not in self._cancelled and self._reading.acquire(blocking=False):
             try:
-                while self._in_batch and readable(self._requests, 0):
+                while readable(self._requests, 0):
                     self._take(*receive(self._requests))
             finally:
                 self._reading.release()
-        return index in self._cancelled
+        return (batch, index) in self._cancelled
+
+    def forget(self, batch: int) -> None:
+        """The batch's requests have all ended: what was said of them is not kept."""
+        self._cancelled = {item for item in self._cancelled if item[0] != batch}
+
+    def next_batch(self) -> tuple[dict[str, Any], Any]:
+        """The next frame that is no call's answer nor a cancel: a batch (or "close")."""
+        return self._wait_for(lambda: self._batches.popleft() if self._batches else None)
 
     def call(
         self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
@@ -314,15 +328,24 @@ class ModelCalls:
 
     def sent(
         self,
+        batch: int,
         index: int,
         final: bool,
-        outputs: Mapping[str, np.ndarray[Any, Any]],
+        outputs: Mapping[str, np.ndarray[Any, Any]] | None,
         error: tuple[str, str] | None,
     ) -> None:
-        """A decoupled model's response to request `index` of the batch, up the replies pipe
-        ({"op": "sent"}) as it is made; `final` ends that request's responses."""
-        specs, buffers = pack_tensors(outputs)
-        header: dict[str, Any] = {"op": "sent", "index": index, "final": final, "tensors": specs}
+        """A decoupled model's response to request `index` of batch `batch`, up the replies pipe
+        ({"op": "sent"}) as it is made (None: the final flag alone); `final` ends that request."""
+        specs, buffers = pack_tensors(outputs or {})
+        header: dict[str, Any] = {
+            "op": "sent",
+            "batch": batch,
+            "index": index,
+            "final": final,
+            "tensors": specs,
+        }
+        if outputs is None and error is None:
+            header["empty"] = True
         if error is not None:
             header["error"] = list(error)
         with self._sending:
@@ -330,14 +353,16 @@ class ModelCalls:
 
     def _take(self, header: dict[str, Any], body: Any) -> None:
         """A frame down the pipe, to whom it is for."""
-        if header.get("op") == "cancel":
-            self._cancelled.add(int(header.get("index", -1)))
+        op = header.get("op")
+        if op == "cancel":
+            self._cancelled.add((int(header.get("batch", 0)), int(header.get("index", -1))))
             return
         with self._arrived:
-            waiting = self._answers.get(int(header.get("id", 0)))
-            if waiting is not None:  # else: a call its caller gave up on
-                waiting.append((header, body))
-                self._arrived.notify_all()
+            if op != "called":
+                self._batches.append((header, body))
+            elif (waiting := self._answers.get(int(header.get("id", 0)))) is not None:
+                waiting.append((header, body))  # else: a call its caller gave up on
+            self._arrived.notify_all()
 
     def _next_of(self, call_id: int) -> tuple[dict[str, Any], Any] | None:
         """Under `_arrived`: the next frame for the call, if one came (its last one ends it)."""
@@ -350,19 +375,25 @@ class ModelCalls:
         return frame
 
     def _await(self, call_id: int) -> tuple[dict[str, Any], Any]:
+        return self._wait_for(lambda: self._next_of(call_id))
+
+    def _wait_for(self, found: Callable[[], tuple[dict[str, Any], Any] | None]) -> tuple[dict[str, Any], Any]:
+        """What `found` finds (under `_arrived`), reading the pipe meanwhile when no other thread
+        does."""
         while True:
             with self._arrived:
-                if (frame := self._next_of(call_id)) is not None:
+                if (frame := found()) is not None:
                     return frame
             if not self._reading.acquire(blocking=False):
                 with self._arrived:
-                    if not self._answers[call_id]:
-                        self._arrived.wait(0.05)
+                    if (frame := found()) is not None:
+                        return frame
+                    self._arrived.wait(0.05)
                 continue
             try:
                 while True:
                     with self._arrived:
-                        if (frame := self._next_of(call_id)) is not None:
+                        if (frame := found()) is not None:
                             return frame
                     self._take(*receive(self._requests))
             finally:
@@ -410,9 +441,11 @@ def out_of_memory(name: str, memory_limit_bytes: int | None, exc: BaseException 
     )
 
 
-def _infer(model: Any, name: str, inputs: Tensors, wanted: Sequence[str], rows: Any = None) -> Tensors:
+def _infer(
+    model: Any, name: str, inputs: Tensors, wanted: Sequence[str], rows: Any = None, batch: int = 0
+) -> Tensors:
     takes_rows = getattr(model, "takes_rows", False)
-    results = model.infer(inputs, rows) if takes_rows else model.infer(inputs)
+    results = model.infer(inputs, rows, batch) if takes_rows else model.infer(inputs)
     if not isinstance(results, dict):
         raise TypeError(f"Model.infer returned {type(results).__name__}, not a dict of arrays")
     outputs: Tensors = {}
@@ -484,12 +517,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Started once confined: a thread started before would be outside the mount namespace, the
     # seccomp filter and Landlock's domain, which hold the thread that applies them and its own.
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
+    calls: ModelCalls | None = None
     try:
         triton_config, instance = header.get("triton_config"), int(header.get("instance", 0))
         if triton_config is not None:  # its calls to other models (BLS) go through these pipes
             from runner.triton import python_backend
 
-            python_backend.open_channel(ModelCalls(requests, replies))
+            calls = ModelCalls(requests, replies)
+            python_backend.open_channel(calls)
         model = load_model(Path(header["module"]), Path(header["directory"]), triton_config, instance)
     except Exception as exc:
         traceback.print_exc()
@@ -499,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = str(getattr(model, "device", "cpu"))
     ready = {"ready": True, "confined": applied, "device": device}
     send(replies, ready | {"reason": None if reason is None else str(reason)})
-    serve(model, args.function, requests, replies, confinement.memory_limit_bytes)
+    serve(model, args.function, requests, replies, confinement.memory_limit_bytes, calls)
     close = getattr(model, "close", None)
     if callable(close):
         close()

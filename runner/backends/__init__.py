@@ -16,6 +16,7 @@ from the thread that runs the batch, and learns of the callers that left meanwhi
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -95,6 +96,9 @@ class Streaming:
         self._sink = sink
         self._gone: set[int] = set()
         self.cancels = Mailbox()
+        self.continuing: concurrent.futures.Future[dict[int, FunctionError]] | None = None
+        """Set by a backend whose batch's requests stream on once its run returned: done when they
+        have all ended, with the errors of those that failed meanwhile (by index)."""
 
     def send(self, index: int, outputs: Tensors, error: FunctionError | None) -> None:
         """A response of invocation `index`: to its caller, unless the caller left."""

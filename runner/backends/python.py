@@ -43,6 +43,7 @@ from fngate.tensors import Tensors
 from runner import bls, budget, confinement, gpu, sandbox
 from runner.backends import Mailbox, MemberErrors, charge_cpu, send_part, streaming
 from runner.backends.providers import Acceleration, refuse_fallback
+from runner.backends.streams import ModelStreams
 from runner.cgroup import FunctionCgroup, current_layout
 from runner.cgroup import reap as reap_cgroups
 from runner.confinement import Confinement
@@ -213,6 +214,32 @@ class PythonBackend:
             if called is not None:
                 called.close()
 
+    def _exchange(
+        self, child: _Child, request: dict[str, Any], buffers: Any, deadline: float, max_body_bytes: int
+    ) -> tuple[Any, Any]:
+        """The batch down the pipe, and its reply."""
+        if self._manifest.model.decoupled:  # its batches overlap: a reader of its own reads it
+            timeout_s = self._manifest.execution_timeout_s
+            return self._streams(child, timeout_s).exchange(request, buffers, deadline, streaming())
+        sandbox.send(child.requests, request, buffers, deadline)
+        return self._answer_calls(child, deadline, max_body_bytes)
+
+    def _streams(self, child: _Child, timeout_s: float) -> ModelStreams:
+        """A decoupled model's process's reader (runner.backends.streams), started with its first
+        batch; a stream past the execution timeout stops the process."""
+        if child.streams is None:
+            max_frame = max(self._manifest.model.max_output_bytes, MAX_CALL_BYTES)
+            overdue = functools.partial(
+                self._fail,
+                child,
+                "timeout",
+                f"streamed past its execution timeout of {timeout_s * 1000:.0f} ms",
+            )
+            child.streams = ModelStreams(
+                self._name, child.requests, child.replies, max_frame, timeout_s, overdue
+            )
+        return child.streams
+
     def _part(self, header: dict[str, Any], body: Any) -> None:
         """A decoupled model's response, to its caller as it comes (runner.backends.send_part)."""
         error = header.get("error")
@@ -249,8 +276,7 @@ class PythonBackend:
         child.output.batch_started()
         cpu_before = child.cpu_s()
         try:
-            sandbox.send(child.requests, request, buffers, deadline)
-            header, body = self._answer_calls(child, deadline, per_invocation * invocations)
+            header, body = self._exchange(child, request, buffers, deadline, per_invocation * invocations)
             self._take_report(header.get("metrics"))
             results = {} if "error" in header else sandbox.unpack_tensors(header["tensors"], body)
         except sandbox.FrameTooLarge as exc:  # past the process's own check: never read, and it is stopped
@@ -485,6 +511,8 @@ class _Child:
         self._pipes: tuple[IO[bytes], IO[bytes]] = (stdin, stdout)
         self.requests = stdin.fileno()
         self.replies = stdout.fileno()
+        self.streams: ModelStreams | None = None
+        """A decoupled model's reader of its pipe (PythonBackend._streams)."""
         os.set_blocking(self.requests, False)
         os.set_blocking(self.replies, False)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import sys
@@ -75,9 +76,12 @@ class TritonModel:
         self._config = dict(config)
         self._batched = int(self._config.get("max_batch_size", 0)) > 0
         self._decoupled = pb_utils.using_decoupled_model_transaction_policy(self._config)
-        self._finals = threading.Condition()
-        self._open: set[int] = set()
-        """A decoupled batch's requests whose final flag has not been sent yet."""
+        self._finals = threading.Lock()
+        self._open: dict[int, set[int]] = {}
+        """A decoupled model's batches (by number) and their requests whose final flag has not been
+        sent yet."""
+        self.open_requests: list[int] = []
+        """The last batch's requests that stream on after its `execute` returned."""
         self.member_errors: dict[str, list[str]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -112,7 +116,7 @@ class TritonModel:
         return asyncio.run_coroutine_threadsafe(_awaited(answer), self._loop).result()
 
     def infer(
-        self, inputs: Mapping[str, np.ndarray[Any, Any]], rows: Sequence[int] | None = None
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], rows: Sequence[int] | None = None, batch: int = 0
     ) -> dict[str, Any]:
         counts = (
             list(rows) if rows is not None else [next(iter(inputs.values())).shape[0] if self._batched else 1]
@@ -129,7 +133,7 @@ class TritonModel:
             outputs = [item["name"] for item in self._config.get("output", ())]
             requests.append(pb_utils.InferenceRequest(self._config.get("name", ""), outputs, tensors))
         if self._decoupled:
-            return self._stream(requests)
+            return self._stream(requests, batch)
         responses = self._settle(self._model.execute(requests))
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
@@ -152,39 +156,37 @@ class TritonModel:
             return {name: arrays[0] for name, arrays in parts.items()}
         return {name: np.concatenate(arrays) for name, arrays in parts.items()}
 
-    def _stream(self, requests: list[pb_utils.InferenceRequest]) -> dict[str, Any]:
+    def _stream(self, requests: list[pb_utils.InferenceRequest], batch: int) -> dict[str, Any]:
         """A decoupled model's batch: each request answered through its response sender, each
-        response sent up to the runner as it is made; the batch ends once every request has had its
-        final flag (whenever the model sends it: from `execute`, or from threads it left running;
-        the runner's execution timeout bounds the wait). No outputs of its own."""
+        response sent up to the runner as it is made, the final flag too. The batch is done here
+        once `execute` returns: the requests without their final flag yet stream on
+        (`open_requests`; from threads the model left running), and the next batch may come
+        meanwhile, as on Triton. No outputs of its own."""
         self.member_errors = {}
         with self._finals:
-            self._open = set(range(len(requests)))
+            self._open[batch] = set(range(len(requests)))
         for index, request in enumerate(requests):
-            request._sender = pb_utils.InferenceResponseSender(index, self._sent)  # type: ignore[attr-defined]
-            request._index = index  # type: ignore[attr-defined]  # is_cancelled() asks by it
-        channel = pb_utils._CHANNEL
-        if channel is not None:
-            channel.begin_batch()
-        try:
-            answer = self._settle(self._model.execute(requests))
-            if answer is not None:
-                raise TypeError(
-                    f"a decoupled model's execute answers None (its responses go through each request's "
-                    f"response sender), not a {type(answer).__name__}"
-                )
-            with self._finals:
-                self._finals.wait_for(lambda: not self._open)
-        finally:
-            if channel is not None:
-                channel.end_batch()
+            sender = pb_utils.InferenceResponseSender(index, functools.partial(self._sent, batch), batch)
+            request._sender = sender  # type: ignore[attr-defined]
+            request._index = index  # type: ignore[attr-defined]  # is_cancelled() asks by these
+            request._batch = batch  # type: ignore[attr-defined]
+        answer = self._settle(self._model.execute(requests))
+        if answer is not None:
+            raise TypeError(
+                f"a decoupled model's execute answers None (its responses go through each request's "
+                f"response sender), not a {type(answer).__name__}"
+            )
+        with self._finals:
+            self.open_requests = sorted(self._open.get(batch, ()))
+            if not self.open_requests:
+                self._open.pop(batch, None)
         return {}
 
-    def _sent(self, index: int, response: pb_utils.InferenceResponse | None, final: bool) -> None:
+    def _sent(self, batch: int, index: int, response: pb_utils.InferenceResponse | None, final: bool) -> None:
         channel = pb_utils._CHANNEL
         if channel is None:
             raise pb_utils.TritonModelException("a response sender works in a runner's model process only")
-        outputs: dict[str, np.ndarray[Any, Any]] = {}
+        outputs: dict[str, np.ndarray[Any, Any]] | None = None
         error = None
         if response is not None:
             failed = response.error()
@@ -192,12 +194,15 @@ class TritonModel:
                 error = (CODES.get(failed.code(), ErrorCode.MODEL_FAILED).value, failed.message())
             else:
                 outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
-        if response is not None:  # a final flag alone ends the request here: its batch ends with the last
-            channel.sent(index, final, outputs, error)
-        if final:
-            with self._finals:
-                self._open.discard(index)
-                self._finals.notify_all()
+        with self._finals:
+            if final:  # taken out first: a batch that returns meanwhile no longer names it open
+                requests = self._open.get(batch)
+                if requests is not None:
+                    requests.discard(index)
+                    if not requests:
+                        del self._open[batch]
+                        channel.forget(batch)
+        channel.sent(batch, index, final, outputs, error)
 
     def take_metrics(self) -> list[dict[str, Any]]:
         """The custom metrics (pb_utils.MetricFamily) changed since the last batch's reply."""

@@ -156,7 +156,9 @@ class InferenceRequest:
         short: its caller's answer is dropped instead)."""
         index: int | None = getattr(self, "_index", None)
         channel = _CHANNEL
-        return index is not None and channel is not None and channel.cancelled(index)
+        return (
+            index is not None and channel is not None and channel.cancelled(getattr(self, "_batch", 0), index)
+        )
 
     def set_release_flags(self, flags: int) -> None:
         """TRITONSERVER_REQUEST_RELEASE_ALL is what fngate does anyway; a reschedule is refused."""
@@ -206,8 +208,11 @@ class InferenceResponseSender:
     none) with TRITONSERVER_RESPONSE_COMPLETE_FINAL. Each goes to the runner as it is sent, and on
     to the caller. Nothing may be sent after the final flag."""
 
-    def __init__(self, index: int, sink: Callable[[int, InferenceResponse | None, bool], None]) -> None:
+    def __init__(
+        self, index: int, sink: Callable[[int, InferenceResponse | None, bool], None], batch: int = 0
+    ) -> None:
         self._index = index
+        self._batch = batch
         self._sink = sink
         self._closed = False
 
@@ -225,7 +230,7 @@ class InferenceResponseSender:
     def is_cancelled(self) -> bool:
         """Whether the caller of this sender's request left, as its runner said."""
         channel = _CHANNEL
-        return channel is not None and channel.cancelled(self._index)
+        return channel is not None and channel.cancelled(self._batch, self._index)
 
 
 class Channel(Protocol):
@@ -240,17 +245,16 @@ class Channel(Protocol):
         self, model: str, version: str, outputs: Sequence[str], inputs: Mapping[str, np.ndarray[Any, Any]]
     ) -> Iterator[Mapping[str, np.ndarray[Any, Any]] | str]: ...
 
-    def cancelled(self, index: int) -> bool: ...
+    def cancelled(self, batch: int, index: int) -> bool: ...
 
-    def begin_batch(self) -> None: ...
-
-    def end_batch(self) -> None: ...
+    def forget(self, batch: int) -> None: ...
 
     def sent(
         self,
+        batch: int,
         index: int,
         final: bool,
-        outputs: Mapping[str, np.ndarray[Any, Any]],
+        outputs: Mapping[str, np.ndarray[Any, Any]] | None,
         error: tuple[str, str] | None,
     ) -> None: ...
 

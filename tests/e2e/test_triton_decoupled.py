@@ -405,3 +405,48 @@ async def test_business_logic_scripting_streams_from_a_decoupled_model(
         assert await asyncio.to_thread(total, caller, 0) == [0, 0]
         with pytest.raises(InferenceServerException, match=r"call it with exec\(decoupled=True\)"):
             await asyncio.to_thread(total, caller, -1)  # exec() without decoupled=True
+
+
+@on_cluster_too
+async def test_a_decoupled_models_next_batch_runs_while_the_last_one_streams(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    """As on Triton, the model gets its next batch once `execute` returned, while the threads it
+    left running still answer the last one: a request sent after a long stream began (so in a
+    batch of its own, on the model's one instance) is answered before that stream ends."""
+    root = tmp_path / "models"
+    model(root, "square_int32", SQUARE_CONFIG, {"1": {"model.py": SQUARE}})
+    port = free_port()
+    await serve_gateway(repo=str(root), grpc_port=port)
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    grpc_url = f"127.0.0.1:{port}"
+    await asyncio.to_thread(stream, grpc_url, [1])  # the runner starts and loads the model
+
+    def overlapping() -> list[tuple[str, int]]:
+        got: queue.Queue[tuple[str, Any]] = queue.Queue()
+        long, short = triton_grpc.InferenceServerClient(grpc_url), triton_grpc.InferenceServerClient(grpc_url)
+        try:
+            long.start_stream(callback=lambda result, error: got.put(("long", error or result)))
+            short.start_stream(callback=lambda result, error: got.put(("short", error or result)))
+            for client, value in ((long, 25), (short, 2)):
+                tensor = triton_grpc.InferInput("IN", [1], "INT32")
+                tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
+                client.async_stream_infer("square_int32", [tensor])
+                if client is long:
+                    first = got.get(timeout=60)  # the long one streams: its batch's execute returned
+                    assert first[0] == "long", first
+            order = [("long", 25)]
+            for _ in range(25 - 1 + 2):
+                which, result = got.get(timeout=60)
+                assert not isinstance(result, InferenceServerException), result
+                order.append((which, int(result.as_numpy("OUT")[0])))
+            return order
+        finally:
+            long.stop_stream()
+            short.stop_stream()
+            long.close()
+            short.close()
+
+    order = await asyncio.to_thread(overlapping)
+    assert order.count(("long", 25)) == 25 and order.count(("short", 2)) == 2, order
+    assert order[-1] == ("long", 25), order  # the short request ended while the long one streamed
