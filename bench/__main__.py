@@ -368,22 +368,13 @@ class Bench:
                     ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
                     ours["triton_ratio"] = ratio
                     print(f"   {name} c={concurrency}: fngate/Triton throughput x{ratio:.2f}", flush=True)
-            if grpc:
-                grpc_peer.run(
-                    deployed.grpc_address,
-                    f"127.0.0.1:{grpc_port}",
-                    self.args.measure_s,
-                    self.logs,
-                    self.record,
-                    meters["fngate"],
-                    meters["triton"],
-                    lambda model: peer_function(model, delay_us),
-                    extra,
-                )
+            with_perf_analyzer = [("G", deployed.grpc_address, grpc_port)] if grpc else []
             if binary:
+                with_perf_analyzer.append(("B", deployed.urls()[0].removeprefix("http://"), port))
+            for scenario, ours_at, theirs_port in with_perf_analyzer:
                 grpc_peer.run(
-                    deployed.urls()[0].removeprefix("http://"),
-                    f"127.0.0.1:{port}",
+                    ours_at,
+                    f"127.0.0.1:{theirs_port}",
                     self.args.measure_s,
                     self.logs,
                     self.record,
@@ -391,7 +382,7 @@ class Bench:
                     meters["triton"],
                     lambda model: peer_function(model, delay_us),
                     extra,
-                    scenario="B",
+                    scenario=scenario,
                 )
             if open_loop:
                 fngate_address = deployed.urls()[0].removeprefix("http://")

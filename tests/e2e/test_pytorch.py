@@ -19,6 +19,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
+from fngate.process import stop_processes
 from tests.conftest import ROOT, child_env, free_port
 from tests.triton_repository import model
 
@@ -123,13 +124,7 @@ def torch_runner(redis_url: str, tmp_path: Path) -> Iterator[Callable[[Path], No
             )
 
     yield start
-    for process in processes:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_processes(processes)
 
 
 def inputs_of(x: np.ndarray, scale: np.ndarray, order: tuple[str, str]) -> list[Any]:
