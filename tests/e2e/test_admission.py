@@ -13,8 +13,20 @@ import httpx
 import redis.asyncio as aioredis
 
 from bench.admission import MANIFEST, write_function
+from fngate import keys
 from fngate.registry import read_runners
 from gateway.dispatch import estimated_wait_ms
+
+
+async def queued(redis: aioredis.Redis, at_least: int = 20) -> None:
+    """Once the backlog's calls are on steady's stream (at least `at_least`, some 0.8 s of work at
+    40 ms each): they reach the gateway in their own time, later on a loaded machine."""
+    stream = keys.invocations("steady")
+    for _ in range(1000):
+        if await redis.xlen(stream) >= at_least:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"the backlog never held {at_least} calls: {await redis.xlen(stream)}")
 
 
 async def measured(client: httpx.AsyncClient, redis: aioredis.Redis, body: Any, settle_s: float) -> None:
@@ -105,7 +117,7 @@ async def test_what_waits_at_a_higher_priority_counts_against_a_lower_ones_deadl
         backlog = [
             asyncio.create_task(client.post("/v2/models/steady/infer", json=body(1, 5000))) for _ in range(40)
         ]
-        await asyncio.sleep(0.2)  # queued: 40 at about 40 ms each, some 1.5 s of work ahead
+        await queued(redis)  # 40 at about 40 ms each, in the queue: over a second of work ahead
         began = time.perf_counter()
         late = await client.post("/v2/models/steady/infer", json=body(2, 600))
         took = time.perf_counter() - began
@@ -149,7 +161,7 @@ async def test_a_pipeline_whose_first_step_cannot_make_its_deadline_is_refused_a
         backlog = [
             asyncio.create_task(client.post("/v2/models/steady/infer", json=body(5000))) for _ in range(40)
         ]
-        await asyncio.sleep(0.2)  # queued: 40 at about 40 ms each, some 1.5 s of work ahead
+        await queued(redis)  # 40 at about 40 ms each, in the queue: over a second of work ahead
         began = time.perf_counter()
         late = await client.post("/v2/models/chain/infer", json=body(600))
         took = time.perf_counter() - began
@@ -192,7 +204,7 @@ async def test_an_asynchronous_call_that_cannot_make_its_deadline_is_refused_at_
         backlog = [
             asyncio.create_task(client.post("/v2/models/steady/infer", json=body(5000))) for _ in range(40)
         ]
-        await asyncio.sleep(0.2)  # queued: 40 at about 40 ms each, some 1.5 s of work ahead
+        await queued(redis)  # 40 at about 40 ms each, in the queue: over a second of work ahead
         began = time.perf_counter()
         late = await client.post("/v2/models/steady/infer", json=body(600), headers=later())
         took = time.perf_counter() - began
