@@ -14,6 +14,7 @@ the cluster cannot run (not root, no ../shared/k8s)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import secrets
@@ -160,6 +161,22 @@ def deployed(cluster: Cluster) -> dict[str, Any]:
         logs = cluster.kubectl("-n", NAMESPACE, "logs", "-l", GATEWAYS, "--tail", "60", check=False)
         raise AssertionError(f"{exc}\n--- the gateways' logs:\n{logs}") from None
     figures["deploy_s"] = round(time.monotonic() - started, 1)
+    # The gateway that took the deploy knows the function at once, the others at their next catalog
+    # refresh: every gateway pod asked until it knows it, so that no test meets one that does not.
+    for pod in cluster.pods(NAMESPACE, GATEWAYS):
+        port = next(
+            item["containerPort"] for item in pod["spec"]["containers"][0]["ports"] if item["name"] == "http"
+        )
+        metadata = (
+            "import urllib.request; urllib.request.urlopen(urllib.request.Request("
+            f"'http://{pod['status']['podIP']}:{port}/v2/models/{FUNCTION}', "
+            f"headers={{'Authorization': 'Bearer {key}'}}), timeout=3)"
+        )
+        wait_until(
+            "every gateway to know the function",
+            functools.partial(_succeeds, cluster, PYTHON, "-c", metadata, env={}),
+            60,
+        )
     return {"gateway": gateway, "key": key, "first_runner": first_runner, "password": password}
 
 
