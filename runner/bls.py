@@ -39,6 +39,7 @@ from fngate.fastredis_cluster import placeheld
 from fngate.repository import FunctionRecord, FunctionVersion
 from fngate.wire import Invocation, Reply, replies_of
 from runner import sandbox
+from runner.backends import Mailbox
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,50 @@ def part(call_id: Any, reply: Reply) -> tuple[dict[str, Any], list[Any]]:
         return {"op": "called", "id": call_id, "part": True, "error": reply.error.message}, []
     specs, buffers = sandbox.pack_tensors(reply.outputs)
     return {"op": "called", "id": call_id, "part": True, "tensors": specs}, buffers
+
+
+class Calls:
+    """The calls a model's process made that are under way, for the thread that reads its pipe:
+    `start` each as it comes, wait on `fileno()` (readable once one is answered, or a decoupled
+    callee sent a response), then `frames()` down the pipe. `close()` cancels what is left."""
+
+    def __init__(self, function: str) -> None:
+        self._function = function
+        self._under_way: dict[Any, Any] = {}
+        """A call's concurrent future of its Reply -> the call's id in the process."""
+        self._mailbox: Mailbox | None = None
+
+    def start(self, header: Mapping[str, Any], body: np.ndarray[Any, Any], deadline: float) -> None:
+        from runner.backends import Mailbox
+
+        if self._mailbox is None:
+            self._mailbox = Mailbox()
+        call_id = header.get("id")
+        mailbox = self._mailbox
+        on_part = (lambda reply: mailbox.post(("part", call_id, reply))) if header.get("decoupled") else None
+        future = start(self._function, header, body, deadline, on_part)
+        self._under_way[future] = call_id
+        future.add_done_callback(lambda done: mailbox.post(("done", done)))
+
+    def fileno(self) -> int:
+        """-1 before the first call."""
+        return self._mailbox.fileno() if self._mailbox is not None else -1
+
+    def frames(self) -> list[tuple[dict[str, Any], list[Any]]]:
+        """The answers and responses that came since the last look, as frames for the process."""
+        found = []
+        for item in self._mailbox.take() if self._mailbox is not None else ():
+            if item[0] == "part":
+                found.append(part(item[1], item[2]))
+            elif item[1] in self._under_way:
+                found.append(answer(self._under_way.pop(item[1]), item[1]))
+        return found
+
+    def close(self) -> None:
+        for future in list(self._under_way):
+            future.cancel()
+        if self._mailbox is not None:
+            self._mailbox.close()
 
 
 class Caller:

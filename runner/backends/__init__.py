@@ -9,9 +9,8 @@ function's execution timeout itself, and its batches run on its own `executor`
 `stoppable = True`: its quick batches run on the event loop, under a watchdog (runner.execution.Pace).
 One that can tell the CPU time its batch took (in a process of its own) says it with `charge_cpu`
 from the thread that runs the batch; runner.execution takes it for the batch. One whose model
-streams (a decoupled Triton Python model) hands each response over with `send_part` as it comes,
-from the thread that runs the batch, and learns of the callers that left meanwhile from the batch's
-`streaming()` (its `fileno()` turns readable when one did).
+streams (a decoupled Triton Python model) hands each response to the batch's `streaming()` as it
+comes, and learns of the callers that left meanwhile from its `cancels`.
 """
 
 from __future__ import annotations
@@ -124,16 +123,6 @@ def streaming() -> Streaming | None:
     """The running batch's, on its thread; None when it streams to nobody."""
     found: Streaming | None = getattr(_parts, "streaming", None)
     return found
-
-
-def send_part(index: int, outputs: Tensors, error: FunctionError | None) -> bool:
-    """One response of invocation `index` of the running batch, to its caller; False when the
-    batch streams to nobody."""
-    found = streaming()
-    if found is None:
-        return False
-    found.send(index, outputs, error)
-    return True
 
 
 def charge_cpu(seconds: float) -> None:

@@ -41,7 +41,7 @@ from fngate.errors import FunctionError, InvalidArgument, ModelFailed, ModelTime
 from fngate.manifest import DEFAULT_MEMORY_LIMIT_MB, FunctionManifest
 from fngate.tensors import Tensors
 from runner import bls, budget, confinement, gpu, sandbox
-from runner.backends import Mailbox, MemberErrors, charge_cpu, send_part, streaming
+from runner.backends import MemberErrors, charge_cpu, streaming
 from runner.backends.providers import Acceleration, refuse_fallback
 from runner.backends.streams import ModelStreams
 from runner.cgroup import FunctionCgroup, current_layout
@@ -164,30 +164,16 @@ class PythonBackend:
     def _answer_calls(self, child: _Child, deadline: float, max_body_bytes: int) -> tuple[Any, Any]:
         """The batch's reply, once the calls its model made meanwhile (BLS: runner.bls) are answered:
         each goes out as it comes, several at once, and its answer goes back down the pipe as soon
-        as it is in (a decoupled call's each response as it comes). A streaming batch's callers
-        that leave are told to its model as they do ({"op": "cancel"})."""
-        calls: dict[Any, Any] = {}
-        """Calls under way (a concurrent future of the Reply) -> the call's id in the model's process."""
-        called: Mailbox | None = None
-        """What the calls' loop hands this thread: ("part", call id, Reply), ("done", future)."""
-        streamed = streaming()
+        as it is in (a decoupled callee's each response as it comes). (A decoupled model's own
+        batches are read by runner.backends.streams.)"""
+        calls = bls.Calls(self._name)
         waits = select.poll()
         waits.register(child.replies, select.POLLIN)
-        if streamed is not None:
-            waits.register(streamed.cancels.fileno(), select.POLLIN)
         try:
             while True:
-                for item in called.take() if called is not None else ():
-                    if item[0] == "part":
-                        frame, buffers = bls.part(item[1], item[2])
-                    elif item[1] in calls:
-                        frame, buffers = bls.answer(calls.pop(item[1]), item[1])
-                    else:
-                        continue
+                for frame, buffers in calls.frames():
                     sandbox.send(child.requests, frame, buffers, deadline)
-                for index in streamed.cancels.take() if streamed is not None else ():
-                    sandbox.send(child.requests, {"op": "cancel", "index": index}, (), deadline)
-                if called is not None or streamed is not None:  # the pipe, or what comes from the loop
+                if calls.fileno() >= 0:  # the pipe, or what comes from the calls' loop
                     left_s = deadline - time.monotonic()
                     if left_s <= 0:
                         raise TimeoutError
@@ -195,24 +181,14 @@ class PythonBackend:
                     if not any(fd == child.replies for fd, _events in ready):
                         continue
                 header, body = sandbox.receive(child.replies, deadline, max(max_body_bytes, MAX_CALL_BYTES))
-                if header.get("op") == "sent":  # a decoupled model's response, on its way
-                    self._part(header, body)
-                    continue
                 if header.get("op") != "call":
                     return header, body
-                if called is None:
-                    called = Mailbox()
-                    waits.register(called.fileno(), select.POLLIN)
-                call_id = header.get("id")
-                on_part = functools.partial(_post_part, called, call_id) if header.get("decoupled") else None
-                future = bls.start(self._name, header, body, deadline, on_part)
-                calls[future] = call_id
-                future.add_done_callback(functools.partial(_post_done, called))
+                first = calls.fileno() < 0
+                calls.start(header, body, deadline)
+                if first:
+                    waits.register(calls.fileno(), select.POLLIN)
         finally:
-            for future in calls:
-                future.cancel()
-            if called is not None:
-                called.close()
+            calls.close()
 
     def _exchange(
         self, child: _Child, request: dict[str, Any], buffers: Any, deadline: float, max_body_bytes: int
@@ -239,14 +215,6 @@ class PythonBackend:
                 self._name, child.requests, child.replies, max_frame, timeout_s, overdue
             )
         return child.streams
-
-    def _part(self, header: dict[str, Any], body: Any) -> None:
-        """A decoupled model's response, to its caller as it comes (runner.backends.send_part)."""
-        error = header.get("error")
-        failure = FunctionError.from_code(str(error[0]), str(error[1])) if error else None
-        outputs = {} if failure is not None else sandbox.unpack_tensors(header.get("tensors") or [], body)
-        if not send_part(int(header.get("index", 0)), outputs, failure):
-            log.warning("%s: its model sent a response outside a streamed batch; dropped", self._name)
 
     def take_metric_updates(self) -> list[custom_metrics.Update]:
         taken, self._reported = self._reported, []
@@ -798,11 +766,3 @@ def _describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     return f"exited with code {returncode}"
-
-
-def _post_part(called: Mailbox, call_id: Any, reply: Any) -> None:
-    called.post(("part", call_id, reply))
-
-
-def _post_done(called: Mailbox, future: Any) -> None:
-    called.post(("done", future))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import select
 import threading
@@ -65,10 +64,7 @@ class ModelStreams:
         self._writing = threading.Lock()
         self._batches: dict[int, _Batch] = {}
         self._next = 0
-        self._calls: dict[Any, Any] = {}
-        """Calls under way (a concurrent future of the Reply) -> the call's id in the process."""
-        self._called = Mailbox()
-        """What the calls' loop hands the reader: ("part", call id, Reply), ("done", future)."""
+        self._calls = bls.Calls(name)
         self._added = Mailbox()
         """A batch was added: its cancels are to be watched."""
         self._failed: BaseException | None = None
@@ -106,7 +102,7 @@ class ModelStreams:
 
     def _read(self) -> None:
         waits = select.poll()
-        for fd in (self._replies, self._called.fileno(), self._added.fileno()):
+        for fd in (self._replies, self._added.fileno()):
             waits.register(fd, select.POLLIN)
         watched: set[int] = set()
         stopping = False
@@ -115,6 +111,9 @@ class ModelStreams:
                 self._added.take()
                 with self._lock:
                     batches = list(self._batches.items())
+                if self._calls.fileno() >= 0 and self._calls.fileno() not in watched:
+                    waits.register(self._calls.fileno(), select.POLLIN)
+                    watched.add(self._calls.fileno())
                 for _number, batch in batches:
                     if batch.streamed is not None and batch.streamed.cancels.fileno() not in watched:
                         fd = batch.streamed.cancels.fileno()
@@ -140,19 +139,12 @@ class ModelStreams:
         except BaseException as exc:  # the process is gone (or wrote what is not a frame)
             self._fail_all(exc)
         finally:
-            for future in list(self._calls):
-                future.cancel()
-            self._called.close()
+            self._calls.close()
             self._added.close()
 
     def _send_down(self, batches: list[tuple[int, _Batch]]) -> None:
         """The calls' answers and responses, and the callers that left, down the pipe."""
-        frames = []
-        for item in self._called.take():
-            if item[0] == "part":
-                frames.append(bls.part(item[1], item[2]))
-            elif item[1] in self._calls:
-                frames.append(bls.answer(self._calls.pop(item[1]), item[1]))
+        frames = self._calls.frames()
         for number, batch in batches:
             for index in batch.streamed.cancels.take() if batch.streamed is not None else ():
                 frames.append(({"op": "cancel", "batch": number, "index": index}, []))
@@ -168,13 +160,7 @@ class ModelStreams:
         elif op == "call":
             with self._lock:
                 deadline = max((batch.deadline for batch in self._batches.values()), default=time.monotonic())
-            call_id = header.get("id")
-            on_part = functools.partial(_post, self._called, "part", call_id)
-            future = bls.start(
-                self._name, header, body, deadline, on_part if header.get("decoupled") else None
-            )
-            self._calls[future] = call_id
-            future.add_done_callback(functools.partial(_post, self._called, "done"))
+            self._calls.start(header, body, deadline)
         else:
             with self._lock:
                 number = int(header.get("batch", 0))
@@ -225,7 +211,3 @@ class ModelStreams:
             continuing = batch.streamed.continuing if batch.streamed is not None else None
             if batch.open and continuing is not None and not continuing.done():
                 continuing.set_result({index: error for index in batch.open})
-
-
-def _post(mailbox: Mailbox, kind: str, *item: Any) -> None:
-    mailbox.post((kind, *item))
