@@ -38,7 +38,11 @@ class RawClient:
     async def connect(cls, port: int) -> RawClient:
         """Connected, with the server's settings and windows in."""
         client = cls(*await asyncio.open_connection("127.0.0.1", port))
-        await client.read(lambda: client.settled)
+        try:
+            await client.read(lambda: client.settled)
+        except BaseException:
+            await client.hang_up()
+            raise
         return client
 
     def flush(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import os
 import shutil
 import socket
@@ -27,6 +28,7 @@ from fngate import clients
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
 from fngate.up import supervisor
+from fngate.up.redis_cluster import PORTS_FROM as CLUSTER_PORTS_FROM
 from fngate.up.redis_cluster import ClusterError, LocalCluster, start_cluster
 from gateway.app import create_app
 from gateway.http.server import SERVERS
@@ -174,11 +176,31 @@ def policies(pid: int) -> set[int]:
     return found
 
 
+PORTS_FROM = 3000
+PORT_BLOCK = 1000
+"""free_port's ports: a block of this many for each pytest worker, from PORTS_FROM up, below the
+kernel's ephemeral range and the ports a local Redis Cluster draws (fngate.up.redis_cluster)."""
+_ports = itertools.count()
+
+
 def free_port() -> int:
-    """A port free on loopback now (for servers that bind their own, such as gRPC's)."""
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        port: int = sock.getsockname()[1]
-    return port
+    """A port free on loopback now, for servers that bind their own (gRPC's, metrics'). A port of
+    the kernel's ephemeral range, free a moment ago, may be taken before the server binds it: by
+    any outgoing connection, or by another worker's server (a gRPC server binds with SO_REUSEPORT,
+    so two would share it and each take half of the other's connections). So each worker draws
+    from a block of its own below that range, in turn, skipping what is taken."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    first = PORTS_FROM + worker * PORT_BLOCK
+    assert first + PORT_BLOCK <= CLUSTER_PORTS_FROM, "more pytest workers than free_port has blocks for"
+    for _ in range(PORT_BLOCK):
+        port = first + next(_ports) % PORT_BLOCK
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no free port in {first}-{first + PORT_BLOCK - 1}")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import redis
 from fngate import keys
 from fngate.process import stop_processes
 from fngate.up.state import read_up, state_dir
-from tests.conftest import ROOT, SUITE_VARIABLES_KEPT, free_socket
+from tests.conftest import ROOT, SUITE_VARIABLES_KEPT, free_port
 from tests.e2e.deployments import cli, scale_function
 
 UP_TIMEOUT_S = 60
@@ -41,12 +41,6 @@ async def test_the_suite_has_its_own_home(suite_home: Path, tmp_path: Path, redi
     assert state_dir() == suite_home / ".local" / "state" / "fngate"
     assert read_up(state_dir()) is None
     assert {name for name in os.environ if name.startswith("FNGATE_")} <= SUITE_VARIABLES_KEPT
-
-
-def free_port() -> int:
-    with free_socket() as sock:
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

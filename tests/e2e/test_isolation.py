@@ -31,7 +31,7 @@ from bench.models import write_poison_functions
 from fngate import keys
 from fngate.process import stop_processes
 from runner import confinement
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, free_port
 from tests.e2e import deployments
 from tests.e2e.function_output import FunctionOutput
 from tests.runner.slow_model import build_slow_model
@@ -74,11 +74,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return int(sock.getsockname()[1])
 
 
 async def until_ok(call: Callable[[], Awaitable[httpx.Response]], timeout_s: float = 60) -> httpx.Response:

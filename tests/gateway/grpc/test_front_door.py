@@ -205,9 +205,10 @@ async def test_frame_floods_end_their_connection_at_little_cost(
         opened.append(stream_id)
     await client.read(lambda: len(client.statuses) == len(opened))
     before = cpu_s(process.pid)
-    for _ in range(20):
-        client.writer.write(frame(8, 0, 0, struct.pack(">I", 1)) * 1000)
-        await client.writer.drain()
+    async with asyncio.timeout(30):  # a gateway that stopped reading fails here, not at the suite's timeout
+        for _ in range(20):
+            client.writer.write(frame(8, 0, 0, struct.pack(">I", 1)) * 1000)
+            await client.writer.drain()
     await still_serves(port)
     spent = cpu_s(process.pid) - before
     print(f"20,000 connection WINDOW_UPDATEs over 200 parked answers: {spent:.2f} s of the gateway's CPU")

@@ -65,10 +65,12 @@ async def test_messages_past_the_windows_and_compressed_ones_arrive_whole(
 
 async def still_serves(port: int) -> None:
     client = await RawClient.connect(port)
-    stream_id = client.open(b"/inference.GRPCInferenceService/ServerLive")
-    client.send(stream_id, live_request(), end=True)
-    assert (await client.status_of(stream_id))[b"grpc-status"] == b"0"
-    await client.hang_up()
+    try:
+        stream_id = client.open(b"/inference.GRPCInferenceService/ServerLive")
+        client.send(stream_id, live_request(), end=True)
+        assert (await client.status_of(stream_id))[b"grpc-status"] == b"0"
+    finally:
+        await client.hang_up()
 
 
 async def grpc_gateway(gateway_with_pid: Callable[..., Any], **env: str) -> tuple[int, Any]:
@@ -79,7 +81,8 @@ async def grpc_gateway(gateway_with_pid: Callable[..., Any], **env: str) -> tupl
         try:
             await still_serves(port)
             return port, process
-        except OSError:
+        except ConnectionRefusedError:  # not bound yet (any other failure is the test's)
+            assert process.poll() is None, "the gateway stopped"
             await asyncio.sleep(0.1)
     raise AssertionError("the gateway's gRPC port did not serve within 10 s")
 
