@@ -91,6 +91,12 @@ def in_flight(function: str, key_hex: str) -> str:
     return f"{PREFIX}:f:{{{function}}}:{key_hex}"
 
 
+def sequence(function: str, sequence_id: int | str) -> str:
+    """A live sequence of a function (fngate.sequences): present from its start to its end, or
+    until it is idle past the function's idle timeout; in the function's slot."""
+    return f"{PREFIX}:seq:{{{function}}}:{sequence_id!r}"
+
+
 def left_channel(function: str) -> str:
     """Pub/sub channel on which gateways name the entries (`<stream> <entry id>`) of the function's
     invocations whose callers left after a runner read them: the runner answers them unrun. In the

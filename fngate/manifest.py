@@ -384,6 +384,33 @@ class TritonSpec(_Frozen):
         return value
 
 
+class SequenceControl(_Frozen):
+    """A model input the server fills for each invocation of a sequence (Triton's control_input)."""
+
+    input: str
+    """The model input it feeds (not one of the function's `inputs`: callers never send it)."""
+    kind: Literal["start", "end", "ready", "corrid"]
+    """`start`: true on a sequence's first invocation; `end`: true on its last; `ready`: true on
+    every row that carries an invocation; `corrid`: the sequence's id."""
+    datatype: Literal["BOOL", "INT32", "INT64", "UINT32", "UINT64", "FP32", "STRING"] = "INT32"
+    """The tensor's datatype (a `corrid` of a string id is STRING)."""
+    false_true: tuple[float, float] = (0, 1)
+    """The values for false and true (`start`, `end`, `ready`)."""
+
+
+class SequenceSpec(_Frozen):
+    """A stateful model's invocations come in sequences (Triton's sequence batching): each carries
+    its sequence's id, its first a start flag and its last an end flag. The gateway refuses an
+    invocation without an id, and one of a sequence that was not started (or was idle past
+    `idle_timeout_us`); the runner fills the control inputs."""
+
+    controls: tuple[SequenceControl, ...] = ()
+    """The inputs the server fills, in place of the caller."""
+    idle_timeout_us: Annotated[int, Field(ge=1)] = 1_000_000
+    """How long a sequence lives without an invocation (Triton's max_sequence_idle_microseconds,
+    whose default this is); past it, the next invocation must start it again."""
+
+
 class TextGenerationSpec(_Frozen):
     """A function that generates text: the OpenAI-compatible routes serve it (`POST
     /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`)."""
@@ -432,6 +459,8 @@ class FunctionManifest(_Frozen):
     versions: VersionsSpec = VersionsSpec()
     triton: TritonSpec | None = None
     """Set for a model read from a Triton model repository (or imported from one)."""
+    sequence: SequenceSpec | None = None
+    """Set for a stateful model whose invocations come in sequences (Triton's sequence_batching)."""
     text_generation: TextGenerationSpec | None = None
     """Set for a function that generates text: its prompt input and text output, for the
     OpenAI-compatible routes."""
@@ -453,6 +482,22 @@ class FunctionManifest(_Frozen):
             raise ValueError("a function has either a model or a pipeline, not both")
         if self.model_spec is not None and self.model_spec.decoupled and self.cache.enabled:
             raise ValueError("a decoupled model's answers are streams: its cache cannot be enabled")
+        if self.sequence is not None:
+            if self.pipeline is not None:
+                raise ValueError(
+                    "sequence: a pipeline's steps are functions of their own; a step may be a sequence"
+                )
+            if self.cache.enabled:
+                raise ValueError(
+                    "sequence: a sequence's answers depend on its state: its cache cannot be enabled"
+                )
+            names = [control.input for control in self.sequence.controls]
+            taken = sorted(
+                {name for name in names if names.count(name) > 1}
+                | set(names) & {spec.name for spec in self.inputs}
+            )
+            if taken:
+                raise ValueError(f"sequence: control inputs {taken} are fed twice (or are among the inputs)")
         return self
 
     @model_validator(mode="after")

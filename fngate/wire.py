@@ -14,6 +14,7 @@ import orjson
 
 from fngate.errors import FunctionError, InvalidArgument
 from fngate.queue import AS, BODIES, BODY, BY, HEADER, HEADERS, TO
+from fngate.sequences import Step
 from fngate.tensors import Tensors, datatype_of, from_bytes, to_bytes
 
 WIRE_VERSION = 1
@@ -47,6 +48,8 @@ class Invocation:
     delay: bool = False
     key_id: str = ""
     """The API key it was made with ('' without auth): its batch's time is charged to it."""
+    sequence: Step | None = None
+    """Its step in its sequence, for a function that takes sequences (fngate.sequences)."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -78,6 +81,8 @@ class Invocation:
             header["qdelay"] = self.delay
         if self.key_id:
             header["kid"] = self.key_id
+        if self.sequence is not None:
+            header["sq"] = self.sequence.encode()
         return _encode(header, self.inputs)
 
     @classmethod
@@ -102,6 +107,7 @@ class Invocation:
             queue_deadline_ms=header.get("qd", 0),
             delay=header.get("qdelay", False),
             key_id=str(header.get("kid", "")),
+            sequence=Step.decode(header["sq"]) if "sq" in header else None,
         )
 
 

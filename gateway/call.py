@@ -11,6 +11,7 @@ from opentelemetry.trace import Span
 
 from fngate import queue
 from fngate.repository import FunctionVersion
+from fngate.sequences import Step
 from fngate.tensors import Tensors
 from fngate.wire import Reply
 from gateway.auth import OPEN, Principal
@@ -61,6 +62,8 @@ class Call:
     queue_timeout_us: int | None = None
     """Triton's `timeout` parameter as a queue timeout, where the level's policy lets it shorten its
     own (fngate.queue.place)."""
+    sequence: Step | None = None
+    """Its step in a sequence (Triton's sequence_id, sequence_start and sequence_end parameters)."""
     on_part: Callable[[Reply], None] | None = None
     """A decoupled model's call (streamed): told each of its responses as it comes, before the
     call's own answer (which carries no outputs) ends them."""

@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from redis.exceptions import NoScriptError, RedisError
 
-from fngate import keys, queue, statistics, telemetry
+from fngate import keys, queue, sequences, statistics, telemetry
 from fngate.backoff import Health
 from fngate.errors import DeadlineExceeded, FunctionError, Internal, InvalidArgument, Overloaded, Unavailable
 from fngate.fastredis import FastRedis, Script
@@ -61,6 +61,9 @@ def settle(outcome: queue.EnqueueOutcome | queue.SubmitOutcome, entries: Entries
         raise refusal(call.principal, name, outcome.limit, outcome.retry_after_ms)
     if isinstance(outcome, queue.Pressure):
         raise Overloaded(outcome.describe())
+    if isinstance(outcome, queue.Unstarted):
+        assert call.sequence is not None
+        raise sequences.not_started(call.function.manifest, call.sequence)
     return None
 
 
@@ -159,6 +162,7 @@ class Dispatcher:
         try:
             self._check_available()
             _check_one_answer(call)
+            sequences.checked(call.function.manifest, call.sequence, asynchronous=True)
             plan, steps = self._plan(call)
             if self._deadline_admission:
                 await self._check_async_deadline(call, plan)
@@ -479,6 +483,17 @@ class Dispatcher:
             outcome = "failed"
         metrics.WITHDRAWN.labels(name, outcome).inc()
 
+    def _idle_from_now(self, call: Call) -> None:
+        """A sequence's step has its answer (or ended otherwise): its sequence lives its idle
+        timeout from now, as Triton counts it (idle: no step queued or running). Written before the
+        answer goes out, so the caller's next step finds it done; a sequence ended or expired
+        meanwhile stays so (PEXPIRE sets no key)."""
+        spec, step = call.function.manifest.sequence, call.sequence
+        if spec is None or step is None:
+            return
+        key = keys.sequence(call.function.manifest.name, step.id)
+        self._redis.send("PEXPIRE", key, sequences.idle_ms(spec)).add_done_callback(_idle_unset)
+
     def _background(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._loading.add(task)
@@ -698,6 +713,8 @@ class _Flight:
         if call.span is not None:
             call.span.end()
         name = call.function.manifest.name
+        if call.sequence is not None and not call.sequence.end:
+            dispatcher._idle_from_now(call)
         if answer.cancelled():  # the caller left (a reset RPC, a closed connection)
             if self.entry_id and not self.pipeline:
                 dispatcher._background(dispatcher.withdraw(self))
@@ -775,6 +792,11 @@ def estimated_wait_ms(depth: int, since_s: float, cost: tuple[float, float, int]
 def _uncounted(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.debug("a pipeline's statistics were not counted: %s", future.exception())
+
+
+def _idle_unset(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("a sequence's idle timeout was not set: %s", future.exception())
 
 
 def _now_ms() -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from fngate import keys, queue
+from fngate import keys, queue, sequences
 from fngate.plan import Plan, StepContext, first_steps, step_entry, step_invocation
 from fngate.repository import FunctionVersion
 from fngate.wire import Invocation
@@ -103,6 +103,12 @@ def synchronous(
     if plan is None:
         in_flight = marker if call.use_cache else ""
         placement = queue.place(manifest.name, manifest.batching, call.priority, call.queue_timeout_us)
+        step = sequences.checked(manifest, call.sequence)
+        gate = None
+        if step is not None and manifest.sequence is not None:
+            # Live while the step waits and runs, then idle_ms from its answer (Dispatcher)
+            live_ms = timeout_ms + sequences.idle_ms(manifest.sequence)
+            gate = queue.SequenceGate(keys.sequence(manifest.name, step.id), step.flags, live_ms)
         invocation = Invocation(
             id=invocation_id,
             function=manifest.name,
@@ -119,6 +125,7 @@ def synchronous(
             queue_deadline_ms=now_ms + placement.queue_timeout_ms if placement.queue_timeout_ms else 0,
             delay=placement.delay,
             key_id=call.principal.key_id,
+            sequence=step,
         )
         script = queue.enqueue_call(
             placement.stream,
@@ -130,6 +137,7 @@ def synchronous(
             lookup=lookup,
             in_flight=in_flight,
             admission=admission,
+            sequence=gate,
         )
         names: tuple[str, ...] = (f"function '{manifest.name}'",)
         return Entries(invocation_id, script, deadline_ms, timeout_ms, names, (manifest.scaling.pool,), entry)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fngate import custom_metrics
+from fngate import custom_metrics, sequences
 from fngate.errors import FunctionError, ModelFailed, ModelTimeout
 from fngate.manifest import FunctionManifest, TensorSpec
 from fngate.tensors import DATATYPES, Tensors, encoded_bytes
@@ -307,10 +307,25 @@ def _run(
             for spec in manifest.inputs
         }
     inputs = reshaped(manifest.inputs, inputs, manifest.batched, to_model=True)
+    if manifest.sequence is not None:
+        inputs = {**inputs, **_controls(manifest, batch)}
     names = [spec.name for spec in manifest.outputs]
     if getattr(backend, "takes_rows", False):  # it answers each invocation on its own (python)
         return backend.run(inputs, names, rows)  # type: ignore[call-arg]
     return backend.run(inputs, names)
+
+
+def _controls(manifest: FunctionManifest, batch: Sequence[Invocation]) -> Tensors:
+    """The control inputs of a sequence model's batch, as Triton feeds them (fngate.sequences)."""
+    assert manifest.sequence is not None
+    steps = []
+    for invocation in batch:
+        if invocation.sequence is None:  # a gateway refuses it; a pipeline's step may not be a sequence
+            raise ModelFailed(
+                f"function '{manifest.name}' takes sequences: an invocation came without its step"
+            )
+        steps.append((invocation.sequence, invocation.rows))
+    return sequences.controls(manifest.sequence, steps, manifest.batched)
 
 
 def reshaped(specs: Sequence[TensorSpec], tensors: Tensors, batched: bool, to_model: bool = False) -> Tensors:

@@ -285,3 +285,128 @@ def guide_repository(root: Path) -> Path:
 def batches_model(root: Path, name: str, batching: str, sleep_s: float) -> Path:
     config = BATCHES_CONFIG.format(name=name, batching=batching, sleep_s=sleep_s)
     return model(root, name, config, {"1": {"model.py": BATCHES}})
+
+
+SIMPLE_SEQUENCE = """
+name: "simple_sequence"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+sequence_batching {
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] }
+  ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+"""
+"""The quickstart's sequence model's configuration, as Triton's repository has it."""
+
+SEQUENCE_CONTROLS = """
+name: "sequence_controls"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+sequence_batching {
+  max_sequence_idle_microseconds: 1500000
+  oldest { max_queue_delay_microseconds: 100000 }
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 5, 7 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "START_OUT" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "END_OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "READY_OUT" data_type: TYPE_BOOL dims: [ 1 ] },
+  { name: "CORRID_OUT" data_type: TYPE_UINT64 dims: [ 1 ] },
+  { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+"""
+"""A model that answers each control input as it was fed (every kind, of several datatypes), with
+an idle timeout of 1.5 s, whose batches wait up to 100 ms to fill."""
+
+RUNNING_TOTAL_CONFIG = """
+name: "running_total"
+backend: "python"
+max_batch_size: 8
+sequence_batching {
+  max_sequence_idle_microseconds: 1000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+}
+input [
+  { name: "VALUE" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "DELAY_MS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+output [ { name: "TOTAL" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+"""A Python model that keeps each sequence's running total in its process (by CORRID, from START),
+and sleeps DELAY_MS first; its sequences idle out after 1 s."""
+
+RUNNING_TOTAL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.totals = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            def get(name):
+                return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+
+            time.sleep(int(get("DELAY_MS").max()) / 1000)
+            corrid = int(get("CORRID")[0][0])
+            if int(get("START")[0][0]):
+                self.totals[corrid] = 0
+            self.totals[corrid] += int(get("VALUE").sum())
+            total = np.array([[self.totals[corrid]]], dtype=np.int32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("TOTAL", total)]))
+        return responses
+"""
+
+
+def sequence_onnx(path: Path, echo_controls: bool = False) -> None:
+    """The quickstart's simple_sequence graph: OUTPUT = READY * (INPUT + START) (so a sequence's
+    first answer is its input plus one, the others their input); with `echo_controls`, each control
+    input (START FP32, END INT32, READY BOOL, CORRID UINT64) also comes back as its *_OUT, and
+    OUTPUT is INPUT."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def tensor(name: str, kind: int) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, kind, ["batch", 1])
+
+    if echo_controls:
+        kinds = {"START": TensorProto.FLOAT, "END": TensorProto.INT32, "READY": TensorProto.BOOL,
+                 "CORRID": TensorProto.UINT64}  # fmt: skip
+        nodes = [helper.make_node("Identity", [name], [f"{name}_OUT"]) for name in kinds]
+        nodes.append(helper.make_node("Identity", ["INPUT"], ["OUTPUT"]))
+        inputs = [tensor("INPUT", TensorProto.INT32), *(tensor(name, kind) for name, kind in kinds.items())]
+        outputs = [
+            *(tensor(f"{name}_OUT", kind) for name, kind in kinds.items()),
+            tensor("OUTPUT", TensorProto.INT32),
+        ]
+    else:
+        nodes = [
+            helper.make_node("Add", ["INPUT", "START"], ["sum"]),
+            helper.make_node("Mul", ["READY", "sum"], ["OUTPUT"]),
+        ]
+        inputs = [tensor(name, TensorProto.INT32) for name in ("INPUT", "START", "READY")]
+        outputs = [tensor("OUTPUT", TensorProto.INT32)]
+    graph = helper.make_graph(nodes, "sequence", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))

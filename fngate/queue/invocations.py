@@ -175,15 +175,34 @@ local function enqueue(KEYS, ARGV)
     end
     return {'full', limit, index}
   end
+  -- A step of a sequence (ARGV[14] 'sequence'): KEYS[9] is its sequence's key, ARGV[15] its flags
+  -- ('S' start, 'E' end), ARGV[16] how long it lives from now in ms (the step's deadline and the
+  -- idle timeout: the gateway shortens it to the idle timeout at the answer). One not started is
+  -- refused.
+  local sequence = ARGV[14] == 'sequence'
+  if sequence and not string.find(ARGV[15], 'S', 1, true) and redis.call('EXISTS', KEYS[9]) == 0 then
+    if given(KEYS[6]) then
+      redis.call('ZREM', KEYS[7], ARGV[11])
+      redis.call('ZREM', KEYS[8], ARGV[11])
+    end
+    return {'unstarted'}
+  end
   local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
   if limit then return refuse(limit, 0) end
-  local more = (#KEYS - 8) / 2
+  local more = sequence and 0 or (#KEYS - 8) / 2
   for i = 1, more do
     local at = 14 + (i - 1) * 5
     limit = full(KEYS[8 + i], KEYS[8 + more + i], ARGV[at], ARGV[at + 1])
     if limit then return refuse(limit, i) end
   end
   local id = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
+  if sequence then
+    if string.find(ARGV[15], 'E', 1, true) then
+      redis.call('DEL', KEYS[9])
+    else
+      redis.call('SET', KEYS[9], '1', 'PX', ARGV[16])
+    end
+  end
   for i = 1, more do
     local at = 14 + (i - 1) * 5
     push(KEYS[8 + i], KEYS[8 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
@@ -432,6 +451,18 @@ NO_ADMISSION = Admission(("", "", ""), (0, 0, 0, 0, "", 0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SequenceGate:
+    """What ENQUEUE checks and keeps of a sequence's step: the sequence's key (fngate.keys.sequence),
+    the step's flags (fngate.sequences.Step.flags) and how long the sequence lives from the step's
+    enqueue (its deadline and then the idle timeout: a step that waits or runs long never ends its
+    own sequence)."""
+
+    key: str
+    flags: str
+    live_ms: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Forward:
     """One entry FORWARD adds: a pipeline step's invocation and its context."""
 
@@ -462,13 +493,23 @@ def enqueue_call(
     admission: Admission | None = None,
     step: bytes | None = None,
     more: Sequence[Forward] = (),
+    sequence: SequenceGate | None = None,
 ) -> ScriptCall:
     """ENQUEUE's arguments. `lookup`: the cache entry to answer from ('' for none); `in_flight`: the
     marker that makes identical invocations wait on this one ('' for no coalescing); `admission`:
     the caller's limits, checked first in the same round trip (None: a caller without limits);
     `step`: a pipeline step's context (STEP), None for an invocation of its own; `more`: a
-    pipeline's other first steps, queued with this one or not at all."""
+    pipeline's other first steps, queued with this one or not at all; `sequence`: a step of a
+    sequence, refused unless its sequence is live or it starts it (never with `step` or `more`)."""
     admit = admission or NO_ADMISSION
+    if sequence is not None:
+        assert step is None and not more
+        return ScriptCall(
+            keys=[stream, queue_bytes(stream), lookup, in_flight, waiters(in_flight) if in_flight else "",
+                  *admit.keys, sequence.key],
+            args=[max_queue_size, max_queue_bytes, fields[HEADER], fields[BODY], waiter.encode(),
+                  max(ttl_ms, 1), *admit.args, b"", "sequence", sequence.flags, max(sequence.live_ms, 1)],
+        )  # fmt: skip
     return ScriptCall(
         keys=[
             stream,
@@ -531,7 +572,13 @@ class Limited:
     retry_after_ms: int
 
 
-EnqueueOutcome = Queued | Coalesced | Hit | Full | Limited
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unstarted:
+    """A step of a sequence that is not live (never started, ended, or idle past its timeout), and
+    not its start."""
+
+
+EnqueueOutcome = Queued | Coalesced | Hit | Full | Limited | Unstarted
 
 
 def full_message(what: str, limit: str, asynchronous: bool = False) -> str:
@@ -556,6 +603,8 @@ def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
         return Full(raw[1].decode(), int(raw[2]) if len(raw) > 2 else 0)
     if kind == b"limited":
         return Limited(raw[1].decode(), int(raw[2]))
+    if kind == b"unstarted":
+        return Unstarted()
     raise ValueError(f"unknown enqueue outcome {kind!r}")
 
 

@@ -84,6 +84,17 @@ HONOURED = frozenset(
         *(f"{kind}.{field}" for kind in ("input", "output") for field in ("name", "data_type", "dims")),
         *(f"{kind}.{field}" for kind in ("input", "output") for field in ("reshape", "reshape.shape")),
         "input.format",  # informational in Triton too
+        "sequence_batching",
+        "sequence_batching.max_sequence_idle_microseconds",
+        *(
+            f"sequence_batching.control_input.{field}"
+            for field in ("name", "control", "control.kind", "control.data_type")
+        ),
+        *(f"sequence_batching.control_input.control.{kind}_false_true" for kind in ("int32", "fp32", "bool")),
+        "sequence_batching.direct",  # a batch holds each sequence's steps in order (docs/triton)
+        "sequence_batching.oldest",
+        "sequence_batching.oldest.max_queue_delay_microseconds",
+        "sequence_batching.oldest.preferred_batch_size",
         "dynamic_batching",
         "dynamic_batching.preferred_batch_size",
         "dynamic_batching.max_queue_delay_microseconds",
@@ -114,7 +125,10 @@ HONOURED = frozenset(
     }
 )
 WHY = {
-    "sequence_batching": "each invocation is served on its own: no sequence state, no control inputs",
+    "sequence_batching.state": "no implicit state is kept: the model gets no state inputs "
+    "(docs/triton/sequences.md)",
+    "sequence_batching": "a sequence's steps are batched with the function's batching "
+    "(docs/triton/sequences.md)",
     "model_warmup": "no warm-up requests are run at load",
     "instance_group.rate_limiter": "a runner serves its execution slots first come first served, "
     "for its own device (no priority, no global resources)",
@@ -257,6 +271,7 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
         "batching": _batching(config),
         "cache": {"enabled": config.response_cache.enable},
         "versions": _versions(config.version_policy),
+        **_sequence(config, source),
         "triton": {"name": config.name, "config": config_json(config)},
         **_text_generation(config, source),
     }
@@ -335,6 +350,11 @@ def _policy(policy: Any) -> dict[str, Any]:
 
 def _batching(config: pb.ModelConfig) -> dict[str, Any]:
     batching: dict[str, Any] = {"max_batch_size": config.max_batch_size}
+    oldest = config.sequence_batching.oldest
+    if config.sequence_batching.HasField("oldest"):
+        batching["preferred_batch_sizes"] = list(oldest.preferred_batch_size)
+        batching["max_queue_delay_us"] = int(oldest.max_queue_delay_microseconds)
+        return batching
     if not config.HasField("dynamic_batching"):
         batching["max_queue_delay_us"] = 0
         return batching
@@ -349,6 +369,52 @@ def _batching(config: pb.ModelConfig) -> dict[str, Any]:
         int(level): _policy(policy) for level, policy in dynamic.priority_queue_policy.items()
     }
     return batching
+
+
+CONTROLS = {
+    pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START: "start",
+    pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_END: "end",
+    pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_READY: "ready",
+    pb.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID: "corrid",
+}
+
+
+def _sequence(config: pb.ModelConfig, source: str) -> dict[str, Any]:
+    """`sequence` from sequence_batching: its control inputs and idle timeout (none: no sequences)."""
+    if not config.HasField("sequence_batching"):
+        return {}
+    sequence = config.sequence_batching
+    controls = []
+    for i, control_input in enumerate(sequence.control_input):
+        for j, control in enumerate(control_input.control):
+            where = f"sequence_batching.control_input[{i}].control[{j}]"
+            kind = CONTROLS.get(control.kind)
+            if kind is None:
+                raise ManifestError(
+                    source, [(where, f"kind {control.kind} is not a sequence control fngate feeds")]
+                )
+            item: dict[str, Any] = {"input": control_input.name, "kind": kind}
+            if kind == "corrid":
+                datatype = DATATYPES.get(_name_of(control.data_type), "")
+                item["datatype"] = "STRING" if datatype == "BYTES" else datatype or "UINT64"
+            elif control.int32_false_true:
+                item["datatype"], item["false_true"] = "INT32", list(control.int32_false_true)
+            elif control.fp32_false_true:
+                item["datatype"], item["false_true"] = "FP32", list(control.fp32_false_true)
+            elif control.bool_false_true:
+                item["datatype"], item["false_true"] = (
+                    "BOOL",
+                    [int(value) for value in control.bool_false_true],
+                )
+            else:
+                raise ManifestError(
+                    source, [(where, "a start, end or ready control needs its false and true values")]
+                )
+            controls.append(item)
+    found: dict[str, Any] = {"controls": controls}
+    if sequence.max_sequence_idle_microseconds:
+        found["idle_timeout_us"] = int(sequence.max_sequence_idle_microseconds)
+    return {"sequence": found}
 
 
 def _versions(policy: Any) -> dict[str, Any]:
@@ -448,7 +514,12 @@ def _warnings(config: pb.ModelConfig, backend: str, source: str) -> list[str]:
         seen.setdefault(
             "instance_group.kind: KIND_GPU: model.py runs as it is; what it puts on a GPU is its own"
         )
-    if config.max_batch_size > 0 and not config.HasField("dynamic_batching") and backend != "ensemble":
+    if (
+        config.max_batch_size > 0
+        and not config.HasField("dynamic_batching")
+        and not config.HasField("sequence_batching")
+        and backend != "ensemble"
+    ):
         seen.setdefault(
             "dynamic_batching: absent, yet fngate runs queued invocations together (up to "
             "max_batch_size, with no queue delay)"

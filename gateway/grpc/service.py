@@ -29,6 +29,7 @@ from fngate.errors import (
 )
 from fngate.manifest import FunctionManifest
 from fngate.repository import FunctionVersion
+from fngate.sequences import step_of
 from fngate.tensors import Tensors
 from fngate.wire import Reply
 from gateway import control, metadata, metrics
@@ -346,6 +347,7 @@ class GrpcInference:
                 started,
                 priority=codec.natural(params, "priority") or 0,
                 queue_timeout_us=codec.natural(params, "timeout"),
+                sequence=step_of(params),
             )
         except FunctionError as exc:
             self._refused(request, exc)

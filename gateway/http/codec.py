@@ -17,6 +17,7 @@ import orjson
 
 from fngate.errors import InvalidArgument
 from fngate.manifest import FunctionManifest, TensorSpec
+from fngate.sequences import Step, step_of
 from fngate.tensors import DATATYPES, Tensors, element_count, from_bytes, from_json, to_bytes, to_json_data
 from fngate.wire import Reply
 from gateway.http.tensor_data import Decoded, outline_of, shape_of_outline
@@ -37,6 +38,8 @@ class InferRequest:
     """Triton's `priority` request parameter (0: the function's default level)."""
     queue_timeout_us: int | None = None
     """Triton's `timeout` request parameter, in µs (fngate.queue.place)."""
+    sequence: Step | None = None
+    """Triton's `sequence_id`, `sequence_start` and `sequence_end` request parameters."""
 
 
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
@@ -89,6 +92,7 @@ def v2_request(
         _use_cache(params),
         _natural(params, "priority") or 0,
         _natural(params, "timeout"),
+        step_of(params),
     )
 
 

@@ -349,6 +349,7 @@ def call_of(
         started,
         priority=parsed.priority,
         queue_timeout_us=parsed.queue_timeout_us,
+        sequence=parsed.sequence,
     )
 
 

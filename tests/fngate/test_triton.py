@@ -85,11 +85,29 @@ def test_what_fngate_does_not_honour_is_named() -> None:
     }
     assert any("max_workspace_size_bytes: not honoured" in warning for warning in warnings)
     assert any("trt_engine_cache_path: not honoured" in warning for warning in warnings)
-    stateful = (
-        CLASSIFIER.split("dynamic_batching")[0] + "sequence_batching { max_sequence_idle_microseconds: 5 }"
+    stateful = CLASSIFIER.split("dynamic_batching")[0] + (
+        "sequence_batching { max_sequence_idle_microseconds: 5000"
+        " oldest { max_queue_delay_microseconds: 300 }"
+        " control_input [ { name: 'START'"
+        " control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },"
+        " { name: 'ID' control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] } ]"
+        " state [ { input_name: 'IN' output_name: 'OUT' data_type: TYPE_FP32 dims: [ 1 ] } ] }"
     )
-    _, warnings = mapped(stateful, "text_classifier")
-    assert any(warning.startswith("sequence_batching: not honoured") for warning in warnings)
+    data, warnings = mapped(stateful, "text_classifier")
+    assert data["sequence"] == {
+        "controls": [
+            {"input": "START", "kind": "start", "datatype": "FP32", "false_true": [0, 1]},
+            {"input": "ID", "kind": "corrid", "datatype": "STRING"},
+        ],
+        "idle_timeout_us": 5000,
+    }
+    assert data["batching"]["max_queue_delay_us"] == 300
+    # Implicit state is the one part not served: said, and nothing else about sequences.
+    assert [warning for warning in warnings if "sequence_batching" in warning] == [
+        "sequence_batching.state: not honoured (no implicit state is kept: the model gets no state "
+        "inputs (docs/triton/sequences.md))"
+    ]
+    assert not any(warning.startswith("dynamic_batching") for warning in warnings)
     with pytest.raises(ManifestError, match="not a Triton model configuration"):  # Triton's schema decides
         parse_config(CLASSIFIER + "\nno_such_field: 1", "config.pbtxt")
 

@@ -1,0 +1,299 @@
+"""Triton's sequence batching: the quickstart's simple_sequence model (its configuration and graph
+as Triton's repository has them) answers the quickstart's sequence clients' calls as Triton does,
+over HTTP, gRPC and a gRPC stream; the control inputs are fed as declared; a step without an id,
+or of a sequence not started, ended or idle too long, is refused with Triton's words."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton
+
+from tests.conftest import free_port, on_cluster_too
+from tests.triton_repository import (
+    RUNNING_TOTAL,
+    RUNNING_TOTAL_CONFIG,
+    SEQUENCE_CONTROLS,
+    SIMPLE_SEQUENCE,
+    model,
+    sequence_onnx,
+)
+
+VALUES = [11, 7, 5, 3, 2, 0, 1]
+"""The quickstart clients' values."""
+
+
+def expected(first: int, values: list[int]) -> list[int]:
+    """What simple_sequence answers a sequence of [first, *values]: the first plus one (START), then
+    each value as it is."""
+    return [first + 1, *values]
+
+
+def http_sequence(
+    client: triton.InferenceServerClient, sequence_id: int | str, values: list[int]
+) -> list[int]:
+    answers = []
+    for index, value in enumerate(values):
+        tensor = triton.InferInput("INPUT", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
+        result = client.infer(
+            "simple_sequence",
+            [tensor],
+            outputs=[triton.InferRequestedOutput("OUTPUT")],
+            sequence_id=sequence_id,
+            sequence_start=index == 0,
+            sequence_end=index == len(values) - 1,
+        )
+        answers.append(int(result.as_numpy("OUTPUT")[0][0]))
+    return answers
+
+
+def grpc_sequence(
+    client: triton_grpc.InferenceServerClient, sequence_id: int | str, values: list[int]
+) -> list[int]:
+    answers = []
+    for index, value in enumerate(values):
+        tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
+        result = client.infer(
+            "simple_sequence",
+            [tensor],
+            sequence_id=sequence_id,
+            sequence_start=index == 0,
+            sequence_end=index == len(values) - 1,
+        )
+        answers.append(int(result.as_numpy("OUTPUT")[0][0]))
+    return answers
+
+
+def grpc_stream(
+    client: triton_grpc.InferenceServerClient, sequences: dict[int, list[int]]
+) -> dict[int, list[int]]:
+    """The steps of several sequences sent interleaved on one stream without waiting, as the
+    quickstart's stream client sends them; each sequence's answers in its order."""
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    sent = 0
+    try:
+        for index in range(max(len(values) for values in sequences.values())):
+            for sequence_id, values in sequences.items():
+                if index >= len(values):
+                    continue
+                tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
+                tensor.set_data_from_numpy(np.full((1, 1), values[index], dtype=np.int32))
+                client.async_stream_infer(
+                    "simple_sequence",
+                    [tensor],
+                    request_id=f"{sequence_id}_{index}",
+                    sequence_id=sequence_id,
+                    sequence_start=index == 0,
+                    sequence_end=index == len(values) - 1,
+                )
+                sent += 1
+        found: dict[int, dict[int, int]] = {sequence_id: {} for sequence_id in sequences}
+        for _ in range(sent):
+            result, error = answers.get(timeout=30)
+            assert error is None, error
+            sequence_id, index = (int(part) for part in result.get_response().id.split("_"))
+            found[sequence_id][index] = int(result.as_numpy("OUTPUT")[0][0])
+    finally:
+        client.stop_stream()
+    return {sequence_id: [steps[i] for i in sorted(steps)] for sequence_id, steps in found.items()}
+
+
+def exercise_quickstart(url: str, grpc_url: str) -> None:
+    """The calls of the quickstart's simple_http_sequence_sync_infer_client,
+    simple_grpc_sequence_sync_infer_client and simple_grpc_sequence_stream_infer_client, and their
+    checks."""
+    http = triton.InferenceServerClient(url.removeprefix("http://"))
+    rpc = triton_grpc.InferenceServerClient(grpc_url)
+    negatives = [-value for value in VALUES]
+    runs: list[Callable[[int | str, list[int]], list[int]]] = [
+        lambda sequence_id, values: http_sequence(http, sequence_id, values),
+        lambda sequence_id, values: grpc_sequence(rpc, sequence_id, values),
+    ]
+    try:
+        for run in runs:
+            assert run(1000, [0, *VALUES]) == expected(0, VALUES)
+            assert run(1001, [100, *negatives]) == expected(100, negatives)
+            # A string sequence id (the clients' uuid4): simple_sequence has no CORRID control.
+            assert run(str(uuid.uuid4()), [20, *negatives]) == expected(20, negatives)
+        streamed = grpc_stream(rpc, {1000: [0, *VALUES], 1001: [100, *negatives]})
+        assert streamed == {1000: expected(0, VALUES), 1001: expected(100, negatives)}
+    finally:
+        http.close()
+        rpc.close()
+
+
+@pytest.fixture
+async def sequence_models(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> tuple[str, str]:
+    """The two sequence models served: (HTTP base URL, gRPC address)."""
+    root = tmp_path / "models"
+    sequence_onnx(model(root, "simple_sequence", SIMPLE_SEQUENCE, {"1": {}}) / "1" / "model.onnx")
+    sequence_onnx(model(root, "sequence_controls", SEQUENCE_CONTROLS, {"1": {}}) / "1" / "model.onnx", True)
+    model(root, "running_total", RUNNING_TOTAL_CONFIG, {"1": {"model.py": RUNNING_TOTAL}})
+    grpc_port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=grpc_port)
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    return base, f"127.0.0.1:{grpc_port}"
+
+
+async def test_the_quickstart_sequence_clients_get_tritons_answers(sequence_models: tuple[str, str]) -> None:
+    await asyncio.to_thread(exercise_quickstart, *sequence_models)
+
+
+def step(
+    sequence_id: int | str | None = None, start: bool = False, end: bool = False, value: int = 1
+) -> dict[str, Any]:
+    parameters: dict[str, Any] = {}
+    if sequence_id is not None:
+        parameters["sequence_id"] = sequence_id
+    if start:
+        parameters["sequence_start"] = True
+    if end:
+        parameters["sequence_end"] = True
+    return {
+        "inputs": [{"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [value]}],
+        "parameters": parameters,
+    }
+
+
+@on_cluster_too
+async def test_steps_outside_a_live_sequence_are_refused_with_tritons_words(
+    sequence_models: tuple[str, str],
+) -> None:
+    base, _ = sequence_models
+    url = "/v2/models/simple_sequence/infer"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for body in (step(), step(0), step("")):
+            refused = await client.post(url, json=body)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"] == (
+                "inference request to model 'simple_sequence' must specify a non-zero or non-empty "
+                "correlation ID"
+            )
+        not_started = (
+            "inference request for sequence 7 to model 'simple_sequence' must specify the START flag on "
+            "the first request of the sequence"
+        )
+        refused = await client.post(url, json=step(7))
+        assert (refused.status_code, refused.json()["error"]) == (400, not_started)
+        assert (await client.post(url, json=step(7, start=True, value=4))).json()["outputs"][0]["data"] == [5]
+        assert (await client.post(url, json=step(7, value=4))).json()["outputs"][0]["data"] == [4]
+        assert (await client.post(url, json=step(7, end=True, value=3))).json()["outputs"][0]["data"] == [3]
+        refused = await client.post(url, json=step(7))  # ended: the next must start it again
+        assert (refused.status_code, refused.json()["error"]) == (400, not_started)
+        # A sequence's steps are answered when they are asked: never asynchronously.
+        refused = await client.post(url, json=step(8, start=True), headers={"Prefer": "respond-async"})
+        assert refused.status_code == 400 and "are synchronous" in refused.json()["error"], refused.text
+        for bad, why in (
+            ({"sequence_id": 8, "sequence_start": 1}, "'sequence_start' must be true or false"),
+            ({"sequence_id": -3}, "unsigned 64-bit integer"),
+            ({"sequence_id": 2.5}, "unsigned integer or a string"),
+            ({"sequence_id": "x" * 129}, "longer than 128 characters"),
+        ):
+            body = step()
+            body["parameters"] = bad
+            refused = await client.post(url, json=body)
+            assert refused.status_code == 400 and why in refused.json()["error"], refused.text
+        # A string id where the model takes a numeric CORRID.
+        refused = await client.post("/v2/models/sequence_controls/infer", json=step("abc", start=True))
+        assert refused.status_code == 400 and "must be an unsigned integer" in refused.json()["error"]
+
+
+def controls_of(answer: dict[str, Any]) -> dict[str, Any]:
+    return {output["name"]: output["data"][0] for output in answer["outputs"]}
+
+
+async def test_the_control_inputs_are_fed_as_declared_across_a_batch(
+    sequence_models: tuple[str, str],
+) -> None:
+    """Steps of several sequences at once (batched together where they meet): each row gets its
+    own sequence's START, END, READY and CORRID, in the declared datatypes and values."""
+    base, _ = sequence_models
+    url = "/v2/models/sequence_controls/infer"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+
+        async def sequence(sequence_id: int) -> list[dict[str, Any]]:
+            answers = []
+            for index in range(3):
+                body = step(
+                    sequence_id, start=index == 0, end=index == 2, value=sequence_id % 1000 * 10 + index
+                )
+                response = await client.post(url, json=body)
+                assert response.status_code == 200, response.text
+                answers.append(controls_of(response.json()))
+                sizes.append(response.json()["parameters"]["batch_size"])
+            return answers
+
+        sizes: list[int] = []
+        ids = [2**64 - 1, *range(1, 12)]
+        results = await asyncio.gather(*(sequence(sequence_id) for sequence_id in ids))
+    assert max(sizes) > 1, sizes  # steps of several sequences met in one batch
+    for sequence_id, answers in zip(ids, results, strict=True):
+        assert [answer["START_OUT"] for answer in answers] == [1.0, 0.0, 0.0]
+        assert [answer["END_OUT"] for answer in answers] == [5, 5, 7]
+        assert [answer["READY_OUT"] for answer in answers] == [True, True, True]
+        assert [answer["CORRID_OUT"] for answer in answers] == [sequence_id] * 3
+        assert [answer["OUTPUT"] for answer in answers] == [
+            sequence_id % 1000 * 10 + index for index in range(3)
+        ]
+
+
+async def test_a_sequence_idle_past_its_timeout_must_start_again(sequence_models: tuple[str, str]) -> None:
+    """sequence_controls' max_sequence_idle_microseconds is 1,500,000: a step 1.5 s after the
+    last is refused; one sooner is served."""
+    base, _ = sequence_models
+    url = "/v2/models/sequence_controls/infer"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await client.post(url, json=step(21, start=True))).status_code == 200
+        assert (await client.post(url, json=step(21))).status_code == 200
+        await asyncio.sleep(1.7)
+        refused = await client.post(url, json=step(21))
+        assert refused.status_code == 400 and "must specify the START flag" in refused.json()["error"]
+
+
+async def test_a_step_that_waits_longer_than_the_idle_timeout_keeps_its_sequence(
+    sequence_models: tuple[str, str],
+) -> None:
+    """A sequence is idle only while none of its steps is queued or running (as Triton counts it):
+    running_total's idle timeout is 1 s, and a step that runs 1.5 s neither ends its sequence nor
+    lets the next step be refused. The model keeps each sequence's total in its process (one
+    runner, one instance here)."""
+    base, _ = sequence_models
+    url = "/v2/models/running_total/infer"
+
+    def total(sequence_id: int, value: int, delay_ms: int = 0, start: bool = False, end: bool = False) -> Any:
+        body = step(sequence_id, start=start, end=end)
+        body["inputs"] = [
+            {"name": "VALUE", "datatype": "INT32", "shape": [1, 1], "data": [value]},
+            {"name": "DELAY_MS", "datatype": "INT32", "shape": [1, 1], "data": [delay_ms]},
+        ]
+        return client.post(url, json=body)
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        answers = []
+        for value, delay_ms, start, end in (
+            (5, 0, True, False),
+            (2, 1500, False, False),
+            (1, 0, False, True),
+        ):
+            response = await total(41, value, delay_ms, start, end)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["outputs"][0]["data"][0])
+        assert answers == [5, 7, 8]
+        assert (await total(42, 3, start=True)).status_code == 200
+        await asyncio.sleep(1.2)  # idle past its timeout from its last answer
+        refused = await total(42, 1)
+        assert refused.status_code == 400 and "must specify the START flag" in refused.json()["error"]
