@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -398,6 +399,32 @@ class SequenceControl(_Frozen):
     """The values for false and true (`start`, `end`, `ready`)."""
 
 
+MAX_STATE_BYTES = 1 << 20
+"""The most bytes a sequence's implicit state may hold (its states together, one row each): it
+lives in Redis between steps and travels with each."""
+
+
+STATE_ITEM_BYTES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "UINT32": 4,
+                    "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8}  # fmt: skip
+
+
+class SequenceState(_Frozen):
+    """An implicit state of a stateful model (Triton's sequence_batching.state): the model's output
+    `output` of one step is its input `input` at the sequence's next; the first step gets zeros."""
+
+    input: str
+    """The model input that takes the state (not one of the function's `inputs`)."""
+    output: str
+    """The model output that gives the next state (not one of the function's `outputs`)."""
+    datatype: Literal[
+        "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
+        "FP64",
+    ]  # fmt: skip
+    """Its datatype (not BYTES)."""
+    dims: tuple[Annotated[int, Field(ge=1)], ...] = Field(min_length=1)
+    """Its shape, without the batch dimension, every dimension fixed."""
+
+
 class SequenceSpec(_Frozen):
     """A stateful model's invocations come in sequences (Triton's sequence batching): each carries
     its sequence's id, its first a start flag and its last an end flag. The gateway refuses an
@@ -409,6 +436,8 @@ class SequenceSpec(_Frozen):
     idle_timeout_us: Annotated[int, Field(ge=1)] = 1_000_000
     """How long a sequence lives without an invocation (Triton's max_sequence_idle_microseconds,
     whose default this is); past it, the next invocation must start it again."""
+    states: tuple[SequenceState, ...] = ()
+    """Its implicit states, kept between steps (Triton's sequence_batching.state)."""
 
 
 class TextGenerationSpec(_Frozen):
@@ -492,12 +521,32 @@ class FunctionManifest(_Frozen):
                     "sequence: a sequence's answers depend on its state: its cache cannot be enabled"
                 )
             names = [control.input for control in self.sequence.controls]
+            names += [state.input for state in self.sequence.states]
             taken = sorted(
                 {name for name in names if names.count(name) > 1}
                 | set(names) & {spec.name for spec in self.inputs}
             )
             if taken:
-                raise ValueError(f"sequence: control inputs {taken} are fed twice (or are among the inputs)")
+                raise ValueError(
+                    f"sequence: control and state inputs {taken} are fed twice (or are among the inputs)"
+                )
+            given = [state.output for state in self.sequence.states]
+            taken = sorted(
+                {name for name in given if given.count(name) > 1}
+                | set(given) & {spec.name for spec in self.outputs}
+            )
+            if taken:
+                raise ValueError(
+                    f"sequence: state outputs {taken} are named twice (or are among the outputs)"
+                )
+            size = sum(
+                math.prod(state.dims) * STATE_ITEM_BYTES[state.datatype] for state in self.sequence.states
+            )
+            if size > MAX_STATE_BYTES:
+                raise ValueError(
+                    f"sequence: the states hold {size} bytes a sequence, past the {MAX_STATE_BYTES} "
+                    "fngate keeps"
+                )
         return self
 
     @model_validator(mode="after")

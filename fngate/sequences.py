@@ -5,13 +5,15 @@ clients expect; and the control inputs a runner feeds the model for a batch of s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from fngate.errors import InvalidArgument
-from fngate.manifest import FunctionManifest, SequenceSpec
+from fngate.errors import InvalidArgument, ModelFailed
+from fngate.manifest import FunctionManifest, SequenceSpec, SequenceState
+from fngate.tensors import DATATYPES
 
 MAX_ID_CHARS = 128
 """The longest string sequence id (it names a Redis key)."""
@@ -61,15 +63,23 @@ def step_of(params: Mapping[str, Any]) -> Step | None:
     return Step(sequence_id, flags[0], flags[1])
 
 
-def checked(manifest: FunctionManifest, step: Step | None, asynchronous: bool = False) -> Step | None:
+def checked(
+    manifest: FunctionManifest, step: Step | None, asynchronous: bool = False, rows: int = 1
+) -> Step | None:
     """The call's step where its function takes sequences (refused without one, as Triton
-    refuses it); None for any other function, whose calls' sequence parameters mean nothing."""
+    refuses it, and with more than one row where the model batches); None for any other function,
+    whose calls' sequence parameters mean nothing."""
     if manifest.sequence is None:
         return None
     model = _model_name(manifest)
     if step is None:
         raise InvalidArgument(
             f"inference request to model '{model}' must specify a non-zero or non-empty correlation ID"
+        )
+    if manifest.batched and rows != 1:
+        raise InvalidArgument(
+            f"inference request to model '{model}' must specify batch-size 1 due to requirements of "
+            "sequence batcher"
         )
     for control in manifest.sequence.controls:
         if control.kind == "corrid" and control.datatype != "STRING" and isinstance(step.id, str):
@@ -133,3 +143,65 @@ _NUMPY = {
     "UINT64": np.uint64,
     "FP32": np.float32,
 }
+
+
+def states(spec: SequenceSpec, steps: Sequence[tuple[Step, bytes]], batched: bool) -> dict[str, np.ndarray]:
+    """The implicit state inputs of a batch, one row per step in order (no batch dimension where
+    the model does not batch): each its sequence's state as its last step left it, zeros at its
+    start. Raises ModelFailed for a kept state that is not this model's (its states changed)."""
+    found: dict[str, list[np.ndarray]] = {state.input: [] for state in spec.states}
+    size = state_bytes(spec)
+    for step, kept in steps:
+        if step.start or not kept:
+            for state in spec.states:
+                found[state.input].append(np.zeros((1, *state.dims), DATATYPES[state.datatype]))
+            continue
+        if len(kept) != size:
+            raise ModelFailed(
+                f"the state of sequence {step.id} is {len(kept)} bytes, not the {size} the model's "
+                "states hold (they changed): start the sequence again"
+            )
+        offset = 0
+        for state in spec.states:
+            dtype = DATATYPES[state.datatype]
+            count = math.prod(state.dims)
+            array = np.frombuffer(kept, dtype, count, offset).reshape((1, *state.dims))
+            found[state.input].append(array)
+            offset += count * dtype.itemsize
+    return {
+        name: (np.concatenate(arrays) if len(arrays) > 1 else arrays[0]) if batched else arrays[0][0]
+        for name, arrays in found.items()
+    }
+
+
+def kept_states(spec: SequenceSpec, outputs: Mapping[str, Any], count: int, batched: bool) -> list[bytes]:
+    """What each of a batch's `count` steps leaves for its sequence's next: its row of each state
+    output, of the declared datatype and dimensions, back to back. Raises ModelFailed for a state
+    output that is missing or of another shape."""
+    rows: list[list[bytes]] = [[] for _ in range(count)]
+    for state in spec.states:
+        array = outputs.get(state.output)
+        shape = (count, *state.dims) if batched else state.dims
+        if not isinstance(array, np.ndarray) or tuple(array.shape) != tuple(shape):
+            given = list(array.shape) if isinstance(array, np.ndarray) else "nothing"
+            raise ModelFailed(
+                f"state output '{state.output}' is {given}, declared {list(state.dims)} a sequence"
+            )
+        converted = _state_array(state, array)
+        for index in range(count):
+            rows[index].append((converted[index] if batched else converted).tobytes())
+    return [b"".join(parts) for parts in rows]
+
+
+def state_bytes(spec: SequenceSpec) -> int:
+    return sum(math.prod(state.dims) * DATATYPES[state.datatype].itemsize for state in spec.states)
+
+
+def _state_array(state: SequenceState, array: np.ndarray) -> np.ndarray:
+    dtype = DATATYPES[state.datatype]
+    if array.dtype == dtype:
+        return np.ascontiguousarray(array)
+    converted = array.astype(dtype)
+    if not np.array_equal(converted, array):
+        raise ModelFailed(f"state output '{state.output}' is {array.dtype}, declared {state.datatype}")
+    return converted

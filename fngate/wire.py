@@ -10,10 +10,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import orjson
 
 from fngate.errors import FunctionError, InvalidArgument
-from fngate.queue import AS, BODIES, BODY, BY, HEADER, HEADERS, TO
+from fngate.queue import AS, BODIES, BODY, BY, HEADER, HEADERS, SEQUENCE_STATE, TO
 from fngate.sequences import Step
 from fngate.tensors import Tensors, datatype_of, from_bytes, to_bytes
 
@@ -50,6 +51,8 @@ class Invocation:
     """The API key it was made with ('' without auth): its batch's time is charged to it."""
     sequence: Step | None = None
     """Its step in its sequence, for a function that takes sequences (fngate.sequences)."""
+    state: bytes = b""
+    """Its sequence's implicit state as the last step left it (fngate.sequences); b"" at its start."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -108,6 +111,7 @@ class Invocation:
             delay=header.get("qdelay", False),
             key_id=str(header.get("kid", "")),
             sequence=Step.decode(header["sq"]) if "sq" in header else None,
+            state=fields.get(SEQUENCE_STATE, b""),
         )
 
 
@@ -127,6 +131,9 @@ class Reply:
     part: bool = False
     """One of a decoupled model's responses, sent as it was made; the invocation's own reply (not
     a part) ends them."""
+    state: bytes = b""
+    """A step of a stateful model's sequence: the implicit state it leaves for the next step
+    (fngate.sequences), which its gateway keeps in Redis."""
 
     def encode(self) -> Fields:
         header: dict[str, Any] = {
@@ -143,6 +150,8 @@ class Reply:
         if self.error is not None:
             header["code"] = self.error.code.value
             header["msg"] = self.error.message
+        if self.state:
+            return _encode(header, {**self.outputs, STATE_TENSOR: np.frombuffer(self.state, np.uint8)})
         return _encode(header, self.outputs)
 
     @classmethod
@@ -153,6 +162,7 @@ class Reply:
     @classmethod
     def from_header(cls, header: dict[str, Any], tensors: Tensors) -> Reply:
         code = header.get("code")
+        state = tensors.pop(STATE_TENSOR, None)
         return cls(
             id=header["id"],
             version=header["ver"],
@@ -162,8 +172,12 @@ class Reply:
             batch_size=header.get("bsize", 0),
             timing=_timing(header.get("tm")),
             part=bool(header.get("p")),
+            state=state.tobytes() if state is not None else b"",
         )
 
+
+STATE_TENSOR = "$state"
+"""A reply's implicit state travels as this tensor (UINT8), a name no model's tensor can have."""
 
 COLD_PHASES = ("start", "queue", "fetch", "load", "exec")
 """What an invocation that paid a cold start waited for, in order: a runner to start (from its

@@ -483,16 +483,17 @@ class Dispatcher:
             outcome = "failed"
         metrics.WITHDRAWN.labels(name, outcome).inc()
 
-    def _idle_from_now(self, call: Call) -> None:
+    def _idle_from_now(self, call: Call, state: bytes) -> None:
         """A sequence's step has its answer (or ended otherwise): its sequence lives its idle
-        timeout from now, as Triton counts it (idle: no step queued or running). Written before the
-        answer goes out, so the caller's next step finds it done; a sequence ended or expired
-        meanwhile stays so (PEXPIRE sets no key)."""
+        timeout from now, as Triton counts it (idle: no step queued or running), holding the
+        implicit state the step left (`state`; b"": as it was). Written before the answer goes out,
+        so the caller's next step finds it done; a sequence ended or expired meanwhile stays so."""
         spec, step = call.function.manifest.sequence, call.sequence
         if spec is None or step is None:
             return
-        key = keys.sequence(call.function.manifest.name, step.id)
-        self._redis.send("PEXPIRE", key, sequences.idle_ms(spec)).add_done_callback(_idle_unset)
+        key, idle_ms = keys.sequence(call.function.manifest.name, step.id), sequences.idle_ms(spec)
+        command = ("SET", key, state, "PX", idle_ms, "XX") if state else ("PEXPIRE", key, idle_ms)
+        self._redis.send(*command).add_done_callback(_idle_unset)
 
     def _background(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -512,6 +513,7 @@ class _Flight:
         "entry_id",
         "pipeline",
         "queued",
+        "state",
         "timer",
     )
 
@@ -531,6 +533,8 @@ class _Flight:
         self.queued = False
         self.entry_id = b""
         """Its entry on its function's stream, once queued (not when it waits on an identical one)."""
+        self.state = b""
+        """A sequence's step: the implicit state its answer left (fngate.sequences)."""
         self._span: Span | None = None
         loop = asyncio.get_running_loop()
         self.timer = loop.call_later(entries.timeout_ms / 1000, self._deadline)
@@ -649,6 +653,7 @@ class _Flight:
         if reply.error is not None:
             self._fail(reply.error)
         else:
+            self.state = reply.state
             self._succeed(reply)
 
     def _deadline(self) -> None:
@@ -714,7 +719,7 @@ class _Flight:
             call.span.end()
         name = call.function.manifest.name
         if call.sequence is not None and not call.sequence.end:
-            dispatcher._idle_from_now(call)
+            dispatcher._idle_from_now(call, self.state)
         if answer.cancelled():  # the caller left (a reset RPC, a closed connection)
             if self.entry_id and not self.pipeline:
                 dispatcher._background(dispatcher.withdraw(self))

@@ -103,7 +103,8 @@ def synchronous(
     if plan is None:
         in_flight = marker if call.use_cache else ""
         placement = queue.place(manifest.name, manifest.batching, call.priority, call.queue_timeout_us)
-        step = sequences.checked(manifest, call.sequence)
+        rows = int(next(iter(call.inputs.values())).shape[0]) if manifest.batched else 1
+        step = sequences.checked(manifest, call.sequence, rows=rows)
         gate = None
         if step is not None and manifest.sequence is not None:
             # Live while the step waits and runs, then idle_ms from its answer (Dispatcher)

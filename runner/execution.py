@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -254,6 +254,7 @@ def _execute(
                 for index, item in enumerate(batch)
             ]
         served = sum(count for index, count in enumerate(rows) if index not in failed)
+        kept = _kept_states(manifest, results, len(batch) - len(failed))
         given = reshaped(manifest.outputs, results, manifest.batched)
         outputs = check_outputs(manifest, given, served if manifest.batched else None)
     except FunctionError as exc:
@@ -275,10 +276,21 @@ def _execute(
         offset += count
         too_large = _too_large(manifest, own)
         if too_large is not None:
+            if kept is not None:
+                next(kept)  # its state stays as it was
             replies.append(_failed(invocation, too_large, batch_id, total))
             continue
-        replies.append(Reply(invocation.id, invocation.version, own, None, batch_id, total))
+        state = next(kept) if kept is not None else b""
+        replies.append(Reply(invocation.id, invocation.version, own, None, batch_id, total, state=state))
     return replies
+
+
+def _kept_states(manifest: FunctionManifest, results: Tensors, served: int) -> Iterator[bytes] | None:
+    """What each served step of a stateful model's batch leaves for its sequence (in order); None
+    for a model without implicit state."""
+    if manifest.sequence is None or not manifest.sequence.states:
+        return None
+    return iter(sequences.kept_states(manifest.sequence, results, served, manifest.batched))
 
 
 def _too_large(manifest: FunctionManifest, outputs: Tensors) -> ModelFailed | None:
@@ -307,9 +319,13 @@ def _run(
             for spec in manifest.inputs
         }
     inputs = reshaped(manifest.inputs, inputs, manifest.batched, to_model=True)
+    names = [spec.name for spec in manifest.outputs]
     if manifest.sequence is not None:
         inputs = {**inputs, **_controls(manifest, batch)}
-    names = [spec.name for spec in manifest.outputs]
+        if manifest.sequence.states:
+            steps = [(invocation.sequence, invocation.state) for invocation in batch]
+            inputs.update(sequences.states(manifest.sequence, steps, manifest.batched))  # type: ignore[arg-type]
+            names += [state.output for state in manifest.sequence.states]
     if getattr(backend, "takes_rows", False):  # it answers each invocation on its own (python)
         return backend.run(inputs, names, rows)  # type: ignore[call-arg]
     return backend.run(inputs, names)

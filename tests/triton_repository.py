@@ -376,6 +376,46 @@ class TritonPythonModel:
         return responses
 """
 
+ACCUMULATOR = """
+name: "accumulator"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+sequence_batching {
+  oldest { max_queue_delay_microseconds: 100000 }
+  state [ {
+    input_name: "TOTAL_IN" output_name: "TOTAL_OUT" data_type: TYPE_INT64 dims: [ 2 ]
+    initial_state [ { data_type: TYPE_INT64 dims: [ 2 ] zero_data: true name: "zeros" } ]
+  } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT64 dims: [ 2 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT64 dims: [ 2 ] } ]
+"""
+"""A model with implicit state: its total so far (TOTAL_IN, zeros at a sequence's start) plus
+INPUT is both its OUTPUT and its next state; batches wait up to 100 ms to fill."""
+
+
+def accumulator_onnx(path: Path) -> None:
+    """ACCUMULATOR's graph: OUTPUT = TOTAL_OUT = TOTAL_IN + INPUT."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def tensor(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", 2])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["TOTAL_IN", "INPUT"], ["OUTPUT"]),
+            helper.make_node("Identity", ["OUTPUT"], ["TOTAL_OUT"]),
+        ],
+        "accumulator",
+        [tensor("INPUT"), tensor("TOTAL_IN")],
+        [tensor("OUTPUT"), tensor("TOTAL_OUT")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
 
 def sequence_onnx(path: Path, echo_controls: bool = False) -> None:
     """The quickstart's simple_sequence graph: OUTPUT = READY * (INPUT + START) (so a sequence's

@@ -22,6 +22,9 @@ FOR = b"for"
 """On a reply: the id of the invocation it answers when that is not the reply's own (a waiter)."""
 STEP = b"p"
 """On an invocation entry that is a pipeline step: its context (fngate.pipeline.StepContext)."""
+SEQUENCE_STATE = b"s"
+"""On an invocation entry that is a step of a stateful model's sequence: the sequence's implicit
+state as its last step left it (fngate.sequences; absent at its start)."""
 AS, TO, BY = b"as", b"to", b"by"
 """On an invocation entry: a waiter promoted to run in place of an identical invocation that expired
 runs under its own id (`as`), reply stream (`to`) and deadline in ms (`by`)."""
@@ -45,14 +48,16 @@ local function full(stream, counter, max_size, max_bytes)
   if limit > 0 and tonumber(redis.call('GET', counter) or '0') >= limit then return 'bytes' end
   return nil
 end
-local function push(stream, counter, h, b, step)
+local function push(stream, counter, h, b, step, state)
   local id
   if step and step ~= '' then
     id = redis.call('XADD', stream, '*', 'h', h, 'b', b, 'p', step)
+  elseif state and state ~= '' then
+    id = redis.call('XADD', stream, '*', 'h', h, 'b', b, 's', state)
   else
     id = redis.call('XADD', stream, '*', 'h', h, 'b', b)
   end
-  redis.call('INCRBY', counter, #h + #b + #(step or ''))
+  redis.call('INCRBY', counter, #h + #b + #(step or '') + #(state or ''))
   return id
 end
 """
@@ -64,7 +69,8 @@ UNQUEUE_LUA = """
 local function entry_bytes(fields)
   local size = 0
   for i = 1, #fields, 2 do
-    if fields[i] == 'h' or fields[i] == 'b' or fields[i] == 'p' then size = size + #fields[i + 1] end
+    local name = fields[i]
+    if name == 'h' or name == 'b' or name == 'p' or name == 's' then size = size + #fields[i + 1] end
   end
   return size
 end
@@ -175,17 +181,22 @@ local function enqueue(KEYS, ARGV)
     end
     return {'full', limit, index}
   end
-  -- A step of a sequence (ARGV[14] 'sequence'): KEYS[9] is its sequence's key, ARGV[15] its flags
-  -- ('S' start, 'E' end), ARGV[16] how long it lives from now in ms (the step's deadline and the
-  -- idle timeout: the gateway shortens it to the idle timeout at the answer). One not started is
-  -- refused.
+  -- A step of a sequence (ARGV[14] 'sequence'): KEYS[9] is its sequence's key, whose value is its
+  -- implicit state ('' for none yet), ARGV[15] its flags ('S' start, 'E' end), ARGV[16] how long
+  -- it lives from now in ms (the step's deadline and the idle timeout: the gateway shortens it to
+  -- the idle timeout at the answer, and sets the state the step left). One not started is refused.
   local sequence = ARGV[14] == 'sequence'
-  if sequence and not string.find(ARGV[15], 'S', 1, true) and redis.call('EXISTS', KEYS[9]) == 0 then
-    if given(KEYS[6]) then
-      redis.call('ZREM', KEYS[7], ARGV[11])
-      redis.call('ZREM', KEYS[8], ARGV[11])
+  local starts = sequence and string.find(ARGV[15], 'S', 1, true)
+  local state = nil
+  if sequence and not starts then
+    state = redis.call('GET', KEYS[9])
+    if not state then
+      if given(KEYS[6]) then
+        redis.call('ZREM', KEYS[7], ARGV[11])
+        redis.call('ZREM', KEYS[8], ARGV[11])
+      end
+      return {'unstarted'}
     end
-    return {'unstarted'}
   end
   local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
   if limit then return refuse(limit, 0) end
@@ -195,12 +206,15 @@ local function enqueue(KEYS, ARGV)
     limit = full(KEYS[8 + i], KEYS[8 + more + i], ARGV[at], ARGV[at + 1])
     if limit then return refuse(limit, i) end
   end
-  local id = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13])  -- ARGV[13]: a pipeline step's context (STEP)
+  -- ARGV[13]: a pipeline step's context (STEP)
+  local id = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13], state)
   if sequence then
     if string.find(ARGV[15], 'E', 1, true) then
       redis.call('DEL', KEYS[9])
+    elseif starts then
+      redis.call('SET', KEYS[9], '', 'PX', ARGV[16])
     else
-      redis.call('SET', KEYS[9], '1', 'PX', ARGV[16])
+      redis.call('PEXPIRE', KEYS[9], ARGV[16])
     end
   end
   for i = 1, more do
@@ -722,7 +736,7 @@ def _packable(replies: Sequence[Outgoing]) -> dict[str, list[int]]:
 
 def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
     """What an entry counts against max_queue_bytes."""
-    return len(fields.get(HEADER, b"")) + len(fields.get(BODY, b"")) + len(fields.get(STEP, b""))
+    return sum(len(fields.get(name, b"")) for name in (HEADER, BODY, STEP, SEQUENCE_STATE))
 
 
 def answered_id(fields: Mapping[bytes, bytes], reply_id: str) -> str:

@@ -95,6 +95,13 @@ HONOURED = frozenset(
         "sequence_batching.oldest",
         "sequence_batching.oldest.max_queue_delay_microseconds",
         "sequence_batching.oldest.preferred_batch_size",
+        "sequence_batching.state",
+        "sequence_batching.state.initial_state",
+        *(f"sequence_batching.state.{field}" for field in ("input_name", "output_name", "data_type", "dims")),
+        *(
+            f"sequence_batching.state.initial_state.{field}"
+            for field in ("data_type", "dims", "zero_data", "name")
+        ),
         "dynamic_batching",
         "dynamic_batching.preferred_batch_size",
         "dynamic_batching.max_queue_delay_microseconds",
@@ -125,8 +132,6 @@ HONOURED = frozenset(
     }
 )
 WHY = {
-    "sequence_batching.state": "no implicit state is kept: the model gets no state inputs "
-    "(docs/triton/sequences.md)",
     "sequence_batching": "a sequence's steps are batched with the function's batching "
     "(docs/triton/sequences.md)",
     "model_warmup": "no warm-up requests are run at load",
@@ -411,10 +416,40 @@ def _sequence(config: pb.ModelConfig, source: str) -> dict[str, Any]:
                     source, [(where, "a start, end or ready control needs its false and true values")]
                 )
             controls.append(item)
-    found: dict[str, Any] = {"controls": controls}
+    found: dict[str, Any] = {
+        "controls": controls,
+        "states": [_state(state, i, source) for i, state in enumerate(sequence.state)],
+    }
     if sequence.max_sequence_idle_microseconds:
         found["idle_timeout_us"] = int(sequence.max_sequence_idle_microseconds)
     return {"sequence": found}
+
+
+def _state(state: Any, index: int, source: str) -> dict[str, Any]:
+    """An implicit state: zeros at a sequence's start (an initial_state of zero_data, or none)."""
+    where = f"sequence_batching.state[{index}]"
+    datatype = DATATYPES.get(_name_of(state.data_type))
+    if datatype is None or datatype == "BYTES":
+        raise ManifestError(source, [(f"{where}.data_type", "a state is a tensor of numbers or booleans")])
+    if any(dim < 1 for dim in state.dims):
+        raise ManifestError(source, [(f"{where}.dims", "a state's dimensions are fixed (no -1)")])
+    for initial in state.initial_state:
+        if initial.WhichOneof("state_data") != "zero_data":
+            raise ManifestError(
+                source,
+                [
+                    (
+                        f"{where}.initial_state",
+                        "an initial state from data_file is not honoured: use zero_data",
+                    )
+                ],
+            )
+    return {
+        "input": state.input_name,
+        "output": state.output_name,
+        "datatype": datatype,
+        "dims": list(state.dims),
+    }
 
 
 def _versions(policy: Any) -> dict[str, Any]:

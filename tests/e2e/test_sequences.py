@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import signal
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -20,10 +21,12 @@ import tritonclient.http as triton
 
 from tests.conftest import free_port, on_cluster_too
 from tests.triton_repository import (
+    ACCUMULATOR,
     RUNNING_TOTAL,
     RUNNING_TOTAL_CONFIG,
     SEQUENCE_CONTROLS,
     SIMPLE_SEQUENCE,
+    accumulator_onnx,
     model,
     sequence_onnx,
 )
@@ -297,3 +300,74 @@ async def test_a_step_that_waits_longer_than_the_idle_timeout_keeps_its_sequence
         await asyncio.sleep(1.2)  # idle past its timeout from its last answer
         refused = await total(42, 1)
         assert refused.status_code == 400 and "must specify the START flag" in refused.json()["error"]
+
+
+@pytest.fixture
+async def accumulator(
+    serve_gateway: Callable[..., Any], runner_process: Callable[..., Any], tmp_path: Path
+) -> tuple[str, Callable[[], Any]]:
+    """The accumulator served by a runner process: (HTTP base URL, a factory of runner processes)."""
+    root = tmp_path / "models"
+    accumulator_onnx(model(root, "accumulator", ACCUMULATOR, {"1": {}}) / "1" / "model.onnx")
+    base = await serve_gateway(repo=str(root))
+
+    def start() -> Any:
+        return runner_process(FNGATE_REPO=str(root), FNGATE_ARTIFACT_DIR=str(tmp_path / "artifacts"))
+
+    return base, start
+
+
+async def test_implicit_state_follows_each_sequence_across_batches_and_runners(
+    accumulator: tuple[str, Callable[[], Any]],
+) -> None:
+    """The state a step leaves is the next step's state input, per sequence, with steps of many
+    sequences in one batch; a restart resets it; and it lives in Redis, not in the runner: a step
+    after its runner was killed finds it, on the runner that replaced it. A sequence's steps are
+    one row each where the model batches (Triton's rule)."""
+    base, start = accumulator
+    url = "/v2/models/accumulator/infer"
+
+    def body(sequence_id: int, values: list[int], start: bool = False, end: bool = False) -> dict[str, Any]:
+        parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+        tensor = {"name": "INPUT", "datatype": "INT64", "shape": [1, 2], "data": values}
+        return {"inputs": [tensor], "parameters": parameters}
+
+    first = start()
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+
+        async def total(sequence_id: int, values: list[int], start: bool = False, end: bool = False) -> Any:
+            response = await client.post(url, json=body(sequence_id, values, start, end))
+            assert response.status_code == 200, response.text
+            sizes.append(response.json()["parameters"]["batch_size"])
+            return response.json()["outputs"][0]["data"]
+
+        async def sequence(sequence_id: int) -> list[Any]:
+            return [
+                await total(sequence_id, [sequence_id, 1], start=True),
+                await total(sequence_id, [sequence_id, 2]),
+                await total(sequence_id, [sequence_id, 3]),
+            ]
+
+        sizes: list[int] = []
+        ids = list(range(1, 9))
+        found = await asyncio.gather(*(sequence(sequence_id) for sequence_id in ids))
+        assert max(sizes) > 1, sizes  # steps of several sequences met in one batch
+        assert found == [[[i, 1], [2 * i, 3], [3 * i, 6]] for i in ids]
+        assert await total(1, [5, 5], start=True) == [5, 5]  # started again: from zeros
+
+        first.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(first.wait, 30)
+        start()
+        assert await total(1, [1, 1]) == [6, 6]
+        assert await total(2, [1, 1], end=True) == [3 * 2 + 1, 7]
+        refused = await client.post(url, json=body(2, [1, 1]))  # ended
+        assert refused.status_code == 400 and "START flag" in refused.json()["error"], refused.text
+
+        two_rows = body(3, [1, 1, 2, 2], start=True)
+        two_rows["inputs"][0]["shape"] = [2, 2]
+        refused = await client.post(url, json=two_rows)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"] == (
+            "inference request to model 'accumulator' must specify batch-size 1 due to requirements "
+            "of sequence batcher"
+        )

@@ -4,6 +4,7 @@ import-triton of the guide's repository, and where a request's priority and time
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,8 @@ def test_what_fngate_does_not_honour_is_named() -> None:
         " control_input [ { name: 'START'"
         " control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },"
         " { name: 'ID' control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] } ]"
-        " state [ { input_name: 'IN' output_name: 'OUT' data_type: TYPE_FP32 dims: [ 1 ] } ] }"
+        " state [ { input_name: 'IN' output_name: 'OUT' data_type: TYPE_FP32 dims: [ 1 ]"
+        " use_growable_memory: true } ] }"
     )
     data, warnings = mapped(stateful, "text_classifier")
     assert data["sequence"] == {
@@ -100,13 +102,29 @@ def test_what_fngate_does_not_honour_is_named() -> None:
             {"input": "ID", "kind": "corrid", "datatype": "STRING"},
         ],
         "idle_timeout_us": 5000,
+        "states": [{"input": "IN", "output": "OUT", "datatype": "FP32", "dims": [1]}],
     }
     assert data["batching"]["max_queue_delay_us"] == 300
-    # Implicit state is the one part not served: said, and nothing else about sequences.
+    # A GPU buffer's growth is the one part not served: said, and nothing else about sequences.
     assert [warning for warning in warnings if "sequence_batching" in warning] == [
-        "sequence_batching.state: not honoured (no implicit state is kept: the model gets no state "
-        "inputs (docs/triton/sequences.md))"
+        "sequence_batching: not honoured (a sequence's steps are batched with the function's "
+        "batching (docs/triton/sequences.md))"
     ]
+    for state, why in (
+        ("data_type: TYPE_STRING dims: [ 1 ]", "a state is a tensor of numbers or booleans"),
+        ("data_type: TYPE_FP32 dims: [ -1 ]", "a state's dimensions are fixed"),
+        (
+            "data_type: TYPE_FP32 dims: [ 1 ] initial_state [ { data_type: TYPE_FP32 dims: [ 1 ]"
+            " data_file: 'x' } ]",
+            "an initial state from data_file is not honoured",
+        ),
+        ("data_type: TYPE_FP32 dims: [ 1024, 1024 ]", "past the 1048576 fngate keeps"),
+    ):
+        config = stateful.replace("data_type: TYPE_FP32 dims: [ 1 ] use_growable_memory: true", state)
+        with pytest.raises(ManifestError, match=re.escape(why)):
+            parsed = parse_config(config, "config.pbtxt")
+            complete(parsed, "text_classifier", None)
+            map_config(parsed, "config.pbtxt").manifest("1", "config.pbtxt")
     assert not any(warning.startswith("dynamic_batching") for warning in warnings)
     with pytest.raises(ManifestError, match="not a Triton model configuration"):  # Triton's schema decides
         parse_config(CLASSIFIER + "\nno_such_field: 1", "config.pbtxt")
