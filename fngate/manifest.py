@@ -122,6 +122,11 @@ class ModelSpec(_Frozen):
     """Executions of the model at once in one runner (Triton's instance_group count): as many
     sessions or processes, each counted in the runner's memory budget (docs/memory.md)."""
     rate_limiter: RateLimiterSpec = RateLimiterSpec()
+    own_process: bool = False
+    """pytorch backend: run the model in a process of its own, started and confined as a Python
+    function's (docs/isolation.md), with its memory_limit_mb, pids_limit and
+    working_folder_limit_mb: a crash, a hang or a leak of the model stops that process, never the
+    runner. A python function always has one."""
     decoupled: bool = False
     """python backend, a Triton Python model with `model_transaction_policy { decoupled: true }`:
     it answers each request through a response sender, any number of responses, streamed to the
@@ -142,11 +147,27 @@ class ModelSpec(_Frozen):
                 "accelerator tensorrt applies to the onnxruntime and tensorrt backends only; a "
                 f"{self.backend} function takes cpu or cuda"
             )
-        if self.backend != "python":  # a stored manifest carries every default: only others count
-            for field in ("memory_limit_mb", "pids_limit", "working_folder_limit_mb", "decoupled"):
-                if getattr(self, field) != ModelSpec.model_fields[field].default:
-                    raise ValueError(f"{field} applies to the python backend only (its own process)")
+        # A stored manifest carries every default: only others count.
+        if self.own_process and self.backend != "pytorch":
+            raise ValueError("own_process applies to the pytorch backend (a python function always has one)")
+        process = ("memory_limit_mb", "pids_limit", "working_folder_limit_mb")
+        for field in (*process, "decoupled"):
+            if getattr(self, field) == ModelSpec.model_fields[field].default:
+                continue
+            if self.backend == "python" or (field in process and self.own_process):
+                continue
+            raise ValueError(
+                f"{field} applies to a process of the model's own: the python backend's, or the "
+                "pytorch backend's with own_process"
+                if field in process
+                else "decoupled applies to the python backend only"
+            )
         return self
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the model runs in a process of its own (runner.sandbox)."""
+        return self.backend == "python" or self.own_process
 
 
 MAX_PRIORITY_LEVELS = 16

@@ -525,7 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             calls = ModelCalls(requests, replies)
             python_backend.open_channel(calls)
-        model = load_model(Path(header["module"]), Path(header["directory"]), triton_config, instance)
+        if header.get("torchscript") is not None:
+            from runner.backends.torchscript import OwnProcess
+
+            model = OwnProcess(header["torchscript"], Path(header["directory"]))
+        else:
+            model = load_model(Path(header["module"]), Path(header["directory"]), triton_config, instance)
     except Exception as exc:
         traceback.print_exc()
         send(replies, {"error": f"{type(exc).__name__}: {exc}", "code": ErrorCode.INVALID_ARGUMENT.value})

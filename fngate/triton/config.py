@@ -291,6 +291,7 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
             "path": model_file,
             **_placement(config, backend),
             **_instances(config),
+            **_own_process(config, backend, source),
             **(
                 {"decoupled": True}
                 if backend == "python" and config.model_transaction_policy.decoupled
@@ -298,6 +299,24 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
             ),
         }
     return Mapped(data, tuple(warnings), model_file)
+
+
+OWN_PROCESS = "fngate_own_process"
+"""A parameter of a pytorch model's config: "true" runs it in a process of its own (model.own_process)."""
+
+
+def _own_process(config: pb.ModelConfig, backend: str, source: str) -> dict[str, Any]:
+    if OWN_PROCESS not in config.parameters:
+        return {}
+    value = config.parameters[OWN_PROCESS].string_value
+    where = f"parameters.{OWN_PROCESS}"
+    if backend != "pytorch":
+        raise ManifestError(
+            source, [(where, "applies to the pytorch backend (a python model has a process)")]
+        )
+    if value not in ("true", "false"):
+        raise ManifestError(source, [(where, f"{value!r} is not true or false")])
+    return {"own_process": value == "true"}
 
 
 def _text_generation(config: pb.ModelConfig, source: str) -> dict[str, Any]:
@@ -597,7 +616,7 @@ def _model_parameter_warnings(config: pb.ModelConfig, backend: str) -> Iterator[
     elif engine:
         yield f"parameters {sorted(engine)}: not used by {backend} (they configure onnxruntime's TensorRT)"
     for key in parameters:
-        if key in engine or key in TEXT_GENERATION:
+        if key in engine or key in TEXT_GENERATION or key == OWN_PROCESS:
             continue
         if backend == "python" and key != "EXECUTION_ENV_PATH":
             continue  # the model reads them from args["model_config"], as in Triton

@@ -179,6 +179,8 @@ def _tensorrt(load: Load) -> Backend:
 
 
 def _pytorch(load: Load) -> Backend:
+    if load.manifest.model.own_process:  # runner.sandbox runs it (runner.backends.torchscript)
+        return _python(load)
     from runner.backends.torchscript import TorchScriptBackend
 
     return TorchScriptBackend(load.manifest, load.directory, load.threads, load.accel)

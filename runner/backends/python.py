@@ -338,7 +338,8 @@ class PythonBackend:
         raise ModelFailed(f"function '{self._name}' was unloaded")
 
     def _start(self) -> _Child:
-        triton = self._manifest.triton
+        manifest = self._manifest
+        torchscript = manifest.model.backend == "pytorch"  # own_process (runner.backends.torchscript)
         try:
             return _Child.start(
                 self._name,
@@ -347,8 +348,9 @@ class PythonBackend:
                 self._directory,
                 self._limits,
                 self._environment,
-                triton.config if triton else None,
+                manifest.triton.config if manifest.triton and not torchscript else None,
                 self._instance,
+                manifest.model_dump(mode="json") if torchscript else None,
             )
         except FunctionError as exc:
             self._note_failure(exc.message)
@@ -506,10 +508,12 @@ class _Child:
         environment: dict[str, str],
         triton_config: dict[str, Any] | None = None,
         instance: int = 0,
+        torchscript: dict[str, Any] | None = None,
     ) -> _Child:
         """Start the process (`environment` added to the runner's, less its secrets), confine it and
         wait until its Model (or Triton model, with its configuration `triton_config`, as instance
-        `instance` of the function's) is constructed. Raises InvalidArgument when model.py does not
+        `instance` of the function's; or, given its manifest `torchscript`, its TorchScript model)
+        is constructed. Raises InvalidArgument when model.py does not
         load, ModelFailed when the process dies or takes too long, or cannot run as an unprivileged
         user."""
         user = _function_user()
@@ -548,6 +552,8 @@ class _Child:
         if triton_config is not None:
             load["triton_config"] = triton_config
             load["instance"] = instance
+        if torchscript is not None:
+            load["torchscript"] = torchscript
         header = child._load(name, load, user)
         child.device, child.reason = str(header.get("device", "cpu")), header.get("reason")
         limits_text = [*header.get("confined", ())]

@@ -159,3 +159,22 @@ def _argument_order(manifest: FunctionManifest, module: Any) -> list[str]:
     if not all(INDEXED.match(name) for name in names) and set(names) == set(arguments):
         return arguments
     return _positions(names)
+
+
+class OwnProcess:
+    """A TorchScript model in a process of its own (model.own_process): what runner.sandbox serves
+    there, as it serves a Python function's Model. Its runner speaks to it as to a Python function
+    (runner.backends.python), confined the same way."""
+
+    def __init__(self, manifest: dict[str, Any], directory: Path) -> None:
+        self._manifest = FunctionManifest.model_validate(manifest)
+        self._backend = TorchScriptBackend(self._manifest, directory, 0)
+        self.device = self._backend.device
+        self.fallback_reason = self._backend.fallback_reason
+        self._outputs = [spec.name for spec in self._manifest.outputs]
+
+    def infer(self, inputs: Tensors) -> Tensors:
+        return self._backend.run(inputs, self._outputs)
+
+    def close(self) -> None:
+        self._backend.close()

@@ -7,6 +7,9 @@ itself gives for the same rows. A runner without torch says what it needs."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,6 +88,11 @@ output [
 ]
 """
 
+# The indexed model again, in a process of its own.
+OWN_PROCESS = INDEXED.replace('"torch_model"', '"torch_own"') + (
+    'parameters { key: "fngate_own_process" value: { string_value: "true" } }'
+)
+
 
 @pytest.fixture
 def torch_repository(tmp_path: Path) -> Path:
@@ -94,7 +102,7 @@ def torch_repository(tmp_path: Path) -> Path:
     np.save(tmp_path / "x.npy", rows.normal(size=(16, 4)).astype(np.float32))
     np.save(tmp_path / "scale.npy", rows.uniform(0.5, 2.0, size=(16, 1)).astype(np.float32))
     root = tmp_path / "models"
-    for name, config in (("torch_model", INDEXED), ("torch_named", NAMED)):
+    for name, config in (("torch_model", INDEXED), ("torch_named", NAMED), ("torch_own", OWN_PROCESS)):
         folder = model(root, name, config, {"1": {}})
         (tmp_path / "make.py").write_text(MAKE)
         subprocess.run(
@@ -210,3 +218,50 @@ async def test_a_runner_without_torch_says_what_it_needs(
     scale = np.ones((1, 1), dtype=np.float32)
     with pytest.raises(InferenceServerException, match=r"needs torch .*fngate\[torch\]"):
         await asyncio.to_thread(call_http, base, "torch_model", x, scale, ("INPUT__0", "INPUT__1"), [(0, 1)])
+
+
+def sandbox_of(function: str) -> int | None:
+    """The pid of the process a runner started for `function` (runner.sandbox), if any."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"runner.sandbox" in arguments and function.encode() in arguments:
+            return int(entry.name)
+    return None
+
+
+async def test_a_torchscript_model_in_its_own_process_answers_and_its_crash_spares_the_runner(
+    serve_gateway: Callable[..., Any],
+    torch_runner: Callable[[Path], None],
+    torch_repository: Path,
+    tmp_path: Path,
+) -> None:
+    """With fngate_own_process the model runs in a process of the runner's (runner.sandbox),
+    answering as torch does; killed, it takes no one else with it: the model in the runner's own
+    process answers on, and the next call starts it again."""
+    x, scale = np.load(tmp_path / "x.npy"), np.load(tmp_path / "scale.npy")
+    y = np.load(tmp_path / "y.npy")
+    base = await serve_gateway(repo=str(torch_repository))
+    torch_runner(torch_repository)
+    indexed = ("INPUT__0", "INPUT__1")
+    spans = [(at, at + 1 + at % 2) for at in range(0, 15)]
+    answers = await asyncio.to_thread(call_http, base, "torch_own", x, scale, indexed, spans)
+    for (start, end), answer in zip(spans, answers, strict=True):
+        np.testing.assert_allclose(answer["y"], y[start:end], rtol=1e-5, atol=1e-6)
+    pid = sandbox_of("torch-own")
+    assert pid is not None, "no process of its own"
+    os.kill(pid, signal.SIGKILL)
+    beside = await asyncio.to_thread(call_http, base, "torch_model", x, scale, indexed, [(0, 2)])
+    np.testing.assert_allclose(beside[0]["y"], y[0:2], rtol=1e-5, atol=1e-6)
+    # A batch that meets the killed process fails, saying so; the next one starts it again.
+    try:
+        await asyncio.to_thread(call_http, base, "torch_own", x, scale, indexed, [(3, 5)])
+    except InferenceServerException as exc:
+        assert re.search(r"its process was killed by signal 9 .*starts again", str(exc)), str(exc)
+    again = await asyncio.to_thread(call_http, base, "torch_own", x, scale, indexed, [(3, 5)])
+    np.testing.assert_allclose(again[0]["y"], y[3:5], rtol=1e-5, atol=1e-6)
+    assert sandbox_of("torch-own") not in (None, pid)

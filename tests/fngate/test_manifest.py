@@ -88,12 +88,17 @@ def test_datatypes_match_the_tensor_table() -> None:
         (
             with_(model={"backend": "onnxruntime", "path": "m", "pids_limit": 64}),
             "model",
-            "pids_limit applies to the python backend only",
+            "pids_limit applies to a process of the model's own",
         ),
         (
             with_(model={"backend": "tensorrt", "path": "m", "working_folder_limit_mb": 64}),
             "model",
-            "working_folder_limit_mb applies to the python backend only",
+            "working_folder_limit_mb applies to a process of the model's own",
+        ),
+        (
+            with_(model={"backend": "onnxruntime", "path": "m", "own_process": True}),
+            "model",
+            "own_process applies to the pytorch backend",
         ),
         (
             with_(model={"backend": "python", "path": "m.py", "max_output_bytes": 2**29 + 1}),
