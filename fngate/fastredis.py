@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import ssl
 from collections import deque
 from typing import Any
@@ -25,6 +26,8 @@ from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
 
 
 def encode(args: tuple[Any, ...]) -> bytes:
@@ -55,6 +58,15 @@ def _error(reply: hiredis.ReplyError) -> ResponseError:
     return NoScriptError(message) if message.startswith("NOSCRIPT") else ResponseError(message)
 
 
+SCRIPTS: dict[str, str] = {}
+"""Every Script's source by its SHA1: loaded on a connection before its first EVALSHA there."""
+
+
+def _ignored(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("SCRIPT LOAD failed: %s (its EVALSHA says so)", future.exception())
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, closed: asyncio.Future[None]) -> None:
         self.loop = asyncio.get_running_loop()  # made by a connection on this loop, used on it alone
@@ -67,6 +79,23 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = closed
         self._outgoing: list[bytes] = []
+        self.loaded: set[str] = set()
+        """The scripts (SHA1) loaded on this connection (SCRIPT LOAD, sent before their first call)."""
+
+    def load_before(self, args: tuple[Any, ...], timeout_s: float) -> None:
+        """Before an EVALSHA of a Script not yet loaded on this connection: SCRIPT LOAD, in the
+        same order on the same connection, so that the call never meets NOSCRIPT. A call retried
+        after NOSCRIPT would run after commands sent behind it (a sequence's next step queued
+        before its start); a new connection (a restarted Redis) loads again."""
+        if not args or args[0] != "EVALSHA":
+            return
+        sha = args[1]
+        if sha in self.loaded or sha not in SCRIPTS:
+            return
+        self.loaded.add(sha)
+        future: asyncio.Future[Any] = self.loop.create_future()
+        future.add_done_callback(_ignored)
+        self.send(encode(("SCRIPT", "LOAD", SCRIPTS[sha])), future, timeout_s)
 
     def send(self, command: bytes, future: asyncio.Future[Any], timeout_s: float) -> None:
         """Queue a command; what is queued in one event-loop turn goes out in one write. Replies
@@ -141,7 +170,7 @@ class FastRedis:
         self._timeout_s = timeout_s
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
-        self._backlog: list[tuple[bytes, asyncio.Future[Any], float]] = []
+        self._backlog: list[tuple[tuple[Any, ...], asyncio.Future[Any], float]] = []
         """What `send` took while no connection was open, in order, for the first one that opens."""
         self._opening: asyncio.Task[None] | None = None
 
@@ -150,6 +179,7 @@ class FastRedis:
         their BLOCK; the default otherwise."""
         protocol = await self._connected()
         future: asyncio.Future[Any] = protocol.loop.create_future()
+        protocol.load_before(args, self._timeout_s)
         protocol.send(encode(args), future, timeout_s or self._timeout_s)
         return await future
 
@@ -159,6 +189,7 @@ class FastRedis:
         protocol = await self._connected()
         before: asyncio.Future[Any] = protocol.loop.create_future()
         future: asyncio.Future[Any] = protocol.loop.create_future()
+        protocol.load_before(args, self._timeout_s)
         protocol.send(encode(first), before, self._timeout_s)
         protocol.send(encode(args), future, timeout_s or self._timeout_s)
         await asyncio.wait((before, future))
@@ -173,10 +204,11 @@ class FastRedis:
         future: asyncio.Future[Any]
         if protocol is not None and protocol.transport is not None and not self._backlog:
             future = protocol.loop.create_future()
+            protocol.load_before(args, self._timeout_s)
             protocol.send(encode(args), future, timeout_s or self._timeout_s)
             return future
         future = asyncio.get_running_loop().create_future()
-        self._backlog.append((encode(args), future, timeout_s or self._timeout_s))
+        self._backlog.append((args, future, timeout_s or self._timeout_s))
         if self._opening is None or self._opening.done():
             self._opening = asyncio.ensure_future(self._send_backlog())
         return future
@@ -197,8 +229,9 @@ class FastRedis:
                 future.cancel()
             raise
         backlog, self._backlog = self._backlog, []
-        for command in backlog:
-            protocol.send(*command)
+        for args, future, timeout_s in backlog:
+            protocol.load_before(args, self._timeout_s)
+            protocol.send(encode(args), future, timeout_s)
 
     def _drop(self, protocol: _Protocol) -> None:
         if protocol.transport is not None:
@@ -265,12 +298,14 @@ class FastRedis:
 
 
 class Script:
-    """A Lua script called by EVALSHA; loaded on the first NOSCRIPT (a new or restarted Redis)."""
+    """A Lua script called by EVALSHA; loaded on each connection before its first call there (and
+    on a NOSCRIPT, should Redis's scripts be flushed under an open connection)."""
 
     def __init__(self, redis: FastRedis, source: str) -> None:
         self._redis = redis
         self._source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+        SCRIPTS[self.sha] = source
 
     async def __call__(self, keys: list[str], args: list[Any]) -> Any:
         try:

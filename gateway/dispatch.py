@@ -99,6 +99,8 @@ class Dispatcher:
         self._submit_async = Script(redis, queue.SUBMIT_ASYNC)
         self._slots = SlotSteps(redis) if redis.cluster else None
         """A Redis Cluster's: what the scripts would do across slots, in steps (gateway.slots)."""
+        self._sequence_steps: dict[tuple[str, int | str], asyncio.Future[Reply]] = {}
+        """The last step of each sequence sent through this gateway, until it is answered."""
         self._turn: list[_Flight] = []
         """The invocations of this event-loop turn, enqueued together at its end."""
         self.separate_cache = cache
@@ -149,9 +151,35 @@ class Dispatcher:
         if not lookup_in_queue and entries.cache_entry and call.use_cache:
             cache = self._slots if plan is not None else self.separate_cache
             self._background(flight.look_up(cache))  # type: ignore[arg-type]
+        elif call.sequence is not None:
+            self._in_turn(flight, call.sequence.id)
         else:
             flight.send()
         return answer
+
+    def _in_turn(self, flight: _Flight, sequence_id: int | str) -> None:
+        """A sequence's step is queued once the step sent before it on this gateway is answered:
+        a client that sends a sequence's steps without waiting (a gRPC stream, as Triton's stream
+        client does) has them run one after the other, each with the state the last one left
+        (written before this step's ENQUEUE, on the same connection)."""
+        key = (flight.call.function.manifest.name, sequence_id)
+        previous = self._sequence_steps.get(key)
+        self._sequence_steps[key] = flight.answer
+
+        def forget(answer: asyncio.Future[Reply]) -> None:
+            if self._sequence_steps.get(key) is answer:
+                del self._sequence_steps[key]
+
+        flight.answer.add_done_callback(forget)
+        if previous is None or previous.done():
+            flight.send()
+            return
+
+        def send(_: asyncio.Future[Reply]) -> None:
+            if not flight.answer.done():  # its deadline may have passed meanwhile
+                flight.send()
+
+        previous.add_done_callback(send)
 
     async def submit(self, call: Call) -> Accepted:
         """Queue an asynchronous call at level keys.ASYNC; raises what a synchronous one would be

@@ -132,6 +132,10 @@ HONOURED = frozenset(
     }
 )
 WHY = {
+    "sequence_batching.oldest.max_candidate_sequences": "the steps of every live sequence are "
+    "batched together: a live sequence holds a key in Redis, not a batch slot",
+    "sequence_batching.state.use_same_buffer_for_input_output": "a state is copied in and out",
+    "sequence_batching.state.use_growable_memory": "a state is copied in and out",
     "sequence_batching": "a sequence's steps are batched with the function's batching "
     "(docs/triton/sequences.md)",
     "model_warmup": "no warm-up requests are run at load",

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 
@@ -79,18 +80,22 @@ def grpc_sequence(
 
 
 def grpc_stream(
-    client: triton_grpc.InferenceServerClient, sequences: dict[int, list[int]]
+    client: triton_grpc.InferenceServerClient, sequences: dict[int, list[int]], interleaved: bool
 ) -> dict[int, list[int]]:
-    """The steps of several sequences sent interleaved on one stream without waiting, as the
-    quickstart's stream client sends them; each sequence's answers in its order."""
+    """The steps of several sequences sent on one stream without waiting: each sequence's steps one
+    after the other, as the quickstart's stream client sends them, or interleaved; each sequence's
+    answers in its order."""
     answers: queue.Queue[Any] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     sent = 0
+    longest = max(len(values) for values in sequences.values())
+    order = [(index, sequence_id) for index in range(longest) for sequence_id in sequences]
+    if not interleaved:
+        order.sort(key=lambda step: list(sequences).index(step[1]))
     try:
-        for index in range(max(len(values) for values in sequences.values())):
-            for sequence_id, values in sequences.items():
-                if index >= len(values):
-                    continue
+        for index, sequence_id in order:
+            values = sequences[sequence_id]
+            if index < len(values):
                 tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
                 tensor.set_data_from_numpy(np.full((1, 1), values[index], dtype=np.int32))
                 client.async_stream_infer(
@@ -105,7 +110,7 @@ def grpc_stream(
         found: dict[int, dict[int, int]] = {sequence_id: {} for sequence_id in sequences}
         for _ in range(sent):
             result, error = answers.get(timeout=30)
-            assert error is None, error
+            assert error is None, str(error)
             sequence_id, index = (int(part) for part in result.get_response().id.split("_"))
             found[sequence_id][index] = int(result.as_numpy("OUTPUT")[0][0])
     finally:
@@ -130,8 +135,9 @@ def exercise_quickstart(url: str, grpc_url: str) -> None:
             assert run(1001, [100, *negatives]) == expected(100, negatives)
             # A string sequence id (the clients' uuid4): simple_sequence has no CORRID control.
             assert run(str(uuid.uuid4()), [20, *negatives]) == expected(20, negatives)
-        streamed = grpc_stream(rpc, {1000: [0, *VALUES], 1001: [100, *negatives]})
-        assert streamed == {1000: expected(0, VALUES), 1001: expected(100, negatives)}
+        for interleaved in (False, True):
+            streamed = grpc_stream(rpc, {1000: [0, *VALUES], 1001: [100, *negatives]}, interleaved)
+            assert streamed == {1000: expected(0, VALUES), 1001: expected(100, negatives)}
     finally:
         http.close()
         rpc.close()
@@ -305,26 +311,28 @@ async def test_a_step_that_waits_longer_than_the_idle_timeout_keeps_its_sequence
 @pytest.fixture
 async def accumulator(
     serve_gateway: Callable[..., Any], runner_process: Callable[..., Any], tmp_path: Path
-) -> tuple[str, Callable[[], Any]]:
-    """The accumulator served by a runner process: (HTTP base URL, a factory of runner processes)."""
+) -> tuple[str, Callable[[], Any], str]:
+    """The accumulator served by a runner process: (HTTP base URL, a factory of runner processes,
+    gRPC address)."""
     root = tmp_path / "models"
     accumulator_onnx(model(root, "accumulator", ACCUMULATOR, {"1": {}}) / "1" / "model.onnx")
-    base = await serve_gateway(repo=str(root))
+    grpc_port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=grpc_port)
 
     def start() -> Any:
         return runner_process(FNGATE_REPO=str(root), FNGATE_ARTIFACT_DIR=str(tmp_path / "artifacts"))
 
-    return base, start
+    return base, start, f"127.0.0.1:{grpc_port}"
 
 
 async def test_implicit_state_follows_each_sequence_across_batches_and_runners(
-    accumulator: tuple[str, Callable[[], Any]],
+    accumulator: tuple[str, Callable[[], Any], str],
 ) -> None:
     """The state a step leaves is the next step's state input, per sequence, with steps of many
     sequences in one batch; a restart resets it; and it lives in Redis, not in the runner: a step
     after its runner was killed finds it, on the runner that replaced it. A sequence's steps are
     one row each where the model batches (Triton's rule)."""
-    base, start = accumulator
+    base, start, _ = accumulator
     url = "/v2/models/accumulator/infer"
 
     def body(sequence_id: int, values: list[int], start: bool = False, end: bool = False) -> dict[str, Any]:
@@ -371,3 +379,61 @@ async def test_implicit_state_follows_each_sequence_across_batches_and_runners(
             "inference request to model 'accumulator' must specify batch-size 1 due to requirements "
             "of sequence batcher"
         )
+
+
+def stream_totals(address: str, sequences: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Each sequence's steps sent on one gRPC stream one after the other without waiting, as
+    Triton's stream client sends them; the OUTPUT of each step, by sequence, in order."""
+    client = triton_grpc.InferenceServerClient(address)
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    sent = 0
+    try:
+        for sequence_id, values in sequences.items():
+            for index, value in enumerate(values):
+                tensor = triton_grpc.InferInput("INPUT", [1, 2], "INT64")
+                tensor.set_data_from_numpy(np.array([[value, 1]], dtype=np.int64))
+                client.async_stream_infer(
+                    "accumulator",
+                    [tensor],
+                    request_id=f"{sequence_id}_{index}",
+                    sequence_id=sequence_id,
+                    sequence_start=index == 0,
+                    sequence_end=index == len(values) - 1,
+                )
+                sent += 1
+        found: dict[int, dict[int, list[int]]] = {sequence_id: {} for sequence_id in sequences}
+        for _ in range(sent):
+            result, error = answers.get(timeout=60)
+            assert error is None, str(error)
+            sequence_id, index = (int(part) for part in result.get_response().id.split("_"))
+            found[sequence_id][index] = result.as_numpy("OUTPUT")[0].tolist()
+    finally:
+        client.stop_stream()
+        client.close()
+    return {sequence_id: [steps[i] for i in sorted(steps)] for sequence_id, steps in found.items()}
+
+
+async def test_steps_sent_without_waiting_run_in_order_each_on_the_last_ones_state(
+    redis: aioredis.Redis, accumulator: tuple[str, Callable[[], Any], str]
+) -> None:
+    """A stream's steps of one sequence, sent back to back, run one after the other: each adds to
+    the total the one before left (were two to run at once, or one to read the state before the
+    last had written it, a total would be short). With the scripts flushed first, as on a new
+    Redis: the first call of each script does not let a later step overtake its start."""
+    base, start, address = accumulator  # after `redis`, which empties Redis first
+    start()
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:  # the runner started, loaded
+        warm = {"sequence_id": 20, "sequence_start": True, "sequence_end": True}
+        tensor = {"name": "INPUT", "datatype": "INT64", "shape": [1, 2], "data": [0, 0]}
+        response = await client.post(
+            "/v2/models/accumulator/infer", json={"inputs": [tensor], "parameters": warm}
+        )
+        assert response.status_code == 200, response.text
+    await redis.script_flush()
+    values = {21: [1, 2, 3, 4, 5, 6], 22: [10, 20, 30]}
+    totals = await asyncio.to_thread(stream_totals, address, values)
+    assert totals == {
+        21: [[1, 1], [3, 2], [6, 3], [10, 4], [15, 5], [21, 6]],
+        22: [[10, 1], [30, 2], [60, 3]],
+    }

@@ -59,6 +59,30 @@ async def test_a_script_is_loaded_when_redis_does_not_know_it(redis_url: str) ->
     await client.aclose()
 
 
+async def scripts_in_order(client: FastRedis, key: str) -> None:
+    """A script Redis does not know, sent without waiting and followed at once by another command
+    (and by another first call of a script, on the next loop turn): each runs, and in the order
+    sent (a sequence's start and its next step; a call retried after NOSCRIPT would come last)."""
+    await client.execute("DEL", key)
+    push = f"return redis.call('RPUSH', KEYS[1], ARGV[1]) -- {key}"
+    sent = [Script(client, push).send([key], ["first"]), client.send("RPUSH", key, "second")]
+    await asyncio.sleep(0)
+    sent.append(Script(client, push + " again").send([key], ["third"]))
+    assert await asyncio.gather(*sent) == [1, 2, 3]
+    assert await client.execute("LRANGE", key, 0, -1) == [b"first", b"second", b"third"]
+
+
+async def test_scripts_redis_does_not_know_run_in_the_order_sent(redis_url: str) -> None:
+    client = FastRedis(redis_url)
+    await client.execute("SCRIPT", "FLUSH")
+    await scripts_in_order(client, "in-order")
+    await client.aclose()
+    await client.execute("SCRIPT", "FLUSH")  # a new connection loads its scripts again
+    await client.aclose()
+    await scripts_in_order(client, "in-order")  # sent while it connects: loaded on that connection
+    await client.aclose()
+
+
 async def test_every_kind_of_argument_reaches_redis_as_written(redis_url: str) -> None:
     client = FastRedis(redis_url)
     values = [b"\x00raw\r\n", "text \u00e9", 42, -7, 2.5, memoryview(b"view"), bytearray(b"array")]

@@ -18,6 +18,7 @@ from fngate.fastredis_cluster import ClusterFastRedis
 from fngate.queue import slots
 from fngate.up.redis_cluster import LocalCluster
 from gateway.slots import SlotSteps
+from tests.fngate.test_fastredis import scripts_in_order
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("redis_url", ["cluster"], indirect=True)]
 REPLY = {queue.HEADER: b"h", queue.BODY: b"b"}
@@ -48,6 +49,17 @@ async def test_commands_go_to_the_primary_of_their_slot(redis_url: str, redis_cl
     script = Script(client, "return redis.call('GET', KEYS[1])")  # unknown to every primary
     answers = await asyncio.gather(*(script([keys.invocations(name) + ":x"], []) for name in names.values()))
     assert sorted(answers) == sorted(str(port).encode() for port in names)
+    await client.aclose()
+
+
+async def test_scripts_a_primary_does_not_know_run_in_the_order_sent(
+    redis_url: str, redis_cluster: LocalCluster
+) -> None:
+    client = clients.fastredis(redis_url)
+    for port in redis_cluster.primaries():
+        redis_cluster.node(port).script_flush()
+    for name in tags_on_every_primary(redis_cluster).values():
+        await scripts_in_order(client, "{" + name + "}:in-order")
     await client.aclose()
 
 

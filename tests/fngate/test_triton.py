@@ -107,8 +107,7 @@ def test_what_fngate_does_not_honour_is_named() -> None:
     assert data["batching"]["max_queue_delay_us"] == 300
     # A GPU buffer's growth is the one part not served: said, and nothing else about sequences.
     assert [warning for warning in warnings if "sequence_batching" in warning] == [
-        "sequence_batching: not honoured (a sequence's steps are batched with the function's "
-        "batching (docs/triton/sequences.md))"
+        "sequence_batching.state.use_growable_memory: not honoured (a state is copied in and out)"
     ]
     for state, why in (
         ("data_type: TYPE_STRING dims: [ 1 ]", "a state is a tensor of numbers or booleans"),

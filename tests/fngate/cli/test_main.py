@@ -124,7 +124,18 @@ def test_an_unreachable_redis_is_one_line(capsys: pytest.CaptureFixture[str]) ->
 def test_up_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        command = ("up", "--port", str(port), "--grpc-port", "0", "--repo", str(ROOT / "functions"))
+        # --metrics-port 0: its default (8002) may be a running `fngate up`'s, as the README runs it
+        command = (
+            "up",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--repo",
+            str(ROOT / "functions"),
+        )
         code, _, err = run(capsys, *command)
     assert code == 2
     assert err.startswith(f"fngate up: cannot listen on 127.0.0.1:{port}")
