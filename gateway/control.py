@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import clients, keys
-from fngate.errors import InvalidArgument, Unavailable
+from fngate.errors import FunctionError, InvalidArgument, Unavailable
 from fngate.manifest import ManifestError
 from fngate.registry import (
     READY,
@@ -53,6 +53,17 @@ async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[d
             if name not in served
         ]
     return sorted(entries, key=lambda entry: entry["name"])
+
+
+async def load_request(catalog: Catalog, name: str, parameters: dict[str, object], timeout_s: float) -> None:
+    """Triton's load request (both protocols): `load` once the overrides are refused; what fails
+    says so in Triton's words first ("failed to load '<name>': ..."), which its clients look for."""
+    try:
+        refuse_overrides(parameters)
+        await load(catalog, name, timeout_s)
+    except FunctionError as exc:
+        failed = type(exc)(f"failed to load '{name}': {exc.message}")
+        raise failed from None
 
 
 def refuse_overrides(parameters: dict[str, object]) -> None:

@@ -148,13 +148,13 @@ class GrpcInference:
     async def RepositoryModelLoad(self, request: Any, rpc: Rpc) -> Any:
         found = self.services
         await self._authorize(rpc, ADMIN, None)
-        control.refuse_overrides(
-            {
-                key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
-                for key, value in request.parameters.items()
-            }
+        parameters = {
+            key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+            for key, value in request.parameters.items()
+        }
+        await control.load_request(
+            found.catalog, request.model_name, parameters, found.settings.load_timeout_s
         )
-        await control.load(found.catalog, request.model_name, found.settings.load_timeout_s)
         return service_pb2.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, rpc: Rpc) -> Any:

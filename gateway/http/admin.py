@@ -26,8 +26,9 @@ async def load_model(request: Request) -> Response:
     found = services(request)
     body = await control_json(request, found.settings.body_timeout_s)
     parameters = body.get("parameters") if isinstance(body, dict) else None
-    control.refuse_overrides(parameters if isinstance(parameters, dict) else {})
-    await control.load(found.catalog, request.path_params["name"], found.settings.load_timeout_s)
+    parameters = parameters if isinstance(parameters, dict) else {}
+    name = request.path_params["name"]
+    await control.load_request(found.catalog, name, parameters, found.settings.load_timeout_s)
     return json_response({})
 
 

@@ -133,6 +133,11 @@ def exercise_model_control(url: str, other: str, grpc_url: str) -> None:
             with pytest.raises(InferenceServerException, match=message) as refused:
                 client.load_model("classifier", **arguments)
             assert refused.value.status() == "400"
+            # Triton's words first: its model-control example looks for them.
+            assert refused.value.message().startswith("failed to load 'classifier': load: ")
+        with pytest.raises(InferenceServerException) as refused:
+            client.load_model("wrong_model_name")
+        assert refused.value.message().startswith("failed to load 'wrong_model_name': ")
         rpc = triton_grpc.InferenceServerClient(grpc_url)
         try:
             with pytest.raises(InferenceServerException, match="is not applied") as refused:
