@@ -381,6 +381,7 @@ name: "accumulator"
 platform: "onnxruntime_onnx"
 max_batch_size: 8
 sequence_batching {
+  max_sequence_idle_microseconds: 60000000
   oldest { max_queue_delay_microseconds: 100000 }
   state [ {
     input_name: "TOTAL_IN" output_name: "TOTAL_OUT" data_type: TYPE_INT64 dims: [ 2 ]
@@ -391,7 +392,8 @@ input [ { name: "INPUT" data_type: TYPE_INT64 dims: [ 2 ] } ]
 output [ { name: "OUTPUT" data_type: TYPE_INT64 dims: [ 2 ] } ]
 """
 """A model with implicit state: its total so far (TOTAL_IN, zeros at a sequence's start) plus
-INPUT is both its OUTPUT and its next state; batches wait up to 100 ms to fill."""
+INPUT is both its OUTPUT and its next state; batches wait up to 100 ms to fill. Its sequences idle
+out after 60 s: a test's sequence outlives a runner's restart."""
 
 
 def accumulator_onnx(path: Path) -> None:
