@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fngate.pipeline import REQUEST, STEP_REFERENCE, graph_problems
+from fngate.tensors import DATATYPES
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
@@ -168,6 +169,11 @@ class ModelSpec(_Frozen):
     def in_process(self) -> bool:
         """Whether the model runs in a process of its own (runner.sandbox)."""
         return self.backend == "python" or self.own_process
+
+
+def _clashes(names: list[str], specs: tuple[TensorSpec, ...]) -> list[str]:
+    """The names given twice, or among the specs' names."""
+    return sorted({name for name in names if names.count(name) > 1} | set(names) & {s.name for s in specs})
 
 
 MAX_PRIORITY_LEVELS = 16
@@ -425,10 +431,6 @@ MAX_STATE_BYTES = 1 << 20
 lives in Redis between steps and travels with each."""
 
 
-STATE_ITEM_BYTES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "UINT32": 4,
-                    "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8}  # fmt: skip
-
-
 class SequenceState(_Frozen):
     """An implicit state of a stateful model (Triton's sequence_batching.state): the model's output
     `output` of one step is its input `input` at the sequence's next; the first step gets zeros."""
@@ -459,6 +461,11 @@ class SequenceSpec(_Frozen):
     whose default this is); past it, the next invocation must start it again."""
     states: tuple[SequenceState, ...] = ()
     """Its implicit states, kept between steps (Triton's sequence_batching.state)."""
+
+    @property
+    def state_bytes(self) -> int:
+        """What its states hold for one sequence (one row each), back to back."""
+        return sum(math.prod(state.dims) * DATATYPES[state.datatype].itemsize for state in self.states)
 
 
 class TextGenerationSpec(_Frozen):
@@ -543,30 +550,20 @@ class FunctionManifest(_Frozen):
                 )
             names = [control.input for control in self.sequence.controls]
             names += [state.input for state in self.sequence.states]
-            taken = sorted(
-                {name for name in names if names.count(name) > 1}
-                | set(names) & {spec.name for spec in self.inputs}
-            )
+            taken = _clashes(names, self.inputs)
             if taken:
                 raise ValueError(
                     f"sequence: control and state inputs {taken} are fed twice (or are among the inputs)"
                 )
-            given = [state.output for state in self.sequence.states]
-            taken = sorted(
-                {name for name in given if given.count(name) > 1}
-                | set(given) & {spec.name for spec in self.outputs}
-            )
+            taken = _clashes([state.output for state in self.sequence.states], self.outputs)
             if taken:
                 raise ValueError(
                     f"sequence: state outputs {taken} are named twice (or are among the outputs)"
                 )
-            size = sum(
-                math.prod(state.dims) * STATE_ITEM_BYTES[state.datatype] for state in self.sequence.states
-            )
-            if size > MAX_STATE_BYTES:
+            if self.sequence.state_bytes > MAX_STATE_BYTES:
                 raise ValueError(
-                    f"sequence: the states hold {size} bytes a sequence, past the {MAX_STATE_BYTES} "
-                    "fngate keeps"
+                    f"sequence: the states hold {self.sequence.state_bytes} bytes a sequence, past the "
+                    f"{MAX_STATE_BYTES} fngate keeps"
                 )
         return self
 

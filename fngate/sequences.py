@@ -130,19 +130,9 @@ def controls(spec: SequenceSpec, steps: Sequence[tuple[Step, int]], batched: boo
             if datatype == "STRING":
                 parts.append(np.full(shape, str(value).encode(), dtype=object))
             else:
-                parts.append(np.full(shape, value, dtype=_NUMPY[datatype]))
+                parts.append(np.full(shape, value, dtype=DATATYPES[datatype]))
         found[control.input] = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return found
-
-
-_NUMPY = {
-    "BOOL": np.bool_,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "UINT32": np.uint32,
-    "UINT64": np.uint64,
-    "FP32": np.float32,
-}
 
 
 def states(spec: SequenceSpec, steps: Sequence[tuple[Step, bytes]], batched: bool) -> dict[str, np.ndarray]:
@@ -150,7 +140,7 @@ def states(spec: SequenceSpec, steps: Sequence[tuple[Step, bytes]], batched: boo
     the model does not batch): each its sequence's state as its last step left it, zeros at its
     start. Raises ModelFailed for a kept state that is not this model's (its states changed)."""
     found: dict[str, list[np.ndarray]] = {state.input: [] for state in spec.states}
-    size = state_bytes(spec)
+    size = spec.state_bytes
     for step, kept in steps:
         if step.start or not kept:
             for state in spec.states:
@@ -191,10 +181,6 @@ def kept_states(spec: SequenceSpec, outputs: Mapping[str, Any], count: int, batc
         for index in range(count):
             rows[index].append((converted[index] if batched else converted).tobytes())
     return [b"".join(parts) for parts in rows]
-
-
-def state_bytes(spec: SequenceSpec) -> int:
-    return sum(math.prod(state.dims) * DATATYPES[state.datatype].itemsize for state in spec.states)
 
 
 def _state_array(state: SequenceState, array: np.ndarray) -> np.ndarray:

@@ -42,35 +42,21 @@ def expected(first: int, values: list[int]) -> list[int]:
     return [first + 1, *values]
 
 
-def http_sequence(
-    client: triton.InferenceServerClient, sequence_id: int | str, values: list[int]
+def call_sequence(
+    client: triton.InferenceServerClient | triton_grpc.InferenceServerClient,
+    sequence_id: int | str,
+    values: list[int],
 ) -> list[int]:
+    """A sequence's steps one by one, each after the last one's answer, over either protocol."""
+    module: Any = triton if isinstance(client, triton.InferenceServerClient) else triton_grpc
     answers = []
     for index, value in enumerate(values):
-        tensor = triton.InferInput("INPUT", [1, 1], "INT32")
+        tensor = module.InferInput("INPUT", [1, 1], "INT32")
         tensor.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
         result = client.infer(
             "simple_sequence",
             [tensor],
-            outputs=[triton.InferRequestedOutput("OUTPUT")],
-            sequence_id=sequence_id,
-            sequence_start=index == 0,
-            sequence_end=index == len(values) - 1,
-        )
-        answers.append(int(result.as_numpy("OUTPUT")[0][0]))
-    return answers
-
-
-def grpc_sequence(
-    client: triton_grpc.InferenceServerClient, sequence_id: int | str, values: list[int]
-) -> list[int]:
-    answers = []
-    for index, value in enumerate(values):
-        tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
-        tensor.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
-        result = client.infer(
-            "simple_sequence",
-            [tensor],
+            outputs=[module.InferRequestedOutput("OUTPUT")],
             sequence_id=sequence_id,
             sequence_start=index == 0,
             sequence_end=index == len(values) - 1,
@@ -126,8 +112,8 @@ def exercise_quickstart(url: str, grpc_url: str) -> None:
     rpc = triton_grpc.InferenceServerClient(grpc_url)
     negatives = [-value for value in VALUES]
     runs: list[Callable[[int | str, list[int]], list[int]]] = [
-        lambda sequence_id, values: http_sequence(http, sequence_id, values),
-        lambda sequence_id, values: grpc_sequence(rpc, sequence_id, values),
+        lambda sequence_id, values: call_sequence(http, sequence_id, values),
+        lambda sequence_id, values: call_sequence(rpc, sequence_id, values),
     ]
     try:
         for run in runs:
