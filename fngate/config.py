@@ -61,6 +61,10 @@ class GatewaySettings(_Settings, RepositoryLimits):
     """In a Kubernetes pod (as `fngate k8s render` makes it): an invocation for a runner pool with no
     live runner also sets the pool's Deployment from 0 to 1 replica through the Kubernetes API
     (with the pod's service account), at once rather than at KEDA's next poll (docs/deployment.md)."""
+    allow_client_shm: bool = False
+    """Triton's system shared memory extension (`--allow-client-shm`): clients on the gateway's host
+    register POSIX shared memory objects and name them in requests instead of sending tensors. Off by
+    default: the gateway reads and writes those objects with its own user's rights."""
     server_name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")] = "fngate"
     """The name server metadata answers (GET /v2, gRPC ServerMetadata). Triton's example clients
     check for "triton": set it to that for clients that do."""

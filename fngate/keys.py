@@ -207,6 +207,12 @@ def key_in_flight(key_id: str) -> str:
     return f"{PREFIX}:busy:{{{key_id}}}"
 
 
+def shared_memory(key_id: str) -> str:
+    """Hash of one API key's system shared memory regions: name -> JSON {name, key, offset,
+    byte_size} (gateway.shared_memory)."""
+    return f"{PREFIX}:shm:{{{key_id}}}"
+
+
 def key_share(key_id: str, function: str) -> str:
     """Sorted set of one API key's invocations of one function, queued or running -> expiry (ms):
     the key's share of that function's queue."""

@@ -33,6 +33,7 @@ from gateway.http.deployments import Deployer
 from gateway.invocations import AsyncInvocations
 from gateway.limits import Limiter
 from gateway.replies import ReplyRouter
+from gateway.shared_memory import SharedMemory
 from gateway.state import Services
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ async def serving(
         Deployer(settings),
         DecodeAllowance(settings.max_decode_bytes),
         destinations,
+        SharedMemory(redis, settings.allow_client_shm, settings.max_body_bytes),
     )
     async with redis, reader:
         if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):

@@ -30,6 +30,8 @@ ANY = ""
 """Any valid key: for paths no route serves (they answer 404 only to a caller with a key)."""
 BROWSE = "browse"
 """Any key that may read some function: for the routes that list only the functions a key may read."""
+INVOKER = "invoker"
+"""Any key that may invoke some function: for what only serves invocations (shared memory regions)."""
 BEARER = "bearer "
 KEY_HEAD = f"{apikeys.KEY_PREFIX}_"
 ID_END = len(KEY_HEAD) + 12
@@ -72,6 +74,8 @@ class Principal:
             return True
         if scope == BROWSE:
             return READ in self.scopes or self.invoke is not None
+        if scope == INVOKER:
+            return self.invoke is not None
         if scope == INVOKE or (scope == READ and READ not in self.scopes):
             return self.invoke is not None and function is not None and bool(self.invoke.match(function))
         return scope in self.scopes
@@ -139,6 +143,8 @@ class KeyTable:
             raise Unauthenticated("the API key is not valid (unknown or revoked)")
         if not principal.allows(scope, function):
             wanted = f"{scope}:{shown(function)}" if scope == INVOKE and function else scope
+            if scope == INVOKER:
+                wanted = f"{INVOKE} (of some function)"
             raise PermissionDenied(f"the API key {principal.key_id} lacks the scope {wanted}")
         return principal
 

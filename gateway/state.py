@@ -15,6 +15,7 @@ from gateway.catalog import Catalog
 from gateway.destinations import CallbackPolicy
 from gateway.dispatch import Dispatcher
 from gateway.invocations import AsyncInvocations
+from gateway.shared_memory import SharedMemory
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class Services:
     """The bytes of bodies being decoded at once (max_decode_bytes)."""
     destinations: CallbackPolicy = dataclasses.field(default_factory=CallbackPolicy)
     """Where callbacks may go (callback_allow)."""
+    shared_memory: SharedMemory | None = None
+    """The callers' system shared memory regions (allow_client_shm)."""
 
 
 def services(request: Any) -> Services:

@@ -254,6 +254,45 @@ def simple_string_onnx(path: Path) -> None:
     onnx.save(model, str(path))
 
 
+SIMPLE = """
+name: "simple"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] }
+]
+"""
+"""The quickstart's `simple`: the sum and the difference of two vectors of 16 int32."""
+
+
+def simple_onnx(path: Path) -> None:
+    """OUTPUT0 = INPUT0 + INPUT1 and OUTPUT1 = INPUT0 - INPUT1, int32."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def ints(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.INT32, ["batch", 16])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        "simple",
+        [ints("INPUT0"), ints("INPUT1")],
+        [ints("OUTPUT0"), ints("OUTPUT1")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
 def model(root: Path, name: str, config: str | None, versions: dict[str, dict[str, str | None]]) -> Path:
     """root/name/config.pbtxt and root/name/{version}/{file} (None: a factor for the classifier)."""
     folder = root / name

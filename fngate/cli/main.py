@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--server", choices=["uvicorn", "hypercorn"], help="the HTTP server (default uvicorn)"
     )
     _add_server_name(gateway)
+    _add_client_shm(gateway)
 
     runner = commands.add_parser("runner", help="run one runner (settings from flags or FNGATE_* variables)")
     runner.add_argument("--repo", help="repository: a folder or s3://bucket/prefix (FNGATE_REPO)")
@@ -173,6 +174,7 @@ def _add_up_command(commands: Any) -> None:
     )
     _add_listen_flags(up)
     _add_server_name(up)
+    _add_client_shm(up)
     _add_metrics_port(up, "on 127.0.0.1; default 8002, as Triton's; 0: none", 8002)
     up.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a private one")
     up.add_argument(
@@ -291,6 +293,7 @@ def _run(args: argparse.Namespace) -> int:
             workers="workers",
             server="server",
             server_name="server_name",
+            allow_client_shm="allow_client_shm",
             metrics_port="metrics_port",
         )
         settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
@@ -638,6 +641,17 @@ def _add_server_name(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the name server metadata answers (FNGATE_SERVER_NAME; default fngate): 'triton' for "
         "clients that check it, as Triton's example clients do",
+    )
+
+
+def _add_client_shm(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-client-shm",
+        action="store_true",
+        default=None,
+        help="serve Triton's system shared memory extension to clients on this host "
+        "(FNGATE_ALLOW_CLIENT_SHM; off by default: the gateway reads and writes the objects they name "
+        "with its own user's rights)",
     )
 
 

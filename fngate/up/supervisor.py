@@ -328,6 +328,7 @@ def _run(
         "FNGATE_WORKERS": str(args.gateway_workers),
         "FNGATE_SERVER": args.server,
         **({"FNGATE_SERVER_NAME": args.server_name} if args.server_name else {}),
+        **({"FNGATE_ALLOW_CLIENT_SHM": "true"} if args.allow_client_shm else {}),
         "FNGATE_METRICS_PORT": str(args.metrics_port),
         "FNGATE_METRICS_HOST": "127.0.0.1",  # no key on it: this machine only
     }

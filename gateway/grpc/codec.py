@@ -10,6 +10,7 @@ before anything is queued.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from fngate.errors import InvalidArgument
 from fngate.manifest import FunctionManifest
 from fngate.tensors import DATATYPES, Tensors, element_count, from_bytes, to_bytes
 from fngate.wire import Reply
+from gateway.shared_memory import NOTHING_PLACED, Placed, SharedTensor, shared_of
 from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
 
 # The typed field of InferTensorContents that carries each datatype (FP16 only travels raw).
@@ -40,31 +42,65 @@ CONTENTS = {
 }
 
 
-def inputs_of(request: service_pb2.ModelInferRequest, manifest: FunctionManifest) -> Tensors:
-    """A ModelInferRequest's tensors, checked against the function."""
+def inputs_of(
+    request: service_pb2.ModelInferRequest, manifest: FunctionManifest
+) -> tuple[Tensors, tuple[SharedTensor, ...]]:
+    """A ModelInferRequest's tensors, checked against the function, and those it names in shared
+    memory regions (which have no raw_input_contents of their own, as Triton reads them)."""
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidArgument(
-            f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send one raw buffer per "
-            "input, or typed contents for all of them"
-        )
     if not request.inputs:
         raise InvalidArgument("the request has no inputs")
     inputs: Tensors = {}
+    shared: list[SharedTensor] = []
+    at = 0
     for index, tensor in enumerate(request.inputs):
         spec = input_spec(manifest, tensor.name, f"inputs[{index}].name")
         check_new(inputs, spec)
         datatype = check_datatype(spec, tensor.datatype)
         shape = check_shape(spec, list(tensor.shape), manifest)
         where = f"input '{spec.name}'"
-        if raw:
+        in_region = shared_of(parameters(tensor.parameters), spec.name, where) if tensor.parameters else None
+        if in_region is not None:
+            if tensor.HasField("contents") or any(item.name == spec.name for item in shared):
+                raise InvalidArgument(f"{where}: given twice, or in a shared memory region and in contents")
+            shared.append(dataclasses.replace(in_region, datatype=datatype, shape=shape))
+        elif raw:
             if tensor.HasField("contents"):
                 raise InvalidArgument(f"{where}: typed contents beside raw_input_contents")
-            inputs[spec.name] = from_bytes(datatype, shape, raw[index], where)
+            if at >= len(raw):
+                raise InvalidArgument(_RAW_COUNT.format(len(raw), len(request.inputs) - len(shared)))
+            inputs[spec.name] = from_bytes(datatype, shape, raw[at], where)
+            at += 1
         else:
             inputs[spec.name] = _typed(tensor.contents, datatype, shape, where)
-    check_complete(manifest, inputs)
-    return inputs
+    if at != len(raw):
+        raise InvalidArgument(_RAW_COUNT.format(len(raw), len(request.inputs) - len(shared)))
+    if not shared:
+        check_complete(manifest, inputs)
+    return inputs, tuple(shared)
+
+
+_RAW_COUNT = (
+    "{} raw_input_contents for {} inputs not in shared memory: send one raw buffer per input, or "
+    "typed contents for all of them"
+)
+
+
+def shared_outputs(
+    request: service_pb2.ModelInferRequest, manifest: FunctionManifest
+) -> dict[str, SharedTensor]:
+    """The outputs asked for in shared memory regions, by name."""
+    shared: dict[str, SharedTensor] = {}
+    for item in request.outputs:
+        if item.parameters:
+            params = parameters(item.parameters)
+            in_region = shared_of(params, item.name, f"output '{item.name}'")
+            if in_region is not None:
+                output_spec(manifest, item.name)
+                if params.get("binary_data"):
+                    raise InvalidArgument("Output can't set both 'shared_memory_region' and 'binary_data'")
+                shared[item.name] = in_region
+    return shared
 
 
 def _typed(contents: Any, datatype: str, shape: tuple[int, ...], where: str) -> np.ndarray[Any, Any]:
@@ -136,15 +172,28 @@ def use_cache(params: Mapping[str, Any]) -> bool:
     return value
 
 
-def response_of(reply: Reply, manifest: FunctionManifest, request_id: str) -> service_pb2.ModelInferResponse:
+def response_of(
+    reply: Reply, manifest: FunctionManifest, request_id: str, placed: Placed = NOTHING_PLACED
+) -> service_pb2.ModelInferResponse:
+    """The response of a reply; the outputs `placed` in shared memory are written there, and have
+    an empty raw_output_contents entry (each output keeps its index)."""
     response = service_pb2.ModelInferResponse(
         model_name=manifest.name, model_version=reply.version, id=request_id
     )
+    written = placed.write(reply.outputs) if placed.outputs else {}
     for name, array in reply.outputs.items():
         spec = manifest.output(name)
         tensor = response.outputs.add(name=name, datatype=spec.datatype if spec else "BYTES")
         tensor.shape.extend(array.shape)
-        response.raw_output_contents.append(to_bytes(array))
+        if name in written:
+            _, shared = placed.outputs[name]
+            tensor.parameters["shared_memory_region"].string_param = shared.region
+            tensor.parameters["shared_memory_byte_size"].int64_param = written[name]
+            if shared.offset:
+                tensor.parameters["shared_memory_offset"].int64_param = shared.offset
+            response.raw_output_contents.append(b"")
+        else:
+            response.raw_output_contents.append(to_bytes(array))
     response.parameters["batch_id"].string_param = reply.batch_id
     response.parameters["batch_size"].int64_param = reply.batch_size
     response.parameters["cache_hit"].bool_param = reply.cached

@@ -1,7 +1,8 @@
 """The GRPCInferenceService's handlers: each RPC translated to the gateway's core, with the same
 keys (the `authorization` metadata, as tritonclient sends headers), scopes, limits, deadlines (the
-RPC's own) and traces (a `traceparent` in the metadata) as over HTTP. Shared-memory, trace and log
-settings RPCs answer UNIMPLEMENTED. gateway.grpc.transport serves them."""
+RPC's own) and traces (a `traceparent` in the metadata) as over HTTP. System shared memory is
+gateway.shared_memory's (CUDA shared memory is refused at registration); trace and log settings
+RPCs answer UNIMPLEMENTED. gateway.grpc.transport serves them."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from fngate import telemetry
 from fngate.errors import (
     ErrorCode,
     FunctionError,
+    FunctionNotFound,
     Internal,
+    InvalidArgument,
     Overloaded,
     PayloadTooLarge,
     PermissionDenied,
@@ -33,12 +36,13 @@ from fngate.sequences import step_of
 from fngate.tensors import Tensors
 from fngate.wire import Reply
 from gateway import control, metadata, metrics
-from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, Principal, UnknownKey
+from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, INVOKER, READ, Principal, UnknownKey
 from gateway.call import Call
 from gateway.grpc import codec
 from gateway.grpc.messages import nested_fields
 from gateway.grpc.rpc import Method, Rpc, RpcError
 from gateway.grpc.status import CODES, Status
+from gateway.shared_memory import CUDA_REFUSED, NOTHING_PLACED, SharedMemory
 from gateway.state import Services
 from gateway.validation import OFF_LOOP_BYTES, parse, parse_now, shown
 
@@ -163,6 +167,46 @@ class GrpcInference:
         await control.unload(found.catalog, request.model_name, found.settings.load_timeout_s)
         return service_pb2.RepositoryModelUnloadResponse()
 
+    # Shared memory: the caller's key's regions (gateway.shared_memory), for any key that may invoke.
+
+    async def SystemSharedMemoryStatus(self, request: Any, rpc: Rpc) -> Any:
+        key_id, regions = await self._regions(rpc)
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for found in await regions.status(key_id, request.name or None):
+            response.regions[found["name"]].CopyFrom(
+                service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**found)
+            )
+        return response
+
+    async def SystemSharedMemoryRegister(self, request: Any, rpc: Rpc) -> Any:
+        key_id, regions = await self._regions(rpc)
+        await regions.register(key_id, request.name, request.key, request.offset, request.byte_size)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, rpc: Rpc) -> Any:
+        key_id, regions = await self._regions(rpc)
+        await regions.unregister(key_id, request.name or None)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request: Any, rpc: Rpc) -> Any:
+        await self._regions(rpc)
+        if request.name:
+            raise FunctionNotFound(f"Unable to find cuda shared memory region: '{shown(request.name)}'")
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request: Any, rpc: Rpc) -> Any:
+        await self._regions(rpc)
+        raise InvalidArgument(CUDA_REFUSED)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, rpc: Rpc) -> Any:
+        await self._regions(rpc)
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
+
+    async def _regions(self, rpc: Rpc) -> tuple[str, SharedMemory]:
+        principal = await self._authorize(rpc, INVOKER, None)
+        assert self.services.shared_memory is not None
+        return principal.key_id, self.services.shared_memory
+
     # Inference: the `invoke` scope of the function.
 
     def ModelInfer(self, request: Any, rpc: Rpc) -> Awaitable[Any]:
@@ -180,10 +224,12 @@ class GrpcInference:
         try:
             function = self._function(request)
             manifest = function.manifest
-            inputs = parse_now(codec.inputs_of, request, manifest)
+            inputs, shared = parse_now(codec.inputs_of, request, manifest)
         except FunctionError as exc:
             self._refused(request, exc)
             raise
+        if shared or (request.outputs and any(item.parameters for item in request.outputs)):  # shared memory
+            return self._infer_slowly(request, rpc, started)
         # Without tracing here, the caller's trace context still travels on to the runner.
         traceparent = rpc.metadata.get("traceparent")
         call = self._call(request, function, rpc, principal, traceparent, started, inputs)
@@ -251,17 +297,23 @@ class GrpcInference:
     async def _infer(
         self, request: Any, rpc: Rpc | None, principal: Principal, traceparent: str | None, started: float
     ) -> Any:
+        placed = NOTHING_PLACED
         try:
             function = self._function(request)
             manifest = function.manifest
-            inputs = await parse(codec.inputs_of, request, request.ByteSize(), manifest)
+            inputs, shared = await parse(codec.inputs_of, request, request.ByteSize(), manifest)
+            outputs = codec.shared_outputs(request, manifest)
+            if shared or outputs:
+                regions = self.services.shared_memory
+                assert regions is not None
+                inputs, placed = await regions.place(principal.key_id, manifest, inputs, shared, outputs)
         except FunctionError as exc:
             self._refused(request, exc)
             raise
         call = self._call(request, function, rpc, principal, traceparent, started, inputs)
         reply = await self.services.dispatcher.invoke(call)
         _timed(rpc, manifest, reply)
-        return codec.response_of(reply, manifest, request.id)
+        return codec.response_of(reply, manifest, request.id, placed)
 
     def _decoupled(self, request: Any) -> bool:
         try:
@@ -280,7 +332,11 @@ class GrpcInference:
         function = self._function(request)
         manifest = function.manifest
         try:
-            inputs = await parse(codec.inputs_of, request, request.ByteSize(), manifest)
+            inputs, shared = await parse(codec.inputs_of, request, request.ByteSize(), manifest)
+            if shared or codec.shared_outputs(request, manifest):
+                raise InvalidArgument(
+                    f"model '{manifest.name}' is decoupled: its tensors do not travel in shared memory"
+                )
         except FunctionError as exc:
             self._refused(request, exc)
             raise
@@ -397,12 +453,6 @@ def _timed(rpc: Rpc | None, manifest: FunctionManifest, reply: Reply) -> None:
 HEALTH = ("ServerLive", "ServerReady")
 """Served to every caller, without a key."""
 UNIMPLEMENTED = (
-    "SystemSharedMemoryStatus",
-    "SystemSharedMemoryRegister",
-    "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus",
-    "CudaSharedMemoryRegister",
-    "CudaSharedMemoryUnregister",
     "TraceSetting",
     "LogSettings",
 )

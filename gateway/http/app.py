@@ -13,7 +13,7 @@ from fngate import telemetry
 from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, KeyTable
-from gateway.http import admin, deployments, endpoints, openai, results
+from gateway.http import admin, deployments, endpoints, openai, results, shared_memory
 from gateway.http.compression import GZIP_MIN_BYTES, GzipLargeResponses
 from gateway.http.errors import handle_function_error, handle_unknown_route
 from gateway.http.generate import generate_stream
@@ -51,6 +51,7 @@ ROUTES = [
     *deployments.ROUTES,
     *admin.ROUTES,
     *results.ROUTES,
+    *shared_memory.ROUTES,
 ]
 
 

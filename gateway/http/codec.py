@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,11 @@ from fngate.sequences import Step, step_of
 from fngate.tensors import DATATYPES, Tensors, element_count, from_bytes, from_json, to_bytes, to_json_data
 from fngate.wire import Reply
 from gateway.http.tensor_data import Decoded, outline_of, shape_of_outline
+from gateway.shared_memory import NOTHING_PLACED, Placed, SharedTensor, shared_of
 from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
 
 HEADER_LENGTH = "inference-header-content-length"
+NO_SHARED: Mapping[str, SharedTensor] = MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +43,16 @@ class InferRequest:
     """Triton's `timeout` request parameter, in µs (fngate.queue.place)."""
     sequence: Step | None = None
     """Triton's `sequence_id`, `sequence_start` and `sequence_end` request parameters."""
+    shared_inputs: tuple[SharedTensor, ...] = ()
+    """Inputs in shared memory regions, to read before the call (gateway.shared_memory)."""
+    shared_outputs: Mapping[str, SharedTensor] = dataclasses.field(default_factory=lambda: NO_SHARED)
+    """Outputs to write into shared memory regions instead of the response."""
+    placed: Placed = NOTHING_PLACED
+    """The shared outputs' regions, once found."""
+
+    @property
+    def shares_memory(self) -> bool:
+        return bool(self.shared_inputs or self.shared_outputs)
 
 
 def parse_v2(body: bytes, header_length: str | None, manifest: FunctionManifest) -> InferRequest:
@@ -76,9 +89,10 @@ def v2_request(
 ) -> InferRequest:
     """A V2 request from its parsed JSON, its binary part and the tensors that gateway.http.decoding
     decoded as they arrived (by input index; their `data` is null in `doc`)."""
-    inputs = _v2_inputs(doc, binary, manifest, decoded)
-    check_complete(manifest, inputs)
-    outputs, binary_outputs = _requested_outputs(doc, manifest)
+    inputs, shared = _v2_inputs(doc, binary, manifest, decoded)
+    if not shared:  # else once the shared inputs are read
+        check_complete(manifest, inputs)
+    outputs, binary_outputs, shared_outputs = _requested_outputs(doc, manifest)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidArgument("'id' must be a string")
@@ -93,28 +107,41 @@ def v2_request(
         _natural(params, "priority") or 0,
         _natural(params, "timeout"),
         step_of(params),
+        shared,
+        shared_outputs,
     )
 
 
 def _v2_inputs(
     doc: Mapping[str, Any], view: memoryview, manifest: FunctionManifest, decoded: Mapping[Any, Decoded]
-) -> Tensors:
+) -> tuple[Tensors, tuple[SharedTensor, ...]]:
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgument("'inputs' must be a non-empty list of tensors")
     offset = 0
     inputs: Tensors = {}
+    shared: list[SharedTensor] = []
     for index, item in enumerate(raw_inputs):
         if not isinstance(item, dict):
             raise InvalidArgument(f"inputs[{index}] must be an object")
         spec = input_spec(manifest, item.get("name"), f"inputs[{index}].name")
         name = spec.name
         check_new(inputs, spec)
+        if any(tensor.name == name for tensor in shared):
+            raise InvalidArgument(f"input '{name}' is given twice")
         datatype = check_datatype(spec, item.get("datatype"))
         shape = check_shape(spec, item.get("shape"), manifest)
         params = _params(item, f"input '{name}'")
         size = params.get("binary_data_size")
-        if size is not None:
+        in_region = shared_of(params, name, f"input '{name}'") if params else None
+        if in_region is not None:
+            if "data" in item or size is not None:
+                raise InvalidArgument(
+                    f"input '{name}' must set only one of 'data', 'binary_data_size' and "
+                    "'shared_memory_region'"
+                )
+            shared.append(dataclasses.replace(in_region, datatype=datatype, shape=shape))
+        elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidArgument(f"input '{name}': binary_data_size must be a non-negative integer")
             if "data" in item:
@@ -133,7 +160,7 @@ def _v2_inputs(
             raise InvalidArgument(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
     if offset != len(view):
         raise InvalidArgument(f"{len(view) - offset} bytes of binary data are not claimed by any input")
-    return inputs
+    return inputs, tuple(shared)
 
 
 def parse_v1(body: bytes, manifest: FunctionManifest) -> InferRequest:
@@ -220,9 +247,17 @@ def render_v2(
     """The V2 response body and extra headers; outputs asked for in binary go after the JSON."""
     outputs = []
     buffers: list[bytes] = []
+    written = request.placed.write(reply.outputs) if request.placed.outputs else {}
     for name, array in reply.outputs.items():
         entry: dict[str, Any] = {"name": name, "datatype": _datatype(manifest, name), "shape": array.shape}
-        if name in request.binary_outputs:
+        if name in written:
+            shared = request.shared_outputs[name]
+            entry["parameters"] = {
+                "shared_memory_region": shared.region,
+                "shared_memory_byte_size": written[name],
+                **({"shared_memory_offset": shared.offset} if shared.offset else {}),
+            }
+        elif name in request.binary_outputs:
             raw = to_bytes(array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             buffers.append(raw)
@@ -282,25 +317,32 @@ def _params(item: Mapping[str, Any], where: str) -> Mapping[str, Any]:
 
 def _requested_outputs(
     doc: Mapping[str, Any], manifest: FunctionManifest
-) -> tuple[tuple[str, ...] | None, frozenset[str]]:
+) -> tuple[tuple[str, ...] | None, frozenset[str], Mapping[str, SharedTensor]]:
     binary_all = bool(_params(doc, "request").get("binary_data_output", False))
     raw = doc.get("outputs")
     if raw is None:
         names = None
         binary = {spec.name for spec in manifest.outputs} if binary_all else set()
-        return names, frozenset(binary)
+        return names, frozenset(binary), NO_SHARED
     if not isinstance(raw, list):
         raise InvalidArgument("'outputs' must be a list of {\"name\": ...} objects")
     wanted: list[str] = []
     binary = set()
+    shared: dict[str, SharedTensor] = {}
     for index, item in enumerate(raw):
         if not isinstance(item, dict):
             raise InvalidArgument(f"outputs[{index}] must be an object")
         spec = output_spec(manifest, item.get("name"))
         wanted.append(spec.name)
-        if _params(item, f"output '{spec.name}'").get("binary_data", binary_all):
+        params = _params(item, f"output '{spec.name}'")
+        in_region = shared_of(params, spec.name, f"output '{spec.name}'") if params else None
+        if in_region is not None:
+            if params.get("binary_data"):
+                raise InvalidArgument("Output can't set both 'shared_memory_region' and 'binary_data'")
+            shared[spec.name] = in_region
+        elif params.get("binary_data", binary_all):
             binary.add(spec.name)
-    return tuple(wanted), frozenset(binary)
+    return tuple(wanted), frozenset(binary), shared or NO_SHARED
 
 
 def _timeout(params: Mapping[str, Any]) -> int | None:

@@ -271,6 +271,8 @@ async def submit(
     try:
         if request.respond_async:
             await check_callback(services, request)
+        if parsed.shares_memory:
+            parsed = await placed(services, request, function, parsed, principal)
         call = call_of(request, function, parsed, principal, digest, started)
     except FunctionError as exc:
         count_refusal(services, request, exc, started)
@@ -284,6 +286,26 @@ async def submit(
         return error_answer(services, exc)
     except Exception:
         return internal_answer(request)
+
+
+async def placed(
+    services: Services,
+    request: InvokeHead,
+    function: FunctionVersion,
+    parsed: InferRequest,
+    principal: Principal,
+) -> InferRequest:
+    """A request that names shared memory regions, with its inputs read from them and its outputs'
+    places found."""
+    if parsed.shared_outputs and request.respond_async:
+        raise InvalidArgument(
+            "an asynchronous invocation's outputs cannot go to shared memory: its result is read later"
+        )
+    assert services.shared_memory is not None
+    inputs, where = await services.shared_memory.place(
+        principal.key_id, function.manifest, parsed.inputs, parsed.shared_inputs, parsed.shared_outputs
+    )
+    return dataclasses.replace(parsed, inputs=inputs, placed=where)
 
 
 async def check_callback(services: Services, request: InvokeHead) -> None:
@@ -311,10 +333,13 @@ def call_now(
     principal: Principal,
     raw: bytes,
     started: float,
-) -> tuple[Call, InferRequest]:
-    """`answer`'s call of a small, uncompressed, synchronous request, parsed on the event loop."""
+) -> tuple[Call | None, InferRequest]:
+    """`answer`'s call of a small, uncompressed, synchronous request, parsed on the event loop; None
+    for one that names shared memory regions (`submit` reads them first)."""
     parser, args = _parser(request, function)
     parsed = parse_now(parser, raw, *args)
+    if parsed.shares_memory:
+        return None, parsed
     return call_of(request, function, parsed, principal, None, started), parsed
 
 

@@ -29,6 +29,7 @@ from gateway.http.bodies import STREAM_FROM_BYTES, StreamedBody
 from gateway.http.codec import InferRequest
 from gateway.http.compression import GZIP_MIN_BYTES, accepts_gzip
 from gateway.http.errors import BodyTimeout
+from gateway.invocations import RequestDigest
 from gateway.state import Services
 from gateway.validation import parse_now
 
@@ -203,8 +204,8 @@ class Exchange:
                 invoke.count_refusal(self.services, request, exc, self.started)
                 self._respond(*invoke.error_answer(self.services, exc))
                 return
-            if request.respond_async:
-                self._in_task(self._submit_slowly(function, parsed, streamed))
+            if request.respond_async or parsed.shares_memory:
+                self._in_task(self._submit_slowly(function, parsed, streamed.digest))
                 return
             self._dispatch(
                 invoke.call_of(request, function, parsed, self.principal, None, self.started), parsed
@@ -228,6 +229,9 @@ class Exchange:
         except Exception:
             self._respond(*invoke.internal_answer(request))
             return
+        if call is None:  # it names shared memory regions, read first
+            self._in_task(self._submit_slowly(function, parsed, None))
+            return
         self._dispatch(call, parsed)
 
     def _dispatch(self, call: Call, parsed: InferRequest) -> None:
@@ -247,10 +251,10 @@ class Exchange:
         task.add_done_callback(self.protocol.tasks.discard)
 
     async def _submit_slowly(
-        self, function: FunctionVersion, parsed: InferRequest, streamed: StreamedBody
+        self, function: FunctionVersion, parsed: InferRequest, digest: RequestDigest | None
     ) -> None:
         answer = await invoke.submit(
-            self.services, self.request, function, parsed, self.principal, streamed.digest, self.started
+            self.services, self.request, function, parsed, self.principal, digest, self.started
         )
         self._respond(*answer)
 

@@ -30,6 +30,7 @@ from tests.gateway.test_auth import (
     ANY_KEY,
     BROWSING,
     INVOKE_CLASSIFIER,
+    INVOKERS,
     READ_CLASSIFIER,
     SCOPES,
     WRONG,
@@ -342,6 +343,13 @@ RPC_POLICY: dict[str, tuple[dict[str, Any], set[str] | None]] = {
     "RepositoryModelLoad": ({"model_name": "nope"}, {"admin"}),
     "RepositoryModelUnload": ({"model_name": "nope"}, {"admin"}),
     **{name: ({}, ANY_KEY) for name in UNIMPLEMENTED},
+    # Shared memory: any key that may invoke some function (off in this gateway: registrations are
+    # refused once allowed).
+    **{
+        f"{kind}SharedMemory{action}": ({}, INVOKERS)
+        for kind in ("System", "Cuda")
+        for action in ("Status", "Register", "Unregister")
+    },
 }
 RPC_EXTRA = [("ModelStatistics", {}, BROWSING)]  # every function's statistics: those the key may read
 DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}

@@ -115,6 +115,33 @@ for _suffix in ("", "/ready", "/config", "/stats"):
             READ_CLASSIFIER,
             200,
         )
+# Shared memory regions: any key that may invoke some function (off in this gateway, so a
+# registration is refused after auth; listing answers).
+INVOKERS = {"admin", "invoke", "invoke:classifier", "invoke:norm*"}
+for _kind, _registered in (("system", 400), ("cuda", 400)):
+    _base = f"/v2/{_kind}sharedmemory"
+    for _method in ("GET", "HEAD"):
+        POLICY[(_method, _base + "/status")] = (_base + "/status", b"", INVOKERS, 200)
+        POLICY[(_method, _base + "/region/{region}/status")] = (
+            _base + "/region/r/status",
+            b"",
+            INVOKERS,
+            404,
+        )
+    POLICY[("POST", _base + "/region/{region}/register")] = (
+        _base + "/region/r/register",
+        b'{"key": "/r", "byte_size": 8}',
+        INVOKERS,
+        _registered,
+    )
+    _unregistered = 400 if _kind == "system" else 200
+    POLICY[("POST", _base + "/unregister")] = (_base + "/unregister", b"", INVOKERS, _unregistered)
+    POLICY[("POST", _base + "/region/{region}/unregister")] = (
+        _base + "/region/r/unregister",
+        b"",
+        INVOKERS,
+        _unregistered,
+    )
 # Not routes: what the router answers past them, also only to a caller with a key.
 UNROUTED: list[Policy] = [
     ("/nowhere", b"", ANY_KEY, 404),
