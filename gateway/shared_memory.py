@@ -12,6 +12,7 @@ bytes still travel to the runner in the invocation, as any tensor's do (docs/tri
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import re
@@ -27,7 +28,7 @@ from fngate import keys
 from fngate.errors import FunctionNotFound, InvalidArgument, PayloadTooLarge
 from fngate.manifest import FunctionManifest
 from fngate.tensors import Tensors, from_bytes, to_bytes
-from gateway.validation import check_complete, shown
+from gateway.validation import OFF_LOOP_BYTES, check_complete, shown
 
 ROOT = "/dev/shm"
 """Where shm_open's objects live on Linux."""
@@ -202,12 +203,21 @@ class SharedMemory:
                 f"{self._max_bytes}"
             )
         tensors: Tensors = dict(given)
-        for tensor in inputs:
-            raw = _read(regions[tensor.region], tensor.offset, tensor.byte_size)
-            tensors[tensor.name] = from_bytes(tensor.datatype, tensor.shape, raw, f"input '{tensor.name}'")
+        if total >= OFF_LOOP_BYTES:  # a large copy in a worker thread, off the event loop
+            tensors.update(await asyncio.to_thread(_inputs, regions, inputs))
+        else:
+            tensors.update(_inputs(regions, inputs))
         check_complete(manifest, tensors)
         placed = {name: (regions[tensor.region], tensor) for name, tensor in outputs.items()}
         return tensors, Placed(placed) if placed else NOTHING_PLACED
+
+
+def _inputs(regions: Mapping[str, Region], inputs: Sequence[SharedTensor]) -> Tensors:
+    tensors: Tensors = {}
+    for tensor in inputs:
+        raw = _read(regions[tensor.region], tensor.offset, tensor.byte_size)
+        tensors[tensor.name] = from_bytes(tensor.datatype, tensor.shape, raw, f"input '{tensor.name}'")
+    return tensors
 
 
 def _region(raw: bytes | str) -> Region:
