@@ -207,6 +207,13 @@ def key_in_flight(key_id: str) -> str:
     return f"{PREFIX}:busy:{{{key_id}}}"
 
 
+def config_overrides() -> str:
+    """Hash of the configurations given with Triton load requests: Triton model name -> the
+    configuration as JSON, served in place of its folder's config.pbtxt until a load without one
+    (gateway.control)."""
+    return f"{PREFIX}:overrides"
+
+
 def shared_memory(key_id: str) -> str:
     """Hash of one API key's system shared memory regions: name -> JSON {name, key, offset,
     byte_size} (gateway.shared_memory)."""

@@ -15,11 +15,12 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from fngate import keys
 from fngate.manifest import ManifestError
 from fngate.repository import (
+    FolderRepository,
     FunctionRecord,
     Routing,
     decode_version,
@@ -47,14 +48,26 @@ class FunctionSource:
     (or served as it was read last) and named in `unreadable`."""
 
     def __init__(self, repo: str, redis: aioredis.Redis) -> None:
+        self._redis = redis
         self._registry = Registry(redis, repo_url(repo)) if is_remote(repo) else None
         self._folder = None if is_remote(repo) else open_repository(repo)
 
     async def __call__(self) -> dict[str, FunctionRecord]:
         if self._folder is not None:
+            await self._read_overrides(self._folder)
             return await asyncio.to_thread(self._folder.scan)
         assert self._registry is not None
         return await self._registry.read()
+
+    async def _read_overrides(self, folder: FolderRepository) -> None:
+        """The configurations that load requests gave Triton models (gateway.control), read in place
+        of their config.pbtxt; while Redis does not answer, those read last."""
+        try:
+            found = await self._redis.hgetall(keys.config_overrides())
+        except (RedisError, OSError) as exc:
+            log.debug("configuration overrides not read: %s", exc)
+            return
+        folder.overrides = {_text(name): _text(config) for name, config in found.items()}
 
     @property
     def unreadable(self) -> dict[str, str]:
@@ -64,6 +77,10 @@ class FunctionSource:
             return self._folder.unreadable
         assert self._registry is not None
         return dict(self._registry.unreadable)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def function_source(repo: str, redis: aioredis.Redis) -> FunctionSource:

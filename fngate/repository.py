@@ -345,6 +345,9 @@ class FolderRepository:
         """The folders that could not be read, with why (`unreadable`)."""
         self._clashes: dict[Path, str] = {}
         """The folders of the last scan whose function another folder serves already."""
+        self.overrides: Mapping[str, str] = {}
+        """Triton model folder name -> the configuration (JSON) a load request gave it, read in place
+        of its config.pbtxt (gateway.control; FunctionSource keeps it current)."""
         self._parsed: dict[Path, tuple[tuple[tuple[str, int, int, int, int], ...], Any]] = {}
         """Each `function.yaml` and Triton model folder as last read, by what the stat of its
         files says (_once_per_change): a scan every few seconds parses only what changed. A
@@ -573,15 +576,22 @@ class FolderRepository:
         from fngate.triton.models import read_model
 
         entries = [folder, *(item for item in sorted(folder.rglob("*")) if "__pycache__" not in item.parts)]
-        model = self._once_per_change(folder, entries, lambda: read_model(folder))
+        override = self.overrides.get(folder.name)
+        key = (
+            folder
+            if override is None
+            else folder / f"override {hashlib.sha256(override.encode()).hexdigest()}"
+        )
+        model = self._once_per_change(key, entries, lambda: read_model(folder, override))
         if isinstance(model, Exception):
             raise model.with_traceback(None)  # raised again at each scan: no traceback to grow
+        overridden = "" if override is None else hashlib.sha256(override.encode()).hexdigest()
         versions = [
             FunctionVersion(
                 item.manifest,
                 item.version,
                 folder,
-                self._digest(folder, (TRITON_CONFIG, item.version)),
+                _combined(self._digest(folder, (TRITON_CONFIG, item.version)), overridden),
             )
             for item in model.versions
         ]
@@ -618,6 +628,14 @@ class FolderRepository:
 
 
 TRITON_CONFIG = "config.pbtxt"
+
+
+def _combined(digest: str, override: str) -> str:
+    """A Triton version's digest with the digest of the configuration that overrides its
+    config.pbtxt, if any: a runner loads the version again when either changes."""
+    if not override:
+        return digest
+    return hashlib.sha256(f"{digest} {override}".encode()).hexdigest()
 
 
 def problem_of(folder: Path, exc: Exception) -> str:

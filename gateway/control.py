@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -21,7 +22,7 @@ from fngate.registry import (
     send_control,
     set_unloaded,
 )
-from fngate.repository import FunctionRecord
+from fngate.repository import FunctionRecord, is_triton_model
 from gateway.catalog import MAX_PIPELINE_DEPTH, Catalog
 
 POLL_S = 0.1
@@ -56,42 +57,110 @@ async def repository_index(catalog: Catalog, ready_only: bool = False) -> list[d
 
 
 async def load_request(catalog: Catalog, name: str, parameters: dict[str, object], timeout_s: float) -> None:
-    """Triton's load request (both protocols): `load` once the overrides are refused; what fails
-    says so in Triton's words first ("failed to load '<name>': ..."), which its clients look for."""
+    """Triton's load request (both protocols): a Triton model's configuration given with it is
+    checked and then served in place of its config.pbtxt, by every gateway and runner, until a load
+    without one; then `load`. What fails says so in Triton's words first ("failed to load '<name>':
+    ..."), which its clients look for."""
     try:
-        refuse_overrides(parameters)
-        await load(catalog, name, timeout_s)
+        config = _config_of(parameters)
+        before = await _override(catalog, name, config)
+        try:
+            await load(catalog, name, timeout_s)
+        except FunctionError as exc:
+            if config is None:
+                raise
+            # The model serves on as it was (its runners kept the files they had loaded), and so
+            # does every gateway once the configuration it was served with is back.
+            await _restore(catalog, name, before)
+            if isinstance(exc, LoadFailed):  # the configuration cannot serve the model
+                raise InvalidArgument(exc.message) from None
+            raise
     except FunctionError as exc:
         failed = type(exc)(f"failed to load '{name}': {exc.message}")
         raise failed from None
 
 
-def refuse_overrides(parameters: dict[str, object]) -> None:
-    """A load request's `config` and `file:` parameters (Triton's load with a configuration or model
-    files of its own): refused, never silently ignored. fngate loads what the repository holds, the
-    same on every runner of every gateway; an override goes through a deploy. A `config` that is not
-    a configuration is refused as Triton refuses it."""
-    config = parameters.get("config")
-    if config is not None:
-        if not isinstance(config, str):
-            raise InvalidArgument("load: parameters.config must be a string: the configuration as JSON")
-        from fngate.triton.config import parse_config_json
+class LoadFailed(Unavailable):
+    """A runner could not load the model as the repository (or a load's configuration) has it."""
 
-        try:
-            parse_config_json(config, "load: parameters.config")
-        except ManifestError as exc:
-            raise InvalidArgument(str(exc)[:1000]) from None
-        raise InvalidArgument(
-            "load: a configuration given with the load request is not applied: fngate loads the model "
-            "as its repository holds it, on every runner. Put it in the model's config.pbtxt and deploy "
-            "it (fngate deploy), then load"
-        )
+
+MAX_CONFIG_CHARS = 64 * 1024
+
+
+def _config_of(parameters: dict[str, object]) -> str | None:
+    """A load request's `config` (None: none); its `file:` parameters (model files of its own) are
+    refused, never silently ignored: fngate's runners load the files the repository holds."""
     files = sorted(key for key in parameters if key.startswith("file:"))
     if files:
         raise InvalidArgument(
-            f"load: model files given with the load request ({', '.join(files)[:200]}) are not taken: "
-            "deploy them (fngate deploy), then load"
+            f"failed to poll from model repository: model files given with the load request "
+            f"({', '.join(files)[:200]}) are not taken: deploy them (fngate deploy), then load"
         )
+    config = parameters.get("config")
+    if config is None:
+        return None
+    if not isinstance(config, str) or len(config) > MAX_CONFIG_CHARS:
+        raise InvalidArgument(
+            f"load: parameters.config must be a string of at most {MAX_CONFIG_CHARS} characters: the "
+            "configuration as JSON"
+        )
+    from fngate.triton.config import parse_config_json
+
+    try:  # a configuration that is none is refused as Triton refuses it
+        parse_config_json(config, "load: parameters.config")
+    except ManifestError as exc:
+        raise InvalidArgument(str(exc)[:1000]) from None
+    return config
+
+
+async def _override(catalog: Catalog, name: str, config: str | None) -> str | None:
+    """Serve a Triton model with `config` in place of its config.pbtxt (read as Triton reads an
+    override: the whole configuration, completed from the model file), or, for None, with its
+    config.pbtxt again. Checked here first, by reading the model's folder with it. Answers the
+    configuration it was served with before (None: its config.pbtxt)."""
+    record = catalog.record(name)
+    version = record.newest()
+    model = version.manifest.model_name
+    redis = _redis(catalog)
+    try:
+        before: Any = await redis.hget(keys.config_overrides(), model)
+        if config is None:
+            await redis.hdel(keys.config_overrides(), model)
+            return None
+    except RedisError as exc:
+        raise Unavailable(f"the registry is unavailable: {exc}") from exc
+    folder = version.directory
+    if not is_triton_model(folder) or version.files:
+        raise InvalidArgument(
+            "load: a configuration given with the load request applies to a Triton model of a "
+            f"repository folder; function '{record.name}' is deployed from its manifest: deploy the "
+            "change (fngate deploy), then load"
+        )
+    from fngate.triton.models import read_model
+
+    try:
+        await asyncio.to_thread(read_model, folder, config)
+    except ManifestError as exc:
+        raise InvalidArgument(str(exc)[:1000]) from None
+    try:
+        await redis.hset(keys.config_overrides(), model, config)
+    except RedisError as exc:
+        raise Unavailable(f"the registry is unavailable: {exc}") from exc
+    return before.decode() if isinstance(before, bytes) else before
+
+
+async def _restore(catalog: Catalog, name: str, config: str | None) -> None:
+    """The configuration a model was served with before a load that failed, back (None: its
+    config.pbtxt), and the catalog read again with it."""
+    model = catalog.record(name).newest().manifest.model_name
+    try:
+        if config is None:
+            await _redis(catalog).hdel(keys.config_overrides(), model)
+        else:
+            await _redis(catalog).hset(keys.config_overrides(), model, config)
+        await catalog.refresh()
+    except (RedisError, OSError) as exc:
+        raise Unavailable(f"the registry is unavailable: {exc}") from exc
 
 
 async def load(catalog: Catalog, name: str, timeout_s: float, depth: int = 0) -> None:
@@ -121,7 +190,7 @@ async def load(catalog: Catalog, name: str, timeout_s: float, depth: int = 0) ->
         if failure is None:
             return
         if failure:
-            raise Unavailable(f"function '{record.name}': {failure}")
+            raise LoadFailed(f"function '{record.name}': {failure}")
         await asyncio.sleep(POLL_S)
     waited = f"{timeout_s:.0f} s"
     raise Unavailable(f"function '{record.name}' did not load within {waited}{_no_runner(catalog, record)}")

@@ -17,6 +17,7 @@ from fngate.triton.config import (
     complete,
     map_config,
     parse_config,
+    parse_config_json,
 )
 
 VERSION = re.compile(r"^[1-9][0-9]{0,8}$")
@@ -79,11 +80,18 @@ def version_folders(folder: Path) -> list[str]:
     return sorted((item.name for item in _numbered(folder)), key=int)
 
 
-def read_model(folder: Path) -> ModelFolder:
-    """Read and map a model folder; raises ManifestError when it cannot be served at all."""
+def read_model(folder: Path, override: str | None = None) -> ModelFolder:
+    """Read and map a model folder (with `override`, a load request's configuration as JSON, in
+    place of its config.pbtxt, completed as Triton completes it); raises ManifestError when it
+    cannot be served at all."""
     source = str(folder / CONFIG_FILE)
     config_path = folder / CONFIG_FILE
-    if config_path.is_file():
+    if override is not None:
+        source = f"{folder}: the configuration of the load request"
+        config = parse_config_json(override, source)
+        if not config.backend and not config.platform:  # as Triton, from the model file there
+            config.backend = _backend_of_files(folder)
+    elif config_path.is_file():
         try:
             text = config_path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -168,6 +176,14 @@ def _ort_signature(path: Path) -> ModelSignature:
         tuple(tensor(item) for item in session.get_inputs()),
         tuple(tensor(item) for item in session.get_outputs()),
     )
+
+
+def _backend_of_files(folder: Path) -> str:
+    """The backend whose default model file a version folder holds ('' for none)."""
+    for backend, filename in MODEL_FILES.items():
+        if any((item / filename).is_file() for item in _numbered(folder)):
+            return backend
+    return ""
 
 
 def _numbered(folder: Path) -> list[Path]:

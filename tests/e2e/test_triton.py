@@ -22,7 +22,16 @@ from fngate import keys
 from fngate.config import GatewaySettings
 from gateway.http.metrics_port import MetricsPort
 from tests.conftest import free_port
-from tests.triton_repository import SIMPLE_STRING, batches_model, guide_repository, model, simple_string_onnx
+from tests.gateway.test_triton_tools import wait_for
+from tests.triton_repository import (
+    SIMPLE,
+    SIMPLE_STRING,
+    batches_model,
+    guide_repository,
+    model,
+    simple_onnx,
+    simple_string_onnx,
+)
 
 
 def exercise_guide(url: str) -> None:
@@ -216,6 +225,62 @@ async def test_string_tensors_into_and_out_of_an_onnx_model(
     base = await serve_gateway(repo=str(root), grpc_port=grpc_port)
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
     await asyncio.to_thread(exercise_strings, base, f"127.0.0.1:{grpc_port}")
+
+
+def exercise_load_with_a_configuration(url: str, other: str, grpc_url: str) -> None:
+    """What Triton's model-control examples do with a configuration: a load with one serves it (on
+    every gateway, the runner loading the model again), a load without one serves config.pbtxt
+    again, and one that cannot serve the model is refused and leaves it as it was."""
+    import tritonclient.grpc as triton_grpc
+
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    elsewhere = triton.InferenceServerClient(other.removeprefix("http://"))
+    rpc = triton_grpc.InferenceServerClient(grpc_url)
+
+    def rows(count: int) -> np.ndarray:
+        inputs = [triton.InferInput(name, [count, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(np.arange(count * 16, dtype=np.int32).reshape(count, 16))
+        inputs[1].set_data_from_numpy(np.ones((count, 16), dtype=np.int32))
+        return client.infer("simple", inputs).as_numpy("OUTPUT0")
+
+    try:
+        assert client.get_model_config("simple")["max_batch_size"] == 8
+        with pytest.raises(InferenceServerException, match="8"):
+            rows(16)
+        rpc.load_model("simple", config='{"max_batch_size":"16"}')
+        assert rpc.get_model_config("simple").config.max_batch_size == 16
+        assert client.get_model_config("simple")["max_batch_size"] == 16
+        assert wait_for(lambda: elsewhere.get_model_config("simple")["max_batch_size"] == 16)
+        assert rows(16).tolist() == (np.arange(256).reshape(16, 16) + 1).tolist()
+
+        # One that cannot serve the model (an input the model does not have) is refused in Triton's
+        # words; the model serves on as it was.
+        broken = '{"max_batch_size": 4, "input": [{"name": "NOPE", "data_type": "TYPE_INT32", "dims": [16]}]}'
+        with pytest.raises(InferenceServerException, match="failed to load 'simple': ") as refused:
+            client.load_model("simple", config=broken)
+        assert refused.value.status() == "400"
+        assert client.get_model_config("simple")["max_batch_size"] == 16
+
+        client.load_model("simple")  # no configuration: config.pbtxt's again
+        assert client.get_model_config("simple")["max_batch_size"] == 8
+        assert wait_for(lambda: elsewhere.get_model_config("simple")["max_batch_size"] == 8)
+        assert rows(8).tolist() == (np.arange(128).reshape(8, 16) + 1).tolist()
+    finally:
+        client.close()
+        elsewhere.close()
+        rpc.close()
+
+
+async def test_a_load_with_a_configuration_serves_it_until_a_load_without(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    simple_onnx(model(root, "simple", SIMPLE, {"1": {}}) / "1" / "model.onnx")
+    grpc_port = free_port()
+    base = await serve_gateway(repo=str(root), grpc_port=grpc_port)
+    other = await serve_gateway(repo=str(root))
+    await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
+    await asyncio.to_thread(exercise_load_with_a_configuration, base, other, f"127.0.0.1:{grpc_port}")
 
 
 async def infer(client: httpx.AsyncClient, name: str, **parameters: int) -> httpx.Response:

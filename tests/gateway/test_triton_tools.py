@@ -122,25 +122,30 @@ def exercise_model_control(url: str, other: str, grpc_url: str) -> None:
         assert client.get_model_metadata("classifier")["name"] == "classifier"
         assert client.get_model_config("classifier")["name"] == "classifier"
 
-        # A configuration or model files given with the load are refused, not silently ignored (a
-        # configuration that is none is refused as Triton refuses it); the model stays unloaded.
+        # A configuration given with the load applies to a Triton model (tests/e2e/test_triton.py),
+        # not to a function deployed from its manifest; model files are never taken; neither is
+        # silently ignored (a configuration that is none is refused as Triton refuses it). The
+        # function stays unloaded.
         overrides = [
             ({"config": "{not json"}, "not a Triton model configuration"),
-            ({"config": '{"max_batch_size": 4}'}, "is not applied: fngate loads the model as its repository"),
-            ({"config": "{}", "files": {"file:1/model.onnx": b"onnx"}}, "is not applied"),
+            ({"config": '{"max_batch_size": 4}'}, "applies to a Triton model of a repository folder"),
+            (
+                {"config": "{}", "files": {"file:1/model.onnx": b"onnx"}},
+                "failed to poll from model repository",
+            ),
         ]
         for arguments, message in overrides:
             with pytest.raises(InferenceServerException, match=message) as refused:
                 client.load_model("classifier", **arguments)
             assert refused.value.status() == "400"
             # Triton's words first: its model-control example looks for them.
-            assert refused.value.message().startswith("failed to load 'classifier': load: ")
+            assert refused.value.message().startswith("failed to load 'classifier': ")
         with pytest.raises(InferenceServerException) as refused:
             client.load_model("wrong_model_name")
         assert refused.value.message().startswith("failed to load 'wrong_model_name': ")
         rpc = triton_grpc.InferenceServerClient(grpc_url)
         try:
-            with pytest.raises(InferenceServerException, match="is not applied") as refused:
+            with pytest.raises(InferenceServerException, match="applies to a Triton model") as refused:
                 rpc.load_model("classifier", config='{"max_batch_size": 4}')
             assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
         finally:
