@@ -214,6 +214,13 @@ def config_overrides() -> str:
     return f"{PREFIX}:overrides"
 
 
+def auto_completed() -> str:
+    """Hash of the Python models of a folder repository that have no config.pbtxt: folder name ->
+    JSON {"digest", "config"} (what the model's auto_complete_config answered) or {"digest",
+    "error"} (runner.triton.complete records them)."""
+    return f"{PREFIX}:autocompleted"
+
+
 def shared_memory(key_id: str) -> str:
     """Hash of one API key's system shared memory regions: name -> JSON {name, key, offset,
     byte_size} (gateway.shared_memory)."""

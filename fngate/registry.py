@@ -61,13 +61,18 @@ class FunctionSource:
 
     async def _read_overrides(self, folder: FolderRepository) -> None:
         """The configurations that load requests gave Triton models (gateway.control), read in place
-        of their config.pbtxt; while Redis does not answer, those read last."""
+        of their config.pbtxt, and those that Python models' auto_complete_config answered
+        (runner.triton.complete); while Redis does not answer, those read last."""
         try:
-            found = await self._redis.hgetall(keys.config_overrides())
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(keys.config_overrides())
+                pipe.hgetall(keys.auto_completed())
+                overrides, completed = await pipe.execute()
         except (RedisError, OSError) as exc:
             log.debug("configuration overrides not read: %s", exc)
             return
-        folder.overrides = {_text(name): _text(config) for name, config in found.items()}
+        folder.overrides = {_text(name): _text(config) for name, config in overrides.items()}
+        folder.completed = {_text(name): _text(record) for name, record in completed.items()}
 
     @property
     def unreadable(self) -> dict[str, str]:

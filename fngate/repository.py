@@ -345,6 +345,9 @@ class FolderRepository:
         """The folders that could not be read, with why (`unreadable`)."""
         self._clashes: dict[Path, str] = {}
         """The folders of the last scan whose function another folder serves already."""
+        self.completed: Mapping[str, str] = {}
+        """Python model folder name -> what its auto_complete_config answered, for a folder with no
+        config.pbtxt (runner.triton.complete; FunctionSource keeps it current)."""
         self.overrides: Mapping[str, str] = {}
         """Triton model folder name -> the configuration (JSON) a load request gave it, read in place
         of its config.pbtxt (gateway.control; FunctionSource keeps it current)."""
@@ -577,15 +580,13 @@ class FolderRepository:
 
         entries = [folder, *(item for item in sorted(folder.rglob("*")) if "__pycache__" not in item.parts)]
         override = self.overrides.get(folder.name)
-        key = (
-            folder
-            if override is None
-            else folder / f"override {hashlib.sha256(override.encode()).hexdigest()}"
-        )
-        model = self._once_per_change(key, entries, lambda: read_model(folder, override))
+        completed = self.completed.get(folder.name)
+        given = "".join(text for text in (override, completed) if text is not None)
+        overridden = hashlib.sha256(given.encode()).hexdigest() if given else ""
+        key = folder / f"given {overridden}" if given else folder
+        model = self._once_per_change(key, entries, lambda: read_model(folder, override, completed))
         if isinstance(model, Exception):
             raise model.with_traceback(None)  # raised again at each scan: no traceback to grow
-        overridden = "" if override is None else hashlib.sha256(override.encode()).hexdigest()
         versions = [
             FunctionVersion(
                 item.manifest,

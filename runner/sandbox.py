@@ -465,7 +465,20 @@ def load_model(
 ) -> Any:
     """model.py's Model, or its TritonPythonModel (Triton's Python backend, runner.triton) with the
     model configuration `triton_config`, as the function's instance `instance`."""
-    from runner.triton.model import TritonModel, provide_utils
+    from runner.triton.model import TritonModel
+
+    module = _module(module_path)
+    model_class = getattr(module, "Model", None)
+    if model_class is None and hasattr(module, "TritonPythonModel"):
+        return TritonModel(module, module_path, directory, triton_config or {}, instance)
+    if model_class is None:
+        raise ValueError(f"{module_path.name} defines no class Model (nor Triton's TritonPythonModel)")
+    return model_class(directory)
+
+
+def _module(module_path: Path) -> Any:
+    """model.py imported, with Triton's `triton_python_backend_utils` importable beside it."""
+    from runner.triton.model import provide_utils
 
     provide_utils()
     spec = importlib.util.spec_from_file_location("fngate_function", module_path)
@@ -474,12 +487,39 @@ def load_model(
     module = importlib.util.module_from_spec(spec)
     sys.modules["fngate_function"] = module
     spec.loader.exec_module(module)
-    model_class = getattr(module, "Model", None)
-    if model_class is None and hasattr(module, "TritonPythonModel"):
-        return TritonModel(module, module_path, directory, triton_config or {}, instance)
+    return module
+
+
+def auto_complete(module_path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """A Triton Python model's configuration as its `auto_complete_config` completes `config` (as it
+    is, for a model without one)."""
+    from runner.triton.python_backend import ModelConfig
+
+    model_class = getattr(_module(module_path), "TritonPythonModel", None)
     if model_class is None:
-        raise ValueError(f"{module_path.name} defines no class Model (nor Triton's TritonPythonModel)")
-    return model_class(directory)
+        raise ValueError(f"{module_path.name} defines no class TritonPythonModel")
+    complete = getattr(model_class, "auto_complete_config", None)
+    given = ModelConfig(config)
+    if complete is None:
+        return given.as_dict()
+    answered = complete(given)
+    if not isinstance(answered, ModelConfig):
+        raise TypeError(
+            f"auto_complete_config answered {type(answered).__name__}, not the pb_utils.ModelConfig"
+        )
+    return answered.as_dict()
+
+
+def _complete_only(header: Header, replies: int, applied: Any) -> int:
+    try:
+        completed = auto_complete(Path(header["module"]), header["complete"])
+    except Exception as exc:
+        traceback.print_exc()
+        send(replies, {"error": f"{type(exc).__name__}: {exc}", "code": ErrorCode.INVALID_ARGUMENT.value})
+        return 1
+    send(replies, {"ready": True, "confined": applied, "config": completed})
+    shutil.rmtree(os.getcwd(), ignore_errors=True)  # its working folder
+    return 0
 
 
 def _watch_parent(parent: int) -> None:
@@ -517,6 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Started once confined: a thread started before would be outside the mount namespace, the
     # seccomp filter and Landlock's domain, which hold the thread that applies them and its own.
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
+    if header.get("complete") is not None:  # only auto_complete_config, then gone
+        return _complete_only(header, replies, applied)
     calls: ModelCalls | None = None
     try:
         triton_config, instance = header.get("triton_config"), int(header.get("instance", 0))

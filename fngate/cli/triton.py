@@ -4,7 +4,9 @@ field fngate does not honour named in a warning."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import TextIO
 import yaml
 
 from fngate.manifest import FunctionManifest, ManifestError
+from fngate.process import module_command
 from fngate.repository import MANIFEST_FILE, is_triton_model, make_record, problem_of
 from fngate.repository import FunctionVersion as Version
 
@@ -33,14 +36,39 @@ def is_triton_repository(path: Path) -> bool:
 
 
 def served(folder: Path) -> tuple[FunctionManifest, str, list[str]]:
-    """A model folder's newest served version: its manifest, its number, and the warnings.
-    Raises ManifestError."""
+    """A model folder's newest served version: its manifest, its number, and the warnings (a Python
+    model with no config.pbtxt as its auto_complete_config completes it). Raises ManifestError."""
     from fngate.triton.models import read_model
 
-    model = read_model(folder)
+    model = read_model(folder, completed=auto_completed(folder))
     record = make_record([Version(item.manifest, item.version, folder) for item in model.versions])
     chosen = record.default or record.newest()
     return chosen.manifest, chosen.version, list(model.warnings)
+
+
+AUTO_COMPLETE_TIMEOUT_S = 180
+
+
+def auto_completed(folder: Path) -> str | None:
+    """For a Python model's folder with no config.pbtxt, what its auto_complete_config answers, run
+    by `python -m runner.triton.complete --print` (a confined process of its own, as on `fngate up`)
+    as fngate.triton.models.read_model takes it; None for any other folder."""
+    from fngate.triton.models import needs_completion
+
+    if needs_completion(folder) is None:
+        return None
+    command = module_command("runner.triton.complete", "--print", str(folder))
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=AUTO_COMPLETE_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return json.dumps({"error": f"it did not answer within {AUTO_COMPLETE_TIMEOUT_S} s"})
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {done.returncode}"
+        return json.dumps({"error": reason.removeprefix(f"{folder}: auto_complete_config failed: ")})
+    return json.dumps({"config": json.loads(done.stdout)})
 
 
 def import_repository(repo: Path, out: Path, err: TextIO) -> list[Path]:

@@ -59,6 +59,10 @@ def validate_folder(path: Path, out: TextIO, err: TextIO, notes: set[str]) -> in
     single = (path / MANIFEST_FILE).is_file() or is_triton_model(path)
     folders = [path] if single else sorted(item for item in path.iterdir() if item.is_dir())
     repository = FolderRepository(path.parent if single else path)
+    from fngate.cli.triton import auto_completed
+
+    completed = {folder.name: auto_completed(folder) for folder in folders}
+    repository.completed = {name: record for name, record in completed.items() if record is not None}
     failed = 0
     for folder in folders:
         try:

@@ -4,10 +4,15 @@ function, and the ONNX auto-complete of a model that has no configuration."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fngate.manifest import FunctionManifest, ManifestError
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2 as pb
 from fngate.tensors import ONNX_DATATYPES
 from fngate.triton.config import (
     CONFIG_FILE,
@@ -56,10 +61,10 @@ class ModelFolder:
 
 
 PYTHON_AUTO_COMPLETE = (
-    "a Python model (model.py) with no config.pbtxt: fngate does not run its auto_complete_config "
-    "(the model's own code, which would run wherever the repository is read, a gateway's included). "
-    'Write the configuration it would complete: a config.pbtxt with backend: "python", its input, '
-    "output and max_batch_size"
+    "a Python model (model.py) with no config.pbtxt, whose auto_complete_config has not run: fngate "
+    "runs it in a confined process of its own, never where the repository is read (`fngate up` does, "
+    "for a folder repository, and `fngate validate`), or write the configuration it would complete: a "
+    'config.pbtxt with backend: "python", its input, output and max_batch_size'
 )
 
 
@@ -80,10 +85,11 @@ def version_folders(folder: Path) -> list[str]:
     return sorted((item.name for item in _numbered(folder)), key=int)
 
 
-def read_model(folder: Path, override: str | None = None) -> ModelFolder:
+def read_model(folder: Path, override: str | None = None, completed: str | None = None) -> ModelFolder:
     """Read and map a model folder (with `override`, a load request's configuration as JSON, in
-    place of its config.pbtxt, completed as Triton completes it); raises ManifestError when it
-    cannot be served at all."""
+    place of its config.pbtxt, completed as Triton completes it; for a Python model with no
+    config.pbtxt, `completed` is what its auto_complete_config answered, as runner.triton.complete
+    records it); raises ManifestError when it cannot be served at all."""
     source = str(folder / CONFIG_FILE)
     config_path = folder / CONFIG_FILE
     if override is not None:
@@ -97,6 +103,9 @@ def read_model(folder: Path, override: str | None = None) -> ModelFolder:
         except (OSError, UnicodeDecodeError) as exc:
             raise ManifestError(source, [("", f"cannot read: {exc}")]) from exc
         config = parse_config(text, source)
+    elif _backend_of_files(folder) == "python":
+        config = _completed(folder, completed)
+        source = f"{folder}: the configuration its auto_complete_config completed"
     else:
         from tritonclient.grpc import model_config_pb2 as pb
 
@@ -176,6 +185,36 @@ def _ort_signature(path: Path) -> ModelSignature:
         tuple(tensor(item) for item in session.get_inputs()),
         tuple(tensor(item) for item in session.get_outputs()),
     )
+
+
+def needs_completion(folder: Path) -> Path | None:
+    """The model.py (of the newest version) of a Python model's folder with no config.pbtxt, which
+    its auto_complete_config completes (runner.triton.complete); None for any other folder."""
+    if not folder.is_dir() or (folder / CONFIG_FILE).exists() or (folder / "function.yaml").exists():
+        return None
+    versions = sorted(
+        (item for item in _numbered(folder) if (item / MODEL_FILES["python"]).is_file()),
+        key=lambda item: int(item.name),
+    )
+    return versions[-1] / MODEL_FILES["python"] if versions else None
+
+
+def _completed(folder: Path, completed: str | None) -> pb.ModelConfig:
+    """A Python model's configuration as its auto_complete_config completed it (a record
+    {"config": ...} or {"error": ...} of runner.triton.complete)."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    source = f"{folder}: the configuration its auto_complete_config completed"
+    if completed is None:
+        raise ManifestError(str(folder / CONFIG_FILE), [("", PYTHON_AUTO_COMPLETE)])
+    record = json.loads(completed)
+    if "error" in record:
+        raise ManifestError(source, [("", f"auto_complete_config failed: {record['error']}")])
+    try:
+        return json_format.ParseDict(record["config"], pb.ModelConfig())
+    except json_format.ParseError as exc:
+        raise ManifestError(source, [("", f"not a Triton model configuration: {exc}")]) from exc
 
 
 def _backend_of_files(folder: Path) -> str:

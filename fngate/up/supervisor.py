@@ -219,11 +219,13 @@ def _wait_for_redis(url: str, process: subprocess.Popen[bytes], timeout_s: float
     raise LocalError(f"redis-server did not answer within {timeout_s:.0f} s")
 
 
-def _spawn(module: str, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+def _spawn(
+    module: str, env: dict[str, str], pass_fds: tuple[int, ...] = (), args: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     # A session of its own: Ctrl-C reaches only us, and we stop the children in order. Killed
     # with us, so that a restart finds the port free.
     return subprocess.Popen(
-        module_command(module),
+        module_command(module, *args),
         env=env,
         start_new_session=True,
         pass_fds=pass_fds,
@@ -381,15 +383,29 @@ async def _serve(
         await asyncio.to_thread(_stop_group, gateway.process, 15)
         gateway_down.set()
 
-    async with client, asyncio.TaskGroup() as tasks:
-        tasks.create_task(gateway_first())
-        tasks.create_task(scaler.run(gateway_down))
-        if redis_server is not None:
-            tasks.create_task(redis_server.watch(stopping))
-        if getattr(args, "reload", False):
-            from fngate.up.reload import ReloadWatch
+    completer = None
+    if not is_remote(env["FNGATE_REPO"]):
+        # Python models with no config.pbtxt: their auto_complete_config, run confined, recorded in Redis.
+        repo_args = ("--repo", env["FNGATE_REPO"], "--redis", env["FNGATE_REDIS_URL"])
+        completer = Supervised(
+            "the auto-complete of Python models",
+            lambda: _spawn("runner.triton.complete", env, args=repo_args),
+        )
+    try:
+        async with client, asyncio.TaskGroup() as tasks:
+            tasks.create_task(gateway_first())
+            tasks.create_task(scaler.run(gateway_down))
+            if completer is not None:
+                tasks.create_task(completer.watch(stopping))
+            if redis_server is not None:
+                tasks.create_task(redis_server.watch(stopping))
+            if getattr(args, "reload", False):
+                from fngate.up.reload import ReloadWatch
 
-            tasks.create_task(ReloadWatch(open_repository(env["FNGATE_REPO"]), client).run(stopping))
+                tasks.create_task(ReloadWatch(open_repository(env["FNGATE_REPO"]), client).run(stopping))
+    finally:
+        if completer is not None:
+            await asyncio.to_thread(_stop_group, completer.process, 5)
 
 
 def port_problem(host: str, port: int, flag: str = "--port") -> str:

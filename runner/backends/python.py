@@ -445,6 +445,27 @@ class _Limits:
     folder_bytes: int
 
 
+AUTO_COMPLETE_LIMITS = _Limits(None, DEFAULT_MEMORY_LIMIT_MB * 2**20, 64, 64 * 2**20)
+"""What a model's auto_complete_config may use: a function's default memory, few processes."""
+
+
+def auto_complete(name: str, module: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """A Triton Python model's configuration as its `auto_complete_config` completes `config`,
+    run in a process of its own confined as a Python function's (never in the process that reads
+    the repository). Raises InvalidArgument with the model's error, ModelFailed when its process
+    does not answer."""
+    child = _Child.start(
+        name, "auto-complete", module, module.parent, AUTO_COMPLETE_LIMITS, {}, complete=config
+    )
+    try:
+        completed = child.completed
+    finally:
+        child.stop(graceful=False)
+    if not isinstance(completed, dict):
+        raise ModelFailed(f"model '{name}': its auto_complete_config answered no configuration")
+    return completed
+
+
 def process_cpu_s(pid: int) -> float | None:
     """The CPU time (user and system, all its threads) the kernel has counted for process `pid`, to
     the nanosecond, read from Linux's CPU clock of that process (clockid (~pid << 3) | 2,
@@ -463,6 +484,8 @@ class _Child:
     device = "cpu"
     """Where its Model says it runs, and why not on the GPU (`reason`), from its first frame."""
     reason: str | None = None
+    completed: Any = None
+    """What a process started only for auto_complete_config answered."""
 
     def __init__(
         self,
@@ -509,6 +532,7 @@ class _Child:
         triton_config: dict[str, Any] | None = None,
         instance: int = 0,
         torchscript: dict[str, Any] | None = None,
+        complete: dict[str, Any] | None = None,
     ) -> _Child:
         """Start the process (`environment` added to the runner's, less its secrets), confine it and
         wait until its Model (or Triton model, with its configuration `triton_config`, as instance
@@ -554,7 +578,10 @@ class _Child:
             load["instance"] = instance
         if torchscript is not None:
             load["torchscript"] = torchscript
+        if complete is not None:
+            load["complete"] = complete
         header = child._load(name, load, user)
+        child.completed = header.get("config")
         child.device, child.reason = str(header.get("device", "cpu")), header.get("reason")
         limits_text = [*header.get("confined", ())]
         if held:

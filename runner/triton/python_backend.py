@@ -293,6 +293,105 @@ class InferenceResponse:
         return self._error
 
 
+class ModelConfig:
+    """What a model's `auto_complete_config(auto_complete_model_config)` is handed and answers: the
+    configuration so far (`as_dict()`), to which it may add inputs and outputs, set max_batch_size,
+    dynamic batching and the transaction policy, with Triton's checks (runner.triton.complete)."""
+
+    def __init__(self, model_config: str | Mapping[str, Any]) -> None:
+        found = json.loads(model_config) if isinstance(model_config, str) else dict(model_config)
+        found.setdefault("max_batch_size", 0)
+        found.setdefault("input", [])
+        found.setdefault("output", [])
+        self._model_config: dict[str, Any] = found
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._model_config
+
+    def _name(self) -> str:
+        return str(self._model_config.get("name", ""))
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        configured = int(self._model_config.get("max_batch_size", 0))
+        if configured > max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {configured}, but in auto-complete-config "
+                f"function for model '{self._name()}' specified max_batch_size {max_batch_size}"
+            )
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        for scheduler in ("sequence_batching", "ensemble_scheduling"):
+            if scheduler in self._model_config:
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{scheduler}', but "
+                    f"auto-complete-config function for model '{self._name()}' tries to set "
+                    "scheduling_choice as 'dynamic_batching'"
+                )
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: Mapping[str, Any]) -> None:
+        self._add("input", input, ("name", "data_type", "dims", "optional"))
+
+    def add_output(self, output: Mapping[str, Any]) -> None:
+        self._add("output", output, ("name", "data_type", "dims"))
+
+    def _add(self, kind: str, tensor: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+        model = self._name()
+        name = tensor.get("name")
+        extra = [key for key in tensor if key not in allowed]
+        if extra:
+            raise ValueError(
+                f"{kind} '{name}' in auto-complete-config function for model '{model}' contains "
+                f"property other than {', '.join(repr(key) for key in allowed)}."
+            )
+        for needed in ("name", "data_type", "dims"):
+            if needed not in tensor:
+                raise ValueError(
+                    f"{kind} '{name}' in auto-complete-config function for model '{model}' is missing "
+                    f"'{needed}' property."
+                )
+        for current in self._model_config[kind]:
+            if current.get("name") != name:
+                continue
+            configured = current.get("data_type", "TYPE_INVALID")
+            if configured != "TYPE_INVALID" and configured != tensor["data_type"]:
+                raise ValueError(
+                    f"unable to load model '{model}', configuration expects datatype {configured} for "
+                    f"{kind} '{name}', model provides {tensor['data_type']}"
+                )
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(
+                    f"model '{model}', tensor '{name}': the model expects dims {list(tensor['dims'])} but "
+                    f"the model configuration specifies dims {list(current['dims'])}"
+                )
+            if "optional" in current and "optional" in tensor and current["optional"] != tensor["optional"]:
+                raise ValueError(
+                    f"model '{model}', tensor '{name}': the model expects optional {tensor['optional']} "
+                    f"but the model configuration specifies optional {current['optional']}"
+                )
+            current.update(tensor)
+            return
+        self._model_config[kind].append(dict(tensor))
+
+    def set_model_transaction_policy(self, transaction_policy_dict: Mapping[str, Any]) -> None:
+        extra = [key for key in transaction_policy_dict if key != "decoupled"]
+        if extra:
+            raise ValueError(
+                f"model transaction property in auto-complete-config function for model '{self._name()}' "
+                "contains property other than 'decoupled'."
+            )
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = transaction_policy_dict["decoupled"]
+            if "decoupled" in policy and policy["decoupled"] != wanted:
+                raise ValueError(
+                    f"trying to change decoupled property in auto-complete-config for model "
+                    f"'{self._name()}', which is already set to '{policy['decoupled']}'."
+                )
+            policy["decoupled"] = wanted
+
+
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
     return next((tensor for tensor in request.inputs() if tensor.name() == name), None)
 
