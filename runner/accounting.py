@@ -51,7 +51,6 @@ class Accounting:
         self._charges: dict[str, float] = {}
         self._cpu: dict[str, float] = {}
         """Key -> the CPU seconds charged to it, where the function's backend measures them."""
-        self._metrics: list[tuple[str, custom_metrics.Update]] = []
         self._bounds: dict[str, custom_metrics.Bounded] = {}
         """Per version: the custom metric families and series its model made here (capped)."""
         self._budgets: dict[str, float] = {}
@@ -59,19 +58,34 @@ class Accounting:
         self._urgent = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
+    async def record_metrics(self, version: str, reported: Sequence[custom_metrics.Update]) -> None:
+        """A batch's custom metric updates, written before its replies leave: Triton counts them
+        inside `execute`, and a client that reads the metrics once answered finds them (Triton's
+        custom_metrics example does). A Redis that does not answer loses them, logged."""
+        if not reported:
+            return
+        updates = [update for update in reported if self._admitted(version, update)]
+        if not updates:
+            return
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for command in custom_metrics.commands(keys.custom_metrics(self._function, version), updates):
+                    pipe.execute_command(*command)
+                await pipe.execute()
+        except RedisError as exc:
+            log.warning(
+                "%s: %d custom metric updates were not recorded: %s", self._function, len(updates), exc
+            )
+
     def record(
         self,
         version: str,
         invocations: Sequence[Invocation],
-        reported: Sequence[custom_metrics.Update],
         seconds: float,
         batched: bool,
         cpu_s: float | None = None,
     ) -> None:
         """A batch's share, from its consumer once the batch is answered; returns at once."""
-        for update in reported:
-            if self._admitted(version, update):
-                self._metrics.append((version, update))
         if cpu_s:
             for key_id, share in charged(invocations, cpu_s, batched).items():
                 self._cpu[key_id] = self._cpu.get(key_id, 0.0) + share
@@ -81,7 +95,7 @@ class Accounting:
                 self._charges[key_id] = self._charges.get(key_id, 0.0) + share
                 if stale or key_id in self._budgets:
                     self._urgent.set()
-        if (self._charges or self._cpu or self._metrics) and (self._task is None or self._task.done()):
+        if (self._charges or self._cpu) and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(
                 self._soon(), name=f"account {self._function}"
             )
@@ -103,7 +117,7 @@ class Accounting:
         return refused is None
 
     async def _soon(self) -> None:
-        while self._charges or self._cpu or self._metrics:
+        while self._charges or self._cpu:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), EVERY_S)
             self._urgent.clear()
@@ -112,8 +126,7 @@ class Accounting:
     async def _flush(self) -> None:
         charges, self._charges = self._charges, {}
         cpu, self._cpu = self._cpu, {}
-        metrics, self._metrics = self._metrics, []
-        if not (charges or cpu or metrics):
+        if not (charges or cpu):
             return
         try:
             if charges and time.monotonic() - self._budgets_read > BUDGETS_READ_S:
@@ -129,21 +142,11 @@ class Accounting:
                     pipe.hincrbyfloat(keys.key_cpu(key_id), self._function, share)
                     pipe.hincrbyfloat(keys.key_cpu_minute(key_id, minute), self._function, share)
                     pipe.expire(keys.key_cpu_minute(key_id, minute), keys.USAGE_KEPT_S)
-                for version in dict.fromkeys(version for version, _ in metrics):
-                    updates = [update for of, update in metrics if of == version]
-                    for command in custom_metrics.commands(
-                        keys.custom_metrics(self._function, version), updates
-                    ):
-                        pipe.execute_command(*command)
                 added = await pipe.execute()
             await self._hold_to_budgets(charges, added, (minute + 1) * 60_000)
         except RedisError as exc:
             log.warning(
-                "%s: %d keys' batch time and %d custom metric updates were not recorded: %s",
-                self._function,
-                len(charges | cpu),
-                len(metrics),
-                exc,
+                "%s: %d keys' batch time was not recorded: %s", self._function, len(charges | cpu), exc
             )
 
     async def _hold_to_budgets(self, charges: dict[str, float], added: list[Any], ends_ms: int) -> None:

@@ -482,15 +482,14 @@ class FunctionConsumer:
         self._observer.observe(batch, replies, started_ns, rows)
         if batch_span is not None:
             self._observer.trace(batch, replies, parents, batch_span, started_ns, rows)
+        await self._accounting.record_metrics(version, reported)  # before the replies, as Triton's
         await self._send(
             batch,
             replies,
             ran_digest,
             statistics.of_batch(self.function, version, batch, replies, started_ns),
         )
-        self._accounting.record(
-            version, invocations, reported, charged_s, self.function.manifest.batched, cpu_s
-        )
+        self._accounting.record(version, invocations, charged_s, self.function.manifest.batched, cpu_s)
 
     async def _compute(self, model: LoadedModel, batch: Sequence[Entry], batch_id: str) -> list[Reply]:
         """The batch's replies. A decoupled model's requests that stream on once its `execute`
