@@ -29,14 +29,17 @@ from runner.backends.python import auto_complete
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 2.0
+MAX_CONFIG_BYTES = 256 * 1024
 
 
 def digest(folder: Path) -> str:
-    """sha256 over the names and contents of the model's files: completed again when one changes."""
+    """sha256 over the name, size and modification time of each of the model's files (a stat
+    each, never their contents: a folder may hold weights): completed again when one changes."""
     hashed = hashlib.sha256()
     for item in sorted(folder.rglob("*")):
         if item.is_file() and "__pycache__" not in item.parts:
-            hashed.update(str(item.relative_to(folder)).encode() + b"\0" + item.read_bytes())
+            info = item.stat()
+            hashed.update(f"{item.relative_to(folder)}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
     return hashed.hexdigest()
 
 
@@ -46,9 +49,14 @@ def completed(folder: Path, module: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"digest": digest(folder)}
     given = {"name": folder.name, "backend": "python", "max_batch_size": 0, "input": [], "output": []}
     try:
-        record["config"] = auto_complete(folder.name, module, given)
+        config = auto_complete(folder.name, module, given)
     except FunctionError as exc:
-        record["error"] = exc.message
+        record["error"] = exc.message[:2000]
+        return record
+    if len(json.dumps(config)) > MAX_CONFIG_BYTES:  # every gateway and runner reads it
+        record["error"] = f"its auto_complete_config answered a configuration over {MAX_CONFIG_BYTES} bytes"
+    else:
+        record["config"] = config
     return record
 
 
