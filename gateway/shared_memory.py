@@ -17,15 +17,16 @@ import dataclasses
 import os
 import re
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from fngate import keys
-from fngate.errors import FunctionNotFound, InvalidArgument, PayloadTooLarge
+from fngate.errors import FunctionNotFound, InvalidArgument, PayloadTooLarge, Unavailable
 from fngate.manifest import FunctionManifest
 from fngate.tensors import Tensors, from_bytes, to_bytes
 from gateway.validation import OFF_LOOP_BYTES, check_complete, shown
@@ -131,6 +132,14 @@ class SharedMemory:
         self.allowed = allowed
         self._max_bytes = max_bytes
 
+    @staticmethod
+    async def _redis_call(command: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """A command on the regions' records; a Redis that does not answer is the caller's 503."""
+        try:
+            return await command(*args)
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"the shared memory regions are unavailable: {exc}") from exc
+
     def _check_allowed(self) -> None:
         if not self.allowed:
             raise InvalidArgument(DISABLED)
@@ -152,9 +161,9 @@ class SharedMemory:
             if region.offset + region.byte_size > os.fstat(fd).st_size:
                 raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args")
         held = keys.shared_memory(key_id)
-        if await self._redis.hlen(held) >= MAX_REGIONS:
+        if await self._redis_call(self._redis.hlen, held) >= MAX_REGIONS:
             raise InvalidArgument(f"an API key holds at most {MAX_REGIONS} shared memory regions")
-        if not await self._redis.hsetnx(held, name, orjson.dumps(region.status())):
+        if not await self._redis_call(self._redis.hsetnx, held, name, orjson.dumps(region.status())):
             raise InvalidArgument(f"shared memory region '{name}' already in manager")
 
     async def unregister(self, key_id: str, name: str | None) -> None:
@@ -162,18 +171,18 @@ class SharedMemory:
         the key."""
         self._check_allowed()
         if name:
-            await self._redis.hdel(keys.shared_memory(key_id), name)
+            await self._redis_call(self._redis.hdel, keys.shared_memory(key_id), name)
         else:
-            await self._redis.delete(keys.shared_memory(key_id))
+            await self._redis_call(self._redis.delete, keys.shared_memory(key_id))
 
     async def status(self, key_id: str, name: str | None) -> list[dict[str, Any]]:
         if name:
             return [(await self._regions(key_id, [name]))[name].status()]
-        held = await self._redis.hgetall(keys.shared_memory(key_id))
+        held = await self._redis_call(self._redis.hgetall, keys.shared_memory(key_id))
         return [_region(raw).status() for _, raw in sorted(held.items())]
 
     async def _regions(self, key_id: str, names: Sequence[str]) -> dict[str, Region]:
-        found = await self._redis.hmget(keys.shared_memory(key_id), list(names))
+        found = await self._redis_call(self._redis.hmget, keys.shared_memory(key_id), list(names))
         regions = {}
         for name, raw in zip(names, found, strict=True):
             if raw is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor, serialized_byte_size
 
 from gateway.shared_memory import DISABLED
-from tests.conftest import free_port
+from tests.conftest import free_port, start_redis
 from tests.e2e.test_auth import create_key
 from tests.triton_repository import SIMPLE, SIMPLE_STRING, model, simple_onnx, simple_string_onnx
 
@@ -311,3 +312,54 @@ async def test_regions_are_per_key_off_by_default_and_bounded(
             off.close()
 
     await asyncio.to_thread(check)
+
+
+async def test_a_redis_killed_and_back_answers_503_then_the_regions_again(
+    serve_gateway: Callable[..., Any], inprocess_runner: Callable[..., Any], tmp_path: Path, regions: Regions
+) -> None:
+    """The regions live in Redis: killed (SIGKILL), the routes that read them answer 503 with why;
+    started again (its append-only file kept the regions), they answer as before, with no restart
+    of the gateway."""
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    process, url = start_redis(folder, "--appendonly", "yes")
+    root = repository(tmp_path / "models")
+    base = await serve_gateway(repo=str(root), redis_url=url, allow_client_shm=True)
+    await inprocess_runner(repo=str(root), redis_url=url, artifact_dir=str(tmp_path / "artifacts"))
+    handle, key = regions.make("data", VECTOR_BYTES)
+    shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.int32)])
+    held = [process]
+
+    def kill_and_restart() -> None:
+        http = triton_http.InferenceServerClient(base.removeprefix("http://"))
+
+        def doubled() -> list[list[int]]:
+            inputs = [triton_http.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+            for tensor in inputs:
+                tensor.set_shared_memory("data", VECTOR_BYTES)
+            return http.infer("simple", inputs).as_numpy("OUTPUT0").tolist()  # type: ignore[no-any-return]
+
+        try:
+            http.register_system_shared_memory("data", key, VECTOR_BYTES)
+            assert doubled() == [[2 * n for n in range(16)]]
+            held[0].kill()
+            held[0].wait(timeout=10)
+            refused(http.get_system_shared_memory_status, "503", "unavailable")
+            held[0] = start_redis(folder, "--appendonly", "yes")[0]
+            deadline = time.monotonic() + 20
+            while True:  # the gateway and the runner reconnect by themselves
+                try:
+                    assert [status["name"] for status in http.get_system_shared_memory_status()] == ["data"]
+                    assert doubled() == [[2 * n for n in range(16)]]
+                    break
+                except InferenceServerException:
+                    assert time.monotonic() < deadline, "not served again once Redis was back"
+                    time.sleep(0.1)
+        finally:
+            http.close()
+
+    try:
+        await asyncio.to_thread(kill_and_restart)
+    finally:
+        held[0].terminate()
+        held[0].wait(timeout=10)
