@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ def complete(root: Path, redis_url: str) -> None:
     """One pass of the completer, as `fngate up` runs it."""
     done = subprocess.run(
         module_command("runner.triton.complete", "--repo", str(root), "--redis", redis_url, "--once"),
+        env={**os.environ, "FNGATE_REDIS_URL": redis_url},  # its settings, which the model must not see
         capture_output=True,
         text=True,
         timeout=120,
