@@ -97,6 +97,12 @@ def sequence(function: str, sequence_id: int | str) -> str:
     return f"{PREFIX}:seq:{{{function}}}:{sequence_id!r}"
 
 
+def live_sequences(function: str) -> str:
+    """Sorted set of a function's live sequences (their keys) -> the latest each may live to (ms,
+    Redis time): how many are live, for `sequence.max_live`; in the function's slot."""
+    return f"{PREFIX}:seqs:{{{function}}}"
+
+
 def left_channel(function: str) -> str:
     """Pub/sub channel on which gateways name the entries (`<stream> <entry id>`) of the function's
     invocations whose callers left after a runner read them: the runner answers them unrun. In the

@@ -461,6 +461,9 @@ class SequenceSpec(_Frozen):
     whose default this is); past it, the next invocation must start it again."""
     states: tuple[SequenceState, ...] = ()
     """Its implicit states, kept between steps (Triton's sequence_batching.state)."""
+    max_live: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    """How many sequences of the function may be live at once, across every gateway: a start past
+    them is refused with 503 until one ends or idles out (each holds its state in Redis)."""
 
     @property
     def state_bytes(self) -> int:

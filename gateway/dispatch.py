@@ -64,6 +64,11 @@ def settle(outcome: queue.EnqueueOutcome | queue.SubmitOutcome, entries: Entries
     if isinstance(outcome, queue.Unstarted):
         assert call.sequence is not None
         raise sequences.not_started(call.function.manifest, call.sequence)
+    if isinstance(outcome, queue.TooManySequences):
+        raise Overloaded(
+            f"function '{call.function.manifest.name}' has {outcome.max_live} sequences live "
+            "(sequence.max_live): a new sequence may start once one ends or idles out; retry later"
+        )
     return None
 
 

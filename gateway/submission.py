@@ -109,7 +109,13 @@ def synchronous(
         if step is not None and manifest.sequence is not None:
             # Live while the step waits and runs, then idle_ms from its answer (Dispatcher)
             live_ms = timeout_ms + sequences.idle_ms(manifest.sequence)
-            gate = queue.SequenceGate(keys.sequence(manifest.name, step.id), step.flags, live_ms)
+            gate = queue.SequenceGate(
+                keys.sequence(manifest.name, step.id),
+                step.flags,
+                live_ms,
+                keys.live_sequences(manifest.name),
+                manifest.sequence.max_live,
+            )
         invocation = Invocation(
             id=invocation_id,
             function=manifest.name,

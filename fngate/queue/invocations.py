@@ -185,8 +185,25 @@ local function enqueue(KEYS, ARGV)
   -- implicit state ('' for none yet), ARGV[15] its flags ('S' start, 'E' end), ARGV[16] how long
   -- it lives from now in ms (the step's deadline and the idle timeout: the gateway shortens it to
   -- the idle timeout at the answer, and sets the state the step left). One not started is refused.
+  -- KEYS[10]: the function's live sequences (sorted set: sequence key -> the latest it may live
+  -- to, in ms), at most ARGV[17]: a start past them is refused ({'sequences'}).
   local sequence = ARGV[14] == 'sequence'
   local starts = sequence and string.find(ARGV[15], 'S', 1, true)
+  local now_ms = 0
+  if sequence then
+    local t = redis.call('TIME')
+    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  if starts then
+    redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now_ms)
+    if redis.call('EXISTS', KEYS[9]) == 0 and redis.call('ZCARD', KEYS[10]) >= tonumber(ARGV[17]) then
+      if given(KEYS[6]) then
+        redis.call('ZREM', KEYS[7], ARGV[11])
+        redis.call('ZREM', KEYS[8], ARGV[11])
+      end
+      return {'sequences', tonumber(ARGV[17])}
+    end
+  end
   local state = nil
   if sequence and not starts then
     state = redis.call('GET', KEYS[9])
@@ -211,10 +228,13 @@ local function enqueue(KEYS, ARGV)
   if sequence then
     if string.find(ARGV[15], 'E', 1, true) then
       redis.call('DEL', KEYS[9])
+      redis.call('ZREM', KEYS[10], KEYS[9])
     elseif starts then
       redis.call('SET', KEYS[9], '', 'PX', ARGV[16])
+      redis.call('ZADD', KEYS[10], now_ms + tonumber(ARGV[16]), KEYS[9])
     else
       redis.call('PEXPIRE', KEYS[9], ARGV[16])
+      redis.call('ZADD', KEYS[10], 'XX', now_ms + tonumber(ARGV[16]), KEYS[9])
     end
   end
   for i = 1, more do
@@ -474,6 +494,10 @@ class SequenceGate:
     key: str
     flags: str
     live_ms: int
+    live: str = ""
+    """The function's live sequences (fngate.keys.live_sequences)."""
+    max_live: int = 1000
+    """How many may be live at once: a start past them is refused (TooManySequences)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -520,9 +544,10 @@ def enqueue_call(
         assert step is None and not more
         return ScriptCall(
             keys=[stream, queue_bytes(stream), lookup, in_flight, waiters(in_flight) if in_flight else "",
-                  *admit.keys, sequence.key],
+                  *admit.keys, sequence.key, sequence.live],
             args=[max_queue_size, max_queue_bytes, fields[HEADER], fields[BODY], waiter.encode(),
-                  max(ttl_ms, 1), *admit.args, b"", "sequence", sequence.flags, max(sequence.live_ms, 1)],
+                  max(ttl_ms, 1), *admit.args, b"", "sequence", sequence.flags, max(sequence.live_ms, 1),
+                  sequence.max_live],
         )  # fmt: skip
     return ScriptCall(
         keys=[
@@ -587,12 +612,19 @@ class Limited:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TooManySequences:
+    """A start of a sequence refused: its function has as many sequences live as it may."""
+
+    max_live: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Unstarted:
     """A step of a sequence that is not live (never started, ended, or idle past its timeout), and
     not its start."""
 
 
-EnqueueOutcome = Queued | Coalesced | Hit | Full | Limited | Unstarted
+EnqueueOutcome = Queued | Coalesced | Hit | Full | Limited | Unstarted | TooManySequences
 
 
 def full_message(what: str, limit: str, asynchronous: bool = False) -> str:
@@ -619,6 +651,8 @@ def parse_enqueue(raw: Sequence[Any]) -> EnqueueOutcome:
         return Limited(raw[1].decode(), int(raw[2]))
     if kind == b"unstarted":
         return Unstarted()
+    if kind == b"sequences":
+        return TooManySequences(int(raw[1]))
     raise ValueError(f"unknown enqueue outcome {kind!r}")
 
 

@@ -133,7 +133,8 @@ HONOURED = frozenset(
 )
 WHY = {
     "sequence_batching.oldest.max_candidate_sequences": "the steps of every live sequence are "
-    "batched together: a live sequence holds a key in Redis, not a batch slot",
+    "batched together: a live sequence holds a key in Redis, not a batch slot; at most "
+    "sequence.max_live are live at once (the parameter fngate_max_live_sequences, default 1000)",
     "sequence_batching.state.use_same_buffer_for_input_output": "a state is copied in and out",
     "sequence_batching.state.use_growable_memory": "a state is copied in and out",
     "sequence_batching": "a sequence's steps are batched with the function's batching "
@@ -305,6 +306,9 @@ def map_config(config: pb.ModelConfig, source: str) -> Mapped:
     return Mapped(data, tuple(warnings), model_file)
 
 
+MAX_LIVE_SEQUENCES = "fngate_max_live_sequences"
+"""A parameter of a sequence model's config: how many of its sequences may be live at once
+(sequence.max_live)."""
 OWN_PROCESS = "fngate_own_process"
 """A parameter of a pytorch model's config: "true" runs it in a process of its own (model.own_process)."""
 
@@ -445,6 +449,11 @@ def _sequence(config: pb.ModelConfig, source: str) -> dict[str, Any]:
     }
     if sequence.max_sequence_idle_microseconds:
         found["idle_timeout_us"] = int(sequence.max_sequence_idle_microseconds)
+    if MAX_LIVE_SEQUENCES in config.parameters:
+        value = config.parameters[MAX_LIVE_SEQUENCES].string_value
+        if not value.isdigit():
+            raise ManifestError(source, [(f"parameters.{MAX_LIVE_SEQUENCES}", f"{value!r} is not a number")])
+        found["max_live"] = int(value)
     return {"sequence": found}
 
 
@@ -620,7 +629,7 @@ def _model_parameter_warnings(config: pb.ModelConfig, backend: str) -> Iterator[
     elif engine:
         yield f"parameters {sorted(engine)}: not used by {backend} (they configure onnxruntime's TensorRT)"
     for key in parameters:
-        if key in engine or key in TEXT_GENERATION or key == OWN_PROCESS:
+        if key in engine or key in TEXT_GENERATION or key in (OWN_PROCESS, MAX_LIVE_SEQUENCES):
             continue
         if backend == "python" and key != "EXECUTION_ENV_PATH":
             continue  # the model reads them from args["model_config"], as in Triton

@@ -138,6 +138,12 @@ async def sequence_models(
     sequence_onnx(model(root, "simple_sequence", SIMPLE_SEQUENCE, {"1": {}}) / "1" / "model.onnx")
     sequence_onnx(model(root, "sequence_controls", SEQUENCE_CONTROLS, {"1": {}}) / "1" / "model.onnx", True)
     model(root, "running_total", RUNNING_TOTAL_CONFIG, {"1": {"model.py": RUNNING_TOTAL}})
+    # At most two sequences live, each idle for up to a minute (none idles out during the test).
+    capped = SIMPLE_SEQUENCE.replace('"simple_sequence"', '"capped_sequence"').replace(
+        "sequence_batching {", "sequence_batching {\n  max_sequence_idle_microseconds: 60000000"
+    )
+    capped += 'parameters { key: "fngate_max_live_sequences" value: { string_value: "2" } }\n'
+    sequence_onnx(model(root, "capped_sequence", capped, {"1": {}}) / "1" / "model.onnx")
     grpc_port = free_port()
     base = await serve_gateway(repo=str(root), grpc_port=grpc_port)
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"))
@@ -205,6 +211,30 @@ async def test_steps_outside_a_live_sequence_are_refused_with_tritons_words(
         # A string id where the model takes a numeric CORRID.
         refused = await client.post("/v2/models/sequence_controls/infer", json=step("abc", start=True))
         assert refused.status_code == 400 and "must be an unsigned integer" in refused.json()["error"]
+
+
+@on_cluster_too
+async def test_a_function_holds_at_most_max_live_sequences(sequence_models: tuple[str, str]) -> None:
+    """Two live at most (the parameter fngate_max_live_sequences): a third start is refused with
+    503 and Retry-After until one ends; the steps of live sequences, and a start of one already
+    live, are never refused for it."""
+    base, _ = sequence_models
+    url = "/v2/models/capped_sequence/infer"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for sequence_id in (1, 2):
+            answered = await client.post(url, json=step(sequence_id, start=True, value=sequence_id))
+            assert answered.status_code == 200, answered.text
+        refused = await client.post(url, json=step(3, start=True))
+        assert refused.status_code == 503, refused.text
+        assert "has 2 sequences live (sequence.max_live)" in refused.json()["error"]
+        assert int(refused.headers["retry-after"]) >= 1
+        assert (await client.post(url, json=step(1, value=5))).status_code == 200  # a live one's step
+        assert (await client.post(url, json=step(2, start=True))).status_code == 200  # restarted, not new
+        assert (await client.post(url, json=step(3, start=True))).status_code == 503
+        assert (await client.post(url, json=step(1, end=True))).status_code == 200
+        answered = await client.post(url, json=step(3, start=True, value=4))
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["outputs"][0]["data"] == [5]
 
 
 def controls_of(answer: dict[str, Any]) -> dict[str, Any]:
