@@ -293,6 +293,32 @@ def simple_onnx(path: Path) -> None:
     onnx.save(model, str(path))
 
 
+IDENTITY = """
+name: "identity"
+platform: "onnxruntime_onnx"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+"""A vector of any length in, the same out."""
+
+
+def identity_onnx(path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        "identity",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
 def model(root: Path, name: str, config: str | None, versions: dict[str, dict[str, str | None]]) -> Path:
     """root/name/config.pbtxt and root/name/{version}/{file} (None: a factor for the classifier)."""
     folder = root / name

@@ -8,7 +8,7 @@ import json
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -35,12 +35,13 @@ def is_triton_repository(path: Path) -> bool:
     return path.is_dir() and bool(model_folders(path))
 
 
-def served(folder: Path) -> tuple[FunctionManifest, str, list[str]]:
+def served(folder: Path, completed: str | None = None) -> tuple[FunctionManifest, str, list[str]]:
     """A model folder's newest served version: its manifest, its number, and the warnings (a Python
-    model with no config.pbtxt as its auto_complete_config completes it). Raises ManifestError."""
+    model with no config.pbtxt as its auto_complete_config completes it, or as `completed` records
+    it already). Raises ManifestError."""
     from fngate.triton.models import read_model
 
-    model = read_model(folder, completed=auto_completed(folder))
+    model = read_model(folder, completed=completed if completed is not None else auto_completed(folder))
     record = make_record([Version(item.manifest, item.version, folder) for item in model.versions])
     chosen = record.default or record.newest()
     return chosen.manifest, chosen.version, list(model.warnings)
@@ -96,14 +97,21 @@ def import_repository(repo: Path, out: Path, err: TextIO) -> list[Path]:
     return written
 
 
-def validate_repository(path: Path, out: TextIO, err: TextIO, check: ModelCheck | None = None) -> int:
+def validate_repository(
+    path: Path,
+    out: TextIO,
+    err: TextIO,
+    check: ModelCheck | None = None,
+    completed: Mapping[str, str] | None = None,
+) -> int:
     """`fngate validate` of a Triton model repository (or one model folder): every problem and
     every warning; 2 when a model cannot be served. `check`: what else to find wrong with an ONNX
-    model's manifest against its file (fngate validate's onnx_problems)."""
+    model's manifest against its file (fngate validate's onnx_problems); `completed`: the Python
+    models' completed configurations already made, by folder name."""
     failed = 0
     for folder in model_folders(path):
         try:
-            manifest, version, warnings = served(folder)
+            manifest, version, warnings = served(folder, (completed or {}).get(folder.name))
         except Exception as exc:  # whatever it is, this model's alone
             failed += 1
             print(problem_of(folder, exc), file=err)

@@ -5,7 +5,7 @@ reads it, so that one that cannot be read is named and the others are still chec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -68,14 +68,21 @@ def validate_folder(path: Path, out: TextIO, err: TextIO, notes: set[str]) -> in
         try:
             record, _ = repository.read_folder(folder)
             if record is not None:
-                failed += _check_folder(folder, record, out, err, notes)
+                failed += _check_folder(folder, record, out, err, notes, repository.completed)
         except Exception as exc:  # whatever it is, this folder's alone
             failed += 1
             print(problem_of(folder, exc), file=err)
     return failed
 
 
-def _check_folder(folder: Path, record: FunctionRecord, out: TextIO, err: TextIO, notes: set[str]) -> int:
+def _check_folder(
+    folder: Path,
+    record: FunctionRecord,
+    out: TextIO,
+    err: TextIO,
+    notes: set[str],
+    completed: Mapping[str, str],
+) -> int:
     if (folder / MANIFEST_FILE).is_file():
         return validate_manifest(folder / MANIFEST_FILE, out, err, notes)
     if not is_triton_model(folder):  # deployed versions: read as their index documents say
@@ -90,7 +97,7 @@ def _check_folder(folder: Path, record: FunctionRecord, out: TextIO, err: TextIO
     except ImportError:
         compare = None
         notes.add("onnx is not installed (pip install onnx), so tensors were not compared with the models")
-    return int(bool(validate_repository(folder, out, err, compare)))
+    return int(bool(validate_repository(folder, out, err, compare, completed)))
 
 
 def check(path: Path) -> tuple[list[str], str]:

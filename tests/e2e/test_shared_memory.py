@@ -23,13 +23,22 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor, 
 from gateway.shared_memory import DISABLED
 from tests.conftest import free_port, start_redis
 from tests.e2e.test_auth import create_key
-from tests.triton_repository import SIMPLE, SIMPLE_STRING, model, simple_onnx, simple_string_onnx
+from tests.triton_repository import (
+    IDENTITY,
+    SIMPLE,
+    SIMPLE_STRING,
+    identity_onnx,
+    model,
+    simple_onnx,
+    simple_string_onnx,
+)
 
 VECTOR_BYTES = 16 * 4
 
 
 def repository(root: Path) -> Path:
     simple_onnx(model(root, "simple", SIMPLE, {"1": {}}) / "1" / "model.onnx")
+    identity_onnx(model(root, "identity", IDENTITY, {"1": {}}) / "1" / "model.onnx")
     simple_string_onnx(model(root, "simple_string", SIMPLE_STRING, {"1": {}}) / "1" / "model.onnx")
     return root
 
@@ -123,6 +132,21 @@ def exercise(client: Any, protocol: Any, regions: Regions, headers: dict[str, st
     assert [item.decode() if isinstance(item, bytes) else item for item in sums[0]] == [
         str(n + 1) for n in range(16)
     ]
+
+    # An input of 256 KiB or more (read from its region off the gateway's event loop), its output
+    # written into the same region after it.
+    vector = np.arange(70_000, dtype=np.float32)
+    big, big_key = regions.make("big", vector.nbytes * 2)
+    shm.set_shared_memory_region(big, [vector])
+    client.register_system_shared_memory("big", big_key, vector.nbytes * 2, headers=headers)
+    large = protocol.InferInput("INPUT0", [vector.size], "FP32")
+    large.set_shared_memory("big", vector.nbytes)
+    echoed = protocol.InferRequestedOutput("OUTPUT0")
+    echoed.set_shared_memory("big", vector.nbytes, offset=vector.nbytes)
+    client.infer("identity", [large], outputs=[echoed], headers=headers)
+    back = shm.get_contents_as_numpy(big, np.float32, [vector.size], offset=vector.nbytes)
+    assert np.array_equal(back, vector)
+    client.unregister_system_shared_memory("big", headers=headers)
 
     listed = client.get_system_shared_memory_status(headers=headers)
     if protocol is triton_grpc:
