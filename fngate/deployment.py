@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from fngate import clients, delivery, keys, queue, retention
 from fngate.config import RepositoryLimits
 from fngate.errors import FunctionError, FunctionNotFound, InvalidArgument, Unavailable
-from fngate.manifest import FunctionManifest, ManifestError, load_manifest
+from fngate.manifest import MANIFEST_FILE, FunctionManifest, ManifestError, load_manifest
 from fngate.pipeline import deploy_problems
 from fngate.registry import (
     READY,
@@ -32,7 +32,6 @@ from fngate.registry import (
     summarize,
 )
 from fngate.repository import (
-    MANIFEST_FILE,
     ArtifactFile,
     FunctionRecord,
     FunctionVersion,

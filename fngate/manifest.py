@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fngate.pipeline import REQUEST, STEP_REFERENCE, graph_problems
 from fngate.tensors import DATATYPES
 
+MANIFEST_FILE = "function.yaml"
+"""A function's manifest, in its folder."""
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
 TRITON_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")

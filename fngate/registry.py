@@ -19,6 +19,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from fngate import keys
 from fngate.manifest import ManifestError
+from fngate.queue.stored import text
 from fngate.repository import (
     FolderRepository,
     FunctionRecord,
@@ -71,8 +72,8 @@ class FunctionSource:
         except (RedisError, OSError) as exc:
             log.debug("configuration overrides not read: %s", exc)
             return
-        folder.overrides = {_text(name): _text(config) for name, config in overrides.items()}
-        folder.completed = {_text(name): _text(record) for name, record in completed.items()}
+        folder.overrides = {text(name): text(config) for name, config in overrides.items()}
+        folder.completed = {text(name): text(record) for name, record in completed.items()}
 
     @property
     def unreadable(self) -> dict[str, str]:
@@ -82,10 +83,6 @@ class FunctionSource:
             return self._folder.unreadable
         assert self._registry is not None
         return dict(self._registry.unreadable)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def function_source(repo: str, redis: aioredis.Redis) -> FunctionSource:

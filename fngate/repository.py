@@ -31,6 +31,7 @@ import orjson
 from fngate.errors import FunctionNotFound, InvalidArgument
 from fngate.manifest import (
     DNS_LABEL,
+    MANIFEST_FILE,
     FunctionManifest,
     ManifestError,
     VersionsSpec,
@@ -40,7 +41,6 @@ from fngate.manifest import (
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FILE = "function.yaml"
 VERSION = re.compile(r"^[1-9][0-9]{0,8}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 CHUNK = 1024 * 1024
@@ -582,8 +582,8 @@ class FolderRepository:
         override = self.overrides.get(folder.name)
         completed = self.completed.get(folder.name)
         given = "".join(text for text in (override, completed) if text is not None)
-        overridden = hashlib.sha256(given.encode()).hexdigest() if given else ""
-        key = folder / f"given {overridden}" if given else folder
+        given_digest = hashlib.sha256(given.encode()).hexdigest() if given else ""
+        key = folder / f"given {given_digest}" if given else folder
         model = self._once_per_change(key, entries, lambda: read_model(folder, override, completed))
         if isinstance(model, Exception):
             raise model.with_traceback(None)  # raised again at each scan: no traceback to grow
@@ -592,7 +592,7 @@ class FolderRepository:
                 item.manifest,
                 item.version,
                 folder,
-                _combined(self._digest(folder, (TRITON_CONFIG, item.version)), overridden),
+                _combined(self._digest(folder, (TRITON_CONFIG, item.version)), given_digest),
             )
             for item in model.versions
         ]
@@ -631,12 +631,13 @@ class FolderRepository:
 TRITON_CONFIG = "config.pbtxt"
 
 
-def _combined(digest: str, override: str) -> str:
-    """A Triton version's digest with the digest of the configuration that overrides its
-    config.pbtxt, if any: a runner loads the version again when either changes."""
-    if not override:
+def _combined(digest: str, given: str) -> str:
+    """A Triton version's digest with the digest of the configuration given in place of its
+    config.pbtxt (a load's, or its auto_complete_config's), if any: a runner loads the version
+    again when either changes."""
+    if not given:
         return digest
-    return hashlib.sha256(f"{digest} {override}".encode()).hexdigest()
+    return hashlib.sha256(f"{digest} {given}".encode()).hexdigest()
 
 
 def problem_of(folder: Path, exc: Exception) -> str:

@@ -17,10 +17,9 @@ from typing import Any
 import orjson
 
 from fngate.errors import FunctionNotFound, Unavailable
-from fngate.manifest import FunctionManifest, ManifestError
+from fngate.manifest import MANIFEST_FILE, FunctionManifest, ManifestError
 from fngate.repository import (
     CHUNK,
-    MANIFEST_FILE,
     ROUTING_FILE,
     VERSION,
     ArtifactFile,

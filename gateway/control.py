@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -13,6 +12,7 @@ from redis.exceptions import RedisError
 from fngate import clients, keys
 from fngate.errors import FunctionError, InvalidArgument, Unavailable
 from fngate.manifest import ManifestError
+from fngate.queue.stored import text
 from fngate.registry import (
     READY,
     RELOAD_FAILED,
@@ -118,22 +118,16 @@ async def _override(catalog: Catalog, name: str, config: str | None) -> str | No
     override: the whole configuration, completed from the model file), or, for None, with its
     config.pbtxt again. Checked here first, by reading the model's folder with it. Answers the
     configuration it was served with before (None: its config.pbtxt)."""
-    record = catalog.record(name)
-    version = record.newest()
+    version = catalog.record(name).newest()
     model = version.manifest.model_name
-    redis = _redis(catalog)
-    try:
-        before: Any = await redis.hget(keys.config_overrides(), model)
-        if config is None:
-            await redis.hdel(keys.config_overrides(), model)
-            return None
-    except RedisError as exc:
-        raise Unavailable(f"the registry is unavailable: {exc}") from exc
+    if config is None:
+        await _serve_with(catalog, model, None)
+        return None
     folder = version.directory
     if not is_triton_model(folder) or version.files:
         raise InvalidArgument(
             "load: a configuration given with the load request applies to a Triton model of a "
-            f"repository folder; function '{record.name}' is deployed from its manifest: deploy the "
+            f"repository folder; function '{version.name}' is deployed from its manifest: deploy the "
             "change (fngate deploy), then load"
         )
     from fngate.triton.models import read_model
@@ -143,21 +137,31 @@ async def _override(catalog: Catalog, name: str, config: str | None) -> str | No
     except ManifestError as exc:
         raise InvalidArgument(str(exc)[:1000]) from None
     try:
-        await redis.hset(keys.config_overrides(), model, config)
+        before: bytes | str | None = await _redis(catalog).hget(keys.config_overrides(), model)
     except RedisError as exc:
         raise Unavailable(f"the registry is unavailable: {exc}") from exc
-    return before.decode() if isinstance(before, bytes) else before
+    await _serve_with(catalog, model, config)
+    return None if before is None else text(before)
+
+
+async def _serve_with(catalog: Catalog, model: str, config: str | None) -> None:
+    """The configuration every gateway and runner serves a Triton model with (None: its
+    config.pbtxt), in Redis (fngate.keys.config_overrides)."""
+    redis = _redis(catalog)
+    try:
+        if config is None:
+            await redis.hdel(keys.config_overrides(), model)
+        else:
+            await redis.hset(keys.config_overrides(), model, config)
+    except RedisError as exc:
+        raise Unavailable(f"the registry is unavailable: {exc}") from exc
 
 
 async def _restore(catalog: Catalog, name: str, config: str | None) -> None:
     """The configuration a model was served with before a load that failed, back (None: its
     config.pbtxt), and the catalog read again with it."""
-    model = catalog.record(name).newest().manifest.model_name
+    await _serve_with(catalog, catalog.record(name).newest().manifest.model_name, config)
     try:
-        if config is None:
-            await _redis(catalog).hdel(keys.config_overrides(), model)
-        else:
-            await _redis(catalog).hset(keys.config_overrides(), model, config)
         await catalog.refresh()
     except (RedisError, OSError) as exc:
         raise Unavailable(f"the registry is unavailable: {exc}") from exc

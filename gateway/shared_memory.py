@@ -13,11 +13,12 @@ bytes still travel to the runner in the invocation, as any tensor's do (docs/tri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import re
 import stat
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from fngate import keys
 from fngate.errors import FunctionNotFound, InvalidArgument, PayloadTooLarge, Unavailable
 from fngate.manifest import FunctionManifest
 from fngate.tensors import Tensors, from_bytes, to_bytes
-from gateway.validation import OFF_LOOP_BYTES, check_complete, shown
+from gateway.validation import OFF_LOOP_BYTES, check_complete, natural, shown
 
 ROOT = "/dev/shm"
 """Where shm_open's objects live on Linux."""
@@ -45,6 +46,7 @@ CUDA_REFUSED = (
     "CUDA shared memory is not served by fngate: its gateways hold no GPU, and a runner's GPU is on "
     "another process (or machine); register system shared memory instead"
 )
+_SHRANK = "shared memory region '{}' is smaller than when it was registered"
 REGION = "shared_memory_region"
 OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -86,18 +88,19 @@ class Placed:
         """Each output placed in shared memory written there (the bytes written, by name); an output
         larger than its place is refused, as Triton refuses it."""
         written: dict[str, int] = {}
-        for name, (region, tensor) in self.outputs.items():
-            array = outputs.get(name)
-            if array is None:
-                continue
-            raw = to_bytes(array)
-            if len(raw) > tensor.byte_size:
-                raise InvalidArgument(
-                    f"shared memory size specified with the request for output '{name}' "
-                    f"({tensor.byte_size} bytes) should be at least {len(raw)} bytes to hold the results"
-                )
-            _write(region, tensor.offset, raw)
-            written[name] = len(raw)
+        with _Objects(os.O_RDWR) as objects:
+            for name, (region, tensor) in self.outputs.items():
+                array = outputs.get(name)
+                if array is None:
+                    continue
+                raw = to_bytes(array)
+                if len(raw) > tensor.byte_size:
+                    raise InvalidArgument(
+                        f"shared memory size specified with the request for output '{name}' "
+                        f"({tensor.byte_size} bytes) should be at least {len(raw)} bytes to hold the results"
+                    )
+                _write(objects.fd(region), region, tensor.offset, raw)
+                written[name] = len(raw)
         return written
 
 
@@ -111,17 +114,13 @@ def shared_of(params: Mapping[str, Any], name: str, where: str) -> SharedTensor 
         return None
     if not isinstance(region, str) or not REGION_NAME.match(region):
         raise InvalidArgument(f"{where}: '{REGION}' must be a region's name")
-    offset = _natural(params.get(OFFSET, 0), where, OFFSET)
+    if params.get("binary_data"):  # a requested output's: it goes to one place
+        raise InvalidArgument("Output can't set both 'shared_memory_region' and 'binary_data'")
+    offset = natural(params.get(OFFSET, 0), f"{where}: '{OFFSET}'")
     size = params.get(BYTE_SIZE)
     if size is None:
         raise InvalidArgument(f"{where}: '{REGION}' needs '{BYTE_SIZE}'")
-    return SharedTensor(name, region, offset, _natural(size, where, BYTE_SIZE))
-
-
-def _natural(value: Any, where: str, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
-        raise InvalidArgument(f"{where}: '{field}' must be a non-negative integer")
-    return value
+    return SharedTensor(name, region, offset, natural(size, f"{where}: '{BYTE_SIZE}'"))
 
 
 class SharedMemory:
@@ -156,7 +155,9 @@ class SharedMemory:
                 "'key' must name a POSIX shared memory object: '/' then letters, digits and '_.-'"
             )
         where = f"region '{name}'"
-        region = Region(name, key, _natural(offset, where, "offset"), _natural(byte_size, where, "byte_size"))
+        region = Region(
+            name, key, natural(offset, f"{where}: 'offset'"), natural(byte_size, f"{where}: 'byte_size'")
+        )
         with _opened(region.key, os.O_RDONLY) as fd:
             if region.offset + region.byte_size > os.fstat(fd).st_size:
                 raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args")
@@ -174,6 +175,18 @@ class SharedMemory:
             await self._redis_call(self._redis.hdel, keys.shared_memory(key_id), name)
         else:
             await self._redis_call(self._redis.delete, keys.shared_memory(key_id))
+
+    @staticmethod
+    def cuda_status(name: str | None) -> list[dict[str, Any]]:
+        """CUDA shared memory's regions: none (a gateway holds no GPU)."""
+        if name:
+            raise FunctionNotFound(f"Unable to find cuda shared memory region: '{shown(name)}'")
+        return []
+
+    @staticmethod
+    def cuda_register() -> None:
+        """Refused, saying why; unregistering any, or all, has nothing to do."""
+        raise InvalidArgument(CUDA_REFUSED)
 
     async def status(self, key_id: str, name: str | None) -> list[dict[str, Any]]:
         if name:
@@ -222,10 +235,15 @@ class SharedMemory:
 
 
 def _inputs(regions: Mapping[str, Region], inputs: Sequence[SharedTensor]) -> Tensors:
+    """Each input's bytes from its region (each region's object opened once)."""
     tensors: Tensors = {}
-    for tensor in inputs:
-        raw = _read(regions[tensor.region], tensor.offset, tensor.byte_size)
-        tensors[tensor.name] = from_bytes(tensor.datatype, tensor.shape, raw, f"input '{tensor.name}'")
+    with _Objects(os.O_RDONLY) as objects:
+        for tensor in inputs:
+            region = regions[tensor.region]
+            raw = os.pread(objects.fd(region), tensor.byte_size, region.offset + tensor.offset)
+            if len(raw) != tensor.byte_size:  # the object shrank since it was registered
+                raise InvalidArgument(_SHRANK.format(region.name))
+            tensors[tensor.name] = from_bytes(tensor.datatype, tensor.shape, raw, f"input '{tensor.name}'")
     return tensors
 
 
@@ -241,41 +259,41 @@ def _check_bounds(region: Region, tensor: SharedTensor) -> None:
         raise InvalidArgument(f"Invalid offset + byte size for shared memory region: '{region.name}'")
 
 
-class _opened:
+class _Objects(contextlib.ExitStack):
+    """The objects of one request's regions, each opened once (with `mode`), closed together."""
+
+    def __init__(self, mode: int) -> None:
+        super().__init__()
+        self._mode = mode
+        self._fds: dict[str, int] = {}
+
+    def fd(self, region: Region) -> int:
+        if region.name not in self._fds:
+            self._fds[region.name] = self.enter_context(_opened(region.key, self._mode))
+        return self._fds[region.name]
+
+
+@contextlib.contextmanager
+def _opened(key: str, mode: int) -> Iterator[int]:
     """A shared memory object's descriptor: a regular file, never through a link (O_NOFOLLOW), and
     never a FIFO that would block the event loop (O_NONBLOCK, then the type checked)."""
-
-    def __init__(self, key: str, mode: int) -> None:
-        path = os.path.join(ROOT, key.removeprefix("/"))
-        try:
-            self.fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            raise InvalidArgument(f"Unable to open shared memory region: '{key}' ({exc.strerror})") from None
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-            os.close(self.fd)
+    try:
+        fd = os.open(
+            os.path.join(ROOT, key.removeprefix("/")), mode | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        )
+    except OSError as exc:
+        raise InvalidArgument(f"Unable to open shared memory region: '{key}' ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise InvalidArgument(
                 f"Unable to open shared memory region: '{key}' (not a shared memory object)"
             )
-
-    def __enter__(self) -> int:
-        return self.fd
-
-    def __exit__(self, *_exc: object) -> None:
-        os.close(self.fd)
+        yield fd
+    finally:
+        os.close(fd)
 
 
-def _read(region: Region, offset: int, size: int) -> bytes:
-    with _opened(region.key, os.O_RDONLY) as fd:
-        raw = os.pread(fd, size, region.offset + offset)
-    if len(raw) != size:  # the object shrank since it was registered
-        raise InvalidArgument(f"shared memory region '{region.name}' is smaller than when it was registered")
-    return raw
-
-
-def _write(region: Region, offset: int, raw: bytes) -> None:
-    with _opened(region.key, os.O_RDWR) as fd:
-        if region.offset + offset + len(raw) > os.fstat(fd).st_size:
-            raise InvalidArgument(
-                f"shared memory region '{region.name}' is smaller than when it was registered"
-            )
-        os.pwrite(fd, raw, region.offset + offset)
+def _write(fd: int, region: Region, offset: int, raw: bytes) -> None:
+    if region.offset + offset + len(raw) > os.fstat(fd).st_size:
+        raise InvalidArgument(_SHRANK.format(region.name))
+    os.pwrite(fd, raw, region.offset + offset)

@@ -43,6 +43,13 @@ def parse_now(parser: Callable[..., T], *args: Any) -> T:
         raise InvalidArgument(f"the body could not be parsed ({type(exc).__name__})") from exc
 
 
+def natural(value: Any, what: str) -> int:
+    """`value` if it is a non-negative integer (of 63 bits at most), else `what` refused as none."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise InvalidArgument(f"{what} must be a non-negative integer")
+    return value
+
+
 def shown(name: object) -> str:
     """A name a caller sent, as error messages quote it: cut to MAX_NAME_CHARS."""
     text = name if isinstance(name, str) else repr(name)

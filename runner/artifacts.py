@@ -20,12 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fngate.errors import FunctionNotFound, Unavailable
-from fngate.repository import (
-    MANIFEST_FILE,
-    ArtifactFile,
-    FunctionVersion,
-    is_remote,
-)
+from fngate.manifest import MANIFEST_FILE
+from fngate.repository import ArtifactFile, FunctionVersion, is_remote
 from fngate.s3 import PART_BYTES, S3Repository
 from runner.backends.engine_cache import EngineStore, FolderEngineStore, S3EngineStore
 from runner.records import RACY_NS, Verifications

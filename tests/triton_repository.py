@@ -7,6 +7,7 @@ tokenizer, the classifier and a Python postprocessor, and Python models for the 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 CLASSIFIER = """
 name: "text_classifier"
@@ -179,9 +180,19 @@ class TritonPythonModel:
 """
 
 
+def save_graph(graph: Any, path: Path) -> None:
+    """An ONNX graph saved as a model onnxruntime loads (opset 17, IR version 8) at `path`."""
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
 def classifier_onnx(path: Path, factor: float) -> None:
     """logits = [s, -s] * factor, s the sum of input_ids where attention_mask is 1."""
-    import onnx
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
@@ -204,10 +215,7 @@ def classifier_onnx(path: Path, factor: float) -> None:
             helper.make_tensor("factor", TensorProto.FLOAT, [], [factor]),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
+    save_graph(graph, path)
 
 
 SIMPLE_STRING = """
@@ -248,10 +256,7 @@ def simple_string_onnx(path: Path) -> None:
         [strings("INPUT0"), strings("INPUT1")],
         [strings("OUTPUT0"), strings("OUTPUT1")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
+    save_graph(graph, path)
 
 
 SIMPLE = """
@@ -287,10 +292,7 @@ def simple_onnx(path: Path) -> None:
         [ints("INPUT0"), ints("INPUT1")],
         [ints("OUTPUT0"), ints("OUTPUT1")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
+    save_graph(graph, path)
 
 
 IDENTITY = """
@@ -304,7 +306,6 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 
 
 def identity_onnx(path: Path) -> None:
-    import onnx
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
@@ -313,10 +314,7 @@ def identity_onnx(path: Path) -> None:
         [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["n"])],
         [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["n"])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
+    save_graph(graph, path)
 
 
 def model(root: Path, name: str, config: str | None, versions: dict[str, dict[str, str | None]]) -> Path:
@@ -478,10 +476,7 @@ def accumulator_onnx(path: Path) -> None:
         [tensor("INPUT"), tensor("TOTAL_IN")],
         [tensor("OUTPUT"), tensor("TOTAL_OUT")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
+    save_graph(graph, path)
 
 
 def sequence_onnx(path: Path, echo_controls: bool = False) -> None:
@@ -513,7 +508,4 @@ def sequence_onnx(path: Path, echo_controls: bool = False) -> None:
         inputs = [tensor(name, TensorProto.INT32) for name in ("INPUT", "START", "READY")]
         outputs = [tensor("OUTPUT", TensorProto.INT32)]
     graph = helper.make_graph(nodes, "sequence", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
+    save_graph(graph, path)

@@ -14,10 +14,10 @@ from typing import TextIO
 
 import yaml
 
-from fngate.manifest import FunctionManifest, ManifestError
+from fngate.manifest import MANIFEST_FILE, FunctionManifest, ManifestError
 from fngate.process import module_command
-from fngate.repository import MANIFEST_FILE, is_triton_model, make_record, problem_of
 from fngate.repository import FunctionVersion as Version
+from fngate.repository import is_triton_model, make_record, problem_of
 
 ModelCheck = Callable[[FunctionManifest, Path], list[str]]
 

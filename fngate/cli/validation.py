@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from fngate.manifest import FunctionManifest, ManifestError, TensorSpec, load_manifest
+from fngate.manifest import MANIFEST_FILE, FunctionManifest, ManifestError, TensorSpec, load_manifest
 from fngate.pipeline import Problem, edge_problems
-from fngate.repository import MANIFEST_FILE, FolderRepository, FunctionRecord, is_triton_model, problem_of
+from fngate.repository import FolderRepository, FunctionRecord, is_triton_model, problem_of
 from fngate.tensors import ONNX_DATATYPES
 
 

@@ -22,7 +22,7 @@ from fngate.queue.results import (
     ResultQuota,
 )
 from fngate.queue.steps import forward_call
-from fngate.queue.stored import PACKED_LUA, QUOTA_LUA, STORE_RESULT_LUA, Charge, parse_charges
+from fngate.queue.stored import PACKED_LUA, QUOTA_LUA, STORE_RESULT_LUA, Charge, parse_charges, text
 
 # KEYS: streams and cache entries of one slot. ARGV[1]: the reply streams' maxlen, then groups of
 # six: the kind ('r' a reply, 'p' replies packed into one entry, 'c' a cache entry), the index of
@@ -373,7 +373,7 @@ def parse_first_steps(raw: Any) -> str | FirstSteps:
     """FIRST_STEPS' answer: CANCEL's outcome where it decided, else FirstSteps."""
     if not isinstance(raw, list):
         return raw.decode() if isinstance(raw, bytes) else str(raw)
-    found = [FirstStep(int(index), _text(stream), _text(entry)) for index, stream, entry in raw[1]]
+    found = [FirstStep(int(index), text(stream), text(entry)) for index, stream, entry in raw[1]]
     return FirstSteps(int(raw[0]), sorted(found, key=lambda step: step.index), bool(raw[2]))
 
 
@@ -397,7 +397,3 @@ def put_back_call(steps: Sequence[FirstStep], back: bool) -> ScriptCall:
     """PUT_BACK's arguments for steps of one slot: queued again (`back`), or forgotten."""
     mode = "back" if back else "drop"
     return ScriptCall([step.stream for step in steps], [mode, *(step.entry for step in steps)])
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -123,10 +123,11 @@ class Charge:
 
 def parse_charges(raw: Sequence[Any]) -> list[Charge]:
     """store_result's answers, as a script passes them on ({quota, bytes, ttl_ms} each)."""
-    return [Charge(_text(quota), int(size), int(ttl_ms)) for quota, size, ttl_ms in raw]
+    return [Charge(text(quota), int(size), int(ttl_ms)) for quota, size, ttl_ms in raw]
 
 
-def _text(value: bytes | str) -> str:
+def text(value: bytes | str) -> str:
+    """A string of a Redis reply (redis-py answers bytes unless its client decodes)."""
     return value.decode() if isinstance(value, bytes) else value
 
 

@@ -9,10 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fngate.manifest import FunctionManifest, ManifestError
-
-if TYPE_CHECKING:
-    from tritonclient.grpc import model_config_pb2 as pb
+from fngate.manifest import MANIFEST_FILE, FunctionManifest, ManifestError
 from fngate.tensors import ONNX_DATATYPES
 from fngate.triton.config import (
     CONFIG_FILE,
@@ -24,6 +21,9 @@ from fngate.triton.config import (
     parse_config,
     parse_config_json,
 )
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2 as pb
 
 VERSION = re.compile(r"^[1-9][0-9]{0,8}$")
 ORT_TYPES = {
@@ -190,7 +190,7 @@ def _ort_signature(path: Path) -> ModelSignature:
 def needs_completion(folder: Path) -> Path | None:
     """The model.py (of the newest version) of a Python model's folder with no config.pbtxt, which
     its auto_complete_config completes (runner.triton.complete); None for any other folder."""
-    if not folder.is_dir() or (folder / CONFIG_FILE).exists() or (folder / "function.yaml").exists():
+    if not folder.is_dir() or (folder / CONFIG_FILE).exists() or (folder / MANIFEST_FILE).exists():
         return None
     versions = sorted(
         (item for item in _numbered(folder) if (item / MODEL_FILES["python"]).is_file()),
@@ -202,19 +202,13 @@ def needs_completion(folder: Path) -> Path | None:
 def _completed(folder: Path, completed: str | None) -> pb.ModelConfig:
     """A Python model's configuration as its auto_complete_config completed it (a record
     {"config": ...} or {"error": ...} of runner.triton.complete)."""
-    from google.protobuf import json_format
-    from tritonclient.grpc import model_config_pb2 as pb
-
     source = f"{folder}: the configuration its auto_complete_config completed"
     if completed is None:
         raise ManifestError(str(folder / CONFIG_FILE), [("", PYTHON_AUTO_COMPLETE)])
     record = json.loads(completed)
     if "error" in record:
         raise ManifestError(source, [("", f"auto_complete_config failed: {record['error']}")])
-    try:
-        return json_format.ParseDict(record["config"], pb.ModelConfig())
-    except json_format.ParseError as exc:
-        raise ManifestError(source, [("", f"not a Triton model configuration: {exc}")]) from exc
+    return parse_config_json(json.dumps(record["config"]), source)
 
 
 def _backend_of_files(folder: Path) -> str:

@@ -23,7 +23,15 @@ from fngate.manifest import FunctionManifest
 from fngate.tensors import DATATYPES, Tensors, element_count, from_bytes, to_bytes
 from fngate.wire import Reply
 from gateway.shared_memory import NOTHING_PLACED, Placed, SharedTensor, shared_of
-from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
+from gateway.validation import (
+    check_complete,
+    check_datatype,
+    check_new,
+    check_shape,
+    input_spec,
+    natural,
+    output_spec,
+)
 
 # The typed field of InferTensorContents that carries each datatype (FP16 only travels raw).
 CONTENTS = {
@@ -97,8 +105,6 @@ def shared_outputs(
             in_region = shared_of(params, item.name, f"output '{item.name}'")
             if in_region is not None:
                 output_spec(manifest, item.name)
-                if params.get("binary_data"):
-                    raise InvalidArgument("Output can't set both 'shared_memory_region' and 'binary_data'")
                 shared[item.name] = in_region
     return shared
 
@@ -155,14 +161,10 @@ def timeout_ms(params: Mapping[str, Any], remaining_s: float | None) -> int | No
     return min(found) if found else None
 
 
-def natural(params: Mapping[str, Any], name: str) -> int | None:
+def natural_parameter(params: Mapping[str, Any], name: str) -> int | None:
     """A non-negative integer parameter (Triton's `priority`, `timeout`), None when absent."""
     value = params.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"parameter '{name}' must be a non-negative integer")
-    return value
+    return None if value is None else natural(value, f"parameter '{name}'")
 
 
 def use_cache(params: Mapping[str, Any]) -> bool:

@@ -22,7 +22,6 @@ from fngate import telemetry
 from fngate.errors import (
     ErrorCode,
     FunctionError,
-    FunctionNotFound,
     Internal,
     InvalidArgument,
     Overloaded,
@@ -42,7 +41,7 @@ from gateway.grpc import codec
 from gateway.grpc.messages import nested_fields
 from gateway.grpc.rpc import Method, Rpc, RpcError
 from gateway.grpc.status import CODES, Status
-from gateway.shared_memory import CUDA_REFUSED, NOTHING_PLACED, SharedMemory
+from gateway.shared_memory import NOTHING_PLACED, SharedMemory
 from gateway.state import Services
 from gateway.validation import OFF_LOOP_BYTES, parse, parse_now, shown
 
@@ -152,10 +151,7 @@ class GrpcInference:
     async def RepositoryModelLoad(self, request: Any, rpc: Rpc) -> Any:
         found = self.services
         await self._authorize(rpc, ADMIN, None)
-        parameters = {
-            key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
-            for key, value in request.parameters.items()
-        }
+        parameters = codec.parameters(request.parameters)
         await control.load_request(
             found.catalog, request.model_name, parameters, found.settings.load_timeout_s
         )
@@ -190,13 +186,13 @@ class GrpcInference:
 
     async def CudaSharedMemoryStatus(self, request: Any, rpc: Rpc) -> Any:
         await self._regions(rpc)
-        if request.name:
-            raise FunctionNotFound(f"Unable to find cuda shared memory region: '{shown(request.name)}'")
+        SharedMemory.cuda_status(request.name or None)  # none
         return service_pb2.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request: Any, rpc: Rpc) -> Any:
         await self._regions(rpc)
-        raise InvalidArgument(CUDA_REFUSED)
+        SharedMemory.cuda_register()
+        return service_pb2.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request: Any, rpc: Rpc) -> Any:
         await self._regions(rpc)
@@ -401,8 +397,8 @@ class GrpcInference:
                 traceparent,
                 None,
                 started,
-                priority=codec.natural(params, "priority") or 0,
-                queue_timeout_us=codec.natural(params, "timeout"),
+                priority=codec.natural_parameter(params, "priority") or 0,
+                queue_timeout_us=codec.natural_parameter(params, "timeout"),
                 sequence=step_of(params),
             )
         except FunctionError as exc:

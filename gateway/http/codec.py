@@ -23,7 +23,15 @@ from fngate.tensors import DATATYPES, Tensors, element_count, from_bytes, from_j
 from fngate.wire import Reply
 from gateway.http.tensor_data import Decoded, outline_of, shape_of_outline
 from gateway.shared_memory import NOTHING_PLACED, Placed, SharedTensor, shared_of
-from gateway.validation import check_complete, check_datatype, check_new, check_shape, input_spec, output_spec
+from gateway.validation import (
+    check_complete,
+    check_datatype,
+    check_new,
+    check_shape,
+    input_spec,
+    natural,
+    output_spec,
+)
 
 HEADER_LENGTH = "inference-header-content-length"
 NO_SHARED: Mapping[str, SharedTensor] = MappingProxyType({})
@@ -337,8 +345,6 @@ def _requested_outputs(
         params = _params(item, f"output '{spec.name}'")
         in_region = shared_of(params, spec.name, f"output '{spec.name}'") if params else None
         if in_region is not None:
-            if params.get("binary_data"):
-                raise InvalidArgument("Output can't set both 'shared_memory_region' and 'binary_data'")
             shared[spec.name] = in_region
         elif params.get("binary_data", binary_all):
             binary.add(spec.name)
@@ -356,11 +362,7 @@ def _timeout(params: Mapping[str, Any]) -> int | None:
 
 def _natural(params: Mapping[str, Any], name: str) -> int | None:
     value = params.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
-        raise InvalidArgument(f"'{name}' must be a non-negative integer")
-    return value
+    return None if value is None else natural(value, f"'{name}'")
 
 
 def _use_cache(params: Mapping[str, Any]) -> bool:

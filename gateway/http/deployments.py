@@ -22,7 +22,8 @@ from starlette.routing import Route
 from fngate import deployment
 from fngate.config import GatewaySettings, RepositoryLimits
 from fngate.errors import FunctionNotFound, InvalidArgument, PayloadTooLarge
-from fngate.repository import MANIFEST_FILE, Repository, check_name
+from fngate.manifest import MANIFEST_FILE
+from fngate.repository import Repository, check_name
 from gateway.auth import DEPLOY
 from gateway.http.bodies import control_json
 from gateway.http.guard import Guarded, principal_of

@@ -11,14 +11,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fngate.errors import FunctionNotFound, InvalidArgument
+from fngate.errors import InvalidArgument
 from gateway.auth import INVOKER
 from gateway.http.bodies import control_json
 from gateway.http.guard import Guarded, principal_of
 from gateway.http.rendering import json_response
-from gateway.shared_memory import CUDA_REFUSED, SharedMemory
+from gateway.shared_memory import SharedMemory
 from gateway.state import services
-from gateway.validation import shown
 
 
 def _regions(request: Request) -> tuple[SharedMemory, str, str | None]:
@@ -50,14 +49,12 @@ async def unregister(request: Request) -> Response:
 
 
 async def cuda_status(request: Request) -> Response:
-    name = request.path_params.get("region")
-    if name:
-        raise FunctionNotFound(f"Unable to find cuda shared memory region: '{shown(name)}'")
-    return json_response([])
+    return json_response(SharedMemory.cuda_status(request.path_params.get("region")))
 
 
 async def cuda_register(request: Request) -> Response:
-    raise InvalidArgument(CUDA_REFUSED)
+    SharedMemory.cuda_register()
+    return json_response({})
 
 
 async def cuda_unregister(request: Request) -> Response:

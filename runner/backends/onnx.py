@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from fngate.errors import InvalidArgument, Unavailable
-from fngate.manifest import FunctionManifest
-from fngate.repository import MANIFEST_FILE, SHA256, hash_file
+from fngate.manifest import MANIFEST_FILE, FunctionManifest
+from fngate.repository import SHA256, hash_file
 from fngate.tensors import DATATYPES, Tensors
 from runner import gpu
 from runner.backends.engine_cache import EngineCache, EngineKey, options_fingerprint

@@ -24,8 +24,8 @@ from redis.exceptions import RedisError
 
 from fngate import clients, keys
 from fngate.errors import FunctionError
+from fngate.queue.stored import text
 from fngate.triton.models import needs_completion
-from runner.backends.python import auto_complete
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 2.0
@@ -46,6 +46,8 @@ def digest(folder: Path) -> str:
 def completed(folder: Path, module: Path) -> dict[str, Any]:
     """The record of one model: {"digest", "config"} or, when its auto_complete_config fails,
     {"digest", "error"}."""
+    from runner.backends.python import auto_complete  # only once a model needs it: a pass is stats
+
     record: dict[str, Any] = {"digest": digest(folder)}
     given = {"name": folder.name, "backend": "python", "max_batch_size": 0, "input": [], "output": []}
     try:
@@ -74,10 +76,7 @@ async def complete_repository(root: Path, redis: Any) -> int:
     """One pass: each model whose folder changed since its record (or has none) completed and
     recorded; the records of folders gone (or given a config.pbtxt) removed. Answers how many
     models were completed."""
-    held = {
-        (name.decode() if isinstance(name, bytes) else name): json.loads(raw)
-        for name, raw in (await redis.hgetall(keys.auto_completed())).items()
-    }
+    held = {text(name): json.loads(raw) for name, raw in (await redis.hgetall(keys.auto_completed())).items()}
     wanted = await asyncio.to_thread(_models, root)
     done = 0
     for name, (folder, module) in wanted.items():

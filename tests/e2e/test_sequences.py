@@ -66,11 +66,18 @@ def call_sequence(
 
 
 def grpc_stream(
-    client: triton_grpc.InferenceServerClient, sequences: dict[int, list[int]], interleaved: bool
-) -> dict[int, list[int]]:
+    client: triton_grpc.InferenceServerClient,
+    sequences: dict[int, list[int]],
+    interleaved: bool,
+    model: str = "simple_sequence",
+    tensor_of: Callable[[int], triton_grpc.InferInput] | None = None,
+    read: Callable[[np.ndarray], Any] = lambda output: int(output[0][0]),
+    timeout_s: float = 30,
+) -> dict[int, list[Any]]:
     """The steps of several sequences sent on one stream without waiting: each sequence's steps one
     after the other, as the quickstart's stream client sends them, or interleaved; each sequence's
-    answers in its order."""
+    answers (`read` from its OUTPUT) in its order. `tensor_of(value)`: a step's INPUT (the quickstart
+    model's by default)."""
     answers: queue.Queue[Any] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     sent = 0
@@ -82,26 +89,30 @@ def grpc_stream(
         for index, sequence_id in order:
             values = sequences[sequence_id]
             if index < len(values):
-                tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
-                tensor.set_data_from_numpy(np.full((1, 1), values[index], dtype=np.int32))
                 client.async_stream_infer(
-                    "simple_sequence",
-                    [tensor],
+                    model,
+                    [(tensor_of or _int32_step)(values[index])],
                     request_id=f"{sequence_id}_{index}",
                     sequence_id=sequence_id,
                     sequence_start=index == 0,
                     sequence_end=index == len(values) - 1,
                 )
                 sent += 1
-        found: dict[int, dict[int, int]] = {sequence_id: {} for sequence_id in sequences}
+        found: dict[int, dict[int, Any]] = {sequence_id: {} for sequence_id in sequences}
         for _ in range(sent):
-            result, error = answers.get(timeout=30)
+            result, error = answers.get(timeout=timeout_s)
             assert error is None, str(error)
             sequence_id, index = (int(part) for part in result.get_response().id.split("_"))
-            found[sequence_id][index] = int(result.as_numpy("OUTPUT")[0][0])
+            found[sequence_id][index] = read(result.as_numpy("OUTPUT"))
     finally:
         client.stop_stream()
     return {sequence_id: [steps[i] for i in sorted(steps)] for sequence_id, steps in found.items()}
+
+
+def _int32_step(value: int) -> triton_grpc.InferInput:
+    tensor = triton_grpc.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
+    return tensor
 
 
 def exercise_quickstart(url: str, grpc_url: str) -> None:
@@ -400,34 +411,19 @@ async def test_implicit_state_follows_each_sequence_across_batches_and_runners(
 def stream_totals(address: str, sequences: dict[int, list[int]]) -> dict[int, list[int]]:
     """Each sequence's steps sent on one gRPC stream one after the other without waiting, as
     Triton's stream client sends them; the OUTPUT of each step, by sequence, in order."""
+
+    def accumulated(value: int) -> triton_grpc.InferInput:
+        tensor = triton_grpc.InferInput("INPUT", [1, 2], "INT64")
+        tensor.set_data_from_numpy(np.array([[value, 1]], dtype=np.int64))
+        return tensor
+
     client = triton_grpc.InferenceServerClient(address)
-    answers: queue.Queue[Any] = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    sent = 0
     try:
-        for sequence_id, values in sequences.items():
-            for index, value in enumerate(values):
-                tensor = triton_grpc.InferInput("INPUT", [1, 2], "INT64")
-                tensor.set_data_from_numpy(np.array([[value, 1]], dtype=np.int64))
-                client.async_stream_infer(
-                    "accumulator",
-                    [tensor],
-                    request_id=f"{sequence_id}_{index}",
-                    sequence_id=sequence_id,
-                    sequence_start=index == 0,
-                    sequence_end=index == len(values) - 1,
-                )
-                sent += 1
-        found: dict[int, dict[int, list[int]]] = {sequence_id: {} for sequence_id in sequences}
-        for _ in range(sent):
-            result, error = answers.get(timeout=60)
-            assert error is None, str(error)
-            sequence_id, index = (int(part) for part in result.get_response().id.split("_"))
-            found[sequence_id][index] = result.as_numpy("OUTPUT")[0].tolist()
+        return grpc_stream(
+            client, sequences, False, "accumulator", accumulated, lambda output: output[0].tolist(), 60
+        )
     finally:
-        client.stop_stream()
         client.close()
-    return {sequence_id: [steps[i] for i in sorted(steps)] for sequence_id, steps in found.items()}
 
 
 async def test_steps_sent_without_waiting_run_in_order_each_on_the_last_ones_state(

@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from fngate.errors import FunctionNotFound, InvalidArgument
-from fngate.manifest import VersionsSpec, load_manifest
+from fngate.manifest import MANIFEST_FILE, VersionsSpec, load_manifest
 from fngate.repository import (
-    MANIFEST_FILE,
     FolderRepository,
     FunctionVersion,
     check_name,
