@@ -7,6 +7,7 @@ is named with why, and the others serve."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -18,10 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as triton_http
+from redis.exceptions import RedisError
 from tritonclient.utils import InferenceServerException
 
-from fngate import keys
+from fngate import clients, keys
 from fngate.process import module_command
+from runner.triton.complete import INTERVAL_S
+from tests.conftest import start_redis
 
 ADD_SUB = """
 import os
@@ -158,3 +162,59 @@ def served_with(url: str, name: str, max_batch_size: int) -> None:
         assert client.get_model_config(name)["max_batch_size"] == max_batch_size
     finally:
         client.close()
+
+
+async def test_the_completer_survives_redis_killed_and_back(redis_url: str, tmp_path: Path) -> None:
+    """The completer, as `fngate up` keeps it running: Redis killed with SIGKILL under it, it goes
+    on (logging), and once Redis is back it records a model added meanwhile, with no restart."""
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    server, url = start_redis(folder)
+    root = tmp_path / "models"
+    python_model(root, "nobatch_auto_complete", "MAX_BATCH = 0\n" + ADD_SUB)
+    log = tmp_path / "completer.log"
+    completer = start_completer(root, url, log)
+    servers = [server]
+    try:
+        await until_recorded(url, {"nobatch_auto_complete"})
+        servers[0].kill()
+        servers[0].wait(timeout=10)
+        python_model(root, "batch_auto_complete", "MAX_BATCH = 4\n" + ADD_SUB)
+        await asyncio.sleep(2 * INTERVAL_S + 1)  # passes that meet no Redis
+        assert completer.poll() is None
+        servers[0] = start_redis(folder)[0]  # empty: nothing was persisted
+        await until_recorded(url, {"nobatch_auto_complete", "batch_auto_complete"})
+    finally:
+        completer.terminate()
+        completer.wait(timeout=30)
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
+    errors = log.read_text()
+    assert completer.returncode == 0, errors
+    assert "auto-complete of" in errors and "Traceback" not in errors, errors
+
+
+def start_completer(root: Path, url: str, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:
+        return subprocess.Popen(
+            module_command("runner.triton.complete", "--repo", str(root), "--redis", url),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def until_recorded(url: str, names: set[str], timeout_s: float = 60) -> None:
+    """Until the completer has recorded each of `names` with a configuration."""
+    client = clients.connect(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            with contextlib.suppress(RedisError, OSError):
+                records = await client.hgetall(keys.auto_completed())
+                done = {name.decode() for name, raw in records.items() if "config" in json.loads(raw)}
+                if done >= names:
+                    return
+            assert time.monotonic() < deadline, f"not recorded: {names}"
+            await asyncio.sleep(0.2)
+    finally:
+        await client.aclose()
