@@ -19,10 +19,11 @@ from typing import Any
 from fngate import telemetry
 
 
-def module_command(module: str, *args: str) -> list[str]:
+def module_command(module: str, *args: str, python: str = "") -> list[str]:
     """The command line that runs one of fngate's components (`python -m gateway`) as installed:
-    with -P, so that a `gateway.py` or `fngate/` in the current folder cannot stand in for it."""
-    return [sys.executable, "-P", "-m", module, *args]
+    with -P, so that a `gateway.py` or `fngate/` in the current folder cannot stand in for it.
+    `python`: another environment's interpreter (default: this one's)."""
+    return [python or sys.executable, "-P", "-m", module, *args]
 
 
 def batch_scheduling(pid: int = 0) -> str:

@@ -217,6 +217,13 @@ def _add_up_command(commands: Any) -> None:
         "they wake each other for every invocation, and this spares the preemption of each wake "
         "(default on; a lower p99 under Poisson arrivals on the benchmark's two cores)",
     )
+    up.add_argument(
+        "--runner-python",
+        metavar="PATH",
+        help="the Python interpreter that runs the runners (and the auto-complete of Python models): "
+        "another environment with fngate and what the models import beyond it, such as torch for "
+        "TorchScript models or a Python model's packages (default: this fngate's)",
+    )
     up.add_argument("--redis-max-memory", default="1gb", help="the private Redis's maxmemory (default 1gb)")
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     _add_auth_flags(up)

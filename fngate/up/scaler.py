@@ -74,8 +74,11 @@ class LocalScaler:
         poll_s: float = 0.5,
         cooldown_s: float = 1.0,
         standby: bool = False,
+        python: str = "",
     ) -> None:
         self._redis = redis
+        self._python = python
+        """The interpreter runners start with ('': this one's; `fngate up --runner-python`)."""
         self._pools = pools
         self._env = env
         self._idle_shutdown_s = idle_shutdown_s
@@ -221,7 +224,7 @@ class LocalScaler:
             output = open(self._logs / f"runner-{label}-{self._spawned}.log", "ab")  # noqa: SIM115
         self._spawned += 1
         process = subprocess.Popen(
-            module_command("runner", *args),
+            module_command("runner", *args, python=self._python),
             env=env,
             stdin=subprocess.PIPE if args else None,
             stdout=output,

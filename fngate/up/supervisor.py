@@ -28,7 +28,7 @@ from pathlib import Path
 
 import redis
 
-from fngate import apikeys, clients, telemetry
+from fngate import __version__, apikeys, clients, telemetry
 from fngate.backoff import Backoff
 from fngate.cli.examples import example_body
 from fngate.errors import FunctionError
@@ -220,12 +220,16 @@ def _wait_for_redis(url: str, process: subprocess.Popen[bytes], timeout_s: float
 
 
 def _spawn(
-    module: str, env: dict[str, str], pass_fds: tuple[int, ...] = (), args: tuple[str, ...] = ()
+    module: str,
+    env: dict[str, str],
+    pass_fds: tuple[int, ...] = (),
+    args: tuple[str, ...] = (),
+    python: str = "",
 ) -> subprocess.Popen[bytes]:
     # A session of its own: Ctrl-C reaches only us, and we stop the children in order. Killed
     # with us, so that a restart finds the port free.
     return subprocess.Popen(
-        module_command(module, *args),
+        module_command(module, *args, python=python),
         env=env,
         start_new_session=True,
         pass_fds=pass_fds,
@@ -257,10 +261,44 @@ def _family(host: str) -> socket.AddressFamily:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
 
 
+def runner_python(python: str) -> str:
+    """`--runner-python`: the interpreter runners start with, checked before anything starts (it
+    must import this very fngate); '' for this one's. LocalError says what is wrong."""
+    if not python:
+        return ""
+    path = Path(python).expanduser()
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise LocalError(f"--runner-python {python}: no executable file there")
+    check = "import fngate, runner; print(fngate.__version__)"
+    try:
+        done = subprocess.run(
+            [str(path), "-P", "-c", check], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LocalError(f"--runner-python {python} could not be run: {exc}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LocalError(
+            f"--runner-python {python} cannot import fngate's runner ({last}): install fngate into "
+            f"that environment (`{python} -m pip install fngate[cpu]`, or `-e .` from a checkout)"
+        )
+    if done.stdout.strip() != __version__:
+        raise LocalError(
+            f"--runner-python {python} has fngate {done.stdout.strip()}, and this fngate up is "
+            f"{__version__}: install the same version there"
+        )
+    return str(path.absolute())
+
+
 def run_local(args: argparse.Namespace) -> int:
     repo = str(args.repo)
     if not is_remote(repo) and not Path(repo).is_dir():
         print(f"fngate up: repository folder {repo} does not exist", file=sys.stderr)
+        return 2
+    try:
+        args.runner_python = runner_python(getattr(args, "runner_python", "") or "")
+    except LocalError as exc:
+        print(f"fngate up: {exc}", file=sys.stderr)
         return 2
     if getattr(args, "reload", False) and is_remote(repo):
         print(f"fngate up: --reload watches a folder; {repo} is not one", file=sys.stderr)
@@ -374,6 +412,7 @@ async def _serve(
         env,
         idle_shutdown_s=args.idle_shutdown_s,
         standby=getattr(args, "standby_runner", True),
+        python=args.runner_python,
     )
     gateway_down = asyncio.Event()
 
@@ -389,7 +428,7 @@ async def _serve(
         repo_args = ("--repo", env["FNGATE_REPO"], "--redis", env["FNGATE_REDIS_URL"])
         completer = Supervised(
             "the auto-complete of Python models",
-            lambda: _spawn("runner.triton.complete", env, args=repo_args),
+            lambda: _spawn("runner.triton.complete", env, args=repo_args, python=args.runner_python),
         )
     try:
         async with client, asyncio.TaskGroup() as tasks:

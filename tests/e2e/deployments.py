@@ -51,6 +51,27 @@ def scale_function(folder: Path, name: str, factor: float, versions: Mapping[str
     return folder / "function.yaml"
 
 
+def start_up(
+    repo: Path, port: int, tmp_path: Path, *extra: str, environ: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`fngate up` on `repo` as a process of its own (its output in tmp_path/up.log): one gateway
+    worker, no gRPC, metrics or standby runner, no auth; `extra` flags and `environ` settings added
+    (the caller's FNGATE_ settings left out)."""
+    command = [sys.executable, "-m", "fngate.cli.main", "up", "--repo", str(repo), "--port", str(port)]
+    command += ["--metrics-port", "0", "--state-dir", str(tmp_path / "state"), "--gateway-workers", "1"]
+    command += ["--no-standby-runner", "--no-auth", "--grpc-port", "0", *extra]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
+    with (tmp_path / "up.log").open("wb") as output:
+        return subprocess.Popen(
+            command,
+            env={**env, **(environ or {})},
+            cwd=ROOT,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 async def cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`fngate ARGS` in a process of its own (AWS settings from this process's environment)."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}

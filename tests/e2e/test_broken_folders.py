@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,8 @@ import httpx
 import yaml
 
 from fngate.process import stop_processes
-from tests.conftest import ROOT, free_port, wait_http
+from tests.conftest import free_port, wait_http
+from tests.e2e import deployments
 from tests.e2e.deployments import ROW, cli, scale_function
 from tests.triton_repository import BATCHES, BATCHES_CONFIG
 
@@ -111,15 +111,8 @@ BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
 
 
 def start_up(repo: Path, port: int, tmp_path: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "fngate.cli.main", "up", "--reload", "--repo", str(repo)]
-    command += ["--port", str(port), "--metrics-port", "0", "--state-dir", str(tmp_path / "state")]
-    command += ["--gateway-workers", "1", "--no-standby-runner", "--no-auth", "--grpc-port", "0"]
-    environ = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
-    environ |= {"FNGATE_RESCAN_S": "0.3", "FNGATE_CATALOG_REFRESH_S": "0.3"}
-    with (tmp_path / "up.log").open("wb") as output:
-        return subprocess.Popen(
-            command, env=environ, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    refresh = {"FNGATE_RESCAN_S": "0.3", "FNGATE_CATALOG_REFRESH_S": "0.3"}
+    return deployments.start_up(repo, port, tmp_path, "--reload", environ=refresh)
 
 
 async def good_ones_answer(client: httpx.AsyncClient) -> None:

@@ -23,7 +23,8 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from fngate.process import stop_processes
-from tests.conftest import ROOT, child_env, free_port
+from tests.conftest import ROOT, child_env, free_port, wait_http
+from tests.e2e import deployments
 from tests.triton_repository import model
 
 TORCH_PYTHON = ROOT / ".venv" / "torch" / "bin" / "python"
@@ -265,3 +266,27 @@ async def test_a_torchscript_model_in_its_own_process_answers_and_its_crash_spar
     again = await asyncio.to_thread(call_http, base, "torch_own", x, scale, indexed, [(3, 5)])
     np.testing.assert_allclose(again[0]["y"], y[3:5], rtol=1e-5, atol=1e-6)
     assert sandbox_of("torch-own") not in (None, pid)
+
+
+async def test_fngate_up_runs_its_runners_with_the_python_given(
+    torch_repository: Path, tmp_path: Path
+) -> None:
+    """`fngate up --runner-python .venv/torch/bin/python`: the suite's environment has no torch, the
+    one given has; fngate up's runners start in it and answer as torch does."""
+    x, scale = np.load(tmp_path / "x.npy"), np.load(tmp_path / "scale.npy")
+    y = np.load(tmp_path / "y.npy")
+    port = free_port()
+    up = deployments.start_up(torch_repository, port, tmp_path, "--runner-python", str(TORCH_PYTHON))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await wait_http(base, timeout_s=60)
+        spans = [(0, 1), (1, 4), (4, 6)]
+        answers = await asyncio.to_thread(
+            call_http, base, "torch_model", x, scale, ("INPUT__0", "INPUT__1"), spans
+        )
+        for (start, end), answer in zip(spans, answers, strict=True):
+            np.testing.assert_allclose(answer["y"], y[start:end], rtol=1e-5, atol=1e-6)
+    finally:
+        stop_processes([up])
+    log = (tmp_path / "up.log").read_text()
+    assert "needs torch" not in log, log[-3000:]

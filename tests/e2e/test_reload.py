@@ -5,9 +5,7 @@ reloads it the same way."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +15,8 @@ import httpx
 import redis.asyncio as aioredis
 
 from fngate.process import stop_processes
-from tests.conftest import ROOT, free_socket, wait_http
+from tests.conftest import free_socket, wait_http
+from tests.e2e import deployments
 from tests.e2e.deployments import ROW, scale_function
 
 BROKEN = "raise RuntimeError('not today')\n"
@@ -46,19 +45,7 @@ async def until_factor(
 
 
 def start_up(repo: Path, port: int, tmp_path: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "fngate.cli.main", "up", "--reload", "--repo", str(repo)]
-    command += ["--port", str(port), "--metrics-port", "0", "--state-dir", str(tmp_path / "state")]
-    command += ["--gateway-workers", "1", "--no-standby-runner", "--no-auth", "--grpc-port", "0"]
-    environ = {key: value for key, value in os.environ.items() if not key.startswith("FNGATE_")}
-    with (tmp_path / "up.log").open("wb") as output:
-        return subprocess.Popen(
-            command,
-            env={**environ, "FNGATE_RESCAN_S": "0.3"},
-            cwd=ROOT,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    return deployments.start_up(repo, port, tmp_path, "--reload", environ={"FNGATE_RESCAN_S": "0.3"})
 
 
 async def test_up_reload_reloads_a_changed_function_and_keeps_a_broken_one_serving(tmp_path: Path) -> None:

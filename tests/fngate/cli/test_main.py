@@ -142,6 +142,22 @@ def test_up_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.count("\n") == 1
 
 
+def test_up_refuses_a_runner_python_without_fngate(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An interpreter that cannot run fngate's runner is named before anything starts (the system's
+    Python, which has no fngate), and so is a path that is no interpreter."""
+    repo = str(ROOT / "functions")
+    common = ("--port", "0", "--grpc-port", "0", "--metrics-port", "0", "--repo", repo)
+    code, _, err = run(capsys, "up", *common, "--runner-python", "/usr/bin/python3")
+    assert code == 2
+    assert err.startswith("fngate up: --runner-python /usr/bin/python3 cannot import fngate's runner")
+    assert "No module named" in err and err.count("\n") == 1
+    code, _, err = run(capsys, "up", *common, "--runner-python", str(tmp_path / "none"))
+    assert code == 2
+    assert err == f"fngate up: --runner-python {tmp_path / 'none'}: no executable file there\n"
+
+
 def test_gateway_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
