@@ -5,7 +5,10 @@ system CPU microseconds per request of the gateway, the runner, Redis and this c
 and Redis's commands per request with their microseconds (INFO commandstats: a script's time
 includes the commands it calls, which are also counted under their own names).
 
-  python -m bench.cpu_split [--measure-s S] [--clients N]
+  python -m bench.cpu_split [--measure-s S] [--clients N] [--one-entry-each]
+
+--one-entry-each runs the gateway with FNGATE_GROUP_INVOCATIONS=false: each invocation its own
+stream entry, as before a turn's invocations shared one (for the comparison, in one sitting).
 
 Loopback only; it stops by itself. Figures move with the machine's load: compare runs of one sitting."""
 
@@ -71,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_split", description=__doc__)
     parser.add_argument("--measure-s", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--one-entry-each", action="store_true", help="FNGATE_GROUP_INVOCATIONS=false")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fngate-cpu-split-") as folder:
         repo = Path(folder) / "repo"
         repo.mkdir()
         build_repository(repo)
         with deployment(repo, Path(folder) / "logs") as deployed:
-            url = deployed.start_gateway(workers=1)
+            grouping = {"FNGATE_GROUP_INVOCATIONS": "false"} if args.one_entry_each else {}
+            url = deployed.start_gateway(workers=1, **grouping)
             deployed.start_runner()
             port = int(url.rsplit(":", 1)[1])
             for binary in (False, True):

@@ -57,6 +57,11 @@ class GatewaySettings(_Settings, RepositoryLimits):
     deadline_admission: bool = True
     """Refuse at once (503) an invocation whose estimated wait (the invocations ahead of it at the
     batch cost its runners measured) passes its deadline, rather than queue it to time out."""
+    group_invocations: bool = True
+    """The synchronous invocations of one function (and priority level) that a gateway process
+    takes in one event-loop turn share one stream entry (up to max_batch_size of them): one entry
+    to add, read, acknowledge and count in Redis and the runners, instead of one each. Off: one
+    entry each (for comparison)."""
     kubernetes_wake: bool = False
     """In a Kubernetes pod (as `fngate k8s render` makes it): an invocation for a runner pool with no
     live runner also sets the pool's Deployment from 0 to 1 replica through the Kubernetes API

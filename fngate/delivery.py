@@ -70,6 +70,7 @@ async def finish(
     entry_bytes: int,
     reply_maxlen: int,
     statistics: queue.Statistics | None = None,
+    extra: int = 0,
 ) -> None:
     """queue.FINISH's work (see queue.finish_call) across the slots of a Redis Cluster."""
     split = slots.split_replies(stream, replies)
@@ -86,7 +87,7 @@ async def finish(
         answers = [item for item in deliveries if item.key != keys.callbacks()]
         owed += await deliver(run, answers, reply_maxlen)
         call = queue.finish_call(
-            stream, group, outgoing, entry_ids, entry_bytes, reply_maxlen, statistics, answered
+            stream, group, outgoing, entry_ids, entry_bytes, reply_maxlen, statistics, answered, extra
         )
         finished = await run(queue.FINISH, call.keys, call.args)
         owed += slots.parse_owed(finished)

@@ -45,7 +45,7 @@ from fngate.repository import (
     policy_problems,
     routing_problems,
 )
-from fngate.wire import Invocation, Reply
+from fngate.wire import Reply, invocations_of
 
 REPLY_MAXLEN = 100_000
 RUNNER_START_S = 2.0
@@ -350,26 +350,33 @@ async def _answer_stream(redis: aioredis.Redis, stream: str, name: str) -> int:
         if not entries:
             break
         outgoing = []
+        extra = 0
         for _entry_id, fields in entries:
             try:
-                invocation = Invocation.decode(fields)
+                members = invocations_of(fields)
             except (KeyError, ValueError, TypeError, FunctionError):
                 continue
-            reply = Reply(invocation.id, invocation.version, {}, error).encode()
-            outgoing.append(
-                queue.Outgoing(
-                    reply,
-                    invocation.reply_to,
-                    in_flight=invocation.in_flight_key or "",
-                    reply_ttl_ms=invocation.result_ttl_s * 1000,
+            extra += len(members) - 1
+            for invocation, _ in members:
+                reply = Reply(invocation.id, invocation.version, {}, error).encode()
+                outgoing.append(
+                    queue.Outgoing(
+                        reply,
+                        invocation.reply_to,
+                        in_flight=invocation.in_flight_key or "",
+                        reply_ttl_ms=invocation.result_ttl_s * 1000,
+                    )
                 )
-            )
         ids = [entry_id for entry_id, _ in entries]
         size = sum(queue.entry_bytes(fields) for _, fields in entries)
         if across_slots is not None:  # a Redis Cluster: the gateways' reply streams are elsewhere
-            await delivery.finish(across_slots, stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
+            await delivery.finish(
+                across_slots, stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN, extra=extra
+            )
         else:
-            call = queue.finish_call(stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN)
+            call = queue.finish_call(
+                stream, keys.RUNNER_GROUP, outgoing, ids, size, REPLY_MAXLEN, extra=extra
+            )
             await finish(keys=call.keys, args=call.args)
         answered += len(outgoing)
     return answered

@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from fngate.errors import FunctionError, InvalidArgument
-from fngate.queue import AS, BODIES, BODY, BY, HEADER, HEADERS, SEQUENCE_STATE, TO
+from fngate.queue import AS, BODIES, BODY, BY, HEADER, HEADERS, SEQUENCE_STATE, TO, entry_bytes
 from fngate.sequences import Step
 from fngate.tensors import Tensors, datatype_of, from_bytes, to_bytes
 
@@ -91,6 +91,10 @@ class Invocation:
     @classmethod
     def decode(cls, fields: Mapping[Any, bytes]) -> Invocation:
         header, tensors = _decode(fields)
+        return cls.from_header(header, tensors, fields)
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any], tensors: Tensors, fields: Mapping[Any, bytes]) -> Invocation:
         outputs = header.get("out")
         promoted = fields.get(AS)  # a waiter running in place of an identical invocation (fngate.queue)
         return cls(
@@ -203,6 +207,25 @@ def replies_of(fields: Mapping[Any, bytes]) -> list[Reply]:
         tensors, offset = _tensors(header, body, offset)
         replies.append(Reply.from_header(header, tensors))
     return replies
+
+
+def invocations_of(fields: Mapping[Any, bytes]) -> list[tuple[Invocation, int]]:
+    """The invocations of an invocation entry, each with its share of the entry's bytes (what it
+    counts against max_queue_bytes): the one it holds, or, grouped (fngate.queue.HEADERS), each of
+    the invocations a gateway queued together, in order, the bytes shared evenly."""
+    if HEADERS not in fields:
+        return [(Invocation.decode(fields), entry_bytes(fields))]
+    body = memoryview(fields.get(BODIES, b""))
+    headers = orjson.loads(fields[HEADERS])
+    if not isinstance(headers, list) or not headers:
+        raise InvalidArgument("a grouped entry holds no invocation")
+    total = len(fields[HEADERS]) + len(body)
+    share, rest = divmod(total, len(headers))
+    members, offset = [], 0
+    for at, header in enumerate(headers):
+        tensors, offset = _tensors(header, body, offset)
+        members.append((Invocation.from_header(header, tensors, {}), share + (rest if at == 0 else 0)))
+    return members
 
 
 def _encode(header: dict[str, Any], tensors: Tensors) -> Fields:

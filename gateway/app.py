@@ -99,6 +99,7 @@ async def serving(
         settings.result_quota_bytes,
         settings.result_memory_share,
         settings.deadline_admission,
+        settings.group_invocations,
     )
     destinations = CallbackPolicy(settings.callback_allow)
     callbacks = CallbackSender(

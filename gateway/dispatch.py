@@ -85,8 +85,10 @@ class Dispatcher:
         result_quota_bytes: int = 0,
         result_memory_share: float = 0.0,
         deadline_admission: bool = True,
+        group_invocations: bool = True,
     ) -> None:
         self._replies = replies
+        self._group = group_invocations
         self._deadline_admission = deadline_admission
         self._depths: dict[str, tuple[int, float]] = {}
         """Per stream: its entries as this gateway's last enqueue on it found them, and when
@@ -446,7 +448,10 @@ class Dispatcher:
             script = flight.entries.script
             self._enqueue.send(script.keys, script.args).add_done_callback(flight.enqueued)
             return
-        call = queue.enqueue_many_call([flight.entries.script for flight in flights])
+        scripts = [flight.entries.script for flight in flights]
+        call = queue.enqueue_many_call(
+            scripts, [flight.shares() for flight in flights] if self._group else ()
+        )
         self._enqueue_many.send(call.keys, call.args).add_done_callback(
             lambda future: self._enqueued_many(flights, call, future)
         )
@@ -573,6 +578,16 @@ class _Flight:
         self.timer = loop.call_later(entries.timeout_ms / 1000, self._deadline)
         dispatcher._replies.expect(entries.id, self._replied)
         answer.add_done_callback(self._done)
+
+    def shares(self) -> int:
+        """How many invocations its stream entry may hold (ENQUEUE_MANY), 0 for one of its own: a
+        function's synchronous invocation of its own (no pipeline's step, no sequence's step, no
+        stream of responses) shares one with those of its turn, up to a batch of them."""
+        call = self.call
+        if self.pipeline or call.sequence is not None or call.on_part is not None:
+            return 0
+        most = call.function.manifest.batching.max_batch_size
+        return most if most > 1 else 0
 
     def send(self) -> None:
         dispatcher = self.dispatcher

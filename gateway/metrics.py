@@ -22,7 +22,7 @@ from prometheus_client import (
 )
 from redis.exceptions import RedisError
 
-from fngate import keys
+from fngate import keys, queue
 from fngate.telemetry import LATENCY_BUCKETS
 
 REQUEST_SUCCESS = Counter(
@@ -51,7 +51,8 @@ CACHE_FAILURES = Counter("fngate_cache_failures", "Cache lookups that failed (th
 WITHDRAWN = Counter(
     "fngate_withdrawn",
     "Synchronous invocations whose caller left while queued, by what became of their entry:"
-    " withdrawn (no runner runs it), stopped (the runner that read it answers it unrun), running and"
+    " withdrawn (no runner runs it), stopped (the runner that read it answers it unrun), marked (one of"
+    " a grouped entry: whichever runner reads it answers it unrun), running and"
     " shared (it runs for identical ones), gone, failed",
     ["function", "outcome"],
 )
@@ -89,14 +90,15 @@ async def refresh_queue_gauges(redis: aioredis.Redis, functions: Mapping[str, in
         for _name, _level, stream in streams:
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
+            pipe.get(queue.extra_count(stream))
         try:
             results = await pipe.execute(raise_on_error=False)
         except RedisError:
             return waiting
     for index, (name, level, _stream) in enumerate(streams):
-        depth, groups = results[2 * index], results[2 * index + 1]
-        if isinstance(depth, int):
-            QUEUE_DEPTH.labels(name, level).set(depth)
+        depth, groups, extra = results[3 * index : 3 * index + 3]
+        if isinstance(depth, int):  # entries, and what grouped entries hold beyond one each
+            QUEUE_DEPTH.labels(name, level).set(depth + (int(extra) if isinstance(extra, bytes) else 0))
         for group in groups if isinstance(groups, list) else ():
             if group.get("name") in (keys.RUNNER_GROUP, keys.RUNNER_GROUP.encode()):
                 QUEUE_PENDING.labels(name, level).set(group.get("pending") or 0)

@@ -11,9 +11,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -26,7 +27,7 @@ from fngate.errors import DeadlineExceeded, FunctionError, Unavailable
 from fngate.fastredis import Script
 from fngate.repository import FunctionVersion
 from fngate.tensors import Tensors
-from fngate.wire import Fields, Invocation, Reply
+from fngate.wire import Fields, Invocation, Reply, invocations_of
 from runner import statistics
 from runner.accounting import Accounting
 from runner.backends import Streaming
@@ -41,6 +42,10 @@ from runner.reclaim import Reclaimer
 log = logging.getLogger(__name__)
 
 
+PER_ENTRY_WEIGHT = 0.2
+"""The weight of the last entry read in the average of invocations an entry holds."""
+LEFT_READ_WAIT_S = 1.0
+"""A consumer's first read waits at most this long for the sets of callers that left."""
 LEFT_KEPT = 4096
 """Entries of callers that left that a consumer keeps in mind, whether or not it holds them."""
 
@@ -76,6 +81,8 @@ class FunctionConsumer:
         self._refusing = False
         """The memory budget leaves no room for the function's model: its invocations are left to others."""
         self._arrived = asyncio.Event()
+        self._left_read = asyncio.Event()
+        """The streams' sets of callers that left were read (or could not be): reads may begin."""
         self._room = asyncio.Event()
         self._contended = False
         self._arrivals = Arrivals()
@@ -84,6 +91,13 @@ class FunctionConsumer:
         """When this runner began to read the function's stream: an invocation queued before
         waited for a runner to start (its cold start's `start` phase)."""
         self._accounting = Accounting(redis, function.name)
+        self._per_entry = 1.0
+        """Invocations an entry read here held, on average of late (shared entries hold several):
+        what a read's room in invocations is in entries."""
+        self._groups: dict[tuple[int, bytes], tuple[int, int]] = {}
+        """(level, id) of the grouped entries read here (fngate.queue.ENQUEUE_MANY) -> how many of
+        their invocations are not answered yet, and how many they hold: an entry is acknowledged
+        with its last answer."""
         self._known: dict[bytes, tuple[int, Hashable, int]] = {}
         """Per pending entry: when it was queued, its batching group and its rows."""
         self._left: dict[tuple[int, bytes], float] = {}
@@ -152,6 +166,9 @@ class FunctionConsumer:
 
     async def _read_loop(self) -> None:
         """Read and claim until `stopping`; a Redis outage is waited out with backoff."""
+        with contextlib.suppress(TimeoutError):  # what was withdrawn before this runner listened
+            async with asyncio.timeout(LEFT_READ_WAIT_S):
+                await self._left_read.wait()
         failures = 0
         while not self._stopping.is_set():
             try:
@@ -175,7 +192,11 @@ class FunctionConsumer:
                     async with asyncio.timeout(self._settings.claim_interval_ms / 1000):
                         await self._room.wait()
                     continue
-                await self._read_by_priority(rooms)
+                # Rooms are in invocations; reads count entries, which may each hold several.
+                per_entry = self._per_entry
+                await self._read_by_priority(
+                    [math.ceil(room / per_entry) if room > 0 else room for room in rooms]
+                )
                 failures = 0
             except TimeoutError:
                 continue
@@ -197,6 +218,7 @@ class FunctionConsumer:
             pubsub = self._redis.pubsub()
             try:
                 await clients.subscribe(pubsub, keys.left_channel(self.function.name))
+                await self._read_left_sets()
                 failures = 0
                 while not self._stopping.is_set():
                     message = await clients.next_message(pubsub, 1.0)
@@ -208,6 +230,19 @@ class FunctionConsumer:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _read_left_sets(self) -> None:
+        """What was said before this runner listened: the invocations of grouped entries whose
+        callers left, which stay named in their stream's set until a runner answers them
+        (fngate.queue.WITHDRAW). Read once listening, so that nothing said meanwhile is missed."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream in self._streams:
+                pipe.smembers(queue.left_set(stream))
+            named: list[Any] = await pipe.execute()
+        for stream, members in zip(self._streams, named, strict=True):
+            for member in members:
+                self._note_left(stream.encode() + b" " + member)
+        self._left_read.set()
 
     def _note_left(self, data: bytes) -> None:
         stream, _, entry_id = data.partition(b" ")
@@ -241,6 +276,10 @@ class FunctionConsumer:
         await self._send(
             left, [Reply(entry.invocation.id, entry.invocation.version, {}, error) for entry in left]
         )
+        for entry in left:
+            if entry.unit:  # answered: out of its stream's set of those whose callers left
+                removed = self._writes.send("SREM", queue.left_set(self._streams[entry.level]), entry.id)
+                removed.add_done_callback(_unremoved)
 
     def _refuse(self) -> None:
         """The models in use here leave too little of the memory budget for this function's: its
@@ -314,7 +353,12 @@ class FunctionConsumer:
     def _held(self, level: int) -> list[bytes]:
         """The ids of the entries at `level` that this consumer has read and not yet answered."""
         running = (entry for batch in (*self._running, *self._streaming_batches) for entry in batch)
-        return [entry.id for entry in (*self._pending, *running) if entry.level == level]
+        held = {
+            entry.entry_id
+            for entry in (*self._pending, *running)
+            if entry.level == level and (not entry.unit or (level, entry.unit) in self._groups)
+        }
+        return list(held)
 
     async def _ensure_group(self) -> None:
         for stream in self._streams:
@@ -325,24 +369,39 @@ class FunctionConsumer:
                     raise
 
     async def _accept(
-        self, entries: Iterable[tuple[bytes, Fields | None]], alone: bool = False, level: int = 0
+        self,
+        entries: Iterable[tuple[bytes, Fields | None]],
+        alone: bool = False,
+        level: int = 0,
+        poisoned: Collection[bytes] = (),
     ) -> None:
+        """Take read entries into the pending list (a grouped entry's invocations each as its own);
+        `poisoned`: those of a claimed grouped entry that ran max_deliveries times, dead-lettered."""
         stream = self._streams[level]
         broken = []
+        dead: list[Entry] = []
         before = len(self._pending)
         for entry_id, fields in entries:
             if not fields:
                 continue  # deleted after it was delivered: someone already answered it
             try:
-                invocation = Invocation.decode(fields)
+                members = invocations_of(fields)
             except (KeyError, ValueError, TypeError, FunctionError) as exc:
                 log.error(
                     "%s: entry %s does not decode (%s); dead-lettered", self.function.name, entry_id, exc
                 )
                 broken.append((entry_id, fields))
                 continue
+            self._per_entry += PER_ENTRY_WEIGHT * (len(members) - self._per_entry)
+            if queue.HEADERS in fields:  # a gateway's invocations queued together, each its own
+                self._groups[(level, entry_id)] = (len(members), len(members))
+                for at, (invocation, size) in enumerate(members):
+                    member = Entry(entry_id + b"/%d" % at, invocation, size, alone, level, unit=entry_id)
+                    (dead if member.id in poisoned else self._pending).append(member)
+                continue
             step = fields.get(queue.STEP, b"")  # a pipeline step (runner.pipeline)
-            self._pending.append(Entry(entry_id, invocation, queue.entry_bytes(fields), alone, level, step))
+            invocation, size = members[0]
+            self._pending.append(Entry(entry_id, invocation, size, alone, level, step))
         if broken:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for _entry_id, fields in broken:
@@ -350,6 +409,8 @@ class FunctionConsumer:
                 pipe.xack(stream, keys.RUNNER_GROUP, *[entry_id for entry_id, _ in broken])
                 pipe.xdel(stream, *[entry_id for entry_id, _ in broken])
                 await pipe.execute()
+        if dead:
+            await self._reclaim.dead_letter(dead)
         self._arrivals.arrived(len(self._pending) - before, time.monotonic_ns())
         if any(entry.level for entry in self._pending):  # each level waits behind the ones above it
             self._pending.sort(key=lambda entry: entry.level)
@@ -590,23 +651,31 @@ class FunctionConsumer:
         if self._part_sends:
             sending, self._part_sends = self._part_sends, []
             await asyncio.gather(*sending, return_exceptions=True)  # each failure is logged
+        grouped = any(entry.unit for entry in entries)
         try:
             levels = sorted({entry.level for entry in entries})
             if len(levels) == 1:  # the usual batch: one level, one round trip, no task
-                await self._outboxes[levels[0]].send(entries, replies, ran_digest, stats)
+                acks = self._acks(entries) if grouped else None
+                await self._outboxes[levels[0]].send(entries, replies, ran_digest, stats, acks)
             else:  # one FINISH per level's stream, written together; the statistics counted once
+                at_level = [[entry for entry in entries if entry.level == level] for level in levels]
                 await asyncio.gather(
                     *(
                         self._outboxes[level].send(
-                            [entry for entry in entries if entry.level == level],
+                            mine,
                             _at_level(level, entries, replies),
                             ran_digest,
                             stats if level == levels[0] else None,
+                            self._acks(mine) if grouped else None,
                         )
-                        for level in levels
+                        for level, mine in zip(levels, at_level, strict=True)
                     )
                 )
         except (RedisError, OSError) as exc:
+            # A grouped entry with an answer lost is no longer held here: claimed again whole.
+            for entry in entries:
+                if entry.unit:
+                    self._groups.pop((entry.level, entry.unit), None)
             log.warning(
                 "%s: could not write %d replies (%s); they are retried once Redis is back",
                 self.function.name,
@@ -617,6 +686,34 @@ class FunctionConsumer:
         alone = [entry for entry in entries if entry.alone]
         if alone:
             await self._reclaim.forget_runs(alone)
+
+    def _acks(self, entries: Sequence[Entry]) -> tuple[list[bytes], int]:
+        """The entries these answers complete (one level's), and the invocations they hold beyond one
+        each: an entry of its own at once, a grouped entry with the last of its invocations read
+        here (one whose answer was lost is acknowledged by the runner that claims it again)."""
+        ids: list[bytes] = []
+        extra = 0
+        for entry in entries:
+            if not entry.unit:
+                ids.append(entry.id)
+                continue
+            key = (entry.level, entry.unit)
+            group = self._groups.get(key)
+            if group is None:
+                continue
+            left, size = group
+            if left > 1:
+                self._groups[key] = (left - 1, size)
+                continue
+            del self._groups[key]
+            ids.append(entry.unit)
+            extra += size - 1
+        return ids, extra
+
+
+def _unremoved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:  # it expires
+        log.debug("an invocation stays named among callers that left: %s", future.exception())
 
 
 def start_deadline_ms(invocation: Invocation) -> int:

@@ -37,6 +37,14 @@ class Entry:
     """The priority level whose stream it came from (fngate.keys.levels)."""
     step: bytes = b""
     """A pipeline step's context (fngate.queue.STEP); b"" for an invocation of its own."""
+    unit: bytes = b""
+    """The id of the grouped entry it is one of (then `id` is `<unit>/<index>`); b"" when it has
+    its entry to itself, whose id is `id`."""
+
+    @property
+    def entry_id(self) -> bytes:
+        """Its entry on the stream."""
+        return self.unit or self.id
 
 
 class Outbox:
@@ -60,10 +68,13 @@ class Outbox:
         replies: Sequence[Reply],
         ran_digest: str = "",
         statistics: queue.Statistics | None = None,
+        acks: tuple[Sequence[bytes], int] | None = None,
     ) -> None:
         """Write every reply, store cacheable answers, answer invocations that waited on these, and
         acknowledge (and delete) the entries, in one round trip. Shielded: once a batch ran, its
-        replies go out even if this task is being cancelled."""
+        replies go out even if this task is being cancelled. `acks`: the entry ids to acknowledge
+        and the invocations they hold beyond one each (grouped entries), when not the entries'
+        own ids."""
         outgoing: list[queue.Outgoing] = []
         separate: list[tuple[str, Fields, int]] = []
         steps = [
@@ -105,7 +116,8 @@ class Outbox:
             # Stored before the replies go out, so that a repeat of the request right after its
             # answer already hits.
             await asyncio.shield(self._store_separately(self._cache, separate))
-        ids, size = [entry.id for entry in entries], sum(entry.size for entry in entries)
+        ids, extra = acks if acks is not None else ([entry.id for entry in entries], 0)
+        size = sum(entry.size for entry in entries)
         if self._across_slots is not None:
             await asyncio.shield(
                 delivery.finish(
@@ -117,11 +129,12 @@ class Outbox:
                     size,
                     self._reply_maxlen,
                     statistics,
+                    extra,
                 )
             )
             return
         call = queue.finish_call(
-            self._stream, keys.RUNNER_GROUP, outgoing, ids, size, self._reply_maxlen, statistics
+            self._stream, keys.RUNNER_GROUP, outgoing, ids, size, self._reply_maxlen, statistics, extra=extra
         )
         await asyncio.shield(self._finish(call.keys, call.args))
 

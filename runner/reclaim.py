@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -27,12 +28,24 @@ from runner.outbox import Entry
 
 log = logging.getLogger(__name__)
 
-Accept = Callable[[Iterable[tuple[bytes, Fields | None]], bool, int], Awaitable[None]]
-"""FunctionConsumer._accept(entries, alone, level)."""
+Accept = Callable[[Iterable[tuple[bytes, Fields | None]], bool, int, Collection[bytes]], Awaitable[None]]
+"""FunctionConsumer._accept(entries, alone, level, poisoned)."""
 Send = Callable[[Sequence[Entry], Sequence[Reply]], Awaitable[None]]
 """FunctionConsumer._send(entries, replies)."""
 RUNS_TTL_MS = 8 * 86400 * 1000
 """A runs hash outlives the longest deadline an entry can have (async_timeout_s at most 7 days)."""
+
+
+def member_ids(entry_id: bytes, fields: Fields) -> list[bytes]:
+    """The ids runs are counted under: an entry's own, or each of a grouped entry's invocations'
+    (`<id>/<index>`); none for a grouped entry that does not decode (dead-lettered as read)."""
+    if queue.HEADERS not in fields:
+        return [entry_id]
+    try:
+        count = len(orjson.loads(fields[queue.HEADERS]))
+    except (orjson.JSONDecodeError, TypeError):
+        return []
+    return [entry_id + b"/%d" % at for at in range(count)]
 
 
 class Reclaimer:
@@ -82,17 +95,19 @@ class Reclaimer:
         log.warning(
             "%s: claimed %d invocations another runner left unacknowledged", self._function, len(claimed)
         )
-        counts: Any = await self._redis.hmget(queue.entry_runs(stream), [entry_id for entry_id, _ in claimed])
-        poisoned = [
-            (entry_id, fields)
-            for (entry_id, fields), alone_runs in zip(claimed, counts, strict=True)
+        # Runs are counted per invocation: a grouped entry's each (`<id>/<index>`) for itself.
+        members = [member for entry_id, fields in claimed for member in member_ids(entry_id, fields)]
+        counts: Any = await self._redis.hmget(queue.entry_runs(stream), members) if members else []
+        over = {
+            member
+            for member, alone_runs in zip(members, counts, strict=True)
             if 1 + int(alone_runs or 0) >= self._settings.max_deliveries
-        ]
+        }
+        poisoned = [(entry_id, fields) for entry_id, fields in claimed if entry_id in over]
         if poisoned:
             await self._dead_letter(poisoned, level)
-        poisoned_ids = {entry_id for entry_id, _ in poisoned}
         await self._accept(
-            ((entry_id, fields) for entry_id, fields in claimed if entry_id not in poisoned_ids), True, level
+            ((entry_id, fields) for entry_id, fields in claimed if entry_id not in over), True, level, over
         )
 
     async def note_runs(self, entries: Sequence[Entry]) -> None:
@@ -119,17 +134,6 @@ class Reclaimer:
             pass
 
     async def _dead_letter(self, entries: Sequence[tuple[bytes, Fields]], level: int) -> None:
-        limit = self._settings.max_deliveries
-        log.error(
-            "%s: %d invocations ran %d times and no runner finished them; dead-lettered",
-            self._function,
-            len(entries),
-            limit,
-        )
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for _entry_id, fields in entries:
-                pipe.xadd(keys.dead_letters(self._function), {**fields, b"reason": b"max_deliveries"})
-            await pipe.execute()
         dead = [
             Entry(
                 entry_id,
@@ -140,6 +144,23 @@ class Reclaimer:
             )
             for entry_id, fields in entries
         ]
+        await self.dead_letter(dead, [fields for _, fields in entries])
+
+    async def dead_letter(self, dead: Sequence[Entry], fields: Sequence[Fields] | None = None) -> None:
+        """Answer these invocations, which ran max_deliveries times, with an error, and move them to
+        the dead-letter stream (as their entries' `fields`, or each invocation encoded)."""
+        limit = self._settings.max_deliveries
+        log.error(
+            "%s: %d invocations ran %d times and no runner finished them; dead-lettered",
+            self._function,
+            len(dead),
+            limit,
+        )
+        moved = fields if fields is not None else [entry.invocation.encode() for entry in dead]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for item in moved:
+                pipe.xadd(keys.dead_letters(self._function), {**item, b"reason": b"max_deliveries"})
+            await pipe.execute()
         error = ModelFailed(
             f"the invocation ran {limit} times and no runner finished it (max_deliveries); dead-lettered"
         )

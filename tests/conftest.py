@@ -24,7 +24,7 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from fngate import clients
+from fngate import clients, queue
 from fngate.config import GatewaySettings, RunnerSettings
 from fngate.process import stop_processes
 from fngate.up import supervisor
@@ -332,6 +332,13 @@ def gateway_process(redis_url: str, repo: Path, tmp_path: Path) -> Iterator[Call
     stop_processes(processes)
     for sock in sockets:
         sock.close()
+
+
+async def queued_invocations(redis: Any, stream: str) -> int:
+    """The invocations on a function's stream: its entries, and what the entries a gateway's turn
+    shares hold beyond one each (fngate.queue.extra_count)."""
+    length, extra = await asyncio.gather(redis.xlen(stream), redis.get(queue.extra_count(stream)))
+    return int(length) + int(extra or 0)
 
 
 async def wait_http(base: str, timeout_s: float = 20) -> None:

@@ -38,14 +38,34 @@ local function given(key) return key ~= '' and string.byte(key, 1) ~= 123 end
 """
 
 # full(stream, counter, max_size, max_bytes) -> nil | 'count' | 'bytes': whether a stream is at its
-# max_queue_size or (max_bytes > 0) its byte counter at max_queue_bytes.
+# max_queue_size (its invocations: its entries, plus what its grouped entries hold beyond one each,
+# in its EXTRA counter, plus those this script call defers to a grouped entry) or (max_bytes > 0) its
+# byte counter at max_queue_bytes.
 # push(stream, counter, header, body, step) -> the entry id: the entry added (with its pipeline step
 # context when `step` is not '') and its bytes counted. Every script that queues work uses both.
+# `turn`: per stream, the invocations ENQUEUE_MANY defers to grouped entries (empty elsewhere).
+# `seen`: per stream, its invocations and bytes as this script call read them once and counted
+# since (a command a Lua script calls costs about as much as the decision around it).
 PUSH_LUA = """
+local turn = {}
+local seen = {}
+local function waiting(stream)
+  local s = seen[stream]
+  if not s then
+    s = {n = redis.call('XLEN', stream) + tonumber(redis.call('GET', stream .. ':extra') or '0')}
+    seen[stream] = s
+  end
+  local t = turn[stream]
+  return s.n + (t and t.count or 0)
+end
 local function full(stream, counter, max_size, max_bytes)
-  if redis.call('XLEN', stream) >= tonumber(max_size) then return 'count' end
+  if waiting(stream) >= tonumber(max_size) then return 'count' end
   local limit = tonumber(max_bytes)
-  if limit > 0 and tonumber(redis.call('GET', counter) or '0') >= limit then return 'bytes' end
+  if limit > 0 then
+    local s, t = seen[stream], turn[stream]
+    if not s.bytes then s.bytes = tonumber(redis.call('GET', counter) or '0') end
+    if s.bytes + (t and t.bytes or 0) >= limit then return 'bytes' end
+  end
   return nil
 end
 local function push(stream, counter, h, b, step, state)
@@ -57,7 +77,13 @@ local function push(stream, counter, h, b, step, state)
   else
     id = redis.call('XADD', stream, '*', 'h', h, 'b', b)
   end
-  redis.call('INCRBY', counter, #h + #b + #(step or '') + #(state or ''))
+  local size = #h + #b + #(step or '') + #(state or '')
+  redis.call('INCRBY', counter, size)
+  local s = seen[stream]
+  if s then
+    s.n = s.n + 1
+    if s.bytes then s.bytes = s.bytes + size end
+  end
   return id
 end
 """
@@ -70,7 +96,9 @@ local function entry_bytes(fields)
   local size = 0
   for i = 1, #fields, 2 do
     local name = fields[i]
-    if name == 'h' or name == 'b' or name == 'p' or name == 's' then size = size + #fields[i + 1] end
+    if name == 'h' or name == 'b' or name == 'p' or name == 's' or name == 'H' or name == 'B' then
+      size = size + #fields[i + 1]
+    end
   end
   return size
 end
@@ -79,7 +107,7 @@ local function unqueue(stream, id)
   if not found then return nil end
   redis.call('XDEL', stream, id)
   if redis.call('XLEN', stream) == 0 then
-    redis.call('DEL', stream .. ':bytes')
+    redis.call('DEL', stream .. ':bytes', stream .. ':extra')
   else
     redis.call('DECRBY', stream .. ':bytes', entry_bytes(found[2]))
   end
@@ -150,34 +178,54 @@ end
 # A pipeline queues its first steps together: each further first step adds its stream and byte
 # counter to KEYS after the eighth (all streams, then all counters) and a group of FORWARD's five
 # arguments to ARGV after the thirteenth. All are queued or none ({'full', limit, index of the
-# entry refused}).
+# entry refused}). enqueue(K, A, ko, ao, nk, na, ...) reads one invocation's KEYS[n] as K[ko + n]
+# and its ARGV[n] as A[ao + n] (nk, na: how many it has), in place: ENQUEUE_MANY copies none.
 ENQUEUE_LUA = (
     GIVEN_LUA
     + ADMIT_LUA
     + PUSH_LUA
     + """
-local function enqueue(KEYS, ARGV)
-  if given(KEYS[6]) then
-    local verdict = admit(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]),
-      tonumber(ARGV[10]), ARGV[11], tonumber(ARGV[12]))
+local order = {}
+-- defer(...): an invocation that ENQUEUE_MANY queues in a grouped entry of its stream, with the
+-- others of this call (at most group_max an entry), once every invocation of the call is decided.
+local function defer(stream, counter, h, b, group_max, at)
+  local t = turn[stream]
+  if not t then
+    t = {count = 0, bytes = 0, counter = counter, groups = {}}
+    turn[stream] = t
+    order[#order + 1] = stream
+  end
+  local g = t.groups[#t.groups]
+  if not g or #g.h >= group_max then
+    g = {h = {}, b = {}, at = {}}
+    t.groups[#t.groups + 1] = g
+  end
+  g.h[#g.h + 1], g.b[#g.b + 1], g.at[#g.at + 1] = h, b, at
+  t.count = t.count + 1
+  t.bytes = t.bytes + #h + #b
+end
+local function enqueue(K, A, ko, ao, nk, na, group_max, index)
+  if given(K[ko + 6]) then
+    local verdict = admit(K[ko + 6], K[ko + 7], K[ko + 8], tonumber(A[ao + 7]), tonumber(A[ao + 8]),
+      tonumber(A[ao + 9]), tonumber(A[ao + 10]), A[ao + 11], tonumber(A[ao + 12]))
     if verdict[1] ~= 'ok' then return {'limited', verdict[1], verdict[2]} end
   end
-  if given(KEYS[3]) then
-    local hit = redis.call('HMGET', KEYS[3], 'h', 'b')
+  if given(K[ko + 3]) then
+    local hit = redis.call('HMGET', K[ko + 3], 'h', 'b')
     if hit[1] then return {'hit', hit[1], hit[2]} end
   end
-  if given(KEYS[4]) then
-    if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[6]) then
-      redis.call('RPUSH', KEYS[5], ARGV[5])
-      redis.call('PEXPIRE', KEYS[5], ARGV[6])
+  if given(K[ko + 4]) then
+    if not redis.call('SET', K[ko + 4], '1', 'NX', 'PX', A[ao + 6]) then
+      redis.call('RPUSH', K[ko + 5], A[ao + 5])
+      redis.call('PEXPIRE', K[ko + 5], A[ao + 6])
       return {'wait'}
     end
   end
   local function refuse(limit, index)
-    if given(KEYS[4]) then redis.call('DEL', KEYS[4]) end
-    if given(KEYS[6]) then  -- refused: it holds no place in the caller's limits
-      redis.call('ZREM', KEYS[7], ARGV[11])
-      redis.call('ZREM', KEYS[8], ARGV[11])
+    if given(K[ko + 4]) then redis.call('DEL', K[ko + 4]) end
+    if given(K[ko + 6]) then  -- refused: it holds no place in the caller's limits
+      redis.call('ZREM', K[ko + 7], A[ao + 11])
+      redis.call('ZREM', K[ko + 8], A[ao + 11])
     end
     return {'full', limit, index}
   end
@@ -187,83 +235,115 @@ local function enqueue(KEYS, ARGV)
   -- the idle timeout at the answer, and sets the state the step left). One not started is refused.
   -- KEYS[10]: the function's live sequences (sorted set: sequence key -> the latest it may live
   -- to, in ms), at most ARGV[17]: a start past them is refused ({'sequences'}).
-  local sequence = ARGV[14] == 'sequence'
-  local starts = sequence and string.find(ARGV[15], 'S', 1, true)
+  local sequence = na >= 14 and A[ao + 14] == 'sequence'
+  local starts = sequence and string.find(A[ao + 15], 'S', 1, true)
   local now_ms = 0
   if sequence then
     local t = redis.call('TIME')
     now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
   if starts then
-    redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now_ms)
-    if redis.call('EXISTS', KEYS[9]) == 0 and redis.call('ZCARD', KEYS[10]) >= tonumber(ARGV[17]) then
-      if given(KEYS[6]) then
-        redis.call('ZREM', KEYS[7], ARGV[11])
-        redis.call('ZREM', KEYS[8], ARGV[11])
+    redis.call('ZREMRANGEBYSCORE', K[ko + 10], '-inf', now_ms)
+    if redis.call('EXISTS', K[ko + 9]) == 0 and redis.call('ZCARD', K[ko + 10]) >= tonumber(A[ao + 17]) then
+      if given(K[ko + 6]) then
+        redis.call('ZREM', K[ko + 7], A[ao + 11])
+        redis.call('ZREM', K[ko + 8], A[ao + 11])
       end
-      return {'sequences', tonumber(ARGV[17])}
+      return {'sequences', tonumber(A[ao + 17])}
     end
   end
   local state = nil
   if sequence and not starts then
-    state = redis.call('GET', KEYS[9])
+    state = redis.call('GET', K[ko + 9])
     if not state then
-      if given(KEYS[6]) then
-        redis.call('ZREM', KEYS[7], ARGV[11])
-        redis.call('ZREM', KEYS[8], ARGV[11])
+      if given(K[ko + 6]) then
+        redis.call('ZREM', K[ko + 7], A[ao + 11])
+        redis.call('ZREM', K[ko + 8], A[ao + 11])
       end
       return {'unstarted'}
     end
   end
-  local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+  local limit = full(K[ko + 1], K[ko + 2], A[ao + 1], A[ao + 2])
   if limit then return refuse(limit, 0) end
-  local more = sequence and 0 or (#KEYS - 8) / 2
+  local more = sequence and 0 or (nk - 8) / 2
   for i = 1, more do
     local at = 14 + (i - 1) * 5
-    limit = full(KEYS[8 + i], KEYS[8 + more + i], ARGV[at], ARGV[at + 1])
+    limit = full(K[ko + 8 + i], K[ko + 8 + more + i], A[ao + at], A[ao + at + 1])
     if limit then return refuse(limit, i) end
   end
   -- ARGV[13]: a pipeline step's context (STEP)
-  local id = push(KEYS[1], KEYS[2], ARGV[3], ARGV[4], ARGV[13], state)
+  local step = na >= 13 and A[ao + 13] or ''
+  if group_max and group_max > 1 and not sequence and more == 0 and step == '' then
+    defer(K[ko + 1], K[ko + 2], A[ao + 3], A[ao + 4], group_max, index)
+    return {'deferred'}
+  end
+  local id = push(K[ko + 1], K[ko + 2], A[ao + 3], A[ao + 4], step, state)
   if sequence then
-    if string.find(ARGV[15], 'E', 1, true) then
-      redis.call('DEL', KEYS[9])
-      redis.call('ZREM', KEYS[10], KEYS[9])
+    if string.find(A[ao + 15], 'E', 1, true) then
+      redis.call('DEL', K[ko + 9])
+      redis.call('ZREM', K[ko + 10], K[ko + 9])
     elseif starts then
-      redis.call('SET', KEYS[9], '', 'PX', ARGV[16])
-      redis.call('ZADD', KEYS[10], now_ms + tonumber(ARGV[16]), KEYS[9])
+      redis.call('SET', K[ko + 9], '', 'PX', A[ao + 16])
+      redis.call('ZADD', K[ko + 10], now_ms + tonumber(A[ao + 16]), K[ko + 9])
     else
-      redis.call('PEXPIRE', KEYS[9], ARGV[16])
-      redis.call('ZADD', KEYS[10], 'XX', now_ms + tonumber(ARGV[16]), KEYS[9])
+      redis.call('PEXPIRE', K[ko + 9], A[ao + 16])
+      redis.call('ZADD', K[ko + 10], 'XX', now_ms + tonumber(A[ao + 16]), K[ko + 9])
     end
   end
   for i = 1, more do
     local at = 14 + (i - 1) * 5
-    push(KEYS[8 + i], KEYS[8 + more + i], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
+    push(K[ko + 8 + i], K[ko + 8 + more + i], A[ao + at + 2], A[ao + at + 3], A[ao + at + 4])
   end
-  return {'queued', id, redis.call('XLEN', KEYS[1])}
+  return {'queued', id, waiting(K[ko + 1])}
 end
 """
 )
-ENQUEUE = ENQUEUE_LUA + "return enqueue(KEYS, ARGV)\n"
+ENQUEUE = ENQUEUE_LUA + "return enqueue(KEYS, ARGV, 0, 0, #KEYS, #ARGV)\n"
 
 # Several invocations in one call (every ENQUEUE of one event-loop turn): ARGV[1] is their number n,
-# then n pairs (its number of KEYS, its number of ARGV), then each one's ARGV in order; KEYS holds
-# each one's KEYS in order. Each is decided as ENQUEUE decides it, in order; the answer is the list
-# of their outcomes.
+# then n triples (its number of KEYS, its number of ARGV, how many may share an entry: 0 or 1 for
+# none), then each one's ARGV in order; KEYS holds each one's KEYS in order. Each is decided as
+# ENQUEUE decides it, in order; the answer is the list of their outcomes. Those that may share an
+# entry (a synchronous invocation of its own: no pipeline step, no sequence) and are queued go, per
+# stream, in grouped entries of up to that many (HEADERS: their headers as one JSON array; BODIES:
+# their bodies back to back), one XADD a group; each one's outcome names its place in its entry,
+# `<entry id>/<index>` (one alone takes a plain entry, named by its id). The stream's EXTRA counter
+# holds what its grouped entries hold beyond one each (runners take it back as they acknowledge them).
 ENQUEUE_MANY = (
     ENQUEUE_LUA
     + """
 local n = tonumber(ARGV[1])
 local outcomes = {}
-local at_key, at_arg = 1, 2 + 2 * n
+local ko, ao = 0, 1 + 3 * n
 for i = 1, n do
-  local nk, na = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
-  local k, a = {}, {}
-  for j = 1, nk do k[j] = KEYS[at_key + j - 1] end
-  for j = 1, na do a[j] = ARGV[at_arg + j - 1] end
-  outcomes[i] = enqueue(k, a)
-  at_key, at_arg = at_key + nk, at_arg + na
+  local nk, na = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i])
+  outcomes[i] = enqueue(KEYS, ARGV, ko, ao, nk, na, tonumber(ARGV[3 * i + 1]), i)
+  ko, ao = ko + nk, ao + na
+end
+for _, stream in ipairs(order) do
+  local t = turn[stream]
+  local added = 0
+  for _, g in ipairs(t.groups) do
+    if #g.h == 1 then
+      g.id = redis.call('XADD', stream, '*', 'h', g.h[1], 'b', g.b[1])
+      redis.call('INCRBY', t.counter, #g.h[1] + #g.b[1])
+    else
+      local h, b = '[' .. table.concat(g.h, ',') .. ']', table.concat(g.b)
+      g.id = redis.call('XADD', stream, '*', 'H', h, 'B', b)
+      redis.call('INCRBY', t.counter, #h + #b)
+      added = added + #g.h - 1
+    end
+  end
+  if added > 0 then redis.call('INCRBY', stream .. ':extra', added) end
+  local s = seen[stream]
+  s.n, s.bytes = s.n + t.count, nil
+  turn[stream] = nil
+  local depth = waiting(stream)
+  for _, g in ipairs(t.groups) do
+    for j, at in ipairs(g.at) do
+      outcomes[at] = {'queued', #g.h == 1 and g.id or (g.id .. '/' .. (j - 1)), depth}
+    end
+  end
 end
 return outcomes
 """
@@ -277,11 +357,28 @@ return outcomes
 # entry leaves the stream unread, so no runner runs it. Answers 'withdrawn'; 'stopped' (a runner
 # read it: it is told, on the channel, to answer it unrun, and no identical invocation may wait on
 # it from now); 'shared' (identical invocations wait on it: it runs for them); 'running' (a runner
-# read it and it runs for those waiting); 'gone' (answered or removed already).
+# read it and it runs for those waiting); 'gone' (answered or removed already). One of a grouped
+# entry's invocations (`<entry id>/<index>`) cannot leave its entry: it is named in the stream's set
+# of invocations whose callers left (LEFT_SET, which a runner reads when it starts to read the
+# stream) and on the channel, so that whichever runner reads it answers it unrun; 'marked', or
+# 'stopped' when a runner read it already.
 WITHDRAW = (
     GIVEN_LUA
     + UNQUEUE_LUA
     + """
+local entry = string.match(ARGV[2], '^([^/]+)/%d+$')
+if entry then
+  local read = redis.pcall('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
+  read = type(read) == 'table' and #read > 0
+  if given(KEYS[2]) then
+    if redis.call('LLEN', KEYS[3]) > 0 then return read and 'running' or 'shared' end
+    redis.call('DEL', KEYS[2])
+  end
+  redis.call('SADD', KEYS[1] .. ':left', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1] .. ':left', ARGV[5])
+  redis.call(ARGV[4] == '1' and 'SPUBLISH' or 'PUBLISH', ARGV[3], KEYS[1] .. ' ' .. ARGV[2])
+  return read and 'stopped' or 'marked'
+end
 local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if type(pending) == 'table' and #pending > 0 then
   if given(KEYS[2]) then
@@ -305,16 +402,33 @@ def withdraw_call(
     """WITHDRAW's arguments for the invocation queued as `entry_id` on `stream`, of the function
     whose channel of callers that left is `channel`."""
     keys_ = [stream, in_flight, waiters(in_flight) if in_flight else ""]
-    return ScriptCall(keys_, [group, entry_id, channel, "1" if cluster else "0"])
+    return ScriptCall(keys_, [group, entry_id, channel, "1" if cluster else "0", LEFT_TTL_MS])
 
 
-def enqueue_many_call(calls: Sequence[ScriptCall]) -> ScriptCall:
-    """ENQUEUE_MANY's arguments for these ENQUEUE calls; its answer is their outcomes in order."""
+LEFT_TTL_MS = 3_600_000
+"""How long a stream's LEFT_SET lasts after the last invocation named in it (its entries wait no
+longer than their deadlines; the runner that answers one takes it out)."""
+
+
+def extra_count(stream: str) -> str:
+    """The counter of what a stream's grouped entries hold beyond one invocation each (ENQUEUE_MANY):
+    its invocations queued or in flight are its length plus this."""
+    return f"{stream}:extra"
+
+
+def left_set(stream: str) -> str:
+    """The set of a stream's invocations in grouped entries whose callers left (WITHDRAW)."""
+    return f"{stream}:left"
+
+
+def enqueue_many_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = ()) -> ScriptCall:
+    """ENQUEUE_MANY's arguments for these ENQUEUE calls; its answer is their outcomes in order.
+    `grouped`: for each, how many invocations may share its entry (none given: 0 for all)."""
     counts: list[bytes | str | int | float] = []
     args: list[bytes | str | int | float] = []
     keys: list[str] = []
-    for call in calls:
-        counts += [len(call.keys), len(call.args)]
+    for at, call in enumerate(calls):
+        counts += [len(call.keys), len(call.args), grouped[at] if grouped else 0]
         keys += call.keys
         args += call.args
     return ScriptCall(keys, [len(calls), *counts, *args])
@@ -334,7 +448,9 @@ FINISH_ITEM = 11
 # body, and how long in ms to keep the reply stream from now on (0: leave its TTL as it is; an
 # asynchronous result is kept result_ttl_s after it is done)), then the number p of packed reply
 # entries and p triples (index into KEYS, HEADERS, BODIES: the replies of the batch to one gateway
-# that need nothing else, in one entry), then the entry ids to acknowledge and delete. Replies go
+# that need nothing else, in one entry), then the invocations the acknowledged entries held beyond
+# one each (grouped entries: taken from the stream's EXTRA counter), then the entry ids to
+# acknowledge and delete. Replies go
 # only to reply streams that exist (NOMKSTREAM): a gateway that stopped took its stream with it. A
 # reply kept for a time (an asynchronous result's) is stored compactly instead
 # (fngate.queue.stored). One command per batch on one Redis. Answers n once done, or
@@ -415,14 +531,16 @@ for j = 0, tonumber(ARGV[packed]) - 1 do
     'B', ARGV[at + 2])
 end
 local ids = {}
-for i = packed + 1 + tonumber(ARGV[packed]) * 3, #ARGV do ids[#ids + 1] = ARGV[i] end
+local extra_at = packed + 1 + tonumber(ARGV[packed]) * 3
+for i = extra_at + 1, #ARGV do ids[#ids + 1] = ARGV[i] end
 if #ids > 0 then
   redis.pcall('XACK', KEYS[1], ARGV[1], unpack(ids))
   redis.call('XDEL', KEYS[1], unpack(ids))
   if redis.call('XLEN', KEYS[1]) == 0 then
-    redis.call('DEL', KEYS[2])
+    redis.call('DEL', KEYS[2], KEYS[1] .. ':extra')
   else
     redis.call('DECRBY', KEYS[2], ARGV[3])
+    if ARGV[extra_at] ~= '0' then redis.call('DECRBY', KEYS[1] .. ':extra', ARGV[extra_at]) end
   end
 end
 if #owed > 0 then return {'charge', owed} end
@@ -697,10 +815,12 @@ def finish_call(
     reply_maxlen: int,
     statistics: Statistics | None = None,
     answered: Mapping[int, int] | None = None,
+    extra: int = 0,
 ) -> ScriptCall:
     """FINISH's arguments: write `replies` (those to one gateway packed into one entry where they
     need nothing else), acknowledge and delete `entry_ids` (which held `entry_bytes` of the
-    stream's byte count), and add the batch to its `statistics`. `answered` (a Redis Cluster's
+    stream's byte count, and `extra` invocations beyond one each: grouped entries), and add the
+    batch to its `statistics`. `answered` (a Redis Cluster's
     FINISH): the caller answers the waiters of each reply that shares its answer itself, and has
     answered this many of the reply at each index (none when missing); nothing is packed then."""
     reply_keys: dict[str, int] = {}
@@ -751,6 +871,7 @@ def finish_call(
             *counters,
             *items,
             *packed,
+            extra,
             *entry_ids,
         ],
     )
@@ -770,7 +891,7 @@ def _packable(replies: Sequence[Outgoing]) -> dict[str, list[int]]:
 
 def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
     """What an entry counts against max_queue_bytes."""
-    return sum(len(fields.get(name, b"")) for name in (HEADER, BODY, STEP, SEQUENCE_STATE))
+    return sum(len(fields.get(name, b"")) for name in (HEADER, BODY, STEP, SEQUENCE_STATE, HEADERS, BODIES))
 
 
 def answered_id(fields: Mapping[bytes, bytes], reply_id: str) -> str:

@@ -15,7 +15,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from fngate import keys
-from tests.conftest import on_cluster_too, wait_http
+from tests.conftest import on_cluster_too, queued_invocations, wait_http
 from tests.e2e.function_output import FunctionOutput
 
 MEMO = "/v2/models/memo/infer"
@@ -215,14 +215,14 @@ async def test_cache_pressure_never_evicts_queued_invocations(
             for i in range(30)
         ]
         for _ in range(500):
-            if await shared.xlen(keys.invocations("probe")) == 30:
+            if await queued_invocations(shared, keys.invocations("probe")) == 30:
                 break
             await asyncio.sleep(0.02)
         for index in range(200):  # about 20 MB of cache entries into an 8 MB server
             await shared.set(keys.cache_entry("memo", f"{index:064x}"), b"v" * 100_000, ex=600)
         info = await shared.info("stats")
         assert info["evicted_keys"] > 0
-        assert await shared.xlen(keys.invocations("probe")) == 30
+        assert await queued_invocations(shared, keys.invocations("probe")) == 30
         await inprocess_runner(redis_url=url, functions=("probe",))
         responses = await asyncio.gather(*queued)
     await shared.aclose()

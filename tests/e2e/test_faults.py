@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 
 from bench.h2_client import hang_up
 from fngate import keys
-from tests.conftest import ROOT, free_port, policies, start_redis, wait_http
+from tests.conftest import ROOT, free_port, policies, queued_invocations, start_redis, wait_http
 
 PROBE = "/v2/models/probe/infer"
 CROWD = "/v2/models/crowd/infer"
@@ -286,13 +286,13 @@ async def test_queued_invocations_survive_a_redis_crash(fngate_up: Callable[...,
         calls = [asyncio.create_task(http.post(CROWD, json=body(float(i)))) for i in range(12)]
         async with client:
             for _ in range(200):
-                if await client.xlen(keys.invocations("crowd")) >= 8:
+                if await queued_invocations(client, keys.invocations("crowd")) >= 8:
                     break
                 await asyncio.sleep(0.02)
-            queued = await client.xlen(keys.invocations("crowd"))
+            waiting = await queued_invocations(client, keys.invocations("crowd"))
             pid = int((await client.info("server"))["process_id"])
         os.kill(pid, signal.SIGKILL)
-        assert queued >= 8
+        assert waiting >= 8
         restarted = aioredis.from_url(up.redis_url, socket_timeout=2)
         async with restarted:
             for _ in range(200):  # fngate up starts it again, from its append-only file
@@ -300,7 +300,7 @@ async def test_queued_invocations_survive_a_redis_crash(fngate_up: Callable[...,
                     if await restarted.ping():
                         break
                 await asyncio.sleep(0.05)
-            assert await restarted.xlen(keys.invocations("crowd")) >= 1
+            assert await queued_invocations(restarted, keys.invocations("crowd")) >= 1
         responses = await asyncio.gather(*calls)
     assert [r.status_code for r in responses] == [200] * 12, [r.text for r in responses if r.is_error]
 

@@ -22,7 +22,7 @@ from fngate import keys
 from fngate.cli.deploy import deploy
 from fngate.repository import FolderRepository
 from fngate.up.scaler import LocalScaler
-from tests.conftest import on_cluster_too, wait_http
+from tests.conftest import on_cluster_too, queued_invocations, wait_http
 from tests.e2e.deployments import ROW, invoke, scale_function
 from tests.e2e.test_observability import Receiver, receiver
 from tests.e2e.test_scale_to_zero import scaler
@@ -327,7 +327,10 @@ async def test_a_step_that_would_start_after_the_deadline_is_not_run(
     # `wait` (1.5 s) finishes after the deadline and queues `score`, which the runner answers
     # without running it.
     for _ in range(100):
-        if expired("classifier") > before and await redis.xlen(keys.invocations("classifier")) == 0:
+        if (
+            expired("classifier") > before
+            and await queued_invocations(redis, keys.invocations("classifier")) == 0
+        ):
             break
         await asyncio.sleep(0.1)
     assert expired("classifier") == before + 1
@@ -348,10 +351,12 @@ async def test_pipeline_steps_share_batches_with_direct_calls(
         piped = [asyncio.create_task(call(client, "scored", ROWS[i : i + 1])) for i in range(3)]
         direct = [asyncio.create_task(call(client, "classifier", ROWS[i : i + 1])) for i in range(3)]
         for _ in range(300):
-            if await redis.xlen(keys.invocations("classifier")) == 6:
+            if await queued_invocations(redis, keys.invocations("classifier")) == 6:
                 break
             await asyncio.sleep(0.05)
-        assert await redis.xlen(keys.invocations("classifier")) == 6  # 3 direct, 3 after `norm`
+        assert (
+            await queued_invocations(redis, keys.invocations("classifier")) == 6
+        )  # 3 direct, 3 after `norm`
         await inprocess_runner(repo=str(pipelines_repo), functions=("classifier",))
         piped_replies = await asyncio.gather(*piped)
         direct_replies = await asyncio.gather(*direct)
@@ -465,7 +470,7 @@ async def test_a_full_queue_of_a_later_step_is_a_503_naming_the_step(
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         waiting = asyncio.create_task(call(client, "narrow", ROWS[:1], timeout_ms=2000))
         for _ in range(100):
-            if await redis.xlen(keys.invocations("narrow")) == 1:  # its one place is taken
+            if await queued_invocations(redis, keys.invocations("narrow")) == 1:  # its one place is taken
                 break
             await asyncio.sleep(0.05)
         response = await call(client, "crowded", ROWS[:1])

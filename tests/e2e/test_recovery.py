@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from bench.models import write_poison_functions
 from fngate import keys
+from tests.conftest import queued_invocations
 from tests.e2e.function_output import FunctionOutput
 
 PROBE = "/v2/models/probe/infer"
@@ -96,7 +97,7 @@ async def queued_together(
         calls.append(asyncio.create_task(client.post(f"/v1/functions/{function}", json=body)))
 
         async def queued(count: int = len(calls)) -> bool:
-            return bool(await redis.xlen(keys.invocations(function)) >= count)
+            return bool(await queued_invocations(redis, keys.invocations(function)) >= count)
 
         await wait_for(queued, what=f"{len(calls)} queued invocations")  # in this order
     return calls
@@ -227,7 +228,9 @@ async def test_expired_invocation_is_not_executed(
         late = await client.post(PROBE, json=probe_body(42.0, timeout_ms=1000))
         assert late.status_code == 504
         assert "did not answer within 1000 ms" in late.json()["error"]
-        assert await redis.xlen(keys.invocations("probe")) == 1  # queued, nobody served it in time
+        assert (
+            await queued_invocations(redis, keys.invocations("probe")) == 1
+        )  # queued, nobody served it in time
         runner_process(PROBE_LOG="1", FNGATE_FUNCTIONS='["probe"]')
         doubled(await client.post(PROBE, json=probe_body(7.0)), 7.0)
     assert function_output.executions(1) == ["7"]
@@ -246,7 +249,7 @@ async def test_full_queue_answers_503_with_retry_after(
         ]
 
         async def full() -> bool:
-            return bool(await redis.xlen(stream) == 50)
+            return bool(await queued_invocations(redis, stream) == 50)
 
         await wait_for(full, what="50 queued invocations")
         refused = await client.post(PROBE, json=probe_body(1.0))
@@ -254,7 +257,7 @@ async def test_full_queue_answers_503_with_retry_after(
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
     assert "max_queue_size" in refused.json()["error"]
-    assert await redis.xlen(stream) == 50
+    assert await queued_invocations(redis, stream) == 50
 
 
 async def test_sigterm_drains_in_flight_work(

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from fngate import keys
 from fngate.config import GatewaySettings
 from gateway.http.metrics_port import MetricsPort
-from tests.conftest import free_port
+from tests.conftest import free_port, queued_invocations
 from tests.gateway.test_triton_tools import wait_for
 from tests.triton_repository import (
     SIMPLE,
@@ -328,9 +328,9 @@ async def test_priorities_and_the_queue_size(
         stream = keys.invocations("bounded")
         held = [asyncio.create_task(infer(client, "bounded")) for _ in range(100)]
         deadline = time.monotonic() + 20
-        while await redis.xlen(stream) < 100 and time.monotonic() < deadline:  # noqa: ASYNC110 (Redis)
+        while await queued_invocations(redis, stream) < 100 and time.monotonic() < deadline:  # noqa: ASYNC110 (Redis)
             await asyncio.sleep(0.05)
-        assert await redis.xlen(stream) == 100
+        assert await queued_invocations(redis, stream) == 100
         refused = await infer(client, "bounded")
         assert refused.status_code == 503 and "retry-after" in refused.headers
         assert "has too many invocations queued (max_queue_size)" in refused.json()["error"]

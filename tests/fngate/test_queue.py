@@ -84,7 +84,8 @@ def test_finish_call_numbers_each_reply_stream_once() -> None:
     assert items[3][7] == "drop"
     assert items[4] == [5, b"h", b"b", "", 0, "", "", "share", "", "", 1000]
     assert call.args[first + 5 * queue.FINISH_ITEM] == 0  # nothing packed: r1's second needs waiters
-    assert call.args[first + 5 * queue.FINISH_ITEM + 1 :] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
+    assert call.args[first + 5 * queue.FINISH_ITEM + 1] == 0  # no grouped entry: none to take back
+    assert call.args[first + 5 * queue.FINISH_ITEM + 2 :] == [b"1-0", b"2-0", b"3-0", b"4-0", b"5-0"]
 
 
 def test_finish_call_packs_what_one_stream_gets_and_needs_nothing_else() -> None:
@@ -110,7 +111,7 @@ def test_finish_call_packs_what_one_stream_gets_and_needs_nothing_else() -> None
     items = [call.args[7 + i * queue.FINISH_ITEM : 7 + (i + 1) * queue.FINISH_ITEM] for i in range(3)]
     assert [item[0:2] for item in items] == [[3, b'{"id":"2"}'], [4, b'{"id":"3"}'], [0, b'{"id":"5"}']]
     packed = 7 + 3 * queue.FINISH_ITEM
-    assert call.args[packed:] == [1, 4, b'[{"id":"1"},{"id":"4"}]', b"b1b4", b"1-0"]
+    assert call.args[packed:] == [1, 4, b'[{"id":"1"},{"id":"4"}]', b"b1b4", 0, b"1-0"]
 
 
 def test_finish_call_carries_the_batch_statistics() -> None:
