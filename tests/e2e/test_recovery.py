@@ -6,7 +6,7 @@ import asyncio
 import json
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,30 @@ def answered(response: httpx.Response, first: float) -> None:
     assert response.json()["outputs"]["y"] == [[first * 2, 2.0, 4.0, 6.0]]
 
 
+async def killed_at_each_poison(
+    answers: Sequence[asyncio.Future[Any]],
+    runner_process: Callable[..., subprocess.Popen[bytes]],
+    env: dict[str, str],
+    function_output: FunctionOutput,
+) -> int:
+    """Start runners one after the other until every answer is in, killing each as its poison
+    invocation says "poison" (it hangs where a real one would take its runner down); answers how
+    many were started."""
+    starts = 0
+    while not all(answer.done() for answer in answers):
+        starts += 1
+        assert starts <= 4, "the poison invocation was retried without end"
+        runner = runner_process(**env)
+        died = asyncio.create_task(function_output.wait_for("poison", starts))
+        together = asyncio.gather(*answers, return_exceptions=True)
+        await asyncio.wait([died, together], return_when=asyncio.FIRST_COMPLETED)
+        if died.done():
+            runner.kill()
+            await asyncio.to_thread(runner.wait)
+        died.cancel()
+    return starts
+
+
 async def test_a_poison_invocation_that_kills_its_runner_is_dead_lettered_alone(
     serve_gateway: Callable[..., Any],
     runner_process: Callable[..., subprocess.Popen[bytes]],
@@ -126,18 +150,7 @@ async def test_a_poison_invocation_that_kills_its_runner_is_dead_lettered_alone(
     }
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         calls = await queued_together(client, redis, "probe", [-2.0, *range(1, 16)])
-        starts = 0
-        while not all(call.done() for call in calls):
-            starts += 1
-            assert starts <= 4, "the poison invocation was retried without end"
-            runner = runner_process(**env)
-            # The poison hangs where a real one would take its runner down: so it does, here.
-            died = asyncio.create_task(function_output.wait_for("poison", starts))
-            await asyncio.wait([died, asyncio.gather(*calls)], return_when=asyncio.FIRST_COMPLETED)
-            if died.done():
-                runner.kill()
-                await asyncio.to_thread(runner.wait)
-            died.cancel()
+        starts = await killed_at_each_poison(calls, runner_process, env, function_output)
         responses = [call.result() for call in calls]
     assert starts == 3  # a batch (the poison's first run), the poison alone, then the dead letter
     assert responses[0].status_code == 500

@@ -7,7 +7,6 @@ dead-lettered alone; a runner killed holding the entry loses none of them."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from fngate.wire import Reply
 from gateway import metrics
 from gateway.call import Call
 from tests.e2e.function_output import FunctionOutput
-from tests.e2e.test_recovery import wait_for
+from tests.e2e.test_recovery import killed_at_each_poison, wait_for
 from tests.gateway.test_dispatch import dispatching
 
 STREAM = keys.invocations("probe")
@@ -80,13 +79,13 @@ async def test_one_whose_caller_left_is_never_run(
     """Its entry cannot lose it before a runner reads it: it is named among those whose callers
     left, and the runner that starts later answers it unrun."""
     function = probe(repo)
-    marked = metrics.WITHDRAWN.labels("probe", "marked")._value.get()
+    marked = withdrawn("marked")
     async with dispatching(redis_url) as (dispatcher, _):
         answers = [dispatcher.invoke(call(function, float(first))) for first in (1, 2, 3)]
         await wait_for(lambda: _at(redis, (1, 2)), what="one entry of 3")
         answers[1].cancel()
         await wait_for(
-            lambda: _equal(metrics.WITHDRAWN.labels("probe", "marked")._value.get(), marked + 1),
+            lambda: _equal(withdrawn("marked"), marked + 1),
             what="the second marked",
         )
         assert len(await redis.smembers(queue.left_set(STREAM))) == 1
@@ -108,7 +107,7 @@ async def test_one_whose_caller_left_after_its_runner_read_it_is_answered_unrun(
 ) -> None:
     """The runner read the entry ahead while a batch runs: it is told, and answers that one unrun."""
     function = probe(repo)
-    stopped = metrics.WITHDRAWN.labels("probe", "stopped")._value.get()
+    stopped = withdrawn("stopped")
     runner_process(PROBE_LOG="1", PROBE_SLEEP_S="1.5", FNGATE_FUNCTIONS='["probe"]')
     async with dispatching(redis_url) as (dispatcher, _):
         running = dispatcher.invoke(call(function, 1.0))
@@ -117,7 +116,7 @@ async def test_one_whose_caller_left_after_its_runner_read_it_is_answered_unrun(
         await wait_for(lambda: _held(redis, 2), what="the shared entry read ahead")
         answers[1].cancel()
         await wait_for(
-            lambda: _equal(metrics.WITHDRAWN.labels("probe", "stopped")._value.get(), stopped + 1),
+            lambda: _equal(withdrawn("stopped"), stopped + 1),
             what="the runner told",
         )
         replies = await asyncio.gather(running, answers[0], answers[2])
@@ -142,18 +141,7 @@ async def test_a_poison_among_them_is_dead_lettered_alone(
     async with dispatching(redis_url) as (dispatcher, _):
         answers = [dispatcher.invoke(call(function, float(first))) for first in (-2, *range(1, 16))]
         await wait_for(lambda: _at(redis, (1, 15)), what="one entry of 16")
-        starts = 0
-        while not all(answer.done() for answer in answers):
-            starts += 1
-            assert starts <= 4, "the poison invocation was retried without end"
-            runner = runner_process(**env)
-            died = asyncio.create_task(function_output.wait_for("poison", starts))
-            together = asyncio.gather(*answers, return_exceptions=True)
-            await asyncio.wait([died, together], return_when=asyncio.FIRST_COMPLETED)
-            if died.done():
-                runner.send_signal(signal.SIGKILL)
-                await asyncio.to_thread(runner.wait)
-            died.cancel()
+        starts = await killed_at_each_poison(answers, runner_process, env, function_output)
     assert starts == 3  # the entry's batch, the poison alone, then its dead letter
     poison = answers[0].exception()
     assert poison is not None and "ran 2 times and no runner finished it" in str(poison)
@@ -161,6 +149,11 @@ async def test_a_poison_among_them_is_dead_lettered_alone(
         doubled(answer.result(), float(first))
     assert await redis.xlen(keys.dead_letters("probe")) == 1
     await wait_for(lambda: _at(redis, (0, 0)), what="the entry acknowledged")
+
+
+def withdrawn(outcome: str) -> float:
+    """The probe's callers that left, by what became of their invocation (fngate_withdrawn)."""
+    return float(metrics.WITHDRAWN.labels("probe", outcome)._value.get())
 
 
 async def _at(redis: aioredis.Redis, expected: tuple[int, int]) -> bool:
