@@ -82,6 +82,8 @@ def rendered(cluster: Cluster, *flags: str) -> str:
         "ClusterIP",
         "--gateway-min-replicas",
         "2",
+        "--gateway-max-replicas",
+        "2",  # the node has room for two; a third, added under load, would wait unscheduled
         "--runner-cpu",
         "500m",  # a 2-core node holds a runner and its replacement (a rollout's surge pod)
         *flags,
@@ -136,8 +138,17 @@ def deployed(cluster: Cluster) -> dict[str, Any]:
     cluster.kubectl(
         "-n", NAMESPACE, "create", "secret", "generic", "fngate-api-keys", f"--from-literal=admin={digest}"
     )
-    started = time.monotonic()
     first_runner = runner_events(cluster)
+    try:
+        return _apply_and_deploy(cluster, first_runner, key, password)
+    except BaseException:
+        first_runner.close()
+        raise
+
+
+def _apply_and_deploy(cluster: Cluster, first_runner: Watch, key: str, password: str) -> dict[str, Any]:
+    figures = cluster.figures
+    started = time.monotonic()
     applied = cluster.kubectl("apply", "-f", "-", stdin=rendered(cluster))
     assert "deployment.apps/fngate-gateway created" in applied, applied
     cluster.kubectl(
@@ -157,13 +168,17 @@ def deployed(cluster: Cluster) -> dict[str, Any]:
     try:
         cluster.ns(FNGATE, "deploy", manifest, "--gateway", gateway, env={"FNGATE_API_KEY": key})
     except AssertionError as exc:
-        first_runner.close()
         logs = cluster.kubectl("-n", NAMESPACE, "logs", "-l", GATEWAYS, "--tail", "60", check=False)
         raise AssertionError(f"{exc}\n--- the gateways' logs:\n{logs}") from None
     figures["deploy_s"] = round(time.monotonic() - started, 1)
     # The gateway that took the deploy knows the function at once, the others at their next catalog
-    # refresh: every gateway pod asked until it knows it, so that no test meets one that does not.
+    # refresh: every gateway pod asked until it knows it, so that no test meets one that does not. A
+    # pod with no address (one replacing a pod the node evicted) is kept in the report with its state.
     for pod in cluster.pods(NAMESPACE, GATEWAYS):
+        if not pod["status"].get("podIP"):
+            state = {key: pod["status"].get(key) for key in ("phase", "reason", "message", "conditions")}
+            figures.setdefault("gateway_pods_without_address", {})[pod["metadata"]["name"]] = state
+            continue
         port = next(
             item["containerPort"] for item in pod["spec"]["containers"][0]["ports"] if item["name"] == "http"
         )
@@ -206,6 +221,12 @@ def invoke(cluster: Cluster, deployed: dict[str, Any]) -> dict[str, Any]:
 
 def replicas(cluster: Cluster) -> int:
     return int(cluster.get("deployment", "-n", NAMESPACE, POOL)["spec"].get("replicas", 1))
+
+
+def gateway_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    """The gateway pods that have an address (one replacing a deleted pod has none until it is
+    scheduled, and is in no Service before it is ready)."""
+    return [pod for pod in cluster.pods(NAMESPACE, GATEWAYS) if pod["status"].get("podIP")]
 
 
 def runner_pods(cluster: Cluster) -> list[dict[str, Any]]:
@@ -418,7 +439,7 @@ def test_under_load_runner_and_gateway_pods_deleted_and_a_rollout_lose_nothing_a
         wait_until("a ready runner under load", lambda: ready_runner(cluster), 120)
         runner = ready_runner(cluster)
         assert runner is not None
-        gateway = cluster.pods(NAMESPACE, GATEWAYS)[0]
+        gateway = gateway_pods(cluster)[0]
         # NetworkPolicies: the gateway's HTTP port is open to anyone; its metrics port and the
         # runner's only to Prometheus's label.
         policies = {
