@@ -442,44 +442,51 @@ class Dispatcher:
         for together in by_slot.values():
             self._enqueue_together(together)
 
-    def _enqueue_together(self, flights: list[_Flight]) -> None:
+    def _enqueue_together(self, flights: list[_Flight], pack: bool = True) -> None:
+        """The turn's invocations of one Redis (or slot) in one script call. Those that need no
+        decision of their own go packed, one entry built here for each stream's (ENQUEUE_MANY's
+        packed items); `pack` False: each decided on its own (what did not fit packed, again)."""
         if len(flights) == 1:
             (flight,) = flights
             script = flight.entries.script
             self._enqueue.send(script.keys, script.args).add_done_callback(flight.enqueued)
             return
         scripts = [flight.entries.script for flight in flights]
-        call = queue.enqueue_many_call(
-            scripts, [flight.shares() for flight in flights] if self._group else ()
-        )
-        self._enqueue_many.send(call.keys, call.args).add_done_callback(
-            lambda future: self._enqueued_many(flights, call, future)
+        turn = queue.turn_call(scripts, [flight.shares() for flight in flights] if self._group else (), pack)
+        self._enqueue_many.send(turn.call.keys, turn.call.args).add_done_callback(
+            lambda future: self._enqueued_many(flights, turn, future)
         )
 
     def _enqueued_many(
-        self, flights: list[_Flight], call: queue.ScriptCall, future: asyncio.Future[Any]
+        self, flights: list[_Flight], turn: queue.TurnCall, future: asyncio.Future[Any]
     ) -> None:
         if future.cancelled():
             return
         error = future.exception()
         if isinstance(error, NoScriptError):  # a new or restarted Redis: load the script
-            self._background(self._enqueue_many_loading(flights, call))
+            self._background(self._enqueue_many_loading(flights, turn))
         elif error is not None:
             for flight in flights:
                 flight.enqueue_failed(error)
         else:
-            for flight, raw in zip(flights, future.result(), strict=True):
-                flight.outcome(raw)
+            self._settle_turn(flights, turn, future.result())
 
-    async def _enqueue_many_loading(self, flights: list[_Flight], call: queue.ScriptCall) -> None:
+    async def _enqueue_many_loading(self, flights: list[_Flight], turn: queue.TurnCall) -> None:
         try:
-            outcomes = await self._enqueue_many(call.keys, call.args)
+            outcomes = await self._enqueue_many(turn.call.keys, turn.call.args)
         except Exception as exc:
             for flight in flights:
                 flight.enqueue_failed(exc)
             return
-        for flight, raw in zip(flights, outcomes, strict=True):
-            flight.outcome(raw)
+        self._settle_turn(flights, turn, outcomes)
+
+    def _settle_turn(self, flights: list[_Flight], turn: queue.TurnCall, raw: Any) -> None:
+        outcomes, again = queue.turn_outcomes(turn, raw)
+        for flight, outcome in zip(flights, outcomes, strict=True):
+            if outcome is not None:
+                flight.outcome(outcome)
+        if again:  # a packed entry past its stream's room: each decided on its own, in order
+            self._enqueue_together([flights[at] for at in again], pack=False)
 
     def _count_pipeline(self, call: Call, failed: bool) -> None:
         """A pipeline's (an ensemble's) own statistics, to which no batch adds (its steps' batches

@@ -309,15 +309,41 @@ ENQUEUE = ENQUEUE_LUA + "return enqueue(KEYS, ARGV, 0, 0, #KEYS, #ARGV)\n"
 # their bodies back to back), one XADD a group; each one's outcome names its place in its entry,
 # `<entry id>/<index>` (one alone takes a plain entry, named by its id). The stream's EXTRA counter
 # holds what its grouped entries hold beyond one each (runners take it back as they acknowledge them).
+# A packed item (its third number -m, m > 1) is m invocations that need no decision of their own
+# (packable), whose entry the gateway built: KEYS the stream and its byte counter, ARGV max queue
+# size, max queue bytes, HEADERS and BODIES. It is queued whole, as one entry, when all m fit (the
+# byte limit is checked with the whole entry's size, so that each would fit as ENQUEUE decides it);
+# else it answers {'split'} and does nothing, and the gateway sends the m again, each to be decided.
+# A packed item's outcome names its entry; its m invocations are `<entry id>/0` to `/m-1`.
 ENQUEUE_MANY = (
     ENQUEUE_LUA
     + """
+local function enqueue_packed(K, A, ko, ao, m)
+  local stream, counter, h, b = K[ko + 1], K[ko + 2], A[ao + 3], A[ao + 4]
+  if waiting(stream) + m > tonumber(A[ao + 1]) then return {'split'} end
+  local s, t, size = seen[stream], turn[stream], #h + #b
+  local limit = tonumber(A[ao + 2])
+  if limit > 0 then
+    if not s.bytes then s.bytes = tonumber(redis.call('GET', counter) or '0') end
+    if s.bytes + (t and t.bytes or 0) + size >= limit then return {'split'} end
+  end
+  local id = redis.call('XADD', stream, '*', 'H', h, 'B', b)
+  redis.call('INCRBY', counter, size)
+  redis.call('INCRBY', stream .. ':extra', m - 1)
+  s.n = s.n + m
+  if s.bytes then s.bytes = s.bytes + size end
+  return {'queued', id, waiting(stream)}
+end
 local n = tonumber(ARGV[1])
 local outcomes = {}
 local ko, ao = 0, 1 + 3 * n
 for i = 1, n do
-  local nk, na = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i])
-  outcomes[i] = enqueue(KEYS, ARGV, ko, ao, nk, na, tonumber(ARGV[3 * i + 1]), i)
+  local nk, na, g = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  if g < 0 then
+    outcomes[i] = enqueue_packed(KEYS, ARGV, ko, ao, -g)
+  else
+    outcomes[i] = enqueue(KEYS, ARGV, ko, ao, nk, na, g, i)
+  end
   ko, ao = ko + nk, ao + na
 end
 for _, stream in ipairs(order) do
@@ -422,16 +448,87 @@ def left_set(stream: str) -> str:
 
 
 def enqueue_many_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = ()) -> ScriptCall:
-    """ENQUEUE_MANY's arguments for these ENQUEUE calls; its answer is their outcomes in order.
-    `grouped`: for each, how many invocations may share its entry (none given: 0 for all)."""
+    """ENQUEUE_MANY's arguments for these ENQUEUE calls, each decided on its own; its answer is their
+    outcomes in order. `grouped`: for each, how many invocations may share its entry (none given: 0
+    for all)."""
+    return turn_call(calls, grouped, pack=False).call
+
+
+def packable(call: ScriptCall) -> bool:
+    """Whether an ENQUEUE needs no decision of its own beyond its stream's room: no cache lookup, no
+    identical invocation to join, no caller limits, no pipeline step, no sequence."""
+    return len(call.keys) == 8 and len(call.args) == 12 and not any(call.keys[2:])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TurnCall:
+    """ENQUEUE_MANY's arguments for one event-loop turn's ENQUEUE calls, and the calls each of its
+    items carries: one, or the several of a packed entry."""
+
+    call: ScriptCall
+    items: list[list[int]]
+
+
+def turn_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = (), pack: bool = True) -> TurnCall:
+    """ENQUEUE_MANY for these calls. `grouped`: for each, how many invocations may share its entry
+    (none given: 0 for all). With `pack`, the packable calls of one stream that may share go as
+    packed items of up to that many, their entry built here (its HEADERS one JSON array of their
+    headers, its BODIES their bodies back to back); the others are decided each on its own."""
+    items: list[list[int]] = []
+    packs: dict[str, list[int]] = {}
+    for at, call in enumerate(calls):
+        if pack and grouped and grouped[at] > 1 and packable(call):
+            packs.setdefault(call.keys[0], []).append(at)
+        else:
+            items.append([at])
     counts: list[bytes | str | int | float] = []
     args: list[bytes | str | int | float] = []
     keys: list[str] = []
-    for at, call in enumerate(calls):
-        counts += [len(call.keys), len(call.args), grouped[at] if grouped else 0]
+    for (item,) in items:
+        call = calls[item]
+        counts += [len(call.keys), len(call.args), grouped[item] if grouped else 0]
         keys += call.keys
         args += call.args
-    return ScriptCall(keys, [len(calls), *counts, *args])
+    for members in packs.values():
+        most = grouped[members[0]]
+        for start in range(0, len(members), most):
+            chunk = members[start : start + most]
+            if len(chunk) == 1:  # one alone: decided as ENQUEUE decides it, in a plain entry
+                call = calls[chunk[0]]
+                counts += [len(call.keys), len(call.args), 0]
+                keys += call.keys
+                args += call.args
+            else:
+                first = calls[chunk[0]]
+                headers = b",".join(_as_bytes(calls[member].args[2]) for member in chunk)
+                bodies = b"".join(_as_bytes(calls[member].args[3]) for member in chunk)
+                counts += [2, 4, -len(chunk)]
+                keys += first.keys[:2]
+                args += [first.args[0], first.args[1], b"[" + headers + b"]", bodies]
+            items.append(chunk)
+    return TurnCall(ScriptCall(keys, [len(items), *counts, *args]), items)
+
+
+def _as_bytes(value: bytes | str | int | float) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def turn_outcomes(turn: TurnCall, raw: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """Each call's raw ENQUEUE outcome from ENQUEUE_MANY's answer to `turn` (a packed entry's
+    invocations each named `<entry id>/<index>`), and the calls of packed items that did not fit
+    whole: those have no outcome (None) and are to be sent again, unpacked."""
+    outcomes: list[Any] = [None] * sum(len(item) for item in turn.items)
+    again: list[int] = []
+    for item, answer in zip(turn.items, raw, strict=True):
+        if len(item) == 1:
+            outcomes[item[0]] = answer
+        elif answer[0] == b"split":
+            again += item
+        else:
+            _, entry_id, depth = answer
+            for index, at in enumerate(item):
+                outcomes[at] = [b"queued", b"%s/%d" % (entry_id, index), depth]
+    return outcomes, sorted(again)
 
 
 FINISH_ITEM = 11

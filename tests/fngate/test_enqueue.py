@@ -98,3 +98,50 @@ async def test_withdraw_takes_back_only_what_no_runner_read_and_no_one_waits_on(
 
 def _args(script: queue.ScriptCall) -> tuple[list[str], list[bytes | str | int | float]]:
     return script.keys, script.args
+
+
+async def test_a_turns_plain_invocations_are_packed_into_one_entry_when_all_fit(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    client = FastRedis(redis_url)
+    many = Script(client, queue.ENQUEUE_MANY)
+
+    async def decided(turn: queue.TurnCall) -> tuple[list[queue.EnqueueOutcome | None], list[int]]:
+        raws, again = queue.turn_outcomes(turn, await many(turn.call.keys, turn.call.args))
+        return [queue.parse_enqueue(raw) if raw is not None else None for raw in raws], again
+
+    limited = queue.Admission(("bucket", "busy", ""), (100, 100, 0, 0, "m", 1000))
+    try:
+        # Three plain calls of s1 and one with caller limits, which is decided on its own.
+        calls = [call("s1", 10, "a"), call("s1", 10, "b", admission=limited), call("s1", 10, "c")]
+        calls.append(call("s1", 10, "d"))
+        assert [queue.packable(one) for one in calls] == [True, False, True, True]
+        outcomes, again = await decided(queue.turn_call(calls, [8, 8, 8, 8]))
+        assert again == []
+        entries = {entry_id: fields for entry_id, fields in await redis.xrange("s1")}
+        packed = next(entry_id for entry_id, fields in entries.items() if queue.HEADERS in fields)
+        assert entries[packed] == {queue.HEADERS: b"[{},{},{}]", queue.BODIES: b"xy" * 3}
+        assert [outcome.entry_id for outcome in outcomes if isinstance(outcome, queue.Queued)] == [
+            packed + b"/0",
+            next(entry_id for entry_id in entries if entry_id != packed),  # b, alone: a plain entry
+            packed + b"/1",
+            packed + b"/2",
+        ]
+        assert int(await redis.get(queue.extra_count("s1"))) == 2  # four invocations in two entries
+        assert int(await redis.get(queue.queue_bytes("s1"))) == len(b"[{},{},{}]" + b"xy" * 3) + 4
+
+        # Packed calls that would not all fit are sent again each on its own, and decided exactly
+        # as ENQUEUE decides them: by count, then by bytes.
+        for stream, max_size, max_bytes, queued in (("s2", 2, 0, 2), ("s3", 10, 6, 2)):
+            calls = [call(stream, max_size, name, max_queue_bytes=max_bytes) for name in "xyz"]
+            outcomes, again = await decided(queue.turn_call(calls, [8, 8, 8]))
+            assert (outcomes, again) == ([None, None, None], [0, 1, 2])
+            assert not await redis.exists(stream, queue.queue_bytes(stream), queue.extra_count(stream))
+            alone = queue.enqueue_many_call([calls[at] for at in again], [8, 8, 8])
+            decisions = [queue.parse_enqueue(raw) for raw in await many(alone.keys, alone.args)]
+            refused = "count" if max_bytes == 0 else "bytes"
+            assert decisions[queued:] == [queue.Full(refused, 0)] * (3 - queued)
+            assert all(isinstance(outcome, queue.Queued) for outcome in decisions[:queued])
+            assert await redis.xlen(stream) + int(await redis.get(queue.extra_count(stream)) or 0) == queued
+    finally:
+        await client.aclose()
