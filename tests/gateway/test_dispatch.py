@@ -101,6 +101,25 @@ async def test_a_full_queue_is_overloaded_and_nothing_is_queued(
             task.cancel()
 
 
+async def test_a_turn_past_the_queues_room_has_as_many_queued_as_fit_and_the_rest_overloaded(
+    redis_url: str, redis: aioredis.Redis
+) -> None:
+    # Five of one turn would be packed in one entry, which does not fit whole: each is decided
+    # again on its own, and the first three are queued (sharing an entry), as if sent one by one.
+    async with dispatching(redis_url) as (dispatcher, _):
+        function = classifier(max_queue_size=3)
+        answers = [asyncio.ensure_future(dispatcher.invoke(call(function, 2000))) for _ in range(5)]
+        done, _pending = await asyncio.wait(answers, timeout=1.0)
+        assert [answer in done for answer in answers] == [False, False, False, True, True]
+        for answer in answers[3:]:
+            with pytest.raises(Overloaded, match="max_queue_size"):
+                answer.result()
+        stream = keys.invocations("classifier")
+        assert await redis.xlen(stream) == 1 and int(await redis.get(queue.extra_count(stream))) == 2
+        for answer in answers[:3]:
+            answer.cancel()
+
+
 async def test_no_answer_is_a_deadline_exceeded_at_the_deadline(
     redis_url: str, redis: aioredis.Redis
 ) -> None:
