@@ -490,7 +490,7 @@ def turn_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = (), pack: bo
         keys += call.keys
         args += call.args
     for members in packs.values():
-        most = grouped[members[0]]
+        most = min(grouped[member] for member in members)  # a stream's versions may batch apart
         for start in range(0, len(members), most):
             chunk = members[start : start + most]
             if len(chunk) == 1:  # one alone: decided as ENQUEUE decides it, in a plain entry
