@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 Address = tuple[str, int]
 
 REDIRECTS = 5
-"""MOVED and ASK answers one command follows before it fails."""
+"""MOVED and ASK answers one command follows in a row; past them it is routed again a moment later
+(the map read anew), until its deadline."""
 TRY_AGAIN_S = 0.02
 REFRESH_EVERY_S = 0.2
 """The slot map is asked for at most this often."""
@@ -139,7 +140,17 @@ class ClusterFastRedis(FastRedis):
             return
         if isinstance(error, ResponseError):
             kind, _, rest = str(error).partition(" ")
-            if kind in ("MOVED", "ASK") and command.redirects < REDIRECTS:
+            loop = asyncio.get_running_loop()
+            if kind in ("MOVED", "ASK") and command.redirects >= REDIRECTS:
+                if loop.time() + TRY_AGAIN_S < command.deadline:
+                    # Redirected back and forth: at the end of a migration the slot's two nodes
+                    # disagree on its owner for a moment. Not run (a redirection runs nothing):
+                    # asked again once the map is read anew, until the deadline.
+                    command.redirects = 0
+                    self._refresh_soon()
+                    loop.call_later(TRY_AGAIN_S, self._route, command)
+                    return
+            elif kind in ("MOVED", "ASK"):
                 moved_slot, _, target = rest.partition(" ")
                 address = _address(target)
                 command.redirects += 1
@@ -150,8 +161,11 @@ class ClusterFastRedis(FastRedis):
                 else:
                     self._route(command, asking=address)
                 return
-            loop = asyncio.get_running_loop()
             if kind == "TRYAGAIN" and loop.time() + TRY_AGAIN_S < command.deadline:
+                # A slot that migrates answers ASK, then TRYAGAIN until a script's keys are on one
+                # node, for as long as the migration lasts: the deadline bounds those rounds, and
+                # REDIRECTS only the redirections between two of them.
+                command.redirects = 0
                 loop.call_later(TRY_AGAIN_S, self._route, command)
                 return
             if kind == "CLUSTERDOWN":

@@ -171,9 +171,10 @@ end
 # id}), which WITHDRAW takes back if its caller leaves before a runner reads it. KEYS: the stream,
 # its byte counter, the cache entry ('' to skip the lookup), the in-flight marker and its waiters
 # list ('' for no coalescing), then the caller's admission keys (bucket, busy, share; '' for a caller
-# without limits). ARGV: max queue size, max queue bytes (0: no limit), header, body, this
-# invocation as a waiter, marker TTL in ms, then admit()'s rps, burst, cap, share_cap, member and
-# ttl_ms, then a pipeline step's context (STEP; absent or '' for an invocation of its own). Entries
+# without limits); last of all, the stream's EXTRA counter (declared only: `declared`). ARGV: max
+# queue size, max queue bytes (0: no limit), header, body, this invocation as a waiter, marker TTL
+# in ms, then admit()'s rps, burst, cap, share_cap, member and ttl_ms, then a pipeline step's
+# context (STEP; absent or '' for an invocation of its own). Entries
 # leave the stream when a runner acknowledges them, so XLEN counts queued or in flight.
 # A pipeline queues its first steps together: each further first step adds its stream and byte
 # counter to KEYS after the eighth (all streams, then all counters) and a group of FORWARD's five
@@ -298,7 +299,7 @@ local function enqueue(K, A, ko, ao, nk, na, group_max, index)
 end
 """
 )
-ENQUEUE = ENQUEUE_LUA + "return enqueue(KEYS, ARGV, 0, 0, #KEYS, #ARGV)\n"
+ENQUEUE = ENQUEUE_LUA + "return enqueue(KEYS, ARGV, 0, 0, #KEYS - 1, #ARGV)\n"
 
 # Several invocations in one call (every ENQUEUE of one event-loop turn): ARGV[1] is their number n,
 # then n triples (its number of KEYS, its number of ARGV, how many may share an entry: 0 or 1 for
@@ -342,7 +343,7 @@ for i = 1, n do
   if g < 0 then
     outcomes[i] = enqueue_packed(KEYS, ARGV, ko, ao, -g)
   else
-    outcomes[i] = enqueue(KEYS, ARGV, ko, ao, nk, na, g, i)
+    outcomes[i] = enqueue(KEYS, ARGV, ko, ao, nk - 1, na, g, i)
   end
   ko, ao = ko + nk, ao + na
 end
@@ -427,7 +428,7 @@ def withdraw_call(
 ) -> ScriptCall:
     """WITHDRAW's arguments for the invocation queued as `entry_id` on `stream`, of the function
     whose channel of callers that left is `channel`."""
-    keys_ = [stream, in_flight, waiters(in_flight) if in_flight else ""]
+    keys_ = [stream, in_flight, waiters(in_flight) if in_flight else "", *declared(stream, left=True)]
     return ScriptCall(keys_, [group, entry_id, channel, "1" if cluster else "0", LEFT_TTL_MS])
 
 
@@ -447,6 +448,13 @@ def left_set(stream: str) -> str:
     return f"{stream}:left"
 
 
+def declared(stream: str, left: bool = False) -> list[str]:
+    """A stream's keys that a script reaches by name from the stream's (its byte counter, its
+    EXTRA counter, with `left` its LEFT_SET), for the script's KEYS: on a Redis Cluster a key a
+    script names without declaring it fails the script while its slot migrates."""
+    return [queue_bytes(stream), extra_count(stream), *((left_set(stream),) if left else ())]
+
+
 def enqueue_many_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = ()) -> ScriptCall:
     """ENQUEUE_MANY's arguments for these ENQUEUE calls, each decided on its own; its answer is their
     outcomes in order. `grouped`: for each, how many invocations may share its entry (none given: 0
@@ -457,7 +465,7 @@ def enqueue_many_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = ()) 
 def packable(call: ScriptCall) -> bool:
     """Whether an ENQUEUE needs no decision of its own beyond its stream's room: no cache lookup, no
     identical invocation to join, no caller limits, no pipeline step, no sequence."""
-    return len(call.keys) == 8 and len(call.args) == 12 and not any(call.keys[2:])
+    return len(call.keys) == 9 and len(call.args) == 12 and not any(call.keys[2:8])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -502,8 +510,8 @@ def turn_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = (), pack: bo
                 first = calls[chunk[0]]
                 headers = b",".join(_as_bytes(calls[member].args[2]) for member in chunk)
                 bodies = b"".join(_as_bytes(calls[member].args[3]) for member in chunk)
-                counts += [2, 4, -len(chunk)]
-                keys += first.keys[:2]
+                counts += [3, 4, -len(chunk)]
+                keys += [first.keys[0], first.keys[1], first.keys[-1]]
                 args += [first.args[0], first.args[1], b"[" + headers + b"]", bodies]
             items.append(chunk)
     return TurnCall(ScriptCall(keys, [len(items), *counts, *args]), items)
@@ -534,8 +542,9 @@ def turn_outcomes(turn: TurnCall, raw: Sequence[Any]) -> tuple[list[Any], list[i
 FINISH_ITEM = 11
 """Arguments per reply in FINISH."""
 
-# KEYS[1]: the invocation stream, KEYS[2]: its byte counter, KEYS[3..]: reply streams.
-# ARGV: group, reply maxlen, bytes acknowledged, the number of replies n, the statistics hash ('' for
+# KEYS[1]: the invocation stream, KEYS[2]: its byte counter, KEYS[3..]: reply streams, then the
+# stream's EXTRA counter (declared only). ARGV: group, reply maxlen, bytes acknowledged, the number
+# of replies n, the statistics hash ('' for
 # none), the time of the batch's end in ms for it, the number m of its counters, m pairs (field,
 # amount) to add, then n groups of
 # FINISH_ITEM (index into KEYS (0: the reply was delivered already), header, body, cache entry or
@@ -759,7 +768,7 @@ def enqueue_call(
         assert step is None and not more
         return ScriptCall(
             keys=[stream, queue_bytes(stream), lookup, in_flight, waiters(in_flight) if in_flight else "",
-                  *admit.keys, sequence.key, sequence.live],
+                  *admit.keys, sequence.key, sequence.live, extra_count(stream)],
             args=[max_queue_size, max_queue_bytes, fields[HEADER], fields[BODY], waiter.encode(),
                   max(ttl_ms, 1), *admit.args, b"", "sequence", sequence.flags, max(sequence.live_ms, 1),
                   sequence.max_live],
@@ -774,6 +783,7 @@ def enqueue_call(
             *admit.keys,
             *(item.stream for item in more),
             *(queue_bytes(item.stream) for item in more),
+            extra_count(stream),
         ],
         args=[
             max_queue_size,
@@ -956,7 +966,7 @@ def finish_call(
     for field, amount in statistics.increments.items() if statistics else ():
         counters += [field, amount]
     return ScriptCall(
-        keys=[stream, queue_bytes(stream), *reply_keys],
+        keys=[stream, queue_bytes(stream), *reply_keys, extra_count(stream)],
         args=[
             group,
             reply_maxlen,

@@ -22,6 +22,7 @@ from fngate.queue.invocations import (
     Queued,
     ScriptCall,
     Waiter,
+    extra_count,
     forward_args,
     parse_enqueue,
     queue_bytes,
@@ -159,7 +160,7 @@ if hit_h ~= '' then
 end
 local limit = full(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
 if limit then return {'full', limit, 0} end
-local more = (#KEYS - 10) / 2
+local more = (#KEYS - 11) / 2  -- the last key: KEYS[1]'s EXTRA counter, declared for full()
 for i = 1, more do
   local at = 25 + (i - 1) * 5
   limit = full(KEYS[10 + i], KEYS[10 + more + i], ARGV[at], ARGV[at + 1])
@@ -388,6 +389,7 @@ def submit_async_call(
             quota.key if quota else "",
             *(item.stream for item in more),
             *(queue_bytes(item.stream) for item in more),
+            extra_count(stream),
         ],
         args=[
             max_queue_size,

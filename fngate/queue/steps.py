@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fngate.queue.invocations import PUSH_LUA, Forward, ScriptCall, forward_args, queue_bytes
+from fngate.queue.invocations import PUSH_LUA, Forward, ScriptCall, extra_count, forward_args, queue_bytes
 
 # Pipelines: a finished step's result goes to the next steps' streams instead of a gateway.
 
@@ -54,7 +54,11 @@ def joins(invocation_id: str, node: int) -> str:
 
 def forward_call(entries: Sequence[Forward]) -> ScriptCall:
     return ScriptCall(
-        keys=[*(item.stream for item in entries), *(queue_bytes(item.stream) for item in entries)],
+        keys=[
+            *(item.stream for item in entries),
+            *(queue_bytes(item.stream) for item in entries),
+            *(extra_count(item.stream) for item in entries),  # declared: full() reads them
+        ],
         args=[len(entries), *forward_args(entries)],
     )
 

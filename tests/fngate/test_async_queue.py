@@ -45,6 +45,7 @@ def test_submit_async_call_with_callback_and_idempotency() -> None:
         "",
         "",
         "",
+        "q:extra",  # declared for a Redis Cluster: the stream's count of what shared entries hold
     ]
     assert call.args[:9] == [10, 100, b"h" * 10, b"b" * 10, b"{}", 5000, "i", "fngate:callbacks i 0", "d1"]
 
@@ -54,7 +55,7 @@ def test_submit_async_call_plain() -> None:
     assert call.keys[3:5] == ["", ""]
     assert call.args[5] == 1  # never a TTL of 0
     assert call.args[7:9] == ["", ""]
-    assert call.keys[8:] == ["", ""]  # no cache lookup, no result quota
+    assert call.keys[8:] == ["", "", "q:extra"]  # no cache lookup, no result quota
     # a done TTL of at least 1 ms, no cached answer, no step, no quota, refused from 80% of maxmemory,
     # no quota in another slot and no first steps queued on others (a Redis Cluster's), no share
     assert call.args[15:] == [1, "", "", b"", 0, 800, "", 0, 0]
@@ -232,10 +233,10 @@ def test_submit_async_call_of_a_pipelines_first_steps() -> None:
     call = queue.submit_async_call(
         "q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10, step=b"ctx", more=[other]
     )
-    assert call.keys[10:] == ["q2", "q2:bytes"]
+    assert call.keys[10:] == ["q2", "q2:bytes", "q:extra"]
     assert call.args[18:] == [b"ctx", 0, 800, "", 0, 0, 3, 0, b"h" * 10, b"b" * 10, b"ctx2"]
     plain = queue.submit_async_call("q", FIELDS, keys.result("i"), b"{}", 5000, "i", 10)
-    assert len(plain.keys) == 10 and len(plain.args) == 24
+    assert len(plain.keys) == 11 and len(plain.args) == 24
 
 
 async def test_a_pipelines_first_steps_queue_together_and_cancel_together(redis_url: str) -> None:

@@ -16,7 +16,8 @@ def test_enqueue_call_without_cache() -> None:
     call = queue.enqueue_call(
         "fngate:q:f", {queue.HEADER: b"{}", queue.BODY: b"xy"}, queue.Waiter("r", "i", 9), 500, 100, 4096
     )
-    assert call.keys == ["fngate:q:f", "fngate:q:f:bytes", "", "", "", "", "", ""]
+    # The last: the stream's count of what its shared entries hold, declared for a Redis Cluster.
+    assert call.keys == ["fngate:q:f", "fngate:q:f:bytes", "", "", "", "", "", "", "fngate:q:f:extra"]
     assert call.args == [100, 4096, b"{}", b"xy", "r i 9", 500, 0, 0, 0, 0, "", 0]  # no admission
 
 
@@ -33,7 +34,7 @@ def test_enqueue_call_with_an_admission() -> None:
     call = queue.enqueue_call(
         "s", {queue.HEADER: b"h", queue.BODY: b""}, queue.Waiter("r", "i", 9), 10, 1, admission=admission
     )
-    assert call.keys[5:] == ["rate", "busy", "share"]
+    assert call.keys[5:8] == ["rate", "busy", "share"]
     assert call.args[6:] == [2.5, 5, 3, 1, "member", 300_000]
 
 
@@ -74,7 +75,7 @@ def test_finish_call_numbers_each_reply_stream_once() -> None:
         123,
         1000,
     )
-    assert call.keys == ["q", "q:bytes", "r1", "r2", "fngate:result:i"]
+    assert call.keys == ["q", "q:bytes", "r1", "r2", "fngate:result:i", "q:extra"]
     assert call.args[:7] == ["runners", 1000, 123, 5, "", 0, 0]  # no statistics
     first = 7
     items = [call.args[first + i * queue.FINISH_ITEM : first + (i + 1) * queue.FINISH_ITEM] for i in range(5)]
@@ -106,7 +107,7 @@ def test_finish_call_packs_what_one_stream_gets_and_needs_nothing_else() -> None
         10,
         100,
     )
-    assert call.keys == ["q", "q:bytes", "r2", "r1"]
+    assert call.keys == ["q", "q:bytes", "r2", "r1", "q:extra"]
     assert call.args[3] == 3  # items: r2's one reply, r1's cached one and the one delivered already
     items = [call.args[7 + i * queue.FINISH_ITEM : 7 + (i + 1) * queue.FINISH_ITEM] for i in range(3)]
     assert [item[0:2] for item in items] == [[3, b'{"id":"2"}'], [4, b'{"id":"3"}'], [0, b'{"id":"5"}']]
@@ -135,7 +136,7 @@ def test_finish_call_counts_the_waiters_its_caller_answered() -> None:
         queue.Outgoing(reply, "q-result", in_flight="m2", waiters="drop"),
     ]
     call = queue.finish_call("q", "g", outgoing, [b"1-0"], 10, 100, answered={1: 3})
-    assert call.keys == ["q", "q:bytes", "q-result"]  # replies delivered already are not KEYS
+    assert call.keys == ["q", "q:bytes", "q-result", "q:extra"]  # replies delivered already are not KEYS
     items = [call.args[7 + i * queue.FINISH_ITEM : 7 + (i + 1) * queue.FINISH_ITEM] for i in range(3)]
     assert items[0][0] == 0 and items[0][7:9] == ["counted", 0]
     assert items[1][0] == 0 and items[1][7:9] == ["counted", 3]
