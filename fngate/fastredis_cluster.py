@@ -140,15 +140,12 @@ class ClusterFastRedis(FastRedis):
             return
         if isinstance(error, ResponseError):
             kind, _, rest = str(error).partition(" ")
-            loop = asyncio.get_running_loop()
             if kind in ("MOVED", "ASK") and command.redirects >= REDIRECTS:
-                if loop.time() + TRY_AGAIN_S < command.deadline:
-                    # Redirected back and forth: at the end of a migration the slot's two nodes
-                    # disagree on its owner for a moment. Not run (a redirection runs nothing):
-                    # asked again once the map is read anew, until the deadline.
-                    command.redirects = 0
-                    self._refresh_soon()
-                    loop.call_later(TRY_AGAIN_S, self._route, command)
+                # Redirected REDIRECTS times in a row (at a migration's end the slot's two nodes may
+                # disagree on its owner for a moment): a redirection runs nothing, so it is asked
+                # again, once the map is read anew, until the deadline.
+                self._refresh_soon()
+                if self._again_later(command):
                     return
             elif kind in ("MOVED", "ASK"):
                 moved_slot, _, target = rest.partition(" ")
@@ -161,18 +158,25 @@ class ClusterFastRedis(FastRedis):
                 else:
                     self._route(command, asking=address)
                 return
-            if kind == "TRYAGAIN" and loop.time() + TRY_AGAIN_S < command.deadline:
-                # A slot that migrates answers ASK, then TRYAGAIN until a script's keys are on one
-                # node, for as long as the migration lasts: the deadline bounds those rounds, and
-                # REDIRECTS only the redirections between two of them.
-                command.redirects = 0
-                loop.call_later(TRY_AGAIN_S, self._route, command)
+            # A slot that migrates answers ASK, then TRYAGAIN until a script's keys are on one node,
+            # for as long as the migration lasts.
+            if kind == "TRYAGAIN" and self._again_later(command):
                 return
             if kind == "CLUSTERDOWN":
                 self._refresh_soon()
         elif isinstance(error, RedisConnectionError | RedisTimeoutError | OSError):
             self._refresh_soon()
         answer.set_exception(error)
+
+    def _again_later(self, command: _Routed) -> bool:
+        """Route it again TRY_AGAIN_S from now, with REDIRECTS anew, unless that is past its
+        deadline (the deadline bounds these rounds; REDIRECTS, the redirections between two)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() + TRY_AGAIN_S >= command.deadline:
+            return False
+        command.redirects = 0
+        loop.call_later(TRY_AGAIN_S, self._route, command)
+        return True
 
     async def _route_when_known(self, command: _Routed) -> None:
         answer = command.answer

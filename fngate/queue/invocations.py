@@ -428,7 +428,10 @@ def withdraw_call(
 ) -> ScriptCall:
     """WITHDRAW's arguments for the invocation queued as `entry_id` on `stream`, of the function
     whose channel of callers that left is `channel`."""
-    keys_ = [stream, in_flight, waiters(in_flight) if in_flight else "", *declared(stream, left=True)]
+    # The byte and EXTRA counters and LEFT_SET are reached by name: declared, for a Redis Cluster's
+    # migrating slot (a script that reaches an undeclared key of one fails).
+    declared = [queue_bytes(stream), extra_count(stream), left_set(stream)]
+    keys_ = [stream, in_flight, waiters(in_flight) if in_flight else "", *declared]
     return ScriptCall(keys_, [group, entry_id, channel, "1" if cluster else "0", LEFT_TTL_MS])
 
 
@@ -446,13 +449,6 @@ def extra_count(stream: str) -> str:
 def left_set(stream: str) -> str:
     """The set of a stream's invocations in grouped entries whose callers left (WITHDRAW)."""
     return f"{stream}:left"
-
-
-def declared(stream: str, left: bool = False) -> list[str]:
-    """A stream's keys that a script reaches by name from the stream's (its byte counter, its
-    EXTRA counter, with `left` its LEFT_SET), for the script's KEYS: on a Redis Cluster a key a
-    script names without declaring it fails the script while its slot migrates."""
-    return [queue_bytes(stream), extra_count(stream), *((left_set(stream),) if left else ())]
 
 
 def enqueue_many_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = ()) -> ScriptCall:
@@ -492,20 +488,20 @@ def turn_call(calls: Sequence[ScriptCall], grouped: Sequence[int] = (), pack: bo
     counts: list[bytes | str | int | float] = []
     args: list[bytes | str | int | float] = []
     keys: list[str] = []
+
+    def alone(call: ScriptCall, shares: int) -> None:
+        counts.extend((len(call.keys), len(call.args), shares))
+        keys.extend(call.keys)
+        args.extend(call.args)
+
     for (item,) in items:
-        call = calls[item]
-        counts += [len(call.keys), len(call.args), grouped[item] if grouped else 0]
-        keys += call.keys
-        args += call.args
+        alone(calls[item], grouped[item] if grouped else 0)
     for members in packs.values():
         most = min(grouped[member] for member in members)  # a stream's versions may batch apart
         for start in range(0, len(members), most):
             chunk = members[start : start + most]
             if len(chunk) == 1:  # one alone: decided as ENQUEUE decides it, in a plain entry
-                call = calls[chunk[0]]
-                counts += [len(call.keys), len(call.args), 0]
-                keys += call.keys
-                args += call.args
+                alone(calls[chunk[0]], 0)
             else:
                 first = calls[chunk[0]]
                 headers = b",".join(_as_bytes(calls[member].args[2]) for member in chunk)
