@@ -216,10 +216,12 @@ async def test_a_decoupled_model_streams_any_number_of_responses_as_they_are_mad
         assert brotli.status_code == 400 and "Content-Encoding 'br' is not supported" in brotli.text
 
     # A route that answers once refuses it, and says where to call it.
-    http = triton_http.InferenceServerClient(base.removeprefix("http://"))
     tensor = triton_http.InferInput("IN", [1], "INT32")
     tensor.set_data_from_numpy(np.array([1], dtype=np.int32))
-    with pytest.raises(InferenceServerException, match="ModelStreamInfer"):
+    with (
+        triton_http.InferenceServerClient(base.removeprefix("http://")) as http,
+        pytest.raises(InferenceServerException, match="ModelStreamInfer"),
+    ):
         await asyncio.to_thread(partial(http.infer, "square_int32", [tensor]))
     with triton_grpc.InferenceServerClient(grpc_url) as client:
         unary = triton_grpc.InferInput("IN", [1], "INT32")
