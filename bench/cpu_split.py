@@ -2,8 +2,10 @@
 the benchmark runs them), driven by the bench's closed-loop load generator over HTTP with one-row
 tiny invocations, V2 JSON and then binary, at 16 clients. For each: requests per second; user and
 system CPU microseconds per request of the gateway, the runner, Redis and this client (from /proc);
-and Redis's commands per request with their microseconds (INFO commandstats: a script's time
-includes the commands it calls, which are also counted under their own names).
+the batches the runner ran (the function's Triton statistics: execution_count) and the runner's and
+Redis's CPU per batch, which tell a cost paid per batch from one paid per invocation; and Redis's
+commands per request with their microseconds (INFO commandstats: a script's time includes the
+commands it calls, which are also counted under their own names).
 
   python -m bench.cpu_split [--measure-s S] [--clients N] [--one-entry-each]
 
@@ -28,8 +30,20 @@ from bench import loadgen
 from bench.__main__ import requests_for
 from bench.deployment import Deployment, deployment, redis_pid
 from bench.models import build_repository
+from fngate import keys
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+MODEL = "tiny"
+
+
+def executions(client: redis.Redis, function: str) -> int:
+    """The batches run so far of every version of `function` (Triton's execution_count)."""
+    total = 0
+    for key in client.scan_iter(match=keys.statistics(function, "*")):
+        total += int(client.hget(key, "execution_count") or 0)
+    return total
 
 
 def user_system_s(pid: int) -> tuple[float, float]:
@@ -44,7 +58,7 @@ def client_s() -> tuple[float, float]:
 
 
 def split(deployed: Deployment, port: int, binary: bool, clients: int, measure_s: float) -> None:
-    requests, _ = requests_for("tiny", 16, 2000, binary, seed=5)
+    requests, _ = requests_for(MODEL, 16, 2000, binary, seed=5)
     asyncio.run(loadgen.run("127.0.0.1", port, requests, clients, 3.0, 2.0))  # warm
     readers: dict[str, Callable[[], tuple[float, float]]] = {
         "gateway": lambda: user_system_s(deployed.gateways[0][0].pid),
@@ -54,16 +68,23 @@ def split(deployed: Deployment, port: int, binary: bool, clients: int, measure_s
     }
     with redis.Redis.from_url(deployed.redis_url) as client:
         client.config_resetstat()
+        batches_before = executions(client, MODEL)
         before = {name: read() for name, read in readers.items()}
         result = asyncio.run(loadgen.run("127.0.0.1", port, requests, clients, 0.0, measure_s))
         after = {name: read() for name, read in readers.items()}
+        batches = executions(client, MODEL) - batches_before
         stats: dict[str, Any] = client.info("commandstats")
     count = len(result.latencies_ns)
     print(f"{'binary' if binary else 'V2 JSON'}: {count / measure_s:,.0f} req/s, {result.errors} errors")
+    print(f"  batches  {batches:,} ({count / max(batches, 1):.1f} invocations a batch)")
     for name in readers:
         user = (after[name][0] - before[name][0]) / count * 1e6
         system = (after[name][1] - before[name][1]) / count * 1e6
-        print(f"  {name:8} user {user:6.1f} µs/req  system {system:5.1f} µs/req")
+        per_batch = ""
+        if name in ("runner", "redis") and batches:
+            spent = sum(after[name]) - sum(before[name])
+            per_batch = f"  user + system {spent / batches * 1e6:6.1f} µs/batch"
+        print(f"  {name:8} user {user:6.1f} µs/req  system {system:5.1f} µs/req{per_batch}")
     print("  Redis commands (calls and µs per request):")
     for command, stat in sorted(stats.items(), key=lambda item: -item[1]["usec"])[:8]:
         name = command.removeprefix("cmdstat_")

@@ -1,9 +1,12 @@
-"""The lean invoke path on uvicorn: the invocation routes answered from the connection's protocol,
-without an ASGI task, scope messages or middleware per request. httptools parses (through
-uvicorn's protocol, which keeps its keep-alive, pipelining, flow control and shutdown); this module
-takes the requests that gateway.http.invoke.match() recognises once their head is in, checks the
-key at once, collects the body, hands the call to the core and writes the answer from the reply
-future's done callback: one loop timer (the body's), no await, for a small synchronous call.
+"""The lean invoke path: the invocation routes answered from the connection's protocol, without an
+ASGI task, scope messages or middleware per request. An Exchange takes a request that
+gateway.http.invoke.match() recognised once its head is in, checks the key at once, collects the
+body, hands the call to the core and gives the answer to its connection from the reply future's
+done callback: one loop timer (the body's), no await, for a small synchronous call.
+
+The exchange knows its connection only as a Link: the server's own parts (uvicorn's request cycle
+and protocol, which keep keep-alive, pipelining, flow control and shutdown) stay behind it, in
+gateway.http.uvicorn_link, the one module that touches uvicorn's private attributes.
 
 A large body (or one of unknown length) is decoded as it arrives (gateway.http.bodies), never held
 whole; a compressed one is held as sent and decoded in a worker thread. Everything else (other
@@ -16,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from fngate.errors import FunctionError, PayloadTooLarge
 from fngate.repository import FunctionVersion
@@ -34,8 +38,52 @@ from gateway.state import Services
 from gateway.validation import parse_now
 
 log = logging.getLogger(__name__)
-CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-REASONS = {200: b"OK", 202: b"Accepted"}
+
+
+class Link(Protocol):
+    """What an exchange needs of its connection and request (gateway.http.uvicorn_link.UvicornLink)."""
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]: ...
+
+    @property
+    def more_body(self) -> bool:
+        """The body has not all been received yet."""
+
+    @property
+    def done(self) -> bool:
+        """Answered, or the client left: nothing more is sent."""
+
+    @property
+    def answered(self) -> bool: ...
+
+    def body_bytes(self) -> int:
+        """The size of what the connection collected of the body so far."""
+
+    def take_body(self) -> bytes:
+        """What the connection collected of the body so far, let go of there."""
+
+    def expect_continue(self) -> None:
+        """Send `100 Continue` if the client waits for it before its body."""
+
+    def resume_reading(self) -> None: ...
+
+    def later(self, delay_s: float, callback: Callable[[], None]) -> asyncio.TimerHandle: ...
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in a task the connection keeps (and waits for at shutdown)."""
+
+    def end_after_answer(self) -> None:
+        """No next request on this connection: it closes once answered."""
+
+    def close(self) -> None: ...
+
+    def send(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes, lingering: bool) -> None:
+        """The whole answer, framed and written; the connection closes after it unless it keeps
+        alive or `lingering` (the rest of a refused body is read first)."""
+
+    def release(self) -> None:
+        """The connection lets go of the exchange."""
 
 
 class Exchange:
@@ -54,19 +102,15 @@ class Exchange:
         "_received",
         "_streamed",
         "_waiting_for_key",
-        "cycle",
+        "link",
         "principal",
-        "protocol",
         "request",
         "services",
         "started",
     )
 
-    def __init__(
-        self, protocol: Any, cycle: Any, request: invoke.InvokeHead, services: Services, started: float
-    ) -> None:
-        self.protocol = protocol
-        self.cycle = cycle
+    def __init__(self, link: Link, request: invoke.InvokeHead, services: Services, started: float) -> None:
+        self.link = link
         self.request = request
         self.services = services
         self.started = started
@@ -91,8 +135,8 @@ class Exchange:
 
     def start(self) -> None:
         """The head is in: refuse what can be refused before the body, else wait for it."""
-        request, settings = self.request, self.services.settings
-        headers = self.cycle.scope["headers"]
+        request, settings, link = self.request, self.services.settings, self.link
+        headers = link.headers
         request.read_headers(headers)
         self._accepts_gzip = accepts_gzip(headers)
         try:
@@ -107,7 +151,7 @@ class Exchange:
         except UnknownKey as exc:
             if not self._key_looked_up:  # created since the table's refresh, maybe: look it up
                 self._waiting_for_key = True
-                self._in_task(self._look_up(exc.key_id))
+                link.spawn(self._look_up(exc.key_id))
                 return
             invoke.count_refusal(self.services, request, exc, self.started)
             self._refuse(exc, close=True)
@@ -117,18 +161,15 @@ class Exchange:
             # A body declared over the limit is not read: the connection ends at once.
             self._refuse(exc, close=True, linger=not isinstance(exc, PayloadTooLarge))
             return
-        if self._streamed is not None and self.cycle.body:  # what came with the head
-            early, self.cycle.body = bytes(self.cycle.body), bytearray()
-            self.stream(early)
-            if self.cycle.response_complete:
+        if self._streamed is not None and link.body_bytes():  # what came with the head
+            self.stream(link.take_body())
+            if link.answered:
                 return
-        if not self.cycle.more_body:  # it came with its head (or before its turn, pipelined)
+        if not link.more_body:  # it came with its head (or before its turn, pipelined)
             self.body_complete()
             return
-        if self.cycle.waiting_for_100_continue:
-            self.cycle.waiting_for_100_continue = False
-            self.protocol.transport.write(CONTINUE)
-        self._body_timer = self.protocol.loop.call_later(settings.body_timeout_s, self._body_too_slow)
+        link.expect_continue()
+        self._body_timer = link.later(settings.body_timeout_s, self._body_too_slow)
 
     def _start_stream(self) -> None:
         """A body decoded as it arrives: its function is found first (a small body's after it)."""
@@ -142,7 +183,7 @@ class Exchange:
         await self.services.keys.look_up(key_id)
         self._key_looked_up = True  # the next refusal is final
         self._waiting_for_key = False
-        if not self.cycle.response_complete and not self.cycle.disconnected:
+        if not self.link.done:
             self.start()
 
     @property
@@ -150,9 +191,9 @@ class Exchange:
         return self._streamed is not None
 
     def stream(self, chunk: bytes) -> None:
-        """A part of a body decoded as it arrives (the protocol hands it here, not to the cycle)."""
+        """A part of a body decoded as it arrives (the connection hands it here, not to its buffer)."""
         streamed = self._streamed
-        if streamed is None or self.cycle.response_complete:
+        if streamed is None or self.link.answered:
             return
         self._received += len(chunk)
         limit = self.services.settings.max_body_bytes
@@ -173,12 +214,12 @@ class Exchange:
 
     def body_grew(self) -> None:
         limit = self.services.settings.max_body_bytes
-        if len(self.cycle.body) > limit:
+        if self.link.body_bytes() > limit:
             self._refuse(
                 PayloadTooLarge(f"the body is over the limit of {limit} bytes"), close=True, linger=False
             )
         else:
-            self.protocol.flow.resume_reading()  # uvicorn pauses past its high-water mark for the app
+            self.link.resume_reading()  # a server may pause past its high-water mark for the app
 
     def body_complete(self) -> None:
         if self._lingering is not None:  # the rest of a refused body is in: the connection ends
@@ -190,7 +231,7 @@ class Exchange:
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
-        if self.cycle.response_complete:
+        if self.link.answered:
             self._end_stream()
             self._release()
             return
@@ -205,17 +246,16 @@ class Exchange:
                 self._respond(*invoke.error_answer(self.services, exc))
                 return
             if request.respond_async or parsed.shares_memory:
-                self._in_task(self._submit_slowly(function, parsed, streamed.digest))
+                self.link.spawn(self._submit_slowly(function, parsed, streamed.digest))
                 return
             self._dispatch(
                 invoke.call_of(request, function, parsed, self.principal, None, self.started), parsed
             )
             return
-        raw = bytes(self.cycle.body)
-        self.cycle.body = bytearray()
+        raw = self.link.take_body()
         if request.respond_async or request.encoding or len(raw) >= STREAM_FROM_BYTES:
             # Work that awaits (a submission, decompression, a parse in a thread): a task of its own.
-            self._in_task(self._answer_slowly(raw))
+            self.link.spawn(self._answer_slowly(raw))
             return
         try:
             function = self.services.catalog.get(request.name, request.version)
@@ -230,7 +270,7 @@ class Exchange:
             self._respond(*invoke.internal_answer(request))
             return
         if call is None:  # it names shared memory regions, read first
-            self._in_task(self._submit_slowly(function, parsed, None))
+            self.link.spawn(self._submit_slowly(function, parsed, None))
             return
         self._dispatch(call, parsed)
 
@@ -244,11 +284,6 @@ class Exchange:
         queue if no runner read it yet)."""
         if self._answer is not None:
             self._answer.cancel()
-
-    def _in_task(self, work: Any) -> None:
-        task = self.protocol.loop.create_task(work)
-        self.protocol.tasks.add(task)
-        task.add_done_callback(self.protocol.tasks.discard)
 
     async def _submit_slowly(
         self, function: FunctionVersion, parsed: InferRequest, digest: RequestDigest | None
@@ -288,79 +323,33 @@ class Exchange:
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
-        if close and self.cycle.more_body:
-            self.cycle.keep_alive = False
-            if linger and not self.cycle.response_complete:
-                timeout_s = self.services.settings.body_timeout_s
-                self._lingering = self.protocol.loop.call_later(timeout_s, self._stop_lingering)
+        link = self.link
+        if close and link.more_body:
+            link.end_after_answer()
+            if linger and not link.answered:
+                self._lingering = link.later(self.services.settings.body_timeout_s, self._stop_lingering)
         self._respond(*invoke.error_answer(self.services, exc))
 
     def _stop_lingering(self) -> None:
         if self._lingering is not None:
             self._lingering.cancel()
             self._lingering = None
-        self.protocol.transport.close()
+        self.link.close()
 
     def _respond(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
-        cycle = self.cycle
-        if cycle.response_complete or cycle.disconnected:
+        link = self.link
+        if link.done:
             return
         if self._accepts_gzip and len(content) >= GZIP_MIN_BYTES:
             content = gzip.compress(content, compresslevel=5)
             headers = [*headers, (b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
-        head = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status) or _reason(status))]
-        for name, value in (*cycle.default_headers, *headers):  # uvicorn's date (and server), as on ASGI
-            head += (name, b": ", value, b"\r\n")
-        head.append(b"content-length: %d\r\n" % len(content))
-        if not cycle.keep_alive:
-            head.append(b"connection: close\r\n")
-        head += (b"\r\n", content)
-        cycle.response_started = True
-        cycle.response_complete = True
-        cycle.waiting_for_100_continue = False
-        if cycle.access_log:
-            cycle.access_logger.info(
-                '%s - "%s %s HTTP/%s" %d',
-                _client(cycle.scope),
-                cycle.scope["method"],
-                cycle.scope["path"],
-                cycle.scope["http_version"],
-                status,
-            )
-        transport = self.protocol.transport
-        transport.write(b"".join(head))
-        transport.flush()
-        cycle.message_event.set()
-        if not cycle.keep_alive and self._lingering is None:
-            transport.close()
-        if self.protocol.flow.write_paused:  # a reader that does not keep up: read on once it does
-            self._in_task(_after_drain(self.protocol.flow, cycle))
-        else:
-            cycle.on_response()
-        if not cycle.more_body and self._lingering is None:
+        lingering = self._lingering is not None
+        link.send(status, headers, content, lingering)
+        if not link.more_body and not lingering:
             self._release()
 
     def _release(self) -> None:
-        """Answered, with the whole body read: the cycle lets go of its exchange. The two refer to
-        each other, and left so every request's objects would wait for the cyclic collector,
+        """Answered, with the whole body read: the connection lets go of its exchange. The two refer
+        to each other, and left so every request's objects would wait for the cyclic collector,
         which then runs several times as often and pauses the loop for milliseconds each time."""
-        self.cycle.lean = None
-
-
-async def _after_drain(flow: Any, cycle: Any) -> None:
-    await flow.drain()
-    cycle.on_response()
-
-
-def _reason(status: int) -> bytes:
-    from http import HTTPStatus
-
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b""
-
-
-def _client(scope: Any) -> str:
-    client = scope.get("client")
-    return f"{client[0]}:{client[1]}" if client else "-"
+        self.link.release()
