@@ -14,11 +14,11 @@ from fngate.config import GatewaySettings
 from fngate.errors import FunctionError
 from gateway.auth import ADMIN, ANY, BROWSE, INVOKE, READ, KeyTable
 from gateway.http import admin, deployments, endpoints, openai, results, shared_memory
+from gateway.http.asgi_link import InvokeRoutes
 from gateway.http.compression import GZIP_MIN_BYTES, GzipLargeResponses
 from gateway.http.errors import handle_function_error, handle_unknown_route
 from gateway.http.generate import generate_stream
 from gateway.http.guard import OPEN_ROUTE, Guarded
-from gateway.http.invoke import InvokeRoutes
 from gateway.http.tracing import TracingMiddleware
 
 # The invocation routes are gateway.http.invoke's, in front of these. Each route names the scope

@@ -1,19 +1,18 @@
-"""An invocation body read and decoded with bounded memory and time: read from ASGI (whole, or a
-part at a time into a decoder), within the body limit and timeout; decompressed in steps of
+"""An invocation body decoded with bounded memory and time: fed to a decoder a part at a time as
+it arrives (StreamedBody), or, received whole, decompressed in steps of
 INFLATE_STEP_BYTES (never more than the body limit in all); its JSON fed to gateway.http.decoding
 as it comes (the JSON header alone, for the binary tensor data extension, whose binary part is kept
 as it is); the bytes it holds counted against the process's decode allowance; and the digest an
-Idempotency-Key is bound to computed on the way."""
+Idempotency-Key is bound to computed on the way. And a control route's JSON body, read whole
+within its own limit and the body timeout."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.types import Message, Receive
+from starlette.types import Receive
 
 from fngate.errors import InvalidArgument, PayloadTooLarge
 from fngate.manifest import FunctionManifest
@@ -23,7 +22,7 @@ from gateway.http.codec import InferRequest, header_size, load_json, v1_request,
 from gateway.http.decoding import JsonBodyDecoder
 from gateway.http.errors import BodyTimeout
 from gateway.invocations import RequestDigest
-from gateway.validation import OFF_LOOP_BYTES, parse_now
+from gateway.validation import OFF_LOOP_BYTES
 
 STREAM_FROM_BYTES = OFF_LOOP_BYTES
 CONTROL_BODY_BYTES = 64 * 1024
@@ -104,73 +103,21 @@ class ClientDisconnected(Exception):
     """The client went away before its body arrived: nothing to answer."""
 
 
-class AsgiBody:
-    """An ASGI request's body, read once it is asked for (after the key was checked): whole, or
-    into a decoder as it arrives; and, when it was refused before its end, the rest dropped."""
-
-    __slots__ = ("_declared", "_ended", "_limit", "_receive", "_timeout_s", "complete", "started")
-
-    def __init__(self, receive: Receive, limit: int, timeout_s: float, declared: int | None) -> None:
-        self._receive, self._limit, self._timeout_s, self._declared = receive, limit, timeout_s, declared
-        self.started = False
-        """Reading began: a refusal after that may leave the rest of the body unread."""
-        self.complete = False
-        self._ended = False
-
-    @property
-    def streams(self) -> bool:
-        """Large or of unknown length: decoded as it arrives, when uncompressed."""
-        return self._declared is None or self._declared >= STREAM_FROM_BYTES
-
-    async def read(self) -> bytes:
-        self.started = True
-        raw = await read_body(self._next, self._limit, self._declared, self._timeout_s)
-        self.complete = True
-        return raw
-
-    async def decode(self, body: StreamedBody) -> InferRequest:
-        self.started = True
-        await read_body(self._next, self._limit, self._declared, self._timeout_s, _fed(body))
-        self.complete = True
-        return parse_now(body.finish)
-
-    async def drop_rest(self) -> None:
-        """Read what is left of a refused body and drop it, within the body timeout."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._timeout_s):
-                while not self._ended:
-                    await self._next()
-
-    async def _next(self) -> Message:
-        message = await self._receive()
-        self._ended = message["type"] == "http.disconnect" or not message.get("more_body", False)
-        return message
-
-
-def _fed(body: StreamedBody) -> Callable[[bytes], None]:
-    return lambda chunk: parse_now(body.feed, chunk)
-
-
 async def read_body(
-    receive: Receive,
-    limit: int,
-    declared: int | None,
-    timeout_s: float | None = None,
-    sink: Callable[[bytes], None] | None = None,
+    receive: Receive, limit: int, declared: int | None, timeout_s: float | None = None
 ) -> bytes:
-    """The whole body (or, with a `sink`, each part handed to it as it comes, and b''), refused past
-    `limit` bytes before it is read (when declared) or as soon as it is (when streamed), and cut
-    (408) when it has not all arrived within `timeout_s`."""
+    """The whole body, refused past `limit` bytes before it is read (when declared) or as soon as it
+    is (when not), and cut (408) when it has not all arrived within `timeout_s`."""
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the body of {declared} bytes is over the limit of {limit} bytes")
     try:
         async with asyncio.timeout(timeout_s):
-            return await _receive_body(receive, limit, sink)
+            return await _receive_body(receive, limit)
     except TimeoutError:
         raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s") from None
 
 
-async def _receive_body(receive: Receive, limit: int, sink: Callable[[bytes], None] | None) -> bytes:
+async def _receive_body(receive: Receive, limit: int) -> bytes:
     chunks = bytearray()
     size = 0
     more = True
@@ -183,12 +130,9 @@ async def _receive_body(receive: Receive, limit: int, sink: Callable[[bytes], No
         size += len(part)
         if size > limit:
             raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        if not more and sink is None and not chunks:
+        if not more and not chunks:
             return part  # the whole body in one message: no copy
-        if sink is None:
-            chunks += part
-        elif part:
-            sink(part)
+        chunks += part
     return bytes(chunks)
 
 

@@ -1,22 +1,17 @@
-"""The invocation routes as a plain ASGI app in front of Starlette: POST /v2/models/{name}/infer,
-/v2/models/{name}/versions/{v}/infer and /v1/functions/{name}. They carry the traffic, so they
-need no InvokeHead and Response objects, no router and no middleware stack: the path is split once,
-the headers scanned once (the key checked from here), the body read into one buffer, the call
-handed to the core, and the answer sent as two ASGI messages. Everything else goes to the
-Starlette app behind.
-"""
+"""The invocation routes, POST /v2/models/{name}/infer, /v2/models/{name}/versions/{v}/infer and
+/v1/functions/{name}: what an exchange (gateway.http.lean, on either server) decides with, written
+once: the route matched from the path, the head read in one pass (InvokeHead), the key checked,
+the body decoded, the call made and handed to the core, the answer rendered, and the refusals
+counted. They carry the traffic, so they need no router, Request or Response objects."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
-
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fngate import telemetry
 from fngate.errors import ErrorCode, FunctionError, Internal, InvalidArgument
@@ -26,7 +21,7 @@ from gateway import metrics
 from gateway.allowance import Hold
 from gateway.auth import INVOKE, Principal
 from gateway.call import Call, Later
-from gateway.http.bodies import STREAM_FROM_BYTES, AsgiBody, ClientDisconnected, StreamedBody, decode_streamed
+from gateway.http.bodies import STREAM_FROM_BYTES, StreamedBody, decode_streamed
 from gateway.http.codec import InferRequest, parse_v1, parse_v2, render_v1, render_v2
 from gateway.http.errors import error_body, headers_of, status_of
 from gateway.http.results import accepted_response
@@ -116,69 +111,6 @@ def match(method: str, path: str) -> InvokeHead | None:
     return None
 
 
-class InvokeRoutes:
-    """The invocation routes, in front of `app`; and, for every request through the ASGI app, the
-    limits that a server may not apply itself (Hypercorn): headers at most `max_headers` (431),
-    requests in flight at most `max_in_flight` (503 with Retry-After)."""
-
-    def __init__(self, app: ASGIApp, max_headers: int, max_in_flight: int, retry_after_s: int) -> None:
-        self.app = app
-        self.max_headers = max_headers
-        self.max_in_flight = max_in_flight
-        self.retry_after_s = retry_after_s
-        self.in_flight = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if len(scope["headers"]) > self.max_headers:
-            await _send(send, 431, b"the request head has more than %d headers" % self.max_headers)
-            return
-        if self.in_flight >= self.max_in_flight:
-            message = b"this gateway process has too many requests in flight"
-            await _send(send, 503, message, self.retry_after_s)
-            return
-        self.in_flight += 1
-        try:
-            await self._route(scope, receive, send)
-        finally:
-            self.in_flight -= 1
-
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = match(scope["method"], scope["path"])
-        if request is None:
-            await self.app(scope, receive, send)
-            return
-        scope["route"] = request.route
-        services: Services = scope["state"]["services"]
-        request.read_headers(scope["headers"])
-        settings = services.settings
-        body = AsgiBody(receive, settings.max_body_bytes, settings.body_timeout_s, request.content_length)
-        try:
-            status, headers, content = await answer(services, request, body)
-        except ClientDisconnected:
-            return
-        if not body.complete and body.started and status in (408, 413):
-            headers.append((b"connection", b"close"))  # not read further: the connection ends
-        headers.append((b"content-length", str(len(content)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": content})
-        if not body.complete and body.started and status not in (408, 413):
-            await body.drop_rest()  # so that the client reads the answer, not a reset connection
-
-
-async def _send(send: Send, status: int, message: bytes, retry_after_s: int | None = None) -> None:
-    """A refusal before the request was read: the connection ends with it."""
-    code = b"overloaded" if status == 503 else b"invalid_argument"
-    body = b'{"error": "%s", "code": "%s"}' % (message, code)
-    headers = [JSON, (b"content-length", b"%d" % len(body)), (b"connection", b"close")]
-    if retry_after_s is not None:
-        headers.append((b"retry-after", b"%d" % retry_after_s))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 def streamed_body(
     services: Services,
     request: InvokeHead,
@@ -222,30 +154,16 @@ def authorize(services: Services, request: InvokeHead) -> Principal:
 
 
 async def answer(
-    services: Services,
-    request: InvokeHead,
-    body: AsgiBody | bytes,
-    started: float | None = None,
-    principal: Principal | None = None,
+    services: Services, request: InvokeHead, raw: bytes, started: float, principal: Principal
 ) -> Answer:
-    """The whole answer of one invocation request: status, headers and body. What fails before the
-    core has the call is counted here; the core counts the rest."""
-    started = time.perf_counter() if started is None else started
+    """The whole answer of one invocation request whose body came whole and needs work that awaits
+    (decompression, a parse in a thread, a submission): status, headers and body. What fails before
+    the core has the call is counted here; the core counts the rest."""
     hold = services.budget.hold()
     try:
-        principal = principal or await services.keys.authorize_async(
-            request.authorization, INVOKE, request.name
-        )
         digest = idempotency_digest(request)
-        if isinstance(body, AsgiBody) and not request.encoding and body.streams:
-            function = services.catalog.get(request.name, request.version)
-            parsed = await body.decode(streamed_body(services, request, function, hold, digest))
-        else:
-            raw = body if isinstance(body, bytes) else await body.read()
-            function = services.catalog.get(request.name, request.version)
-            parsed = await decode_whole(services, request, function, raw, hold, digest)
-    except ClientDisconnected:
-        raise
+        function = services.catalog.get(request.name, request.version)
+        parsed = await decode_whole(services, request, function, raw, hold, digest)
     except FunctionError as exc:
         count_refusal(services, request, exc, started)
         # The server reads and drops what is left of the body, then takes the next request.
