@@ -7,10 +7,11 @@ Redis's CPU per batch, which tell a cost paid per batch from one paid per invoca
 commands per request with their microseconds (INFO commandstats: a script's time includes the
 commands it calls, which are also counted under their own names).
 
-  python -m bench.cpu_split [--measure-s S] [--clients N] [--one-entry-each]
+  python -m bench.cpu_split [--measure-s S] [--clients N] [--one-entry-each] [--server hypercorn]
 
 --one-entry-each runs the gateway with FNGATE_GROUP_INVOCATIONS=false: each invocation its own
-stream entry, as before a turn's invocations shared one (for the comparison, in one sitting).
+stream entry, as before a turn's invocations shared one (for the comparison, in one sitting);
+--server hypercorn serves HTTP with Hypercorn (the invocation routes through ASGI).
 
 Loopback only; it stops by itself. Figures move with the machine's load: compare runs of one sitting."""
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure-s", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--one-entry-each", action="store_true", help="FNGATE_GROUP_INVOCATIONS=false")
+    parser.add_argument("--server", choices=("uvicorn", "hypercorn"), default="uvicorn", help="the gateway's")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fngate-cpu-split-") as folder:
         repo = Path(folder) / "repo"
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         build_repository(repo)
         with deployment(repo, Path(folder) / "logs") as deployed:
             grouping = {"FNGATE_GROUP_INVOCATIONS": "false"} if args.one_entry_each else {}
-            url = deployed.start_gateway(workers=1, **grouping)
+            url = deployed.start_gateway(workers=1, FNGATE_SERVER=args.server, **grouping)
             deployed.start_runner()
             port = int(url.rsplit(":", 1)[1])
             for binary in (False, True):
