@@ -17,6 +17,12 @@ from fngate import keys
 from fngate.registry import read_runners
 from gateway.dispatch import estimated_wait_ms
 
+HEARTBEAT_S = 0.5
+"""The runner's heartbeat, which carries the batch cost it measured. A runner is live for three
+heartbeats (1.5 s); on a loaded machine a shorter one (0.2 s) let a late heartbeat drop the runner
+from the gateway's view for a moment, and with it the cost that admission estimates from (it then
+admits everything: an estimate that errs refuses too little)."""
+
 
 async def queued(redis: aioredis.Redis, at_least: int = 20) -> None:
     """Once the backlog's calls are on steady's stream (at least `at_least`, some 0.8 s of work at
@@ -61,7 +67,7 @@ async def test_what_cannot_make_its_deadline_is_refused_at_once(
     admitted make their deadline, and the goodput against no admission, is the benchmark's)."""
     write_function(tmp_path / "repo" / "steady")  # one invocation at a time, about 40 ms each
     base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
-    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=HEARTBEAT_S)
     body = {
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}],
         "parameters": {"timeout_ms": 600},
@@ -103,7 +109,7 @@ async def test_what_waits_at_a_higher_priority_counts_against_a_lower_ones_deadl
     assert manifest != MANIFEST
     (folder / "function.yaml").write_text(manifest)
     base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
-    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=HEARTBEAT_S)
 
     def body(priority: int, timeout_ms: int) -> dict[str, Any]:
         parameters = {"priority": priority, "timeout_ms": timeout_ms}
@@ -150,7 +156,7 @@ async def test_a_pipeline_whose_first_step_cannot_make_its_deadline_is_refused_a
     (tmp_path / "repo" / "chain").mkdir()
     (tmp_path / "repo" / "chain" / "function.yaml").write_text(CHAIN)
     base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
-    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=HEARTBEAT_S)
 
     def body(timeout_ms: int) -> dict[str, Any]:
         inputs = [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]
@@ -186,7 +192,7 @@ async def test_an_asynchronous_call_that_cannot_make_its_deadline_is_refused_at_
     backlog has run the call is accepted and answered."""
     write_function(tmp_path / "repo" / "steady")
     base = await serve_gateway(repo=str(tmp_path / "repo"), catalog_refresh_s=0.1)
-    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=0.2)
+    await inprocess_runner(repo=str(tmp_path / "repo"), heartbeat_s=HEARTBEAT_S)
 
     def body(timeout_ms: int) -> dict[str, Any]:
         inputs = [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]
