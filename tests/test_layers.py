@@ -175,3 +175,30 @@ def test_triton_schema_loads_only_where_a_triton_repository_is_read() -> None:
         and imported_packages(path, top_level_only=True) & {"tritonclient", "google"}
     ]
     assert offenders == []
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports by its full name (anywhere in it)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def test_uvicorns_private_surface_is_confined_to_one_module() -> None:
+    """uvicorn's protocol internals (its httptools protocol, whose request cycle and flow control the
+    lean invoke path reaches into) are touched by gateway/http/uvicorn_link.py alone: a uvicorn release
+    that renames one of them breaks that module, and the exchange (gateway/http/lean.py) stays
+    server-neutral. The rest may use uvicorn's public API (uvicorn.Config, uvicorn.Server)."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in ("fngate", "gateway", "runner", "bench")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() != "gateway/http/uvicorn_link.py"
+        and any(module.startswith("uvicorn.") for module in imported_modules(path))
+    ]
+    assert offenders == []
+    assert "uvicorn" not in imported_packages(ROOT / "gateway" / "http" / "lean.py", top_level_only=False)
