@@ -206,9 +206,7 @@ def _against_triton(rows: list[Row]) -> list[str]:
     """T and G: fngate against Triton point by point, with the throughput ratio; O: the latency at
     each arrival rate, and the highest rate each held with p99 under 10 ms."""
     lines: list[str] = []
-    closed = [("HTTP, V2 JSON (T)", pair) for pair in pairs(rows, "T")]
-    closed += [("gRPC, perf_analyzer (G)", pair) for pair in pairs(rows, "G")]
-    closed += [("HTTP, binary, perf_analyzer (B)", pair) for pair in pairs(rows, "B")]
+    closed = _closed(rows)
     if closed:
         lines += [
             "",
@@ -268,15 +266,27 @@ def _against_triton(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _closed(rows: list[Row]) -> list[tuple[str, tuple[Row, Row]]]:
+    """Every closed-loop point beside Triton's at the same load and delay, by protocol."""
+    closed = [("HTTP, V2 JSON (T)", pair) for pair in pairs(rows, "T")]
+    closed += [("gRPC, perf_analyzer (G)", pair) for pair in pairs(rows, "G")]
+    closed += [("HTTP, binary, perf_analyzer (B)", pair) for pair in pairs(rows, "B")]
+    return closed
+
+
+def at_better_delay(closed: list[tuple[str, tuple[Row, Row]]]) -> dict[tuple[str, Any, Any], tuple[Row, Row]]:
+    """(protocol, model, concurrency): fngate's point and Triton's, each at its own better delay."""
+    best: dict[tuple[str, Any, Any], list[Row]] = {}
+    for protocol, (ours, theirs) in closed:
+        found = best.setdefault((protocol, ours["function"], ours["concurrency"]), [ours, theirs])
+        for index, row in enumerate((ours, theirs)):
+            if row["req_per_s"] > found[index]["req_per_s"]:
+                found[index] = row
+    return {key: (ours, theirs) for key, (ours, theirs) in best.items()}
+
+
 def _at_best(closed: list[tuple[str, tuple[Row, Row]]]) -> list[str]:
     """Each server at its better delay, point by point: the ratio a user gets who tunes both."""
-    best: dict[tuple[str, Any, Any], list[Row | None]] = {}
-    for protocol, (ours, theirs) in closed:
-        found = best.setdefault((protocol, ours["function"], ours["concurrency"]), [None, None])
-        for index, row in enumerate((ours, theirs)):
-            kept = found[index]
-            if kept is None or row["req_per_s"] > kept["req_per_s"]:
-                found[index] = row
     if len({ours.get("delay_us") for _, (ours, _) in closed}) < 2:
         return []
     lines = [
@@ -287,9 +297,7 @@ def _at_best(closed: list[tuple[str, tuple[Row, Row]]]) -> list[str]:
         "| fngate/Triton |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for (protocol, model, concurrency), (best_ours, best_theirs) in best.items():
-        assert best_ours is not None and best_theirs is not None
-        ours, theirs = best_ours, best_theirs
+    for (protocol, model, concurrency), (ours, theirs) in at_better_delay(closed).items():
         ratio = ours["req_per_s"] / max(theirs["req_per_s"], 1e-9)
         lines.append(
             f"| {protocol} | {model} | {concurrency} | {ours['req_per_s']:.0f} ({ours.get('delay_us')}) | "
@@ -400,13 +408,55 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _plot(path: Path, rows: list[Row]) -> None:
+def against_triton_series(rows: list[Row]) -> dict[str, list[tuple[int, float, float]]]:
+    """What a run beside Triton plots: for each protocol and model, (clients, fngate req/s, Triton
+    req/s) with each server at its better delay."""
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for (protocol, model, concurrency), (ours, theirs) in at_better_delay(_closed(rows)).items():
+        series.setdefault(f"{model}, {protocol}", []).append(
+            (int(concurrency), float(ours["req_per_s"]), float(theirs["req_per_s"]))
+        )
+    return {label: sorted(points) for label, points in series.items()}
+
+
+def _plot_against_triton(path: Path, rows: list[Row]) -> None:
+    """A run of the Triton scenarios alone: each server's throughput at its better delay, and
+    their ratio, against the number of clients."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, points in against_triton_series(rows).items():
+        clients = [point[0] for point in points]
+        line = axes[0].plot(clients, [point[1] for point in points], marker="o", label=f"fngate: {label}")
+        color = line[0].get_color()
+        axes[0].plot(clients, [point[2] for point in points], marker="x", linestyle="--", color=color)
+        axes[1].plot(clients, [point[1] / point[2] for point in points], marker="o", color=color, label=label)
+    axes[1].axhline(1.0, color="black", linewidth=0.8)
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="clients",
+        ylabel="requests/s",
+        title="throughput at each server's better delay (dashed: Triton)",
+    )
+    axes[1].set(xscale="log", xlabel="clients", ylabel="fngate / Triton", title="ratio, like for like")
+    for axis in axes:
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _plot(path: Path, rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     series = {
         "tiny (fngate, binary)": [r for r in rows if r.get("scenario") == "S1" and r.get("body") == "binary"],
         "wide, batching (fngate)": [
@@ -416,6 +466,11 @@ def _plot(path: Path, rows: list[Row]) -> None:
         ],
         "wide, no batching (fngate)": [r for r in rows if r.get("function") == "wide-nobatch"],
     }
+    in_process = [r for r in rows if r.get("scenario") == "in-process"]
+    if not any(series.values()) and not in_process and _closed(rows):
+        _plot_against_triton(path, rows)  # a run of the Triton scenarios alone
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, unsorted in series.items():
         points = sorted(unsorted, key=lambda r: r["concurrency"])
         if not points:

@@ -14,7 +14,7 @@ from typing import Any
 from bench import wake
 from bench.deployment import Meter, process_meter, runqueue_waits
 from bench.open_loop import still_driven
-from bench.report import pairs, write_report
+from bench.report import against_triton_series, pairs, write_report
 
 META = {
     "date": "2026-12-03T00:00:00+00:00",
@@ -238,3 +238,30 @@ def test_each_point_is_like_for_like_and_each_server_at_its_better_delay(tmp_pat
     assert "| HTTP, V2 JSON (T) | tiny | 16 | 2000 | 3609 | 5212 | 0.69 |" in text
     assert "| HTTP, V2 JSON (T) | tiny | 16 | 3651 (0) | 9282 (0) | 0.39 |" in text
     assert "| 0 | 1000 | 1000 |" in text and "| 2000 | 1000 | 990 |" in text
+
+
+def test_a_run_beside_triton_alone_plots_each_server_at_its_better_delay(tmp_path: Path) -> None:
+    """A run of the Triton scenarios (no fngate-only scenario) plots what it measured, not an
+    empty chart: each server's throughput at its better delay, and their ratio, by clients."""
+    rows = [
+        point("T", "tiny", "json", 1, 700, delay_us=0),
+        point("T", "tiny@triton", "json", 1, 1500, delay_us=0),
+        point("T", "tiny", "json", 1, 730, delay_us=2000),
+        point("T", "tiny@triton", "json", 1, 380, delay_us=2000),
+        point("T", "tiny", "json", 16, 2200, delay_us=0),
+        point("T", "tiny@triton", "json", 16, 4400, delay_us=0),
+        point("T", "tiny", "json", 16, 2100, delay_us=2000),
+        point("T", "tiny@triton", "json", 16, 4500, delay_us=2000),
+        point("G", "tiny", "grpc", 16, 2700, delay_us=0),
+        point("G", "tiny@triton", "grpc", 16, 7100, delay_us=0),
+    ]
+    assert against_triton_series(rows) == {
+        "tiny, HTTP, V2 JSON (T)": [(1, 730.0, 1500.0), (16, 2200.0, 4500.0)],
+        "tiny, gRPC, perf_analyzer (G)": [(16, 2700.0, 7100.0)],
+    }
+    write_report(tmp_path, META, rows)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_report(empty, META, [point("O", "tiny", "binary", 128, 1000, rate=1000, delay_us=0)])
+    # The plot holds the lines: larger than the empty chart a run without them draws.
+    assert (tmp_path / "throughput.png").stat().st_size > (empty / "throughput.png").stat().st_size + 5_000
