@@ -7,12 +7,10 @@ from __future__ import annotations
 import uvloop
 
 from bench import http1_cost
-from bench.__main__ import requests_for
 
 
 def test_both_engines_answer_every_request_on_one_connection() -> None:
-    outgoing, _ = requests_for("tiny", 16, 300, False, seed=5)
-    requests = [request.encode("127.0.0.1:8000") for request in outgoing]
+    requests = http1_cost.requests(300)
     loop = uvloop.new_event_loop()
     try:
         feed, transport = http1_cost.uvicorn_engine(loop)
