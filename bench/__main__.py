@@ -699,22 +699,29 @@ def main(argv: list[str] | None = None) -> int:
                 bench.shared_queue(deployed)
             robustness(deployed, bench, wanted)
         _with_deployments_of_their_own(bench, Path(folder), wanted)
+    _write_results(args, bench.rows, round(time.time() - started, 1))
+    return 0
+
+
+def _write_results(args: argparse.Namespace, rows: list[Row], duration_s: float) -> None:
+    """results.json, results.md and throughput.png in `--out`."""
+    from bench.plot import draw
+    from bench.report import write_report
+
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {_cpu_model()}, {_cores()} cores",
         "python": platform.python_version(),
         "fngate": fngate.__version__,
         "onnxruntime": ort.__version__,
-        "duration_s": round(time.time() - started, 1),
+        "duration_s": duration_s,
         "warmup_s": args.warmup_s,
         "measure_s": args.measure_s,
     }
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": bench.rows}, indent=1))
-    from bench.report import write_report
-
-    write_report(args.out, meta, bench.rows)
-    print(f"wrote {args.out}/results.json, results.md and throughput.png in {meta['duration_s']} s")
-    return 0
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_report(args.out, meta, rows)
+    draw(args.out / "throughput.png", rows)
+    print(f"wrote {args.out}/results.json, results.md and throughput.png in {duration_s} s")
 
 
 GRPC_OFF = "--allow-grpc=false"

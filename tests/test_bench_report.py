@@ -14,7 +14,8 @@ from typing import Any
 from bench import wake
 from bench.deployment import Meter, process_meter, runqueue_waits
 from bench.open_loop import still_driven
-from bench.report import against_triton_series, pairs, write_report
+from bench.plot import against_triton_series, draw
+from bench.report import pairs, write_report
 
 META = {
     "date": "2026-12-03T00:00:00+00:00",
@@ -259,9 +260,9 @@ def test_a_run_beside_triton_alone_plots_each_server_at_its_better_delay(tmp_pat
         "tiny, HTTP, V2 JSON (T)": [(1, 730.0, 1500.0), (16, 2200.0, 4500.0)],
         "tiny, gRPC, perf_analyzer (G)": [(16, 2700.0, 7100.0)],
     }
-    write_report(tmp_path, META, rows)
+    draw(tmp_path / "throughput.png", rows)
     empty = tmp_path / "empty"
     empty.mkdir()
-    write_report(empty, META, [point("O", "tiny", "binary", 128, 1000, rate=1000, delay_us=0)])
+    draw(empty / "throughput.png", [point("O", "tiny", "binary", 128, 1000, rate=1000, delay_us=0)])
     # The plot holds the lines: larger than the empty chart a run without them draws.
     assert (tmp_path / "throughput.png").stat().st_size > (empty / "throughput.png").stat().st_size + 5_000
