@@ -80,9 +80,9 @@ async def serving(
     health = Health("redis")  # the activator's and the catalog's view of Redis: readiness
     activator = Activator(reader, health=health, kube=_kube(settings))
     # The catalog's reads (one of them a blocking XREAD) use the client that blocks on replies, so
-    # that the invocations' connections stay the invocations'.
+    # that the invocations' connections stay the invocations'; they block as long as a reply read.
     source = function_source(settings.repo, reader)
-    catalog = Catalog(source, reader, health, lambda: source.unreadable)
+    catalog = Catalog(source, reader, health, lambda: source.unreadable, settings.reply_block_ms / 1000)
     pipelined = clients.fastredis(settings.redis_url, settings.redis_timeout_s)  # the enqueue's
     reply_reads = clients.fastredis(settings.redis_url, settings.redis_timeout_s)
     replies = ReplyRouter(reader, reply_reads, gateway_id, settings.reply_block_ms, settings.redis_timeout_s)

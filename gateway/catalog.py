@@ -65,8 +65,11 @@ class Catalog:
         redis: aioredis.Redis | None = None,
         health: Health | None = None,
         unreadable: Callable[[], Mapping[str, str]] = dict,
+        block_s: float = 1.0,
     ) -> None:
         self._source = source
+        self._block_s = block_s
+        """The longest one read of the control stream blocks: below `redis`'s socket timeout."""
         self._unreadable_of = unreadable
         """What `source` could not read at its last read, by function (or Triton model), with why."""
         self._unreadable: Mapping[str, str] = {}
@@ -82,6 +85,8 @@ class Catalog:
         self._aliases: dict[str, str] = {}
         """Triton model name -> function, where they differ (text_model -> text-model)."""
         self._rng = random.Random()
+        self._control_read = ""
+        """The last control-stream entry read (deploys and removals re-read the catalog at once)."""
 
     @property
     def functions(self) -> dict[str, FunctionVersion]:
@@ -214,14 +219,13 @@ class Catalog:
         """Re-read every `interval_s`, and at once when a deploy or removal is announced on the
         control stream. A failed or unanswered read keeps the last good catalog, is reported in
         `health`, and is retried with backoff (at most 1 s apart, so service resumes promptly)."""
-        last = "$"
         backoff = Backoff()
         while True:
             try:
                 with contextlib.suppress(TimeoutError):
                     # No news in time says nothing of Redis by itself (the cluster client may be
                     # retrying on a failed-over slot): the refresh that follows tells.
-                    last = await self._wait(interval_s, last)
+                    await self.news(interval_s)
                 async with asyncio.timeout(interval_s + REFRESH_MARGIN_S):
                     await self.refresh()
             except (OSError, RedisError) as exc:  # OSError covers TimeoutError
@@ -231,17 +235,33 @@ class Catalog:
             backoff.succeeded()
             self.health.succeeded()
 
-    async def _wait(self, interval_s: float, last: str) -> str:
+    async def news(self, interval_s: float) -> bool:
+        """Wait up to `interval_s` for a control entry after the last one read: True once one came.
+        Each read blocks `block_s` at most, below the client's socket timeout (a longer interval is
+        waited in several)."""
         if self.redis is None:
             await asyncio.sleep(interval_s)
-            return last
-        block_ms = max(1, int(interval_s * 1000))
-        # The client has no socket timeout (it blocks on purpose): bound the wait for a paused Redis.
-        async with asyncio.timeout(interval_s + REFRESH_MARGIN_S):
-            response: Any = await self.redis.xread({keys.control(): last}, count=100, block=block_ms)
-        for _stream, entries in response or ():
-            last = entries[-1][0].decode()
-        return last
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + interval_s
+        while (left := deadline - loop.time()) > 0:
+            block_s = min(left, self._block_s)
+            # The socket timeout is the client's own: bound each read for a paused Redis here too.
+            async with asyncio.timeout(block_s + REFRESH_MARGIN_S):
+                if not self._control_read:
+                    # From the newest entry, not "$": "$" means what comes after each read's start,
+                    # so a deploy announced while a refresh ran would wait for the next interval
+                    # (another gateway's deploy answering 404 here meanwhile).
+                    newest: Any = await self.redis.xrevrange(keys.control(), count=1)
+                    self._control_read = newest[0][0].decode() if newest else "0-0"
+                response: Any = await self.redis.xread(
+                    {keys.control(): self._control_read}, count=100, block=max(1, int(block_s * 1000))
+                )
+            for _stream, entries in response or ():
+                self._control_read = entries[-1][0].decode()
+            if response:
+                return True
+        return False
 
 
 def _costs(runners: list[RunnerView]) -> dict[str, tuple[float, float, int]]:

@@ -549,6 +549,13 @@ def test_on_a_redis_cluster_keda_scales_the_pool_from_zero_and_back(
     cluster.kubectl(
         "-n", NAMESPACE, "rollout", "status", "deploy/fngate-gateway", "--timeout=180s", timeout=200
     )
+
+    # The replaced gateways (on the first Redis) serve through their grace period, and the Service
+    # may route to one for a moment after the rollout: the deploy below could land in that Redis.
+    def replaced_gone() -> bool:
+        return all("deletionTimestamp" not in pod["metadata"] for pod in cluster.pods(NAMESPACE, GATEWAYS))
+
+    wait_until("the replaced gateways gone", replaced_gone, 60)
     triggers = cluster.get("scaledobject", "-n", NAMESPACE, POOL)["spec"]["triggers"]
     assert {trigger["type"] for trigger in triggers} == {"redis-cluster-streams"}, triggers
     wait_until("the pool at zero", lambda: not runner_pods(cluster) and replicas(cluster) == 0, 120)

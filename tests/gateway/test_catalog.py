@@ -1,15 +1,20 @@
-"""Which version answers an invocation that names none: the traffic split, make before break."""
+"""Which version answers an invocation that names none: the traffic split, make before break; and
+a deploy announced on the control stream read at once, whenever it comes."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
+from fngate import clients
 from fngate.manifest import FunctionManifest
+from fngate.registry import ControlOp, send_control
 from fngate.repository import FunctionRecord, FunctionVersion, make_record
-from gateway.catalog import choose, route_weights
+from gateway.catalog import Catalog, choose, route_weights
 
 
 def record(count: int, versions: dict[str, object]) -> FunctionRecord:
@@ -50,3 +55,33 @@ def test_choose_follows_the_weights() -> None:
     rng = random.Random(7)
     picks = [choose({"1": 90, "2": 10}, rng) for _ in range(10_000)]
     assert 800 < picks.count("2") < 1200
+
+
+async def nothing() -> dict[str, FunctionRecord]:
+    return {}
+
+
+async def test_a_deploy_announced_while_the_catalog_is_being_read_is_news_at_once(
+    redis: aioredis.Redis,
+) -> None:
+    """Another gateway deploys while this one re-reads its catalog, between two waits on the control
+    stream: the next wait takes it at once, not an interval later (until then the function answered
+    404 here)."""
+    catalog = Catalog(nothing, redis)
+    assert not await catalog.news(0.05)  # nothing announced yet: the catalog re-reads on time
+    await send_control(redis, ControlOp("deploy", "echo", ("1",)))  # while it re-reads
+    async with asyncio.timeout(10):
+        assert await catalog.news(60)
+
+
+async def test_an_interval_longer_than_the_socket_timeout_is_waited_in_shorter_reads(redis_url: str) -> None:
+    """FNGATE_CATALOG_REFRESH_S above the reader's socket timeout: the catalog still waits out its
+    interval (in reads that each block less), with no timeout taken for a Redis that is gone."""
+    client = clients.connect(redis_url, socket_timeout=0.5)
+    try:
+        catalog = Catalog(nothing, client, block_s=0.2)
+        assert not await catalog.news(1.5)
+        await send_control(client, ControlOp("deploy", "echo", ("1",)))
+        assert await catalog.news(1.5)
+    finally:
+        await client.aclose()
