@@ -311,6 +311,13 @@ async def send_control(redis: aioredis.Redis, op: ControlOp) -> str:
     return str(entry_id.decode())
 
 
+async def control_tail(redis: aioredis.Redis) -> str:
+    """The newest entry's id on the control stream ("0-0" while empty): where a reader starts, so
+    that what is added after (even between two of its reads) is read; "$" would skip that."""
+    newest: Any = await redis.xrevrange(keys.control(), count=1)
+    return str(newest[0][0].decode()) if newest else "0-0"
+
+
 def decode_control(entry_id: bytes, fields: dict[bytes, bytes]) -> ControlOp | None:
     op = fields.get(b"op", b"").decode()
     if op not in CONTROL_OPS:

@@ -24,6 +24,7 @@ from fngate.registry import (
     ModelState,
     RunnerView,
     Source,
+    control_tail,
     read_runners,
     read_unloaded,
     summarize,
@@ -249,11 +250,9 @@ class Catalog:
             # The socket timeout is the client's own: bound each read for a paused Redis here too.
             async with asyncio.timeout(block_s + REFRESH_MARGIN_S):
                 if not self._control_read:
-                    # From the newest entry, not "$": "$" means what comes after each read's start,
-                    # so a deploy announced while a refresh ran would wait for the next interval
-                    # (another gateway's deploy answering 404 here meanwhile).
-                    newest: Any = await self.redis.xrevrange(keys.control(), count=1)
-                    self._control_read = newest[0][0].decode() if newest else "0-0"
+                    # Not "$": a deploy announced while a refresh ran would wait for the next
+                    # interval (another gateway's deploy answering 404 here meanwhile).
+                    self._control_read = await control_tail(self.redis)
                 response: Any = await self.redis.xread(
                     {keys.control(): self._control_read}, count=100, block=max(1, int(block_s * 1000))
                 )

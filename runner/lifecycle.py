@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from fngate import keys
 from fngate.config import RunnerSettings
-from fngate.registry import ControlOp, Source, StateBoard, decode_control
+from fngate.registry import ControlOp, Source, StateBoard, control_tail, decode_control
 from fngate.repository import FunctionRecord
 from runner.consumer import FunctionConsumer
 from runner.models import Key, LoadedModels
@@ -210,10 +210,9 @@ class Lifecycle:
                 await asyncio.sleep(1)
 
     async def _replay(self, control: aioredis.Redis) -> str:
-        newest: Any = await control.xrevrange(keys.control(), count=1)
-        if not newest:
-            return "0-0"
-        last: str = newest[0][0].decode()
+        last = await control_tail(control)
+        if last == "0-0":
+            return last
         since = int(time.time() * 1000) - REPLAY_MS
         entries: Any = await control.xrange(keys.control(), min=f"{since}-0", max=last)
         wanted: dict[str, ControlOp] = {}
