@@ -38,8 +38,12 @@ STABLE_S = 30.0
 IDLE_POLL_S = 2.0
 """Between scaling passes while no runner runs (a pool's wake is heard at once all the same)."""
 STANDBY_SETTLE_S = 2.0
-"""After a standby runner is handed a pool, its replacement waits this long at least (and then
-while any runner loads a model): the replacement's imports would take CPU from that cold start."""
+"""After a standby runner is handed a pool, its replacement waits this long at least, then until
+the runner handed the pool reports a model and while any runner loads one: the replacement's
+imports would take CPU from that cold start."""
+STANDBY_SETTLE_MAX_S = 20.0
+"""...but no longer than this for the handed runner's first report (its invocations may have gone
+to another runner, and it would load nothing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,9 @@ class LocalScaler:
         """A runner started ahead of need, waiting on its stdin for the pool it is to serve."""
         self._spawned = 0
         self._standby_not_before = 0.0
+        self._handed: tuple[int, float] | None = None
+        """The runner last handed the standby's place, and until when its replacement waits for it
+        to report a model (its load starting)."""
         self._started: list[Started] = []
         self._last_start: dict[str, float] = {}
         self._specs: dict[str, PoolSpec] = {}
@@ -180,13 +187,24 @@ class LocalScaler:
         if standby is not None and standby.returncode != 0:  # it died waiting: not again at once
             log.error("the standby runner %d died (code %s)", standby.pid, standby.returncode)
             self._standby, self._standby_not_before = None, now + MAX_CRASH_BACKOFF_S
-        if now >= self._standby_not_before and not await self._loading():
+        if now >= self._standby_not_before and not await self._loading(now):
             self._standby = self._spawn(["--standby"], self._env, "standby")
 
-    async def _loading(self) -> bool:
-        """Whether a live runner reports a model LOADING."""
+    async def _loading(self, now: float) -> bool:
+        """Whether a live runner reports a model LOADING, or the runner last handed the standby's
+        place is about to: alive, and no model reported yet (for STANDBY_SETTLE_MAX_S at most)."""
         runners = await read_runners(self._redis)
-        return any(state.state == LOADING for view in runners for state in view.models.values())
+        if any(state.state == LOADING for view in runners for state in view.models.values()):
+            return True
+        if self._handed is not None:
+            pid, until = self._handed
+            handed = next((item for item in self._started if item.process.pid == pid), None)
+            reported = any(runner_pid(view.name) == pid and view.models for view in runners)
+            if reported or handed is None or handed.process.poll() is not None or now >= until:
+                self._handed = None
+            else:
+                return True
+        return False
 
     def _live(self, pool: str) -> int:
         """Runners of the pool that are starting or serving: one that was seen and has dropped its
@@ -248,7 +266,9 @@ class LocalScaler:
         except OSError:  # it died meanwhile
             return None
         log.info("pool %s: the standby runner %d serves it", assigned["FNGATE_POOL"], standby.pid)
-        self._standby_not_before = time.monotonic() + STANDBY_SETTLE_S
+        now = time.monotonic()
+        self._standby_not_before = now + STANDBY_SETTLE_S
+        self._handed = (standby.pid, now + STANDBY_SETTLE_MAX_S)
         return standby
 
     async def _reap(self, heartbeats: set[int]) -> None:
@@ -294,11 +314,7 @@ class LocalScaler:
     async def _heartbeats(self) -> set[int]:
         """Process ids of runners with a live heartbeat (runner names end in -{pid}-{suffix})."""
         names: Any = await self._redis.zrangebyscore(keys.runners(), int(time.time() * 1000), "+inf")
-        pids = set()
-        for name in names:
-            with contextlib.suppress(ValueError, IndexError):
-                pids.add(int(name.decode().rsplit("-", 2)[-2]))
-        return pids
+        return {pid for name in names if (pid := runner_pid(name.decode())) is not None}
 
     async def _backlog(self) -> dict[str, int]:
         """Invocations queued or in flight, per pool, at every priority level."""
@@ -367,3 +383,11 @@ def pool_specs(functions: dict[str, Any]) -> dict[str, PoolSpec]:
         )
         for pool, manifests in grouped.items()
     }
+
+
+def runner_pid(name: str) -> int | None:
+    """The process id in a runner's name (runner names end in -{pid}-{suffix})."""
+    try:
+        return int(name.rsplit("-", 2)[-2])
+    except (ValueError, IndexError):
+        return None
