@@ -15,6 +15,16 @@ STOP_WAIT_S = 0.5
 """How long an attempt cancelled by `stopping` is given to finish its cancellation."""
 
 
+def stop_if_cancelled(exc: BaseException) -> None:
+    """For a loop's handler of a failed call: raise CancelledError where the loop's task is being
+    cancelled. A client call can take the cancellation for a failure of its own (a timeout, a lost
+    connection), and the loop would back off and go on past its server's shutdown, on clients
+    closed by then (each of its retries opening a connection that nothing closes)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError(f"cancelled during a call that failed with {exc!r}") from exc
+
+
 def backoff_s(failures: int, base_s: float = 0.1, cap_s: float = 5.0) -> float:
     """The delay before retry number `failures` (1 for the first): uniform in [d/2, d], d doubling
     from base_s up to cap_s, so that processes that lost Redis together do not return together."""

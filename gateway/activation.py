@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import clients, keys
-from fngate.backoff import Backoff, Health
+from fngate.backoff import Backoff, Health, stop_if_cancelled
 from fngate.errors import DeadlineExceeded, Unavailable
 from fngate.kube import InCluster, KubeError, runner_deployment
 from fngate.registry import LOADING, READY, ModelState
@@ -188,6 +188,7 @@ class Activator:
                 async with asyncio.timeout(REFRESH_TIMEOUT_S):
                     await self.refresh()
             except (RedisError, OSError) as exc:  # OSError covers TimeoutError
+                stop_if_cancelled(exc)
                 self.health.failed("activator", exc)
                 await asyncio.sleep(backoff.failed())
                 continue

@@ -159,7 +159,10 @@ async def serving(
             # connections below from closing.
             for task in running:
                 task.cancel()
-            await asyncio.wait(running, timeout=LOOPS_STOP_S)
+            _, still = await asyncio.wait(running, timeout=LOOPS_STOP_S)
+            for task in still:  # a defect: say where it waits, for the next time
+                waits = " < ".join(f"{f.f_code.co_qualname}:{f.f_lineno}" for f in task.get_stack())
+                log.error("a background loop did not stop within %.0f s, waiting in %s", LOOPS_STOP_S, waits)
             if separate is not None:
                 await separate.aclose()
             await replies.stop()

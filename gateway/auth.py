@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import apikeys, keys
+from fngate.backoff import stop_if_cancelled
 from fngate.errors import PermissionDenied, Unauthenticated
 from gateway.validation import shown
 
@@ -202,6 +203,7 @@ class KeyTable:
             try:
                 await self.refresh(redis)
             except RedisError as exc:
+                stop_if_cancelled(exc)
                 failures += 1
                 if self.healthy:
                     log.warning(

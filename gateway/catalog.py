@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
-from fngate.backoff import Backoff, Health
+from fngate.backoff import Backoff, Health, stop_if_cancelled
 from fngate.errors import FunctionNotFound, Unavailable
 from fngate.registry import (
     LOADING,
@@ -230,6 +230,7 @@ class Catalog:
                 async with asyncio.timeout(interval_s + REFRESH_MARGIN_S):
                     await self.refresh()
             except (OSError, RedisError) as exc:  # OSError covers TimeoutError
+                stop_if_cancelled(exc)
                 self.health.failed("catalog", exc)
                 await asyncio.sleep(backoff.failed())
                 continue

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys, queue
-from fngate.backoff import backoff_s
+from fngate.backoff import backoff_s, stop_if_cancelled
 from fngate.fastredis import FastRedis, stream_entries
 from fngate.wire import Fields, Reply, replies_of
 
@@ -101,6 +101,7 @@ class ReplyRouter:
                 failures = 0
                 self.healthy = True
             except (RedisError, OSError) as exc:
+                stop_if_cancelled(exc)
                 failures += 1
                 self.healthy = False
                 delay_s = backoff_s(failures, cap_s=1.0)  # back within a second of Redis

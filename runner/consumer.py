@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from fngate import clients, custom_metrics, keys, queue
-from fngate.backoff import backoff_s
+from fngate.backoff import backoff_s, stop_if_cancelled
 from fngate.config import RunnerSettings
 from fngate.errors import DeadlineExceeded, FunctionError, Unavailable
 from fngate.fastredis import Script
@@ -201,6 +201,7 @@ class FunctionConsumer:
             except TimeoutError:
                 continue
             except (RedisError, OSError) as exc:
+                stop_if_cancelled(exc)
                 # What we had read stays in our pending list at Redis; a later claim recovers it.
                 failures += 1
                 delay_s = backoff_s(failures, cap_s=1.0)  # back within a second of Redis

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import keys
+from fngate.backoff import stop_if_cancelled
 from fngate.config import RunnerSettings
 from fngate.registry import ControlOp, Source, StateBoard, control_tail, decode_control
 from fngate.repository import FunctionRecord
@@ -206,6 +207,7 @@ class Lifecycle:
                             await self._apply(op)
                         await self.board.acknowledge(last)
             except (RedisError, OSError) as exc:
+                stop_if_cancelled(exc)
                 log.warning("control loop: redis unavailable (%s); retrying in 1 s", exc)
                 await asyncio.sleep(1)
 

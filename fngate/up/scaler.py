@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import clients, keys
-from fngate.backoff import Backoff, Health, backoff_s
+from fngate.backoff import Backoff, Health, backoff_s, stop_if_cancelled
 from fngate.process import ends_with_parent, module_command, stop_processes
 from fngate.registry import LOADING, read_runners
 
@@ -123,6 +123,7 @@ class LocalScaler:
                 try:
                     await self._scale(stopping, backoff)
                 except (RedisError, OSError) as exc:  # OSError covers TimeoutError
+                    stop_if_cancelled(exc)
                     self.health.failed("scaler", exc)
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(backoff.failed()):

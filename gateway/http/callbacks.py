@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from fngate import keys, queue
-from fngate.backoff import backoff_s
+from fngate.backoff import backoff_s, stop_if_cancelled
 from fngate.errors import InvalidArgument
 from fngate.fastredis import FastRedis, Script
 from gateway.catalog import Catalog
@@ -221,6 +221,7 @@ class CallbackSender:
                     )
                     failures = 0
                 except (RedisError, OSError) as exc:
+                    stop_if_cancelled(exc)
                     failures += 1
                     delay_s = backoff_s(failures, cap_s=5.0)
                     log.warning("callback loop: redis unavailable (%s); retrying in %.1f s", exc, delay_s)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from fngate import clients
 from fngate.manifest import FunctionManifest
@@ -83,5 +85,37 @@ async def test_an_interval_longer_than_the_socket_timeout_is_waited_in_shorter_r
         assert not await catalog.news(1.5)
         await send_control(client, ControlOp("deploy", "echo", ("1",)))
         assert await catalog.news(1.5)
+    finally:
+        await client.aclose()
+
+
+class TakesCancellationForATimeout(aioredis.Redis):
+    """A client whose read, cancelled, fails as a timeout of its own: a client call can take the
+    cancellation for a failure."""
+
+    async def xread(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().xread(*args, **kwargs)
+        except asyncio.CancelledError:
+            raise redis.exceptions.TimeoutError("Timeout reading from the server") from None
+
+
+async def test_the_loop_ends_when_cancelled_in_a_call_that_takes_it_for_a_failure(redis_url: str) -> None:
+    """Cancelled during its wait on the control stream, the catalog's loop ends, even where the
+    call reports the cancellation as a Redis timeout: it does not back off and retry past its
+    gateway's shutdown on a closed client."""
+    client = TakesCancellationForATimeout.from_url(redis_url, socket_timeout=10)
+    try:
+        catalog = Catalog(nothing, client, block_s=3.0)
+        loop = asyncio.create_task(catalog.run(30))
+        await asyncio.sleep(0.5)  # blocked in its read
+        loop.cancel()
+        await asyncio.wait([loop], timeout=5)
+        try:
+            assert loop.cancelled()
+            assert catalog.health.last_error == ""  # the cancellation was not taken for an outage
+        finally:
+            loop.cancel()  # one that went on: once more, while it backs off
+            await asyncio.wait([loop], timeout=5)
     finally:
         await client.aclose()
