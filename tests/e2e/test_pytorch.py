@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -95,22 +96,35 @@ OWN_PROCESS = INDEXED.replace('"torch_model"', '"torch_own"') + (
 )
 
 
-@pytest.fixture
-def torch_repository(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The TorchScript model, its inputs and what torch answers them, made once for the module (torch
+    takes seconds to import)."""
     if not TORCH_PYTHON.exists():
         pytest.skip("no .venv/torch: scripts/bootstrap makes it (requirements/torch.txt)")
+    folder = tmp_path_factory.mktemp("torch-made")
     rows = np.random.default_rng(3)
-    np.save(tmp_path / "x.npy", rows.normal(size=(16, 4)).astype(np.float32))
-    np.save(tmp_path / "scale.npy", rows.uniform(0.5, 2.0, size=(16, 1)).astype(np.float32))
+    np.save(folder / "x.npy", rows.normal(size=(16, 4)).astype(np.float32))
+    np.save(folder / "scale.npy", rows.uniform(0.5, 2.0, size=(16, 1)).astype(np.float32))
+    (folder / "make.py").write_text(MAKE)
+    subprocess.run(
+        [str(TORCH_PYTHON), str(folder / "make.py"), str(folder / "model.pt"), str(folder)],
+        check=True,
+        timeout=120,
+    )
+    return folder
+
+
+@pytest.fixture
+def torch_repository(made: Path, tmp_path: Path) -> Path:
+    """A repository of three models of that TorchScript file (as Triton configures them), and its
+    inputs and answers in tmp_path."""
+    for name in ("x.npy", "scale.npy", "y.npy", "total.npy"):
+        shutil.copy(made / name, tmp_path / name)
     root = tmp_path / "models"
     for name, config in (("torch_model", INDEXED), ("torch_named", NAMED), ("torch_own", OWN_PROCESS)):
         folder = model(root, name, config, {"1": {}})
-        (tmp_path / "make.py").write_text(MAKE)
-        subprocess.run(
-            [str(TORCH_PYTHON), str(tmp_path / "make.py"), str(folder / "1" / "model.pt"), str(tmp_path)],
-            check=True,
-            timeout=120,
-        )
+        shutil.copy(made / "model.pt", folder / "1" / "model.pt")
     return root
 
 
