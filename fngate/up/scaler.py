@@ -94,7 +94,7 @@ class LocalScaler:
         """A runner started ahead of need, waiting on its stdin for the pool it is to serve."""
         self._spawned = 0
         self._standby_not_before = 0.0
-        self._handed: tuple[int, float] | None = None
+        self._handed: tuple[subprocess.Popen[bytes], float] | None = None
         """The runner last handed the standby's place, and until when its replacement waits for it
         to report a model (its load starting)."""
         self._started: list[Started] = []
@@ -198,13 +198,11 @@ class LocalScaler:
         if any(state.state == LOADING for view in runners for state in view.models.values()):
             return True
         if self._handed is not None:
-            pid, until = self._handed
-            handed = next((item for item in self._started if item.process.pid == pid), None)
-            reported = any(runner_pid(view.name) == pid and view.models for view in runners)
-            if reported or handed is None or handed.process.poll() is not None or now >= until:
-                self._handed = None
-            else:
+            handed, until = self._handed
+            reported = any(runner_pid(view.name) == handed.pid and view.models for view in runners)
+            if not reported and handed.poll() is None and now < until:
                 return True
+            self._handed = None
         return False
 
     def _live(self, pool: str) -> int:
@@ -269,7 +267,7 @@ class LocalScaler:
         log.info("pool %s: the standby runner %d serves it", assigned["FNGATE_POOL"], standby.pid)
         now = time.monotonic()
         self._standby_not_before = now + STANDBY_SETTLE_S
-        self._handed = (standby.pid, now + STANDBY_SETTLE_MAX_S)
+        self._handed = (standby, now + STANDBY_SETTLE_MAX_S)
         return standby
 
     async def _reap(self, heartbeats: set[int]) -> None:
