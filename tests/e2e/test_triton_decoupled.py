@@ -36,7 +36,7 @@ instance_group [ { kind: KIND_CPU } ]
 """
 
 # As python_backend's examples/decoupled/square_model.py behaves: IN = n gets n responses, each
-# OUT = n, sent 20 ms apart by a thread of its own, after `execute` returned; IN = -1 gets one
+# OUT = n, sent 40 ms apart by a thread of its own, after `execute` returned; IN = -1 gets one
 # response, then an error response, then the final flag.
 SQUARE = """
 import threading
@@ -68,7 +68,7 @@ class TritonPythonModel:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         for _ in range(n):
-            time.sleep(0.02)
+            time.sleep(0.04)
             out = pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))
             sender.send(pb_utils.InferenceResponse([out]))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -169,7 +169,7 @@ async def test_a_decoupled_model_streams_any_number_of_responses_as_they_are_mad
         "4": [12] * 12,
     }
     # As they are made, not at the end: the long request's first response came well before its last
-    # (its twelve are sent 20 ms apart).
+    # (its twelve are sent 40 ms apart).
     times = [at for at, _ in by_id["4"]]
     assert times[-1] - times[0] >= 0.15, times
 
@@ -192,7 +192,7 @@ async def test_a_decoupled_model_streams_any_number_of_responses_as_they_are_mad
         events = await sse(client, "/v2/models/square_int32/generate_stream", {"IN": 3})
         assert [event["OUT"] for _, event in events] == [3, 3, 3]
         assert {event["model_name"] for _, event in events} == {"square_int32"}
-        assert events[-1][0] - events[0][0] >= 0.03  # 20 ms apart as the model sends them
+        assert events[-1][0] - events[0][0] >= 0.03  # 40 ms apart as the model sends them
         failed_events = await sse(client, "/v2/models/square_int32/generate_stream", {"IN": -1})
         assert failed_events[0][1]["OUT"] == -1 and "the input is negative" in failed_events[1][1]["error"]
         assert await sse(client, "/v2/models/square_int32/generate_stream", {"IN": 0}) == []
