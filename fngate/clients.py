@@ -110,17 +110,55 @@ def _lost_aware(kind: type[AbstractConnection]) -> type[AbstractConnection]:
     return _LOST_AWARE.get(kind, kind)
 
 
-def _with_lost_aware_pool(client: aioredis.Redis) -> aioredis.Redis:
-    pool = client.connection_pool
+class _StaysClosed(aioredis.ConnectionPool):
+    """A pool that, once its client is closed, stays closed: a command asks it for a connection in
+    vain (redis-py's ConnectionError, which every caller takes as Redis being away), and a
+    connection handed back is disconnected. redis-py's (8.1) opens a new connection for a command
+    sent after its client's `aclose()`, and keeps a connected one where the command was connecting
+    while the client closed: a connection nothing closes, left to the garbage collector after its
+    event loop is gone. Whatever outlives a process's shutdown by a moment (a background publish, a
+    state report after a load) would leave one."""
+
+    closed = False
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> AbstractConnection:
+        if self.closed:
+            raise redis.exceptions.ConnectionError("the Redis client is closed")
+        return cast(AbstractConnection, await super().get_connection(*args, **kwargs))  # type: ignore[no-untyped-call]
+
+    async def release(self, connection: AbstractConnection) -> None:
+        await super().release(connection)
+        if self.closed:
+            await connection.disconnect()
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await super().aclose()
+
+
+class _BlockingStaysClosed(_StaysClosed, aioredis.BlockingConnectionPool):
+    pass
+
+
+class _Redis(aioredis.Redis):
+    """redis-py's client, whose `aclose()` closes its pool for good (_StaysClosed)."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        if close_connection_pool or (close_connection_pool is None and self.auto_close_connection_pool):
+            cast(_StaysClosed, self.connection_pool).closed = True
+        await super().aclose(close_connection_pool)
+
+
+def _client(pool: _StaysClosed) -> aioredis.Redis:
     pool.connection_class = _lost_aware(pool.connection_class)
-    return client
+    return _Redis.from_pool(pool)  # closing the client closes the pool
 
 
 def connect(url: str, **options: Any) -> aioredis.Redis:
     """redis-py's asyncio client of `url` (a RedisCluster for a cluster URL). `options`: redis-py's
     connection options (socket_timeout, socket_connect_timeout, max_connections...)."""
     if not is_cluster(url):
-        return _with_lost_aware_pool(aioredis.from_url(url, **options))
+        return _client(_StaysClosed.from_url(url, **options))
     cluster = parse_cluster(url)
     client = _RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
@@ -159,10 +197,8 @@ def connect_pool(url: str, max_connections: int, timeout_s: float, **options: An
     `max_connections` per node)."""
     if is_cluster(url):
         return connect(url, max_connections=max_connections, **options)
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=timeout_s, **options
-    )
-    return _with_lost_aware_pool(aioredis.Redis.from_pool(pool))  # closing it closes the connections
+    pool = _BlockingStaysClosed.from_url(url, max_connections=max_connections, timeout=timeout_s, **options)
+    return _client(pool)
 
 
 def connect_sync(url: str, **options: Any) -> redis.Redis:

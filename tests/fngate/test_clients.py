@@ -74,3 +74,38 @@ def test_a_connection_reset_at_once_is_a_lost_connection(loop: str) -> None:
 
     with resetting_node() as port:
         LOOPS[loop](scenario(port))
+
+
+async def named_connections(admin: Any, name: str) -> int:
+    listed = await admin.client_list()
+    return sum(1 for client in listed if client["name"] == name)
+
+
+@pytest.mark.parametrize("kind", ["connect", "connect_pool"])
+async def test_a_closed_client_holds_no_connection_and_opens_none(redis_url: str, kind: str) -> None:
+    """Closed while a command is on its way (not started yet, connecting, waiting for its answer),
+    a client ends with no connection open on Redis, and a command sent after it refuses as a lost
+    connection does: one left open would be freed only by the garbage collector, after its event
+    loop (a stopped gateway's, a stopped runner's) is gone."""
+    admin = clients.connect(redis_url)
+    try:
+        for turns in range(6):  # the command's progress when the client closes
+            name = f"closing-{kind}-{turns}"
+            if kind == "connect":
+                client = clients.connect(redis_url, client_name=name)
+            else:
+                client = clients.connect_pool(redis_url, 4, 1.0, client_name=name)
+            under_way = [asyncio.create_task(client.ping()) for _ in range(3)]
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await client.aclose()
+            await asyncio.gather(*under_way, return_exceptions=True)
+            with pytest.raises(RedisConnectionError, match="closed"):
+                await client.ping()
+            for _ in range(50):  # Redis lists a closed connection until it has read its end
+                if await named_connections(admin, name) == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await named_connections(admin, name) == 0, f"closed after {turns} turns"
+    finally:
+        await admin.aclose()
