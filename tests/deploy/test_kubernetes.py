@@ -103,7 +103,7 @@ def cluster() -> Iterator[Cluster]:
         pytest.skip(reason)
     cluster = Cluster()
     try:
-        cluster.up()
+        cluster.up(IMAGES)  # imported while the cluster starts
         yield cluster
     finally:
         REPORT.parent.mkdir(exist_ok=True)
@@ -116,15 +116,10 @@ def cluster() -> Iterator[Cluster]:
 def deployed(cluster: Cluster) -> dict[str, Any]:
     """fngate applied and the classifier deployed through the gateway: the gateway Service's URL and
     the admin key."""
-    figures = cluster.figures
     password = secrets.token_urlsafe(16)
     cluster.start("redis", "redis-server", "--bind", NODE, "--port", "6379", "--requirepass", password,
                   "--save", "", "--appendonly", "no")  # fmt: skip
     cluster.start("moto", PYTHON, "-m", "moto.server", "-H", NODE, "-p", "5000")
-    started = time.monotonic()
-    socket = str(cluster.state / "run" / "containerd.sock")
-    cluster.ns("ctr", "-a", socket, "-n", "k8s.io", "images", "import", str(IMAGES), timeout=300)
-    figures["images_import_s"] = round(time.monotonic() - started, 1)
     bucket = "import boto3; boto3.client('s3').create_bucket(Bucket='fngate-models')"
     wait_until("moto", lambda: _succeeds(cluster, PYTHON, "-c", bucket, env=AWS), 60)
 
