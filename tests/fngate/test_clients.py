@@ -102,7 +102,7 @@ async def test_a_closed_client_holds_no_connection_and_opens_none(redis_url: str
             await asyncio.gather(*under_way, return_exceptions=True)
             with pytest.raises(RedisConnectionError, match="closed"):
                 await client.ping()
-            for _ in range(50):  # Redis lists a closed connection until it has read its end
+            for _ in range(250):  # Redis lists a closed connection until it has read its end
                 if await named_connections(admin, name) == 0:
                     break
                 await asyncio.sleep(0.02)
