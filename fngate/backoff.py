@@ -19,7 +19,7 @@ def stop_if_cancelled(exc: BaseException) -> None:
     """For a loop's handler of a failed call: raise CancelledError where the loop's task is being
     cancelled. A client call can take the cancellation for a failure of its own (a timeout, a lost
     connection), and the loop would back off and go on past its server's shutdown, on clients
-    closed by then (each of its retries opening a connection that nothing closes)."""
+    closed by then."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError(f"cancelled during a call that failed with {exc!r}") from exc

@@ -111,13 +111,13 @@ def _lost_aware(kind: type[AbstractConnection]) -> type[AbstractConnection]:
 
 
 class _StaysClosed(aioredis.ConnectionPool):
-    """A pool that, once its client is closed, stays closed: a command asks it for a connection in
-    vain (redis-py's ConnectionError, which every caller takes as Redis being away), and a
-    connection handed back is disconnected. redis-py's (8.1) opens a new connection for a command
-    sent after its client's `aclose()`, and keeps a connected one where the command was connecting
-    while the client closed: a connection nothing closes, left to the garbage collector after its
-    event loop is gone. Whatever outlives a process's shutdown by a moment (a background publish, a
-    state report after a load) would leave one."""
+    """A pool that, once its client is closed (_Redis.aclose), stays closed: a command asks it for
+    a connection in vain (redis-py's ConnectionError, which every caller takes as Redis being
+    away), and a connection handed back is disconnected. redis-py's (8.1) opens a new connection
+    for a command sent after its client's `aclose()`, and keeps a connected one where the command
+    was connecting while the client closed: a connection nothing closes, left to the garbage
+    collector after its event loop is gone. Whatever outlives a process's shutdown by a moment (a
+    background publish, a state report after a load) would leave one."""
 
     closed = False
 
@@ -130,10 +130,6 @@ class _StaysClosed(aioredis.ConnectionPool):
         await super().release(connection)
         if self.closed:
             await connection.disconnect()
-
-    async def aclose(self) -> None:
-        self.closed = True
-        await super().aclose()
 
 
 class _BlockingStaysClosed(_StaysClosed, aioredis.BlockingConnectionPool):

@@ -5,6 +5,7 @@ tests/deploy/k8s_client.py run by `fgk8s ns`, never from the machine's own names
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -57,42 +58,25 @@ class Cluster:
         (self.state / "bin").mkdir()
         unpack = f"zstd -dc {SHARED / 'bundle.tar.zst'} | tar -x -C {self.state / 'bin'}"
         subprocess.run(["bash", "-c", unpack], check=True, timeout=120)
-        failed: list[BaseException] = []
-
-        def boot() -> None:
-            try:
-                self.fgk8s("up", timeout=240)
-            except BaseException as exc:  # said by the caller's thread, below
-                failed.append(exc)
-
-        booting = threading.Thread(target=boot, name="fgk8s up", daemon=True)
-        booting.start()
-        imported = images is None or self._import(images, booting)
-        booting.join(timeout=250)
-        if failed:
-            raise failed[0]
-        assert not booting.is_alive(), "fgk8s up did not end"
+        with concurrent.futures.ThreadPoolExecutor(1) as starting:
+            booting = starting.submit(self.fgk8s, "up", timeout=240)
+            imported = images is None or self._import(images, booting)
+            booting.result()  # fgk8s up's failure, if it failed
         assert imported, "containerd did not answer while fgk8s up ran: no images imported"
         self.figures["cluster_up_s"] = round(time.monotonic() - started, 1)
 
-    def _import(self, images: Path, booting: threading.Thread) -> bool:
+    def _import(self, images: Path, booting: concurrent.futures.Future[str]) -> bool:
         """`images` into containerd's k8s.io namespace once containerd answers (False if fgk8s up
         ended first, or it never did)."""
         socket = str(self.state / "run" / "containerd.sock")
+        version = ["nsenter", f"--net={NETNS}", "ctr", "-a", socket, "version"]
         deadline = time.monotonic() + 120
-        while subprocess.run(["ctr", "-a", socket, "version"], capture_output=True, check=False).returncode:
-            if not booting.is_alive() or time.monotonic() > deadline:
+        while subprocess.run(version, capture_output=True, check=False).returncode:
+            if booting.done() or time.monotonic() > deadline:
                 return False
             time.sleep(0.25)
         started = time.monotonic()
-        done = subprocess.run(
-            ["ctr", "-a", socket, "-n", "k8s.io", "images", "import", str(images)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert done.returncode == 0, f"ctr images import exited {done.returncode}:\n{done.stderr[-3000:]}"
+        self.ns("ctr", "-a", socket, "-n", "k8s.io", "images", "import", str(images), timeout=300)
         self.figures["images_import_s"] = round(time.monotonic() - started, 1)
         return True
 
