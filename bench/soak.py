@@ -101,9 +101,13 @@ def _soak(deployed: Deployment, record: Callable[[Row], None], seconds: float, c
     async def run() -> None:
         started = time.monotonic()
         until = started + seconds
-        async with httpx.AsyncClient(
-            base_url=base, timeout=60, limits=httpx.Limits(max_connections=concurrency)
-        ) as http:
+        # Every connection kept alive: past max_keepalive_connections, or idle past keepalive_expiry,
+        # httpcore 1.0 may close a connection it has just handed to a request (encode/httpcore#1110):
+        # a ReadError that is not the server's.
+        limits = httpx.Limits(
+            max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=None
+        )
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as http:
             clients = [
                 asyncio.create_task(_client(http, 0.1, until, counts, True)) for _ in range(concurrency)
             ]

@@ -36,6 +36,17 @@ from runner.worker import main as runner_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
+EVERY_CONNECTION_KEPT = httpx.Limits(
+    max_connections=None, max_keepalive_connections=None, keepalive_expiry=None
+)
+"""Limits for a test's httpx client that has many requests under way at once. httpcore 1.0
+(encode/httpcore#1110) can close a pooled connection it takes for idle (past
+max_keepalive_connections, 20 by default; to make room at max_connections; or idle past
+keepalive_expiry, 5 s by default) after it has handed the connection to a waiting request that has
+not started on it yet: that request then fails with ReadError though the server did nothing wrong.
+With none of the three limits the pool closes a connection only when the server has; the test
+bounds how many requests it sends at once."""
+
 
 # The suite's own home: nothing in it reads or writes the user's state folder (where a running
 # `fngate up` leaves its gateway, Redis and admin key) or follows the user's FNGATE_*, OTEL_* and AWS_*

@@ -16,6 +16,7 @@ from bench.admission import MANIFEST, write_function
 from fngate import keys
 from fngate.registry import read_runners
 from gateway.dispatch import estimated_wait_ms
+from tests.conftest import EVERY_CONNECTION_KEPT
 
 HEARTBEAT_S = 0.5
 """The runner's heartbeat, which carries the batch cost it measured. A runner is live for three
@@ -72,7 +73,7 @@ async def test_what_cannot_make_its_deadline_is_refused_at_once(
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}],
         "parameters": {"timeout_ms": 600},
     }
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         await measured(client, redis, body, 2)
 
         async def call() -> tuple[int, float, str]:
@@ -118,7 +119,7 @@ async def test_what_waits_at_a_higher_priority_counts_against_a_lower_ones_deadl
             "parameters": parameters,
         }
 
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         await measured(client, redis, body(1, 5000), 1)
         backlog = [
             asyncio.create_task(client.post("/v2/models/steady/infer", json=body(1, 5000))) for _ in range(40)
@@ -162,7 +163,7 @@ async def test_a_pipeline_whose_first_step_cannot_make_its_deadline_is_refused_a
         inputs = [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.0, 2.0]}]
         return {"inputs": inputs, "parameters": {"timeout_ms": timeout_ms}}
 
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         await measured(client, redis, body(5000), 1)
         backlog = [
             asyncio.create_task(client.post("/v2/models/steady/infer", json=body(5000))) for _ in range(40)
@@ -201,7 +202,7 @@ async def test_an_asynchronous_call_that_cannot_make_its_deadline_is_refused_at_
     def later(**headers: str) -> dict[str, str]:
         return {"Prefer": "respond-async", **headers}
 
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         await measured(client, redis, body(5000), 1)
         first = await client.post(
             "/v2/models/steady/infer", json=body(600), headers=later(**{"Idempotency-Key": "order-1"})

@@ -15,7 +15,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from fngate import keys
-from tests.conftest import on_cluster_too, queued_invocations, wait_http
+from tests.conftest import EVERY_CONNECTION_KEPT, on_cluster_too, queued_invocations, wait_http
 from tests.e2e.function_output import FunctionOutput
 
 MEMO = "/v2/models/memo/infer"
@@ -200,7 +200,7 @@ async def test_cache_pressure_never_evicts_queued_invocations(
     _process, url = extra_redis("--maxmemory", "8mb", "--maxmemory-policy", "volatile-lru")
     base = await serve_gateway(redis_url=url)
     shared = aioredis.from_url(url)
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         queued = [
             asyncio.create_task(
                 client.post(

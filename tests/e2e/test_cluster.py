@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 
 from fngate import keys
 from fngate.up.redis_cluster import LocalCluster
-from tests.conftest import wait_http
+from tests.conftest import EVERY_CONNECTION_KEPT, wait_http
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("redis_url", ["cluster"], indirect=True)]
 WORKERS = 12
@@ -132,7 +132,7 @@ async def test_two_gateways_batch_together_and_a_runner_killed_mid_batch_loses_n
     stream = keys.invocations("probe")
     origins: dict[str, set[int]] = collections.defaultdict(set)
 
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
 
         async def call(index: int) -> None:
             value = float(index)

@@ -25,7 +25,15 @@ from redis.exceptions import RedisError
 
 from bench.h2_client import hang_up
 from fngate import keys
-from tests.conftest import ROOT, free_port, policies, queued_invocations, start_redis, wait_http
+from tests.conftest import (
+    EVERY_CONNECTION_KEPT,
+    ROOT,
+    free_port,
+    policies,
+    queued_invocations,
+    start_redis,
+    wait_http,
+)
 
 PROBE = "/v2/models/probe/infer"
 CROWD = "/v2/models/crowd/infer"
@@ -258,7 +266,7 @@ async def test_runner_killed_comes_back(fngate_up: Callable[..., Any]) -> None:
     await first_success(up.base)
     stream = keys.invocations("probe")
     client = aioredis.from_url(up.redis_url)
-    async with client, httpx.AsyncClient(base_url=up.base, timeout=40) as http:
+    async with client, httpx.AsyncClient(base_url=up.base, timeout=40, limits=EVERY_CONNECTION_KEPT) as http:
         [victim] = up.children("runner")
         calls = [asyncio.create_task(http.post(PROBE, json=body(float(i)))) for i in range(48)]
         for _ in range(400):  # until the runner holds invocations it has not answered

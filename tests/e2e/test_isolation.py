@@ -31,7 +31,7 @@ from bench.models import write_poison_functions
 from fngate import keys
 from fngate.process import stop_processes
 from runner import confinement
-from tests.conftest import ROOT, child_env, free_port
+from tests.conftest import EVERY_CONNECTION_KEPT, ROOT, child_env, free_port
 from tests.e2e import deployments
 from tests.e2e.function_output import FunctionOutput
 from tests.runner.slow_model import build_slow_model
@@ -548,7 +548,7 @@ async def test_forks_stop_at_pids_limit_and_fail_their_batch_while_other_functio
 ) -> None:
     base = await serve_gateway()
     runner_process(FNGATE_FUNCTIONS='["escapee", "classifier"]')
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=EVERY_CONNECTION_KEPT) as client:
 
         def classify() -> Awaitable[httpx.Response]:
             return client.post("/v1/functions/classifier", json={"inputs": {"input": [[0.5] * 16]}})

@@ -18,7 +18,7 @@ from redis.exceptions import ResponseError
 
 from bench.models import write_poison_functions
 from fngate import keys
-from tests.conftest import queued_invocations
+from tests.conftest import EVERY_CONNECTION_KEPT, queued_invocations
 from tests.e2e.function_output import FunctionOutput
 
 PROBE = "/v2/models/probe/infer"
@@ -61,7 +61,7 @@ async def test_sigkill_mid_batch_loses_nothing(
     }
     runners = [runner_process(**env), runner_process(**env)]
     stream = keys.invocations("probe")
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         calls = [asyncio.create_task(client.post(PROBE, json=probe_body(float(i)))) for i in range(40)]
 
         async def someone_busy() -> bool:
@@ -255,7 +255,7 @@ async def test_full_queue_answers_503_with_retry_after(
 ) -> None:
     base = await serve_gateway()
     stream = keys.invocations("probe")
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         # No runner: 50 invocations (the probe's max_queue_size) wait in the queue.
         fillers = [
             asyncio.create_task(client.post(PROBE, json=probe_body(1.0, timeout_ms=3000))) for _ in range(50)

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from fngate import clients
 from fngate.registry import function_source
 from fngate.up.scaler import LocalScaler, PoolSpec, pool_specs
-from tests.conftest import child_env, on_cluster_too
+from tests.conftest import EVERY_CONNECTION_KEPT, child_env, on_cluster_too
 
 ROW = [0.5] * 16
 
@@ -126,9 +126,7 @@ async def test_backlog_scales_up_to_max_replicas_and_back_down(
     base = await serve_gateway()
     local: LocalScaler = await scaler(idle_shutdown_s=1.0, PROBE_SLEEP_S="0.2")
     body = {"inputs": {"x": [[1.0, 2.0, 3.0, 4.0]]}}
-    async with httpx.AsyncClient(
-        base_url=base, timeout=60, limits=httpx.Limits(max_connections=200)
-    ) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=EVERY_CONNECTION_KEPT) as client:
         responses = await asyncio.gather(*(client.post("/v1/functions/crowd", json=body) for _ in range(150)))
         assert [response.status_code for response in responses] == [200] * 150
 

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import redis.asyncio as aioredis
 
 from fngate import keys
-from tests.conftest import wait_http
+from tests.conftest import EVERY_CONNECTION_KEPT, wait_http
 
 BACKLOG = 200
 LIVE = 200
@@ -38,39 +38,40 @@ async def test_two_gateways_two_runners_share_batches(
     origins: dict[str, set[int]] = collections.defaultdict(set)
     sizes: dict[str, int] = {}
 
-    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=BACKLOG + 10)) as client:
+    async def call(client: httpx.AsyncClient, index: int) -> None:
+        which = index % 2
+        response = await client.post(
+            f"{gateways[which]}/v1/functions/classifier",
+            json={"inputs": {"input": inputs[index].tolist()}, "timeout_ms": 5000},
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        expected = session.run(["probabilities"], {"input": inputs[index]})[0]
+        np.testing.assert_allclose(
+            np.asarray(body["outputs"]["probabilities"]), expected, rtol=1e-5, atol=1e-7
+        )
+        origins[body["batch"]["id"]].add(which)
+        sizes[body["batch"]["id"]] = body["batch"]["size"]
 
-        async def call(index: int) -> None:
-            which = index % 2
-            response = await client.post(
-                f"{gateways[which]}/v1/functions/classifier",
-                json={"inputs": {"input": inputs[index].tolist()}, "timeout_ms": 5000},
-            )
-            assert response.status_code == 200, response.text
-            body = response.json()
-            expected = session.run(["probabilities"], {"input": inputs[index]})[0]
-            np.testing.assert_allclose(
-                np.asarray(body["outputs"]["probabilities"]), expected, rtol=1e-5, atol=1e-7
-            )
-            origins[body["batch"]["id"]].add(which)
-            sizes[body["batch"]["id"]] = body["batch"]["size"]
-
-        # A backlog queued through both gateways before any runner exists...
-        backlog = [asyncio.create_task(call(index)) for index in range(BACKLOG)]
+    # A backlog queued through both gateways before any runner exists...
+    async with httpx.AsyncClient(timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
+        backlog = [asyncio.create_task(call(client, index)) for index in range(BACKLOG)]
         await asyncio.sleep(0.5)
         for _ in range(2):
             runner_process(FNGATE_FUNCTIONS='["classifier"]')
         await asyncio.gather(*backlog)
-        mixed = [batch for batch, seen in origins.items() if seen == {0, 1}]
-        assert mixed, f"no batch held invocations from both gateways ({len(origins)} batches)"
-        assert 1 < len(origins) < BACKLOG
+    mixed = [batch for batch, seen in origins.items() if seen == {0, 1}]
+    assert mixed, f"no batch held invocations from both gateways ({len(origins)} batches)"
+    assert 1 < len(origins) < BACKLOG
 
-        # ...then live traffic at a fixed concurrency, spread over both gateways.
-        limit = asyncio.Semaphore(CONCURRENCY)
+    # ...then live traffic at a fixed concurrency, spread over both gateways (a client of its own:
+    # the backlog's connections, one per invocation, are closed).
+    limit = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
 
         async def limited(index: int) -> None:
             async with limit:
-                await call(index)
+                await call(client, index)
 
         await asyncio.gather(*(limited(index) for index in range(BACKLOG, BACKLOG + LIVE)))
     assert max(sizes.values()) <= 32

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from fngate import keys
 from fngate.config import GatewaySettings
 from gateway.http.metrics_port import MetricsPort
-from tests.conftest import free_port, queued_invocations
+from tests.conftest import EVERY_CONNECTION_KEPT, free_port, queued_invocations
 from tests.gateway.test_triton_tools import wait_for
 from tests.triton_repository import (
     SIMPLE,
@@ -309,7 +309,7 @@ async def test_priorities_and_the_queue_size(
     base = await serve_gateway(repo=str(root))
     # No runner takes "bounded": what is queued stays queued.
     await inprocess_runner(repo=str(root), artifact_dir=str(tmp_path / "artifacts"), functions=["ranked"])
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=EVERY_CONNECTION_KEPT) as client:
         assert batch_of(await infer(client, "ranked")) == 1  # loaded; the Python model batches from here
 
         # 3 levels: a burst of low-priority work (level 3, the default) and then one at level 1.
