@@ -115,6 +115,15 @@ def wake_channel() -> str:
     return f"{PREFIX}:wake"
 
 
+def woken(pool: str) -> str:
+    """String: the queue time (ms since the epoch) of the earliest invocation for which a gateway
+    woke the pool, with no live runner, and heard a scaler listen (so it waits past the invocation's
+    deadline for the start); set if absent, for as long as a gateway takes a heard wake for a start
+    on its way. The pool's first runner takes it: the invocations queued before its start count
+    their wait for it from then (runner.models.LoadedModels.deadline_ms)."""
+    return f"{PREFIX}:woken:{pool}"
+
+
 def start_failures() -> str:
     """Hash: pool -> why its last runner failed to start (cleared when one starts)."""
     return f"{PREFIX}:start-failures"

@@ -107,7 +107,7 @@ class Activator:
         if pool in self._live_pools or self._failures.get(pool):
             return False
         self._woken[pool] = now = time.monotonic()
-        await self._publish_wake(pool, now)  # past the deadline: this wait is the caller's own
+        await self._publish_wake(pool, now, since_ms)  # past the deadline: this wait is the caller's own
         return self.is_loading(function, since_ms)
 
     async def await_load(
@@ -139,27 +139,32 @@ class Activator:
                 cause = f"no runner could start ({failure})" if failure else "its model stopped loading"
                 raise DeadlineExceeded(f"function '{name}' did not answer within {timeout_ms} ms: {cause}")
 
-    def wake(self, pool: str) -> None:
-        """After an invocation is queued: wake the pool if nothing serves it. The PUBLISH runs in
-        the background: the invocation does not wait for it, and no redis-py call runs inside an
-        invocation's deadline (a cancellation that reaches redis-py during a command can be lost,
-        and the deadline with it)."""
+    def wake(self, pool: str, queued_ms: int) -> None:
+        """After an invocation queued at `queued_ms` (wall clock): wake the pool if nothing serves
+        it. The PUBLISH runs in the background: the invocation does not wait for it, and no redis-py
+        call runs inside an invocation's deadline (a cancellation that reaches redis-py during a
+        command can be lost, and the deadline with it)."""
         if pool in self._live_pools:
             return
         now = time.monotonic()
         if now - self._woken.get(pool, float("-inf")) < self._refresh_s:
             return  # asked already; the scaler starts one runner however many ask
         self._woken[pool] = now
-        task = asyncio.get_running_loop().create_task(self._publish_wake(pool, now))
+        task = asyncio.get_running_loop().create_task(self._publish_wake(pool, now, queued_ms))
         self._waking.add(task)
         task.add_done_callback(self._waking.discard)
 
-    async def _publish_wake(self, pool: str, at: float) -> None:
+    async def _publish_wake(self, pool: str, at: float, queued_ms: int) -> None:
+        """A wake a scaler heard: this gateway waits past the invocation's deadline for the start
+        (`is_loading`), and says so in Redis (keys.woken): the runner started for it counts the
+        invocation's wait from its queueing, not from the runner's own start, however late the
+        scaler was to start it."""
         if self._kube is not None:
             await self._kube_wake(self._kube, pool, at)
         try:
             if await clients.publish(self._redis, keys.wake_channel(), pool):
                 self._heard[pool] = at  # a scaler listens: a runner is on its way
+                await self._redis.set(keys.woken(pool), queued_ms, nx=True, ex=int(START_S))
         except RedisError as exc:
             log.warning("could not wake pool %s: %s", pool, exc)
 

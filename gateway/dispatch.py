@@ -302,8 +302,9 @@ class Dispatcher:
     def wake(self, entries: Entries) -> None:
         """Queued: wake each of its pools that has no runner."""
         if self._activator is not None:
+            queued_ms = entries.deadline_ms - entries.timeout_ms
             for pool in entries.pools:
-                self._activator.wake(pool)
+                self._activator.wake(pool, queued_ms)
 
     def _plan(self, call: Call) -> tuple[Plan | None, dict[str, FunctionVersion] | None]:
         """A pipeline's plan and resolved steps (None for a function). Traced, its steps' spans

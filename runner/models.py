@@ -82,11 +82,16 @@ class LoadedModels:
         limits: MemoryLimits | None = None,
         slots: Mapping[str, int] | None = None,
     ) -> None:
-        """`started_ms`: when this runner started (wall clock; by default now), for the loading rule.
+        """`started_ms`: when this runner started (wall clock; by default now), for the loading rule
+        (and `woken_ms`, set once the runner has read it).
         `limits`: the memory budget (runner.budget); None: none. `slots`: the device's execution
         slots (runner.rate_limiter), which batches hold while they run."""
         self._threads = threads
         self._started_ms = _now_ms() if started_ms is None else started_ms
+        self.woken_ms: int | None = None
+        """When the earliest invocation was queued for which a gateway woke this runner's pool and
+        waits for its start (keys.woken): the invocations queued before the runner started count
+        their wait for it from then, not from the start (None: from the start)."""
         self._loading_since: dict[Key, int] = {}
         self._accel = accel
         self._artifacts = artifacts or Artifacts("", Path(), 0)
@@ -136,8 +141,11 @@ class LoadedModels:
         function = record.versions.get(version) if record is not None else None
         if function is None:
             return deadline_ms
-        if queued_ms < self._started_ms:
-            began_ms = self._started_ms  # queued before this runner started: its start was the wait
+        if queued_ms < self._started_ms:  # queued before this runner started: its start was the wait,
+            woken_ms = self.woken_ms  # from the wake that asked for it where one did (a gateway waits)
+            began_ms = (
+                self._started_ms if woken_ms is None else min(max(queued_ms, woken_ms), self._started_ms)
+            )
         elif model is not None:
             began_ms = model.load_started_ms
         else:

@@ -13,10 +13,11 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from redis.exceptions import RedisError
 
-from fngate import clients
+from fngate import clients, keys
 from fngate.backoff import until_done
 from fngate.config import RunnerSettings
 from fngate.registry import ModelState, StateBoard, function_source
@@ -74,6 +75,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
             log.info("runner %s stopped before Redis answered", name)
             return
         await board.heartbeat()
+        models.woken_ms = await _woken_ms(redis, settings.pool)
         log.info("runner %s started (repository %s, %s)", name, settings.repo, describe_limits(limits))
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -177,6 +179,17 @@ def _idle_times(models: LoadedModels) -> dict[str, float]:
         f"{name}/{version}": round(now - model.last_used, 1)
         for (name, version), model in models.loaded.items()
     }
+
+
+async def _woken_ms(redis: Any, pool: str) -> int | None:
+    """When the earliest invocation a gateway woke this runner's pool for was queued, taken (the
+    pool's first runner counts the waits from it; keys.woken); None without one, or without Redis
+    (the waits then count from the runner's start)."""
+    try:
+        woken: Any = await redis.getdel(keys.woken(pool))
+    except (RedisError, OSError):
+        return None
+    return int(woken) if woken else None
 
 
 async def _drain(loops: list[asyncio.Task[None]], timeout_s: float) -> None:

@@ -6,6 +6,7 @@ standby runner, `fngate deploy --warm`, and runners that prefetch a version depl
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import os
 import re
@@ -120,6 +121,33 @@ async def test_no_standby_runner_starts_while_a_model_loads(
         assert response.status_code == 200, response.text
     assert seen_loading >= 5
     await wait_until(standing_by, 30, "the next standby runner, after the load")
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["started", "standby"])
+async def test_a_runner_started_past_the_deadline_answers_what_its_gateway_waits_for(
+    gateway_process: Callable[..., str], scaler: Callable[..., Any], redis: aioredis.Redis, standby: bool
+) -> None:
+    """The scaler reads a wake only after the invocation's deadline (1 s): its loop, this test's, is
+    held. The gateway heard a scaler listen, so it waits on past the deadline for the start; the
+    runner started (or the standby handed the pool) counts the invocation's wait from its queueing,
+    which the gateway recorded with the wake, and answers it instead of expiring it."""
+    base = gateway_process()
+    await wait_http(base)
+    found: LocalScaler = await scaler(idle_shutdown_s=30.0, standby=standby)
+
+    async def listening() -> bool:
+        [(_, subscribers)] = await redis.pubsub_numsub(keys.wake_channel())
+        return bool(subscribers) and (not standby or found.standby_pid is not None)
+
+    await wait_until(listening, 30, "the scaler to listen for wakes")
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        sent = thread.submit(
+            httpx.post, f"{base}/v1/functions/slowload", json={"inputs": {"x": [ROW]}}, timeout=60
+        )
+        time.sleep(1.5)  # noqa: ASYNC251 (holds the scaler's loop, this one, past the timeout_ms)
+        response = await asyncio.wrap_future(sent)
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"]["y"] == [[2.0, 4.0, 6.0, 8.0]]
 
 
 async def test_deploy_warm_has_a_runner_load_the_new_version(
