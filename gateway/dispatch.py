@@ -302,9 +302,8 @@ class Dispatcher:
     def wake(self, entries: Entries) -> None:
         """Queued: wake each of its pools that has no runner."""
         if self._activator is not None:
-            queued_ms = entries.deadline_ms - entries.timeout_ms
             for pool in entries.pools:
-                self._activator.wake(pool, queued_ms)
+                self._activator.wake(pool, entries.queued_ms)
 
     def _plan(self, call: Call) -> tuple[Plan | None, dict[str, FunctionVersion] | None]:
         """A pipeline's plan and resolved steps (None for a function). Traced, its steps' spans
@@ -723,7 +722,7 @@ class _Flight:
 
     async def _loading_rule(self, activator: Activator) -> None:
         function, entries = self.call.function, self.entries
-        since_ms = entries.deadline_ms - entries.timeout_ms
+        since_ms = entries.queued_ms
         try:
             if not await activator.on_the_way(function, since_ms):
                 raise self._too_late()

@@ -58,6 +58,11 @@ class Entries:
     """On a Redis Cluster (`split`): a pipeline's other first steps, queued once the script queued
     its first (they are on other functions' slots)."""
 
+    @property
+    def queued_ms(self) -> int:
+        """When the call was queued (wall clock, ms): its deadline less its timeout."""
+        return self.deadline_ms - self.timeout_ms
+
 
 def timeout_of(call: Call) -> int:
     """The call's timeout in ms: what the caller asked for, capped by the function's (for an

@@ -141,8 +141,10 @@ class LoadedModels:
         function = record.versions.get(version) if record is not None else None
         if function is None:
             return deadline_ms
-        if queued_ms < self._started_ms:  # queued before this runner started: its start was the wait,
-            woken_ms = self.woken_ms  # from the wake that asked for it where one did (a gateway waits)
+        if queued_ms < self._started_ms:
+            # Queued before this runner started: its start was the wait, from when a gateway that
+            # waits for the start woke the pool (keys.woken), else from the start itself.
+            woken_ms = self.woken_ms
             began_ms = (
                 self._started_ms if woken_ms is None else min(max(queued_ms, woken_ms), self._started_ms)
             )

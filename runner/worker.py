@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fngate import clients, keys
@@ -74,8 +75,7 @@ async def main(settings: RunnerSettings, stopping: asyncio.Event, started_ms: in
         if not await until_done(redis.ping, (RedisError, OSError), "redis", stopping):
             log.info("runner %s stopped before Redis answered", name)
             return
-        await board.heartbeat()
-        models.woken_ms = await _woken_ms(redis, settings.pool)
+        _, models.woken_ms = await asyncio.gather(board.heartbeat(), _woken_ms(redis, settings.pool))
         log.info("runner %s started (repository %s, %s)", name, settings.repo, describe_limits(limits))
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -181,7 +181,7 @@ def _idle_times(models: LoadedModels) -> dict[str, float]:
     }
 
 
-async def _woken_ms(redis: Any, pool: str) -> int | None:
+async def _woken_ms(redis: aioredis.Redis, pool: str) -> int | None:
     """When the earliest invocation a gateway woke this runner's pool for was queued, taken (the
     pool's first runner counts the waits from it; keys.woken); None without one, or without Redis
     (the waits then count from the runner's start)."""

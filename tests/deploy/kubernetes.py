@@ -69,9 +69,8 @@ class Cluster:
         """`images` into containerd's k8s.io namespace once containerd answers (False if fgk8s up
         ended first, or it never did)."""
         socket = str(self.state / "run" / "containerd.sock")
-        version = ["nsenter", f"--net={NETNS}", "ctr", "-a", socket, "version"]
         deadline = time.monotonic() + 120
-        while subprocess.run(version, capture_output=True, check=False).returncode:
+        while not self.succeeds("ctr", "-a", socket, "version", timeout=10):
             if booting.done() or time.monotonic() > deadline:
                 return False
             time.sleep(0.25)
@@ -106,6 +105,15 @@ class Cluster:
 
     def kubectl(self, *args: str, timeout: float = 120, check: bool = True, stdin: str | None = None) -> str:
         return self.fgk8s("kubectl", *args, timeout=timeout, check=check, stdin=stdin)
+
+    def succeeds(self, *args: str, timeout: float = 30, env: dict[str, str] | None = None) -> bool:
+        """Whether a command inside the cluster's namespace exits 0 within `timeout` (`ns`): for
+        polls, which ask again."""
+        try:
+            self.ns(*args, timeout=timeout, env=env)
+        except (AssertionError, subprocess.TimeoutExpired):
+            return False
+        return True
 
     def ns(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
         """A command inside the cluster's namespace; its output (it must exit 0)."""

@@ -121,7 +121,7 @@ def deployed(cluster: Cluster) -> dict[str, Any]:
                   "--save", "", "--appendonly", "no")  # fmt: skip
     cluster.start("moto", PYTHON, "-m", "moto.server", "-H", NODE, "-p", "5000")
     bucket = "import boto3; boto3.client('s3').create_bucket(Bucket='fngate-models')"
-    wait_until("moto", lambda: _succeeds(cluster, PYTHON, "-c", bucket, env=AWS), 60)
+    wait_until("moto", lambda: cluster.succeeds(PYTHON, "-c", bucket, env=AWS), 60)
 
     cluster.kubectl("create", "namespace", NAMESPACE)
     cluster.kubectl("label", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=restricted")
@@ -156,7 +156,7 @@ def _apply_and_deploy(cluster: Cluster, first_runner: Watch, key: str, password:
     # endpoints.
     health = f"import urllib.request; urllib.request.urlopen('{gateway}/v2/health/ready', timeout=3)"
     figures["service_routed_s"] = wait_until(
-        "the gateway Service", lambda: _succeeds(cluster, PYTHON, "-c", health, env={}), 60
+        "the gateway Service", lambda: cluster.succeeds(PYTHON, "-c", health), 60
     )
     started = time.monotonic()
     manifest = str(Path("functions") / FUNCTION / "function.yaml")
@@ -184,18 +184,10 @@ def _apply_and_deploy(cluster: Cluster, first_runner: Watch, key: str, password:
         )
         wait_until(
             "every gateway to know the function",
-            functools.partial(_succeeds, cluster, PYTHON, "-c", metadata, env={}),
+            functools.partial(cluster.succeeds, PYTHON, "-c", metadata),
             60,
         )
     return {"gateway": gateway, "key": key, "first_runner": first_runner, "password": password}
-
-
-def _succeeds(cluster: Cluster, *args: str, env: dict[str, str]) -> bool:
-    try:
-        cluster.ns(*args, env=env, timeout=30)
-    except AssertionError:
-        return False
-    return True
 
 
 def invoke(cluster: Cluster, deployed: dict[str, Any]) -> dict[str, Any]:
@@ -526,7 +518,7 @@ def test_on_a_redis_cluster_keda_scales_the_pool_from_zero_and_back(
         "--no-auth-warning",
         "ping",
     ]
-    wait_until("the Redis Cluster's nodes", lambda: _succeeds(cluster, *ping, env={}), 30)
+    wait_until("the Redis Cluster's nodes", lambda: cluster.succeeds(*ping), 30)
     cluster.ns(
         "redis-cli", "-a", password, "--no-auth-warning", "--cluster", "create", *nodes, "--cluster-yes"
     )
