@@ -8,10 +8,15 @@ commands per request with their microseconds (INFO commandstats: a script's time
 commands it calls, which are also counted under their own names).
 
   python -m bench.cpu_split [--measure-s S] [--clients N] [--one-entry-each] [--server hypercorn]
+                            [--profile DIR]
 
 --one-entry-each runs the gateway with FNGATE_GROUP_INVOCATIONS=false: each invocation its own
 stream entry, as before a turn's invocations shared one (for the comparison, in one sitting);
---server hypercorn serves HTTP with Hypercorn (the invocation routes through ASGI).
+--server hypercorn serves HTTP with Hypercorn (the invocation routes through ASGI); --profile DIR
+starts the gateway and the runner under cProfile, writes DIR/gateway-0.prof and DIR/runner-0.prof,
+and prints for each the functions with most time under them as shares of the process's profiled
+time (the profiler about doubles every CPU figure above; the shares are what it tells; more with
+`python -m pstats DIR/gateway-0.prof`).
 
 Loopback only; it stops by itself. Figures move with the machine's load: compare runs of one sitting."""
 
@@ -20,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pstats
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -92,24 +99,53 @@ def split(deployed: Deployment, port: int, binary: bool, clients: int, measure_s
         print(f"    {name:12} {stat['calls'] / count:5.2f} calls  {stat['usec'] / count:6.2f} µs")
 
 
+def profile_shares(path: Path, top: int = 14) -> None:
+    """The `top` functions with most time under them in a cProfile file, each as a share of the
+    process's whole profiled time, with its own share and its calls; those with nearly all of it
+    under them (the event loop, the process's main) are left out: they tell nothing."""
+    table = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    total = sum(own for _, _, own, _, _ in table.values()) or 1.0
+    print(f"{path.name}: {total:.1f} s profiled; under each function, as shares of it:")
+    print(f"  {'under':>6}  {'own':>6}  {'calls':>9}  function")
+    shown = 0
+    for (file, line, name), (_, calls, own, under, _) in sorted(table.items(), key=lambda item: -item[1][3]):
+        if under >= 0.9 * total:
+            continue
+        where = file.split("site-packages/")[-1].removeprefix(f"{Path.cwd()}/").removeprefix(sys.prefix)
+        print(f"  {under / total:6.1%}  {own / total:6.1%}  {calls:9,}  {where}:{line} {name}")
+        shown += 1
+        if shown == top:
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_split", description=__doc__)
     parser.add_argument("--measure-s", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--one-entry-each", action="store_true", help="FNGATE_GROUP_INVOCATIONS=false")
     parser.add_argument("--server", choices=("uvicorn", "hypercorn"), default="uvicorn", help="the gateway's")
+    parser.add_argument(
+        "--profile", type=Path, metavar="DIR", help="run the gateway and runner under cProfile"
+    )
     args = parser.parse_args(argv)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fngate-cpu-split-") as folder:
         repo = Path(folder) / "repo"
         repo.mkdir()
         build_repository(repo)
         with deployment(repo, Path(folder) / "logs") as deployed:
+            deployed.profiles = args.profile.resolve() if args.profile is not None else None
             grouping = {"FNGATE_GROUP_INVOCATIONS": "false"} if args.one_entry_each else {}
             url = deployed.start_gateway(workers=1, FNGATE_SERVER=args.server, **grouping)
             deployed.start_runner()
             port = int(url.rsplit(":", 1)[1])
             for binary in (False, True):
                 split(deployed, port, binary, args.clients, args.measure_s)
+    if args.profile is not None:  # written as the processes exited, with the deployment
+        print("under cProfile: every CPU figure above is about doubled")
+        for name in ("gateway-0.prof", "runner-0.prof"):
+            profile_shares(args.profile / name)
     return 0
 
 
