@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import pstats
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -111,7 +110,7 @@ def profile_shares(path: Path, top: int = 14) -> None:
     for (file, line, name), (_, calls, own, under, _) in sorted(table.items(), key=lambda item: -item[1][3]):
         if under >= 0.9 * total:
             continue
-        where = file.split("site-packages/")[-1].removeprefix(f"{Path.cwd()}/").removeprefix(sys.prefix)
+        where = file.split("site-packages/")[-1].removeprefix(f"{Path.cwd()}/")
         print(f"  {under / total:6.1%}  {own / total:6.1%}  {calls:9,}  {where}:{line} {name}")
         shown += 1
         if shown == top:
@@ -128,24 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", type=Path, metavar="DIR", help="run the gateway and runner under cProfile"
     )
     args = parser.parse_args(argv)
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
+    profiles = args.profile.resolve() if args.profile is not None else None
     with tempfile.TemporaryDirectory(prefix="fngate-cpu-split-") as folder:
         repo = Path(folder) / "repo"
         repo.mkdir()
         build_repository(repo)
-        with deployment(repo, Path(folder) / "logs") as deployed:
-            deployed.profiles = args.profile.resolve() if args.profile is not None else None
+        with deployment(repo, Path(folder) / "logs", profiles) as deployed:
             grouping = {"FNGATE_GROUP_INVOCATIONS": "false"} if args.one_entry_each else {}
             url = deployed.start_gateway(workers=1, FNGATE_SERVER=args.server, **grouping)
             deployed.start_runner()
             port = int(url.rsplit(":", 1)[1])
             for binary in (False, True):
                 split(deployed, port, binary, args.clients, args.measure_s)
-    if args.profile is not None:  # written as the processes exited, with the deployment
+    if profiles is not None:  # written as the processes exited, with the deployment
         print("under cProfile: every CPU figure above is about doubled")
         for name in ("gateway-0.prof", "runner-0.prof"):
-            profile_shares(args.profile / name)
+            profile_shares(profiles / name)
     return 0
 
 

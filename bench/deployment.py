@@ -105,8 +105,8 @@ class Deployment:
     grpc_address: str = ""
     """The gRPC port of the first gateway (its workers share it)."""
     profiles: Path | None = None
-    """Where each gateway and runner started from now on writes its cProfile at exit
-    (`gateway-N.prof`, `runner-N.prof`); None: no profiler (it about doubles their CPU)."""
+    """Where each gateway and runner writes its cProfile at exit (`gateway-N.prof`,
+    `runner-N.prof`); None: no profiler (it about doubles their CPU)."""
 
     def _command(self, module: str, index: int) -> list[str]:
         if self.profiles is None:
@@ -264,10 +264,14 @@ def _children_cpu() -> float:
 
 
 @contextlib.contextmanager
-def deployment(repo: Path, logs: Path) -> Iterator[Deployment]:
+def deployment(repo: Path, logs: Path, profiles: Path | None = None) -> Iterator[Deployment]:
+    """Redis, and the gateways and runners started on it, stopped at the end; `profiles`: where
+    they write their cProfile (Deployment.profiles)."""
     logs.mkdir(parents=True, exist_ok=True)
+    if profiles is not None:
+        profiles.mkdir(parents=True, exist_ok=True)
     with private_redis(batch=True) as url:
-        deployed = Deployment(url, repo, logs)
+        deployed = Deployment(url, repo, logs, profiles=profiles)
         try:
             yield deployed
         finally:

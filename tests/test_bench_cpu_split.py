@@ -18,9 +18,7 @@ def test_a_profiled_gateway_writes_its_profile_and_its_shares_name_its_code(
     repo = tmp_path / "repo"
     repo.mkdir()
     profiles = tmp_path / "profiles"
-    profiles.mkdir()
-    with deployment(repo, tmp_path / "logs") as deployed:
-        deployed.profiles = profiles
+    with deployment(repo, tmp_path / "logs", profiles) as deployed:
         url = deployed.start_gateway(workers=1)
         for _ in range(20):
             assert httpx.get(f"{url}/v2/health/ready").status_code == 200
